@@ -1,0 +1,66 @@
+#include "core/cpu/no_ep_prepare_finalize.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace moeserve {
+
+absl::Status NoEpPrepareAndFinalize::Prepare(const PrepareArgs& args, PreparedActivations* out) {
+  const TensorView& x = args.hidden_states;
+  if (x.rank() != 2 || args.topk_ids.rank() != 2 || args.topk_ids.dim(0) != x.dim(0) ||
+      args.topk_weights.shape() != args.topk_ids.shape() ||
+      args.topk_ids.dtype() != DType::kINT32 || args.topk_weights.dtype() != DType::kFP32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kName, ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
+               "[M, topk]; got ",
+        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ",
+        args.topk_weights.DebugString()));
+  }
+  const int64_t m = x.dim(0), k = x.dim(1), topk = args.topk_ids.dim(1);
+  if (m > max_num_tokens_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(kName, ": ", m, " tokens exceed max_num_tokens_per_rank=", max_num_tokens_));
+  }
+  // Quantization hook.
+  if (x.dtype() == quant_.activation_dtype && x.is_contiguous()) {
+    out->a1q = x;
+  } else {
+    out->a1q = a1q_.Get(quant_.activation_dtype, {m, k});
+    MOESERVE_RETURN_IF_ERROR(ConvertTensor(x, out->a1q));
+  }
+  // Global -> local ids.
+  TensorView ids = local_ids_.Get(DType::kINT32, {m, topk});
+  const int32_t* g = args.topk_ids.data<int32_t>();
+  int32_t* l = ids.data<int32_t>();
+  const bool has_map = !args.expert_map.empty();
+  for (int64_t i = 0; i < m * topk; ++i) {
+    l[i] = has_map ? args.expert_map.data<int32_t>()[g[i]] : g[i];
+  }
+  out->format = ActivationFormat::kStandard;
+  out->a1q_scale = TensorView();
+  out->topk_ids = ids;
+  out->topk_weights = args.topk_weights;
+  out->expert_num_tokens = TensorView();
+  out->problem = MoeProblem{.num_tokens = m,
+                            .hidden = k,
+                            .intermediate = args.intermediate,
+                            .topk = topk,
+                            .num_experts = args.num_experts,
+                            .num_local_experts = args.num_local_experts,
+                            .max_num_tokens = m};
+  return absl::OkStatus();
+}
+
+absl::Status NoEpPrepareAndFinalize::Finalize(const TensorView& output,
+                                              const TensorView& fused_expert_output,
+                                              const PreparedActivations& prepared,
+                                              const TopKWeightAndReduce& weight_and_reduce) {
+  if (weight_and_reduce.kind() == TopKWeightAndReduce::Kind::kDelegate) {
+    return MakeTopKWeightAndReduce(TopKWeightAndReduce::Kind::kContiguous)
+        ->Apply(output, fused_expert_output, prepared.topk_weights, prepared.topk_ids);
+  }
+  return weight_and_reduce.Apply(output, fused_expert_output, prepared.topk_weights,
+                                 prepared.topk_ids);
+}
+
+}  // namespace moeserve

@@ -1,0 +1,214 @@
+// The MoE modular kernel, after vLLM's FusedMoEModularKernel.
+//
+// One MoE forward = PrepareAndFinalize::Prepare (quantize + dispatch)
+//                 -> Experts::Apply (permute, W13 GEMM, SiLU-and-mul, W2 GEMM, unpermute,
+//                                    optionally the top-k weight-and-reduce)
+//                 -> PrepareAndFinalize::Finalize (combine + the TopKWeightAndReduce that
+//                                                  Experts::FinalizeWeightAndReduceImpl() names).
+//
+// Conventions for every interface here:
+//  - Shapes use num_tokens (M), topk, hidden (K), intermediate (N), num_local_experts (E).
+//  - Expert ids reaching Experts are *local* indices in [0, E), or -1 for a route whose expert
+//    lives on another rank (PrepareAndFinalize maps global ids through the expert map).
+//  - Floating-point results between stages are FP32.
+//  - Objects are not thread-safe: one ModularKernel per rank, used by one thread at a time.
+//  - CPU implementations are synchronous. Device implementations run on the stream given at
+//    construction and document when they synchronize.
+#ifndef MOESERVE_CORE_MODULAR_KERNEL_H_
+#define MOESERVE_CORE_MODULAR_KERNEL_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
+#include "core/weights.h"
+
+namespace moeserve {
+
+enum class ActivationFormat {
+  kStandard,        // contiguous [M, K] + topk_ids/topk_weights [M, topk]
+  kBatchedExperts,  // [E, max_tokens, K] + expert_num_tokens [E]
+};
+absl::string_view ActivationFormatName(ActivationFormat format);
+
+// The sizes one forward runs at on one rank, after dispatch.
+struct MoeProblem {
+  int64_t num_tokens = 0;         // Standard: tokens received (M_recv)
+  int64_t hidden = 0;             // K
+  int64_t intermediate = 0;       // N
+  int64_t topk = 0;
+  int64_t num_experts = 0;        // global
+  int64_t num_local_experts = 0;  // E
+  int64_t max_num_tokens = 0;     // Batched: rows per local expert
+};
+
+// What Prepare hands to Experts::Apply. Views point into the PrepareAndFinalize's buffers and
+// stay valid until its next Prepare.
+struct PreparedActivations {
+  ActivationFormat format = ActivationFormat::kStandard;
+  // Standard: [M_recv, K]; Batched: [E, max_tokens, K]. dtype = the quantization dtype.
+  TensorView a1q;
+  // Scales when a1q is in a scaled format; empty otherwise.
+  TensorView a1q_scale;
+  // Standard: [M_recv, topk] INT32 local expert index or -1, and FP32 weights.
+  // Batched: may be empty (rows are already grouped by expert).
+  TensorView topk_ids;
+  TensorView topk_weights;
+  // Batched: [E] INT32, valid rows per local expert. Empty for Standard.
+  TensorView expert_num_tokens;
+  MoeProblem problem;
+};
+
+// Applies router weights to per-route expert outputs and sums over top-k.
+class TopKWeightAndReduce {
+ public:
+  enum class Kind { kNoOp, kContiguous, kNaiveBatched, kDelegate };
+  virtual ~TopKWeightAndReduce() = default;
+  virtual Kind kind() const = 0;
+  absl::string_view name() const;
+
+  // output: [M, K] FP32 (host). fused_expert_output:
+  //   NoOp: [M, K] already reduced (copied if it is not `output`);
+  //   Contiguous: [M, topk, K], route (t, k) at row t * topk + k;
+  //   NaiveBatched: [E, max_tokens, K] where expert e's rows are its routes in (t, k) order.
+  // topk_ids [M, topk] INT32 local ids (-1 routes contribute nothing); topk_weights [M, topk].
+  // Delegate cannot be applied: PrepareAndFinalize resolves it first.
+  virtual absl::Status Apply(const TensorView& output, const TensorView& fused_expert_output,
+                             const TensorView& topk_weights, const TensorView& topk_ids) const = 0;
+};
+
+std::unique_ptr<TopKWeightAndReduce> MakeTopKWeightAndReduce(TopKWeightAndReduce::Kind kind);
+
+struct PrepareArgs {
+  TensorView hidden_states;  // [M, K] BF16/FP16/FP32, this rank's source tokens
+  TensorView topk_ids;       // [M, topk] INT32 global expert ids in [0, num_experts)
+  TensorView topk_weights;   // [M, topk] FP32
+  int64_t num_experts = 0;
+  int64_t num_local_experts = 0;
+  int64_t intermediate = 0;
+  // [num_experts] INT32 global -> local index on this rank, or -1. Empty: identity.
+  TensorView expert_map;
+};
+
+// Quantization applied by Prepare before dispatch ("the quantization hook").
+struct QuantConfig {
+  DType activation_dtype = DType::kFP32;  // what Experts receive in a1q
+};
+
+class PrepareAndFinalize {
+ public:
+  virtual ~PrepareAndFinalize() = default;
+  virtual absl::string_view name() const = 0;
+  virtual ActivationFormat activation_format() const = 0;
+  // Required dtype of topk ids, if the dispatch kernel is strict about it.
+  virtual std::optional<DType> topk_indices_dtype() const { return std::nullopt; }
+  // Most tokens one rank submits to one dispatch.
+  virtual int64_t max_num_tokens_per_rank() const = 0;
+  // Ranks taking part in a dispatch.
+  virtual int num_dispatchers() const = 0;
+  virtual const QuantConfig& quant_config() const = 0;
+
+  // Quantizes args.hidden_states and dispatches tokens to the ranks that own their experts.
+  virtual absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) = 0;
+
+  // Prepare without waiting for peers: returns a receiver that completes it. Implementations
+  // that cannot split the two return UNIMPLEMENTED (has_prepare_no_receive() == false).
+  using Receiver = std::function<absl::Status(PreparedActivations* out)>;
+  virtual bool has_prepare_no_receive() const { return false; }
+  virtual absl::StatusOr<Receiver> PrepareNoReceive(const PrepareArgs& args);
+
+  // Combines expert outputs back to their source ranks and applies `weight_and_reduce`
+  // (resolving kDelegate to this implementation's own). output: [M_src, K] FP32, the
+  // source tokens of the matching Prepare. `prepared` is what that Prepare returned.
+  virtual absl::Status Finalize(const TensorView& output, const TensorView& fused_expert_output,
+                                const PreparedActivations& prepared,
+                                const TopKWeightAndReduce& weight_and_reduce) = 0;
+};
+
+struct ActivationFormats {
+  ActivationFormat input;
+  ActivationFormat output;
+};
+
+struct WorkspaceShapes {
+  Shape workspace13;  // scratch, also reused across W1 / W2 stages
+  Shape workspace2;
+  Shape output;       // fused expert output handed to Finalize
+  DType workspace_dtype = DType::kFP32;
+};
+
+struct ExpertsApplyArgs {
+  TensorView output;  // WorkspaceShapes::output, FP32
+  const PreparedActivations* prepared = nullptr;
+  const LayerWeights* weights = nullptr;
+  TensorView workspace13;
+  TensorView workspace2;
+};
+
+class Experts {
+ public:
+  virtual ~Experts() = default;
+  virtual absl::string_view name() const = 0;
+  virtual ActivationFormats activation_formats() const = 0;
+  // True if Apply accepts routes to remote experts (-1 ids), i.e. works under expert
+  // parallelism.
+  virtual bool supports_expert_map() const = 0;
+  virtual bool supports_weight_format(WeightFormat format) const = 0;
+  // dtype of a1q this implementation computes on.
+  virtual DType activation_dtype() const = 0;
+  virtual WorkspaceShapes GetWorkspaceShapes(const MoeProblem& problem) const = 0;
+  // NoOp if Apply itself applies the top-k weights and reduces.
+  virtual std::unique_ptr<TopKWeightAndReduce> FinalizeWeightAndReduceImpl() const = 0;
+  virtual absl::Status Apply(const ExpertsApplyArgs& args) = 0;
+};
+
+struct StageTimings {
+  double prepare_us = 0;
+  double experts_us = 0;
+  double finalize_us = 0;
+};
+
+struct ModularKernelArgs {
+  TensorView hidden_states;  // [M, K] BF16/FP16/FP32
+  TensorView topk_ids;       // [M, topk] INT32 global ids, validated
+  TensorView topk_weights;   // [M, topk] FP32
+  const LayerWeights* weights = nullptr;
+  int64_t num_experts = 0;
+  TensorView expert_map;     // optional, see PrepareArgs
+};
+
+// Why a pair cannot be combined; OK if it can.
+absl::Status CheckCompatible(const PrepareAndFinalize& prepare_finalize, const Experts& experts);
+
+class ModularKernel {
+ public:
+  // Refuses (INVALID_ARGUMENT, saying why) a pair that CheckCompatible rejects.
+  static absl::StatusOr<std::unique_ptr<ModularKernel>> Create(
+      std::unique_ptr<PrepareAndFinalize> prepare_finalize, std::unique_ptr<Experts> experts);
+
+  // Runs prepare -> apply -> finalize. output: [M, K] FP32 host. Workspaces are allocated from
+  // Experts::GetWorkspaceShapes() and reused across calls. Not thread-safe.
+  absl::Status Forward(const ModularKernelArgs& args, const TensorView& output,
+                       StageTimings* timings = nullptr);
+
+  PrepareAndFinalize& prepare_finalize() { return *prepare_finalize_; }
+  Experts& experts() { return *experts_; }
+
+ private:
+  ModularKernel(std::unique_ptr<PrepareAndFinalize> pf, std::unique_ptr<Experts> experts)
+      : prepare_finalize_(std::move(pf)), experts_(std::move(experts)) {}
+  std::unique_ptr<PrepareAndFinalize> prepare_finalize_;
+  std::unique_ptr<Experts> experts_;
+  HostBuffer workspace13_, workspace2_, fused_output_;
+};
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_MODULAR_KERNEL_H_

@@ -1,0 +1,138 @@
+#include "core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/cpu/dtype_convert.h"
+
+namespace moeserve {
+
+std::string ShapeToString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int64_t NumElements(absl::Span<const int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+Shape ContiguousStrides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
+    strides[i] = s;
+    s *= shape[i];
+  }
+  return strides;
+}
+}  // namespace
+
+TensorView::TensorView(void* data, DType dtype, Shape shape)
+    : data_(data), dtype_(dtype), shape_(std::move(shape)) {
+  strides_ = ContiguousStrides(shape_);
+}
+
+TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
+    : data_(data), dtype_(dtype), shape_(std::move(shape)), strides_(std::move(strides)) {}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int i = rank() - 1; i >= 0; --i) {
+    if (shape_[i] != 1 && strides_[i] != expected) return false;
+    expected *= shape_[i];
+  }
+  return true;
+}
+
+TensorView TensorView::Slice(int64_t begin, int64_t end) const {
+  Shape shape = shape_;
+  shape[0] = end - begin;
+  auto* base = static_cast<std::byte*>(data_);
+  void* p = base == nullptr ? nullptr : base + begin * strides_[0] * DTypeSize(dtype_);
+  return TensorView(p, dtype_, shape, strides_);
+}
+
+absl::StatusOr<TensorView> TensorView::Reshape(Shape shape) const {
+  if (!is_contiguous()) return absl::FailedPreconditionError("Reshape of a strided view");
+  if (NumElements(shape) != numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot reshape ", ShapeToString(shape_),
+                                                   " to ", ShapeToString(shape)));
+  }
+  return TensorView(data_, dtype_, std::move(shape));
+}
+
+std::string TensorView::DebugString() const {
+  return absl::StrCat(DTypeName(dtype_), ShapeToString(shape_));
+}
+
+void Tensor::Free::operator()(std::byte* p) const { std::free(p); }
+
+Tensor Tensor::Empty(DType dtype, Shape shape) {
+  Tensor t;
+  t.dtype_ = dtype;
+  t.shape_ = std::move(shape);
+  size_t bytes = t.nbytes();
+  bytes = (bytes + 63) / 64 * 64;
+  if (bytes == 0) bytes = 64;
+  t.buffer_.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
+  return t;
+}
+
+Tensor Tensor::Zeros(DType dtype, Shape shape) {
+  Tensor t = Empty(dtype, std::move(shape));
+  std::memset(t.buffer_.get(), 0, t.nbytes());
+  return t;
+}
+
+TensorView HostBuffer::Get(DType dtype, const Shape& shape) {
+  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+  if (bytes > capacity_) {
+    storage_ = Tensor::Empty(DType::kUINT8, {static_cast<int64_t>(bytes)});
+    capacity_ = bytes;
+  }
+  return TensorView(storage_.data<void>(), dtype, shape);
+}
+
+absl::Status ConvertTensor(const TensorView& src, const TensorView& dst) {
+  if (src.shape() != dst.shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("ConvertTensor: shape mismatch ",
+                                                   src.DebugString(), " vs ", dst.DebugString()));
+  }
+  if (!src.is_contiguous() || !dst.is_contiguous()) {
+    return absl::InvalidArgumentError("ConvertTensor: views must be contiguous");
+  }
+  const int64_t n = src.numel();
+  if (n == 0) return absl::OkStatus();
+  if (src.dtype() == dst.dtype()) {
+    if (src.raw_data() != dst.raw_data()) std::memmove(dst.raw_data(), src.raw_data(), src.nbytes());
+    return absl::OkStatus();
+  }
+  namespace k = kernels;
+  const DType s = src.dtype(), d = dst.dtype();
+  if (s == DType::kFP32 && d == DType::kBF16) {
+    k::ConvertFp32ToBf16Ref(src.data<float>(), dst.data<uint16_t>(), n);
+  } else if (s == DType::kFP32 && d == DType::kFP16) {
+    k::ConvertFp32ToFp16Ref(src.data<float>(), dst.data<uint16_t>(), n);
+  } else if (s == DType::kBF16 && d == DType::kFP32) {
+    k::ConvertBf16ToFp32Ref(src.data<uint16_t>(), dst.data<float>(), n);
+  } else if (s == DType::kFP16 && d == DType::kFP32) {
+    k::ConvertFp16ToFp32Ref(src.data<uint16_t>(), dst.data<float>(), n);
+  } else if ((s == DType::kBF16 || s == DType::kFP16) && (d == DType::kBF16 || d == DType::kFP16)) {
+    const uint16_t* in = src.data<uint16_t>();
+    uint16_t* out = dst.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const float f = s == DType::kBF16 ? k::Bf16ToFloat(in[i]) : k::Fp16ToFloat(in[i]);
+      out[i] = d == DType::kBF16 ? k::FloatToBf16(f) : k::FloatToFp16(f);
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("ConvertTensor: unsupported ",
+                                                   DTypeName(s), " -> ", DTypeName(d)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moeserve

@@ -1,0 +1,115 @@
+// Tensor views (non-owning) and a small owning host tensor.
+//
+// A TensorView is a pointer plus dtype, shape and strides (in elements). It never owns memory;
+// whoever creates it keeps the storage alive. Views are cheap to copy and are not thread-safe
+// with respect to the data they point at. The pointer may be host or device memory; nothing
+// here dereferences it except the host-only helpers documented as such.
+#ifndef MOESERVE_CORE_TENSOR_H_
+#define MOESERVE_CORE_TENSOR_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/container/inlined_vector.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/dtype.h"
+
+namespace moeserve {
+
+using Shape = absl::InlinedVector<int64_t, 4>;
+
+std::string ShapeToString(absl::Span<const int64_t> shape);
+// Product of the dims; 1 for a scalar (empty shape).
+int64_t NumElements(absl::Span<const int64_t> shape);
+
+class TensorView {
+ public:
+  TensorView() = default;
+  // Contiguous row-major view.
+  TensorView(void* data, DType dtype, Shape shape);
+  // Strided view; strides are in elements.
+  TensorView(void* data, DType dtype, Shape shape, Shape strides);
+  // Read-only data is viewed through the same type; callers must not write through it.
+  TensorView(const void* data, DType dtype, Shape shape)
+      : TensorView(const_cast<void*>(data), dtype, std::move(shape)) {}
+
+  bool empty() const { return data_ == nullptr && shape_.empty(); }
+  void* raw_data() const { return data_; }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(data_);
+  }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  const Shape& strides() const { return strides_; }
+  int rank() const { return static_cast<int>(shape_.size()); }
+  int64_t dim(int i) const { return shape_[i]; }
+  int64_t stride(int i) const { return strides_[i]; }
+  int64_t numel() const { return NumElements(shape_); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
+  bool is_contiguous() const;
+
+  // View of rows [begin, end) along dim 0. Requires rank >= 1.
+  TensorView Slice(int64_t begin, int64_t end) const;
+  // Same storage with a new contiguous shape of equal element count. Requires contiguity.
+  absl::StatusOr<TensorView> Reshape(Shape shape) const;
+
+  std::string DebugString() const;
+
+ private:
+  void* data_ = nullptr;
+  DType dtype_ = DType::kFP32;
+  Shape shape_;
+  Shape strides_;
+};
+
+// Owning, 64-byte aligned, contiguous host tensor. Movable, not copyable.
+class Tensor {
+ public:
+  Tensor() = default;
+  // Uninitialized storage.
+  static Tensor Empty(DType dtype, Shape shape);
+  static Tensor Zeros(DType dtype, Shape shape);
+
+  TensorView view() const { return TensorView(buffer_.get(), dtype_, shape_); }
+  template <typename T>
+  T* data() const {
+    return reinterpret_cast<T*>(buffer_.get());
+  }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  int64_t numel() const { return NumElements(shape_); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte[], Free> buffer_;
+  DType dtype_ = DType::kFP32;
+  Shape shape_;
+};
+
+// A reusable host buffer that grows to the largest size asked of it; for workspaces.
+class HostBuffer {
+ public:
+  // Returns a contiguous view of `shape` backed by this buffer (contents unspecified).
+  TensorView Get(DType dtype, const Shape& shape);
+  size_t capacity() const { return capacity_; }
+
+ private:
+  Tensor storage_;
+  size_t capacity_ = 0;
+};
+
+// Host-only: converts between floating-point dtypes (BF16, FP16, FP32) elementwise.
+// src and dst must have the same shape and be contiguous.
+absl::Status ConvertTensor(const TensorView& src, const TensorView& dst);
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_TENSOR_H_

@@ -1,0 +1,47 @@
+#include "kernels/cuda/dtype_convert.cuh"
+
+#include <cuda_bf16.h>
+
+namespace moeserve::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void Bf16ToFp32Kernel(const uint16_t* __restrict__ in, float* __restrict__ out,
+                                 int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
+  }
+}
+
+__global__ void Fp32ToBf16Kernel(const float* __restrict__ in, uint16_t* __restrict__ out,
+                                 int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
+  }
+}
+
+int NumBlocks(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 65535 ? blocks : 65535);
+}
+
+}  // namespace
+
+cudaError_t LaunchConvertBf16ToFp32(const uint16_t* in, float* out, int64_t n,
+                                    cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  Bf16ToFp32Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchConvertFp32ToBf16(const float* in, uint16_t* out, int64_t n,
+                                    cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  Fp32ToBf16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+}  // namespace moeserve::kernels
