@@ -8,6 +8,7 @@
 #include "core/cpu/cpu_experts.h"
 #include "core/cpu/no_ep_prepare_finalize.h"
 #include "core/status_macros.h"
+#include "core/weight_loader.h"
 #include "kernels/cpu/dtype_convert.h"
 
 namespace moeserve {
@@ -90,9 +91,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (options.max_tokens_per_request <= 0) {
     return absl::InvalidArgumentError("max_tokens_per_request must be > 0");
   }
-  if (options.weight_format != WeightFormat::kBF16) {
-    return absl::UnimplementedError("mxfp8 weights are not available yet; use bf16");
-  }
   const int threads = options.num_threads > 0
                           ? options.num_threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -110,10 +108,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   engine->options_ = options;
   std::vector<int> ids(options.model.num_experts);
   for (int e = 0; e < options.model.num_experts; ++e) ids[e] = e;
-  MOESERVE_ASSIGN_OR_RETURN(engine->weights_,
-                            ExpertWeightStore::CreateSynthetic(options.model, ids, options.seed,
-                                                               threads,
-                                                               options.memory_budget_bytes));
+  WeightSource source;
+  source.checkpoint_dir = options.checkpoint_dir;
+  source.seed = options.seed;
+  source.format = options.weight_format;
+  source.num_threads = threads;
+  source.memory_budget_bytes = options.memory_budget_bytes;
+  MOESERVE_ASSIGN_OR_RETURN(engine->weights_, LoadExpertWeights(source, options.model, ids));
   MOESERVE_ASSIGN_OR_RETURN(engine->kernel_,
                             ModularKernel::Create(std::move(pf), std::move(experts)));
   EngineInfo& info = engine->info_;

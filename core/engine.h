@@ -24,6 +24,7 @@ struct EngineOptions {
   std::string experts = "blas";                // "reference" | "blas"
   std::string prepare_finalize = "no_ep";      // "no_ep"
   WeightFormat weight_format = WeightFormat::kBF16;
+  std::string checkpoint_dir;                  // empty: synthetic weights from `seed`
   int num_ranks = 1;
   uint64_t seed = 0;
   int num_threads = 0;                         // 0: all hardware threads
@@ -50,6 +51,7 @@ struct EngineInfo {
   std::string prepare_finalize;
   std::string experts;
   WeightFormat weight_format = WeightFormat::kBF16;
+  std::string checkpoint_dir;                  // empty: synthetic weights from `seed`
   int num_ranks = 1;
   std::string placement = "contiguous";
   std::vector<std::vector<int>> rank_experts;  // global expert ids per rank

@@ -1,0 +1,33 @@
+// Where a rank's expert weights come from: synthetic (seeded) or a checkpoint, in the format
+// they are served in.
+#ifndef MOESERVE_CORE_WEIGHT_LOADER_H_
+#define MOESERVE_CORE_WEIGHT_LOADER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/model_config.h"
+#include "core/weights.h"
+
+namespace moeserve {
+
+struct WeightSource {
+  // Empty: synthetic weights from `seed`. Otherwise a Hugging Face checkpoint directory.
+  std::string checkpoint_dir;
+  uint64_t seed = 0;
+  WeightFormat format = WeightFormat::kBF16;  // format served (quantized at load if needed)
+  int num_threads = 1;
+  int64_t memory_budget_bytes = 0;  // <= 0: what the machine has available
+};
+
+// Loads the weights of `expert_ids` (global ids, local-index order) for every MoE layer of
+// `model`. Each rank calls this for its own experts only.
+absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(
+    const WeightSource& source, const ModelConfig& model, std::vector<int> expert_ids);
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_WEIGHT_LOADER_H_
