@@ -74,7 +74,13 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requested) {
+  EngineOptions options = requested;
+  {
+    WeightSource source;
+    source.checkpoint_dir = options.checkpoint_dir;
+    MOESERVE_ASSIGN_OR_RETURN(options.model, ResolveModelConfig(source, options.model));
+  }
   MOESERVE_RETURN_IF_ERROR(options.model.Validate());
   if (options.backend != "cpu") {
     return absl::InvalidArgumentError(

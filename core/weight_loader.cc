@@ -4,6 +4,15 @@
 
 namespace moeserve {
 
+absl::StatusOr<ModelConfig> ResolveModelConfig(const WeightSource& source,
+                                               const ModelConfig& configured) {
+  if (!source.checkpoint_dir.empty()) {
+    return absl::UnimplementedError(absl::StrCat("checkpoint loading is not available yet (",
+                                                 source.checkpoint_dir, ")"));
+  }
+  return configured;
+}
+
 absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(
     const WeightSource& source, const ModelConfig& model, std::vector<int> expert_ids) {
   if (!source.checkpoint_dir.empty()) {

@@ -23,6 +23,11 @@ struct WeightSource {
   int64_t memory_budget_bytes = 0;  // <= 0: what the machine has available
 };
 
+// The model to serve: `configured` (preset plus overrides) for synthetic weights, or the
+// checkpoint's config.json for a checkpoint (then `configured` is ignored).
+absl::StatusOr<ModelConfig> ResolveModelConfig(const WeightSource& source,
+                                               const ModelConfig& configured);
+
 // Loads the weights of `expert_ids` (global ids, local-index order) for every MoE layer of
 // `model`. Each rank calls this for its own experts only.
 absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(
