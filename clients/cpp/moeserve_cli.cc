@@ -1,0 +1,443 @@
+// moeserve-cli: health checks, model info, single forwards (optionally checked against an
+// independent client-side reference) and a bounded closed-loop load generator.
+//
+//   moeserve-cli health  --target HOST:PORT [--service NAME]
+//   moeserve-cli info    --target HOST:PORT
+//   moeserve-cli forward --target HOST:PORT --layer L --tokens M --dtype bf16|fp16|fp32 --seed S
+//                        [--input_file F] [--output_file F] [--check --tolerance T]
+//   moeserve-cli load    --target HOST:PORT --requests N --concurrency C --tokens M
+//                        [--max_seconds S]
+//
+// Exit codes: 0 success; 1 the check failed / not SERVING / load errors; 2 usage or RPC error.
+//
+// --input_file format (raw, little-endian, no header), with H = hidden and K = topk from
+// GetModelInfo and M derived from the file size (--tokens is then ignored):
+//   hidden_states [M, H] in --dtype (BF16/FP16 as 16-bit patterns, FP32 as IEEE floats), then
+//   topk_ids      [M, K] int32, then
+//   topk_weights  [M, K] float32.
+// --output_file receives the output [M, H] as raw bytes in --dtype.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "clients/cpp/dtype_convert.h"
+#include "clients/cpp/moeserve_client.h"
+#include "clients/cpp/reference.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server gRPC address, HOST:PORT");
+ABSL_FLAG(absl::Duration, deadline, absl::Seconds(30), "Per-call deadline");
+ABSL_FLAG(int64_t, max_message_bytes, 256ll << 20, "Max gRPC message size sent/received");
+ABSL_FLAG(bool, wait_for_ready, false, "Wait for the channel to connect instead of failing fast");
+ABSL_FLAG(std::string, service, "", "health: service name to check ('' = whole server)");
+ABSL_FLAG(int32_t, layer, 0, "forward/load: MoE layer index");
+ABSL_FLAG(int64_t, tokens, 4, "forward/load: tokens per request (M)");
+ABSL_FLAG(std::string, dtype, "bf16", "forward/load: hidden dtype, bf16 | fp16 | fp32");
+ABSL_FLAG(uint64_t, seed, 1, "forward/load: seed of the random inputs");
+ABSL_FLAG(std::string, input_file, "", "forward: raw input file (format in the source header)");
+ABSL_FLAG(std::string, output_file, "", "forward: write the output's raw bytes here");
+ABSL_FLAG(std::string, request_id, "", "forward: request id (default: cli-<seed>)");
+ABSL_FLAG(bool, return_timings, true, "forward/load: ask the server for stage timings");
+ABSL_FLAG(bool, check, false,
+          "forward: fetch the touched experts' weights and compare with a local reference");
+ABSL_FLAG(double, tolerance, 1e-2, "forward --check: max relative L2 error");
+ABSL_FLAG(int64_t, requests, 100, "load: total requests");
+ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent closed-loop workers");
+ABSL_FLAG(double, max_seconds, 60.0, "load: stop issuing requests after this many seconds");
+ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled through");
+
+namespace moeserve::client {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitError = 2;
+
+int Fail(const absl::Status& status, absl::string_view what) {
+  std::fprintf(stderr, "error: %s: %s\n", std::string(what).c_str(), status.ToString().c_str());
+  return kExitError;
+}
+
+absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
+  MoeClientOptions options;
+  options.deadline = absl::GetFlag(FLAGS_deadline);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
+}
+
+// Random inputs as the flags describe: hidden ~ N(0, 1) (then rounded to `dtype`), per token
+// `topk` distinct experts drawn uniformly, weights = softmax of N(0, 1) logits.
+struct Inputs {
+  int64_t num_tokens = 0;
+  std::string hidden_bytes;          // encoded in dtype
+  std::vector<float> hidden_values;  // the decoded (exactly what the server sees) values
+  std::vector<int32_t> topk_ids;
+  std::vector<float> topk_weights;
+};
+
+absl::StatusOr<Inputs> RandomInputs(int64_t num_tokens, int64_t hidden, int topk, int num_experts,
+                                    v1::DType dtype, uint64_t seed) {
+  if (topk > num_experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk ", topk, " exceeds num_experts ", num_experts));
+  }
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Inputs in;
+  in.num_tokens = num_tokens;
+  std::vector<float> h(static_cast<size_t>(num_tokens * hidden));
+  for (float& v : h) v = normal(rng);
+  absl::StatusOr<std::string> bytes = EncodeFloats(h.data(), static_cast<int64_t>(h.size()), dtype);
+  if (!bytes.ok()) return bytes.status();
+  in.hidden_bytes = std::move(*bytes);
+  std::vector<int32_t> perm(static_cast<size_t>(num_experts));
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int e = 0; e < num_experts; ++e) perm[e] = e;
+    for (int k = 0; k < topk; ++k) {  // partial Fisher-Yates: topk distinct experts
+      std::uniform_int_distribution<int> pick(k, num_experts - 1);
+      std::swap(perm[k], perm[pick(rng)]);
+      in.topk_ids.push_back(perm[k]);
+    }
+    std::vector<double> logits(static_cast<size_t>(topk));
+    double max_logit = -1e300, sum = 0.0;
+    for (double& l : logits) max_logit = std::max(max_logit, l = normal(rng));
+    for (double& l : logits) sum += (l = std::exp(l - max_logit));
+    for (double l : logits) in.topk_weights.push_back(static_cast<float>(l / sum));
+  }
+  return in;
+}
+
+absl::StatusOr<Inputs> FileInputs(const std::string& path, int64_t hidden, int topk,
+                                  v1::DType dtype) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot open --input_file ", path));
+  std::string data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const int64_t per_token = hidden * DTypeSize(dtype) + static_cast<int64_t>(topk) * 8;
+  if (data.empty() || static_cast<int64_t>(data.size()) % per_token != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--input_file ", path, " has ", data.size(), " bytes; expected a positive multiple of ",
+        per_token, " (per token: hidden ", hidden, " x ", DTypeName(dtype), " + topk ", topk,
+        " x (int32 id + float32 weight))"));
+  }
+  Inputs in;
+  in.num_tokens = static_cast<int64_t>(data.size()) / per_token;
+  const int64_t hidden_bytes = in.num_tokens * hidden * DTypeSize(dtype);
+  const int64_t routes = in.num_tokens * topk;
+  in.hidden_bytes = data.substr(0, hidden_bytes);
+  in.topk_ids.resize(routes);
+  in.topk_weights.resize(routes);
+  std::memcpy(in.topk_ids.data(), data.data() + hidden_bytes, routes * 4);
+  std::memcpy(in.topk_weights.data(), data.data() + hidden_bytes + routes * 4, routes * 4);
+  return in;
+}
+
+absl::Status DecodeHidden(Inputs& in, int64_t hidden, v1::DType dtype) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  t.add_shape(in.num_tokens);
+  t.add_shape(hidden);
+  t.set_data(in.hidden_bytes);
+  absl::StatusOr<std::vector<float>> values = DecodeFloats(t);
+  if (!values.ok()) return values.status();
+  in.hidden_values = std::move(*values);
+  return absl::OkStatus();
+}
+
+ForwardArgs MakeArgs(const Inputs& in, int64_t hidden, int topk, v1::DType dtype) {
+  ForwardArgs args;
+  args.layer = absl::GetFlag(FLAGS_layer);
+  args.hidden_dtype = dtype;
+  args.num_tokens = in.num_tokens;
+  args.hidden = hidden;
+  args.hidden_bytes = in.hidden_bytes;
+  args.topk = topk;
+  args.topk_ids = in.topk_ids;
+  args.topk_weights = in.topk_weights;
+  args.return_timings = absl::GetFlag(FLAGS_return_timings);
+  return args;
+}
+
+int RunHealth() {
+  auto client = MakeClient();
+  if (!client.ok()) return Fail(client.status(), "create client");
+  auto status = (*client)->Health(absl::GetFlag(FLAGS_service));
+  if (!status.ok()) {
+    std::printf("UNKNOWN\n");
+    return Fail(status.status(), "health check");
+  }
+  std::printf("%s\n", ServingStatusName(*status).c_str());
+  return *status == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk : kExitFailed;
+}
+
+std::string DTypeList(const google::protobuf::RepeatedField<int>& dtypes) {
+  std::vector<std::string> names;
+  for (int d : dtypes) names.push_back(DTypeName(static_cast<v1::DType>(d)));
+  return absl::StrJoin(names, ", ");
+}
+
+int RunInfo() {
+  auto client = MakeClient();
+  if (!client.ok()) return Fail(client.status(), "create client");
+  auto info = (*client)->GetModelInfo();
+  if (!info.ok()) return Fail(info.status(), "GetModelInfo");
+  const v1::ModelInfo& m = *info;
+  std::printf("model_name:               %s\n", m.model_name().c_str());
+  std::printf("num_layers:               %d\n", m.num_layers());
+  std::printf("moe_layers:               [%s]\n", absl::StrJoin(m.moe_layers(), ", ").c_str());
+  std::printf("num_experts:              %d\n", m.num_experts());
+  std::printf("topk:                     %d\n", m.topk());
+  std::printf("hidden:                   %d\n", m.hidden());
+  std::printf("intermediate:             %d\n", m.intermediate());
+  std::printf("activation:               %s\n", m.activation().c_str());
+  std::printf("weight_format:            %s\n", m.weight_format().c_str());
+  std::printf("accepted_hidden_dtypes:   [%s]\n", DTypeList(m.accepted_hidden_dtypes()).c_str());
+  std::printf("accepted_topk_ids_dtypes: [%s]\n",
+              DTypeList(m.accepted_topk_ids_dtypes()).c_str());
+  std::printf("backend:                  %s\n", m.backend().c_str());
+  std::printf("num_ranks:                %d\n", m.num_ranks());
+  std::printf("prepare_finalize:         %s\n", m.prepare_finalize().c_str());
+  std::printf("experts:                  %s\n", m.experts().c_str());
+  std::printf("max_tokens_per_request:   %lld\n",
+              static_cast<long long>(m.max_tokens_per_request()));
+  std::printf("max_message_bytes:        %lld\n", static_cast<long long>(m.max_message_bytes()));
+  std::printf("placement:                %s\n", m.placement().c_str());
+  for (const v1::ExpertPlacement& p : m.expert_placement()) {
+    std::printf("  rank %d: experts [%s]\n", p.rank(), absl::StrJoin(p.expert_ids(), ", ").c_str());
+  }
+  return kExitOk;
+}
+
+void PrintTimings(const v1::StageTimings& t) {
+  std::printf("server_timings_us: queue=%.1f prepare=%.1f experts=%.1f finalize=%.1f total=%.1f\n",
+              t.queue_us(), t.prepare_us(), t.experts_us(), t.finalize_us(), t.total_us());
+}
+
+int RunForward() {
+  auto dtype = ParseFloatDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Fail(dtype.status(), "--dtype");
+  auto client = MakeClient();
+  if (!client.ok()) return Fail(client.status(), "create client");
+  auto info = (*client)->GetModelInfo();
+  if (!info.ok()) return Fail(info.status(), "GetModelInfo");
+  const int64_t hidden = info->hidden();
+  const int topk = info->topk();
+  const std::string input_file = absl::GetFlag(FLAGS_input_file);
+  absl::StatusOr<Inputs> in =
+      input_file.empty() ? RandomInputs(absl::GetFlag(FLAGS_tokens), hidden, topk,
+                                        info->num_experts(), *dtype, absl::GetFlag(FLAGS_seed))
+                         : FileInputs(input_file, hidden, topk, *dtype);
+  if (!in.ok()) return Fail(in.status(), "inputs");
+  ForwardArgs args = MakeArgs(*in, hidden, topk, *dtype);
+  args.request_id = absl::GetFlag(FLAGS_request_id);
+  if (args.request_id.empty()) args.request_id = absl::StrCat("cli-", absl::GetFlag(FLAGS_seed));
+  auto result = (*client)->Forward(args);
+  if (!result.ok()) return Fail(result.status(), "Forward");
+  const v1::Tensor& out = result->output;
+  std::printf("request_id: %s\n", result->request_id.c_str());
+  std::printf("output: dtype=%s shape=[%s] bytes=%zu\n", DTypeName(out.dtype()).c_str(),
+              absl::StrJoin(out.shape(), ", ").c_str(), out.data().size());
+  if (args.return_timings) PrintTimings(result->timings);
+  std::printf("latency_ms=%.3f\n", absl::ToDoubleMilliseconds(result->latency));
+  if (out.dtype() != *dtype || out.shape_size() != 2 || out.shape(0) != in->num_tokens ||
+      out.shape(1) != hidden) {
+    std::fprintf(stderr, "error: output is %s [%s]; expected %s [%lld, %lld]\n",
+                 DTypeName(out.dtype()).c_str(), absl::StrJoin(out.shape(), ", ").c_str(),
+                 DTypeName(*dtype).c_str(), static_cast<long long>(in->num_tokens),
+                 static_cast<long long>(hidden));
+    return kExitFailed;
+  }
+  const std::string output_file = absl::GetFlag(FLAGS_output_file);
+  if (!output_file.empty()) {
+    std::ofstream f(output_file, std::ios::binary);
+    f.write(out.data().data(), static_cast<std::streamsize>(out.data().size()));
+    if (!f) return Fail(absl::UnavailableError(output_file), "write --output_file");
+  }
+  if (!absl::GetFlag(FLAGS_check)) return kExitOk;
+
+  if (absl::Status s = DecodeHidden(*in, hidden, *dtype); !s.ok()) return Fail(s, "decode input");
+  std::map<int, ExpertWeightsF32> experts;
+  for (int32_t id : std::set<int32_t>(in->topk_ids.begin(), in->topk_ids.end())) {
+    if (id < 0) continue;
+    auto reply = (*client)->GetExpertWeights(args.layer, id);
+    if (!reply.ok()) return Fail(reply.status(), absl::StrCat("GetExpertWeights expert ", id));
+    auto weights = ExpertWeightsFromProto(*reply);
+    if (!weights.ok()) return Fail(weights.status(), absl::StrCat("expert ", id, " weights"));
+    experts.emplace(id, std::move(*weights));
+  }
+  std::vector<float> expected(static_cast<size_t>(in->num_tokens * hidden));
+  absl::Status s = ReferenceMoeForward(in->hidden_values.data(), in->num_tokens, hidden,
+                                       in->topk_ids.data(), in->topk_weights.data(), topk, experts,
+                                       expected.data());
+  if (!s.ok()) return Fail(s, "reference");
+  auto actual = DecodeFloats(out);
+  if (!actual.ok()) return Fail(actual.status(), "decode output");
+  const double err = RelativeL2Error(actual->data(), expected.data(),
+                                     static_cast<int64_t>(expected.size()));
+  const double tolerance = absl::GetFlag(FLAGS_tolerance);
+  std::printf("relative_l2_error=%.6g\n", err);
+  if (!(err <= tolerance)) {
+    std::fprintf(stderr, "check FAILED: relative_l2_error %.6g > tolerance %.6g\n", err,
+                 tolerance);
+    return kExitFailed;
+  }
+  std::printf("check passed (tolerance %.3g, %zu experts fetched)\n", tolerance, experts.size());
+  return kExitOk;
+}
+
+double Percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0.0;
+  // Nearest rank.
+  size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(sorted.size())));
+  rank = std::clamp<size_t>(rank, 1, sorted.size());
+  return sorted[rank - 1];
+}
+
+int RunLoad() {
+  auto dtype = ParseFloatDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Fail(dtype.status(), "--dtype");
+  const int64_t num_requests = absl::GetFlag(FLAGS_requests);
+  const int concurrency = absl::GetFlag(FLAGS_concurrency);
+  const int64_t num_tokens = absl::GetFlag(FLAGS_tokens);
+  const double max_seconds = absl::GetFlag(FLAGS_max_seconds);
+  if (num_requests <= 0 || concurrency <= 0 || concurrency > 1024 || num_tokens <= 0 ||
+      !(max_seconds > 0)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+                    "need --requests > 0 (got ", num_requests, "), --concurrency in [1, 1024] (",
+                    concurrency, "), --tokens > 0 (", num_tokens, "), --max_seconds > 0 (",
+                    max_seconds, ")")),
+                "flags");
+  }
+  auto client = MakeClient();
+  if (!client.ok()) return Fail(client.status(), "create client");
+  auto info = (*client)->GetModelInfo();
+  if (!info.ok()) return Fail(info.status(), "GetModelInfo");
+
+  // A few distinct requests, built once and cycled, so that client-side encoding stays out of
+  // the measured loop.
+  const int distinct = std::max(1, absl::GetFlag(FLAGS_distinct_inputs));
+  std::vector<v1::ForwardRequest> requests;
+  for (int i = 0; i < distinct; ++i) {
+    auto in = RandomInputs(num_tokens, info->hidden(), info->topk(), info->num_experts(), *dtype,
+                           absl::GetFlag(FLAGS_seed) + i);
+    if (!in.ok()) return Fail(in.status(), "inputs");
+    ForwardArgs args = MakeArgs(*in, info->hidden(), info->topk(), *dtype);
+    args.request_id = absl::StrCat("load-", i);
+    auto request = MoeClient::BuildForwardRequest(args);
+    if (!request.ok()) return Fail(request.status(), "build request");
+    requests.push_back(std::move(*request));
+  }
+
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::vector<double> latencies_ms;
+  std::map<std::string, int64_t> errors;  // status code name -> count
+  std::string first_error;
+  std::vector<double> server_total_us;
+  const absl::Time start = absl::Now();
+  const absl::Time stop_at = start + absl::Seconds(max_seconds);
+  std::vector<std::thread> workers;
+  for (int w = 0; w < concurrency; ++w) {
+    workers.emplace_back([&] {
+      std::vector<double> local_ms, local_server_us;
+      std::map<std::string, int64_t> local_errors;
+      std::string local_first_error;
+      for (;;) {
+        const int64_t i = next.fetch_add(1);
+        if (i >= num_requests || absl::Now() >= stop_at) break;
+        auto result = (*client)->Forward(requests[static_cast<size_t>(i) % requests.size()]);
+        if (result.ok()) {
+          local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+          local_server_us.push_back(result->timings.total_us());
+        } else {
+          ++local_errors[absl::StatusCodeToString(result.status().code())];
+          if (local_first_error.empty()) local_first_error = result.status().ToString();
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      latencies_ms.insert(latencies_ms.end(), local_ms.begin(), local_ms.end());
+      server_total_us.insert(server_total_us.end(), local_server_us.begin(),
+                             local_server_us.end());
+      for (const auto& [code, n] : local_errors) errors[code] += n;
+      if (first_error.empty()) first_error = local_first_error;
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+
+  std::sort(latencies_ms.begin(), latencies_ms.end());
+  std::sort(server_total_us.begin(), server_total_us.end());
+  int64_t num_errors = 0;
+  for (const auto& [code, n] : errors) num_errors += n;
+  const int64_t ok = static_cast<int64_t>(latencies_ms.size());
+  const int64_t not_sent = num_requests - ok - num_errors;
+  std::printf("load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d\n",
+              static_cast<long long>(num_requests), concurrency,
+              static_cast<long long>(num_tokens), DTypeName(*dtype).c_str(),
+              absl::GetFlag(FLAGS_layer));
+  std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
+              static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
+  for (const auto& [code, n] : errors) {
+    std::printf("  error %s: %lld\n", code.c_str(), static_cast<long long>(n));
+  }
+  if (!first_error.empty()) std::printf("  first error: %s\n", first_error.c_str());
+  std::printf("latency_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f\n", Percentile(latencies_ms, 50),
+              Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
+              latencies_ms.empty() ? 0.0 : latencies_ms.back());
+  if (absl::GetFlag(FLAGS_return_timings)) {
+    std::printf("server_total_us: p50=%.1f p99=%.1f\n", Percentile(server_total_us, 50),
+                Percentile(server_total_us, 99));
+  }
+  std::printf("throughput: requests_per_s=%.1f tokens_per_s=%.1f\n",
+              wall_s > 0 ? ok / wall_s : 0.0,
+              wall_s > 0 ? static_cast<double>(ok * num_tokens) / wall_s : 0.0);
+  if (not_sent > 0) std::printf("stopped by --max_seconds=%.1f\n", max_seconds);
+  return (num_errors == 0 && ok > 0) ? kExitOk : kExitFailed;
+}
+
+}  // namespace
+}  // namespace moeserve::client
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "moeserve-cli <health|info|forward|load> [--flags]\n"
+      "  health   print SERVING/NOT_SERVING (exit 0 only if SERVING)\n"
+      "  info     print the served model\n"
+      "  forward  one Forward with random (or --input_file) inputs; --check verifies it\n"
+      "  load     closed-loop load: --requests N --concurrency C --tokens M");
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() != 2) {
+    std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
+    return moeserve::client::kExitError;
+  }
+  const std::string command = positional[1];
+  if (command == "health") return moeserve::client::RunHealth();
+  if (command == "info") return moeserve::client::RunInfo();
+  if (command == "forward") return moeserve::client::RunForward();
+  if (command == "load") return moeserve::client::RunLoad();
+  std::fprintf(stderr, "unknown command '%s'\n%s\n", command.c_str(),
+               absl::ProgramUsageMessage().data());
+  return moeserve::client::kExitError;
+}

@@ -1,0 +1,156 @@
+#include "clients/cpp/moeserve_client.h"
+
+#include <chrono>
+#include <climits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "clients/cpp/dtype_convert.h"
+
+namespace moeserve::client {
+
+using grpc::health::v1::HealthCheckResponse;
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+std::string ServingStatusName(HealthCheckResponse::ServingStatus status) {
+  return HealthCheckResponse::ServingStatus_Name(status);
+}
+
+MoeClient::MoeClient(std::string target, MoeClientOptions options,
+                     std::shared_ptr<grpc::Channel> channel)
+    : target_(std::move(target)),
+      options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::MoeService::NewStub(channel_)),
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& target,
+                                                             const MoeClientOptions& options) {
+  if (target.empty()) return absl::InvalidArgumentError("target is empty; expected HOST:PORT");
+  if (options.max_message_bytes <= 0 || options.max_message_bytes > INT_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes is ",
+                                                   options.max_message_bytes,
+                                                   "; expected in [1, ", INT_MAX, "]"));
+  }
+  if (options.deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("deadline is ", absl::FormatDuration(options.deadline), "; expected > 0"));
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (channel == nullptr) return absl::InternalError("could not create a gRPC channel");
+  return std::unique_ptr<MoeClient>(new MoeClient(target, options, std::move(channel)));
+}
+
+void MoeClient::PrepareContext(grpc::ClientContext* context) const {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  context->set_wait_for_ready(options_.wait_for_ready);
+}
+
+absl::StatusOr<HealthCheckResponse::ServingStatus> MoeClient::Health(const std::string& service) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  HealthCheckResponse response;
+  grpc::Status status = health_stub_->Check(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.status();
+}
+
+absl::StatusOr<v1::ModelInfo> MoeClient::GetModelInfo() {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::ModelInfo info;
+  grpc::Status status = stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return info;
+}
+
+absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::GetExpertWeights(int layer, int expert) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::GetExpertWeightsRequest request;
+  request.set_layer(layer);
+  request.set_expert(expert);
+  v1::GetExpertWeightsResponse response;
+  grpc::Status status = stub_->GetExpertWeights(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardArgs& args) {
+  if (args.hidden_dtype != v1::DTYPE_BF16 && args.hidden_dtype != v1::DTYPE_FP16 &&
+      args.hidden_dtype != v1::DTYPE_FP32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden_dtype is ", DTypeName(args.hidden_dtype), "; expected bf16, fp16 or fp32"));
+  }
+  if (args.num_tokens < 0 || args.hidden <= 0 || args.topk <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bad shape: num_tokens=", args.num_tokens,
+                                                   " hidden=", args.hidden, " topk=", args.topk));
+  }
+  const int64_t hidden_bytes = args.num_tokens * args.hidden * DTypeSize(args.hidden_dtype);
+  if (static_cast<int64_t>(args.hidden_bytes.size()) != hidden_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_bytes has ", args.hidden_bytes.size(), " bytes; [", args.num_tokens,
+                     ", ", args.hidden, "] ", DTypeName(args.hidden_dtype), " needs ",
+                     hidden_bytes));
+  }
+  const size_t routes = static_cast<size_t>(args.num_tokens * args.topk);
+  if (args.topk_ids.size() != routes || args.topk_weights.size() != routes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_ids has ", args.topk_ids.size(), " and topk_weights ",
+                     args.topk_weights.size(), " elements; [", args.num_tokens, ", ", args.topk,
+                     "] needs ", routes));
+  }
+  v1::ForwardRequest request;
+  request.set_layer(args.layer);
+  request.set_request_id(args.request_id);
+  request.set_return_timings(args.return_timings);
+  v1::Tensor* h = request.mutable_hidden_states();
+  h->set_dtype(args.hidden_dtype);
+  h->add_shape(args.num_tokens);
+  h->add_shape(args.hidden);
+  h->set_data(args.hidden_bytes.data(), args.hidden_bytes.size());
+  v1::Tensor* ids = request.mutable_topk_ids();
+  ids->set_dtype(v1::DTYPE_INT32);
+  ids->add_shape(args.num_tokens);
+  ids->add_shape(args.topk);
+  ids->set_data(reinterpret_cast<const char*>(args.topk_ids.data()), routes * sizeof(int32_t));
+  v1::Tensor* w = request.mutable_topk_weights();
+  w->set_dtype(v1::DTYPE_FP32);
+  w->add_shape(args.num_tokens);
+  w->add_shape(args.topk);
+  w->set_data(reinterpret_cast<const char*>(args.topk_weights.data()), routes * sizeof(float));
+  return request;
+}
+
+absl::StatusOr<ForwardResult> MoeClient::Forward(const ForwardArgs& args) {
+  absl::StatusOr<v1::ForwardRequest> request = BuildForwardRequest(args);
+  if (!request.ok()) return request.status();
+  return Forward(*request);
+}
+
+absl::StatusOr<ForwardResult> MoeClient::Forward(const v1::ForwardRequest& request) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::ForwardResponse response;
+  const absl::Time start = absl::Now();
+  grpc::Status status = stub_->Forward(&context, request, &response);
+  const absl::Duration latency = absl::Now() - start;
+  if (!status.ok()) return FromGrpcStatus(status);
+  ForwardResult result;
+  result.output = std::move(*response.mutable_output());
+  result.request_id = std::move(*response.mutable_request_id());
+  result.timings = response.timings();
+  result.latency = latency;
+  return result;
+}
+
+}  // namespace moeserve::client

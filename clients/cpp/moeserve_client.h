@@ -1,0 +1,103 @@
+// C++ client for moeserve's gRPC API (moeserve.v1.MoeService and grpc.health.v1.Health).
+//
+// Depends only on the generated proto stubs (moeserve_proto). Every method is a blocking unary
+// call bounded by the options' deadline; MoeClient is thread-safe (one HTTP/2 channel shared by
+// all callers), so a load generator can call it from many threads at once.
+#ifndef MOESERVE_CLIENTS_CPP_MOESERVE_CLIENT_H_
+#define MOESERVE_CLIENTS_CPP_MOESERVE_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "moeserve/v1/moeserve.grpc.pb.h"
+
+namespace moeserve::client {
+
+struct MoeClientOptions {
+  // Largest message sent or received, in bytes. Forward carries [M, hidden] both ways, so this
+  // bounds M * hidden * itemsize (plus a little framing).
+  int64_t max_message_bytes = 256ll << 20;
+  // Per-call deadline.
+  absl::Duration deadline = absl::Seconds(30);
+  // If true, calls wait (up to the deadline) for the channel to connect instead of failing fast
+  // with UNAVAILABLE while the server is not up yet.
+  bool wait_for_ready = false;
+};
+
+// Inputs of one Forward call. Shapes: hidden_states [num_tokens, hidden] in hidden_dtype
+// (BF16/FP16/FP32, little-endian bytes, not owned: must outlive the call); topk_ids and
+// topk_weights [num_tokens, topk] row-major.
+struct ForwardArgs {
+  int layer = 0;
+  v1::DType hidden_dtype = v1::DTYPE_BF16;
+  int64_t num_tokens = 0;
+  int64_t hidden = 0;
+  absl::string_view hidden_bytes;
+  int64_t topk = 0;
+  std::vector<int32_t> topk_ids;
+  std::vector<float> topk_weights;
+  std::string request_id;
+  bool return_timings = false;
+};
+
+struct ForwardResult {
+  v1::Tensor output;         // [num_tokens, hidden], the request's hidden dtype
+  std::string request_id;    // as echoed by the server
+  v1::StageTimings timings;  // zeros unless return_timings
+  absl::Duration latency;    // client-side round trip
+};
+
+class MoeClient {
+ public:
+  // Creates a client for `target` ("host:port", or any gRPC target URI) over an insecure channel.
+  // Does not contact the server.
+  static absl::StatusOr<std::unique_ptr<MoeClient>> Create(const std::string& target,
+                                                           const MoeClientOptions& options = {});
+
+  // grpc.health.v1 Check for `service` ("" = the whole server).
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
+      const std::string& service = "");
+
+  absl::StatusOr<v1::ModelInfo> GetModelInfo();
+
+  // Builds the request from `args` (checking sizes locally) and runs it.
+  absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args);
+  // Sends a ready-made request, e.g. one built once and re-sent by a load generator.
+  absl::StatusOr<ForwardResult> Forward(const v1::ForwardRequest& request);
+
+  // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]).
+  absl::StatusOr<v1::GetExpertWeightsResponse> GetExpertWeights(int layer, int expert);
+
+  // Builds a ForwardRequest from `args`, validating the sizes.
+  static absl::StatusOr<v1::ForwardRequest> BuildForwardRequest(const ForwardArgs& args);
+
+  const std::string& target() const { return target_; }
+  const MoeClientOptions& options() const { return options_; }
+
+ private:
+  MoeClient(std::string target, MoeClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  void PrepareContext(grpc::ClientContext* context) const;
+
+  std::string target_;
+  MoeClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::MoeService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+};
+
+// gRPC status -> absl::Status (the codes share numeric values).
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// "SERVING", "NOT_SERVING", ...
+std::string ServingStatusName(grpc::health::v1::HealthCheckResponse::ServingStatus status);
+
+}  // namespace moeserve::client
+
+#endif  // MOESERVE_CLIENTS_CPP_MOESERVE_CLIENT_H_
