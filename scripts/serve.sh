@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Newcomer command 1: installs what is missing, builds, and starts moeserve on its embedded
+# default (CPU backend, the synthetic `tiny` model) on 127.0.0.1:50051 (metrics on :9090).
+# Extra arguments go to the server, e.g. scripts/serve.sh --model qwen3-30b-a3b --num_layers 2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+scripts/build.sh
+exec build/bin/moeserve --listen 127.0.0.1:50051 --metrics_address 127.0.0.1:9090 "$@"

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs what moeserve needs to build and test on Debian 12 / Ubuntu 24.04, idempotently:
+# Debian packages that are missing, then the Python packages the clients and tests use.
+# Safe to re-run; does nothing when everything is present.
+set -euo pipefail
+
+DEB_PACKAGES=(
+  build-essential cmake ninja-build pkg-config git python3 python3-pip
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
+  libopenblas-dev nlohmann-json3-dev curl
+)
+PY_PACKAGES=(grpcio grpcio-tools numpy safetensors ml_dtypes)
+
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+py_missing=()
+for p in "${PY_PACKAGES[@]}"; do
+  "$PYTHON" -c "import ${p/grpcio-tools/grpc_tools}" >/dev/null 2>&1 || \
+    { [[ $p == grpcio ]] && "$PYTHON" -c "import grpc" >/dev/null 2>&1; } || py_missing+=("$p")
+done
+if ((${#py_missing[@]})); then
+  echo "setup: installing Python packages: ${py_missing[*]}"
+  "$PYTHON" -m pip install -q "${py_missing[@]}" 2>/dev/null || \
+    "$PYTHON" -m pip install -q --break-system-packages "${py_missing[@]}"
+fi
+echo "setup: dependencies present"
