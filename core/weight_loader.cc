@@ -1,14 +1,17 @@
 #include "core/weight_loader.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/checkpoint/expert_loader.h"
+#include "core/checkpoint/hf_checkpoint.h"
+#include "core/mxfp8_weights.h"
 
 namespace moeserve {
 
 absl::StatusOr<ModelConfig> ResolveModelConfig(const WeightSource& source,
                                                const ModelConfig& configured) {
   if (!source.checkpoint_dir.empty()) {
-    return absl::UnimplementedError(absl::StrCat("checkpoint loading is not available yet (",
-                                                 source.checkpoint_dir, ")"));
+    // The checkpoint's config.json describes the model; only that file is read here.
+    return checkpoint::ReadHfModelConfig(source.checkpoint_dir);
   }
   return configured;
 }
@@ -16,11 +19,20 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const WeightSource& source,
 absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(
     const WeightSource& source, const ModelConfig& model, std::vector<int> expert_ids) {
   if (!source.checkpoint_dir.empty()) {
-    return absl::UnimplementedError(absl::StrCat("checkpoint loading is not available yet (",
-                                                 source.checkpoint_dir, ")"));
+    // Maps and validates every safetensors file, then reads this rank's experts only.
+    auto ckpt = checkpoint::HfCheckpoint::Open(source.checkpoint_dir);
+    if (!ckpt.ok()) return ckpt.status();
+    checkpoint::ExpertLoadOptions options;
+    options.format = source.format;
+    options.num_threads = source.num_threads;
+    options.memory_budget_bytes = source.memory_budget_bytes;
+    return checkpoint::LoadCheckpointExperts(**ckpt, model, std::move(expert_ids),
+                                             options);
   }
-  if (source.format != WeightFormat::kBF16) {
-    return absl::UnimplementedError("mxfp8 weights are not available yet; use bf16");
+  if (source.format == WeightFormat::kMXFP8) {
+    // Synthetic BF16 weights quantized at load, one layer at a time.
+    return CreateSyntheticMxfp8(model, std::move(expert_ids), source.seed, source.num_threads,
+                                source.memory_budget_bytes);
   }
   return ExpertWeightStore::CreateSynthetic(model, std::move(expert_ids), source.seed,
                                             source.num_threads, source.memory_budget_bytes);

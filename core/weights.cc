@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "kernels/cpu/dtype_convert.h"
+#include "kernels/cpu/mxfp8.h"
 
 namespace moeserve {
 namespace {
@@ -16,33 +17,6 @@ uint64_t SplitMix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
-}
-
-// One E4M3 code to float (finite codes only; 0x7f/0xff are NaN).
-float E4M3ToFloat(uint8_t code) {
-  const int sign = code >> 7;
-  const int exp = (code >> 3) & 0xf;
-  const int mant = code & 0x7;
-  float v;
-  if (exp == 0) {
-    v = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant/8 * 2^-6
-  } else if (exp == 0xf && mant == 0x7) {
-    v = std::nanf("");
-  } else {
-    v = std::ldexp(1.0f + mant / 8.0f, exp - 7);
-  }
-  return sign ? -v : v;
-}
-
-void DequantMxfp8Rows(const uint8_t* q, const uint8_t* scales, int64_t rows, int64_t k,
-                      float* out) {
-  const int64_t blocks = (k + 31) / 32;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < k; ++c) {
-      const int code = scales[r * blocks + c / 32];
-      out[r * k + c] = std::ldexp(E4M3ToFloat(q[r * k + c]), code - 127);
-    }
-  }
 }
 
 }  // namespace
@@ -72,11 +46,20 @@ absl::Status DequantizeExpertToFp32(const LayerWeights& w, int64_t e, float* w13
     kernels::ConvertBf16ToFp32Ref(w.w2.data<uint16_t>() + e * w2_elems, w2_out, w2_elems);
     return absl::OkStatus();
   }
-  const int64_t w13_blocks = 2 * n * ((h + 31) / 32), w2_blocks = h * ((n + 31) / 32);
-  DequantMxfp8Rows(w.w13.data<uint8_t>() + e * w13_elems,
-                   w.w13_scale.data<uint8_t>() + e * w13_blocks, 2 * n, h, w13_out);
-  DequantMxfp8Rows(w.w2.data<uint8_t>() + e * w2_elems, w.w2_scale.data<uint8_t>() + e * w2_blocks,
-                   h, n, w2_out);
+  if (w.format != WeightFormat::kMXFP8) {
+    return absl::InternalError(absl::StrCat("unknown weight format ", static_cast<int>(w.format)));
+  }
+  if (w.w13_scale.raw_data() == nullptr || w.w2_scale.raw_data() == nullptr) {
+    return absl::InternalError("mxfp8 weights without their E8M0 scales");
+  }
+  // Exact: E4M3 x 2^(code - 127) is representable in FP32 (see kernels/cpu/mxfp8.h).
+  const int64_t w13_blocks = 2 * n * kernels::Mxfp8ScaleBlocks(h);
+  const int64_t w2_blocks = h * kernels::Mxfp8ScaleBlocks(n);
+  kernels::DequantizeMxfp8RowsRef(w.w13.data<uint8_t>() + e * w13_elems,
+                                  w.w13_scale.data<uint8_t>() + e * w13_blocks, 2 * n, h,
+                                  w13_out);
+  kernels::DequantizeMxfp8RowsRef(w.w2.data<uint8_t>() + e * w2_elems,
+                                  w.w2_scale.data<uint8_t>() + e * w2_blocks, h, n, w2_out);
   return absl::OkStatus();
 }
 
