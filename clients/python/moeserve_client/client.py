@@ -1,0 +1,179 @@
+"""Blocking Python client for moeserve (moeserve.v1.MoeService + grpc.health.v1.Health).
+
+Tensors are numpy arrays. Hidden-state dtypes:
+  * float32 arrays         -> sent as FP32, answer float32
+  * float16 arrays         -> sent as FP16, answer float16
+  * uint16 arrays + dtype="bf16" -> BF16 bit patterns (numpy has no bfloat16), answer uint16
+    bit patterns. Use moeserve_client.bf16_encode / bf16_decode to convert. A uint16 array
+    without dtype="bf16" is refused rather than guessed.
+  * ml_dtypes.bfloat16 arrays (if you use ml_dtypes) -> BF16, answer bfloat16.
+topk_ids: int32 or int64 [M, K] (sent as given); topk_weights: [M, K], sent as float32.
+"""
+
+import collections
+import time
+
+import grpc
+import numpy as np
+
+from . import dtypes as _dt
+
+try:
+    from .gen.moeserve.v1 import moeserve_pb2 as pb
+    from .gen.moeserve.v1 import moeserve_pb2_grpc as pb_grpc
+    from .gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+except ImportError as e:  # pragma: no cover - only without generated stubs
+    raise ImportError(
+        "moeserve_client's gRPC stubs are missing or stale; run "
+        "clients/python/generate_stubs.sh (needs grpcio-tools)") from e
+
+_WIRE = {"bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16, "fp32": pb.DTYPE_FP32}
+_FROM_WIRE = {v: k for k, v in _WIRE.items()}
+
+ForwardResult = collections.namedtuple(
+    "ForwardResult", ["output", "request_id", "timings", "latency_s"])
+
+
+def _hidden_dtype(hidden, dtype):
+    """Wire dtype name for `hidden`, checking it against an explicit `dtype`."""
+    name = hidden.dtype.name
+    if name == "bfloat16":  # ml_dtypes
+        inferred = "bf16"
+    elif hidden.dtype == np.float32:
+        inferred = "fp32"
+    elif hidden.dtype == np.float16:
+        inferred = "fp16"
+    elif hidden.dtype == np.uint16:
+        inferred = None
+    else:
+        raise TypeError(f"hidden has dtype {hidden.dtype}; expected float32, float16 or "
+                        "uint16 BF16 bit patterns with dtype='bf16'")
+    if dtype is None:
+        if inferred is None:
+            raise TypeError("hidden is uint16: pass dtype='bf16' to send BF16 bit patterns")
+        return inferred
+    want = _dt.normalize_dtype(dtype)
+    if want == "bf16" and inferred in (None, "bf16"):
+        return "bf16"
+    if want != inferred:
+        raise TypeError(f"dtype={dtype!r} does not match hidden's numpy dtype {hidden.dtype}")
+    return want
+
+
+def _tensor(array, wire_dtype, storage):
+    a = np.ascontiguousarray(array).astype(storage, copy=False)
+    return pb.Tensor(dtype=wire_dtype, shape=list(a.shape), data=a.tobytes())
+
+
+def _array(tensor, storage):
+    a = np.frombuffer(tensor.data, dtype=storage)
+    return a.reshape(tuple(tensor.shape)).copy()
+
+
+class MoeClient:
+    """A channel to one moeserve server. Thread-safe; close() (or `with`) when done.
+
+    timeout: per-call deadline in seconds. max_message_bytes: largest message either way.
+    wait_for_ready: calls wait for the channel to connect (up to the timeout) instead of failing
+    fast with UNAVAILABLE.
+    """
+
+    def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, wait_for_ready=False):
+        self.target = target
+        self.timeout = timeout
+        self.wait_for_ready = wait_for_ready
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.MoeServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request, timeout):
+        return method(request, timeout=self.timeout if timeout is None else timeout,
+                      wait_for_ready=self.wait_for_ready)
+
+    def health(self, service="", timeout=None):
+        """Serving status name: 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN' or 'UNKNOWN'."""
+        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                           timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def info(self, timeout=None):
+        """The served model (a moeserve.v1.ModelInfo message)."""
+        return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def expert_weights(self, layer, expert, timeout=None):
+        """(w13 [2I, H], w2 [H, I]) of one expert as float32, decoded exactly from the served
+        BF16. w13's rows [0, I) are the gate projection, [I, 2I) the up projection."""
+        reply = self._call(self._stub.GetExpertWeights,
+                           pb.GetExpertWeightsRequest(layer=layer, expert=expert), timeout)
+        out = []
+        for t in (reply.w13, reply.w2):
+            name = _FROM_WIRE.get(t.dtype)
+            if name is None:
+                raise ValueError(f"expert weights came as dtype {t.dtype}; expected a float")
+            out.append(_dt.to_float32(_array(t, _dt.STORAGE[name]), name))
+        return tuple(out)
+
+    def forward_full(self, hidden, topk_ids, topk_weights, layer=0, dtype=None, request_id="",
+                     return_timings=True, timeout=None):
+        """Like forward(), returning ForwardResult(output, request_id, timings dict, latency_s)."""
+        hidden = np.asarray(hidden)
+        topk_ids = np.asarray(topk_ids)
+        topk_weights = np.asarray(topk_weights)
+        if hidden.ndim != 2 or topk_ids.ndim != 2 or topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"expected hidden [M, H] and topk ids/weights [M, K]; got "
+                             f"{hidden.shape}, {topk_ids.shape}, {topk_weights.shape}")
+        if topk_ids.shape[0] != hidden.shape[0]:
+            raise ValueError(f"hidden has {hidden.shape[0]} tokens, topk_ids {topk_ids.shape[0]}")
+        name = _hidden_dtype(hidden, dtype)
+        if hidden.dtype.name == "bfloat16":
+            hidden_bits = hidden.view(np.uint16)
+        else:
+            hidden_bits = hidden
+        if topk_ids.dtype == np.int64:
+            ids = _tensor(topk_ids, pb.DTYPE_INT64, np.dtype("<i8"))
+        elif np.issubdtype(topk_ids.dtype, np.integer):
+            ids = _tensor(topk_ids, pb.DTYPE_INT32, np.dtype("<i4"))
+        else:
+            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer type")
+        request = pb.ForwardRequest(
+            layer=layer,
+            hidden_states=_tensor(hidden_bits, _WIRE[name], _dt.STORAGE[name]),
+            topk_ids=ids,
+            topk_weights=_tensor(topk_weights, pb.DTYPE_FP32, np.dtype("<f4")),
+            request_id=request_id,
+            return_timings=return_timings)
+        start = time.perf_counter()
+        reply = self._call(self._stub.Forward, request, timeout)
+        latency = time.perf_counter() - start
+        out_name = _FROM_WIRE.get(reply.output.dtype)
+        if out_name != name:
+            raise ValueError(f"server answered dtype {reply.output.dtype}; sent {name}")
+        output = _array(reply.output, _dt.STORAGE[name])
+        if hidden.dtype.name == "bfloat16":
+            output = output.view(hidden.dtype)
+        t = reply.timings
+        timings = {"queue_us": t.queue_us, "prepare_us": t.prepare_us,
+                   "experts_us": t.experts_us, "finalize_us": t.finalize_us,
+                   "total_us": t.total_us}
+        return ForwardResult(output, reply.request_id, timings, latency)
+
+    def forward(self, hidden, topk_ids, topk_weights, layer=0, dtype=None, request_id="",
+                timeout=None):
+        """One MoE layer: [M, H] hidden states -> [M, H] output in the same dtype.
+
+        See the module docstring for the accepted dtypes; BF16 needs dtype='bf16' with uint16
+        bit patterns. Raises grpc.RpcError on server errors (e.g. INVALID_ARGUMENT)."""
+        return self.forward_full(hidden, topk_ids, topk_weights, layer=layer, dtype=dtype,
+                                 request_id=request_id, return_timings=False,
+                                 timeout=timeout).output
