@@ -1,0 +1,161 @@
+#include "server/convert.h"
+
+#include <cstddef>
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace moeserve {
+
+absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
+    case v1::DTYPE_FP16:
+      return DType::kFP16;
+    case v1::DTYPE_FP32:
+      return DType::kFP32;
+    case v1::DTYPE_INT32:
+      return DType::kINT32;
+    case v1::DTYPE_INT64:
+      return DType::kINT64;
+    case v1::DTYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": dtype is DTYPE_UNSPECIFIED; expected one of DTYPE_BF16, "
+                              "DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64"));
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": unknown dtype value ", dtype,
+                       "; expected one of DTYPE_BF16 (1), DTYPE_FP16 (2), DTYPE_FP32 (3), "
+                       "DTYPE_INT32 (4), DTYPE_INT64 (5)"));
+  }
+}
+
+v1::DType DTypeToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return v1::DTYPE_BF16;
+    case DType::kFP16:
+      return v1::DTYPE_FP16;
+    case DType::kFP32:
+      return v1::DTYPE_FP32;
+    case DType::kINT32:
+      return v1::DTYPE_INT32;
+    case DType::kINT64:
+      return v1::DTYPE_INT64;
+    default:
+      return v1::DTYPE_UNSPECIFIED;
+  }
+}
+
+absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor,
+                                               absl::string_view field) {
+  MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(tensor.dtype(), field));
+  const int64_t itemsize = static_cast<int64_t>(DTypeSize(dtype));
+  Shape shape(tensor.shape().begin(), tensor.shape().end());
+  // Bytes needed, checked for overflow at every step; the data can never exceed int64 anyway.
+  int64_t bytes = itemsize;
+  for (int i = 0; i < static_cast<int>(shape.size()); ++i) {
+    if (shape[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeToString(shape),
+                                                     " has negative dim ", shape[i], " at index ",
+                                                     i, "; dims must be >= 0"));
+    }
+  }
+  for (int64_t d : shape) {
+    if (d == 0) {
+      bytes = 0;
+      break;
+    }
+  }
+  if (bytes != 0) {
+    for (int64_t d : shape) {
+      if (__builtin_mul_overflow(bytes, d, &bytes)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": shape ", ShapeToString(shape), " x ", itemsize,
+                         " bytes of ", DTypeName(dtype), " overflows 64-bit sizes"));
+      }
+    }
+  }
+  const std::string& data = tensor.data();
+  if (static_cast<int64_t>(data.size()) != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": data has ", data.size(), " bytes, expected ", bytes, " (shape ",
+                     ShapeToString(shape), " x ", itemsize, " bytes of ", DTypeName(dtype), ")"));
+  }
+  // std::string storage comes from operator new (16-byte aligned) or, for short strings, sits
+  // inside the string object (8-byte aligned); either satisfies every wire dtype.
+  if (reinterpret_cast<uintptr_t>(data.data()) % itemsize != 0) {
+    return absl::InternalError(absl::StrCat(field, ": data is not ", itemsize,
+                                            "-byte aligned in server memory"));
+  }
+  return TensorView(static_cast<const void*>(data.data()), dtype, std::move(shape));
+}
+
+TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tensor) {
+  tensor->set_dtype(DTypeToProto(dtype));
+  tensor->mutable_shape()->Clear();
+  for (int64_t d : shape) tensor->add_shape(d);
+  std::string* data = tensor->mutable_data();
+  data->resize(static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype));
+  return TensorView(static_cast<void*>(data->data()), dtype, shape);
+}
+
+absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request) {
+  ForwardInput input;
+  input.layer = request.layer();
+  MOESERVE_ASSIGN_OR_RETURN(input.hidden_states,
+                            TensorViewFromProto(request.hidden_states(), "hidden_states"));
+  MOESERVE_ASSIGN_OR_RETURN(input.topk_ids, TensorViewFromProto(request.topk_ids(), "topk_ids"));
+  MOESERVE_ASSIGN_OR_RETURN(input.topk_weights,
+                            TensorViewFromProto(request.topk_weights(), "topk_weights"));
+  return input;
+}
+
+void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::ModelInfo* out) {
+  const ModelConfig& m = info.model;
+  out->set_model_name(m.name);
+  out->set_num_layers(m.num_layers);
+  out->set_num_experts(m.num_experts);
+  out->set_topk(m.topk);
+  out->set_hidden(static_cast<int32_t>(m.hidden));
+  out->set_intermediate(static_cast<int32_t>(m.intermediate));
+  out->clear_accepted_hidden_dtypes();
+  for (DType d : info.hidden_dtypes) out->add_accepted_hidden_dtypes(DTypeToProto(d));
+  out->clear_accepted_topk_ids_dtypes();
+  for (DType d : info.topk_ids_dtypes) out->add_accepted_topk_ids_dtypes(DTypeToProto(d));
+  out->set_weight_format(std::string(WeightFormatName(info.weight_format)));
+  out->set_num_ranks(info.num_ranks);
+  out->set_backend(info.backend);
+  out->set_max_tokens_per_request(info.max_tokens_per_request);
+  out->set_prepare_finalize(info.prepare_finalize);
+  out->set_experts(info.experts);
+  out->set_activation("silu");
+  out->set_max_message_bytes(max_message_bytes);
+  out->set_placement(info.placement);
+  out->clear_expert_placement();
+  for (size_t r = 0; r < info.rank_experts.size(); ++r) {
+    v1::ExpertPlacement* p = out->add_expert_placement();
+    p->set_rank(static_cast<int32_t>(r));
+    for (int e : info.rank_experts[r]) p->add_expert_ids(e);
+  }
+  out->clear_moe_layers();
+  if (m.moe_layers.empty()) {
+    for (int l = 0; l < m.num_layers; ++l) out->add_moe_layers(l);
+  } else {
+    for (int l : m.moe_layers) out->add_moe_layers(l);
+  }
+}
+
+void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us,
+                           double total_us, v1::StageTimings* out) {
+  out->set_queue_us(server_queue_us + timings.queue_us);
+  out->set_prepare_us(timings.stages.prepare_us);
+  out->set_experts_us(timings.stages.experts_us);
+  out->set_finalize_us(timings.stages.finalize_us);
+  out->set_total_us(total_us);
+}
+
+}  // namespace moeserve

@@ -1,0 +1,50 @@
+// The one place that translates between the wire API (moeserve.v1 protos) and core types.
+//
+// Tensor views made from a proto point into that proto's `data` bytes: the proto must outlive
+// the view and must not be modified while the view is in use.
+#ifndef MOESERVE_SERVER_CONVERT_H_
+#define MOESERVE_SERVER_CONVERT_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/dtype.h"
+#include "core/engine.h"
+#include "core/tensor.h"
+#include "moeserve/v1/moeserve.pb.h"
+
+namespace moeserve {
+
+// Wire dtype -> core dtype. INVALID_ARGUMENT naming `field` for DTYPE_UNSPECIFIED and for
+// values this build does not know (proto3 keeps unknown enum values as plain ints).
+absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field);
+// Core dtype -> wire dtype; DTYPE_UNSPECIFIED for dtypes the wire API does not carry.
+v1::DType DTypeToProto(DType dtype);
+
+// A read-only view of `tensor`'s bytes. Checks (INVALID_ARGUMENT naming `field`): known dtype,
+// non-negative dims, no overflow of product(shape) * itemsize, and data length equal to
+// product(shape) * itemsize. Rank and model-specific checks are left to the caller
+// (ValidateForwardInput).
+absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor, absl::string_view field);
+
+// Sets `tensor`'s dtype and shape and sizes its data to hold them; returns a writable view of
+// that data so the producer writes straight into the reply (no extra copy). The view stays
+// valid until `tensor`'s data is next modified.
+TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tensor);
+
+// The request's layer and tensors as a ForwardInput viewing `request` (see the file comment).
+absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request);
+
+// Engine description -> ModelInfo. `max_message_bytes` is the server's gRPC message limit.
+void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::ModelInfo* out);
+
+// Engine timings plus the server's own queueing and total time -> StageTimings.
+// queue_us = server_queue_us (waiting for a worker) + timings.queue_us (waiting for the engine).
+void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us,
+                           double total_us, v1::StageTimings* out);
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_SERVER_CONVERT_H_

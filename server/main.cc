@@ -1,0 +1,213 @@
+// moeserve: serves the expert layers of a Mixture-of-Experts model over gRPC.
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/engine.h"
+#include "core/model_config.h"
+#include "core/status_macros.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "Comma-separated host:port list to serve gRPC on; port 0 binds a free port");
+ABSL_FLAG(std::string, model, "tiny", "Model preset: tiny, qwen3-30b-a3b, deepseek-v3, seed-megamoe");
+ABSL_FLAG(int32_t, num_layers, 0, "Override the preset's number of layers (0: preset value)");
+ABSL_FLAG(int32_t, num_experts, 0, "Override the preset's number of experts (0: preset value)");
+ABSL_FLAG(int32_t, topk, 0, "Override the preset's top-k (0: preset value)");
+ABSL_FLAG(int64_t, hidden, 0, "Override the preset's hidden size (0: preset value)");
+ABSL_FLAG(int64_t, intermediate, 0, "Override the preset's intermediate size (0: preset value)");
+ABSL_FLAG(uint64_t, seed, 0, "Seed of the synthetic weights");
+ABSL_FLAG(std::string, backend, "cpu", "Compute backend: cpu");
+ABSL_FLAG(std::string, experts, "blas", "Experts implementation: reference or blas");
+ABSL_FLAG(std::string, weight_format, "bf16", "Expert weight format: bf16 or mxfp8");
+ABSL_FLAG(std::string, checkpoint, "",
+          "Hugging Face checkpoint directory (empty: synthetic weights from --seed)");
+ABSL_FLAG(int32_t, ranks, 1, "Expert-parallel ranks");
+ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
+ABSL_FLAG(int32_t, server_threads, 2, "Worker threads running Forward calls");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
+          "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
+          "Most tokens (M) one Forward may carry; more fail with RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
+          "host:port of the Prometheus /metrics endpoint (empty: off; port 0: a free port)");
+ABSL_FLAG(std::string, ready_file, "",
+          "If set, once serving write 'HOST:PORT' (first listen address, bound port) and, with "
+          "metrics on, 'metrics HOST:PORT' to this file (atomically)");
+
+namespace moeserve {
+namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+
+void OnSignal(int signo) {
+  // Async-signal-safe: one byte to wake the main thread.
+  const char byte = static_cast<char>(signo);
+  const int saved = errno;
+  (void)!write(g_signal_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+absl::Status InstallSignalHandlers() {
+  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("pipe2: errno ", errno));
+  }
+  fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK);
+  struct sigaction sa = {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  if (sigaction(SIGTERM, &sa, nullptr) != 0 || sigaction(SIGINT, &sa, nullptr) != 0) {
+    return absl::InternalError(absl::StrCat("sigaction: errno ", errno));
+  }
+  signal(SIGPIPE, SIG_IGN);  // a client hanging up must not kill the server
+  return absl::OkStatus();
+}
+
+// Blocks until SIGTERM or SIGINT; returns the signal.
+int WaitForSignal() {
+  for (;;) {
+    char byte = 0;
+    const ssize_t n = read(g_signal_pipe[0], &byte, 1);
+    if (n == 1) return static_cast<unsigned char>(byte);
+    if (n < 0 && errno == EINTR) continue;
+    return 0;
+  }
+}
+
+absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
+  EngineOptions options;
+  MOESERVE_ASSIGN_OR_RETURN(ModelConfig model, ModelPreset(absl::GetFlag(FLAGS_model)));
+  ModelOverrides overrides;
+  auto positive = [](auto v) { return v > 0 ? std::optional(v) : std::nullopt; };
+  overrides.num_layers = positive(absl::GetFlag(FLAGS_num_layers));
+  overrides.num_experts = positive(absl::GetFlag(FLAGS_num_experts));
+  overrides.topk = positive(absl::GetFlag(FLAGS_topk));
+  overrides.hidden = positive(absl::GetFlag(FLAGS_hidden));
+  overrides.intermediate = positive(absl::GetFlag(FLAGS_intermediate));
+  for (auto [name, value] : {std::pair<const char*, int64_t>{"num_layers", absl::GetFlag(FLAGS_num_layers)},
+                             {"num_experts", absl::GetFlag(FLAGS_num_experts)},
+                             {"topk", absl::GetFlag(FLAGS_topk)},
+                             {"hidden", absl::GetFlag(FLAGS_hidden)},
+                             {"intermediate", absl::GetFlag(FLAGS_intermediate)}}) {
+    if (value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, ": got ", value, ", expected >= 0 (0: preset value)"));
+    }
+  }
+  MOESERVE_ASSIGN_OR_RETURN(options.model, ApplyOverrides(std::move(model), overrides));
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.experts = absl::GetFlag(FLAGS_experts);
+  MOESERVE_ASSIGN_OR_RETURN(options.weight_format,
+                            ParseWeightFormat(absl::GetFlag(FLAGS_weight_format)));
+  options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint);
+  options.num_ranks = absl::GetFlag(FLAGS_ranks);
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.num_threads = absl::GetFlag(FLAGS_threads);
+  options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
+  return options;
+}
+
+absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_address,
+                            const std::string& metrics_address) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  std::string text = absl::StrCat(grpc_address, "\n");
+  if (!metrics_address.empty()) absl::StrAppend(&text, "metrics ", metrics_address, "\n");
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) {
+    return absl::UnavailableError(absl::StrCat("--ready_file: cannot write ", tmp));
+  }
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const bool closed = std::fclose(f) == 0;
+  if (!written || !closed || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat("--ready_file: cannot write ", path));
+  }
+  return absl::OkStatus();
+}
+
+int Run() {
+  if (absl::Status s = InstallSignalHandlers(); !s.ok()) {
+    std::fprintf(stderr, "moeserve: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  absl::StatusOr<EngineOptions> options = EngineOptionsFromFlags();
+  if (!options.ok()) {
+    std::fprintf(stderr, "moeserve: bad flags: %s\n", options.status().ToString().c_str());
+    return 1;
+  }
+  // Never serve wrong weights: any failure to build the engine ends the process.
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*options);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "moeserve: cannot create the engine: %s\n",
+                 engine.status().ToString().c_str());
+    return 1;
+  }
+  ServerOptions server_options;
+  server_options.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
+  server_options.server_threads = absl::GetFlag(FLAGS_server_threads);
+  server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  server_options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  absl::StatusOr<std::unique_ptr<MoeServer>> server =
+      MoeServer::Start(engine->get(), server_options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "moeserve: cannot start serving: %s\n",
+                 server.status().ToString().c_str());
+    return 1;
+  }
+  const EngineInfo& info = (*engine)->info();
+  const ModelConfig& m = info.model;
+  std::fprintf(stderr,
+               "moeserve serving model=%s (layers=%d experts=%d topk=%d hidden=%lld "
+               "intermediate=%lld) backend=%s experts=%s ranks=%d weights=%s grpc=%s metrics=%s\n",
+               m.name.c_str(), m.num_layers, m.num_experts, m.topk,
+               static_cast<long long>(m.hidden), static_cast<long long>(m.intermediate),
+               info.backend.c_str(), info.experts.c_str(), info.num_ranks,
+               std::string(WeightFormatName(info.weight_format)).c_str(),
+               absl::StrJoin((*server)->bound_addresses(), ",").c_str(),
+               (*server)->metrics_address().empty() ? "off"
+                                                    : (*server)->metrics_address().c_str());
+  std::fflush(stderr);
+  if (const std::string path = absl::GetFlag(FLAGS_ready_file); !path.empty()) {
+    if (absl::Status s =
+            WriteReadyFile(path, (*server)->bound_addresses()[0], (*server)->metrics_address());
+        !s.ok()) {
+      std::fprintf(stderr, "moeserve: %s\n", s.ToString().c_str());
+      (*server)->Shutdown(std::chrono::milliseconds(0));
+      return 1;
+    }
+  }
+  const int signo = WaitForSignal();
+  std::fprintf(stderr, "moeserve: signal %d, shutting down (in-flight calls may finish)\n",
+               signo);
+  (*server)->Shutdown(MoeServer::kDefaultShutdownDeadline);
+  server->reset();
+  engine->reset();
+  std::fprintf(stderr, "moeserve: stopped\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace moeserve
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Serves the expert layers of a Mixture-of-Experts model over gRPC.\n"
+      "  moeserve --model=tiny --listen=127.0.0.1:50051 --metrics_address=127.0.0.1:9090");
+  absl::ParseCommandLine(argc, argv);
+  return moeserve::Run();
+}

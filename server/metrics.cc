@@ -1,0 +1,156 @@
+#include "server/metrics.h"
+
+#include <exception>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace moeserve {
+
+namespace {
+
+// 100us .. 10s, 1-2.5-5 per decade.
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  return {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+          5e-2, 0.1,    0.25, 0.5,  1.0,  2.5,    5.0,  10.0};
+}
+
+// Stages can be far shorter than a request: 10us .. 10s.
+prometheus::Histogram::BucketBoundaries StageBuckets() {
+  prometheus::Histogram::BucketBoundaries b = {1e-5, 2.5e-5, 5e-5};
+  for (double v : LatencyBuckets()) b.push_back(v);
+  return b;
+}
+
+}  // namespace
+
+absl::string_view GrpcCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& address) {
+  auto m = std::unique_ptr<Metrics>(new Metrics());
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  prometheus::Registry& r = *m->registry_;
+  m->requests_ = &prometheus::BuildCounter()
+                      .Name("moeserve_requests_total")
+                      .Help("RPCs answered, by method and gRPC status code")
+                      .Register(r);
+  m->latency_ = &prometheus::BuildHistogram()
+                     .Name("moeserve_request_latency_seconds")
+                     .Help("Server-side RPC latency, from handler entry to reply, by method")
+                     .Register(r);
+  m->tokens_ = &prometheus::BuildCounter()
+                    .Name("moeserve_tokens_total")
+                    .Help("Tokens answered by successful Forward calls")
+                    .Register(r)
+                    .Add({});
+  auto& stages = prometheus::BuildHistogram()
+                     .Name("moeserve_forward_stage_seconds")
+                     .Help("Time per Forward stage: queue (worker + engine), prepare, experts, "
+                           "finalize")
+                     .Register(r);
+  m->stage_queue_ = &stages.Add({{"stage", "queue"}}, StageBuckets());
+  m->stage_prepare_ = &stages.Add({{"stage", "prepare"}}, StageBuckets());
+  m->stage_experts_ = &stages.Add({{"stage", "experts"}}, StageBuckets());
+  m->stage_finalize_ = &stages.Add({{"stage", "finalize"}}, StageBuckets());
+  m->inflight_ = &prometheus::BuildGauge()
+                      .Name("moeserve_inflight_requests")
+                      .Help("RPCs received and not yet answered")
+                      .Register(r)
+                      .Add({});
+  m->model_info_ = &prometheus::BuildGauge()
+                        .Name("moeserve_model_info")
+                        .Help("The served model and configuration (value is always 1)")
+                        .Register(r);
+  if (address.empty()) return m;
+
+  // civetweb (under prometheus-cpp) reports bind failures as exceptions; keep them here.
+  try {
+    m->exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: cannot listen on '", address, "': ", e.what()));
+  }
+  m->exposer_->RegisterCollectable(m->registry_);
+  const std::vector<int> ports = m->exposer_->GetListeningPorts();
+  if (ports.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: no listening port after binding '", address, "'"));
+  }
+  m->port_ = ports[0];
+  const size_t colon = address.rfind(':');
+  const std::string host = colon == std::string::npos ? "0.0.0.0" : address.substr(0, colon);
+  m->bound_address_ = absl::StrCat(host, ":", m->port_);
+  return m;
+}
+
+Metrics::~Metrics() {
+  // Stop serving HTTP before the registry and metrics go away.
+  exposer_.reset();
+}
+
+void Metrics::SetModelInfo(const EngineInfo& info) {
+  model_info_
+      ->Add({{"model", info.model.name},
+             {"backend", info.backend},
+             {"weight_format", std::string(WeightFormatName(info.weight_format))},
+             {"num_ranks", absl::StrCat(info.num_ranks)},
+             {"experts", info.experts},
+             {"prepare_finalize", info.prepare_finalize}})
+      .Set(1);
+}
+
+void Metrics::RecordRequest(absl::string_view method, grpc::StatusCode code, double seconds) {
+  const std::string m(method);
+  requests_->Add({{"method", m}, {"code", std::string(GrpcCodeName(code))}}).Increment();
+  latency_->Add({{"method", m}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::AddTokens(int64_t tokens) { tokens_->Increment(static_cast<double>(tokens)); }
+
+void Metrics::RecordStages(double queue_us, const StageTimings& stages) {
+  stage_queue_->Observe(queue_us * 1e-6);
+  stage_prepare_->Observe(stages.prepare_us * 1e-6);
+  stage_experts_->Observe(stages.experts_us * 1e-6);
+  stage_finalize_->Observe(stages.finalize_us * 1e-6);
+}
+
+}  // namespace moeserve

@@ -1,0 +1,77 @@
+// Prometheus metrics of one moeserve process, served over HTTP at /metrics.
+//
+// Thread-safe: every recording method may be called from any thread.
+#ifndef MOESERVE_SERVER_METRICS_H_
+#define MOESERVE_SERVER_METRICS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/support/status.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/engine.h"
+
+namespace moeserve {
+
+class Metrics {
+ public:
+  // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
+  // empty, an HTTP exposer bound to it. UNAVAILABLE if the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& address);
+  ~Metrics();
+
+  // moeserve_model_info{model,backend,weight_format,num_ranks,experts,prepare_finalize} = 1.
+  void SetModelInfo(const EngineInfo& info);
+
+  // One finished RPC: moeserve_requests_total{method,code} and
+  // moeserve_request_latency_seconds{method}.
+  void RecordRequest(absl::string_view method, grpc::StatusCode code, double seconds);
+  // Tokens answered by successful Forwards: moeserve_tokens_total.
+  void AddTokens(int64_t tokens);
+  // moeserve_forward_stage_seconds{stage=queue|prepare|experts|finalize}; queue_us includes
+  // the wait for a server worker.
+  void RecordStages(double queue_us, const StageTimings& stages);
+  // moeserve_inflight_requests.
+  void IncrementInflight() { inflight_->Increment(); }
+  void DecrementInflight() { inflight_->Decrement(); }
+
+  // Bound HTTP port, 0 when metrics are off.
+  int port() const { return port_; }
+  // "host:port" with the bound port; empty when metrics are off.
+  const std::string& address() const { return bound_address_; }
+  prometheus::Registry& registry() { return *registry_; }
+
+ private:
+  Metrics() = default;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+  std::string bound_address_;
+
+  prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* latency_ = nullptr;
+  prometheus::Counter* tokens_ = nullptr;
+  prometheus::Histogram* stage_queue_ = nullptr;
+  prometheus::Histogram* stage_prepare_ = nullptr;
+  prometheus::Histogram* stage_experts_ = nullptr;
+  prometheus::Histogram* stage_finalize_ = nullptr;
+  prometheus::Gauge* inflight_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
+};
+
+// "OK", "INVALID_ARGUMENT", ... as gRPC spells the code.
+absl::string_view GrpcCodeName(grpc::StatusCode code);
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_SERVER_METRICS_H_

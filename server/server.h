@@ -1,0 +1,71 @@
+// A running moeserve gRPC server: MoeService, the standard health service, reflection and the
+// Prometheus endpoint, around an Engine that is ready (weights loaded) before it starts.
+#ifndef MOESERVE_SERVER_SERVER_H_
+#define MOESERVE_SERVER_SERVER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "core/engine.h"
+#include "server/metrics.h"
+#include "server/service.h"
+
+namespace moeserve {
+
+inline constexpr char kMoeServiceName[] = "moeserve.v1.MoeService";
+
+struct ServerOptions {
+  // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
+  std::vector<std::string> listen_addresses = {"0.0.0.0:50051"};
+  int server_threads = 2;                  // Forward worker threads
+  int64_t max_message_bytes = 64 << 20;    // receive and send limit per message
+  std::string metrics_address = "0.0.0.0:9090";  // empty: no metrics endpoint
+};
+
+// Splits "a:1,b:2" into addresses, dropping empty items and surrounding spaces.
+std::vector<std::string> SplitListenAddresses(const std::string& list);
+
+class MoeServer {
+ public:
+  // Binds every address and the metrics endpoint, then marks "" and kMoeServiceName SERVING.
+  // `engine` must be ready and outlive the server. UNAVAILABLE naming the address when one
+  // cannot be bound.
+  static absl::StatusOr<std::unique_ptr<MoeServer>> Start(Engine* engine,
+                                                          const ServerOptions& options);
+  // Shutdown(kDefaultShutdownDeadline) if not done yet.
+  ~MoeServer();
+
+  static constexpr std::chrono::seconds kDefaultShutdownDeadline{30};
+
+  // Marks NOT_SERVING, stops accepting calls, lets in-flight calls finish until `deadline`
+  // (then cancels them), drains the workers. Idempotent.
+  void Shutdown(std::chrono::milliseconds deadline = kDefaultShutdownDeadline);
+
+  // listen_addresses with each port resolved to the bound port, in order.
+  const std::vector<std::string>& bound_addresses() const { return bound_addresses_; }
+  int port() const { return bound_ports_.empty() ? 0 : bound_ports_[0]; }
+  Metrics& metrics() { return *metrics_; }
+  // "host:port" of the metrics endpoint, empty when off.
+  const std::string& metrics_address() const { return metrics_->address(); }
+
+ private:
+  MoeServer() = default;
+
+  Engine* engine_ = nullptr;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<MoeServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::vector<int> bound_ports_;
+  std::vector<std::string> bound_addresses_;
+  bool shut_down_ = false;
+};
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_SERVER_SERVER_H_

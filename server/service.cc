@@ -1,0 +1,131 @@
+#include "server/service.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/convert.h"
+#include "server/status.h"
+
+namespace moeserve {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double MicrosSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+MoeServiceImpl::MoeServiceImpl(Engine* engine, Metrics* metrics, const ServiceOptions& options)
+    : engine_(engine),
+      metrics_(metrics),
+      options_(options),
+      workers_(options.num_worker_threads) {}
+
+MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
+
+grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* context,
+                                                  const v1::ForwardRequest* request,
+                                                  v1::ForwardResponse* response) {
+  const Clock::time_point start = Clock::now();
+  if (metrics_) metrics_->IncrementInflight();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Records metrics and answers; `tokens` counts only on success.
+  auto finish = [this, reactor, start](const absl::Status& status, int64_t tokens) {
+    const grpc::Status grpc_status = ToGrpcStatus(status);
+    if (metrics_) {
+      if (status.ok()) metrics_->AddTokens(tokens);
+      metrics_->RecordRequest("Forward", grpc_status.error_code(), MicrosSince(start) * 1e-6);
+      metrics_->DecrementInflight();
+    }
+    reactor->Finish(grpc_status);
+  };
+  auto task = [this, context, request, response, start, finish]() {
+    const double server_queue_us = MicrosSince(start);
+    if (context->IsCancelled()) {
+      finish(absl::CancelledError("Forward: cancelled by the client before it ran"), 0);
+      return;
+    }
+    absl::StatusOr<ForwardInput> input = ForwardInputFromProto(*request);
+    if (!input.ok()) return finish(input.status(), 0);
+    // Validate before sizing the output: the output shape comes from hidden_states.
+    const EngineInfo& info = engine_->info();
+    if (absl::Status s = ValidateForwardInput(info.model, info.max_tokens_per_request, *input);
+        !s.ok()) {
+      return finish(s, 0);
+    }
+    const int64_t m = input->hidden_states.dim(0);
+    const TensorView output = AllocateProtoTensor(input->hidden_states.dtype(),
+                                                  {m, info.model.hidden},
+                                                  response->mutable_output());
+    ForwardTimings timings;
+    if (absl::Status s = engine_->Forward(*input, output, &timings); !s.ok()) {
+      response->clear_output();
+      return finish(s, 0);
+    }
+    response->set_request_id(request->request_id());
+    if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
+    if (request->return_timings()) {
+      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
+                            response->mutable_timings());
+    }
+    finish(absl::OkStatus(), m);
+  };
+  if (!workers_.Submit(task)) {
+    finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
+                                                       const v1::GetModelInfoRequest* request,
+                                                       v1::ModelInfo* response) {
+  const Clock::time_point start = Clock::now();
+  if (metrics_) metrics_->IncrementInflight();
+  EngineInfoToProto(engine_->info(), options_.max_message_bytes, response);
+  if (metrics_) {
+    metrics_->RecordRequest("GetModelInfo", grpc::StatusCode::OK, MicrosSince(start) * 1e-6);
+    metrics_->DecrementInflight();
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
+    grpc::CallbackServerContext* context, const v1::GetExpertWeightsRequest* request,
+    v1::GetExpertWeightsResponse* response) {
+  const Clock::time_point start = Clock::now();
+  if (metrics_) metrics_->IncrementInflight();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto finish = [this, reactor, start](const absl::Status& status) {
+    const grpc::Status grpc_status = ToGrpcStatus(status);
+    if (metrics_) {
+      metrics_->RecordRequest("GetExpertWeights", grpc_status.error_code(),
+                              MicrosSince(start) * 1e-6);
+      metrics_->DecrementInflight();
+    }
+    reactor->Finish(grpc_status);
+  };
+  // Dequantizing one expert of a large model takes milliseconds: keep it off gRPC's threads.
+  auto task = [this, request, response, finish]() {
+    const ModelConfig& model = engine_->info().model;
+    const int64_t k = model.hidden, n = model.intermediate;
+    const TensorView w13 = AllocateProtoTensor(DType::kBF16, {2 * n, k}, response->mutable_w13());
+    const TensorView w2 = AllocateProtoTensor(DType::kBF16, {k, n}, response->mutable_w2());
+    absl::Status s = engine_->GetExpertWeightsBf16(request->layer(), request->expert(),
+                                                   w13.data<uint16_t>(), w2.data<uint16_t>());
+    if (!s.ok()) response->Clear();
+    finish(s);
+  };
+  if (!workers_.Submit(task)) {
+    finish(absl::UnavailableError("GetExpertWeights: the server is shutting down"));
+  }
+  return reactor;
+}
+
+}  // namespace moeserve

@@ -1,0 +1,56 @@
+// moeserve.v1.MoeService on gRPC's callback API.
+//
+// Forward and GetExpertWeights run on the service's own worker threads (a WorkQueue), never on
+// gRPC's callback threads; each reply is Finished from the worker. GetModelInfo answers inline.
+#ifndef MOESERVE_SERVER_SERVICE_H_
+#define MOESERVE_SERVER_SERVICE_H_
+
+#include <cstdint>
+
+#include <grpcpp/grpcpp.h>
+
+#include "core/engine.h"
+#include "moeserve/v1/moeserve.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/work_queue.h"
+
+namespace moeserve {
+
+struct ServiceOptions {
+  int num_worker_threads = 2;
+  // Reported in ModelInfo; the limit itself is set on the ServerBuilder.
+  int64_t max_message_bytes = 64 << 20;
+};
+
+class MoeServiceImpl final : public v1::MoeService::CallbackService {
+ public:
+  // `engine` and `metrics` must outlive the service; `metrics` may be null.
+  MoeServiceImpl(Engine* engine, Metrics* metrics, const ServiceOptions& options);
+  // Drains the workers.
+  ~MoeServiceImpl() override;
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                    const v1::ForwardRequest* request,
+                                    v1::ForwardResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* GetExpertWeights(grpc::CallbackServerContext* context,
+                                             const v1::GetExpertWeightsRequest* request,
+                                             v1::GetExpertWeightsResponse* response) override;
+
+  // Runs every queued call and stops the workers; calls arriving later get UNAVAILABLE. Call
+  // after grpc::Server::Shutdown (which waits for in-flight calls) and before destroying the
+  // server. Idempotent.
+  void Drain() { workers_.Drain(); }
+
+ private:
+  Engine* const engine_;
+  Metrics* const metrics_;
+  const ServiceOptions options_;
+  WorkQueue workers_;
+};
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_SERVER_SERVICE_H_
