@@ -1,0 +1,489 @@
+#include "kernels/cuda/moe_gemm.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace moeserve::kernels {
+namespace {
+
+constexpr int kBM = 128;
+constexpr int kBK = 64;
+constexpr int kThreads = 256;
+constexpr int kMaxGemmExperts = 2048;
+
+// Logical K (inside a block of 32) stored at packed position p: thread t4 of an MMA quad reads
+// packed [8 t4, 8 t4 + 8) = logical {2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17, 2t+24, 2t+25}, which
+// is its A fragment for two consecutive k16 MMAs.
+__host__ __device__ inline int PermutedK(int p) {
+  const int t = p / 8, q = p % 8;
+  return 2 * t + (q % 2) + (q / 2) * 8;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing.
+
+template <typename T>
+__global__ void PackKernel(const T* __restrict__ src, const uint8_t* __restrict__ src_scale,
+                           int64_t num_experts, int64_t src_rows, int64_t k, int64_t rows,
+                           int64_t kp, bool interleave_w13, int64_t half_rows,
+                           T* __restrict__ dst, uint8_t* __restrict__ dst_scale) {
+  // One thread per packed 32-block (32 values + 1 scale).
+  const int64_t blocks_per_row = kp / 32;
+  const int64_t total = num_experts * rows * blocks_per_row;
+  const int64_t src_blocks = (k + 31) / 32;
+  const int64_t num_kb = kp / kBK;
+  const int64_t mtiles = rows / kBM;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i % blocks_per_row;
+    const int64_t row = (i / blocks_per_row) % rows;
+    const int64_t e = i / (blocks_per_row * rows);
+    int64_t srow;
+    if (interleave_w13) {  // 16-row groups: 8 gate rows, then the 8 matching up rows
+      const int64_t j = (row / 16) * 8 + row % 8;
+      srow = j < half_rows ? ((row % 16) < 8 ? j : half_rows + j) : -1;
+    } else {
+      srow = row < src_rows ? row : -1;
+    }
+    T* out = dst + (e * rows + row) * kp + b * 32;
+    for (int p = 0; p < 32; ++p) {
+      const int64_t kk = b * 32 + PermutedK(p);
+      T v = T(0);
+      if (srow >= 0 && kk < k) v = src[(e * src_rows + srow) * k + kk];
+      out[p] = v;
+    }
+    if (dst_scale != nullptr) {
+      uint8_t s = 127;
+      if (srow >= 0 && b < src_blocks) s = src_scale[(e * src_rows + srow) * src_blocks + b];
+      // Tile layout [E][mtiles][num_kb][BM][2].
+      const int64_t mt = row / kBM, r = row % kBM, kb = b / 2;
+      dst_scale[(((e * mtiles + mt) * num_kb + kb) * kBM + r) * 2 + (b % 2)] = s;
+    }
+  }
+}
+
+cudaError_t LaunchPack(const void* src, const uint8_t* src_scale, int64_t num_experts,
+                       int64_t src_rows, int64_t k, int64_t rows, int64_t kp, bool interleave,
+                       int64_t half_rows, int elem_bytes, void* dst, uint8_t* dst_scale,
+                       cudaStream_t stream) {
+  if (elem_bytes != 1 && elem_bytes != 2) return cudaErrorInvalidValue;
+  if (elem_bytes == 1 && (src_scale == nullptr || dst_scale == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t total = num_experts * rows * (kp / 32);
+  if (total == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(total / 256 + 1 < 65535 ? total / 256 + 1 : 65535);
+  if (elem_bytes == 2) {
+    PackKernel<uint16_t><<<blocks, 256, 0, stream>>>(
+        static_cast<const uint16_t*>(src), nullptr, num_experts, src_rows, k, rows, kp, interleave,
+        half_rows, static_cast<uint16_t*>(dst), nullptr);
+  } else {
+    PackKernel<uint8_t><<<blocks, 256, 0, stream>>>(
+        static_cast<const uint8_t*>(src), src_scale, num_experts, src_rows, k, rows, kp,
+        interleave, half_rows, static_cast<uint8_t*>(dst), dst_scale);
+  }
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization.
+
+__device__ __forceinline__ float E8M0ToFloat(uint32_t code) {
+  return __uint_as_float(code != 0 ? (code << 23) : 0x00400000u);  // 2^-127 is subnormal
+}
+
+// Two E4M3 values (low byte = lower k) times a power of two -> BF16x2, exact.
+__device__ __forceinline__ uint32_t DequantPair(uint32_t two, float s) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+__global__ void DequantKernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ scales,
+                              int64_t rows, int64_t k, uint16_t* __restrict__ out) {
+  const int64_t blocks = (k + 31) / 32;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * k;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / k, c = i % k;
+    const uint32_t v = DequantPair(q[i], E8M0ToFloat(scales[r * blocks + c / 32]));
+    out[i] = static_cast<uint16_t>(v & 0xffffu);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM.
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void Mma(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void Ldmatrix4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+struct Unit {
+  int e = 0, mt = 0, nt = 0, cnt = 0, row0 = 0;
+};
+
+template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
+struct GemmCfg {
+  static constexpr int kEsize = kFp8 ? 1 : 2;
+  static constexpr int kABytes = kBM * kBK * kEsize;
+  static constexpr int kSBytes = kFp8 ? kBM * 2 : 0;
+  static constexpr int kBStride = kBK + 8;  // BF16 elements per B row (16 B pad: no conflicts)
+  static constexpr int kBBytes = BN * kBStride * 2;
+  static constexpr int kStageBytes = (kABytes + kSBytes + kBBytes + 127) / 128 * 128;
+  static constexpr int kPipeBytes = kStageBytes * STAGES;
+  static constexpr int kWTM = kBM / WM, kWTN = BN / WN;
+  static constexpr int kMI = kWTM / 16, kNI = kWTN / 8;
+  static constexpr int kBChunks = (BN * 8 + kThreads - 1) / kThreads;
+  static_assert(WM * WN * 32 == kThreads, "8 warps");
+  static_assert(kNI % 2 == 0, "ldmatrix.x4 loads two n-fragments");
+  static size_t SmemBytes(int num_experts) {
+    return kPipeBytes + static_cast<size_t>(3 * num_experts + 1) * sizeof(int32_t);
+  }
+};
+
+template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
+__global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams p) {
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int E = p.num_experts;
+  int32_t* s_cnt = reinterpret_cast<int32_t*>(smem + C::kPipeBytes);
+  int32_t* s_row0 = s_cnt + E;
+  int32_t* s_prefix = s_row0 + E;  // [E + 1] units before expert e
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const bool gate_up = KIND == MoeGemmKind::kGateUpSilu;
+  const int64_t kp = gate_up ? p.layout.hidden_padded : p.layout.intermediate_padded;
+  const int64_t rows_packed = gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows;
+  const int64_t k_valid = gate_up ? p.layout.hidden : p.layout.intermediate_padded;
+  const int mtiles = static_cast<int>(rows_packed / kBM);
+  const int num_kb = static_cast<int>(kp / kBK);
+
+  for (int e = tid; e < E; e += kThreads) {
+    int c = p.expert_counts[e];
+    c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
+    s_cnt[e] = c;
+    s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
+                                            : static_cast<int32_t>(e * p.offset_stride);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int chunk = (E + 31) / 32;
+    const int lo = lane * chunk, hi = min(E, lo + chunk);
+    int sum = 0;
+    for (int e = lo; e < hi; ++e) sum += (s_cnt[e] + BN - 1) / BN * mtiles;
+    int inc = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    int run = inc - sum;
+    for (int e = lo; e < hi; ++e) {
+      s_prefix[e] = run;
+      run += (s_cnt[e] + BN - 1) / BN * mtiles;
+    }
+    if (lane == 31) s_prefix[E] = inc;
+  }
+  __syncthreads();
+  const int total_units = s_prefix[E];
+  if (static_cast<int>(blockIdx.x) >= total_units) return;
+  const int my_units = (total_units - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int total_iters = my_units * num_kb;
+
+  auto decode = [&](int i) {
+    const int u = blockIdx.x + i * gridDim.x;
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (s_prefix[mid] <= u) lo = mid; else hi = mid;
+    }
+    Unit un;
+    un.e = lo;
+    un.cnt = s_cnt[lo];
+    un.row0 = s_row0[lo];
+    const int ntn = (un.cnt + BN - 1) / BN;
+    const int local = u - s_prefix[lo];
+    un.mt = local / ntn;
+    un.nt = local % ntn;
+    return un;
+  };
+
+  // Producer state.
+  const unsigned char* a_src = nullptr;
+  const uint8_t* s_src = nullptr;
+  const uint16_t* b_src[C::kBChunks];
+  Unit pu;
+  auto producer_unit = [&](int i) {
+    pu = decode(i);
+    a_src = static_cast<const unsigned char*>(p.weights) +
+            (static_cast<int64_t>(pu.e) * rows_packed + static_cast<int64_t>(pu.mt) * kBM) * kp *
+                C::kEsize;
+    if (kFp8) {
+      s_src = p.scales + ((static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb) * (kBM * 2);
+    }
+#pragma unroll
+    for (int i2 = 0; i2 < C::kBChunks; ++i2) {
+      const int c = tid + i2 * kThreads;
+      const int r = c / 8;
+      const int j = pu.nt * BN + r;
+      b_src[i2] = nullptr;
+      if (c < BN * 8 && j < pu.cnt) {
+        const int row = pu.row0 + j;
+        const int64_t arow = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
+        b_src[i2] = p.act + arow * p.act_stride;
+      }
+    }
+  };
+  auto load = [&](int it) {
+    if (it < total_iters) {
+      const int kb = it % num_kb;
+      if (kb == 0) producer_unit(it / num_kb);
+      unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
+      const uint32_t a_dst = SmemAddr(st);
+      if (kFp8) {
+#pragma unroll
+        for (int i2 = 0; i2 < kBM * 4 / kThreads; ++i2) {
+          const int c = tid + i2 * kThreads;
+          const int r = c >> 2, cc = c & 3;
+          CpAsync16(a_dst + ((cc >> 1) * kBM + r) * 32 + (cc & 1) * 16,
+                    a_src + r * kp + kb * kBK + cc * 16, 16);
+        }
+        if (tid < 16) {
+          CpAsync16(SmemAddr(st + C::kABytes) + tid * 16, s_src + kb * (kBM * 2) + tid * 16, 16);
+        }
+      } else {
+#pragma unroll
+        for (int i2 = 0; i2 < kBM * 8 / kThreads; ++i2) {
+          const int c = tid + i2 * kThreads;
+          const int r = c >> 3, cc = c & 7;
+          CpAsync16(a_dst + ((cc >> 2) * kBM + r) * 64 + (cc & 3) * 16,
+                    a_src + (r * kp + kb * kBK + cc * 8) * 2, 16);
+        }
+      }
+      const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
+#pragma unroll
+      for (int i2 = 0; i2 < C::kBChunks; ++i2) {
+        const int c = tid + i2 * kThreads;
+        if (c < BN * 8) {
+          const int r = c / 8, cc = c % 8;
+          const int64_t kk = static_cast<int64_t>(kb) * kBK + cc * 8;
+          const bool ok = b_src[i2] != nullptr && kk < k_valid;
+          CpAsync16(b_dst + (r * C::kBStride + cc * 8) * 2, ok ? b_src[i2] + kk : p.act,
+                    ok ? 16 : 0);
+        }
+      }
+    }
+    CpAsyncCommit();
+  };
+
+  float acc[C::kMI][C::kNI][4];
+#pragma unroll
+  for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < C::kNI; ++ni)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+
+  const int warp_m = warp % WM, warp_n = warp / WM;
+  const int g = lane / 4, t4 = lane % 4;
+
+#pragma unroll 1
+  for (int s = 0; s < STAGES - 1; ++s) load(s);
+
+  Unit cu;
+#pragma unroll 1
+  for (int it = 0; it < total_iters; ++it) {
+    const int kb = it % num_kb;
+    if (kb == 0) cu = decode(it / num_kb);
+    CpAsyncWait<STAGES - 2>();
+    __syncthreads();
+    load(it + STAGES - 1);
+    const unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
+    const uint32_t b_base = SmemAddr(st + C::kABytes + C::kSBytes);
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc) {
+      uint32_t a[C::kMI][2][4];
+#pragma unroll
+      for (int mi = 0; mi < C::kMI; ++mi) {
+        const int r0 = warp_m * C::kWTM + mi * 16 + g;
+        if (kFp8) {
+          const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
+          const uint2 rb =
+              *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+          const float sa = E8M0ToFloat(st[C::kABytes + r0 * 2 + kc]);
+          const float sb = E8M0ToFloat(st[C::kABytes + (r0 + 8) * 2 + kc]);
+          a[mi][0][0] = DequantPair(ra.x, sa);
+          a[mi][0][1] = DequantPair(rb.x, sb);
+          a[mi][0][2] = DequantPair(ra.x >> 16, sa);
+          a[mi][0][3] = DequantPair(rb.x >> 16, sb);
+          a[mi][1][0] = DequantPair(ra.y, sa);
+          a[mi][1][1] = DequantPair(rb.y, sb);
+          a[mi][1][2] = DequantPair(ra.y >> 16, sa);
+          a[mi][1][3] = DequantPair(rb.y >> 16, sb);
+        } else {
+          const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
+          const uint4 rb =
+              *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+          a[mi][0][0] = ra.x; a[mi][0][1] = rb.x; a[mi][0][2] = ra.y; a[mi][0][3] = rb.y;
+          a[mi][1][0] = ra.z; a[mi][1][1] = rb.z; a[mi][1][2] = ra.w; a[mi][1][3] = rb.w;
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        uint32_t b[C::kNI][2];
+#pragma unroll
+        for (int np = 0; np < C::kNI / 2; ++np) {
+          const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
+          const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
+          uint32_t r[4];
+          Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
+          b[2 * np][0] = r[0]; b[2 * np][1] = r[1];
+          b[2 * np + 1][0] = r[2]; b[2 * np + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < C::kNI; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
+      }
+    }
+    if (kb == num_kb - 1) {
+      // Epilogue straight from registers.
+#pragma unroll
+      for (int mi = 0; mi < C::kMI; ++mi) {
+        const int64_t R0 = static_cast<int64_t>(cu.mt) * kBM + warp_m * C::kWTM + mi * 16;
+#pragma unroll
+        for (int ni = 0; ni < C::kNI; ++ni) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = cu.nt * BN + warp_n * C::kWTN + ni * 8 + 2 * t4 + c;
+            if (n < cu.cnt) {
+              const int64_t row = cu.row0 + n;
+              if (gate_up) {
+                const float gt = acc[mi][ni][c], up = acc[mi][ni][2 + c];
+                const float v = gt / (1.0f + __expf(-gt)) * up;
+                const int64_t j = R0 / 2 + g;
+                static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] =
+                    __float2bfloat16_rn(v);
+              } else {
+                const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
+                float* o = static_cast<float*>(p.out) + orow * p.out_stride;
+                const int64_t h0 = R0 + g;
+                if (h0 < p.layout.hidden) o[h0] = acc[mi][ni][c];
+                if (h0 + 8 < p.layout.hidden) o[h0 + 8] = acc[mi][ni][2 + c];
+              }
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+        }
+      }
+    }
+  }
+  CpAsyncWait<0>();
+}
+
+template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
+cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
+  auto kernel = MoeGemmKernel<kFp8, BN, WM, WN, STAGES, KIND>;
+  const size_t smem = C::SmemBytes(p.num_experts);
+  static size_t configured = 0;  // largest dynamic shared memory set so far
+  static int blocks_per_sm = 0;
+  if (smem > configured) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem);
+    if (err != cudaSuccess) return err;
+    configured = smem;
+  }
+  const int bps = blocks_per_sm > 0 ? blocks_per_sm : 1;
+  // Upper bound of work units from the host-side hints, so tiny problems launch small grids.
+  const bool gate_up = KIND == MoeGemmKind::kGateUpSilu;
+  const int64_t mtiles = (gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows) / kBM;
+  int64_t units = mtiles * (p.num_experts + (p.total_rows_hint + BN - 1) / BN);
+  int64_t grid = static_cast<int64_t>(num_sms) * bps;
+  if (units < grid) grid = units;
+  if (grid < 1) grid = 1;
+  kernel<<<static_cast<int>(grid), kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <bool kFp8, MoeGemmKind KIND>
+cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
+  const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
+  constexpr int kSmallStages = kFp8 ? 8 : 6;
+  if (avg <= 16) return Run<kFp8, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+  if (avg <= 32) return Run<kFp8, 32, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+  if (avg <= 64) return Run<kFp8, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+  return Run<kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND>(p, num_sms, stream);
+}
+
+}  // namespace
+
+cudaError_t LaunchPackMoeW13(const void* w13, const uint8_t* w13_scale, int64_t num_experts,
+                             const MoePackedLayout& l, int elem_bytes, void* packed,
+                             uint8_t* packed_scale, cudaStream_t stream) {
+  return LaunchPack(w13, w13_scale, num_experts, 2 * l.intermediate, l.hidden,
+                    2 * l.intermediate_padded, l.hidden_padded, true, l.intermediate, elem_bytes,
+                    packed, packed_scale, stream);
+}
+
+cudaError_t LaunchPackMoeW2(const void* w2, const uint8_t* w2_scale, int64_t num_experts,
+                            const MoePackedLayout& l, int elem_bytes, void* packed,
+                            uint8_t* packed_scale, cudaStream_t stream) {
+  return LaunchPack(w2, w2_scale, num_experts, l.hidden, l.intermediate, l.w2_rows,
+                    l.intermediate_padded, false, 0, elem_bytes, packed, packed_scale, stream);
+}
+
+cudaError_t LaunchDequantizeMxfp8ToBf16(const uint8_t* q, const uint8_t* scales, int64_t rows,
+                                        int64_t k, uint16_t* out, cudaStream_t stream) {
+  const int64_t n = rows * k;
+  if (n == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(n / 256 + 1 < 65535 ? n / 256 + 1 : 65535);
+  DequantKernel<<<blocks, 256, 0, stream>>>(q, scales, rows, k, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
+  if (p.num_experts <= 0 || p.num_experts > kMaxGemmExperts || num_sms <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.total_rows_hint == 0) return cudaSuccess;
+  if (p.layout.hidden % 8 != 0 || p.act_stride % 8 != 0) return cudaErrorInvalidValue;
+  if (p.mxfp8 && p.scales == nullptr) return cudaErrorInvalidValue;
+  if (p.kind == MoeGemmKind::kGateUpSilu) {
+    return p.mxfp8 ? Dispatch<true, MoeGemmKind::kGateUpSilu>(p, num_sms, stream)
+                   : Dispatch<false, MoeGemmKind::kGateUpSilu>(p, num_sms, stream);
+  }
+  return p.mxfp8 ? Dispatch<true, MoeGemmKind::kDown>(p, num_sms, stream)
+                 : Dispatch<false, MoeGemmKind::kDown>(p, num_sms, stream);
+}
+
+}  // namespace moeserve::kernels

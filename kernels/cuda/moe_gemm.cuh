@@ -1,0 +1,108 @@
+// Grouped expert GEMMs for the MoE MLP on Hopper (sm_90a), BF16 tensor-core math with FP32
+// accumulation, for BF16 weights and for MXFP8 weights (E4M3 values, one E8M0 scale per 32 along
+// K) that are dequantized exactly to BF16 in registers right before the MMA.
+//
+// Swap-AB: weights fill the MMA's M side (128 weight rows per tile) and tokens its N side
+// (16..128 tokens per tile), so decode-sized batches (1-64 tokens per expert) still stream every
+// weight byte once with 16-byte cp.async loads, several stages in flight, over a persistent grid
+// whose tile schedule is read on the device from per-expert counts (no host synchronization).
+//
+// Weights live in a packed device layout made once by LaunchPackMoeW13 / LaunchPackMoeW2
+// (see MoePackedLayout): K padded to a multiple of 64 and permuted inside each block of 32 so
+// that every thread's MMA fragment is one contiguous 8-element load; W13 rows interleaved in
+// groups of 8 (8 gate rows, then the 8 matching up rows) so SiLU-and-mul fuses into the first
+// GEMM's epilogue from registers; scales stored tile by tile.
+//
+// CPU twins: kernels/cpu/moe_routing_ref.h (MoeGroupedMlpRef for the pair of GEMMs,
+// DequantizeMxfp8ToBf16Ref for the dequantization).
+#ifndef MOESERVE_KERNELS_CUDA_MOE_GEMM_CUH_
+#define MOESERVE_KERNELS_CUDA_MOE_GEMM_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moeserve::kernels {
+
+inline constexpr int64_t kMoeGemmTileRows = 128;  // weight rows per tile (BM)
+inline constexpr int64_t kMoeGemmTileK = 64;      // K per pipeline stage (BK)
+
+// Packed sizes for an expert MLP of hidden H and intermediate I.
+struct MoePackedLayout {
+  int64_t hidden = 0, intermediate = 0;
+  int64_t hidden_padded = 0;        // Hp = roundup(H, 64): K of W13
+  int64_t intermediate_padded = 0;  // Ip = roundup(I, 64): K of W2; W13 has 2 * Ip rows
+  int64_t w2_rows = 0;              // roundup(H, 128)
+  int64_t w13_elems_per_expert() const { return 2 * intermediate_padded * hidden_padded; }
+  int64_t w2_elems_per_expert() const { return w2_rows * intermediate_padded; }
+  // Scale bytes (MXFP8): one per 32 packed K values.
+  int64_t w13_scales_per_expert() const { return w13_elems_per_expert() / 32; }
+  int64_t w2_scales_per_expert() const { return w2_elems_per_expert() / 32; }
+};
+inline MoePackedLayout MakeMoePackedLayout(int64_t hidden, int64_t intermediate) {
+  MoePackedLayout l;
+  l.hidden = hidden;
+  l.intermediate = intermediate;
+  l.hidden_padded = (hidden + 63) / 64 * 64;
+  l.intermediate_padded = (intermediate + 63) / 64 * 64;
+  l.w2_rows = (hidden + 127) / 128 * 128;
+  return l;
+}
+
+// Packs core/weights.h layouts (device pointers) into the kernel layout:
+//   w13 [E, 2I, H] (+ w13_scale [E, 2I, ceil(H/32)]) -> packed [E, 2Ip, Hp] (+ scales)
+//   w2  [E, H, I]  (+ w2_scale  [E, H, ceil(I/32)])  -> packed [E, w2_rows, Ip] (+ scales)
+// elem_bytes 2 (BF16; scales null) or 1 (E4M3; scales required). Padding is zero (scale 2^0).
+cudaError_t LaunchPackMoeW13(const void* w13, const uint8_t* w13_scale, int64_t num_experts,
+                             const MoePackedLayout& layout, int elem_bytes, void* packed,
+                             uint8_t* packed_scale, cudaStream_t stream);
+cudaError_t LaunchPackMoeW2(const void* w2, const uint8_t* w2_scale, int64_t num_experts,
+                            const MoePackedLayout& layout, int elem_bytes, void* packed,
+                            uint8_t* packed_scale, cudaStream_t stream);
+
+// MXFP8 [rows, k] (+ scales [rows, ceil(k/32)]) to BF16 [rows, k], exact for every finite
+// product within BF16's range (the E8M0 scale is a power of two).
+cudaError_t LaunchDequantizeMxfp8ToBf16(const uint8_t* q, const uint8_t* scales, int64_t rows,
+                                        int64_t k, uint16_t* out, cudaStream_t stream);
+
+enum class MoeGemmKind {
+  kGateUpSilu,  // packed W13 x activations -> silu(gate) * up, BF16 [rows, Ip]
+  kDown,        // packed W2 x intermediate  -> FP32 [rows, H]
+};
+
+// One grouped GEMM over every local expert. For expert e and its j-th row (j < count):
+//   row(e, j) = offsets[e] + j  (offsets null: e * offset_stride),
+//   activation row = gather ? gather[row(e, j)] / gather_div : row(e, j)  (kGateUpSilu),
+//   output row     = scatter ? scatter[row(e, j)] : row(e, j)             (kDown).
+// kGateUpSilu writes act[row(e, j), 0 .. Ip) (BF16, columns >= I are 0); kDown writes
+// out[output row, 0 .. H) (FP32). Counts are clamped to count_cap.
+struct MoeGemmParams {
+  MoeGemmKind kind = MoeGemmKind::kGateUpSilu;
+  bool mxfp8 = false;
+  int num_experts = 0;
+  MoePackedLayout layout;
+  const void* weights = nullptr;        // packed W13 or W2
+  const uint8_t* scales = nullptr;      // packed scales (MXFP8)
+  const uint16_t* act = nullptr;        // BF16 activation rows
+  int64_t act_stride = 0;               // elements between activation rows
+  const int32_t* expert_counts = nullptr;
+  const int32_t* expert_offsets = nullptr;
+  int64_t offset_stride = 0;
+  int32_t count_cap = 0x7fffffff;
+  const int32_t* gather = nullptr;
+  int gather_div = 1;
+  const int32_t* scatter = nullptr;
+  void* out = nullptr;
+  int64_t out_stride = 0;               // elements between output rows
+  // Host-side sizing hints (no device read): the most rows any one expert may have, and the
+  // total rows over all experts. They choose the tile shape only; any counts are correct.
+  int64_t max_rows_hint = 0;
+  int64_t total_rows_hint = 0;
+};
+
+// Asynchronous on `stream`. num_sms: the device's multiprocessor count (persistent grid).
+cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& params, int num_sms, cudaStream_t stream);
+
+}  // namespace moeserve::kernels
+
+#endif  // MOESERVE_KERNELS_CUDA_MOE_GEMM_CUH_

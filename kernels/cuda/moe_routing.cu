@@ -1,0 +1,214 @@
+#include "kernels/cuda/moe_routing.cuh"
+
+namespace moeserve::kernels {
+namespace {
+
+// One block. Each warp owns a contiguous segment of routes; counters per (warp, expert) in
+// shared memory make the scatter stable without atomics: pass 1 counts, a scan turns counts into
+// bases, pass 2 walks the segment again in order and places each route.
+__global__ void MoeAlignKernel(const int32_t* __restrict__ ids, int64_t num_routes,
+                               int num_experts, int32_t* __restrict__ counts,
+                               int32_t* __restrict__ offsets, int32_t* __restrict__ sorted,
+                               int32_t* __restrict__ slot) {
+  extern __shared__ int32_t smem[];
+  const int num_warps = blockDim.x / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int32_t* cnt = smem;                            // [num_warps][E]
+  int32_t* excl = smem + num_warps * num_experts;  // [E]
+  for (int i = threadIdx.x; i < num_warps * num_experts; i += blockDim.x) cnt[i] = 0;
+  __syncthreads();
+  const int64_t seg = ((num_routes + num_warps - 1) / num_warps + 31) / 32 * 32;
+  const int64_t begin = warp * seg;
+  const int64_t end = begin + seg < num_routes ? begin + seg : num_routes;
+  int32_t* my = cnt + warp * num_experts;
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t r = base + lane;
+    const int e = r < end ? ids[r] : -1;
+    const bool valid = e >= 0 && e < num_experts;
+    const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+    if (valid && lane == __ffs(peers) - 1) my[e] += __popc(peers);
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int32_t run = 0;
+    for (int w = 0; w < num_warps; ++w) {
+      const int32_t c = cnt[w * num_experts + e];
+      cnt[w * num_experts + e] = run;
+      run += c;
+    }
+    excl[e] = run;  // total for now
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scan of the totals: each lane a contiguous chunk
+    const int chunk = (num_experts + 31) / 32;
+    const int lo = lane * chunk, hi = min(num_experts, lo + chunk);
+    int32_t sum = 0;
+    for (int e = lo; e < hi; ++e) sum += excl[e];
+    int32_t inc = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    int32_t run = inc - sum;
+    for (int e = lo; e < hi; ++e) {
+      const int32_t c = excl[e];
+      counts[e] = c;
+      offsets[e] = run;
+      excl[e] = run;
+      run += c;
+    }
+    if (lane == 31) offsets[num_experts] = inc;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_warps * num_experts; i += blockDim.x) {
+    cnt[i] += excl[i % num_experts];
+  }
+  __syncthreads();
+  const unsigned lt = (1u << lane) - 1;
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t r = base + lane;
+    const int e = r < end ? ids[r] : -1;
+    const bool valid = e >= 0 && e < num_experts;
+    const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+    if (valid) {
+      const int32_t pos = my[e] + __popc(peers & lt);
+      sorted[pos] = static_cast<int32_t>(r);
+      slot[r] = pos - excl[e];
+    } else if (r < end) {
+      slot[r] = -1;
+    }
+    __syncwarp();
+    if (valid && lane == __ffs(peers) - 1) my[e] += __popc(peers);
+    __syncwarp();
+  }
+  __syncthreads();
+  // Unserved tail of sorted_routes.
+  for (int64_t i = threadIdx.x; i < num_routes; i += blockDim.x) {
+    if (i >= offsets[num_experts]) sorted[i] = -1;
+  }
+}
+
+__global__ void PermuteToBatchedKernel(const uint16_t* __restrict__ x,
+                                       const int32_t* __restrict__ ids,
+                                       const int32_t* __restrict__ slot, int64_t num_routes,
+                                       int topk, int64_t hidden, int num_experts,
+                                       int64_t max_tokens, uint16_t* __restrict__ out) {
+  // One block per route; 16-byte copies when rows are 16-byte aligned.
+  for (int64_t r = blockIdx.x; r < num_routes; r += gridDim.x) {
+    const int e = ids[r];
+    const int s = slot[r];
+    if (e < 0 || e >= num_experts || s < 0 || s >= max_tokens) continue;
+    const uint16_t* src = x + (r / topk) * hidden;
+    uint16_t* dst = out + (e * max_tokens + s) * hidden;
+    if (hidden % 8 == 0) {
+      for (int64_t i = threadIdx.x; i < hidden / 8; i += blockDim.x) {
+        reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+    }
+  }
+}
+
+template <bool kBatched>
+__global__ void TopKReduceKernel(const float* __restrict__ in, const float* __restrict__ w,
+                                 const int32_t* __restrict__ ids,
+                                 const int32_t* __restrict__ slot, int64_t num_tokens, int topk,
+                                 int64_t hidden, int num_experts, int64_t max_tokens,
+                                 float* __restrict__ out) {
+  const bool vec = hidden % 4 == 0;
+  const int64_t per_row = vec ? hidden / 4 : hidden;
+  const int64_t total = num_tokens * per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / per_row, c = i % per_row;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k = 0; k < topk; ++k) {
+      const int64_t r = t * topk + k;
+      const int e = ids != nullptr ? ids[r] : 0;
+      if (ids != nullptr && (e < 0 || e >= num_experts)) continue;
+      int64_t row = r;
+      if (kBatched) {
+        const int s = slot[r];
+        if (s < 0 || s >= max_tokens) continue;
+        row = e * max_tokens + s;
+      }
+      const float wt = w[r];
+      if (vec) {
+        const float4 v = reinterpret_cast<const float4*>(in + row * hidden)[c];
+        acc.x += wt * v.x;
+        acc.y += wt * v.y;
+        acc.z += wt * v.z;
+        acc.w += wt * v.w;
+      } else {
+        acc.x += wt * in[row * hidden + c];
+      }
+    }
+    if (vec) {
+      reinterpret_cast<float4*>(out + t * hidden)[c] = acc;
+    } else {
+      out[t * hidden + c] = acc.x;
+    }
+  }
+}
+
+int ReduceBlocks(int64_t n) {
+  const int64_t b = (n + 255) / 256;
+  return static_cast<int>(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+}  // namespace
+
+cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
+                           int32_t* expert_counts, int32_t* expert_offsets,
+                           int32_t* sorted_routes, int32_t* route_slot, cudaStream_t stream) {
+  if (num_experts <= 0 || num_experts > kMoeAlignMaxExperts) return cudaErrorInvalidValue;
+  int warps = static_cast<int>(48 * 1024 / 4 / num_experts) - 1;
+  warps = warps < 1 ? 1 : (warps > 32 ? 32 : warps);
+  const size_t smem = static_cast<size_t>(warps + 1) * num_experts * sizeof(int32_t);
+  MoeAlignKernel<<<1, warps * 32, smem, stream>>>(topk_ids, num_routes, num_experts,
+                                                  expert_counts, expert_offsets, sorted_routes,
+                                                  route_slot);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPermuteToBatched(const uint16_t* x, const int32_t* topk_ids,
+                                   const int32_t* route_slot, int64_t num_tokens, int topk,
+                                   int64_t hidden, int num_experts, int64_t max_tokens,
+                                   uint16_t* out, cudaStream_t stream) {
+  const int64_t routes = num_tokens * topk;
+  if (routes == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(routes < 8192 ? routes : 8192);
+  PermuteToBatchedKernel<<<blocks, 128, 0, stream>>>(x, topk_ids, route_slot, routes, topk,
+                                                     hidden, num_experts, max_tokens, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* topk_weights,
+                                                const int32_t* topk_ids, int64_t num_tokens,
+                                                int topk, int64_t hidden, int num_experts,
+                                                float* out, cudaStream_t stream) {
+  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
+  const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
+  TopKReduceKernel<false><<<ReduceBlocks(n), 256, 0, stream>>>(
+      in, topk_weights, topk_ids, nullptr, num_tokens, topk, hidden, num_experts, 0, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* topk_weights,
+                                                  const int32_t* topk_ids,
+                                                  const int32_t* route_slot, int64_t num_tokens,
+                                                  int topk, int64_t hidden, int num_experts,
+                                                  int64_t max_tokens, float* out,
+                                                  cudaStream_t stream) {
+  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
+  if (topk_ids == nullptr || route_slot == nullptr) return cudaErrorInvalidValue;
+  const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
+  TopKReduceKernel<true><<<ReduceBlocks(n), 256, 0, stream>>>(in, topk_weights, topk_ids,
+                                                              route_slot, num_tokens, topk,
+                                                              hidden, num_experts, max_tokens, out);
+  return cudaGetLastError();
+}
+
+}  // namespace moeserve::kernels

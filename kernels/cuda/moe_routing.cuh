@@ -1,0 +1,55 @@
+// MoE routing on the device: align (group routes by local expert), permute to the batched
+// layout, and the top-k weight-and-reduce. All launchers are asynchronous on `stream`, take
+// device pointers, and never synchronize with the host. CPU twins: kernels/cpu/moe_routing_ref.h.
+//
+// A route is r = token * topk + k. Expert ids are local indices in [0, num_experts); any other
+// value (-1 for a remote expert) is a route that no local expert serves.
+#ifndef MOESERVE_KERNELS_CUDA_MOE_ROUTING_CUH_
+#define MOESERVE_KERNELS_CUDA_MOE_ROUTING_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moeserve::kernels {
+
+// Most local experts LaunchMoeAlign handles (its per-warp counters live in shared memory).
+inline constexpr int kMoeAlignMaxExperts = 12288;
+
+// Groups the num_routes routes of topk_ids by expert, stable (ascending route order inside an
+// expert). Outputs (device, written in full):
+//   expert_counts [num_experts]      routes per expert
+//   expert_offsets [num_experts + 1] exclusive prefix sum; [num_experts] = routes served
+//   sorted_routes [num_routes]       route ids grouped by expert; -1 past the served ones
+//   route_slot [num_routes]          position of each route inside its expert's group, or -1
+// One thread block; O(num_routes) work. num_routes may be 0.
+cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
+                           int32_t* expert_counts, int32_t* expert_offsets,
+                           int32_t* sorted_routes, int32_t* route_slot, cudaStream_t stream);
+
+// BF16 rows of x [num_tokens, hidden] to out [num_experts, max_tokens, hidden]: route r with
+// expert e and slot s = route_slot[r] < max_tokens copies row r / topk to out[e, s]. Rows of
+// out past an expert's count are left as they are.
+cudaError_t LaunchPermuteToBatched(const uint16_t* x, const int32_t* topk_ids,
+                                   const int32_t* route_slot, int64_t num_tokens, int topk,
+                                   int64_t hidden, int num_experts, int64_t max_tokens,
+                                   uint16_t* out, cudaStream_t stream);
+
+// out[t, :] = sum_k w[t, k] * in[row(t, k), :] over routes whose expert id is in
+// [0, num_experts) (topk_ids may be null: every route is valid), FP32. out [num_tokens, hidden].
+//   Contiguous:   in [num_tokens, topk, hidden], row(t, k) = t * topk + k.
+//   NaiveBatched: in [num_experts, max_tokens, hidden], row = id * max_tokens + route_slot[r].
+cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* topk_weights,
+                                                const int32_t* topk_ids, int64_t num_tokens,
+                                                int topk, int64_t hidden, int num_experts,
+                                                float* out, cudaStream_t stream);
+cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* topk_weights,
+                                                  const int32_t* topk_ids,
+                                                  const int32_t* route_slot, int64_t num_tokens,
+                                                  int topk, int64_t hidden, int num_experts,
+                                                  int64_t max_tokens, float* out,
+                                                  cudaStream_t stream);
+
+}  // namespace moeserve::kernels
+
+#endif  // MOESERVE_KERNELS_CUDA_MOE_ROUTING_CUH_
