@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""End-to-end tests: start the real moeserve binary, talk to it with moeserve-cli and the Python
+client, check answers against the clients' independent references, then SIGTERM it.
+
+  run_integration.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli \
+      --source-dir REPO --case cli|python|load|all
+
+Each case starts its own server (--model tiny, ports chosen by the kernel), waits (bounded) for
+the ready file and health SERVING, runs its checks, and finishes by sending SIGTERM and requiring
+exit code 0 within --shutdown-timeout. The server is always killed in a `finally`.
+
+Tolerances (relative L2 error against the references, which compute in FP32/FP64 from the BF16
+weights the server reports): BF16 and FP16 inputs 1e-2 (the output is rounded to the 16-bit
+dtype: about 2e-3 / 3e-4 seen); FP32 input 1e-5 (the server computes in FP32 from the same BF16
+weights, so only summation order differs: about 4e-7 seen).
+"""
+
+import argparse
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+TOL = {"bf16": 1e-2, "fp16": 1e-2, "fp32": 1e-5}
+CMD_TIMEOUT_S = 120
+
+
+class Failure(Exception):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise Failure(msg)
+
+
+def log(msg):
+    print(f"[integration] {msg}", flush=True)
+
+
+class Server:
+    """The moeserve process; a context manager that always kills it on the way out."""
+
+    def __init__(self, binary, workdir, extra_args=(), startup_timeout=60.0):
+        self.binary = binary
+        self.workdir = workdir
+        self.ready_file = os.path.join(workdir, "ready")
+        self.log_path = os.path.join(workdir, "server.log")
+        self.extra_args = list(extra_args)
+        self.startup_timeout = startup_timeout
+        self.proc = None
+        self.target = None
+        self.metrics = None
+
+    def __enter__(self):
+        cmd = [self.binary, "--listen", "127.0.0.1:0", "--metrics_address", "127.0.0.1:0",
+               "--ready_file", self.ready_file, "--model", "tiny"] + self.extra_args
+        log("starting " + " ".join(cmd))
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+        if exc[0] is not None:
+            self.dump_log()
+        return False
+
+    def dump_log(self):
+        try:
+            with open(self.log_path, "r", errors="replace") as f:
+                lines = f.readlines()
+        except OSError:
+            return
+        print("----- server log (last 60 lines) -----")
+        print("".join(lines[-60:]), end="")
+        print("----- end of server log -----", flush=True)
+
+    def _read_ready(self):
+        try:
+            with open(self.ready_file) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        if len(lines) < 2:
+            return None
+        m = re.fullmatch(r"metrics (\S+:\d+)", lines[1].strip())
+        if not re.fullmatch(r"\S+:\d+", lines[0].strip()) or not m:
+            return None
+        return lines[0].strip(), m.group(1)
+
+    def wait_ready(self, cli):
+        deadline = time.monotonic() + self.startup_timeout
+        ready = None
+        while ready is None:
+            check(self.proc.poll() is None,
+                  f"server exited with {self.proc.returncode} before writing {self.ready_file}")
+            check(time.monotonic() < deadline,
+                  f"no ready file after {self.startup_timeout:.0f} s")
+            time.sleep(0.1)
+            ready = self._read_ready()
+        self.target = cli.target = ready[0]
+        while True:
+            check(self.proc.poll() is None, f"server exited with {self.proc.returncode}")
+            r = cli.run("health", allow_fail=True, timeout=10)
+            if r.returncode == 0 and r.stdout.strip() == "SERVING":
+                break
+            check(time.monotonic() < deadline,
+                  f"not SERVING after {self.startup_timeout:.0f} s: {r.stdout!r} {r.stderr!r}")
+            time.sleep(0.2)
+        self.target, self.metrics = self._read_ready()  # re-read: certainly complete by now
+        cli.target = self.target
+        log(f"server SERVING at {self.target}, metrics at {self.metrics}")
+
+    def terminate_and_check(self, timeout):
+        log("sending SIGTERM")
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise Failure(f"server still running {timeout:.0f} s after SIGTERM")
+        check(rc == 0, f"server exited with {rc} after SIGTERM; expected 0")
+        log(f"server exited 0 {time.monotonic() - start:.2f} s after SIGTERM")
+
+
+class Cli:
+    def __init__(self, binary):
+        self.binary = binary
+        self.target = None
+
+    def run(self, command, *args, allow_fail=False, timeout=CMD_TIMEOUT_S):
+        cmd = [self.binary, command, f"--target={self.target}"] + list(args)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if not allow_fail and r.returncode != 0:
+            raise Failure(f"{' '.join(cmd)} exited {r.returncode}\nstdout:\n{r.stdout}\n"
+                          f"stderr:\n{r.stderr}")
+        return r
+
+
+def parse_error(stdout):
+    m = re.search(r"^relative_l2_error=(\S+)$", stdout, re.M)
+    check(m is not None, f"no relative_l2_error line in:\n{stdout}")
+    return float(m.group(1))
+
+
+def parse_info(stdout):
+    info = {}
+    for line in stdout.splitlines():
+        m = re.match(r"^(\w+):\s+(.*)$", line)
+        if m:
+            info[m.group(1)] = m.group(2).strip()
+    for key in ("hidden", "topk", "num_experts", "num_layers"):
+        check(key in info, f"info output lacks {key}:\n{stdout}")
+    return info
+
+
+def case_cli(server, cli, workdir):
+    r = cli.run("health")
+    check(r.stdout.strip() == "SERVING", f"health printed {r.stdout!r}")
+    info = parse_info(cli.run("info").stdout)
+    check(info["model_name"] == "tiny", f"model_name {info['model_name']!r}")
+    hidden, topk = int(info["hidden"]), int(info["topk"])
+    num_experts, num_layers = int(info["num_experts"]), int(info["num_layers"])
+    log(f"info: hidden={hidden} topk={topk} experts={num_experts} layers={num_layers}")
+
+    for dtype in ("bf16", "fp16", "fp32"):
+        for layer in sorted({0, num_layers - 1}):
+            r = cli.run("forward", f"--layer={layer}", "--tokens=16", f"--dtype={dtype}",
+                        "--seed=7", "--check", f"--tolerance={TOL[dtype]}")
+            err = parse_error(r.stdout)
+            check(err < TOL[dtype], f"{dtype} layer {layer}: relative_l2_error {err}")
+            check(f"shape=[16, {hidden}]" in r.stdout, f"unexpected output shape:\n{r.stdout}")
+            check("server_timings_us:" in r.stdout and "latency_ms=" in r.stdout,
+                  f"no timings:\n{r.stdout}")
+            log(f"cli forward {dtype} layer {layer}: relative_l2_error={err:.3g}")
+
+    # Raw input file (format documented in moeserve_cli.cc): hidden [M, H] fp32, ids [M, K]
+    # int32, weights [M, K] fp32; M from the file size.
+    m = 3
+    hidden_vals = [((i * 37) % 101 - 50) / 25.0 for i in range(m * hidden)]
+    ids = [(t * 5 + k * 3) % num_experts for t in range(m) for k in range(topk)]
+    weights = [1.0 / topk] * (m * topk)
+    check(all(len(set(ids[t * topk:(t + 1) * topk])) == topk for t in range(m)),
+          "test bug: repeated expert in a token")
+    path = os.path.join(workdir, "input.bin")
+    out_path = os.path.join(workdir, "output.bin")
+    with open(path, "wb") as f:
+        f.write(struct.pack(f"<{m * hidden}f", *hidden_vals))
+        f.write(struct.pack(f"<{m * topk}i", *ids))
+        f.write(struct.pack(f"<{m * topk}f", *weights))
+    r = cli.run("forward", "--dtype=fp32", f"--input_file={path}", f"--output_file={out_path}",
+                "--check", "--tolerance=1e-5")
+    err = parse_error(r.stdout)
+    check(err < 1e-5, f"input_file fp32: relative_l2_error {err}")
+    check(f"shape=[{m}, {hidden}]" in r.stdout, f"unexpected shape:\n{r.stdout}")
+    check(os.path.getsize(out_path) == m * hidden * 4, "output_file has the wrong size")
+    log(f"cli forward --input_file fp32: relative_l2_error={err:.3g}")
+
+    # A client error is reported, not crashed on: INVALID_ARGUMENT, exit code 2.
+    r = cli.run("forward", f"--layer={num_layers + 5}", "--tokens=2", allow_fail=True)
+    check(r.returncode == 2 and "INVALID_ARGUMENT" in r.stderr,
+          f"bad layer: exit {r.returncode}, stderr {r.stderr!r}")
+    # The server is still fine afterwards.
+    check(cli.run("health").stdout.strip() == "SERVING", "not SERVING after a bad request")
+
+    # The metrics endpoint named in the ready file answers.
+    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as resp:
+        check(resp.status == 200, f"metrics answered HTTP {resp.status}")
+        body = resp.read().decode(errors="replace")
+    check(len(body) > 0, "empty metrics page")
+    log(f"metrics: HTTP 200, {len(body)} bytes")
+
+
+def case_load(server, cli, workdir):
+    n = 64
+    r = cli.run("load", f"--requests={n}", "--concurrency=4", "--tokens=8", "--max_seconds=60")
+    log("load output:\n" + r.stdout.rstrip())
+    check(re.search(rf"^ok={n} errors=0 not_sent=0 ", r.stdout, re.M) is not None,
+          f"load did not complete {n} requests cleanly:\n{r.stdout}")
+    m = re.search(r"^latency_ms: p50=(\S+) p90=(\S+) p99=(\S+) max=(\S+)$", r.stdout, re.M)
+    check(m is not None, f"no latency percentiles:\n{r.stdout}")
+    p50, p90, p99 = (float(m.group(i)) for i in (1, 2, 3))
+    check(0 < p50 <= p90 <= p99, f"percentiles out of order: {p50} {p90} {p99}")
+    m = re.search(r"tokens_per_s=(\S+)", r.stdout)
+    check(m is not None and float(m.group(1)) > 0, f"no tokens/s:\n{r.stdout}")
+    # Bounded by time: a tiny --max_seconds stops early and says so, without errors.
+    r = cli.run("load", "--requests=1000000", "--concurrency=2", "--tokens=4",
+                "--max_seconds=0.5", allow_fail=True)
+    check(r.returncode == 0 and "stopped by --max_seconds" in r.stdout,
+          f"time-bounded load: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+
+
+def import_python_client(source_dir):
+    pkg_root = os.path.join(source_dir, "clients", "python")
+    gen = os.path.join(pkg_root, "moeserve_client", "gen", "moeserve", "v1", "moeserve_pb2.py")
+    if not os.path.exists(gen):
+        log("generating Python stubs")
+        subprocess.run([os.path.join(pkg_root, "generate_stubs.sh")], check=True,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    sys.path.insert(0, pkg_root)
+    import moeserve_client  # noqa: E402
+    return moeserve_client, pkg_root
+
+
+def case_python(server, cli, workdir, source_dir):
+    import grpc
+    import numpy as np
+    mc, pkg_root = import_python_client(source_dir)
+
+    with mc.MoeClient(server.target) as client:
+        check(client.health() == "SERVING", "python health not SERVING")
+        info = client.info()
+        check(info.model_name == "tiny" and info.hidden > 0, f"info: {info}")
+        x, ids, w = mc.random_inputs(12, info.hidden, info.num_experts, info.topk, seed=3)
+        layer = info.num_layers - 1
+        experts = {int(e): client.expert_weights(layer, int(e)) for e in np.unique(ids)}
+        w13, w2 = next(iter(experts.values()))
+        check(w13.shape == (2 * info.intermediate, info.hidden) and
+              w2.shape == (info.hidden, info.intermediate) and w13.dtype == np.float32,
+              f"expert weight shapes {w13.shape} {w2.shape}")
+
+        # BF16: uint16 bit patterns in, uint16 bit patterns out.
+        bits = mc.bf16_encode(x)
+        out = client.forward(bits, ids, w, layer=layer, dtype="bf16")
+        check(out.dtype == np.uint16 and out.shape == x.shape, f"bf16 out {out.dtype} {out.shape}")
+        expected = mc.reference_forward(mc.bf16_decode(bits), ids, w, experts)
+        err = mc.relative_l2_error(mc.bf16_decode(out), expected)
+        log(f"python forward bf16: relative_l2_error={err:.3g}")
+        check(err < TOL["bf16"], f"python bf16 relative_l2_error {err}")
+
+        # FP16 and FP32 (int64 ids for the latter).
+        x16 = x.astype(np.float16)
+        out = client.forward(x16, ids, w, layer=layer)
+        check(out.dtype == np.float16, f"fp16 out dtype {out.dtype}")
+        err = mc.relative_l2_error(out.astype(np.float32),
+                                   mc.reference_forward(x16.astype(np.float32), ids, w, experts))
+        log(f"python forward fp16: relative_l2_error={err:.3g}")
+        check(err < TOL["fp16"], f"python fp16 relative_l2_error {err}")
+
+        res = client.forward_full(x, ids.astype(np.int64), w, layer=layer, request_id="py-fp32")
+        check(res.output.dtype == np.float32, f"fp32 out dtype {res.output.dtype}")
+        check(res.request_id == "py-fp32", f"request_id echoed as {res.request_id!r}")
+        check(res.timings["total_us"] > 0, f"timings {res.timings}")
+        err = mc.relative_l2_error(res.output, mc.reference_forward(x, ids, w, experts))
+        log(f"python forward fp32: relative_l2_error={err:.3g}")
+        check(err < TOL["fp32"], f"python fp32 relative_l2_error {err}")
+
+        # A bare uint16 array is refused client-side; a bad expert id is INVALID_ARGUMENT.
+        try:
+            client.forward(bits, ids, w, layer=layer)
+            raise Failure("uint16 hidden without dtype='bf16' was accepted")
+        except TypeError:
+            pass
+        bad = ids.copy()
+        bad[0, 0] = info.num_experts
+        try:
+            client.forward(x, bad, w, layer=layer)
+            raise Failure("out-of-range expert id was accepted")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.INVALID_ARGUMENT, f"bad id gave {e.code()}")
+
+    example = os.path.join(pkg_root, "examples", "forward_example.py")
+    for dtype in ("bf16", "fp32"):
+        r = subprocess.run([sys.executable, example, f"--target={server.target}",
+                            f"--dtype={dtype}", "--tokens=6"],
+                           capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+        check(r.returncode == 0, f"forward_example {dtype} exited {r.returncode}:\n"
+                                 f"{r.stdout}\n{r.stderr}")
+        err = parse_error(r.stdout)
+        check(err < TOL[dtype], f"forward_example {dtype}: relative_l2_error {err}")
+        log(f"forward_example.py {dtype}: relative_l2_error={err:.3g}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--server", required=True)
+    p.add_argument("--cli", required=True)
+    p.add_argument("--source-dir", required=True)
+    p.add_argument("--case", choices=["cli", "python", "load", "all"], default="all")
+    p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    args = p.parse_args()
+
+    for path in (args.server, args.cli):
+        if not os.access(path, os.X_OK):
+            print(f"[integration] FAIL: {path} is missing or not executable (build it first)",
+                  file=sys.stderr)
+            return 1
+    cases = ["cli", "python", "load"] if args.case == "all" else [args.case]
+    for case in cases:
+        with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
+            cli = Cli(args.cli)
+            try:
+                with Server(args.server, workdir, startup_timeout=args.startup_timeout) as server:
+                    server.wait_ready(cli)
+                    if case == "cli":
+                        case_cli(server, cli, workdir)
+                    elif case == "load":
+                        case_load(server, cli, workdir)
+                    else:
+                        case_python(server, cli, workdir, args.source_dir)
+                    server.terminate_and_check(args.shutdown_timeout)
+            except Failure as e:
+                print(f"[integration] FAIL ({case}): {e}", file=sys.stderr, flush=True)
+                return 1
+        log(f"case {case}: PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
