@@ -1,11 +1,13 @@
 #include "core/engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "core/cpu/cpu_experts.h"
+#include "core/cpu/all_to_all_prepare_finalize.h"
+#include "core/cpu/kernel_factory.h"
 #include "core/cpu/no_ep_prepare_finalize.h"
 #include "core/status_macros.h"
 #include "core/weight_loader.h"
@@ -74,6 +76,18 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
   return absl::OkStatus();
 }
 
+struct Engine::Rank {
+  std::shared_ptr<Communicator> comm;  // null with no_ep
+  std::unique_ptr<ExpertWeightStore> weights;
+  std::unique_ptr<ModularKernel> kernel;
+  std::vector<int32_t> expert_map;  // global -> local on this rank
+  HostBuffer out;                   // this rank's output slice (FP32) before the gather
+  StageTimings timings;
+};
+
+Engine::Engine() = default;
+Engine::~Engine() = default;
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requested) {
   EngineOptions options = requested;
   {
@@ -86,56 +100,139 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
     return absl::InvalidArgumentError(
         absl::StrCat("backend '", options.backend, "' is not available; expected cpu"));
   }
-  if (options.num_ranks != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_ranks=", options.num_ranks, " is not supported yet; expected 1"));
-  }
-  if (options.prepare_finalize != "no_ep") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prepare_finalize '", options.prepare_finalize, "' unknown; expected no_ep"));
+  const int num_ranks = options.num_ranks;
+  if (num_ranks < 1 || num_ranks > options.model.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("num_ranks: got ", num_ranks,
+                                                   ", expected a value in [1, num_experts=",
+                                                   options.model.num_experts, "]"));
   }
   if (options.max_tokens_per_request <= 0) {
     return absl::InvalidArgumentError("max_tokens_per_request must be > 0");
   }
+  if (options.max_tokens_per_rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens_per_rank: got ",
+                                                   options.max_tokens_per_rank,
+                                                   ", expected >= 0 (0: automatic)"));
+  }
+  if (options.collective_timeout_ms <= 0) {
+    return absl::InvalidArgumentError("collective_timeout_ms must be > 0");
+  }
+  std::string pf_type = options.prepare_finalize;
+  if (pf_type == "auto") pf_type = num_ranks == 1 ? "no_ep" : "all2all_contiguous";
+  MOESERVE_ASSIGN_OR_RETURN(pf_type, CanonicalPrepareFinalizeType(pf_type));
+  MOESERVE_ASSIGN_OR_RETURN(const std::string experts_type,
+                            CanonicalExpertsType(options.experts));
+
+  // Placement.
+  if (!options.rank_experts.empty() &&
+      static_cast<int>(options.rank_experts.size()) != num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank_experts: lists ", options.rank_experts.size(), " ranks, num_ranks=", num_ranks));
+  }
+  MOESERVE_ASSIGN_OR_RETURN(
+      Placement placement,
+      options.rank_experts.empty()
+          ? Placement::ByName(options.placement, options.model.num_experts, num_ranks)
+          : Placement::FromRankExperts(options.model.num_experts, options.rank_experts));
+
   const int threads = options.num_threads > 0
                           ? options.num_threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::unique_ptr<Experts> experts;
-  if (options.experts == "reference") {
-    experts = std::make_unique<ReferenceExperts>();
-  } else if (options.experts == "blas") {
-    experts = std::make_unique<BlasExperts>(threads);
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("experts '", options.experts, "' unknown; expected reference or blas"));
+  const int threads_per_rank = std::max(1, threads / num_ranks);
+  int64_t tokens_per_rank = options.max_tokens_per_rank;
+  if (tokens_per_rank == 0) {
+    tokens_per_rank = (options.max_tokens_per_request + num_ranks - 1) / num_ranks;
+    if (pf_type == AllToAllBatchedPrepareAndFinalize::kName) {
+      tokens_per_rank = std::min<int64_t>(tokens_per_rank, 128);
+    }
   }
-  auto pf = std::make_unique<NoEpPrepareAndFinalize>(options.max_tokens_per_request);
+
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->options_ = options;
-  std::vector<int> ids(options.model.num_experts);
-  for (int e = 0; e < options.model.num_experts; ++e) ids[e] = e;
+  engine->placement_ = std::make_shared<const Placement>(std::move(placement));
+  if (num_ranks > 1 || pf_type != NoEpPrepareAndFinalize::kName) {
+    MOESERVE_ASSIGN_OR_RETURN(
+        engine->group_,
+        InProcessCommGroup::Create(num_ranks, absl::Milliseconds(options.collective_timeout_ms)));
+  }
   WeightSource source;
   source.checkpoint_dir = options.checkpoint_dir;
   source.seed = options.seed;
   source.format = options.weight_format;
   source.num_threads = threads;
   source.memory_budget_bytes = options.memory_budget_bytes;
-  MOESERVE_ASSIGN_OR_RETURN(engine->weights_, LoadExpertWeights(source, options.model, ids));
-  MOESERVE_ASSIGN_OR_RETURN(engine->kernel_,
-                            ModularKernel::Create(std::move(pf), std::move(experts)));
+  for (int r = 0; r < num_ranks; ++r) {
+    auto rank = std::make_unique<Rank>();
+    if (engine->group_) rank->comm = engine->group_->MakeCommunicator(r);
+    MOESERVE_ASSIGN_OR_RETURN(
+        rank->weights,
+        LoadExpertWeights(source, options.model, engine->placement_->rank_experts(r)));
+    rank->expert_map = engine->placement_->ExpertMap(r);
+    PrepareFinalizeConfig config;
+    config.comm = rank->comm;
+    config.placement = engine->placement_;
+    config.max_num_tokens_per_rank =
+        pf_type == NoEpPrepareAndFinalize::kName ? options.max_tokens_per_request
+                                                 : tokens_per_rank;
+    MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> pf,
+                              MakePrepareAndFinalize(pf_type, config));
+    MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> experts,
+                              MakeExperts(experts_type, threads_per_rank));
+    MOESERVE_ASSIGN_OR_RETURN(rank->kernel,
+                              ModularKernel::Create(std::move(pf), std::move(experts)));
+    engine->ranks_.push_back(std::move(rank));
+  }
+  if (num_ranks > 1) engine->threads_ = std::make_unique<RankThreads>(num_ranks);
+
   EngineInfo& info = engine->info_;
   info.model = options.model;
   info.backend = options.backend;
-  info.prepare_finalize = std::string(engine->kernel_->prepare_finalize().name());
-  info.experts = std::string(engine->kernel_->experts().name());
+  info.prepare_finalize = std::string(engine->ranks_[0]->kernel->prepare_finalize().name());
+  info.experts = std::string(engine->ranks_[0]->kernel->experts().name());
   info.weight_format = options.weight_format;
-  info.num_ranks = 1;
-  info.rank_experts = {ids};
+  info.checkpoint_dir = options.checkpoint_dir;
+  info.num_ranks = num_ranks;
+  info.placement = engine->placement_->name();
+  info.rank_experts = engine->placement_->all_rank_experts();
   info.max_tokens_per_request = options.max_tokens_per_request;
+  info.max_tokens_per_rank = pf_type == NoEpPrepareAndFinalize::kName
+                                 ? options.max_tokens_per_request
+                                 : tokens_per_rank;
+  info.threads_per_rank = threads_per_rank;
   return engine;
 }
 
-Engine::~Engine() = default;
+absl::Status Engine::RunRank(int r, const ForwardInput& input, const TensorView& ids,
+                             const TensorView& out32, const std::vector<int64_t>& bounds) {
+  Rank& rank = *ranks_[r];
+  const int64_t begin = bounds[r], end = bounds[r + 1], k = options_.model.hidden;
+  // The leader writes its slice in place; the others gather theirs to it below.
+  TensorView out = r == 0 ? out32.Slice(begin, end)
+                          : rank.out.Get(DType::kFP32, {end - begin, k});
+  ModularKernelArgs args;
+  args.hidden_states = input.hidden_states.Slice(begin, end);
+  args.topk_ids = ids.Slice(begin, end);
+  args.topk_weights = input.topk_weights.Slice(begin, end);
+  args.weights = rank.weights->layer(input.layer);
+  args.num_experts = options_.model.num_experts;
+  args.expert_map = TensorView(rank.expert_map.data(), DType::kINT32,
+                               {static_cast<int64_t>(rank.expert_map.size())});
+  if (args.weights == nullptr) {
+    return absl::InternalError(absl::StrCat("rank ", r, " has no weights for layer ",
+                                            input.layer));
+  }
+  MOESERVE_RETURN_IF_ERROR(rank.kernel->Forward(args, out, &rank.timings));
+  if (ranks_.size() == 1) return absl::OkStatus();
+  // Gather the output slices on the leader.
+  const int world = static_cast<int>(ranks_.size());
+  const int64_t row = k * static_cast<int64_t>(sizeof(float));
+  std::vector<int64_t> sc(world, 0), sd(world, 0), rc(world, 0), rd(world, 0);
+  if (r != 0) sc[0] = (end - begin) * row;
+  if (r == 0) {
+    for (int p = 1; p < world; ++p) rc[p] = (bounds[p + 1] - bounds[p]) * row, rd[p] = bounds[p] * row;
+  }
+  return rank.comm->AllToAllV(out.raw_data(), sc, sd, out32.raw_data(), rc, rd);
+}
 
 absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output,
                              ForwardTimings* timings) {
@@ -151,6 +248,7 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
   const auto t_queue = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
   if (timings) {
+    *timings = ForwardTimings();
     timings->queue_us = std::chrono::duration<double, std::micro>(
                             std::chrono::steady_clock::now() - t_queue)
                             .count();
@@ -165,32 +263,69 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
   }
   const bool fp32_out = output.dtype() == DType::kFP32;
   TensorView out32 = fp32_out ? output : out32_.Get(DType::kFP32, {m, k});
-  ModularKernelArgs args;
-  args.hidden_states = input.hidden_states;
-  args.topk_ids = ids;
-  args.topk_weights = input.topk_weights;
-  args.weights = weights_->layer(input.layer);
-  args.num_experts = options_.model.num_experts;
-  MOESERVE_RETURN_IF_ERROR(
-      kernel_->Forward(args, out32, timings ? &timings->stages : nullptr));
+  // Tokens split evenly: rank r is the source of [bounds[r], bounds[r+1]).
+  const int world = static_cast<int>(ranks_.size());
+  std::vector<int64_t> bounds(world + 1, 0);
+  for (int r = 0; r < world; ++r) bounds[r + 1] = bounds[r] + m / world + (r < m % world ? 1 : 0);
+
+  if (world == 1) {
+    if (absl::Status s = RunRank(0, input, ids, out32, bounds); !s.ok()) {
+      if (group_) group_->Reset();
+      return s;
+    }
+  } else {
+    const std::vector<absl::Status> statuses = threads_->Run([&](int r) {
+      absl::Status s = RunRank(r, input, ids, out32, bounds);
+      // Peers blocked in a collective waiting for this rank give up at once.
+      if (!s.ok()) group_->Abort(s);
+      return s;
+    });
+    absl::Status first = absl::OkStatus();
+    for (int r = 0; r < world; ++r) {
+      const absl::Status& s = statuses[r];
+      if (s.ok()) continue;
+      // Prefer the root cause over the peers' ABORTED echoes.
+      if (first.ok() || (first.code() == absl::StatusCode::kAborted &&
+                         s.code() != absl::StatusCode::kAborted)) {
+        first = absl::Status(s.code(), absl::StrCat("rank ", r, ": ", s.message()));
+      }
+    }
+    if (!first.ok()) {
+      group_->Reset();  // every rank thread has returned: no collective in flight
+      return first;
+    }
+  }
+  if (timings) {
+    StageTimings& st = timings->stages;
+    for (const auto& rank : ranks_) {
+      const StageTimings& t = rank->timings;
+      timings->rank_stages.push_back(t);
+      st.prepare_us = std::max(st.prepare_us, t.prepare_us);
+      st.experts_us = std::max(st.experts_us, t.experts_us);
+      st.finalize_us = std::max(st.finalize_us, t.finalize_us);
+      st.num_chunks = std::max(st.num_chunks, t.num_chunks);
+      st.transfer.dispatch_bytes_sent += t.transfer.dispatch_bytes_sent;
+      st.transfer.dispatch_bytes_received += t.transfer.dispatch_bytes_received;
+      st.transfer.combine_bytes_sent += t.transfer.combine_bytes_sent;
+      st.transfer.combine_bytes_received += t.transfer.combine_bytes_received;
+    }
+  }
   if (!fp32_out) MOESERVE_RETURN_IF_ERROR(ConvertTensor(out32, output));
   return absl::OkStatus();
 }
 
 absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
                                           uint16_t* w2) const {
-  const LayerWeights* lw = weights_->layer(layer);
-  if (lw == nullptr) {
+  if (layer < 0 || ranks_.empty() || ranks_[0]->weights->layer(layer) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " has no experts"));
   }
   if (expert < 0 || expert >= options_.model.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat("expert: got ", expert, ", expected [0, ",
                                                    options_.model.num_experts, ")"));
   }
-  const auto& ids = weights_->expert_ids();
-  const auto it = std::find(ids.begin(), ids.end(), expert);
-  if (it == ids.end()) return absl::NotFoundError(absl::StrCat("expert ", expert, " not hosted"));
-  const int64_t e = it - ids.begin();
+  const Rank& rank = *ranks_[placement_->owner(expert)];
+  const LayerWeights* lw = rank.weights->layer(layer);
+  const int64_t e = placement_->local_index(expert);
   const int64_t k = lw->hidden, n = lw->intermediate;
   std::vector<float> f13(2 * n * k), f2(k * n);
   MOESERVE_RETURN_IF_ERROR(DequantizeExpertToFp32(*lw, e, f13.data(), f2.data()));

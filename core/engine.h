@@ -11,8 +11,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/comm/in_process_communicator.h"
+#include "core/comm/rank_threads.h"
 #include "core/model_config.h"
 #include "core/modular_kernel.h"
+#include "core/placement.h"
 #include "core/tensor.h"
 #include "core/weights.h"
 
@@ -21,14 +24,30 @@ namespace moeserve {
 struct EngineOptions {
   ModelConfig model;
   std::string backend = "cpu";                 // "cpu"
-  std::string experts = "blas";                // "reference" | "blas"
-  std::string prepare_finalize = "no_ep";      // "no_ep"
+  // "reference" | "blas" (Standard format) | "batched_reference" | "batched_blas"
+  // (BatchedExperts format); class names are accepted too.
+  std::string experts = "blas";
+  // "auto" (no_ep for one rank, all2all_contiguous for more) | "no_ep" (one rank only) |
+  // "all2all_contiguous" | "all2all_batched"; class names are accepted too.
+  std::string prepare_finalize = "auto";
   WeightFormat weight_format = WeightFormat::kBF16;
   std::string checkpoint_dir;                  // empty: synthetic weights from `seed`
+  // Expert-parallel ranks (CPU: one worker thread each); must divide num_experts.
   int num_ranks = 1;
+  std::string placement = "contiguous";        // "contiguous" | "round_robin"
+  // Explicit placement (global expert ids per rank, each expert exactly once), e.g. from a load
+  // balancer; overrides `placement` when not empty. Its size must equal num_ranks.
+  std::vector<std::vector<int>> rank_experts;
   uint64_t seed = 0;
-  int num_threads = 0;                         // 0: all hardware threads
+  int num_threads = 0;                         // 0: all hardware threads, shared by the ranks
   int64_t max_tokens_per_request = 8192;
+  // Tokens one rank submits to one dispatch round (the batched format's capacity is this times
+  // num_ranks rows per local expert). 0: ceil(max_tokens_per_request / num_ranks), at most 128
+  // for all2all_batched. Larger batches run in several rounds, never truncated.
+  int64_t max_tokens_per_rank = 0;
+  // How long a rank waits for its peers in one collective before the forward fails with
+  // DEADLINE_EXCEEDED.
+  int64_t collective_timeout_ms = 60000;
   int64_t memory_budget_bytes = 0;             // 0: what the machine has available
 };
 
@@ -42,7 +61,10 @@ struct ForwardInput {
 
 struct ForwardTimings {
   double queue_us = 0;
+  // Stage times: the slowest rank's per stage; num_chunks: the most rounds; transfer: bytes
+  // summed over ranks (each rank's bytes to/from other ranks).
   StageTimings stages;
+  std::vector<StageTimings> rank_stages;  // per rank
 };
 
 struct EngineInfo {
@@ -56,6 +78,8 @@ struct EngineInfo {
   std::string placement = "contiguous";
   std::vector<std::vector<int>> rank_experts;  // global expert ids per rank
   int64_t max_tokens_per_request = 0;
+  int64_t max_tokens_per_rank = 0;             // per dispatch round
+  int threads_per_rank = 1;                    // experts' threads on each rank
   std::vector<DType> hidden_dtypes = {DType::kBF16, DType::kFP16, DType::kFP32};
   std::vector<DType> topk_ids_dtypes = {DType::kINT32, DType::kINT64};
 };
@@ -73,6 +97,10 @@ class Engine {
 
   // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (host,
   // caller-owned). Thread-safe: concurrent calls queue and run one at a time.
+  // With R ranks the M tokens are split evenly (rank r is the source of its slice), every rank
+  // runs the modular kernel (its collectives in the same order) and rank 0, the leader, gathers
+  // the output slices. A failure on one rank aborts the collectives of all; the first root
+  // cause is returned and the engine stays usable.
   absl::Status Forward(const ForwardInput& input, const TensorView& output,
                        ForwardTimings* timings = nullptr);
 
@@ -82,11 +110,17 @@ class Engine {
   const EngineInfo& info() const { return info_; }
 
  private:
-  Engine() = default;
+  struct Rank;
+  Engine();
+  absl::Status RunRank(int rank, const ForwardInput& input, const TensorView& ids,
+                       const TensorView& out32, const std::vector<int64_t>& bounds);
+
   EngineOptions options_;
   EngineInfo info_;
-  std::unique_ptr<ExpertWeightStore> weights_;
-  std::unique_ptr<ModularKernel> kernel_;
+  std::shared_ptr<const Placement> placement_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::shared_ptr<InProcessCommGroup> group_;  // null with no_ep
+  std::unique_ptr<RankThreads> threads_;       // null with one rank
   std::mutex mu_;  // one forward at a time
   HostBuffer ids32_, out32_;
 };

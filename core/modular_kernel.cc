@@ -17,6 +17,10 @@ absl::StatusOr<PrepareAndFinalize::Receiver> PrepareAndFinalize::PrepareNoReceiv
   return absl::UnimplementedError(absl::StrCat(name(), " has no PrepareNoReceive"));
 }
 
+absl::StatusOr<std::vector<int64_t>> PrepareAndFinalize::PlanChunks(const PrepareArgs& args) {
+  return std::vector<int64_t>{0, args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0};
+}
+
 absl::Status CheckCompatible(const PrepareAndFinalize& pf, const Experts& experts) {
   const ActivationFormats formats = experts.activation_formats();
   if (formats.input != pf.activation_format()) {
@@ -60,7 +64,6 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
     return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
   };
 
-  auto t0 = Clock::now();
   PrepareArgs pargs;
   pargs.hidden_states = args.hidden_states;
   pargs.topk_ids = args.topk_ids;
@@ -69,25 +72,58 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   pargs.num_local_experts = args.weights->num_local_experts;
   pargs.intermediate = args.weights->intermediate;
   pargs.expert_map = args.expert_map;
-  PreparedActivations prepared;
-  MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
-  if (timings) timings->prepare_us = us_since(t0);
-
-  t0 = Clock::now();
-  const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(prepared.problem);
-  ExpertsApplyArgs aargs;
-  aargs.prepared = &prepared;
-  aargs.weights = args.weights;
-  aargs.workspace13 = workspace13_.Get(shapes.workspace_dtype, shapes.workspace13);
-  aargs.workspace2 = workspace2_.Get(shapes.workspace_dtype, shapes.workspace2);
-  aargs.output = fused_output_.Get(DType::kFP32, shapes.output);
-  MOESERVE_RETURN_IF_ERROR(experts_->Apply(aargs));
-  if (timings) timings->experts_us = us_since(t0);
-
-  t0 = Clock::now();
+  const TransferStats stats0 = prepare_finalize_->transfer_stats();
+  auto t0 = Clock::now();
+  MOESERVE_ASSIGN_OR_RETURN(const std::vector<int64_t> bounds,
+                            prepare_finalize_->PlanChunks(pargs));
+  if (timings) {
+    *timings = StageTimings();
+    timings->prepare_us += us_since(t0);
+  }
+  const int64_t m = args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0;
+  if (bounds.size() < 2 || bounds.front() != 0 || bounds.back() != m) {
+    return absl::InternalError(absl::StrCat(prepare_finalize_->name(),
+                                            ": PlanChunks must return {0, ..., ", m, "}"));
+  }
   const std::unique_ptr<TopKWeightAndReduce> war = experts_->FinalizeWeightAndReduceImpl();
-  MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Finalize(output, aargs.output, prepared, *war));
-  if (timings) timings->finalize_us = us_since(t0);
+  for (size_t c = 0; c + 1 < bounds.size(); ++c) {
+    const int64_t begin = bounds[c], end = bounds[c + 1];
+    if (begin > end) return absl::InternalError("PlanChunks: boundaries must ascend");
+    pargs.hidden_states = args.hidden_states.Slice(begin, end);
+    pargs.topk_ids = args.topk_ids.Slice(begin, end);
+    pargs.topk_weights = args.topk_weights.Slice(begin, end);
+
+    t0 = Clock::now();
+    PreparedActivations prepared;
+    MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
+    if (timings) timings->prepare_us += us_since(t0);
+
+    t0 = Clock::now();
+    const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(prepared.problem);
+    ExpertsApplyArgs aargs;
+    aargs.prepared = &prepared;
+    aargs.weights = args.weights;
+    aargs.workspace13 = workspace13_.Get(shapes.workspace_dtype, shapes.workspace13);
+    aargs.workspace2 = workspace2_.Get(shapes.workspace_dtype, shapes.workspace2);
+    aargs.output = fused_output_.Get(DType::kFP32, shapes.output);
+    MOESERVE_RETURN_IF_ERROR(experts_->Apply(aargs));
+    if (timings) timings->experts_us += us_since(t0);
+
+    t0 = Clock::now();
+    MOESERVE_RETURN_IF_ERROR(
+        prepare_finalize_->Finalize(output.Slice(begin, end), aargs.output, prepared, *war));
+    if (timings) timings->finalize_us += us_since(t0);
+  }
+  if (timings) {
+    const TransferStats stats1 = prepare_finalize_->transfer_stats();
+    timings->num_chunks = static_cast<int64_t>(bounds.size()) - 1;
+    timings->transfer.dispatch_bytes_sent = stats1.dispatch_bytes_sent - stats0.dispatch_bytes_sent;
+    timings->transfer.dispatch_bytes_received =
+        stats1.dispatch_bytes_received - stats0.dispatch_bytes_received;
+    timings->transfer.combine_bytes_sent = stats1.combine_bytes_sent - stats0.combine_bytes_sent;
+    timings->transfer.combine_bytes_received =
+        stats1.combine_bytes_received - stats0.combine_bytes_received;
+  }
   return absl::OkStatus();
 }
 

@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
@@ -102,6 +103,15 @@ struct QuantConfig {
   DType activation_dtype = DType::kFP32;  // what Experts receive in a1q
 };
 
+// Bytes a PrepareAndFinalize moved to and from *other* ranks (its own share, copied locally,
+// is not counted).
+struct TransferStats {
+  int64_t dispatch_bytes_sent = 0;
+  int64_t dispatch_bytes_received = 0;
+  int64_t combine_bytes_sent = 0;
+  int64_t combine_bytes_received = 0;
+};
+
 class PrepareAndFinalize {
  public:
   virtual ~PrepareAndFinalize() = default;
@@ -114,6 +124,13 @@ class PrepareAndFinalize {
   // Ranks taking part in a dispatch.
   virtual int num_dispatchers() const = 0;
   virtual const QuantConfig& quant_config() const = 0;
+
+  // Splits this rank's source tokens into the rounds ("chunks") of prepare -> apply -> finalize
+  // one forward needs, so that no round exceeds a fixed capacity (nothing is ever truncated).
+  // Returns ascending boundaries {0, b1, ..., M}: round i covers tokens [b[i], b[i+1]).
+  // Implementations with peers return the same number of rounds on every rank (a rank with
+  // fewer tokens gets empty rounds) and may run a collective to agree. Default: one round.
+  virtual absl::StatusOr<std::vector<int64_t>> PlanChunks(const PrepareArgs& args);
 
   // Quantizes args.hidden_states and dispatches tokens to the ranks that own their experts.
   virtual absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) = 0;
@@ -130,6 +147,9 @@ class PrepareAndFinalize {
   virtual absl::Status Finalize(const TensorView& output, const TensorView& fused_expert_output,
                                 const PreparedActivations& prepared,
                                 const TopKWeightAndReduce& weight_and_reduce) = 0;
+
+  // Bytes exchanged with other ranks since construction (zero for single-rank ones).
+  virtual TransferStats transfer_stats() const { return {}; }
 };
 
 struct ActivationFormats {
@@ -173,6 +193,8 @@ struct StageTimings {
   double prepare_us = 0;
   double experts_us = 0;
   double finalize_us = 0;
+  int64_t num_chunks = 0;  // rounds of prepare -> apply -> finalize (PlanChunks)
+  TransferStats transfer;  // bytes this rank exchanged with its peers in this forward
 };
 
 struct ModularKernelArgs {
@@ -193,7 +215,8 @@ class ModularKernel {
   static absl::StatusOr<std::unique_ptr<ModularKernel>> Create(
       std::unique_ptr<PrepareAndFinalize> prepare_finalize, std::unique_ptr<Experts> experts);
 
-  // Runs prepare -> apply -> finalize. output: [M, K] FP32 host. Workspaces are allocated from
+  // Runs prepare -> apply -> finalize once per round of PrepareAndFinalize::PlanChunks (stage
+  // times are summed over rounds). output: [M, K] FP32 host. Workspaces are allocated from
   // Experts::GetWorkspaceShapes() and reused across calls. Not thread-safe.
   absl::Status Forward(const ModularKernelArgs& args, const TensorView& output,
                        StageTimings* timings = nullptr);

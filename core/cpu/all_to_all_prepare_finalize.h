@@ -1,0 +1,144 @@
+// Expert-parallel PrepareAndFinalize implementations over a Communicator (host memory).
+//
+// Both dispatch the same way: each source token is sent once per destination rank that hosts
+// at least one of its experts (not once per route), as a record
+//   [a1q row (K x activation dtype) | topk local expert ids on that rank, -1 elsewhere (INT32)
+//    | topk router weights (FP32)],
+// after an all-gather of per-peer record counts. The expert rank applies the top-k weights and
+// reduces its own routes (in Experts::Apply or in Finalize, per TopKWeightAndReduce), so the
+// combine sends back one partial [K] FP32 row per record and the source rank sums the partials
+// of each token in ascending rank order (deterministic).
+//
+//  - AllToAllContiguous (DeepEP high-throughput style): Standard format, a1q [M_recv, K] with
+//    the records' local ids/weights [M_recv, topk]. Delegate resolves to Contiguous.
+//  - AllToAllBatched (DeepEP low-latency style): BatchedExperts format, a fixed capacity of
+//    max_num_tokens_per_rank x num_dispatchers rows per local expert, a1q [E_local, max_tokens,
+//    K] + expert_num_tokens [E_local]; rows of expert e are its routes in (record, k) order, and
+//    the records' ids/weights [M_recv, topk] are passed too. Delegate resolves to NaiveBatched.
+//    PlanChunks splits a forward into rounds so that no rank contributes more than
+//    max_num_tokens_per_rank rows to any expert in a round: a batch over capacity runs in more
+//    rounds, never truncated.
+//
+// Every rank must call PlanChunks / Prepare / Finalize of its own instance in the same order
+// (they run collectives). Not thread-safe; one instance per rank. Errors from the communicator
+// (DEADLINE_EXCEEDED, ABORTED, INTERNAL) are returned as they come; the owner aborts the group
+// when a rank fails outside a collective so that peers do not wait.
+#ifndef MOESERVE_CORE_CPU_ALL_TO_ALL_PREPARE_FINALIZE_H_
+#define MOESERVE_CORE_CPU_ALL_TO_ALL_PREPARE_FINALIZE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/comm/communicator.h"
+#include "core/modular_kernel.h"
+#include "core/placement.h"
+
+namespace moeserve {
+
+struct AllToAllOptions {
+  // Most source tokens one rank submits to one dispatch round (and, for the batched format,
+  // most rows one rank contributes to one expert in a round).
+  int64_t max_num_tokens_per_rank = 256;
+  QuantConfig quant;
+  // kPerRank: one record per (token, destination rank). kPerRoute: one record per route, as a
+  // dispatch without deduplication would send; kept to measure what deduplication saves.
+  enum class Dispatch { kPerRank, kPerRoute };
+  Dispatch dispatch = Dispatch::kPerRank;
+};
+
+class AllToAllPrepareAndFinalizeBase : public PrepareAndFinalize {
+ public:
+  std::optional<DType> topk_indices_dtype() const override { return DType::kINT32; }
+  int64_t max_num_tokens_per_rank() const override { return options_.max_num_tokens_per_rank; }
+  int num_dispatchers() const override { return comm_->world_size(); }
+  const QuantConfig& quant_config() const override { return options_.quant; }
+  absl::StatusOr<std::vector<int64_t>> PlanChunks(const PrepareArgs& args) override;
+  absl::Status Finalize(const TensorView& output, const TensorView& fused_expert_output,
+                        const PreparedActivations& prepared,
+                        const TopKWeightAndReduce& weight_and_reduce) override;
+  TransferStats transfer_stats() const override { return stats_; }
+
+ protected:
+  AllToAllPrepareAndFinalizeBase(std::shared_ptr<Communicator> comm,
+                                 std::shared_ptr<const Placement> placement,
+                                 AllToAllOptions options);
+  // Validates, quantizes, exchanges counts and sends the records; afterwards recv_ holds
+  // num_recv_ records grouped by source rank.
+  absl::Status Dispatch(const PrepareArgs& args);
+  // Whether PlanChunks must also bound rows per expert (fixed-capacity formats).
+  virtual bool bounded_expert_rows() const = 0;
+  // What kDelegate resolves to.
+  virtual TopKWeightAndReduce::Kind delegate_kind() const = 0;
+
+  int64_t record_bytes() const { return record_bytes_; }
+  const std::byte* record(int64_t i) const { return recv_.data() + i * record_bytes_; }
+  int rank() const { return comm_->rank(); }
+
+  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<const Placement> placement_;
+  AllToAllOptions options_;
+  int64_t hidden_ = 0, topk_ = 0, num_recv_ = 0, num_src_ = 0;
+  HostBuffer recv_ids_, recv_weights_;
+
+ private:
+  int64_t record_bytes_ = 0;
+  std::vector<int32_t> expert_map_;        // this rank's global -> local
+  std::vector<int64_t> send_count_;        // records per destination rank
+  std::vector<int64_t> recv_count_;        // records per source rank
+  std::vector<int64_t> send_token_;        // source token of each send slot, grouped by dest
+  std::vector<std::byte> send_, recv_;     // record buffers
+  std::vector<float> combine_recv_;        // [send slots, K] partials coming back
+  HostBuffer a1q_src_, partial_;
+  TransferStats stats_;
+};
+
+class AllToAllContiguousPrepareAndFinalize final : public AllToAllPrepareAndFinalizeBase {
+ public:
+  static constexpr absl::string_view kName = "AllToAllContiguous";
+  AllToAllContiguousPrepareAndFinalize(std::shared_ptr<Communicator> comm,
+                                       std::shared_ptr<const Placement> placement,
+                                       AllToAllOptions options)
+      : AllToAllPrepareAndFinalizeBase(std::move(comm), std::move(placement), options) {}
+  absl::string_view name() const override { return kName; }
+  ActivationFormat activation_format() const override { return ActivationFormat::kStandard; }
+  absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) override;
+
+ protected:
+  bool bounded_expert_rows() const override { return false; }
+  TopKWeightAndReduce::Kind delegate_kind() const override {
+    return TopKWeightAndReduce::Kind::kContiguous;
+  }
+
+ private:
+  HostBuffer a1q_;
+};
+
+class AllToAllBatchedPrepareAndFinalize final : public AllToAllPrepareAndFinalizeBase {
+ public:
+  static constexpr absl::string_view kName = "AllToAllBatched";
+  AllToAllBatchedPrepareAndFinalize(std::shared_ptr<Communicator> comm,
+                                    std::shared_ptr<const Placement> placement,
+                                    AllToAllOptions options)
+      : AllToAllPrepareAndFinalizeBase(std::move(comm), std::move(placement), options) {}
+  absl::string_view name() const override { return kName; }
+  ActivationFormat activation_format() const override {
+    return ActivationFormat::kBatchedExperts;
+  }
+  // Rows per local expert in a1q.
+  int64_t max_tokens() const { return max_num_tokens_per_rank() * num_dispatchers(); }
+  absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) override;
+
+ protected:
+  bool bounded_expert_rows() const override { return true; }
+  TopKWeightAndReduce::Kind delegate_kind() const override {
+    return TopKWeightAndReduce::Kind::kNaiveBatched;
+  }
+
+ private:
+  HostBuffer a1q_, expert_num_tokens_;
+};
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_CPU_ALL_TO_ALL_PREPARE_FINALIZE_H_

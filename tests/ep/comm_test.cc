@@ -1,0 +1,192 @@
+// The in-process communicator, the rank threads and placements.
+#include <atomic>
+#include <chrono>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "core/comm/in_process_communicator.h"
+#include "core/comm/rank_threads.h"
+#include "core/placement.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace moeserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Group {
+  std::shared_ptr<InProcessCommGroup> group;
+  std::vector<std::unique_ptr<Communicator>> comms;
+};
+
+Group MakeGroup(int n, absl::Duration timeout = absl::Seconds(30)) {
+  Group g;
+  g.group = *InProcessCommGroup::Create(n, timeout);
+  for (int r = 0; r < n; ++r) g.comms.push_back(g.group->MakeCommunicator(r));
+  return g;
+}
+
+TEST(InProcessComm, AllToAllVMovesEveryPeersBytes) {
+  for (int n : {1, 2, 5, 16}) {
+    Group g = MakeGroup(n);
+    RankThreads threads(n);
+    std::mt19937 rng(n);
+    // counts[s][d]: bytes s sends d, byte value = f(s, d, i).
+    std::vector<std::vector<int64_t>> counts(n, std::vector<int64_t>(n));
+    for (auto& row : counts) {
+      for (auto& c : row) c = std::uniform_int_distribution<int>(0, 40)(rng);
+    }
+    auto value = [](int s, int d, int64_t i) { return static_cast<uint8_t>(s * 31 + d * 7 + i); };
+    for (int iter = 0; iter < 3; ++iter) {
+      auto statuses = threads.Run([&](int r) -> absl::Status {
+        std::vector<int64_t> sc(n), sd(n), rc(n), rd(n);
+        int64_t so = 0, ro = 0;
+        for (int p = 0; p < n; ++p) {
+          sc[p] = counts[r][p], sd[p] = so, so += sc[p];
+          rc[p] = counts[p][r], rd[p] = ro, ro += rc[p];
+        }
+        std::vector<uint8_t> send(so), recv(ro, 0xee);
+        for (int p = 0; p < n; ++p) {
+          for (int64_t i = 0; i < sc[p]; ++i) send[sd[p] + i] = value(r, p, i + iter);
+        }
+        absl::Status s = g.comms[r]->AllToAllV(send.data(), sc, sd, recv.data(), rc, rd);
+        if (!s.ok()) return s;
+        for (int p = 0; p < n; ++p) {
+          for (int64_t i = 0; i < rc[p]; ++i) {
+            if (recv[rd[p] + i] != value(p, r, i + iter)) {
+              return absl::InternalError(absl::StrCat("rank ", r, " byte ", i, " from ", p));
+            }
+          }
+        }
+        return absl::OkStatus();
+      });
+      for (const auto& s : statuses) EXPECT_TRUE(s.ok()) << s;
+    }
+  }
+}
+
+TEST(InProcessComm, AllGatherAndBarrier) {
+  const int n = 7;
+  Group g = MakeGroup(n);
+  RankThreads threads(n);
+  auto statuses = threads.Run([&](int r) -> absl::Status {
+    const std::vector<int64_t> mine = {r, 10 * r};
+    std::vector<int64_t> all;
+    if (auto s = AllGatherCounts(*g.comms[r], mine, &all); !s.ok()) return s;
+    for (int p = 0; p < n; ++p) {
+      if (all[2 * p] != p || all[2 * p + 1] != 10 * p) return absl::InternalError("allgather");
+    }
+    return g.comms[r]->Barrier();
+  });
+  for (const auto& s : statuses) EXPECT_TRUE(s.ok()) << s;
+}
+
+TEST(InProcessComm, MissingPeerTimesOutOnEveryRank) {
+  const int n = 3;
+  Group g = MakeGroup(n, absl::Milliseconds(200));
+  RankThreads threads(n);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto statuses = threads.Run([&](int r) -> absl::Status {
+    if (r == 2) return absl::OkStatus();  // never joins
+    return g.comms[r]->Barrier();
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 10.0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDeadlineExceeded) << statuses[r];
+  }
+  // Failed until reset, then usable again.
+  EXPECT_FALSE(g.group->status().ok());
+  g.group->Reset();
+  statuses = threads.Run([&](int r) { return g.comms[r]->Barrier(); });
+  for (const auto& st : statuses) EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST(InProcessComm, ErrorOnOneRankAbortsTheCollectiveForAll) {
+  const int n = 4;
+  Group g = MakeGroup(n, absl::Seconds(60));
+  RankThreads threads(n);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto statuses = threads.Run([&](int r) -> absl::Status {
+    if (r == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      const absl::Status cause = absl::InvalidArgumentError("rank 1 exploded");
+      g.comms[r]->Abort(cause);
+      return cause;
+    }
+    std::vector<int64_t> all;
+    return AllGatherCounts(*g.comms[r], std::vector<int64_t>{r}, &all);
+  });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(statuses[r].code(), absl::StatusCode::kAborted) << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr("rank 1 exploded"));
+  }
+}
+
+TEST(InProcessComm, MismatchedCountsAreInternalErrors) {
+  const int n = 2;
+  Group g = MakeGroup(n, absl::Seconds(60));
+  RankThreads threads(n);
+  auto statuses = threads.Run([&](int r) -> absl::Status {
+    std::vector<uint8_t> send(8), recv(8);
+    const std::vector<int64_t> sc = {4, 4}, d = {0, 4};
+    const std::vector<int64_t> rc = r == 0 ? std::vector<int64_t>{4, 3} : sc;  // wrong
+    return g.comms[r]->AllToAllV(send.data(), sc, d, recv.data(), rc, d);
+  });
+  EXPECT_EQ(statuses[0].code(), absl::StatusCode::kInternal) << statuses[0];
+  EXPECT_FALSE(statuses[1].ok());
+  g.group->Reset();
+  // Mismatched collectives are caught too.
+  statuses = threads.Run([&](int r) -> absl::Status {
+    if (r == 0) return g.comms[r]->Barrier();
+    int64_t x = 1, all[2];
+    return g.comms[r]->AllGather(&x, sizeof(x), all);
+  });
+  for (const auto& s : statuses) EXPECT_FALSE(s.ok());
+  EXPECT_THAT(g.group->status().message(), HasSubstr("collective mismatch"));
+}
+
+TEST(Placement, ContiguousRoundRobinAndExpertMap) {
+  auto c = Placement::Contiguous(512, 16);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->name(), "contiguous");
+  EXPECT_EQ(c->rank_experts(3).front(), 96);
+  EXPECT_EQ(c->rank_experts(3).back(), 127);
+  EXPECT_EQ(c->owner(100), 3);
+  EXPECT_EQ(c->local_index(100), 4);
+  const std::vector<int32_t> map = c->ExpertMap(3);
+  EXPECT_EQ(map[100], 4);
+  EXPECT_EQ(map[0], -1);
+  EXPECT_EQ(std::count(map.begin(), map.end(), -1), 512 - 32);
+
+  auto rr = Placement::RoundRobin(512, 16);
+  ASSERT_TRUE(rr.ok());
+  EXPECT_EQ(rr->owner(100), 100 % 16);
+  EXPECT_EQ(rr->local_index(100), 100 / 16);
+  EXPECT_EQ(rr->ExpertMap(4)[100], 6);
+
+  EXPECT_FALSE(Placement::Contiguous(512, 3).ok());
+  EXPECT_FALSE(Placement::ByName("random", 8, 2).ok());
+}
+
+TEST(Placement, ExplicitListsAreChecked) {
+  auto p = Placement::FromRankExperts(4, {{3, 0}, {1, 2}});
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->owner(0), 0);
+  EXPECT_EQ(p->local_index(0), 1);
+  EXPECT_EQ(p->name(), "custom");
+  EXPECT_THAT(Placement::FromRankExperts(4, {{0, 1}, {1, 2, 3}}).status().message(),
+              HasSubstr("expert 1 is listed by rank 0 and rank 1"));
+  EXPECT_THAT(Placement::FromRankExperts(4, {{0, 1}, {2}}).status().message(),
+              HasSubstr("expert 3 is hosted by no rank"));
+  EXPECT_THAT(Placement::FromRankExperts(4, {{0, 1, 2, 7}, {3}}).status().message(),
+              HasSubstr("outside [0, 4)"));
+  EXPECT_FALSE(Placement::FromRankExperts(4, {{0, 1, 2, 3}, {}}).ok());
+}
+
+}  // namespace
+}  // namespace moeserve
