@@ -52,6 +52,8 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
       static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
+  // A port another process holds must fail loudly, not be silently shared (SO_REUSEPORT).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   server->bound_ports_.assign(options.listen_addresses.size(), 0);
   for (size_t i = 0; i < options.listen_addresses.size(); ++i) {
     builder.AddListeningPort(options.listen_addresses[i], grpc::InsecureServerCredentials(),

@@ -1,0 +1,192 @@
+// The moeserve binary as a process: flags, the ready file, health, serving, metrics, a clean
+// exit 0 on SIGTERM, and exit 1 (no serving) on bad configuration.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "moeserve/v1/moeserve.grpc.pb.h"
+#include "tests/server/test_util.h"
+
+namespace moeserve {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::MatchesRegex;
+
+std::string TempPath(const std::string& stem) {
+  return ::testing::TempDir() + "/" + stem + "." + std::to_string(getpid());
+}
+
+class Process {
+ public:
+  explicit Process(std::vector<std::string> args) {
+    args.insert(args.begin(), MOESERVE_BINARY);
+    pid_ = fork();
+    if (pid_ == 0) {
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+  }
+  ~Process() {
+    if (pid_ > 0 && !exited_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  // Exit status, or -1 if still running after `timeout`.
+  int Wait(std::chrono::seconds timeout) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      int status = 0;
+      const pid_t r = waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        exited_ = true;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+  bool Running() {
+    if (exited_) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exited_ = true;
+      return false;
+    }
+    return true;
+  }
+  void Signal(int signo) { kill(pid_, signo); }
+
+ private:
+  pid_t pid_ = -1;
+  bool exited_ = false;
+};
+
+// The ready file's lines once it exists (empty if the process exits or 120 s pass first).
+std::vector<std::string> WaitForReadyFile(Process& p, const std::string& path) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < end && p.Running()) {
+    std::ifstream f(path);
+    if (f) {
+      std::vector<std::string> lines;
+      for (std::string line; std::getline(f, line);) lines.push_back(line);
+      return lines;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return {};
+}
+
+TEST(BinaryTest, ServesThenExitsCleanlyOnSigterm) {
+  const std::string ready = TempPath("moeserve_ready");
+  std::remove(ready.c_str());
+  Process p({"--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0", "--ready_file=" + ready,
+             "--model=tiny", "--hidden=64", "--intermediate=32", "--num_experts=4", "--topk=2",
+             "--threads=1", "--server_threads=1"});
+  const std::vector<std::string> lines = WaitForReadyFile(p, ready);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_THAT(lines[0], MatchesRegex("127\\.0\\.0\\.1:[1-9][0-9]*"));
+  EXPECT_THAT(lines[1], MatchesRegex("metrics 127\\.0\\.0\\.1:[1-9][0-9]*"));
+  EXPECT_NE(lines[0], "127.0.0.1:0");
+
+  auto channel = grpc::CreateChannel(lines[0], grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  for (const char* service : {"", "moeserve.v1.MoeService"}) {
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+  auto stub = v1::MoeService::NewStub(channel);
+  v1::ModelInfo info;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  }
+  EXPECT_EQ(info.model_name(), "tiny");
+  EXPECT_EQ(info.hidden(), 64);
+  EXPECT_EQ(info.num_experts(), 4);
+  EXPECT_EQ(info.max_message_bytes(), 64 << 20);
+  std::mt19937_64 rng(5);
+  v1::ForwardRequest req =
+      testing::RandomRequest(rng, 0, 4, 64, 4, 2, v1::DTYPE_BF16, v1::DTYPE_INT32);
+  v1::ForwardResponse resp;
+  {
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->Forward(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(resp.output().data().size(), 4u * 64u * 2u);
+
+  const int metrics_port = std::stoi(lines[1].substr(lines[1].rfind(':') + 1));
+  const std::string metrics = testing::HttpGetMetrics(metrics_port);
+  EXPECT_EQ(testing::MetricValue(metrics, "moeserve_tokens_total"), 4);
+
+  p.Signal(SIGTERM);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
+  std::remove(ready.c_str());
+}
+
+TEST(BinaryTest, SigintAlsoExitsCleanly) {
+  const std::string ready = TempPath("moeserve_ready_int");
+  std::remove(ready.c_str());
+  Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready,
+             "--hidden=64", "--intermediate=32", "--threads=1"});
+  const std::vector<std::string> lines = WaitForReadyFile(p, ready);
+  ASSERT_EQ(lines.size(), 1u);  // metrics off: one line
+  p.Signal(SIGINT);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
+  std::remove(ready.c_str());
+}
+
+TEST(BinaryTest, BadConfigurationExitsOne) {
+  for (const char* bad : {"--model=no-such-model", "--experts=bogus", "--weight_format=fp4",
+                          "--hidden=-5", "--backend=tpu", "--max_tokens_per_request=0",
+                          "--listen=", "--listen=not-an-address:99999"}) {
+    Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
+               "--threads=1", bad});
+    EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
+  }
+}
+
+TEST(BinaryTest, PortInUseExitsOne) {
+  const std::string ready = TempPath("moeserve_ready_port");
+  std::remove(ready.c_str());
+  Process first({"--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+                 "--ready_file=" + ready, "--hidden=64", "--intermediate=32", "--threads=1"});
+  const std::vector<std::string> lines = WaitForReadyFile(first, ready);
+  ASSERT_EQ(lines.size(), 2u);
+  // Same gRPC port: refused, not silently shared.
+  Process second({"--listen=" + lines[0], "--metrics_address=", "--hidden=64",
+                  "--intermediate=32", "--threads=1"});
+  EXPECT_EQ(second.Wait(std::chrono::seconds(60)), 1);
+  // Same metrics port: refused too.
+  Process third({"--listen=127.0.0.1:0", "--metrics_address=" + lines[1].substr(8),
+                 "--hidden=64", "--intermediate=32", "--threads=1"});
+  EXPECT_EQ(third.Wait(std::chrono::seconds(60)), 1);
+  first.Signal(SIGTERM);
+  EXPECT_EQ(first.Wait(std::chrono::seconds(60)), 0);
+  std::remove(ready.c_str());
+}
+
+}  // namespace
+}  // namespace moeserve

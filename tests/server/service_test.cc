@@ -1,0 +1,577 @@
+// MoeService in-process on 127.0.0.1:0, driven through the generated stub: bad inputs (each an
+// exact code and a message naming the field, the server serving on afterwards), correctness
+// against an independent reference engine, health, model info, expert weights, metrics and
+// concurrency.
+#include "server/service.h"
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "core/engine.h"
+#include "core/model_config.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "moeserve/v1/moeserve.grpc.pb.h"
+#include "server/server.h"
+#include "tests/server/test_util.h"
+
+namespace moeserve {
+namespace {
+
+using ::moeserve::testing::DecodeFloats;
+using ::moeserve::testing::HttpGetMetrics;
+using ::moeserve::testing::MetricValue;
+using ::moeserve::testing::RandomRequest;
+using ::moeserve::testing::RelativeL2;
+using ::testing::HasSubstr;
+
+constexpr int64_t kMaxTokens = 64;
+constexpr int64_t kMaxMessageBytes = 1 << 20;
+
+// Tiny with small overrides: an odd topk and unequal hidden / intermediate catch transposes.
+ModelConfig TestModel() {
+  ModelConfig model = ModelPreset("tiny").value();
+  ModelOverrides o;
+  o.num_experts = 8;
+  o.topk = 3;
+  o.hidden = 128;
+  o.intermediate = 96;
+  return ApplyOverrides(model, o).value();
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    EngineOptions options;
+    options.model = TestModel();
+    options.seed = 7;
+    options.experts = "blas";
+    options.num_threads = 2;
+    options.max_tokens_per_request = kMaxTokens;
+    engine_ = Engine::Create(options).value().release();
+    options.experts = "reference";  // independent oracle, same weights
+    reference_ = Engine::Create(options).value().release();
+
+    ServerOptions server_options;
+    server_options.listen_addresses = {"127.0.0.1:0"};
+    server_options.server_threads = 2;
+    server_options.max_message_bytes = kMaxMessageBytes;
+    server_options.metrics_address = "127.0.0.1:0";
+    server_ = MoeServer::Start(engine_, server_options).value().release();
+
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetMaxSendMessageSize(64 << 20);  // so that oversized requests reach the server
+    channel_ = new std::shared_ptr<grpc::Channel>(grpc::CreateCustomChannel(
+        server_->bound_addresses()[0], grpc::InsecureChannelCredentials(), args));
+  }
+
+  static void TearDownTestSuite() {
+    delete channel_;
+    delete server_;
+    delete reference_;
+    delete engine_;
+  }
+
+  std::unique_ptr<v1::MoeService::Stub> Stub() { return v1::MoeService::NewStub(*channel_); }
+  const ModelConfig& model() const { return engine_->info().model; }
+
+  v1::ForwardRequest Random(int64_t m, v1::DType dtype = v1::DTYPE_BF16,
+                            v1::DType ids = v1::DTYPE_INT32, int layer = 1) {
+    return RandomRequest(rng_, layer, m, model().hidden, model().num_experts, model().topk,
+                         dtype, ids);
+  }
+
+  grpc::Status Call(const v1::ForwardRequest& request, v1::ForwardResponse* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    return Stub()->Forward(&ctx, request, response);
+  }
+
+  // What the reference engine answers for `request`, as floats.
+  static std::vector<float> Expected(const v1::ForwardRequest& request) {
+    const auto dtype_of = [](int d) {
+      switch (d) {
+        case v1::DTYPE_BF16:
+          return DType::kBF16;
+        case v1::DTYPE_FP16:
+          return DType::kFP16;
+        case v1::DTYPE_INT32:
+          return DType::kINT32;
+        case v1::DTYPE_INT64:
+          return DType::kINT64;
+        default:
+          return DType::kFP32;
+      }
+    };
+    const auto view = [&](const v1::Tensor& t) {
+      return TensorView(static_cast<const void*>(t.data().data()), dtype_of(t.dtype()),
+                        Shape(t.shape().begin(), t.shape().end()));
+    };
+    ForwardInput in;
+    in.layer = request.layer();
+    in.hidden_states = view(request.hidden_states());
+    in.topk_ids = view(request.topk_ids());
+    in.topk_weights = view(request.topk_weights());
+    Tensor out = Tensor::Empty(in.hidden_states.dtype(), in.hidden_states.shape());
+    absl::Status s = reference_->Forward(in, out.view());
+    EXPECT_TRUE(s.ok()) << s;
+    std::string bytes(static_cast<const char*>(static_cast<void*>(out.data<char>())),
+                      out.nbytes());
+    return DecodeFloats(bytes, request.hidden_states().dtype());
+  }
+
+  // The server still answers a valid Forward correctly.
+  void ExpectStillServing() {
+    v1::ForwardRequest r = Random(3);
+    v1::ForwardResponse resp;
+    grpc::Status s = Call(r, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_LT(RelativeL2(DecodeFloats(resp.output().data(), v1::DTYPE_BF16), Expected(r)), 1e-2);
+  }
+
+  // `request` fails with `code` and a message containing `field`; the server serves on.
+  void ExpectRejected(const v1::ForwardRequest& request, grpc::StatusCode code,
+                      const std::string& field) {
+    v1::ForwardResponse resp;
+    grpc::Status s = Call(request, &resp);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(field));
+    EXPECT_FALSE(resp.has_output());
+    ExpectStillServing();
+  }
+
+  static Engine* engine_;
+  static Engine* reference_;
+  static MoeServer* server_;
+  static std::shared_ptr<grpc::Channel>* channel_;
+  std::mt19937_64 rng_{1234};
+};
+
+Engine* ServiceTest::engine_ = nullptr;
+Engine* ServiceTest::reference_ = nullptr;
+MoeServer* ServiceTest::server_ = nullptr;
+std::shared_ptr<grpc::Channel>* ServiceTest::channel_ = nullptr;
+
+// ---- correctness ----
+
+struct DTypeCase {
+  v1::DType dtype;
+  v1::DType ids;
+  double tolerance;
+};
+
+TEST_F(ServiceTest, ForwardMatchesReferenceForEveryDType) {
+  for (const DTypeCase& c : {DTypeCase{v1::DTYPE_BF16, v1::DTYPE_INT32, 1e-2},
+                             DTypeCase{v1::DTYPE_FP16, v1::DTYPE_INT64, 1e-2},
+                             DTypeCase{v1::DTYPE_FP32, v1::DTYPE_INT32, 1e-5},
+                             DTypeCase{v1::DTYPE_FP32, v1::DTYPE_INT64, 1e-5}}) {
+    for (int layer = 0; layer < model().num_layers; ++layer) {
+      for (int64_t m : {1, 7, 33}) {
+        v1::ForwardRequest r = Random(m, c.dtype, c.ids, layer);
+        r.set_request_id("req-" + std::to_string(m));
+        v1::ForwardResponse resp;
+        grpc::Status s = Call(r, &resp);
+        ASSERT_TRUE(s.ok()) << s.error_message();
+        EXPECT_EQ(resp.request_id(), "req-" + std::to_string(m));
+        EXPECT_EQ(resp.output().dtype(), c.dtype);
+        EXPECT_THAT(resp.output().shape(), ::testing::ElementsAre(m, model().hidden));
+        const std::vector<float> got = DecodeFloats(resp.output().data(), c.dtype);
+        ASSERT_EQ(got.size(), static_cast<size_t>(m * model().hidden));
+        const std::vector<float> want = Expected(r);
+        double norm = 0;
+        for (float v : want) norm += v * v;
+        ASSERT_GT(norm, 0) << "reference output is all zeros";
+        EXPECT_LT(RelativeL2(got, want), c.tolerance)
+            << v1::DType_Name(c.dtype) << " layer " << layer << " M=" << m;
+        EXPECT_FALSE(resp.has_timings());
+      }
+    }
+  }
+}
+
+TEST_F(ServiceTest, TimingsWhenAsked) {
+  v1::ForwardRequest r = Random(16);
+  r.set_return_timings(true);
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(Call(r, &resp).ok());
+  ASSERT_TRUE(resp.has_timings());
+  const v1::StageTimings& t = resp.timings();
+  EXPECT_GE(t.queue_us(), 0);
+  EXPECT_GE(t.prepare_us(), 0);
+  EXPECT_GT(t.experts_us(), 0);
+  EXPECT_GE(t.finalize_us(), 0);
+  EXPECT_GT(t.total_us(), 0);
+  EXPECT_GE(t.total_us(), t.prepare_us() + t.experts_us() + t.finalize_us());
+}
+
+TEST_F(ServiceTest, ZeroTokensReturnsEmptyOutput) {
+  for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP32}) {
+    v1::ForwardRequest r = Random(0, dtype);
+    r.set_request_id("empty");
+    v1::ForwardResponse resp;
+    grpc::Status s = Call(r, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.request_id(), "empty");
+    EXPECT_EQ(resp.output().dtype(), dtype);
+    EXPECT_THAT(resp.output().shape(), ::testing::ElementsAre(0, model().hidden));
+    EXPECT_TRUE(resp.output().data().empty());
+  }
+}
+
+TEST_F(ServiceTest, ConcurrentForwardsAreAllCorrect) {
+  constexpr int kThreads = 8, kCalls = 10;
+  std::vector<std::thread> threads;
+  std::vector<int> ok(kThreads, 0);
+  std::vector<std::string> failures(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      auto stub = v1::MoeService::NewStub(*channel_);
+      const v1::DType dtypes[] = {v1::DTYPE_BF16, v1::DTYPE_FP16, v1::DTYPE_FP32};
+      for (int i = 0; i < kCalls; ++i) {
+        const v1::DType dtype = dtypes[(t + i) % 3];
+        const int64_t m = 1 + static_cast<int64_t>(rng() % 24);
+        v1::ForwardRequest r =
+            RandomRequest(rng, i % model().num_layers, m, model().hidden, model().num_experts,
+                          model().topk, dtype, i % 2 ? v1::DTYPE_INT64 : v1::DTYPE_INT32);
+        r.set_request_id(std::to_string(t) + "/" + std::to_string(i));
+        v1::ForwardResponse resp;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+        grpc::Status s = stub->Forward(&ctx, r, &resp);
+        if (!s.ok()) {
+          failures[t] = s.error_message();
+          continue;
+        }
+        const double err = RelativeL2(DecodeFloats(resp.output().data(), dtype), Expected(r));
+        const double tol = dtype == v1::DTYPE_FP32 ? 1e-5 : 1e-2;
+        if (resp.request_id() == r.request_id() && err < tol) {
+          ++ok[t];
+        } else {
+          failures[t] = "request " + r.request_id() + " error " + std::to_string(err);
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(ok[t], kCalls) << "thread " << t << ": " << failures[t];
+  }
+}
+
+// ---- bad inputs ----
+
+TEST_F(ServiceTest, UnknownDTypeRejected) {
+  v1::ForwardRequest r = Random(2);
+  r.mutable_hidden_states()->set_dtype(static_cast<v1::DType>(42));
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  r = Random(2);
+  r.mutable_topk_ids()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids");
+  r = Random(2);
+  r.mutable_topk_weights()->set_dtype(static_cast<v1::DType>(-3));
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+}
+
+TEST_F(ServiceTest, WrongDTypeForFieldRejected) {
+  v1::ForwardRequest r = Random(2);
+  r.mutable_hidden_states()->set_dtype(v1::DTYPE_INT32);  // same itemsize as fp32? no: bf16
+  r.mutable_hidden_states()->mutable_data()->append(r.hidden_states().data());
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  r = Random(2);
+  r.mutable_topk_ids()->set_dtype(v1::DTYPE_FP32);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids");
+  r = Random(2);
+  r.mutable_topk_weights()->set_dtype(v1::DTYPE_INT32);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+}
+
+TEST_F(ServiceTest, RankNotTwoRejected) {
+  v1::ForwardRequest r = Random(2);
+  r.mutable_hidden_states()->clear_shape();
+  r.mutable_hidden_states()->add_shape(2 * model().hidden);  // rank 1, right byte count
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  r = Random(2);
+  r.mutable_hidden_states()->clear_shape();
+  for (int64_t d : {int64_t{1}, int64_t{2}, model().hidden}) r.mutable_hidden_states()->add_shape(d);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  r = Random(2);
+  r.mutable_topk_ids()->clear_shape();
+  for (int64_t d : {2, 1, model().topk}) r.mutable_topk_ids()->add_shape(d);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids");
+  r = Random(2);
+  r.mutable_topk_weights()->clear_shape();
+  r.mutable_topk_weights()->add_shape(2 * model().topk);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+}
+
+TEST_F(ServiceTest, HiddenSizeMismatchRejected) {
+  v1::ForwardRequest r = Random(2);
+  r.mutable_hidden_states()->set_shape(0, 4);
+  r.mutable_hidden_states()->set_shape(1, model().hidden / 2);  // same bytes, wrong hidden
+  v1::ForwardResponse resp;
+  grpc::Status s = Call(r, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("hidden_states"));
+  EXPECT_THAT(s.error_message(), HasSubstr(std::to_string(model().hidden)));
+  ExpectStillServing();
+}
+
+TEST_F(ServiceTest, TopkShapeMismatchRejected) {
+  const int64_t m = 4, topk = model().topk;
+  // topk_ids [M, topk + 1] with matching bytes.
+  v1::ForwardRequest r = Random(m);
+  r.mutable_topk_ids()->set_shape(1, topk + 1);
+  r.mutable_topk_ids()->mutable_data()->append(m * 4, '\0');
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids");
+  // topk_ids [M - 1, topk].
+  r = Random(m);
+  r.mutable_topk_ids()->set_shape(0, m - 1);
+  r.mutable_topk_ids()->mutable_data()->resize((m - 1) * topk * 4);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids");
+  // topk_weights [M, topk - 1].
+  r = Random(m);
+  r.mutable_topk_weights()->set_shape(1, topk - 1);
+  r.mutable_topk_weights()->mutable_data()->resize(m * (topk - 1) * 4);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+  // topk_weights [M + 1, topk].
+  r = Random(m);
+  r.mutable_topk_weights()->set_shape(0, m + 1);
+  r.mutable_topk_weights()->mutable_data()->append(topk * 4, '\0');
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+}
+
+TEST_F(ServiceTest, ByteLengthMismatchRejected) {
+  v1::ForwardRequest r = Random(2);
+  r.mutable_hidden_states()->mutable_data()->pop_back();
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states: data has");
+  r = Random(2);
+  r.mutable_topk_ids()->mutable_data()->append(4, '\0');
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids: data has");
+  r = Random(2);
+  r.mutable_topk_weights()->mutable_data()->clear();
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights: data has");
+}
+
+TEST_F(ServiceTest, NegativeAndOverflowingDimsRejected) {
+  v1::ForwardRequest r = Random(2);
+  r.mutable_hidden_states()->set_shape(0, -2);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  r = Random(2);
+  r.mutable_topk_ids()->set_shape(0, int64_t{1} << 62);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids");
+}
+
+TEST_F(ServiceTest, ExpertIdOutOfRangeRejected) {
+  const int num_experts = model().num_experts;
+  for (v1::DType ids : {v1::DTYPE_INT32, v1::DTYPE_INT64}) {
+    for (int64_t bad : {int64_t{num_experts}, int64_t{-1}, int64_t{1} << 40}) {
+      if (ids == v1::DTYPE_INT32 && bad > INT32_MAX) continue;
+      v1::ForwardRequest r = Random(3, v1::DTYPE_BF16, ids);
+      char* data = r.mutable_topk_ids()->mutable_data()->data();
+      const int64_t index = 4;  // token 1, route 1
+      if (ids == v1::DTYPE_INT32) {
+        const int32_t v = static_cast<int32_t>(bad);
+        std::memcpy(data + index * 4, &v, 4);
+      } else {
+        std::memcpy(data + index * 8, &bad, 8);
+      }
+      v1::ForwardResponse resp;
+      grpc::Status s = Call(r, &resp);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      EXPECT_THAT(s.error_message(), HasSubstr("topk_ids"));
+      EXPECT_THAT(s.error_message(), HasSubstr(std::to_string(bad)));
+      ExpectStillServing();
+    }
+  }
+}
+
+TEST_F(ServiceTest, LayerOutOfRangeRejected) {
+  for (int layer : {-1, model().num_layers, 1 << 30}) {
+    v1::ForwardRequest r = Random(2);
+    r.set_layer(layer);
+    ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "layer");
+  }
+}
+
+TEST_F(ServiceTest, NonFiniteTopkWeightsRejected) {
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    v1::ForwardRequest r = Random(3);
+    std::memcpy(r.mutable_topk_weights()->mutable_data()->data() + 5 * 4, &bad, 4);
+    ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+  }
+}
+
+TEST_F(ServiceTest, TooManyTokensIsResourceExhausted) {
+  v1::ForwardRequest r = Random(kMaxTokens + 1);
+  ExpectRejected(r, grpc::StatusCode::RESOURCE_EXHAUSTED, "hidden_states");
+  // Exactly at the limit is fine.
+  v1::ForwardResponse resp;
+  r = Random(kMaxTokens);
+  EXPECT_TRUE(Call(r, &resp).ok());
+}
+
+TEST_F(ServiceTest, OversizedMessageIsResourceExhausted) {
+  v1::ForwardRequest r = Random(2);
+  r.set_request_id(std::string(kMaxMessageBytes + 1, 'x'));
+  v1::ForwardResponse resp;
+  grpc::Status s = Call(r, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  ExpectStillServing();
+}
+
+TEST_F(ServiceTest, MissingTensorsRejected) {
+  v1::ForwardRequest r = Random(2);
+  r.clear_topk_weights();
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+  ExpectRejected(v1::ForwardRequest(), grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+}
+
+// ---- the other RPCs ----
+
+TEST_F(ServiceTest, HealthIsServing) {
+  auto health = grpc::health::v1::Health::NewStub(*channel_);
+  for (const char* service : {"", "moeserve.v1.MoeService"}) {
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = health->Check(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << service << ": " << s.error_message();
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+}
+
+TEST_F(ServiceTest, GetModelInfo) {
+  v1::ModelInfo info;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(Stub()->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  const ModelConfig& m = model();
+  EXPECT_EQ(info.model_name(), "tiny");
+  EXPECT_EQ(info.num_layers(), m.num_layers);
+  EXPECT_EQ(info.num_experts(), 8);
+  EXPECT_EQ(info.topk(), 3);
+  EXPECT_EQ(info.hidden(), 128);
+  EXPECT_EQ(info.intermediate(), 96);
+  EXPECT_THAT(info.accepted_hidden_dtypes(),
+              ::testing::UnorderedElementsAre(v1::DTYPE_BF16, v1::DTYPE_FP16, v1::DTYPE_FP32));
+  EXPECT_THAT(info.accepted_topk_ids_dtypes(),
+              ::testing::UnorderedElementsAre(v1::DTYPE_INT32, v1::DTYPE_INT64));
+  EXPECT_EQ(info.weight_format(), "bf16");
+  EXPECT_EQ(info.num_ranks(), 1);
+  EXPECT_EQ(info.backend(), "cpu");
+  EXPECT_EQ(info.max_tokens_per_request(), kMaxTokens);
+  EXPECT_EQ(info.max_message_bytes(), kMaxMessageBytes);
+  EXPECT_FALSE(info.prepare_finalize().empty());
+  EXPECT_FALSE(info.experts().empty());
+  EXPECT_EQ(info.activation(), "silu");
+  EXPECT_FALSE(info.placement().empty());
+  ASSERT_EQ(info.expert_placement_size(), 1);
+  EXPECT_EQ(info.expert_placement(0).rank(), 0);
+  EXPECT_THAT(info.expert_placement(0).expert_ids(),
+              ::testing::ElementsAre(0, 1, 2, 3, 4, 5, 6, 7));
+  EXPECT_EQ(info.moe_layers_size(), m.num_layers);
+}
+
+TEST_F(ServiceTest, GetExpertWeights) {
+  const int64_t h = model().hidden, n = model().intermediate;
+  v1::GetExpertWeightsRequest req;
+  req.set_layer(1);
+  req.set_expert(5);
+  v1::GetExpertWeightsResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status s = Stub()->GetExpertWeights(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.w13().dtype(), v1::DTYPE_BF16);
+  EXPECT_THAT(resp.w13().shape(), ::testing::ElementsAre(2 * n, h));
+  EXPECT_EQ(resp.w13().data().size(), static_cast<size_t>(2 * n * h * 2));
+  EXPECT_EQ(resp.w2().dtype(), v1::DTYPE_BF16);
+  EXPECT_THAT(resp.w2().shape(), ::testing::ElementsAre(h, n));
+  EXPECT_EQ(resp.w2().data().size(), static_cast<size_t>(h * n * 2));
+  // The same values the reference engine computes with.
+  std::vector<uint16_t> w13(2 * n * h), w2(h * n);
+  ASSERT_TRUE(reference_->GetExpertWeightsBf16(1, 5, w13.data(), w2.data()).ok());
+  EXPECT_EQ(std::memcmp(resp.w13().data().data(), w13.data(), w13.size() * 2), 0);
+  EXPECT_EQ(std::memcmp(resp.w2().data().data(), w2.data(), w2.size() * 2), 0);
+  bool nonzero = false;
+  for (uint16_t v : w2) nonzero = nonzero || (v & 0x7fff) != 0;
+  EXPECT_TRUE(nonzero);
+
+  for (auto [layer, expert, field] : {std::tuple<int, int, const char*>{1, 8, "expert"},
+                                      {1, -1, "expert"},
+                                      {model().num_layers, 0, "layer"},
+                                      {-1, 0, "layer"}}) {
+    req.set_layer(layer);
+    req.set_expert(expert);
+    grpc::ClientContext bad_ctx;
+    v1::GetExpertWeightsResponse bad;
+    s = Stub()->GetExpertWeights(&bad_ctx, req, &bad);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << layer << "/" << expert;
+    EXPECT_THAT(s.error_message(), HasSubstr(field));
+  }
+}
+
+TEST_F(ServiceTest, MetricsMove) {
+  const int port = server_->metrics().port();
+  ASSERT_GT(port, 0);
+  const std::string before = HttpGetMetrics(port);
+  ASSERT_THAT(before, HasSubstr("200 OK"));
+  EXPECT_EQ(MetricValue(before, "moeserve_model_info",
+                        {"model=\"tiny\"", "backend=\"cpu\"", "weight_format=\"bf16\"",
+                         "num_ranks=\"1\"", "experts=", "prepare_finalize="}),
+            1);
+  EXPECT_GE(MetricValue(before, "moeserve_inflight_requests"), 0);
+  auto value = [](const std::string& text, const std::string& name,
+                  const std::vector<std::string>& labels = {}) {
+    return std::max(0.0, MetricValue(text, name, labels));
+  };
+
+  constexpr int kCalls = 3;
+  constexpr int64_t kTokens = 5;
+  for (int i = 0; i < kCalls; ++i) {
+    v1::ForwardResponse resp;
+    ASSERT_TRUE(Call(Random(kTokens), &resp).ok());
+  }
+  v1::ForwardRequest bad = Random(2);
+  bad.set_layer(-1);
+  v1::ForwardResponse resp;
+  EXPECT_FALSE(Call(bad, &resp).ok());
+
+  const std::string after = HttpGetMetrics(port);
+  const std::vector<std::string> fwd_ok = {"method=\"Forward\"", "code=\"OK\""};
+  EXPECT_EQ(value(after, "moeserve_requests_total", fwd_ok) -
+                value(before, "moeserve_requests_total", fwd_ok),
+            kCalls);
+  const std::vector<std::string> fwd_bad = {"method=\"Forward\"", "code=\"INVALID_ARGUMENT\""};
+  EXPECT_EQ(value(after, "moeserve_requests_total", fwd_bad) -
+                value(before, "moeserve_requests_total", fwd_bad),
+            1);
+  const std::vector<std::string> fwd = {"method=\"Forward\""};
+  EXPECT_EQ(value(after, "moeserve_request_latency_seconds_count", fwd) -
+                value(before, "moeserve_request_latency_seconds_count", fwd),
+            kCalls + 1);
+  EXPECT_GT(value(after, "moeserve_request_latency_seconds_sum", fwd),
+            value(before, "moeserve_request_latency_seconds_sum", fwd));
+  EXPECT_EQ(value(after, "moeserve_tokens_total") - value(before, "moeserve_tokens_total"),
+            kCalls * kTokens);
+  for (const char* stage : {"queue", "prepare", "experts", "finalize"}) {
+    const std::vector<std::string> l = {std::string("stage=\"") + stage + "\""};
+    EXPECT_EQ(value(after, "moeserve_forward_stage_seconds_count", l) -
+                  value(before, "moeserve_forward_stage_seconds_count", l),
+              kCalls)
+        << stage;
+  }
+  EXPECT_EQ(MetricValue(after, "moeserve_inflight_requests"), 0);
+}
+
+}  // namespace
+}  // namespace moeserve
