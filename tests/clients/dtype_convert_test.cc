@@ -19,7 +19,7 @@ float FromBits(uint32_t u) {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-TEST(Bf16, ExactValues) {
+TEST(ClientBf16, ExactValues) {
   EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
   EXPECT_EQ(FloatToBf16(-2.0f), 0xc000);
   EXPECT_EQ(FloatToBf16(0.0f), 0x0000);
@@ -31,7 +31,7 @@ TEST(Bf16, ExactValues) {
   EXPECT_TRUE(std::signbit(Bf16ToFloat(0x8000)));
 }
 
-TEST(Bf16, RoundsToNearestTiesToEven) {
+TEST(ClientBf16, RoundsToNearestTiesToEven) {
   // 1 + 2^-8 is halfway between 0x3f80 (even) and 0x3f81: ties go to even.
   EXPECT_EQ(FloatToBf16(FromBits(0x3f808000u)), 0x3f80);
   // Halfway between 0x3f81 (odd) and 0x3f82: ties go up to even.
@@ -51,7 +51,7 @@ TEST(Bf16, RoundsToNearestTiesToEven) {
   EXPECT_EQ(FloatToBf16(FromBits(0x00008000u)), 0x0000);
 }
 
-TEST(Bf16, NanStaysNan) {
+TEST(ClientBf16, NanStaysNan) {
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::quiet_NaN()))));
   // A signalling NaN whose payload lives only in the low 16 bits must not become Inf.
   const uint16_t b = FloatToBf16(FromBits(0x7f800001u));
@@ -60,7 +60,7 @@ TEST(Bf16, NanStaysNan) {
   EXPECT_TRUE(std::isnan(Bf16ToFloat(0x7fc0)));
 }
 
-TEST(Bf16, EveryPatternRoundTrips) {
+TEST(ClientBf16, EveryPatternRoundTrips) {
   for (uint32_t b = 0; b <= 0xffff; ++b) {
     const float f = Bf16ToFloat(static_cast<uint16_t>(b));
     if (std::isnan(f)) {
@@ -71,7 +71,7 @@ TEST(Bf16, EveryPatternRoundTrips) {
   }
 }
 
-TEST(Fp16, ExactValues) {
+TEST(ClientFp16, ExactValues) {
   EXPECT_EQ(FloatToFp16(1.0f), 0x3c00);
   EXPECT_EQ(FloatToFp16(-2.0f), 0xc000);
   EXPECT_EQ(FloatToFp16(0.5f), 0x3800);
@@ -88,7 +88,7 @@ TEST(Fp16, ExactValues) {
   EXPECT_TRUE(std::signbit(Fp16ToFloat(0x8000)));
 }
 
-TEST(Fp16, RoundsToNearestTiesToEven) {
+TEST(ClientFp16, RoundsToNearestTiesToEven) {
   // 1 + 2^-11: halfway between 0x3c00 (even) and 0x3c01.
   EXPECT_EQ(FloatToFp16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);
   // 1 + 3 * 2^-11: halfway between 0x3c01 and 0x3c02 (even).
@@ -114,7 +114,7 @@ TEST(Fp16, RoundsToNearestTiesToEven) {
   EXPECT_EQ(FloatToFp16(1e-30f), 0x0000);
 }
 
-TEST(Fp16, NanStaysNan) {
+TEST(ClientFp16, NanStaysNan) {
   EXPECT_TRUE(std::isnan(Fp16ToFloat(FloatToFp16(std::numeric_limits<float>::quiet_NaN()))));
   EXPECT_TRUE(std::isnan(Fp16ToFloat(FloatToFp16(FromBits(0x7f800001u)))));
   EXPECT_TRUE(std::isnan(Fp16ToFloat(FloatToFp16(FromBits(0xffc00000u)))));
@@ -122,7 +122,7 @@ TEST(Fp16, NanStaysNan) {
   EXPECT_TRUE(std::isnan(Fp16ToFloat(0x7c01)));
 }
 
-TEST(Fp16, EveryPatternRoundTrips) {
+TEST(ClientFp16, EveryPatternRoundTrips) {
   for (uint32_t h = 0; h <= 0xffff; ++h) {
     const float f = Fp16ToFloat(static_cast<uint16_t>(h));
     if (std::isnan(f)) {
@@ -154,13 +154,13 @@ void CheckNearest(Encode encode, Decode decode, float max_abs, uint64_t seed) {
   }
 }
 
-TEST(Bf16, NearestOnRandomFloats) {
+TEST(ClientBf16, NearestOnRandomFloats) {
   CheckNearest(FloatToBf16, Bf16ToFloat, FromBits(0x7f7f0000u), 1);
 }
 
-TEST(Fp16, NearestOnRandomFloats) { CheckNearest(FloatToFp16, Fp16ToFloat, 65504.0f, 2); }
+TEST(ClientFp16, NearestOnRandomFloats) { CheckNearest(FloatToFp16, Fp16ToFloat, 65504.0f, 2); }
 
-TEST(EncodeDecode, RoundTripsThroughTensors) {
+TEST(ClientEncodeDecode, RoundTripsThroughTensors) {
   const float values[] = {1.0f, -0.5f, 3.0f, 1.0f + std::ldexp(1.0f, -8)};
   for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP16, v1::DTYPE_FP32}) {
     auto bytes = EncodeFloats(values, 4, dtype);
@@ -180,7 +180,7 @@ TEST(EncodeDecode, RoundTripsThroughTensors) {
   }
 }
 
-TEST(EncodeDecode, RejectsBadTensors) {
+TEST(ClientEncodeDecode, RejectsBadTensors) {
   v1::Tensor t;
   t.set_dtype(v1::DTYPE_BF16);
   t.add_shape(3);
@@ -193,7 +193,7 @@ TEST(EncodeDecode, RejectsBadTensors) {
   EXPECT_FALSE(EncodeFloats(&one, 1, v1::DTYPE_INT64).ok());
 }
 
-TEST(DTypes, ParseAndName) {
+TEST(ClientDTypes, ParseAndName) {
   EXPECT_EQ(*ParseFloatDType("bf16"), v1::DTYPE_BF16);
   EXPECT_EQ(*ParseFloatDType("FP16"), v1::DTYPE_FP16);
   EXPECT_EQ(*ParseFloatDType("float32"), v1::DTYPE_FP32);

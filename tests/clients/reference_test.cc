@@ -22,7 +22,7 @@ std::map<int, ExpertWeightsF32> TwoExperts() {
   return experts;
 }
 
-TEST(Reference, HandComputedTwoExperts) {
+TEST(ClientReference, HandComputedTwoExperts) {
   const float x[] = {2, 3};
   const int32_t ids[] = {0, 7};
   const float w[] = {0.25f, 0.75f};
@@ -38,7 +38,7 @@ TEST(Reference, HandComputedTwoExperts) {
   EXPECT_NEAR(out[1], 4.78568272, 1e-5);
 }
 
-TEST(Reference, TokensAreIndependentAndNegativeIdsSkipped) {
+TEST(ClientReference, TokensAreIndependentAndNegativeIdsSkipped) {
   const float x[] = {2, 3, -1, 4};
   const int32_t ids[] = {7, -1, 0, 7};
   const float w[] = {1.0f, 100.0f, 0.5f, 0.5f};
@@ -53,7 +53,7 @@ TEST(Reference, TokensAreIndependentAndNegativeIdsSkipped) {
   EXPECT_NEAR(out[3], 0.5 * 2 * b0 + 0.5 * 0.5 * b1, 1e-6);
 }
 
-TEST(Reference, MissingExpertOrWrongHiddenIsAnError) {
+TEST(ClientReference, MissingExpertOrWrongHiddenIsAnError) {
   const float x[] = {1, 1};
   const int32_t ids[] = {3};
   const float w[] = {1};
@@ -67,7 +67,7 @@ TEST(Reference, MissingExpertOrWrongHiddenIsAnError) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(Reference, ExpertWeightsFromProtoDecodesBf16) {
+TEST(ClientReference, ExpertWeightsFromProtoDecodesBf16) {
   // I = 1, H = 2 in BF16, values exactly representable.
   const float w13[] = {1.0f, -0.5f, 0.25f, 3.0f};
   const float w2[] = {2.0f, -1.0f};
@@ -91,7 +91,7 @@ TEST(Reference, ExpertWeightsFromProtoDecodesBf16) {
   EXPECT_EQ(ExpertWeightsFromProto(reply).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(Reference, RelativeL2Error) {
+TEST(ClientReference, RelativeL2Error) {
   const float expected[] = {3, 4};
   const float actual[] = {3, 4.5f};
   EXPECT_NEAR(RelativeL2Error(actual, expected, 2), 0.1, 1e-12);
