@@ -39,8 +39,7 @@ uint16_t FloatToBf16(float value) {
     return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN: keep sign and payload, set quiet
   }
   // Finite values and Inf. Rounding up from the largest finite BF16 carries into Inf, correctly.
-  return static_cast<uint16_t>(ShiftRoundNearestEven(u & 0x7fffffffu, 16) |
-                               ((u >> 16) & 0x8000u));
+  return static_cast<uint16_t>(ShiftRoundNearestEven(u & 0x7fffffffu, 16) | ((u >> 16) & 0x8000u));
 }
 
 float Fp16ToFloat(uint16_t bits) {
@@ -137,8 +136,7 @@ absl::StatusOr<std::string> EncodeFloats(const float* values, int64_t n, v1::DTy
       return out;
     }
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot encode floats as ", DTypeName(dtype)));
+      return absl::InvalidArgumentError(absl::StrCat("cannot encode floats as ", DTypeName(dtype)));
   }
 }
 

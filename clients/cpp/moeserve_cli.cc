@@ -214,8 +214,7 @@ int RunInfo() {
   std::printf("activation:               %s\n", m.activation().c_str());
   std::printf("weight_format:            %s\n", m.weight_format().c_str());
   std::printf("accepted_hidden_dtypes:   [%s]\n", DTypeList(m.accepted_hidden_dtypes()).c_str());
-  std::printf("accepted_topk_ids_dtypes: [%s]\n",
-              DTypeList(m.accepted_topk_ids_dtypes()).c_str());
+  std::printf("accepted_topk_ids_dtypes: [%s]\n", DTypeList(m.accepted_topk_ids_dtypes()).c_str());
   std::printf("backend:                  %s\n", m.backend().c_str());
   std::printf("num_ranks:                %d\n", m.num_ranks());
   std::printf("prepare_finalize:         %s\n", m.prepare_finalize().c_str());
@@ -288,19 +287,18 @@ int RunForward() {
     experts.emplace(id, std::move(*weights));
   }
   std::vector<float> expected(static_cast<size_t>(in->num_tokens * hidden));
-  absl::Status s = ReferenceMoeForward(in->hidden_values.data(), in->num_tokens, hidden,
-                                       in->topk_ids.data(), in->topk_weights.data(), topk, experts,
-                                       expected.data());
+  absl::Status s =
+      ReferenceMoeForward(in->hidden_values.data(), in->num_tokens, hidden, in->topk_ids.data(),
+                          in->topk_weights.data(), topk, experts, expected.data());
   if (!s.ok()) return Fail(s, "reference");
   auto actual = DecodeFloats(out);
   if (!actual.ok()) return Fail(actual.status(), "decode output");
-  const double err = RelativeL2Error(actual->data(), expected.data(),
-                                     static_cast<int64_t>(expected.size()));
+  const double err =
+      RelativeL2Error(actual->data(), expected.data(), static_cast<int64_t>(expected.size()));
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
   std::printf("relative_l2_error=%.6g\n", err);
   if (!(err <= tolerance)) {
-    std::fprintf(stderr, "check FAILED: relative_l2_error %.6g > tolerance %.6g\n", err,
-                 tolerance);
+    std::fprintf(stderr, "check FAILED: relative_l2_error %.6g > tolerance %.6g\n", err, tolerance);
     return kExitFailed;
   }
   std::printf("check passed (tolerance %.3g, %zu experts fetched)\n", tolerance, experts.size());
@@ -378,8 +376,7 @@ int RunLoad() {
       }
       std::lock_guard<std::mutex> lock(mu);
       latencies_ms.insert(latencies_ms.end(), local_ms.begin(), local_ms.end());
-      server_total_us.insert(server_total_us.end(), local_server_us.begin(),
-                             local_server_us.end());
+      server_total_us.insert(server_total_us.end(), local_server_us.begin(), local_server_us.end());
       for (const auto& [code, n] : local_errors) errors[code] += n;
       if (first_error.empty()) first_error = local_first_error;
     });
@@ -394,9 +391,8 @@ int RunLoad() {
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
   const int64_t not_sent = num_requests - ok - num_errors;
   std::printf("load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d\n",
-              static_cast<long long>(num_requests), concurrency,
-              static_cast<long long>(num_tokens), DTypeName(*dtype).c_str(),
-              absl::GetFlag(FLAGS_layer));
+              static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
+              DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer));
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {
@@ -410,8 +406,7 @@ int RunLoad() {
     std::printf("server_total_us: p50=%.1f p99=%.1f\n", Percentile(server_total_us, 50),
                 Percentile(server_total_us, 99));
   }
-  std::printf("throughput: requests_per_s=%.1f tokens_per_s=%.1f\n",
-              wall_s > 0 ? ok / wall_s : 0.0,
+  std::printf("throughput: requests_per_s=%.1f tokens_per_s=%.1f\n", wall_s > 0 ? ok / wall_s : 0.0,
               wall_s > 0 ? static_cast<double>(ok * num_tokens) / wall_s : 0.0);
   if (not_sent > 0) std::printf("stopped by --max_seconds=%.1f\n", max_seconds);
   return (num_errors == 0 && ok > 0) ? kExitOk : kExitFailed;

@@ -32,9 +32,8 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
                                                              const MoeClientOptions& options) {
   if (target.empty()) return absl::InvalidArgumentError("target is empty; expected HOST:PORT");
   if (options.max_message_bytes <= 0 || options.max_message_bytes > INT_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes is ",
-                                                   options.max_message_bytes,
-                                                   "; expected in [1, ", INT_MAX, "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes is ", options.max_message_bytes, "; expected in [1, ", INT_MAX, "]"));
   }
   if (options.deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -88,8 +87,8 @@ absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::GetExpertWeights(int lay
 absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardArgs& args) {
   if (args.hidden_dtype != v1::DTYPE_BF16 && args.hidden_dtype != v1::DTYPE_FP16 &&
       args.hidden_dtype != v1::DTYPE_FP32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden_dtype is ", DTypeName(args.hidden_dtype), "; expected bf16, fp16 or fp32"));
+    return absl::InvalidArgumentError(absl::StrCat("hidden_dtype is ", DTypeName(args.hidden_dtype),
+                                                   "; expected bf16, fp16 or fp32"));
   }
   if (args.num_tokens < 0 || args.hidden <= 0 || args.topk <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("bad shape: num_tokens=", args.num_tokens,
@@ -97,17 +96,15 @@ absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardA
   }
   const int64_t hidden_bytes = args.num_tokens * args.hidden * DTypeSize(args.hidden_dtype);
   if (static_cast<int64_t>(args.hidden_bytes.size()) != hidden_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden_bytes has ", args.hidden_bytes.size(), " bytes; [", args.num_tokens,
-                     ", ", args.hidden, "] ", DTypeName(args.hidden_dtype), " needs ",
-                     hidden_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden_bytes has ", args.hidden_bytes.size(), " bytes; [", args.num_tokens, ", ",
+        args.hidden, "] ", DTypeName(args.hidden_dtype), " needs ", hidden_bytes));
   }
   const size_t routes = static_cast<size_t>(args.num_tokens * args.topk);
   if (args.topk_ids.size() != routes || args.topk_weights.size() != routes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("topk_ids has ", args.topk_ids.size(), " and topk_weights ",
-                     args.topk_weights.size(), " elements; [", args.num_tokens, ", ", args.topk,
-                     "] needs ", routes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "topk_ids has ", args.topk_ids.size(), " and topk_weights ", args.topk_weights.size(),
+        " elements; [", args.num_tokens, ", ", args.topk, "] needs ", routes));
   }
   v1::ForwardRequest request;
   request.set_layer(args.layer);

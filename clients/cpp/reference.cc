@@ -8,8 +8,7 @@
 
 namespace moeserve::client {
 
-absl::StatusOr<ExpertWeightsF32> ExpertWeightsFromProto(
-    const v1::GetExpertWeightsResponse& reply) {
+absl::StatusOr<ExpertWeightsF32> ExpertWeightsFromProto(const v1::GetExpertWeightsResponse& reply) {
   const v1::Tensor& w13 = reply.w13();
   const v1::Tensor& w2 = reply.w2();
   if (w13.shape_size() != 2 || w2.shape_size() != 2) {
@@ -49,13 +48,13 @@ absl::Status ReferenceMoeForward(const float* hidden_states, int64_t num_tokens,
       if (id < 0) continue;
       auto it = experts.find(id);
       if (it == experts.end()) {
-        return absl::NotFoundError(absl::StrCat("no weights for expert ", id, " (token ", t,
-                                                ", slot ", k, ")"));
+        return absl::NotFoundError(
+            absl::StrCat("no weights for expert ", id, " (token ", t, ", slot ", k, ")"));
       }
       const ExpertWeightsF32& e = it->second;
       if (e.hidden != hidden) {
-        return absl::InvalidArgumentError(absl::StrCat("expert ", id, " has hidden ", e.hidden,
-                                                       "; the input has ", hidden));
+        return absl::InvalidArgumentError(
+            absl::StrCat("expert ", id, " has hidden ", e.hidden, "; the input has ", hidden));
       }
       const int64_t inter = e.intermediate;
       act.resize(static_cast<size_t>(inter));
