@@ -21,9 +21,12 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "kernels/cpu/mxfp8.h"
+#include "tests/mxfp8/uniform_error.h"
 
 namespace moeserve::kernels {
 namespace {
+
+using testing_mxfp8::UniformRelativeL2;
 
 // Independent decode: straight from the OCP definition, in double.
 double RefE4M3(uint8_t code) {
@@ -231,24 +234,6 @@ TEST(Mxfp8Rows, RoundTripBoundOnManyMagnitudes) {
               Mxfp8Status::kOk);
     ExpectBlockRule(in, rows, k, q, scales);
   }
-}
-
-// Expected relative L2 error of round-to-nearest on E4M3's grid for x uniform in [0, a] (so also
-// [-a, a]), exactly, ignoring E4M3 subnormals (elements 2^14 below the block amax, a share of
-// 2^-14 of the values). Power-of-two block scales keep the grid aligned with x's own binades:
-// in binade [2^e, 2^(e+1)) grid points are 2^(e-3) = h apart, and each whole interval between
-// grid points contributes h^3 / 12 to the integral of the squared error; the top binade is cut
-// at a.
-double UniformRelativeL2(double a) {
-  const int top = std::ilogb(a);
-  double integral = 0;
-  for (int e = top - 1; e > top - 60; --e) integral += 8 * std::pow(std::ldexp(1.0, e - 3), 3) / 12;
-  const double h = std::ldexp(1.0, top - 3), x0 = std::ldexp(1.0, top);
-  const double whole = std::floor((a - x0) / h);
-  integral += whole * h * h * h / 12;
-  const double d = a - x0 - whole * h;  // partial last interval [g, g + d)
-  integral += d <= h / 2 ? d * d * d / 3 : h * h * h / 24 + (std::pow(h / 2, 3) - std::pow(h - d, 3)) / 3;
-  return std::sqrt(integral / a / (a * a / 3));
 }
 
 TEST(Mxfp8Rows, WeightLikeDataRelativeL2) {
