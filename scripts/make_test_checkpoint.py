@@ -252,6 +252,15 @@ def build(a):
     # Corruptions of the file bytes.
     victim_file = files.get(victim, files[names[-1]])
     path = os.path.join(a.out, victim_file)
+    # The tensor a loader's error should name: the one corrupted, except that truncation
+    # breaks the file's last tensor, and a bad header length leaves no tensor to name.
+    error_tensor = victim
+    if a.corrupt == "truncated":
+        header, _ = read_header(path)
+        error_tensor = max((v["data_offsets"][1], k) for k, v in header.items()
+                           if k != "__metadata__")[1]
+    elif a.corrupt == "header_past_end":
+        error_tensor = ""
     if a.corrupt == "truncated":
         size = os.path.getsize(path)
         with open(path, "r+b") as f:
@@ -273,7 +282,7 @@ def build(a):
             "seed": a.seed, "num_layers": a.layers, "num_experts": E, "topk": a.topk,
             "hidden": H, "intermediate": I, "moe_layers": moe,
             "corrupt": a.corrupt or "", "victim_tensor": victim, "victim_file": victim_file,
-            "victim_layer": victim_layer, "victim_expert": 1}
+            "victim_layer": victim_layer, "victim_expert": 1, "error_tensor": error_tensor}
     with open(os.path.join(a.out, "reference", "info.json"), "w") as f:
         json.dump(info, f, indent=2)
     return info

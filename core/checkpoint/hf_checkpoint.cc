@@ -73,8 +73,8 @@ absl::StatusOr<int64_t> GetInt(const nlohmann::json& j, absl::string_view path,
     }
     return it->get<int64_t>();
   }
-  return absl::NotFoundError(absl::StrCat(path, ": none of ", absl::StrJoin(keys, ", "),
-                                          " is set"));
+  return absl::InvalidArgumentError(absl::StrCat(path, ": none of ", absl::StrJoin(keys, ", "),
+                                                 " is set"));
 }
 
 std::string LastPathComponent(std::string dir) {
@@ -111,14 +111,16 @@ absl::StatusOr<ModelConfig> ModelConfigFromHfConfigJson(absl::string_view json_t
   constexpr int64_t kMaxInt = int64_t{1} << 30;
   ModelConfig c;
   c.name = std::string(name);
-  auto experts = GetInt(j, path, {"n_routed_experts", "num_experts", "num_local_experts"}, 1,
-                        kMaxInt);
-  if (!experts.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        experts.status().message(),
-        absl::IsNotFound(experts.status()) ? " (not a Mixture-of-Experts model?)" : ""));
+  if (!j.contains("n_routed_experts") && !j.contains("num_experts") &&
+      !j.contains("num_local_experts")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": none of n_routed_experts, num_experts, num_local_experts is set "
+                           "(not a Mixture-of-Experts model?)"));
   }
-  c.num_experts = static_cast<int>(*experts);
+  MOESERVE_ASSIGN_OR_RETURN(
+      const int64_t experts,
+      GetInt(j, path, {"n_routed_experts", "num_experts", "num_local_experts"}, 1, kMaxInt));
+  c.num_experts = static_cast<int>(experts);
   MOESERVE_ASSIGN_OR_RETURN(const int64_t topk,
                             GetInt(j, path, {"num_experts_per_tok"}, 1, kMaxInt));
   c.topk = static_cast<int>(topk);
