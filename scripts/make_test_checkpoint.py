@@ -81,7 +81,7 @@ def make_config(a, moe):
         "num_experts_per_tok": a.topk,
         "vocab_size": VOCAB,
         "rms_norm_eps": 1e-6,
-        "torch_dtype": "bfloat16" if a.dtype == "bf16" else "float32",
+        "torch_dtype": {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[a.dtype],
     }
     if a.scheme == "mixtral":
         return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
@@ -317,6 +317,7 @@ SUITE = {
     "qwen3_bf16_sharded": ["--scheme", "qwen3-moe", "--shards", "3", "--seed", "2"],
     "deepseek_bf16_sharded": ["--scheme", "deepseek-v3", "--shards", "4", "--seed", "3"],
     "deepseek_f32": ["--scheme", "deepseek-v3", "--dtype", "f32", "--seed", "4"],
+    "deepseek_f16": ["--scheme", "deepseek-v3", "--dtype", "f16", "--seed", "10"],
     "mixtral_bf16": ["--scheme", "mixtral", "--layers", "2", "--seed", "5"],
     "mixtral_f32_sharded": ["--scheme", "mixtral", "--layers", "2", "--dtype", "f32",
                             "--shards", "2", "--seed", "6"],

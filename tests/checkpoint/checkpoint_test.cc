@@ -267,7 +267,7 @@ TEST_P(SuiteCheckpointTest, LoadsMxfp8) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, SuiteCheckpointTest,
                          ::testing::Values("qwen3_bf16", "qwen3_bf16_sharded",
-                                           "deepseek_bf16_sharded", "deepseek_f32",
+                                           "deepseek_bf16_sharded", "deepseek_f32", "deepseek_f16",
                                            "mixtral_bf16", "mixtral_f32_sharded", "qwen3_mxfp8",
                                            "deepseek_mxfp8_sharded"));
 

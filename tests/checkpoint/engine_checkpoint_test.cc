@@ -2,6 +2,7 @@
 // inputs, what the plain-loop reference expert MLP computes from the weights the script wrote;
 // and refuses to start on a corrupted checkpoint.
 #include <cmath>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -34,6 +35,10 @@ struct E2eCase {
   // about 4% on the MLP output; bounded at 6%.
   double tolerance;
 };
+
+void PrintTo(const E2eCase& c, std::ostream* os) {
+  *os << c.checkpoint << " " << WeightFormatName(c.format) << " ranks=" << c.num_ranks;
+}
 
 std::string CaseName(const ::testing::TestParamInfo<E2eCase>& info) {
   return info.param.checkpoint + "_" + std::string(WeightFormatName(info.param.format)) + "_r" +
