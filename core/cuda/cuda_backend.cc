@@ -169,13 +169,16 @@ absl::StatusOr<std::unique_ptr<DevicePackedLayer>> UploadLayer(const LayerWeight
   DeviceBuffer raw, raw_scale;
   auto pack = [&](const TensorView& v, const TensorView& s, bool w13) -> absl::Status {
     MOESERVE_ASSIGN_OR_RETURN(void* d, raw.Get(v.nbytes()));
-    MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(d, v.raw_data(), v.nbytes(), cudaMemcpyHostToDevice));
+    // Async on the context's stream: a plain cudaMemcpy from pageable memory may return before
+    // the DMA lands, and the pack kernel runs on a non-blocking stream.
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(d, v.raw_data(), v.nbytes(), cudaMemcpyHostToDevice, ctx.stream));
     uint8_t* ds = nullptr;
     if (fp8) {
       MOESERVE_ASSIGN_OR_RETURN(void* p, raw_scale.Get(s.nbytes()));
       ds = static_cast<uint8_t*>(p);
       MOESERVE_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(ds, s.raw_data(), s.nbytes(), cudaMemcpyHostToDevice));
+          cudaMemcpyAsync(ds, s.raw_data(), s.nbytes(), cudaMemcpyHostToDevice, ctx.stream));
     }
     if (w13) {
       MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchPackMoeW13(d, ds, e, l, esize, out->w13,
