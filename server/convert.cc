@@ -106,6 +106,13 @@ TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tens
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request) {
   ForwardInput input;
   input.layer = request.layer();
+  const auto missing = [](absl::string_view field, absl::string_view expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": missing; expected a ", expected, " tensor"));
+  };
+  if (!request.has_hidden_states()) return missing("hidden_states", "[M, hidden]");
+  if (!request.has_topk_ids()) return missing("topk_ids", "[M, topk] int32 or int64");
+  if (!request.has_topk_weights()) return missing("topk_weights", "[M, topk] fp32");
   MOESERVE_ASSIGN_OR_RETURN(input.hidden_states,
                             TensorViewFromProto(request.hidden_states(), "hidden_states"));
   MOESERVE_ASSIGN_OR_RETURN(input.topk_ids, TensorViewFromProto(request.topk_ids(), "topk_ids"));

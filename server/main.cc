@@ -36,7 +36,14 @@ ABSL_FLAG(std::string, experts, "blas", "Experts implementation: reference or bl
 ABSL_FLAG(std::string, weight_format, "bf16", "Expert weight format: bf16 or mxfp8");
 ABSL_FLAG(std::string, checkpoint, "",
           "Hugging Face checkpoint directory (empty: synthetic weights from --seed)");
-ABSL_FLAG(int32_t, ranks, 1, "Expert-parallel ranks");
+ABSL_FLAG(int32_t, ranks, 1, "Expert-parallel ranks (CPU: one worker thread each)");
+ABSL_FLAG(std::string, placement, "contiguous",
+          "Experts over ranks: contiguous or round_robin");
+ABSL_FLAG(std::string, prepare_finalize, "auto",
+          "PrepareAndFinalize: auto, no_ep, all2all_contiguous or all2all_batched");
+ABSL_FLAG(int64_t, max_tokens_per_rank, 0,
+          "Tokens one rank submits per dispatch round (0: engine default); larger batches run "
+          "in several rounds");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, server_threads, 2, "Worker threads running Forward calls");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
@@ -116,6 +123,9 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
                             ParseWeightFormat(absl::GetFlag(FLAGS_weight_format)));
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint);
   options.num_ranks = absl::GetFlag(FLAGS_ranks);
+  options.placement = absl::GetFlag(FLAGS_placement);
+  options.prepare_finalize = absl::GetFlag(FLAGS_prepare_finalize);
+  options.max_tokens_per_rank = absl::GetFlag(FLAGS_max_tokens_per_rank);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);

@@ -4,6 +4,8 @@
 // concurrency.
 #include "server/service.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -145,6 +147,9 @@ class ServiceTest : public ::testing::Test {
     EXPECT_EQ(s.error_code(), code) << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr(field));
     EXPECT_FALSE(resp.has_output());
+    if (std::getenv("MOESERVE_TEST_VERBOSE") != nullptr) {
+      std::printf("  rejected (%d): %s\n", s.error_code(), s.error_message().c_str());
+    }
     ExpectStillServing();
   }
 
@@ -432,8 +437,9 @@ TEST_F(ServiceTest, OversizedMessageIsResourceExhausted) {
 TEST_F(ServiceTest, MissingTensorsRejected) {
   v1::ForwardRequest r = Random(2);
   r.clear_topk_weights();
-  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
-  ExpectRejected(v1::ForwardRequest(), grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights: missing");
+  ExpectRejected(v1::ForwardRequest(), grpc::StatusCode::INVALID_ARGUMENT,
+                 "hidden_states: missing");
 }
 
 // ---- the other RPCs ----
@@ -571,6 +577,74 @@ TEST_F(ServiceTest, MetricsMove) {
         << stage;
   }
   EXPECT_EQ(MetricValue(after, "moeserve_inflight_requests"), 0);
+}
+
+// Two CPU ranks with round-robin placement behind the same service: placement is reported
+// and answers still match the one-rank reference.
+TEST(ServiceEpTest, TwoRanksMatchReference) {
+  EngineOptions options;
+  options.model = TestModel();
+  options.seed = 11;
+  options.num_threads = 2;
+  options.max_tokens_per_request = kMaxTokens;
+  options.experts = "reference";
+  std::unique_ptr<Engine> reference = Engine::Create(options).value();
+  options.experts = "blas";
+  options.num_ranks = 2;
+  options.placement = "round_robin";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ServerOptions server_options;
+  server_options.listen_addresses = {"127.0.0.1:0"};
+  server_options.metrics_address = "";
+  absl::StatusOr<std::unique_ptr<MoeServer>> server =
+      MoeServer::Start(engine->get(), server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->metrics().port(), 0);
+  auto stub = v1::MoeService::NewStub(grpc::CreateChannel((*server)->bound_addresses()[0],
+                                                          grpc::InsecureChannelCredentials()));
+  v1::ModelInfo info;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  }
+  EXPECT_EQ(info.num_ranks(), 2);
+  EXPECT_EQ(info.placement(), "round_robin");
+  ASSERT_EQ(info.expert_placement_size(), 2);
+  EXPECT_THAT(info.expert_placement(0).expert_ids(), ::testing::ElementsAre(0, 2, 4, 6));
+  EXPECT_THAT(info.expert_placement(1).expert_ids(), ::testing::ElementsAre(1, 3, 5, 7));
+
+  std::mt19937_64 rng(99);
+  for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP32}) {
+    for (int64_t m : {1, 5, 40}) {
+      v1::ForwardRequest r = RandomRequest(rng, 0, m, options.model.hidden,
+                                           options.model.num_experts, options.model.topk, dtype,
+                                           v1::DTYPE_INT64);
+      r.set_return_timings(true);
+      v1::ForwardResponse resp;
+      grpc::ClientContext ctx;
+      grpc::Status s = stub->Forward(&ctx, r, &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_TRUE(resp.has_timings());
+      ForwardInput in;
+      in.layer = 0;
+      in.hidden_states = TensorView(static_cast<const void*>(r.hidden_states().data().data()),
+                                    dtype == v1::DTYPE_BF16 ? DType::kBF16 : DType::kFP32,
+                                    {m, options.model.hidden});
+      in.topk_ids = TensorView(static_cast<const void*>(r.topk_ids().data().data()),
+                               DType::kINT64, {m, options.model.topk});
+      in.topk_weights = TensorView(static_cast<const void*>(r.topk_weights().data().data()),
+                                   DType::kFP32, {m, options.model.topk});
+      Tensor out = Tensor::Empty(in.hidden_states.dtype(), {m, options.model.hidden});
+      ASSERT_TRUE(reference->Forward(in, out.view()).ok());
+      const std::vector<float> want =
+          DecodeFloats(std::string(out.data<char>(), out.nbytes()), dtype);
+      EXPECT_LT(RelativeL2(DecodeFloats(resp.output().data(), dtype), want),
+                dtype == v1::DTYPE_FP32 ? 1e-5 : 1e-2)
+          << "M=" << m;
+    }
+  }
+  (*server)->Shutdown(std::chrono::seconds(5));
 }
 
 }  // namespace
