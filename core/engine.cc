@@ -114,6 +114,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
                                                    options.max_tokens_per_rank,
                                                    ", expected >= 0 (0: automatic)"));
   }
+  if (options.dispatch != "per_rank" && options.dispatch != "per_route") {
+    return absl::InvalidArgumentError(absl::StrCat("dispatch: got '", options.dispatch,
+                                                   "', expected per_rank or per_route"));
+  }
   if (options.collective_timeout_ms <= 0) {
     return absl::InvalidArgumentError("collective_timeout_ms must be > 0");
   }
@@ -171,6 +175,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
     PrepareFinalizeConfig config;
     config.comm = rank->comm;
     config.placement = engine->placement_;
+    config.dispatch = options.dispatch == "per_route" ? AllToAllOptions::Dispatch::kPerRoute
+                                                      : AllToAllOptions::Dispatch::kPerRank;
     config.max_num_tokens_per_rank =
         pf_type == NoEpPrepareAndFinalize::kName ? options.max_tokens_per_request
                                                  : tokens_per_rank;

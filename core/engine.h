@@ -45,6 +45,9 @@ struct EngineOptions {
   // num_ranks rows per local expert). 0: ceil(max_tokens_per_request / num_ranks), at most 128
   // for all2all_batched. Larger batches run in several rounds, never truncated.
   int64_t max_tokens_per_rank = 0;
+  // "per_rank": the all-to-all types send a token once per destination rank; "per_route": once
+  // per route, as without deduplication (only to measure what deduplication saves).
+  std::string dispatch = "per_rank";
   // How long a rank waits for its peers in one collective before the forward fails with
   // DEADLINE_EXCEEDED.
   int64_t collective_timeout_ms = 60000;
