@@ -102,20 +102,6 @@ __device__ __forceinline__ uint32_t DequantPair(uint32_t two, float s) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// Fast exact path for the GEMM: E4M3 bits moved into BF16 position give value * 2^-120 (normals
-// and subnormals alike: both formats are plain sign/exponent/mantissa), then one BF16x2 multiply
-// by 2^(code - 7) (exact, BF16 FMA keeps subnormals) restores value * 2^(code - 127). Integer
-// ops and one HMUL2 instead of three conversions (the conversion units were the limit).
-// Valid for code <= 134 (2^(code-7) must fit BF16); callers fall back to DequantPair above.
-__device__ __forceinline__ uint32_t DequantPairFast(uint32_t two, uint32_t scale2) {
-  const uint32_t x = __byte_perm(two, 0, 0x4140);  // 0x00b1_00b0
-  const uint32_t bits = ((x << 4) & 0x07f007f0u) | ((x << 8) & 0x80008000u);
-  __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-  const __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162*>(&scale2);
-  v = __hmul2(v, s);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 __global__ void DequantKernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ scales,
                               int64_t rows, int64_t k, uint16_t* __restrict__ out) {
   const int64_t blocks = (k + 31) / 32;
@@ -349,23 +335,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
           const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
           const uint2 rb =
               *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-          const uint32_t ca = st[C::kABytes + r0 * 2 + kc];
-          const uint32_t cb = st[C::kABytes + (r0 + 8) * 2 + kc];
-          if (ca <= 134 && cb <= 134) {
-            const uint32_t sa = (ca + 120) << 7, sb = (cb + 120) << 7;
-            const uint32_t sa2 = sa | (sa << 16), sb2 = sb | (sb << 16);
-            a[mi][0][0] = DequantPairFast(ra.x, sa2);
-            a[mi][0][1] = DequantPairFast(rb.x, sb2);
-            a[mi][0][2] = DequantPairFast(ra.x >> 16, sa2);
-            a[mi][0][3] = DequantPairFast(rb.x >> 16, sb2);
-            a[mi][1][0] = DequantPairFast(ra.y, sa2);
-            a[mi][1][1] = DequantPairFast(rb.y, sb2);
-            a[mi][1][2] = DequantPairFast(ra.y >> 16, sa2);
-            a[mi][1][3] = DequantPairFast(rb.y >> 16, sb2);
-            continue;
-          }
-          const float sa = E8M0ToFloat(ca);
-          const float sb = E8M0ToFloat(cb);
+          const float sa = E8M0ToFloat(st[C::kABytes + r0 * 2 + kc]);
+          const float sb = E8M0ToFloat(st[C::kABytes + (r0 + 8) * 2 + kc]);
           a[mi][0][0] = DequantPair(ra.x, sa);
           a[mi][0][1] = DequantPair(rb.x, sb);
           a[mi][0][2] = DequantPair(ra.x >> 16, sa);
