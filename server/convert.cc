@@ -23,8 +23,9 @@ absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
       return DType::kINT64;
     case v1::DTYPE_UNSPECIFIED:
       return absl::InvalidArgumentError(
-          absl::StrCat(field, ": dtype is DTYPE_UNSPECIFIED; expected one of DTYPE_BF16, "
-                              "DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64"));
+          absl::StrCat(field,
+                       ": dtype is DTYPE_UNSPECIFIED; expected one of DTYPE_BF16, "
+                       "DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64"));
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": unknown dtype value ", dtype,
@@ -50,8 +51,7 @@ v1::DType DTypeToProto(DType dtype) {
   }
 }
 
-absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor,
-                                               absl::string_view field) {
+absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor, absl::string_view field) {
   MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(tensor.dtype(), field));
   const int64_t itemsize = static_cast<int64_t>(DTypeSize(dtype));
   Shape shape(tensor.shape().begin(), tensor.shape().end());
@@ -74,8 +74,8 @@ absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor,
     for (int64_t d : shape) {
       if (__builtin_mul_overflow(bytes, d, &bytes)) {
         return absl::InvalidArgumentError(
-            absl::StrCat(field, ": shape ", ShapeToString(shape), " x ", itemsize,
-                         " bytes of ", DTypeName(dtype), " overflows 64-bit sizes"));
+            absl::StrCat(field, ": shape ", ShapeToString(shape), " x ", itemsize, " bytes of ",
+                         DTypeName(dtype), " overflows 64-bit sizes"));
       }
     }
   }
@@ -88,8 +88,8 @@ absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor,
   // std::string storage comes from operator new (16-byte aligned) or, for short strings, sits
   // inside the string object (8-byte aligned); either satisfies every wire dtype.
   if (reinterpret_cast<uintptr_t>(data.data()) % itemsize != 0) {
-    return absl::InternalError(absl::StrCat(field, ": data is not ", itemsize,
-                                            "-byte aligned in server memory"));
+    return absl::InternalError(
+        absl::StrCat(field, ": data is not ", itemsize, "-byte aligned in server memory"));
   }
   return TensorView(static_cast<const void*>(data.data()), dtype, std::move(shape));
 }
@@ -156,8 +156,8 @@ void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::Mo
   }
 }
 
-void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us,
-                           double total_us, v1::StageTimings* out) {
+void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us, double total_us,
+                           v1::StageTimings* out) {
   out->set_queue_us(server_queue_us + timings.queue_us);
   out->set_prepare_us(timings.stages.prepare_us);
   out->set_experts_us(timings.stages.experts_us);

@@ -42,8 +42,8 @@ void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::Mo
 
 // Engine timings plus the server's own queueing and total time -> StageTimings.
 // queue_us = server_queue_us (waiting for a worker) + timings.queue_us (waiting for the engine).
-void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us,
-                           double total_us, v1::StageTimings* out);
+void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us, double total_us,
+                           v1::StageTimings* out);
 
 }  // namespace moeserve
 

@@ -24,7 +24,8 @@
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "Comma-separated host:port list to serve gRPC on; port 0 binds a free port");
-ABSL_FLAG(std::string, model, "tiny", "Model preset: tiny, qwen3-30b-a3b, deepseek-v3, seed-megamoe");
+ABSL_FLAG(std::string, model, "tiny",
+          "Model preset: tiny, qwen3-30b-a3b, deepseek-v3, seed-megamoe");
 ABSL_FLAG(int32_t, num_layers, 0, "Override the preset's number of layers (0: preset value)");
 ABSL_FLAG(int32_t, num_experts, 0, "Override the preset's number of experts (0: preset value)");
 ABSL_FLAG(int32_t, topk, 0, "Override the preset's top-k (0: preset value)");
@@ -37,8 +38,7 @@ ABSL_FLAG(std::string, weight_format, "bf16", "Expert weight format: bf16 or mxf
 ABSL_FLAG(std::string, checkpoint, "",
           "Hugging Face checkpoint directory (empty: synthetic weights from --seed)");
 ABSL_FLAG(int32_t, ranks, 1, "Expert-parallel ranks (CPU: one worker thread each)");
-ABSL_FLAG(std::string, placement, "contiguous",
-          "Experts over ranks: contiguous or round_robin");
+ABSL_FLAG(std::string, placement, "contiguous", "Experts over ranks: contiguous or round_robin");
 ABSL_FLAG(std::string, prepare_finalize, "auto",
           "PrepareAndFinalize: auto, no_ep, all2all_contiguous or all2all_batched");
 ABSL_FLAG(int64_t, max_tokens_per_rank, 0,
@@ -106,11 +106,12 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   overrides.topk = positive(absl::GetFlag(FLAGS_topk));
   overrides.hidden = positive(absl::GetFlag(FLAGS_hidden));
   overrides.intermediate = positive(absl::GetFlag(FLAGS_intermediate));
-  for (auto [name, value] : {std::pair<const char*, int64_t>{"num_layers", absl::GetFlag(FLAGS_num_layers)},
-                             {"num_experts", absl::GetFlag(FLAGS_num_experts)},
-                             {"topk", absl::GetFlag(FLAGS_topk)},
-                             {"hidden", absl::GetFlag(FLAGS_hidden)},
-                             {"intermediate", absl::GetFlag(FLAGS_intermediate)}}) {
+  for (auto [name, value] :
+       {std::pair<const char*, int64_t>{"num_layers", absl::GetFlag(FLAGS_num_layers)},
+        {"num_experts", absl::GetFlag(FLAGS_num_experts)},
+        {"topk", absl::GetFlag(FLAGS_topk)},
+        {"hidden", absl::GetFlag(FLAGS_hidden)},
+        {"intermediate", absl::GetFlag(FLAGS_intermediate)}}) {
     if (value < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("--", name, ": got ", value, ", expected >= 0 (0: preset value)"));
@@ -189,8 +190,7 @@ int Run() {
                info.backend.c_str(), info.experts.c_str(), info.num_ranks,
                std::string(WeightFormatName(info.weight_format)).c_str(),
                absl::StrJoin((*server)->bound_addresses(), ",").c_str(),
-               (*server)->metrics_address().empty() ? "off"
-                                                    : (*server)->metrics_address().c_str());
+               (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address().c_str());
   std::fflush(stderr);
   if (const std::string path = absl::GetFlag(FLAGS_ready_file); !path.empty()) {
     if (absl::Status s =
@@ -202,8 +202,7 @@ int Run() {
     }
   }
   const int signo = WaitForSignal();
-  std::fprintf(stderr, "moeserve: signal %d, shutting down (in-flight calls may finish)\n",
-               signo);
+  std::fprintf(stderr, "moeserve: signal %d, shutting down (in-flight calls may finish)\n", signo);
   (*server)->Shutdown(MoeServer::kDefaultShutdownDeadline);
   server->reset();
   engine->reset();

@@ -12,7 +12,7 @@ namespace {
 // 100us .. 10s, 1-2.5-5 per decade.
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
-          5e-2, 0.1,    0.25, 0.5,  1.0,  2.5,    5.0,  10.0};
+          5e-2, 0.1,    0.25, 0.5,  1.0,    2.5,  5.0,  10.0};
 }
 
 // Stages can be far shorter than a request: 10us .. 10s.
@@ -84,8 +84,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                     .Add({});
   auto& stages = prometheus::BuildHistogram()
                      .Name("moeserve_forward_stage_seconds")
-                     .Help("Time per Forward stage: queue (worker + engine), prepare, experts, "
-                           "finalize")
+                     .Help(
+                         "Time per Forward stage: queue (worker + engine), prepare, experts, "
+                         "finalize")
                      .Register(r);
   m->stage_queue_ = &stages.Add({{"stage", "queue"}}, StageBuckets());
   m->stage_prepare_ = &stages.Add({{"stage", "prepare"}}, StageBuckets());

@@ -4,10 +4,6 @@
 #ifndef MOESERVE_SERVER_METRICS_H_
 #define MOESERVE_SERVER_METRICS_H_
 
-#include <cstdint>
-#include <memory>
-#include <string>
-
 #include <grpcpp/support/status.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
@@ -15,6 +11,10 @@
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"

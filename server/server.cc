@@ -1,17 +1,17 @@
 #include "server/server.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
 #include <algorithm>
 #include <climits>
 #include <memory>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -26,7 +26,7 @@ std::vector<std::string> SplitListenAddresses(const std::string& list) {
 }
 
 absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
-                                                           const ServerOptions& options) {
+                                                            const ServerOptions& options) {
   if (options.listen_addresses.empty()) {
     return absl::InvalidArgumentError("listen: no address given; expected host:port[,...]");
   }
@@ -48,8 +48,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const int limit =
-      static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
+  const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
   // A port another process holds must fail loudly, not be silently shared (SO_REUSEPORT).

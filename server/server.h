@@ -3,13 +3,13 @@
 #ifndef MOESERVE_SERVER_SERVER_H_
 #define MOESERVE_SERVER_SERVER_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "core/engine.h"
@@ -23,8 +23,8 @@ inline constexpr char kMoeServiceName[] = "moeserve.v1.MoeService";
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
   std::vector<std::string> listen_addresses = {"0.0.0.0:50051"};
-  int server_threads = 2;                  // Forward worker threads
-  int64_t max_message_bytes = 64 << 20;    // receive and send limit per message
+  int server_threads = 2;                        // Forward worker threads
+  int64_t max_message_bytes = 64 << 20;          // receive and send limit per message
   std::string metrics_address = "0.0.0.0:9090";  // empty: no metrics endpoint
 };
 

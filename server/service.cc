@@ -21,10 +21,7 @@ double MicrosSince(Clock::time_point start) {
 }  // namespace
 
 MoeServiceImpl::MoeServiceImpl(Engine* engine, Metrics* metrics, const ServiceOptions& options)
-    : engine_(engine),
-      metrics_(metrics),
-      options_(options),
-      workers_(options.num_worker_threads) {}
+    : engine_(engine), metrics_(metrics), options_(options), workers_(options.num_worker_threads) {}
 
 MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
@@ -59,9 +56,8 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
       return finish(s, 0);
     }
     const int64_t m = input->hidden_states.dim(0);
-    const TensorView output = AllocateProtoTensor(input->hidden_states.dtype(),
-                                                  {m, info.model.hidden},
-                                                  response->mutable_output());
+    const TensorView output = AllocateProtoTensor(
+        input->hidden_states.dtype(), {m, info.model.hidden}, response->mutable_output());
     ForwardTimings timings;
     if (absl::Status s = engine_->Forward(*input, output, &timings); !s.ok()) {
       response->clear_output();

@@ -5,9 +5,9 @@
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
-#include <cstdint>
-
 #include <grpcpp/grpcpp.h>
+
+#include <cstdint>
 
 #include "core/engine.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"

@@ -1,5 +1,8 @@
 // The moeserve binary as a process: flags, the ready file, health, serving, metrics, a clean
 // exit 0 on SIGTERM, and exit 1 (no serving) on bad configuration.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,10 +14,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
@@ -149,8 +148,8 @@ TEST(BinaryTest, ServesThenExitsCleanlyOnSigterm) {
 TEST(BinaryTest, SigintAlsoExitsCleanly) {
   const std::string ready = TempPath("moeserve_ready_int");
   std::remove(ready.c_str());
-  Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready,
-             "--hidden=64", "--intermediate=32", "--threads=1"});
+  Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready, "--hidden=64",
+             "--intermediate=32", "--threads=1"});
   const std::vector<std::string> lines = WaitForReadyFile(p, ready);
   ASSERT_EQ(lines.size(), 1u);  // metrics off: one line
   p.Signal(SIGINT);
@@ -171,17 +170,17 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
 TEST(BinaryTest, PortInUseExitsOne) {
   const std::string ready = TempPath("moeserve_ready_port");
   std::remove(ready.c_str());
-  Process first({"--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-                 "--ready_file=" + ready, "--hidden=64", "--intermediate=32", "--threads=1"});
+  Process first({"--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0", "--ready_file=" + ready,
+                 "--hidden=64", "--intermediate=32", "--threads=1"});
   const std::vector<std::string> lines = WaitForReadyFile(first, ready);
   ASSERT_EQ(lines.size(), 2u);
   // Same gRPC port: refused, not silently shared.
-  Process second({"--listen=" + lines[0], "--metrics_address=", "--hidden=64",
-                  "--intermediate=32", "--threads=1"});
+  Process second({"--listen=" + lines[0], "--metrics_address=", "--hidden=64", "--intermediate=32",
+                  "--threads=1"});
   EXPECT_EQ(second.Wait(std::chrono::seconds(60)), 1);
   // Same metrics port: refused too.
-  Process third({"--listen=127.0.0.1:0", "--metrics_address=" + lines[1].substr(8),
-                 "--hidden=64", "--intermediate=32", "--threads=1"});
+  Process third({"--listen=127.0.0.1:0", "--metrics_address=" + lines[1].substr(8), "--hidden=64",
+                 "--intermediate=32", "--threads=1"});
   EXPECT_EQ(third.Wait(std::chrono::seconds(60)), 1);
   first.Signal(SIGTERM);
   EXPECT_EQ(first.Wait(std::chrono::seconds(60)), 0);

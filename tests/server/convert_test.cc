@@ -1,12 +1,12 @@
 // proto <-> core conversion: every malformed tensor is INVALID_ARGUMENT naming the field.
 #include "server/convert.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <limits>
 #include <string>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "server/status.h"
 

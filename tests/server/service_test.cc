@@ -4,6 +4,10 @@
 // concurrency.
 #include "server/service.h"
 
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,10 +16,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
 
 #include "core/engine.h"
 #include "core/model_config.h"
@@ -87,8 +87,8 @@ class ServiceTest : public ::testing::Test {
 
   v1::ForwardRequest Random(int64_t m, v1::DType dtype = v1::DTYPE_BF16,
                             v1::DType ids = v1::DTYPE_INT32, int layer = 1) {
-    return RandomRequest(rng_, layer, m, model().hidden, model().num_experts, model().topk,
-                         dtype, ids);
+    return RandomRequest(rng_, layer, m, model().hidden, model().num_experts, model().topk, dtype,
+                         ids);
   }
 
   grpc::Status Call(const v1::ForwardRequest& request, v1::ForwardResponse* response) {
@@ -125,8 +125,7 @@ class ServiceTest : public ::testing::Test {
     Tensor out = Tensor::Empty(in.hidden_states.dtype(), in.hidden_states.shape());
     absl::Status s = reference_->Forward(in, out.view());
     EXPECT_TRUE(s.ok()) << s;
-    std::string bytes(static_cast<const char*>(static_cast<void*>(out.data<char>())),
-                      out.nbytes());
+    std::string bytes(static_cast<const char*>(static_cast<void*>(out.data<char>())), out.nbytes());
     return DecodeFloats(bytes, request.hidden_states().dtype());
   }
 
@@ -306,7 +305,8 @@ TEST_F(ServiceTest, RankNotTwoRejected) {
   ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
   r = Random(2);
   r.mutable_hidden_states()->clear_shape();
-  for (int64_t d : {int64_t{1}, int64_t{2}, model().hidden}) r.mutable_hidden_states()->add_shape(d);
+  for (int64_t d : {int64_t{1}, int64_t{2}, model().hidden})
+    r.mutable_hidden_states()->add_shape(d);
   ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
   r = Random(2);
   r.mutable_topk_ids()->clear_shape();
@@ -601,8 +601,8 @@ TEST(ServiceEpTest, TwoRanksMatchReference) {
       MoeServer::Start(engine->get(), server_options);
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_EQ((*server)->metrics().port(), 0);
-  auto stub = v1::MoeService::NewStub(grpc::CreateChannel((*server)->bound_addresses()[0],
-                                                          grpc::InsecureChannelCredentials()));
+  auto stub = v1::MoeService::NewStub(
+      grpc::CreateChannel((*server)->bound_addresses()[0], grpc::InsecureChannelCredentials()));
   v1::ModelInfo info;
   {
     grpc::ClientContext ctx;
@@ -617,9 +617,9 @@ TEST(ServiceEpTest, TwoRanksMatchReference) {
   std::mt19937_64 rng(99);
   for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP32}) {
     for (int64_t m : {1, 5, 40}) {
-      v1::ForwardRequest r = RandomRequest(rng, 0, m, options.model.hidden,
-                                           options.model.num_experts, options.model.topk, dtype,
-                                           v1::DTYPE_INT64);
+      v1::ForwardRequest r =
+          RandomRequest(rng, 0, m, options.model.hidden, options.model.num_experts,
+                        options.model.topk, dtype, v1::DTYPE_INT64);
       r.set_return_timings(true);
       v1::ForwardResponse resp;
       grpc::ClientContext ctx;
@@ -631,8 +631,8 @@ TEST(ServiceEpTest, TwoRanksMatchReference) {
       in.hidden_states = TensorView(static_cast<const void*>(r.hidden_states().data().data()),
                                     dtype == v1::DTYPE_BF16 ? DType::kBF16 : DType::kFP32,
                                     {m, options.model.hidden});
-      in.topk_ids = TensorView(static_cast<const void*>(r.topk_ids().data().data()),
-                               DType::kINT64, {m, options.model.topk});
+      in.topk_ids = TensorView(static_cast<const void*>(r.topk_ids().data().data()), DType::kINT64,
+                               {m, options.model.topk});
       in.topk_weights = TensorView(static_cast<const void*>(r.topk_weights().data().data()),
                                    DType::kFP32, {m, options.model.topk});
       Tensor out = Tensor::Empty(in.hidden_states.dtype(), {m, options.model.hidden});
@@ -645,6 +645,62 @@ TEST(ServiceEpTest, TwoRanksMatchReference) {
     }
   }
   (*server)->Shutdown(std::chrono::seconds(5));
+}
+
+// Shutdown lets an accepted Forward finish (and answer correctly), then refuses new calls.
+TEST(ServiceShutdownTest, InflightForwardFinishes) {
+  EngineOptions options;
+  options.model = TestModel();
+  ModelOverrides bigger;  // slow enough with the plain-loop experts to be caught in flight
+  bigger.hidden = 512;
+  bigger.intermediate = 512;
+  options.model = ApplyOverrides(options.model, bigger).value();
+  options.experts = "reference";
+  options.num_threads = 1;
+  std::unique_ptr<Engine> engine = Engine::Create(options).value();
+  ServerOptions server_options;
+  server_options.listen_addresses = {"127.0.0.1:0"};
+  server_options.metrics_address = "127.0.0.1:0";
+  server_options.server_threads = 1;
+  std::unique_ptr<MoeServer> server = MoeServer::Start(engine.get(), server_options).value();
+  auto channel =
+      grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials());
+  auto stub = v1::MoeService::NewStub(channel);
+
+  std::mt19937_64 rng(3);
+  const v1::ForwardRequest request =
+      RandomRequest(rng, 0, kMaxTokens, options.model.hidden, options.model.num_experts,
+                    options.model.topk, v1::DTYPE_FP32, v1::DTYPE_INT32);
+  v1::ForwardResponse response;
+  grpc::Status status;
+  std::thread caller([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    status = stub->Forward(&ctx, request, &response);
+  });
+  // Wait until the server has accepted the call (or it already finished).
+  const int port = server->metrics().port();
+  for (int i = 0; i < 6000; ++i) {
+    const std::string text = HttpGetMetrics(port);
+    if (MetricValue(text, "moeserve_inflight_requests") > 0 ||
+        MetricValue(text, "moeserve_requests_total", {"method=\"Forward\""}) > 0) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  server->Shutdown(std::chrono::seconds(60));
+  caller.join();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.output().data().size(),
+            static_cast<size_t>(kMaxTokens * options.model.hidden * 4));
+  double norm = 0;
+  for (float v : DecodeFloats(response.output().data(), v1::DTYPE_FP32)) norm += v * v;
+  EXPECT_GT(norm, 0);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ModelInfo info;
+  EXPECT_FALSE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
 }
 
 }  // namespace

@@ -74,9 +74,9 @@ inline double RelativeL2(const std::vector<float>& got, const std::vector<float>
 
 // A fresh random forward: hidden ~ N(0, 1), ids uniform in [0, num_experts) and distinct per
 // token, weights positive and summing to 1 per token.
-inline v1::ForwardRequest RandomRequest(std::mt19937_64& rng, int layer, int64_t m,
-                                        int64_t hidden, int num_experts, int topk,
-                                        v1::DType hidden_dtype, v1::DType ids_dtype) {
+inline v1::ForwardRequest RandomRequest(std::mt19937_64& rng, int layer, int64_t m, int64_t hidden,
+                                        int num_experts, int topk, v1::DType hidden_dtype,
+                                        v1::DType ids_dtype) {
   v1::ForwardRequest r;
   r.set_layer(layer);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -131,7 +131,8 @@ inline std::string HttpGetMetrics(int port) {
   std::string response;
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
     const std::string req =
-        "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\nAccept: text/plain\r\nConnection: close\r\n\r\n";
+        "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\nAccept: text/plain\r\nConnection: "
+        "close\r\n\r\n";
     if (send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
       char buf[8192];
       for (;;) {
