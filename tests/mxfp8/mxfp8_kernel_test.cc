@@ -213,6 +213,34 @@ void ExpectBlockRule(const std::vector<float>& in, int64_t rows, int64_t k,
   }
 }
 
+TEST(Mxfp8Rows, DequantizesEveryCodeAtEveryScaleExactly) {
+  // Row r uses scale code r; its 256 columns are every E4M3 code (8 blocks of 32).
+  const int64_t rows = 256, k = 256;
+  std::vector<uint8_t> q(rows * k), scales(rows * 8);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < k; ++c) q[r * k + c] = static_cast<uint8_t>(c);
+    for (int64_t b = 0; b < 8; ++b) scales[r * 8 + b] = static_cast<uint8_t>(r);
+  }
+  std::vector<float> out(rows * k);
+  DequantizeMxfp8RowsRef(q.data(), scales.data(), rows, k, out.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < k; ++c) {
+      const float got = out[r * k + c];
+      if (r == 255 || (c & 0x7f) == 0x7f) {
+        ASSERT_TRUE(std::isnan(got)) << r << " " << c;  // NaN scale or NaN code
+        continue;
+      }
+      const double want = RefE4M3(static_cast<uint8_t>(c)) * std::ldexp(1.0, r - 127);
+      if (std::fabs(want) > std::numeric_limits<float>::max()) {
+        ASSERT_TRUE(std::isinf(got)) << r << " " << c;
+        continue;
+      }
+      ASSERT_EQ(static_cast<double>(got), want) << r << " " << c;
+      ASSERT_EQ(std::signbit(got), (c & 0x80) != 0) << r << " " << c;
+    }
+  }
+}
+
 TEST(Mxfp8Rows, RoundTripBoundOnManyMagnitudes) {
   std::mt19937_64 rng = FreshRng();
   const int64_t rows = 64, k = 1024;  // 2048 blocks per trial
