@@ -61,6 +61,40 @@ double MedianSeconds(int reps, const std::function<void()>& fn) {
   return t[t.size() / 2];
 }
 
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+struct Timing {
+  double wall = 0;  // median seconds
+  double cpu = 0;   // median process CPU seconds (all threads)
+};
+
+// Times a and b alternately (a, b, a, b, ...) after one warm-up each, so that load from other
+// processes on a shared machine falls on both alike. Medians of wall and process CPU time.
+std::pair<Timing, Timing> AlternatingMedians(int reps, const std::function<void()>& a,
+                                             const std::function<void()>& b) {
+  a();
+  b();
+  std::vector<double> wa, wb, ca, cb;
+  for (int i = 0; i < reps; ++i) {
+    for (int which = 0; which < 2; ++which) {
+      const double c0 = ProcessCpuSeconds();
+      const double w = Seconds(which == 0 ? a : b);
+      const double c = ProcessCpuSeconds() - c0;
+      (which == 0 ? wa : wb).push_back(w);
+      (which == 0 ? ca : cb).push_back(c);
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return {{median(wa), median(ca)}, {median(wb), median(cb)}};
+}
+
 std::string Shell(const char* cmd) {
   std::string out;
   if (FILE* p = popen(cmd, "r")) {
@@ -162,14 +196,21 @@ int main(int argc, char** argv) {
   // forward: one thread, 8 experts.
   {
     std::vector<float> w13(2 * n * h), w2(h * n);
-    const double t_b = MedianSeconds(3, [&] {
-      for (int e = 0; e < 8; ++e) Check(DequantizeExpertToFp32(*bf16->layer(0), e, w13.data(), w2.data()), "deq");
-    }) / 8;
-    const double t_m = MedianSeconds(3, [&] {
-      for (int e = 0; e < 8; ++e) Check(DequantizeExpertToFp32(*mx->layer(0), e, w13.data(), w2.data()), "deq");
-    }) / 8;
+    const auto [tb, tm] = AlternatingMedians(
+        5,
+        [&] {
+          for (int e = 0; e < 8; ++e) {
+            Check(DequantizeExpertToFp32(*bf16->layer(0), e, w13.data(), w2.data()), "deq");
+          }
+        },
+        [&] {
+          for (int e = 0; e < 8; ++e) {
+            Check(DequantizeExpertToFp32(*mx->layer(0), e, w13.data(), w2.data()), "deq");
+          }
+        });
+    const double t_b = tb.cpu / 8, t_m = tm.cpu / 8;
     const double per = 3.0 * h * n;
-    Emit("Dequantizing one expert (%.1fM values) to FP32 on one thread: BF16 %.2f ms "
+    Emit("Dequantizing one expert (%.1fM values) to FP32 on one thread (CPU time): BF16 %.2f ms "
          "(%.2f ns/value, %.1f GB/s of FP32 written), MXFP8 %.2f ms (%.2f ns/value, %.1f GB/s).\n\n",
          per / 1e6, t_b * 1e3, t_b / per * 1e9, per * 4 / t_b / 1e9, t_m * 1e3, t_m / per * 1e9,
          per * 4 / t_m / 1e9);
@@ -183,13 +224,15 @@ int main(int argc, char** argv) {
                                     std::make_unique<ReferenceExperts>());
 
   Emit("## qwen3-30b-a3b layer (E=128, top-8, hidden 2048, intermediate 768)\n\n");
-  Emit("Times are medians over reps after one warm-up. Floors: weight stream = active experts' "
+  Emit("Wall and process-CPU times are medians over reps (9 at M=1, 5 otherwise), BF16 and MXFP8 "
+       "run alternately after one warm-up each, so that other load hits both alike. Floors: weight stream = active experts' "
        "weight bytes read once at memcpy speed (read+write rate, so optimistic); FLOPs = "
        "2*3*H*I*M*topk at %d x one-thread sgemm peak.\n\n", threads);
   Emit("| M | active experts | BF16 Blas ms | MXFP8 Blas ms | MXFP8 / BF16 time | "
+       "BF16 CPU ms | MXFP8 CPU ms | MXFP8 / BF16 CPU | "
        "BF16 stream floor ms | MXFP8 stream floor ms | FLOP floor ms | rel L2 MXFP8 vs BF16 Blas "
        "| rel L2 MXFP8 Blas vs Ref BF16 | rel L2 BF16 Blas vs Ref BF16 |\n");
-  Emit("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  Emit("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (int64_t m : {1, 64, 256}) {
@@ -219,16 +262,21 @@ int main(int argc, char** argv) {
     const TensorView vb(o_b.data(), DType::kFP32, {m, h}), vm(o_m.data(), DType::kFP32, {m, h}),
         vr(o_r.data(), DType::kFP32, {m, h});
     const int reps = m == 1 ? 9 : 5;
+    ModularKernelArgs args_mx = args;
     args.weights = bf16->layer(0);
-    const double t_b = MedianSeconds(reps, [&] { Check(blas_bf16->Forward(args, vb), "bf16"); });
+    args_mx.weights = mx->layer(0);
+    const auto [tb, tm] = AlternatingMedians(
+        reps, [&] { Check(blas_bf16->Forward(args, vb), "bf16"); },
+        [&] { Check(blas_mx->Forward(args_mx, vm), "mxfp8"); });
+    const double t_b = tb.wall, t_m = tm.wall;
     Check(ref->Forward(args, vr), "reference");  // once, untimed: the oracle
-    args.weights = mx->layer(0);
-    const double t_m = MedianSeconds(reps, [&] { Check(blas_mx->Forward(args, vm), "mxfp8"); });
     const double per_expert = 3.0 * h * n;
     const double floor_b = 2 * per_expert * n_active / bw, floor_m = 1.03125 * per_expert * n_active / bw;
     const double floor_f = 2.0 * 3 * h * n * m * topk / (threads * sgemm_peak);
-    Emit("| %lld | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f | %.2e | %.2e | %.2e |\n",
-         static_cast<long long>(m), n_active, t_b * 1e3, t_m * 1e3, t_m / t_b, floor_b * 1e3,
+    Emit("| %lld | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f | %.2e | "
+         "%.2e | %.2e |\n",
+         static_cast<long long>(m), n_active, t_b * 1e3, t_m * 1e3, t_m / t_b, tb.cpu * 1e3,
+         tm.cpu * 1e3, tm.cpu / tb.cpu, floor_b * 1e3,
          floor_m * 1e3, floor_f * 1e3, RelativeL2(o_m.data(), o_b.data(), m * h),
          RelativeL2(o_m.data(), o_r.data(), m * h), RelativeL2(o_b.data(), o_r.data(), m * h));
   }
