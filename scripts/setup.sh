@@ -10,7 +10,7 @@ DEB_PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libopenblas-dev nlohmann-json3-dev curl
 )
-PY_PACKAGES=(grpcio grpcio-tools numpy safetensors ml_dtypes)
+PY_PACKAGES=(grpcio grpcio-tools protobuf numpy safetensors ml_dtypes)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do

@@ -5,5 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh
-bash clients/python/generate_stubs.sh >/dev/null 2>&1 || true
 ctest --test-dir build --output-on-failure -j"${CTEST_JOBS:-2}" "$@"
