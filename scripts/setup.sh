@@ -26,10 +26,12 @@ if ((${#missing[@]})); then
 fi
 
 PYTHON=${PYTHON:-python3}
+# pip name -> import name
+declare -A PY_IMPORT=([grpcio]=grpc [grpcio-tools]=grpc_tools [protobuf]=google.protobuf
+                      [numpy]=numpy [safetensors]=safetensors [ml_dtypes]=ml_dtypes)
 py_missing=()
 for p in "${PY_PACKAGES[@]}"; do
-  "$PYTHON" -c "import ${p/grpcio-tools/grpc_tools}" >/dev/null 2>&1 || \
-    { [[ $p == grpcio ]] && "$PYTHON" -c "import grpc" >/dev/null 2>&1; } || py_missing+=("$p")
+  "$PYTHON" -c "import ${PY_IMPORT[$p]}" >/dev/null 2>&1 || py_missing+=("$p")
 done
 if ((${#py_missing[@]})); then
   echo "setup: installing Python packages: ${py_missing[*]}"
