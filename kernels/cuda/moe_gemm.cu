@@ -435,6 +435,381 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM on the warpgroup MMA (wgmma, sm_90a) for tiles of 64-256 tokens.
+//
+// Same packed weights, schedule and epilogue as MoeGemmKernel. 8 warps = 2 warpgroups; warp w
+// owns weight rows 16w..16w+15, so each warpgroup issues m64nBNk16 with its A fragments in
+// registers (loaded from shared memory in the packed order, and for MXFP8 dequantized to BF16
+// there exactly as above) and B (tokens x 64 K, BF16) from shared memory in the 128-byte
+// swizzled K-major layout: row n at n * 128, its 16-byte chunk c at (c ^ (n % 8)) * 16, stage
+// base 1024-aligned. All threads load with cp.async, STAGES deep; one barrier per 64 K.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOESERVE_WGMMA_DEVICE 1
+#endif
+
+__device__ __forceinline__ void WgmmaFence() {
+#ifdef MOESERVE_WGMMA_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WgmmaCommitAndWaitAll() {
+#ifdef MOESERVE_WGMMA_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
+                   : "memory");
+#endif
+}
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#ifdef MOESERVE_WGMMA_DEVICE
+__device__ __forceinline__ void Wgmma64(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void Wgmma128(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void Wgmma256(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+#endif
+
+template <int BN>
+__device__ __forceinline__ void Wgmma(float* d, const uint32_t* a, uint64_t desc) {
+#ifdef MOESERVE_WGMMA_DEVICE
+  if constexpr (BN == 64) Wgmma64(d, a, desc);
+  if constexpr (BN == 128) Wgmma128(d, a, desc);
+  if constexpr (BN == 256) Wgmma256(d, a, desc);
+#else
+  __trap();  // built without sm_90a: the host never launches this path (MOESERVE_CUDA_WGMMA)
+#endif
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t SmemDescSw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+constexpr int kWgPipeBudget = 196608;
+
+template <bool kFp8, int BN>
+struct WgCfg {
+  static constexpr int kEsize = kFp8 ? 1 : 2;
+  static constexpr int kBBytes = BN * 128;
+  static constexpr int kABytes = kBM * kBK * kEsize;
+  static constexpr int kSBytes = kFp8 ? kBM * 2 : 0;
+  static constexpr int kStageBytes = (kBBytes + kABytes + kSBytes + 1023) / 1024 * 1024;
+  static constexpr int kStagesFit = kWgPipeBudget / kStageBytes;
+  static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
+  static constexpr int kPipeBytes = kStageBytes * kStages;
+  static constexpr int kBChunks = BN * 8 / kThreads;
+  static_assert(kStages >= 3 && BN * 8 % kThreads == 0, "");
+  static size_t SmemBytes(int num_experts) {
+    return 1024 + kPipeBytes + static_cast<size_t>(3 * num_experts + 1) * sizeof(int32_t);
+  }
+};
+
+template <bool kFp8, int BN, MoeGemmKind KIND>
+__global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmParams p) {
+  using C = WgCfg<kFp8, BN>;
+  constexpr int STAGES = C::kStages;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  const int E = p.num_experts;
+  int32_t* s_cnt = reinterpret_cast<int32_t*>(smem + C::kPipeBytes);
+  int32_t* s_row0 = s_cnt + E;
+  int32_t* s_prefix = s_row0 + E;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const bool gate_up = KIND == MoeGemmKind::kGateUpSilu;
+  const int64_t kp = gate_up ? p.layout.hidden_padded : p.layout.intermediate_padded;
+  const int64_t rows_packed = gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows;
+  const int64_t k_valid = gate_up ? p.layout.hidden : p.layout.intermediate_padded;
+  const int mtiles = static_cast<int>(rows_packed / kBM);
+  const int num_kb = static_cast<int>(kp / kBK);
+
+  for (int e = tid; e < E; e += kThreads) {
+    int c = p.expert_counts[e];
+    c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
+    s_cnt[e] = c;
+    s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
+                                            : static_cast<int32_t>(e * p.offset_stride);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int chunk = (E + 31) / 32;
+    const int lo = lane * chunk, hi = min(E, lo + chunk);
+    int sum = 0;
+    for (int e = lo; e < hi; ++e) sum += (s_cnt[e] + BN - 1) / BN * mtiles;
+    int inc = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    int run = inc - sum;
+    for (int e = lo; e < hi; ++e) {
+      s_prefix[e] = run;
+      run += (s_cnt[e] + BN - 1) / BN * mtiles;
+    }
+    if (lane == 31) s_prefix[E] = inc;
+  }
+  __syncthreads();
+  const int total_units = s_prefix[E];
+  if (static_cast<int>(blockIdx.x) >= total_units) return;
+  const int my_units = (total_units - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int total_iters = my_units * num_kb;
+
+  auto decode = [&](int i) {
+    const int u = blockIdx.x + i * gridDim.x;
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (s_prefix[mid] <= u) lo = mid; else hi = mid;
+    }
+    Unit un;
+    un.e = lo;
+    un.cnt = s_cnt[lo];
+    un.row0 = s_row0[lo];
+    const int ntn = (un.cnt + BN - 1) / BN;
+    const int local = u - s_prefix[lo];
+    un.mt = local / ntn;
+    un.nt = local % ntn;
+    return un;
+  };
+
+  // Producer: this thread's B rows are (tid / 8) + 32 i, always chunk tid % 8.
+  const unsigned char* a_src = nullptr;
+  const uint8_t* s_src = nullptr;
+  int32_t b_row[C::kBChunks];  // activation row, or -1 (zero-filled)
+  const int b_cc = tid % 8;
+  auto producer_unit = [&](int i) {
+    const Unit pu = decode(i);
+    a_src = static_cast<const unsigned char*>(p.weights) +
+            (static_cast<int64_t>(pu.e) * rows_packed + static_cast<int64_t>(pu.mt) * kBM) * kp *
+                C::kEsize;
+    if (kFp8) {
+      s_src = p.scales + ((static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb) * (kBM * 2);
+    }
+#pragma unroll
+    for (int i2 = 0; i2 < C::kBChunks; ++i2) {
+      const int j = pu.nt * BN + tid / 8 + 32 * i2;
+      b_row[i2] = -1;
+      if (j < pu.cnt) {
+        const int row = pu.row0 + j;
+        b_row[i2] = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
+      }
+    }
+  };
+  auto load = [&](int it) {
+    if (it < total_iters) {
+      const int kb = it % num_kb;
+      if (kb == 0) producer_unit(it / num_kb);
+      unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
+      const uint32_t b_dst = SmemAddr(st);
+      const int64_t kk = static_cast<int64_t>(kb) * kBK + b_cc * 8;
+#pragma unroll
+      for (int i2 = 0; i2 < C::kBChunks; ++i2) {
+        const int r = tid / 8 + 32 * i2;
+        const bool ok = b_row[i2] >= 0 && kk < k_valid;
+        CpAsync16(b_dst + r * 128 + ((b_cc ^ (r & 7)) << 4),
+                  ok ? p.act + static_cast<int64_t>(b_row[i2]) * p.act_stride + kk : p.act,
+                  ok ? 16 : 0);
+      }
+      const uint32_t a_dst = SmemAddr(st + C::kBBytes);
+      if (kFp8) {
+#pragma unroll
+        for (int i2 = 0; i2 < kBM * 4 / kThreads; ++i2) {
+          const int c = tid + i2 * kThreads;
+          const int r = c >> 2, cc = c & 3;
+          CpAsync16(a_dst + ((cc >> 1) * kBM + r) * 32 + (cc & 1) * 16,
+                    a_src + r * kp + kb * kBK + cc * 16, 16);
+        }
+        if (tid < 16) {
+          CpAsync16(SmemAddr(st + C::kBBytes + C::kABytes) + tid * 16,
+                    s_src + kb * (kBM * 2) + tid * 16, 16);
+        }
+      } else {
+#pragma unroll
+        for (int i2 = 0; i2 < kBM * 8 / kThreads; ++i2) {
+          const int c = tid + i2 * kThreads;
+          const int r = c >> 3, cc = c & 7;
+          CpAsync16(a_dst + ((cc >> 2) * kBM + r) * 64 + (cc & 3) * 16,
+                    a_src + (r * kp + kb * kBK + cc * 8) * 2, 16);
+        }
+      }
+    }
+    CpAsyncCommit();
+  };
+
+  float acc[BN / 8][4];
+#pragma unroll
+  for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[ni][q] = 0.f;
+
+  const int g = lane / 4, t4 = lane % 4;
+  const int r0 = warp * 16 + g;
+
+#pragma unroll 1
+  for (int s = 0; s < STAGES - 1; ++s) load(s);
+
+  Unit cu;
+#pragma unroll 1
+  for (int it = 0; it < total_iters; ++it) {
+    const int kb = it % num_kb;
+    if (kb == 0) cu = decode(it / num_kb);
+    CpAsyncWait<STAGES - 2>();
+    FenceProxyAsyncShared();  // cp.async data -> read by the tensor cores (async proxy)
+    __syncthreads();          // also: every warpgroup's MMAs of it - 1 are complete
+    load(it + STAGES - 1);
+    const unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
+    const unsigned char* sa = st + C::kBBytes;
+    const uint64_t desc = SmemDescSw128(SmemAddr(st));
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc) {
+      uint32_t a[2][4];  // this 32-K block's two k16 fragments
+      if (kFp8) {
+        const uint2 ra = *reinterpret_cast<const uint2*>(sa + (kc * kBM + r0) * 32 + t4 * 8);
+        const uint2 rb = *reinterpret_cast<const uint2*>(sa + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+        const float fa = E8M0ToFloat(sa[C::kABytes + r0 * 2 + kc]);
+        const float fb = E8M0ToFloat(sa[C::kABytes + (r0 + 8) * 2 + kc]);
+        a[0][0] = DequantPair(ra.x, fa);
+        a[0][1] = DequantPair(rb.x, fb);
+        a[0][2] = DequantPair(ra.x >> 16, fa);
+        a[0][3] = DequantPair(rb.x >> 16, fb);
+        a[1][0] = DequantPair(ra.y, fa);
+        a[1][1] = DequantPair(rb.y, fb);
+        a[1][2] = DequantPair(ra.y >> 16, fa);
+        a[1][3] = DequantPair(rb.y >> 16, fb);
+      } else {
+        const uint4 ra = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0) * 64 + t4 * 16);
+        const uint4 rb = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+        a[0][0] = ra.x; a[0][1] = rb.x; a[0][2] = ra.y; a[0][3] = rb.y;
+        a[1][0] = ra.z; a[1][1] = rb.z; a[1][2] = ra.w; a[1][3] = rb.w;
+      }
+      WgmmaFence();  // orders the fragment registers (and zeroed accumulators) before the MMAs
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        // k16 step kc * 2 + ks sits 32 bytes further along the swizzled 128-byte rows.
+        Wgmma<BN>(&acc[0][0], a[ks], desc + static_cast<uint64_t>((kc * 2 + ks) * 2));
+      }
+    }
+    WgmmaCommitAndWaitAll();
+    if (kb == num_kb - 1) {
+      const int64_t R0 = static_cast<int64_t>(cu.mt) * kBM + warp * 16;
+#pragma unroll
+      for (int ni = 0; ni < BN / 8; ++ni) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int n = cu.nt * BN + ni * 8 + 2 * t4 + c;
+          if (n < cu.cnt) {
+            const int64_t row = cu.row0 + n;
+            if (gate_up) {
+              const float gt = acc[ni][c], up = acc[ni][2 + c];
+              const float v = gt / (1.0f + __expf(-gt)) * up;
+              const int64_t j = R0 / 2 + g;
+              static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] = __float2bfloat16_rn(v);
+            } else {
+              const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
+              float* o = static_cast<float*>(p.out) + orow * p.out_stride;
+              const int64_t h0 = R0 + g;
+              if (h0 < p.layout.hidden) o[h0] = acc[ni][c];
+              if (h0 + 8 < p.layout.hidden) o[h0 + 8] = acc[ni][2 + c];
+            }
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[ni][q] = 0.f;
+      }
+    }
+  }
+  CpAsyncWait<0>();
+}
+
+template <bool kFp8, int BN, MoeGemmKind KIND>
+cudaError_t RunWgmma(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
+  using C = WgCfg<kFp8, BN>;
+  auto kernel = MoeGemmWgmmaKernel<kFp8, BN, KIND>;
+  const size_t smem = C::SmemBytes(p.num_experts);
+  int device = 0;  // per device, as in Run()
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) device = 0;
+  static size_t configured_on[64] = {};
+  size_t& configured = configured_on[device];
+  if (smem > configured) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    configured = smem;
+  }
+  const bool gate_up = KIND == MoeGemmKind::kGateUpSilu;
+  const int64_t mtiles = (gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows) / kBM;
+  const int64_t units = mtiles * (p.num_experts + (p.total_rows_hint + BN - 1) / BN);
+  int64_t grid = num_sms;
+  if (units < grid) grid = units;
+  if (grid < 1) grid = 1;
+  kernel<<<static_cast<int>(grid), kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <bool kFp8, MoeGemmKind KIND>
 cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
@@ -442,6 +817,14 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   if (avg <= 16) return Run<kFp8, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
   if (avg <= 32) return Run<kFp8, 32, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
   if (avg <= 64) return Run<kFp8, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+#if MOESERVE_CUDA_WGMMA
+  // MXFP8 with more than 128 routes per expert: 128x256 wgmma tiles, measured 2.0x faster than
+  // the mma.sync tile on the H200 (seed layer, 1024 tokens/rank: 2.36 ms vs 4.83 ms). The BF16
+  // and 64/128-token wgmma tiles measured slower than mma.sync (docs/gpu.md) and are not used.
+  if constexpr (kFp8) {
+    if (avg > 128) return RunWgmma<kFp8, 256, KIND>(p, num_sms, stream);
+  }
+#endif
   return Run<kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND>(p, num_sms, stream);
 }
 

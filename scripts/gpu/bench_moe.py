@@ -2,7 +2,9 @@
 """Runs moeserve's CUDA expert-MLP benchmark and PyTorch's grouped-GEMM MLPs on the same shapes,
 measures the device's ceilings, and prints one combined table (last), a markdown copy and a plot.
 
-Usage (on the GPU machine): bench_moe.py BENCH_BINARY OUT_DIR
+Usage (on the GPU machine): bench_moe.py BENCH_BINARY OUT_DIR [BASELINE_BENCH_BINARY]
+With a baseline binary (an earlier build of the same benchmark), its times are measured in the
+same run and shown as a "before us" column.
 PyTorch peers, same routing and shapes, weights resident, tokens already grouped by expert
 (grouping padded to 16 rows per expert, as these kernels need):
   bf16:  torch._grouped_mm (W13) -> silu(gate)*up -> torch._grouped_mm (W2)
@@ -106,6 +108,10 @@ def main():
     copy_bw, bf16_rate = ceilings()
     print(f"device {dev}; copy {copy_bw/1e12:.2f} TB/s; bf16 matmul {bf16_rate/1e12:.0f} TFLOP/s",
           flush=True)
+    before = {}
+    if len(sys.argv) > 3:
+        for r in csv.DictReader(io.StringIO(subprocess.check_output([sys.argv[3]], text=True))):
+            before[(r["layer"], r["format"], r["tokens"], r["routing"])] = float(r["median_us"])
     ours = list(csv.DictReader(io.StringIO(subprocess.check_output([binary], text=True))))
     rows = []
     for r in ours:
@@ -122,15 +128,18 @@ def main():
         flop_floor = 6 * routes * h * i / bf16_rate * 1e6
         floor = max(mem_floor, flop_floor)
         rows.append(dict(layer=r["layer"], fmt=r["format"], tokens=tokens, routing=r["routing"],
+                         before=before.get((r["layer"], r["format"], r["tokens"], r["routing"]),
+                                           float("nan")),
                          us=us, tbs=wbytes / (us * 1e-6) / 1e12, floor=floor,
                          pct=100 * floor / us, bound="hbm" if mem_floor >= flop_floor else "mma",
                          torch=tt, ratio=tt / us))
         print(rows[-1], flush=True)
-    hdr = ("| layer | weights | tokens/rank | routing | moeserve us | weight TB/s | floor us | "
-           "% of floor | bound | PyTorch us | PyTorch/moeserve |")
-    lines = [hdr, "|" + "---|" * 11]
+    hdr = ("| layer | weights | tokens/rank | routing | before us | moeserve us | weight TB/s | "
+           "floor us | % of floor | bound | PyTorch us | PyTorch/moeserve |")
+    lines = [hdr, "|" + "---|" * 12]
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['fmt']} | {r['tokens']} | {r['routing']} | {r['us']:.1f} | "
+        lines.append(f"| {r['layer']} | {r['fmt']} | {r['tokens']} | {r['routing']} | "
+                     f"{r['before']:.1f} | {r['us']:.1f} | "
                      f"{r['tbs']:.2f} | {r['floor']:.1f} | {r['pct']:.0f}% | {r['bound']} | "
                      f"{r['torch']:.1f} | {r['ratio']:.2f}x |")
     head = (f"device: {dev}; measured copy {copy_bw/1e12:.2f} TB/s, BF16 matmul 8192^3 "

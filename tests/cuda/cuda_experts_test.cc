@@ -201,6 +201,10 @@ std::vector<Case> Cases() {
       }
       // hidden / intermediate not multiples of 128 (nor intermediate of 64).
       cs.push_back({33, 5, 3, 200, 72, f, r});
+      // wgmma tiles: 40 routes per expert (64-token tiles); 200 per expert with hidden 200
+      // (256-token tiles, K padded inside the last 64-block).
+      cs.push_back({160, 16, 4, 256, 128, f, r});
+      cs.push_back({400, 4, 2, 200, 72, f, r});
       cs.push_back({300, 32, 8, 1024, 320, f, r});
       cs.push_back({64, 8, 2, 392, 136, f, r, ActivationFormat::kBatchedExperts});
       cs.push_back({300, 16, 8, 256, 128, f, r, ActivationFormat::kBatchedExperts});
