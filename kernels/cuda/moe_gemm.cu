@@ -412,8 +412,14 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
   auto kernel = MoeGemmKernel<kFp8, BN, WM, WN, STAGES, KIND>;
   const size_t smem = C::SmemBytes(p.num_experts);
-  static size_t configured = 0;  // largest dynamic shared memory set so far
-  static int blocks_per_sm = 0;
+  // Per device: a function attribute belongs to the current device's context, and EP ranks
+  // drive several GPUs from one process (one thread each).
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) device = 0;
+  static size_t configured_on[64] = {};  // largest dynamic shared memory set so far
+  static int blocks_per_sm_on[64] = {};
+  size_t& configured = configured_on[device];
+  int& blocks_per_sm = blocks_per_sm_on[device];
   if (smem > configured) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
