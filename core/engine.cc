@@ -5,13 +5,19 @@
 #include <cmath>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/cpu/all_to_all_prepare_finalize.h"
 #include "core/cpu/kernel_factory.h"
 #include "core/cpu/no_ep_prepare_finalize.h"
+#include "core/comm/nccl_communicator.h"
+#include "core/cuda/cuda_backend.h"
 #include "core/status_macros.h"
 #include "core/weight_loader.h"
 #include "kernels/cpu/dtype_convert.h"
+#ifdef MOESERVE_HAVE_NCCL
+#include "core/cuda/nccl_all_to_all.h"
+#endif
 
 namespace moeserve {
 
@@ -77,7 +83,9 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
 }
 
 struct Engine::Rank {
-  std::shared_ptr<Communicator> comm;  // null with no_ep
+  std::shared_ptr<Communicator> comm;  // null with no_ep (and on GPUs: the PF holds its own)
+  std::shared_ptr<CudaContext> cuda;               // backend cuda: this rank's GPU
+  std::shared_ptr<DeviceWeightStore> dev_weights;  // backend cuda: resident packed weights
   std::unique_ptr<ExpertWeightStore> weights;
   std::unique_ptr<ModularKernel> kernel;
   std::vector<int32_t> expert_map;  // global -> local on this rank
@@ -96,9 +104,43 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
     MOESERVE_ASSIGN_OR_RETURN(options.model, ResolveModelConfig(source, options.model));
   }
   MOESERVE_RETURN_IF_ERROR(options.model.Validate());
-  if (options.backend != "cpu") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("backend '", options.backend, "' is not available; expected cpu"));
+#ifdef MOESERVE_ENABLE_CUDA
+  const int gpus = CudaDeviceCount();
+#else
+  const int gpus = 0;
+#endif
+  if (options.backend == "auto") {
+    // The plain-loop reference experts are asked for by name only to check against: keep them.
+    const bool reference = absl::StrContains(options.experts, "eference");
+    options.backend = gpus > 0 && options.model.hidden % 8 == 0 && !reference ? "cuda" : "cpu";
+  }
+  if (options.backend != "cpu" && options.backend != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat("backend: got '", options.backend,
+                                                   "', expected cpu, cuda or auto"));
+  }
+  const bool cuda = options.backend == "cuda";
+  if (cuda) {
+#ifndef MOESERVE_ENABLE_CUDA
+    return absl::FailedPreconditionError(
+        "backend 'cuda': this moeserve was built without CUDA (MOESERVE_ENABLE_CUDA=OFF); use "
+        "--backend cpu");
+#endif
+    if (gpus == 0) {
+      return absl::FailedPreconditionError(
+          "backend 'cuda': no CUDA device is visible (no GPU or no driver); use --backend cpu");
+    }
+    if (options.num_ranks == 0) options.num_ranks = gpus;
+    if (options.num_ranks > gpus) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "num_ranks: ", options.num_ranks, " GPU ranks requested but ", gpus,
+          " CUDA devices are visible (backend cuda runs one rank per GPU)"));
+    }
+    if (options.model.hidden % 8 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "backend 'cuda' needs hidden % 8 == 0, got hidden=", options.model.hidden));
+    }
+  } else if (options.num_ranks == 0) {
+    options.num_ranks = 1;
   }
   const int num_ranks = options.num_ranks;
   if (num_ranks < 1 || num_ranks > options.model.num_experts) {
@@ -121,11 +163,32 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   if (options.collective_timeout_ms <= 0) {
     return absl::InvalidArgumentError("collective_timeout_ms must be > 0");
   }
+  // Experts: on GPUs the CPU names pick the activation format of the CUDA Experts.
+  std::string experts_type;
+  ActivationFormat cuda_format = ActivationFormat::kStandard;
+  if (cuda && (options.experts == "cuda" || options.experts == "CudaExperts")) {
+    experts_type = "CudaExperts";
+  } else if (cuda && (options.experts == "cuda_batched" ||
+                      options.experts == "CudaBatchedExperts")) {
+    experts_type = "CudaBatchedExperts";
+    cuda_format = ActivationFormat::kBatchedExperts;
+  } else {
+    MOESERVE_ASSIGN_OR_RETURN(experts_type, CanonicalExpertsType(options.experts));
+    if (cuda && absl::StartsWith(experts_type, "Batched")) {
+      cuda_format = ActivationFormat::kBatchedExperts;
+    }
+  }
   std::string pf_type = options.prepare_finalize;
-  if (pf_type == "auto") pf_type = num_ranks == 1 ? "no_ep" : "all2all_contiguous";
+  if (pf_type == "auto") {
+    pf_type = num_ranks == 1                                                ? "no_ep"
+              : cuda && cuda_format == ActivationFormat::kBatchedExperts ? "all2all_batched"
+                                                                          : "all2all_contiguous";
+  }
   MOESERVE_ASSIGN_OR_RETURN(pf_type, CanonicalPrepareFinalizeType(pf_type));
-  MOESERVE_ASSIGN_OR_RETURN(const std::string experts_type,
-                            CanonicalExpertsType(options.experts));
+  if (cuda && pf_type == NoEpPrepareAndFinalize::kName && num_ranks > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prepare_finalize: no_ep runs on a single rank, got num_ranks=", num_ranks));
+  }
 
   // Placement.
   if (!options.rank_experts.empty() &&
@@ -154,7 +217,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->options_ = options;
   engine->placement_ = std::make_shared<const Placement>(std::move(placement));
-  if (num_ranks > 1 || pf_type != NoEpPrepareAndFinalize::kName) {
+  if (!cuda && (num_ranks > 1 || pf_type != NoEpPrepareAndFinalize::kName)) {
     MOESERVE_ASSIGN_OR_RETURN(
         engine->group_,
         InProcessCommGroup::Create(num_ranks, absl::Milliseconds(options.collective_timeout_ms)));
@@ -165,7 +228,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   source.format = options.weight_format;
   source.num_threads = threads;
   source.memory_budget_bytes = options.memory_budget_bytes;
-  for (int r = 0; r < num_ranks; ++r) {
+  if (cuda) {
+    MOESERVE_RETURN_IF_ERROR(engine->CreateCudaRanks(source, pf_type, cuda_format,
+                                                     tokens_per_rank));
+  }
+  for (int r = 0; r < num_ranks && !cuda; ++r) {
     auto rank = std::make_unique<Rank>();
     if (engine->group_) rank->comm = engine->group_->MakeCommunicator(r);
     MOESERVE_ASSIGN_OR_RETURN(
@@ -204,17 +271,115 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   info.max_tokens_per_rank = pf_type == NoEpPrepareAndFinalize::kName
                                  ? options.max_tokens_per_request
                                  : tokens_per_rank;
-  info.threads_per_rank = threads_per_rank;
+  info.threads_per_rank = cuda ? 1 : threads_per_rank;
   return engine;
+}
+
+absl::Status Engine::CreateCudaRanks(const WeightSource& source, const std::string& pf_type,
+                                     ActivationFormat format, int64_t tokens_per_rank) {
+#ifndef MOESERVE_ENABLE_CUDA
+  return absl::FailedPreconditionError("built without CUDA");
+#else
+  const EngineOptions& options = options_;
+  const int num_ranks = options.num_ranks;
+  const bool ep = pf_type != NoEpPrepareAndFinalize::kName;
+  for (int r = 0; r < num_ranks; ++r) {
+    auto rank = std::make_unique<Rank>();
+    MOESERVE_ASSIGN_OR_RETURN(rank->cuda, CreateCudaContext(/*device=*/r));
+    MOESERVE_ASSIGN_OR_RETURN(rank->weights,
+                              LoadExpertWeights(source, options.model,
+                                                placement_->rank_experts(r)));
+    MOESERVE_ASSIGN_OR_RETURN(rank->dev_weights,
+                              DeviceWeightStore::Create(*rank->weights, *rank->cuda));
+    rank->expert_map = placement_->ExpertMap(r);
+    ranks_.push_back(std::move(rank));
+  }
+  if (ep) {
+#ifndef MOESERVE_HAVE_NCCL
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prepare_finalize ", pf_type, " on GPUs needs NCCL, which this build lacks"));
+#else
+    std::vector<int> devices;
+    std::vector<void*> streams;
+    for (int r = 0; r < num_ranks; ++r) {
+      devices.push_back(r);
+      streams.push_back(CudaContextStream(*ranks_[r]->cuda));
+    }
+    MOESERVE_ASSIGN_OR_RETURN(nccl_,
+                              NcclCommGroup::Create(devices, streams,
+                                                    absl::Milliseconds(
+                                                        options.collective_timeout_ms)));
+#endif
+  }
+  for (int r = 0; r < num_ranks; ++r) {
+    Rank& rank = *ranks_[r];
+    std::unique_ptr<PrepareAndFinalize> pf;
+    if (!ep) {
+      MOESERVE_ASSIGN_OR_RETURN(pf, CreateCudaNoEpPrepareAndFinalize(
+                                        rank.cuda, options.max_tokens_per_request, format));
+    } else {
+#ifdef MOESERVE_HAVE_NCCL
+      NcclAllToAllOptions o;
+      o.max_num_tokens_per_rank = tokens_per_rank;
+      o.format = pf_type == AllToAllBatchedPrepareAndFinalize::kName
+                     ? ActivationFormat::kBatchedExperts
+                     : ActivationFormat::kStandard;
+      o.dispatch = options.dispatch == "per_route" ? AllToAllOptions::Dispatch::kPerRoute
+                                                   : AllToAllOptions::Dispatch::kPerRank;
+      MOESERVE_ASSIGN_OR_RETURN(
+          pf, CreateNcclAllToAllPrepareAndFinalize(rank.cuda, nccl_->communicator(r), placement_,
+                                                   o));
+#endif
+    }
+    MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> experts,
+                              CreateCudaExperts(rank.cuda, rank.dev_weights, format));
+    MOESERVE_ASSIGN_OR_RETURN(rank.kernel,
+                              ModularKernel::Create(std::move(pf), std::move(experts)));
+  }
+  return absl::OkStatus();
+#endif
+}
+
+absl::Status Engine::health() const {
+  std::lock_guard<std::mutex> lock(health_mu_);
+  return health_;
+}
+
+absl::Status Engine::Recover() {
+  std::lock_guard<std::mutex> lock(mu_);
+#ifdef MOESERVE_HAVE_NCCL
+  if (nccl_ != nullptr && !nccl_->healthy()) MOESERVE_RETURN_IF_ERROR(nccl_->Reinit());
+#endif
+  std::lock_guard<std::mutex> hl(health_mu_);
+  health_ = absl::OkStatus();
+  return absl::OkStatus();
+}
+
+// After a failed step with every rank thread returned: a group whose NCCL communicators failed
+// cannot run another collective, so the engine stops serving until Recover().
+void Engine::AfterFailedStep(const absl::Status& cause) {
+#ifdef MOESERVE_HAVE_NCCL
+  if (nccl_ != nullptr && !nccl_->healthy()) {
+    nccl_->AbortAll();
+    std::lock_guard<std::mutex> lock(health_mu_);
+    health_ = absl::UnavailableError(absl::StrCat(
+        "not serving: the NCCL communicators were aborted after: ", cause.message()));
+  }
+#endif
 }
 
 absl::Status Engine::RunRank(int r, const ForwardInput& input, const TensorView& ids,
                              const TensorView& out32, const std::vector<int64_t>& bounds) {
   Rank& rank = *ranks_[r];
+  if (options_.fault_injection_for_testing) {
+    MOESERVE_RETURN_IF_ERROR(options_.fault_injection_for_testing(r));
+  }
   const int64_t begin = bounds[r], end = bounds[r + 1], k = options_.model.hidden;
+  // GPU ranks live in this process: each copies its slice of the answer straight into place.
+  const bool in_place = r == 0 || rank.cuda != nullptr;
   // The leader writes its slice in place; the others gather theirs to it below.
-  TensorView out = r == 0 ? out32.Slice(begin, end)
-                          : rank.out.Get(DType::kFP32, {end - begin, k});
+  TensorView out = in_place ? out32.Slice(begin, end)
+                            : rank.out.Get(DType::kFP32, {end - begin, k});
   ModularKernelArgs args;
   args.hidden_states = input.hidden_states.Slice(begin, end);
   args.topk_ids = ids.Slice(begin, end);
@@ -228,7 +393,7 @@ absl::Status Engine::RunRank(int r, const ForwardInput& input, const TensorView&
                                             input.layer));
   }
   MOESERVE_RETURN_IF_ERROR(rank.kernel->Forward(args, out, &rank.timings));
-  if (ranks_.size() == 1) return absl::OkStatus();
+  if (ranks_.size() == 1 || rank.cuda != nullptr) return absl::OkStatus();
   // Gather the output slices on the leader.
   const int world = static_cast<int>(ranks_.size());
   const int64_t row = k * static_cast<int64_t>(sizeof(float));
@@ -253,6 +418,7 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
   }
   const auto t_queue = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status h = health(); !h.ok()) return h;
   if (timings) {
     *timings = ForwardTimings();
     timings->queue_us = std::chrono::duration<double, std::micro>(
@@ -277,13 +443,21 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
   if (world == 1) {
     if (absl::Status s = RunRank(0, input, ids, out32, bounds); !s.ok()) {
       if (group_) group_->Reset();
+#ifdef MOESERVE_HAVE_NCCL
+      if (nccl_ && !IsAgreedFailure(s)) nccl_->Abort(s);
+#endif
+      AfterFailedStep(s);
       return s;
     }
   } else {
     const std::vector<absl::Status> statuses = threads_->Run([&](int r) {
       absl::Status s = RunRank(r, input, ids, out32, bounds);
-      // Peers blocked in a collective waiting for this rank give up at once.
-      if (!s.ok()) group_->Abort(s);
+      // Peers blocked in a collective waiting for this rank give up at once. (A refusal all
+      // GPU ranks agreed on in PlanChunks leaves NCCL intact.)
+      if (!s.ok() && group_) group_->Abort(s);
+#ifdef MOESERVE_HAVE_NCCL
+      if (!s.ok() && nccl_ && !IsAgreedFailure(s)) nccl_->Abort(s);
+#endif
       return s;
     });
     absl::Status first = absl::OkStatus();
@@ -297,7 +471,8 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
       }
     }
     if (!first.ok()) {
-      group_->Reset();  // every rank thread has returned: no collective in flight
+      if (group_) group_->Reset();  // every rank thread has returned: no collective in flight
+      AfterFailedStep(first);
       return first;
     }
   }

@@ -4,6 +4,7 @@
 #define MOESERVE_CORE_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -17,22 +18,31 @@
 #include "core/modular_kernel.h"
 #include "core/placement.h"
 #include "core/tensor.h"
+#include "core/weight_loader.h"
 #include "core/weights.h"
 
 namespace moeserve {
 
+class NcclCommGroup;
+
 struct EngineOptions {
   ModelConfig model;
-  std::string backend = "cpu";                 // "cpu"
+  // "cpu" | "cuda" (one GPU per rank; FAILED_PRECONDITION without a GPU or a CUDA build) |
+  // "auto" (cuda where a GPU exists, hidden % 8 == 0 and the experts are not the reference
+  // ones, else cpu).
+  std::string backend = "cpu";
   // "reference" | "blas" (Standard format) | "batched_reference" | "batched_blas"
-  // (BatchedExperts format); class names are accepted too.
+  // (BatchedExperts format); class names are accepted too. With backend cuda the format picks
+  // CudaExperts (Standard) or CudaBatchedExperts; "cuda" / "cuda_batched" name them directly.
   std::string experts = "blas";
   // "auto" (no_ep for one rank, all2all_contiguous for more) | "no_ep" (one rank only) |
   // "all2all_contiguous" | "all2all_batched"; class names are accepted too.
   std::string prepare_finalize = "auto";
   WeightFormat weight_format = WeightFormat::kBF16;
   std::string checkpoint_dir;                  // empty: synthetic weights from `seed`
-  // Expert-parallel ranks (CPU: one worker thread each); must divide num_experts.
+  // Expert-parallel ranks (CPU: one worker thread each; CUDA: one GPU each, ranks 0..N-1 on
+  // devices 0..N-1, NCCL between them); must divide num_experts. 0: every visible GPU with
+  // backend cuda, 1 with cpu.
   int num_ranks = 1;
   std::string placement = "contiguous";        // "contiguous" | "round_robin"
   // Explicit placement (global expert ids per rank, each expert exactly once), e.g. from a load
@@ -50,8 +60,13 @@ struct EngineOptions {
   std::string dispatch = "per_rank";
   // How long a rank waits for its peers in one collective before the forward fails with
   // DEADLINE_EXCEEDED.
+  // On GPUs a collective that does not complete in time aborts the NCCL communicators; the
+  // engine then reports not healthy (see Engine::health()).
   int64_t collective_timeout_ms = 60000;
   int64_t memory_budget_bytes = 0;             // 0: what the machine has available
+  // Tests only: called on each rank's thread at the start of every forward; a non-OK status
+  // fails that rank there (an injected fault), and a hook may also sleep (a late rank).
+  std::function<absl::Status(int rank)> fault_injection_for_testing;
 };
 
 // One layer call. Views are read-only and must stay valid for the call.
@@ -112,17 +127,33 @@ class Engine {
 
   const EngineInfo& info() const { return info_; }
 
+  // OK while the engine can serve; otherwise why not (e.g. the NCCL communicators were aborted
+  // after a collective timed out or a rank failed mid-forward). While unhealthy, Forward
+  // returns UNAVAILABLE at once. The server should report NOT_SERVING while !healthy().
+  // Thread-safe, never blocks on a forward.
+  absl::Status health() const;
+  bool healthy() const { return health().ok(); }
+  // Rebuilds the communicators after a failure (waits for any forward in flight); OK and
+  // healthy again on success.
+  absl::Status Recover();
+
  private:
   struct Rank;
   Engine();
   absl::Status RunRank(int rank, const ForwardInput& input, const TensorView& ids,
                        const TensorView& out32, const std::vector<int64_t>& bounds);
+  absl::Status CreateCudaRanks(const WeightSource& source, const std::string& pf_type,
+                               ActivationFormat format, int64_t tokens_per_rank);
+  void AfterFailedStep(const absl::Status& cause);
 
   EngineOptions options_;
   EngineInfo info_;
   std::shared_ptr<const Placement> placement_;
   std::vector<std::unique_ptr<Rank>> ranks_;
-  std::shared_ptr<InProcessCommGroup> group_;  // null with no_ep
+  std::shared_ptr<InProcessCommGroup> group_;  // null with no_ep or on GPUs
+  std::shared_ptr<NcclCommGroup> nccl_;        // GPU ranks with an all-to-all
+  mutable std::mutex health_mu_;
+  absl::Status health_;
   std::unique_ptr<RankThreads> threads_;       // null with one rank
   std::mutex mu_;  // one forward at a time
   HostBuffer ids32_, out32_;

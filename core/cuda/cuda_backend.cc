@@ -134,6 +134,7 @@ absl::StatusOr<std::shared_ptr<CudaContext>> CreateCudaContext(int device) {
 }
 
 void* CudaContextStream(const CudaContext& ctx) { return ctx.stream; }
+TensorView CudaContextFusedOutput(const CudaContext& ctx) { return ctx.fused_output; }
 
 // ---------------------------------------------------------------------------------------------
 // Weights.

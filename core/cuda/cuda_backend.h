@@ -44,6 +44,10 @@ class CudaContext;
 absl::StatusOr<std::shared_ptr<CudaContext>> CreateCudaContext(int device);
 // The context's cudaStream_t, as an opaque pointer (for callers that add their own work).
 void* CudaContextStream(const CudaContext& ctx);
+// The device FP32 output the last CudaExperts::Apply on `ctx` wrote (Standard: [M, topk, K];
+// BatchedExperts: [E, max_tokens, K]), for PrepareAndFinalize implementations in other files
+// (the NCCL all-to-all ones).
+TensorView CudaContextFusedOutput(const CudaContext& ctx);
 
 // Every MoE layer's local experts, packed for the CUDA kernels (kernels/cuda/moe_gemm.cuh) and
 // resident on the context's device. Immutable after Create; safe to share across threads.

@@ -1,0 +1,116 @@
+// Engine{backend=cuda} (CudaContext + DeviceWeightStore + CUDA no-EP PrepareAndFinalize +
+// CudaExperts / CudaBatchedExperts on GPU 0) against Engine{backend=cpu, experts=reference},
+// relative L2 < 1e-2 on BF16 outputs, for BF16 and MXFP8 weights. Without a GPU the cuda
+// backend must be refused with FAILED_PRECONDITION and "auto" must pick cpu (those run in CI).
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "core/cuda/cuda_backend.h"
+#include "core/engine.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/dtype_convert.h"
+#include "tests/ep/ep_test_util.h"
+
+namespace moeserve {
+namespace {
+
+using ::testing::HasSubstr;
+using ep_testing::Routing;
+
+constexpr double kBf16Tolerance = 1e-2;
+
+EngineOptions Small(const std::string& backend, const std::string& experts, WeightFormat wf) {
+  EngineOptions o;
+  o.model = *ApplyOverrides(*ModelPreset("tiny"),
+                            ModelOverrides{.num_experts = 32, .topk = 4, .hidden = 512,
+                                           .intermediate = 192});
+  o.backend = backend;
+  o.experts = experts;
+  o.weight_format = wf;
+  o.seed = 11;
+  o.num_threads = 2;
+  o.max_tokens_per_request = 4096;
+  return o;
+}
+
+Tensor ToBf16(const Tensor& x) {
+  Tensor y = Tensor::Empty(DType::kBF16, x.shape());
+  kernels::ConvertFp32ToBf16Ref(x.data<float>(), y.data<uint16_t>(), x.numel());
+  return y;
+}
+
+std::vector<float> Bf16ToFloat(const Tensor& y) {
+  std::vector<float> f(y.numel());
+  kernels::ConvertBf16ToFp32Ref(y.data<uint16_t>(), f.data(), y.numel());
+  return f;
+}
+
+TEST(EngineCuda, RefusedOrAutoWithoutGpu) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "a GPU is present";
+  auto e = Engine::Create(Small("cuda", "blas", WeightFormat::kBF16));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("no CUDA device"));
+  auto a = Engine::Create(Small("auto", "blas", WeightFormat::kBF16));
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)->info().backend, "cpu");
+  EXPECT_TRUE((*a)->healthy());
+}
+
+TEST(EngineCuda, BadBackendIsRefused) {
+  auto e = Engine::Create(Small("tpu", "blas", WeightFormat::kBF16));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("expected cpu, cuda or auto"));
+}
+
+TEST(EngineCuda, MatchesCpuReference) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
+    auto reference = Engine::Create(Small("cpu", "reference", wf));
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    for (const std::string experts : {"blas", "batched_blas"}) {
+      EngineOptions o = Small("cuda", experts, wf);
+      o.num_ranks = 1;
+      auto engine = Engine::Create(o);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      const EngineInfo& info = (*engine)->info();
+      EXPECT_EQ(info.backend, "cuda");
+      EXPECT_EQ(info.experts, experts == "blas" ? "CudaExperts" : "CudaBatchedExperts");
+      EXPECT_TRUE((*engine)->healthy());
+      const ModelConfig& model = info.model;
+      std::mt19937 rng(5);
+      for (int64_t m : {1, 37, 512, 4096}) {
+        for (Routing routing : {Routing::kUniform, Routing::kHotExpert}) {
+          SCOPED_TRACE(absl::StrCat(WeightFormatName(wf), " ", experts, " M=", m, " ",
+                                    ep_testing::RoutingName(routing)));
+          const Tensor x = ToBf16(ep_testing::RandomNormal({m, model.hidden}, rng));
+          const Tensor ids = ep_testing::MakeRouting(routing, m, model.topk, model.num_experts,
+                                                     {3, 4, 5, 6}, rng);
+          const Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+          ForwardInput in{.layer = 1, .hidden_states = x.view(), .topk_ids = ids.view(),
+                          .topk_weights = w.view()};
+          Tensor got = Tensor::Empty(DType::kBF16, {m, model.hidden});
+          Tensor want = Tensor::Empty(DType::kBF16, {m, model.hidden});
+          ASSERT_TRUE((*engine)->Forward(in, got.view()).ok());
+          ASSERT_TRUE((*reference)->Forward(in, want.view()).ok());
+          const std::vector<float> g = Bf16ToFloat(got), r = Bf16ToFloat(want);
+          EXPECT_LT(ep_testing::RelativeL2(g.data(), r.data(), g.size()), kBf16Tolerance);
+        }
+      }
+    }
+  }
+}
+
+TEST(EngineCuda, TooManyGpuRanksRefused) {
+  const int n = CudaDeviceCount();
+  if (n == 0) GTEST_SKIP() << "no CUDA device";
+  EngineOptions o = Small("cuda", "blas", WeightFormat::kBF16);
+  o.num_ranks = n * 2 <= 32 ? n * 2 : 32;
+  if (o.num_ranks <= n) GTEST_SKIP();
+  auto e = Engine::Create(o);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("CUDA devices are visible"));
+}
+
+}  // namespace
+}  // namespace moeserve
