@@ -56,6 +56,11 @@ ABSL_FLAG(int32_t, layer, 0, "forward/load: MoE layer index");
 ABSL_FLAG(int64_t, tokens, 4, "forward/load: tokens per request (M)");
 ABSL_FLAG(std::string, dtype, "bf16", "forward/load: hidden dtype, bf16 | fp16 | fp32");
 ABSL_FLAG(uint64_t, seed, 1, "forward/load: seed of the random inputs");
+ABSL_FLAG(std::string, routing, "uniform",
+          "forward/load: uniform (distinct random experts per token) | balanced (the seed's "
+          "((token*topk + k)*73 + 19) mod num_experts) | hot (route 0 of every token to --hot_expert, "
+          "the rest distinct random)");
+ABSL_FLAG(int32_t, hot_expert, 0, "forward/load --routing hot: the hot expert");
 ABSL_FLAG(std::string, input_file, "", "forward: raw input file (format in the source header)");
 ABSL_FLAG(std::string, output_file, "", "forward: write the output's raw bytes here");
 ABSL_FLAG(std::string, request_id, "", "forward: request id (default: cli-<seed>)");
@@ -88,8 +93,9 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
   return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
 }
 
-// Random inputs as the flags describe: hidden ~ N(0, 1) (then rounded to `dtype`), per token
-// `topk` distinct experts drawn uniformly, weights = softmax of N(0, 1) logits.
+// Random inputs as the flags describe: hidden ~ N(0, 1) (then rounded to `dtype`), experts per
+// token chosen by --routing (default: `topk` distinct experts drawn uniformly), weights = softmax
+// of N(0, 1) logits.
 struct Inputs {
   int64_t num_tokens = 0;
   std::string hidden_bytes;          // encoded in dtype
@@ -113,13 +119,35 @@ absl::StatusOr<Inputs> RandomInputs(int64_t num_tokens, int64_t hidden, int topk
   absl::StatusOr<std::string> bytes = EncodeFloats(h.data(), static_cast<int64_t>(h.size()), dtype);
   if (!bytes.ok()) return bytes.status();
   in.hidden_bytes = std::move(*bytes);
+  const std::string routing = absl::GetFlag(FLAGS_routing);
+  const int hot = absl::GetFlag(FLAGS_hot_expert);
+  if (routing != "uniform" && routing != "balanced" && routing != "hot") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--routing: got '", routing, "', expected uniform, balanced or hot"));
+  }
+  if (routing == "hot" && (hot < 0 || hot >= num_experts)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--hot_expert: got ", hot, ", expected [0, ", num_experts, ")"));
+  }
   std::vector<int32_t> perm(static_cast<size_t>(num_experts));
   for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int e = 0; e < num_experts; ++e) perm[e] = e;
-    for (int k = 0; k < topk; ++k) {  // partial Fisher-Yates: topk distinct experts
-      std::uniform_int_distribution<int> pick(k, num_experts - 1);
-      std::swap(perm[k], perm[pick(rng)]);
-      in.topk_ids.push_back(perm[k]);
+    if (routing == "balanced") {
+      for (int k = 0; k < topk; ++k) {
+        in.topk_ids.push_back(static_cast<int32_t>(((t * topk + k) * 73 + 19) % num_experts));
+      }
+    } else {
+      for (int e = 0; e < num_experts; ++e) perm[e] = e;
+      int first = 0;
+      if (routing == "hot") {  // the hot expert first, then distinct others
+        std::swap(perm[0], perm[hot]);
+        in.topk_ids.push_back(perm[0]);
+        first = 1;
+      }
+      for (int k = first; k < topk; ++k) {  // partial Fisher-Yates: topk distinct experts
+        std::uniform_int_distribution<int> pick(k, num_experts - 1);
+        std::swap(perm[k], perm[pick(rng)]);
+        in.topk_ids.push_back(perm[k]);
+      }
     }
     std::vector<double> logits(static_cast<size_t>(topk));
     double max_logit = -1e300, sum = 0.0;

@@ -240,6 +240,28 @@ def case_load(server, cli, workdir):
           f"time-bounded load: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
 
 
+def case_ep16(server, cli, workdir):
+    """--ranks 16 on a seed-megamoe-shaped model (512 experts, top-8, small sizes): every routing
+    matches the client's independent single-process reference."""
+    out = cli.run("info").stdout
+    info = parse_info(out)
+    check(info.get("num_ranks") == "16", f"num_ranks: {info.get('num_ranks')}")
+    check(info.get("num_experts") == "512", f"num_experts: {info.get('num_experts')}")
+    check(len(re.findall(r"^\s*rank \d+:", out, re.M)) == 16, "placement lists 16 ranks")
+    for routing in ("uniform", "balanced", "hot"):
+        for dtype, tol in (("bf16", 1e-2), ("fp32", 1e-5)):
+            out = cli.run("forward", "--layer=0", "--tokens=300", f"--dtype={dtype}",
+                          f"--routing={routing}", "--hot_expert=37", "--seed=11", "--check",
+                          f"--tolerance={tol}").stdout
+            err = parse_error(out)
+            check(err < tol, f"ep16 {routing} {dtype}: relative_l2_error {err} >= {tol}")
+            log(f"ep16 {routing} {dtype}: relative_l2_error={err:.3g}")
+
+
+EP16_ARGS = ["--model", "seed-megamoe", "--ranks", "16", "--hidden", "128",
+             "--intermediate", "64", "--threads", "2"]
+
+
 def import_python_client(source_dir):
     pkg_root = os.path.join(source_dir, "clients", "python")
     gen = os.path.join(pkg_root, "moeserve_client", "gen", "moeserve", "v1", "moeserve_pb2.py")
@@ -326,7 +348,7 @@ def main():
     p.add_argument("--server", required=True)
     p.add_argument("--cli", required=True)
     p.add_argument("--source-dir", required=True)
-    p.add_argument("--case", choices=["cli", "python", "load", "all"], default="all")
+    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "all"], default="all")
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = p.parse_args()
@@ -336,17 +358,21 @@ def main():
             print(f"[integration] FAIL: {path} is missing or not executable (build it first)",
                   file=sys.stderr)
             return 1
-    cases = ["cli", "python", "load"] if args.case == "all" else [args.case]
+    cases = ["cli", "python", "load", "ep16"] if args.case == "all" else [args.case]
     for case in cases:
         with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
             cli = Cli(args.cli)
             try:
-                with Server(args.server, workdir, startup_timeout=args.startup_timeout) as server:
+                extra = EP16_ARGS if case == "ep16" else ()
+                with Server(args.server, workdir, extra_args=extra,
+                            startup_timeout=args.startup_timeout) as server:
                     server.wait_ready(cli)
                     if case == "cli":
                         case_cli(server, cli, workdir)
                     elif case == "load":
                         case_load(server, cli, workdir)
+                    elif case == "ep16":
+                        case_ep16(server, cli, workdir)
                     else:
                         case_python(server, cli, workdir, args.source_dir)
                     server.terminate_and_check(args.shutdown_timeout)
