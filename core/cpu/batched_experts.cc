@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/cpu/cpu_experts.h"
 #include "core/status_macros.h"
 #include "kernels/cpu/moe_ref.h"
 
@@ -92,19 +93,47 @@ absl::Status BatchedReferenceExperts::Apply(const ExpertsApplyArgs& args) {
   return absl::OkStatus();
 }
 
-BatchedBlasExperts::BatchedBlasExperts(int num_threads)
-    : pool_(std::make_unique<ThreadPool>(num_threads)) {
+namespace {
+
+// BatchedBlasExperts' workspace13: per-thread sgemm buffers (only when an expert can have more
+// than gemv_max_rows rows), then the GEMV scratch.
+struct BatchedLayout {
+  int64_t chunk_rows = 0;
+  int64_t thread_floats = 0;  // per thread: h1 [rows, 2N] and act [rows, N]
+  int64_t gemv_rows = 0;
+  bool sgemm = false;
+  int64_t Workspace13(int64_t threads, int64_t n) const {
+    return threads * thread_floats + gemv_rows * 2 * n;
+  }
+};
+
+BatchedLayout MakeBatchedLayout(int64_t experts, int64_t cap, int64_t n, int64_t gemv_max_rows) {
+  BatchedLayout l;
+  cap = std::max<int64_t>(1, cap);
+  l.sgemm = cap > gemv_max_rows;
+  l.chunk_rows = std::min<int64_t>(BatchedBlasExperts::kChunkRows, cap);
+  l.thread_floats = l.sgemm ? l.chunk_rows * 3 * n : 0;
+  l.gemv_rows = cpu_experts_internal::GemvScratchRows(
+      experts * std::min(cap, std::max<int64_t>(0, gemv_max_rows)), gemv_max_rows);
+  return l;
+}
+
+}  // namespace
+
+BatchedBlasExperts::BatchedBlasExperts(int num_threads, int64_t gemv_max_rows)
+    : pool_(std::make_unique<ThreadPool>(num_threads)),
+      gemv_max_rows_(gemv_max_rows < 0 ? kGemvMaxRows : gemv_max_rows) {
   openblas_set_num_threads(1);
 }
 
 WorkspaceShapes BatchedBlasExperts::GetWorkspaceShapes(const MoeProblem& p) const {
   const int64_t threads = pool_->num_threads();
-  const int64_t rows = std::min<int64_t>(kChunkRows, std::max<int64_t>(1, p.max_num_tokens));
+  const BatchedLayout l =
+      MakeBatchedLayout(p.num_local_experts, p.max_num_tokens, p.intermediate, gemv_max_rows_);
   WorkspaceShapes s;
-  // Per thread: W13 output [rows, 2N] and activation [rows, N].
-  s.workspace13 = {threads, rows * 3 * p.intermediate};
-  // Per thread: one expert's FP32 weights.
-  s.workspace2 = {threads, 3 * p.intermediate * p.hidden};
+  s.workspace13 = {l.Workspace13(threads, p.intermediate)};
+  // Per thread: one expert's FP32 weights, for the sgemm path only.
+  s.workspace2 = {l.sgemm ? threads * 3 * p.intermediate * p.hidden : 0};
   s.output = {p.num_local_experts, p.max_num_tokens, p.hidden};
   return s;
 }
@@ -119,29 +148,68 @@ absl::Status BatchedBlasExperts::Apply(const ExpertsApplyArgs& args) {
                                                    w.num_local_experts, ", ", cap, ", ", k,
                                                    "], got ", args.output.DebugString()));
   }
-  const int32_t* counts = p.expert_num_tokens.data<int32_t>();
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < w.num_local_experts; ++e) {
-    if (counts[e] > 0) active.push_back(e);
+  const int64_t threads = pool_->num_threads();
+  const BatchedLayout layout = MakeBatchedLayout(w.num_local_experts, cap, n, gemv_max_rows_);
+  if (args.workspace13.numel() < layout.Workspace13(threads, n) ||
+      (layout.sgemm && args.workspace2.numel() < threads * 3 * n * k)) {
+    return absl::InternalError(absl::StrCat(kName, ": workspaces ",
+                                            args.workspace13.DebugString(), ", ",
+                                            args.workspace2.DebugString(), " too small for ",
+                                            w.num_local_experts, " x ", cap, " rows"));
   }
-  const int64_t ws13_stride = args.workspace13.dim(1), ws2_stride = args.workspace2.dim(1);
-  const int64_t chunk_rows = ws13_stride / (3 * n);
+  const int32_t* counts = p.expert_num_tokens.data<int32_t>();
+  const float* a = p.a1q.data<float>();
+  float* out = args.output.data<float>();
+
+  // Few rows: GEMV on the compressed weights, reading and writing the batched rows in place.
+  std::vector<int64_t> large;
+  std::vector<cpu_experts_internal::GemvExpertRows> small;
+  int64_t small_rows = 0;
+  for (int64_t e = 0; e < w.num_local_experts; ++e) {
+    if (counts[e] == 0) continue;
+    if (counts[e] > gemv_max_rows_) {
+      large.push_back(e);
+    } else {
+      small.push_back({e, counts[e], nullptr, nullptr});
+      small_rows += counts[e];
+    }
+  }
+  if (!small.empty()) {
+    std::vector<const float*> x(small_rows);
+    std::vector<float*> y(small_rows);
+    int64_t next = 0;
+    for (cpu_experts_internal::GemvExpertRows& g : small) {
+      g.x = x.data() + next;
+      g.y = y.data() + next;
+      for (int64_t r = 0; r < g.rows; ++r) {
+        x[next] = a + (g.expert * cap + r) * k;
+        y[next++] = out + (g.expert * cap + r) * k;
+      }
+    }
+    MOESERVE_RETURN_IF_ERROR(cpu_experts_internal::RunGemvExperts(
+        *pool_, w, small, args.workspace13.data<float>() + threads * layout.thread_floats,
+        layout.gemv_rows));
+  }
+  if (large.empty()) return absl::OkStatus();
+
+  // Many rows: FP32 copy of the weights + sgemm.
+  const int64_t chunk_rows = layout.chunk_rows;
   std::atomic<bool> failed{false};
   absl::Status first_error;
   std::mutex error_mu;
-  pool_->ParallelFor(static_cast<int64_t>(active.size()), [&](int64_t i, int thread) {
-    const int64_t e = active[i];
-    float* w13 = args.workspace2.data<float>() + thread * ws2_stride;
+  pool_->ParallelFor(static_cast<int64_t>(large.size()), [&](int64_t i, int thread) {
+    const int64_t e = large[i];
+    float* w13 = args.workspace2.data<float>() + thread * 3 * n * k;
     float* w2 = w13 + 2 * n * k;
     if (absl::Status s = DequantizeExpertToFp32(w, e, w13, w2); !s.ok()) {
       std::lock_guard<std::mutex> lock(error_mu);
       if (!failed.exchange(true)) first_error = s;
       return;
     }
-    float* h1 = args.workspace13.data<float>() + thread * ws13_stride;
+    float* h1 = args.workspace13.data<float>() + thread * layout.thread_floats;
     float* act = h1 + chunk_rows * 2 * n;
-    const float* x = p.a1q.data<float>() + e * cap * k;
-    float* y = args.output.data<float>() + e * cap * k;
+    const float* x = a + e * cap * k;
+    float* y = out + e * cap * k;
     for (int64_t begin = 0; begin < counts[e]; begin += chunk_rows) {
       const int64_t rows = std::min<int64_t>(chunk_rows, counts[e] - begin);
       // h1 [rows, 2N] = x [rows, K] * w13^T; y [rows, K] = act [rows, N] * w2^T.

@@ -30,16 +30,20 @@ class BatchedReferenceExperts final : public Experts {
   absl::Status Apply(const ExpertsApplyArgs& args) override;
 };
 
-// Each local expert's valid rows go through OpenBLAS sgemm in place (no gather: the batched
-// layout is already grouped), in chunks of kChunkRows rows, experts in parallel on a thread
-// pool. Output [E_local, max_tokens, K] unweighted, rows past expert_num_tokens unspecified;
-// the weight-and-reduce is delegated to Finalize (NaiveBatched).
+// Each local expert's valid rows are used in place (no gather: the batched layout is already
+// grouped). An expert with at most gemv_max_rows rows runs through kernels::ExpertGemv* on its
+// compressed weights, each GEMM split over blocks of output rows across the thread pool (as in
+// BlasExperts); one with more gets an FP32 copy of its weights and OpenBLAS sgemm in chunks of
+// kChunkRows rows, experts in parallel. Output [E_local, max_tokens, K] unweighted, rows past
+// expert_num_tokens unspecified; the weight-and-reduce is delegated to Finalize (NaiveBatched).
 class BatchedBlasExperts final : public Experts {
  public:
   static constexpr absl::string_view kName = "BatchedBlasExperts";
   static constexpr int64_t kChunkRows = 256;
-  // num_threads <= 0: all hardware threads.
-  explicit BatchedBlasExperts(int num_threads);
+  static constexpr int64_t kGemvMaxRows = 256;  // as BlasExperts::kGemvMaxRows
+  // num_threads <= 0: all hardware threads. gemv_max_rows: 0 sends every expert to the sgemm
+  // path; negative means kGemvMaxRows.
+  explicit BatchedBlasExperts(int num_threads, int64_t gemv_max_rows = -1);
   absl::string_view name() const override { return kName; }
   ActivationFormats activation_formats() const override {
     return {ActivationFormat::kBatchedExperts, ActivationFormat::kBatchedExperts};
@@ -52,9 +56,11 @@ class BatchedBlasExperts final : public Experts {
     return MakeTopKWeightAndReduce(TopKWeightAndReduce::Kind::kDelegate);
   }
   absl::Status Apply(const ExpertsApplyArgs& args) override;
+  int64_t gemv_max_rows() const { return gemv_max_rows_; }
 
  private:
   std::unique_ptr<ThreadPool> pool_;
+  int64_t gemv_max_rows_;
 };
 
 }  // namespace moeserve

@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "kernels/cpu/expert_gemv.h"
 #include "kernels/cpu/moe_ref.h"
+#include "kernels/cpu/mxfp8.h"
 
 namespace moeserve {
 namespace {
@@ -48,6 +51,104 @@ std::vector<std::vector<int64_t>> GroupRoutes(const TensorView& topk_ids, int64_
 }
 
 }  // namespace
+
+namespace cpu_experts_internal {
+namespace {
+
+// Output rows of one GEMV work item: 128 weight rows (256 KiB of BF16 at hidden 1024) keep the
+// per-item overhead small while giving each thread several items per expert.
+constexpr int64_t kGemvBlockRows = 128;
+// Scratch rows for one wave of GEMV experts (at least one expert's worth).
+constexpr int64_t kGemvWaveRows = 512;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+int64_t GemvScratchRows(int64_t max_rows_total, int64_t gemv_max_rows) {
+  if (gemv_max_rows <= 0) return 0;
+  return std::min(std::max<int64_t>(0, max_rows_total),
+                  std::max(kGemvWaveRows, gemv_max_rows));
+}
+
+absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
+                            const std::vector<GemvExpertRows>& experts, float* scratch,
+                            int64_t scratch_rows) {
+  const int64_t k = w.hidden, n = w.intermediate;
+  const bool mxfp8 = w.format == WeightFormat::kMXFP8;
+  if (!mxfp8 && w.format != WeightFormat::kBF16) {
+    return absl::InternalError(absl::StrCat("unknown weight format ", static_cast<int>(w.format)));
+  }
+  if (mxfp8 && (w.w13_scale.raw_data() == nullptr || w.w2_scale.raw_data() == nullptr)) {
+    return absl::InternalError("mxfp8 weights without their E8M0 scales");
+  }
+  for (const GemvExpertRows& g : experts) {
+    if (g.expert < 0 || g.expert >= w.num_local_experts || g.rows > scratch_rows) {
+      return absl::InternalError(absl::StrCat("GEMV expert ", g.expert, " with ", g.rows,
+                                              " rows (scratch ", scratch_rows, " rows)"));
+    }
+  }
+  const int64_t w13_elems = 2 * n * k, w2_elems = k * n;
+  const int64_t w13_blocks = 2 * n * kernels::Mxfp8ScaleBlocks(k);
+  const int64_t w2_blocks = k * kernels::Mxfp8ScaleBlocks(n);
+  // First GEMM: h [rows, 2N] = x W13^T, weight rows [j0, j1) of W13 [2N, K].
+  auto w13_gemv = [&](const GemvExpertRows& g, int64_t j0, int64_t j1, float* const* h) {
+    if (mxfp8) {
+      kernels::ExpertGemvMxfp8(w.w13.data<uint8_t>() + g.expert * w13_elems,
+                               w.w13_scale.data<uint8_t>() + g.expert * w13_blocks, k, j0, j1,
+                               g.x, g.rows, h);
+    } else {
+      kernels::ExpertGemvBf16(w.w13.data<uint16_t>() + g.expert * w13_elems, k, j0, j1, g.x,
+                              g.rows, h);
+    }
+  };
+  // Second GEMM: y [rows, K] = act W2^T, weight rows [j0, j1) of W2 [K, N].
+  auto w2_gemv = [&](const GemvExpertRows& g, int64_t j0, int64_t j1, const float* const* act) {
+    if (mxfp8) {
+      kernels::ExpertGemvMxfp8(w.w2.data<uint8_t>() + g.expert * w2_elems,
+                               w.w2_scale.data<uint8_t>() + g.expert * w2_blocks, n, j0, j1, act,
+                               g.rows, g.y);
+    } else {
+      kernels::ExpertGemvBf16(w.w2.data<uint16_t>() + g.expert * w2_elems, n, j0, j1, act,
+                              g.rows, g.y);
+    }
+  };
+  const int64_t blocks13 = CeilDiv(2 * n, kGemvBlockRows), blocks2 = CeilDiv(k, kGemvBlockRows);
+  std::vector<float*> h;        // scratch row pointers of the current wave
+  std::vector<int64_t> offset;  // first scratch row of each expert of the wave
+  for (size_t begin = 0; begin < experts.size();) {
+    // A wave: as many experts as the scratch holds.
+    size_t end = begin;
+    int64_t rows = 0;
+    offset.clear();
+    while (end < experts.size() && rows + experts[end].rows <= scratch_rows) {
+      offset.push_back(rows);
+      rows += experts[end++].rows;
+    }
+    const int64_t count = static_cast<int64_t>(end - begin);
+    h.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) h[r] = scratch + r * 2 * n;
+    pool.ParallelFor(count * blocks13, [&](int64_t item, int) {
+      const int64_t i = item / blocks13, j0 = (item % blocks13) * kGemvBlockRows;
+      w13_gemv(experts[begin + i], j0, std::min(2 * n, j0 + kGemvBlockRows), h.data() + offset[i]);
+    });
+    // act = silu(gate) * up, in place over the gate half of each scratch row.
+    constexpr int64_t kSiluRows = 16;
+    pool.ParallelFor(CeilDiv(rows, kSiluRows), [&](int64_t item, int) {
+      for (int64_t r = item * kSiluRows; r < std::min(rows, (item + 1) * kSiluRows); ++r) {
+        kernels::SiluAndMulRef(h[r], 1, n, h[r]);
+      }
+    });
+    pool.ParallelFor(count * blocks2, [&](int64_t item, int) {
+      const int64_t i = item / blocks2, j0 = (item % blocks2) * kGemvBlockRows;
+      w2_gemv(experts[begin + i], j0, std::min(k, j0 + kGemvBlockRows), h.data() + offset[i]);
+    });
+    begin = end;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace cpu_experts_internal
 
 WorkspaceShapes ReferenceExperts::GetWorkspaceShapes(const MoeProblem& p) const {
   WorkspaceShapes s;
@@ -87,20 +188,47 @@ absl::Status ReferenceExperts::Apply(const ExpertsApplyArgs& args) {
   return absl::OkStatus();
 }
 
-BlasExperts::BlasExperts(int num_threads) : pool_(std::make_unique<ThreadPool>(num_threads)) {
+namespace {
+
+// BlasExperts' workspace13: per-thread sgemm buffers (only when some expert can have more than
+// gemv_max_rows rows), then the GEMV scratch.
+struct BlasLayout {
+  int64_t chunk_rows = 0;   // sgemm rows per chunk
+  int64_t thread_floats = 0;  // per thread: x [rows, K], h1 [rows, 2N], act [rows, N], y [rows, K]
+  int64_t gemv_rows = 0;    // GEMV scratch rows (2N floats each)
+  bool sgemm = false;       // whether the sgemm path can run
+  int64_t Workspace13(int64_t threads, int64_t n) const {
+    return threads * thread_floats + gemv_rows * 2 * n;
+  }
+};
+
+BlasLayout MakeBlasLayout(int64_t routes, int64_t k, int64_t n, int64_t gemv_max_rows) {
+  BlasLayout l;
+  routes = std::max<int64_t>(1, routes);
+  l.sgemm = routes > gemv_max_rows;
+  l.chunk_rows = std::min<int64_t>(BlasExperts::kChunkRows, routes);
+  l.thread_floats = l.sgemm ? l.chunk_rows * (2 * k + 3 * n) : 0;
+  l.gemv_rows = cpu_experts_internal::GemvScratchRows(routes, gemv_max_rows);
+  return l;
+}
+
+}  // namespace
+
+BlasExperts::BlasExperts(int num_threads, int64_t gemv_max_rows)
+    : pool_(std::make_unique<ThreadPool>(num_threads)),
+      gemv_max_rows_(gemv_max_rows < 0 ? kGemvMaxRows : gemv_max_rows) {
   // Parallelism comes from running experts concurrently; keep each sgemm on its caller.
   openblas_set_num_threads(1);
 }
 
 WorkspaceShapes BlasExperts::GetWorkspaceShapes(const MoeProblem& p) const {
   const int64_t threads = pool_->num_threads();
-  const int64_t rows = std::min<int64_t>(kChunkRows, std::max<int64_t>(1, p.num_tokens * p.topk));
+  const BlasLayout l =
+      MakeBlasLayout(p.num_tokens * p.topk, p.hidden, p.intermediate, gemv_max_rows_);
   WorkspaceShapes s;
-  // Per thread: gathered rows [rows, K], W13 output [rows, 2N], activation [rows, N],
-  // W2 output [rows, K].
-  s.workspace13 = {threads, rows * (2 * p.hidden + 3 * p.intermediate)};
-  // Per thread: one expert's FP32 weights.
-  s.workspace2 = {threads, 3 * p.intermediate * p.hidden};
+  s.workspace13 = {l.Workspace13(threads, p.intermediate)};
+  // Per thread: one expert's FP32 weights, for the sgemm path only.
+  s.workspace2 = {l.sgemm ? threads * 3 * p.intermediate * p.hidden : 0};
   s.output = {p.num_tokens, p.topk, p.hidden};
   return s;
 }
@@ -110,32 +238,71 @@ absl::Status BlasExperts::Apply(const ExpertsApplyArgs& args) {
   const PreparedActivations& p = *args.prepared;
   const LayerWeights& w = *args.weights;
   const int64_t m = p.a1q.dim(0), k = w.hidden, n = w.intermediate, topk = p.topk_ids.dim(1);
+  const int64_t threads = pool_->num_threads();
+  const BlasLayout layout = MakeBlasLayout(m * topk, k, n, gemv_max_rows_);
+  if (args.workspace13.numel() < layout.Workspace13(threads, n) ||
+      (layout.sgemm && args.workspace2.numel() < threads * 3 * n * k)) {
+    return absl::InternalError(absl::StrCat(kName, ": workspaces ",
+                                            args.workspace13.DebugString(), ", ",
+                                            args.workspace2.DebugString(), " too small for ", m,
+                                            " x ", topk, " routes"));
+  }
   float* out = args.output.data<float>();
   const int32_t* ids = p.topk_ids.data<int32_t>();
   for (int64_t r = 0; r < m * topk; ++r) {
     if (ids[r] < 0) std::memset(out + r * k, 0, sizeof(float) * k);  // remote route
   }
   const std::vector<std::vector<int64_t>> routes = GroupRoutes(p.topk_ids, w.num_local_experts);
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < w.num_local_experts; ++e) {
-    if (!routes[e].empty()) active.push_back(e);
-  }
-  const int64_t ws13_stride = args.workspace13.dim(1), ws2_stride = args.workspace2.dim(1);
-  const int64_t chunk_rows = ws13_stride / (2 * k + 3 * n);
   const float* a = p.a1q.data<float>();
+
+  // Few rows: GEMV on the compressed weights. x / y point straight at the tokens' inputs and
+  // the routes' outputs (no gather, no copy).
+  std::vector<int64_t> large;
+  std::vector<cpu_experts_internal::GemvExpertRows> small;
+  int64_t small_rows = 0;
+  for (int64_t e = 0; e < w.num_local_experts; ++e) {
+    const int64_t rows = static_cast<int64_t>(routes[e].size());
+    if (rows == 0) continue;
+    if (rows > gemv_max_rows_) {
+      large.push_back(e);
+    } else {
+      small.push_back({e, rows, nullptr, nullptr});
+      small_rows += rows;
+    }
+  }
+  if (!small.empty()) {
+    std::vector<const float*> x(small_rows);
+    std::vector<float*> y(small_rows);
+    int64_t next = 0;
+    for (cpu_experts_internal::GemvExpertRows& g : small) {
+      g.x = x.data() + next;
+      g.y = y.data() + next;
+      for (int64_t route : routes[g.expert]) {
+        x[next] = a + (route / topk) * k;
+        y[next++] = out + route * k;
+      }
+    }
+    MOESERVE_RETURN_IF_ERROR(cpu_experts_internal::RunGemvExperts(
+        *pool_, w, small, args.workspace13.data<float>() + threads * layout.thread_floats,
+        layout.gemv_rows));
+  }
+  if (large.empty()) return absl::OkStatus();
+
+  // Many rows: FP32 copy of the weights + sgemm.
+  const int64_t chunk_rows = layout.chunk_rows;
   std::atomic<bool> failed{false};
   absl::Status first_error;
   std::mutex error_mu;
-  pool_->ParallelFor(static_cast<int64_t>(active.size()), [&](int64_t i, int thread) {
-    const int64_t e = active[i];
-    float* w13 = args.workspace2.data<float>() + thread * ws2_stride;
+  pool_->ParallelFor(static_cast<int64_t>(large.size()), [&](int64_t i, int thread) {
+    const int64_t e = large[i];
+    float* w13 = args.workspace2.data<float>() + thread * 3 * n * k;
     float* w2 = w13 + 2 * n * k;
     if (absl::Status s = DequantizeExpertToFp32(w, e, w13, w2); !s.ok()) {
       std::lock_guard<std::mutex> lock(error_mu);
       if (!failed.exchange(true)) first_error = s;
       return;
     }
-    float* x = args.workspace13.data<float>() + thread * ws13_stride;
+    float* x = args.workspace13.data<float>() + thread * layout.thread_floats;
     float* h1 = x + chunk_rows * k;
     float* act = h1 + chunk_rows * 2 * n;
     float* y = act + chunk_rows * n;

@@ -3,6 +3,7 @@
 #define MOESERVE_CORE_CPU_CPU_EXPERTS_H_
 
 #include <memory>
+#include <vector>
 
 #include "core/modular_kernel.h"
 #include "core/thread_pool.h"
@@ -29,17 +30,24 @@ class ReferenceExperts final : public Experts {
   absl::Status Apply(const ExpertsApplyArgs& args) override;
 };
 
-// Groups routes by expert and runs each expert's two GEMMs with OpenBLAS sgemm on FP32
-// copies of its weights (dequantized per forward, only for experts that have routes), in
-// chunks of kChunkRows rows. Experts run in parallel on a thread pool (BLAS itself single
-// threaded). Output is per route, [M, topk, K], unweighted; the weight-and-reduce is delegated
-// to Finalize (Contiguous).
+// Groups routes by expert. An expert with at most gemv_max_rows routes (decode sizes) runs its
+// two GEMMs with kernels::ExpertGemv*, which decodes the BF16 / MXFP8 weights in registers
+// (no FP32 copy) and reads each weight row once for all of the expert's rows; each GEMM is
+// split over blocks of output rows so that every thread streams weights even when only a few
+// experts are active. An expert with more routes gets an FP32 copy of its weights (dequantized
+// per forward) and OpenBLAS sgemm, in chunks of kChunkRows rows, experts in parallel (BLAS itself
+// single threaded). FP32 activations and accumulation on both paths. Output is per route,
+// [M, topk, K], unweighted; the weight-and-reduce is delegated to Finalize (Contiguous).
 class BlasExperts final : public Experts {
  public:
   static constexpr absl::string_view kName = "BlasExperts";
   static constexpr int64_t kChunkRows = 256;
-  // num_threads <= 0: all hardware threads.
-  explicit BlasExperts(int num_threads);
+  // Rows per expert up to which the GEMV path runs (see tests/benchmarks/cpu_experts/RESULTS.md
+  // for the crossover against dequantize + sgemm).
+  static constexpr int64_t kGemvMaxRows = 256;
+  // num_threads <= 0: all hardware threads. gemv_max_rows: 0 sends every expert to the sgemm
+  // path (the benchmark's before/after); negative means kGemvMaxRows.
+  explicit BlasExperts(int num_threads, int64_t gemv_max_rows = -1);
 
   absl::string_view name() const override { return kName; }
   ActivationFormats activation_formats() const override {
@@ -53,10 +61,38 @@ class BlasExperts final : public Experts {
     return MakeTopKWeightAndReduce(TopKWeightAndReduce::Kind::kDelegate);
   }
   absl::Status Apply(const ExpertsApplyArgs& args) override;
+  int64_t gemv_max_rows() const { return gemv_max_rows_; }
 
  private:
   std::unique_ptr<ThreadPool> pool_;
+  int64_t gemv_max_rows_;
 };
+
+namespace cpu_experts_internal {
+
+// Shared by BlasExperts and BatchedBlasExperts.
+
+// One expert's rows for RunGemvExperts: x[r] -> hidden FP32 inputs, y[r] -> hidden FP32
+// outputs, r < rows.
+struct GemvExpertRows {
+  int64_t expert = 0;  // local index
+  int64_t rows = 0;
+  const float* const* x = nullptr;
+  float* const* y = nullptr;
+};
+
+// Rows of scratch (each 2 * intermediate FP32) RunGemvExperts is given: enough for one wave of
+// experts; more rows are processed in several waves.
+int64_t GemvScratchRows(int64_t max_rows_total, int64_t gemv_max_rows);
+
+// y = w2 (silu(w13[:I] x) * (w13[I:] x)) for every row of every expert, on the compressed
+// weights; each GEMM is split over blocks of output rows on `pool`. scratch holds
+// scratch_rows x 2 * intermediate floats; every expert's rows must be <= scratch_rows.
+absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
+                            const std::vector<GemvExpertRows>& experts, float* scratch,
+                            int64_t scratch_rows);
+
+}  // namespace cpu_experts_internal
 
 }  // namespace moeserve
 
