@@ -355,6 +355,11 @@ absl::Status Engine::Recover() {
   return absl::OkStatus();
 }
 
+void Engine::MarkUnhealthyForTesting(absl::Status cause) {
+  std::lock_guard<std::mutex> lock(health_mu_);
+  health_ = std::move(cause);
+}
+
 // After a failed step with every rank thread returned: a group whose NCCL communicators failed
 // cannot run another collective, so the engine stops serving until Recover().
 void Engine::AfterFailedStep(const absl::Status& cause) {

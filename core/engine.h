@@ -136,6 +136,8 @@ class Engine {
   // Rebuilds the communicators after a failure (waits for any forward in flight); OK and
   // healthy again on success.
   absl::Status Recover();
+  // Tests only: marks the engine unhealthy with `cause`, as a failed collective would.
+  void MarkUnhealthyForTesting(absl::Status cause);
 
  private:
   struct Rank;

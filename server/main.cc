@@ -32,12 +32,15 @@ ABSL_FLAG(int32_t, topk, 0, "Override the preset's top-k (0: preset value)");
 ABSL_FLAG(int64_t, hidden, 0, "Override the preset's hidden size (0: preset value)");
 ABSL_FLAG(int64_t, intermediate, 0, "Override the preset's intermediate size (0: preset value)");
 ABSL_FLAG(uint64_t, seed, 0, "Seed of the synthetic weights");
-ABSL_FLAG(std::string, backend, "cpu", "Compute backend: cpu");
+ABSL_FLAG(std::string, backend, "auto",
+          "Compute backend: cpu, cuda, or auto (cuda where a GPU exists, else cpu)");
 ABSL_FLAG(std::string, experts, "blas", "Experts implementation: reference or blas");
 ABSL_FLAG(std::string, weight_format, "bf16", "Expert weight format: bf16 or mxfp8");
 ABSL_FLAG(std::string, checkpoint, "",
           "Hugging Face checkpoint directory (empty: synthetic weights from --seed)");
-ABSL_FLAG(int32_t, ranks, 1, "Expert-parallel ranks (CPU: one worker thread each)");
+ABSL_FLAG(int32_t, ranks, 0,
+          "Expert-parallel ranks (cuda: one GPU each, cpu: one worker thread each); 0: every "
+          "visible GPU with cuda, 1 with cpu");
 ABSL_FLAG(std::string, placement, "contiguous", "Experts over ranks: contiguous or round_robin");
 ABSL_FLAG(std::string, prepare_finalize, "auto",
           "PrepareAndFinalize: auto, no_ep, all2all_contiguous or all2all_batched");
@@ -45,6 +48,10 @@ ABSL_FLAG(int64_t, max_tokens_per_rank, 0,
           "Tokens one rank submits per dispatch round (0: engine default); larger batches run "
           "in several rounds");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
+ABSL_FLAG(int32_t, health_poll_ms, 500,
+          "How often the server checks the engine's health (NOT_SERVING while unhealthy)");
+ABSL_FLAG(int32_t, recover_after_ms, 5000,
+          "Unhealthy engine: try Engine::Recover() this often (0: never; stay NOT_SERVING)");
 ABSL_FLAG(int32_t, server_threads, 2, "Worker threads running Forward calls");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
           "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
@@ -171,6 +178,9 @@ int Run() {
   ServerOptions server_options;
   server_options.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
   server_options.server_threads = absl::GetFlag(FLAGS_server_threads);
+  server_options.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
+  server_options.recover_after =
+      std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   server_options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   absl::StatusOr<std::unique_ptr<MoeServer>> server =

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <memory>
 
 #include "absl/strings/ascii.h"
@@ -75,12 +76,58 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
     server->bound_addresses_.push_back(absl::StrCat(host, ":", server->bound_ports_[i]));
   }
   // The engine is ready (Create loaded the weights), so the process is ready to serve.
-  grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
-  if (health != nullptr) {
-    health->SetServingStatus("", true);
-    health->SetServingStatus(kMoeServiceName, true);
+  server->SetServing(engine->healthy());
+  if (options.health_poll.count() > 0) {
+    server->health_watcher_ = std::thread([s = server.get(), options] { s->WatchHealth(options); });
   }
   return server;
+}
+
+bool MoeServer::serving() const {
+  std::lock_guard<std::mutex> lock(health_mu_);
+  return serving_;
+}
+
+void MoeServer::SetServing(bool serving) {
+  {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    serving_ = serving;
+  }
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus("", serving);
+    health->SetServingStatus(kMoeServiceName, serving);
+  }
+}
+
+// Follows the engine's health: NOT_SERVING while it is unhealthy, periodic Recover() attempts.
+void MoeServer::WatchHealth(ServerOptions options) {
+  auto last_recover = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(health_mu_);
+  while (!stop_watching_) {
+    health_cv_.wait_for(lock, options.health_poll, [&] { return stop_watching_; });
+    if (stop_watching_) break;
+    lock.unlock();
+    absl::Status health = engine_->health();
+    if (!health.ok() && options.recover_after.count() > 0 &&
+        std::chrono::steady_clock::now() - last_recover >= options.recover_after) {
+      last_recover = std::chrono::steady_clock::now();
+      const absl::Status recovered = engine_->Recover();
+      std::fprintf(stderr, "moeserve: engine unhealthy (%s); recover: %s\n",
+                   std::string(health.message()).c_str(), recovered.ToString().c_str());
+      health = engine_->health();
+    }
+    const bool was_serving = serving();
+    if (health.ok() != was_serving) {
+      std::fprintf(stderr, "moeserve: health -> %s%s%s\n", health.ok() ? "SERVING" : "NOT_SERVING",
+                   health.ok() ? "" : ": ", std::string(health.message()).c_str());
+    }
+    lock.lock();
+    if (!stop_watching_ && health.ok() != was_serving) {
+      lock.unlock();
+      SetServing(health.ok());
+      lock.lock();
+    }
+  }
 }
 
 MoeServer::~MoeServer() { Shutdown(); }
@@ -88,11 +135,14 @@ MoeServer::~MoeServer() { Shutdown(); }
 void MoeServer::Shutdown(std::chrono::milliseconds deadline) {
   if (shut_down_) return;
   shut_down_ = true;
+  {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    stop_watching_ = true;
+  }
+  health_cv_.notify_all();
+  if (health_watcher_.joinable()) health_watcher_.join();
   if (server_ != nullptr) {
-    if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
-      health->SetServingStatus("", false);
-      health->SetServingStatus(kMoeServiceName, false);
-    }
+    SetServing(false);
     server_->Shutdown(std::chrono::system_clock::now() + deadline);
   }
   // Every call the server accepted has been queued by now; run what is left, then stop.

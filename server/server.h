@@ -6,8 +6,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -26,6 +29,11 @@ struct ServerOptions {
   int server_threads = 2;                        // Forward worker threads
   int64_t max_message_bytes = 64 << 20;          // receive and send limit per message
   std::string metrics_address = "0.0.0.0:9090";  // empty: no metrics endpoint
+  // The engine's health is polled this often; health reports NOT_SERVING while it is unhealthy
+  // (e.g. an NCCL collective timed out or a rank failed). <= 0: no polling.
+  std::chrono::milliseconds health_poll{500};
+  // While unhealthy, Engine::Recover() is tried this often; <= 0: never.
+  std::chrono::milliseconds recover_after{5000};
 };
 
 // Splits "a:1,b:2" into addresses, dropping empty items and surrounding spaces.
@@ -43,6 +51,9 @@ class MoeServer {
 
   static constexpr std::chrono::seconds kDefaultShutdownDeadline{30};
 
+  // Whether the health service currently reports SERVING.
+  bool serving() const;
+
   // Marks NOT_SERVING, stops accepting calls, lets in-flight calls finish until `deadline`
   // (then cancels them), drains the workers. Idempotent.
   void Shutdown(std::chrono::milliseconds deadline = kDefaultShutdownDeadline);
@@ -56,6 +67,8 @@ class MoeServer {
 
  private:
   MoeServer() = default;
+  void SetServing(bool serving);
+  void WatchHealth(ServerOptions options);
 
   Engine* engine_ = nullptr;
   std::unique_ptr<Metrics> metrics_;
@@ -64,6 +77,11 @@ class MoeServer {
   std::vector<int> bound_ports_;
   std::vector<std::string> bound_addresses_;
   bool shut_down_ = false;
+  mutable std::mutex health_mu_;
+  std::condition_variable health_cv_;
+  bool serving_ = false;         // guarded by health_mu_
+  bool stop_watching_ = false;   // guarded by health_mu_
+  std::thread health_watcher_;
 };
 
 }  // namespace moeserve
