@@ -46,7 +46,10 @@ __global__ void PackKernel(const T* __restrict__ src, const uint8_t* __restrict_
     } else {
       srow = row < src_rows ? row : -1;
     }
-    T* out = dst + (e * rows + row) * kp + b * 32;
+    // Tile-contiguous: [E][mtiles][num_kb][kc = b % 2][BM rows][32], the order a pipeline stage
+    // has in shared memory, so each stage is one contiguous copy.
+    const int64_t t_mt = row / kBM, t_r = row % kBM, t_kb = b / 2, t_kc = b % 2;
+    T* out = dst + ((((e * mtiles + t_mt) * num_kb + t_kb) * 2 + t_kc) * kBM + t_r) * 32;
     for (int p = 0; p < 32; ++p) {
       const int64_t kk = b * 32 + PermutedK(p);
       T v = T(0);
@@ -241,8 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
   auto producer_unit = [&](int i) {
     pu = decode(i);
     a_src = static_cast<const unsigned char*>(p.weights) +
-            (static_cast<int64_t>(pu.e) * rows_packed + static_cast<int64_t>(pu.mt) * kBM) * kp *
-                C::kEsize;
+            (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kABytes;
     if (kFp8) {
       s_src = p.scales + ((static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb) * (kBM * 2);
     }
@@ -265,25 +267,14 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
       if (kb == 0) producer_unit(it / num_kb);
       unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
       const uint32_t a_dst = SmemAddr(st);
-      if (kFp8) {
+      const unsigned char* a_stage = a_src + static_cast<int64_t>(kb) * C::kABytes;
 #pragma unroll
-        for (int i2 = 0; i2 < kBM * 4 / kThreads; ++i2) {
-          const int c = tid + i2 * kThreads;
-          const int r = c >> 2, cc = c & 3;
-          CpAsync16(a_dst + ((cc >> 1) * kBM + r) * 32 + (cc & 1) * 16,
-                    a_src + r * kp + kb * kBK + cc * 16, 16);
-        }
-        if (tid < 16) {
-          CpAsync16(SmemAddr(st + C::kABytes) + tid * 16, s_src + kb * (kBM * 2) + tid * 16, 16);
-        }
-      } else {
-#pragma unroll
-        for (int i2 = 0; i2 < kBM * 8 / kThreads; ++i2) {
-          const int c = tid + i2 * kThreads;
-          const int r = c >> 3, cc = c & 7;
-          CpAsync16(a_dst + ((cc >> 2) * kBM + r) * 64 + (cc & 3) * 16,
-                    a_src + (r * kp + kb * kBK + cc * 8) * 2, 16);
-        }
+      for (int i2 = 0; i2 < C::kABytes / 16 / kThreads; ++i2) {
+        const int c = tid + i2 * kThreads;
+        CpAsync16(a_dst + c * 16, a_stage + c * 16, 16);
+      }
+      if (kFp8 && tid < 16) {
+        CpAsync16(SmemAddr(st + C::kABytes) + tid * 16, s_src + kb * (kBM * 2) + tid * 16, 16);
       }
       const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
 #pragma unroll
@@ -650,8 +641,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
   auto producer_unit = [&](int i) {
     const Unit pu = decode(i);
     a_src = static_cast<const unsigned char*>(p.weights) +
-            (static_cast<int64_t>(pu.e) * rows_packed + static_cast<int64_t>(pu.mt) * kBM) * kp *
-                C::kEsize;
+            (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kABytes;
     if (kFp8) {
       s_src = p.scales + ((static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb) * (kBM * 2);
     }
@@ -681,26 +671,15 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
                   ok ? 16 : 0);
       }
       const uint32_t a_dst = SmemAddr(st + C::kBBytes);
-      if (kFp8) {
+      const unsigned char* a_stage = a_src + static_cast<int64_t>(kb) * C::kABytes;
 #pragma unroll
-        for (int i2 = 0; i2 < kBM * 4 / kThreads; ++i2) {
-          const int c = tid + i2 * kThreads;
-          const int r = c >> 2, cc = c & 3;
-          CpAsync16(a_dst + ((cc >> 1) * kBM + r) * 32 + (cc & 1) * 16,
-                    a_src + r * kp + kb * kBK + cc * 16, 16);
-        }
-        if (tid < 16) {
-          CpAsync16(SmemAddr(st + C::kBBytes + C::kABytes) + tid * 16,
-                    s_src + kb * (kBM * 2) + tid * 16, 16);
-        }
-      } else {
-#pragma unroll
-        for (int i2 = 0; i2 < kBM * 8 / kThreads; ++i2) {
-          const int c = tid + i2 * kThreads;
-          const int r = c >> 3, cc = c & 7;
-          CpAsync16(a_dst + ((cc >> 2) * kBM + r) * 64 + (cc & 3) * 16,
-                    a_src + (r * kp + kb * kBK + cc * 8) * 2, 16);
-        }
+      for (int i2 = 0; i2 < C::kABytes / 16 / kThreads; ++i2) {
+        const int c = tid + i2 * kThreads;
+        CpAsync16(a_dst + c * 16, a_stage + c * 16, 16);
+      }
+      if (kFp8 && tid < 16) {
+        CpAsync16(SmemAddr(st + C::kBBytes + C::kABytes) + tid * 16,
+                  s_src + kb * (kBM * 2) + tid * 16, 16);
       }
     }
     CpAsyncCommit();

@@ -13,7 +13,10 @@
 // (see MoePackedLayout): K padded to a multiple of 64 and permuted inside each block of 32 so
 // that every thread's MMA fragment is one contiguous 8-element load; W13 rows interleaved in
 // groups of 8 (8 gate rows, then the 8 matching up rows) so SiLU-and-mul fuses into the first
-// GEMM's epilogue from registers; scales stored tile by tile.
+// GEMM's epilogue from registers; values and scales stored tile by tile: each (expert, 128-row
+// tile, 64 K) block is contiguous, [E][row tiles][K/64][2 x 32-K halves][128 rows][32], exactly a
+// pipeline stage's shared-memory order, so a stage is one contiguous 8 KB (MXFP8) / 16 KB (BF16)
+// copy.
 //
 // CPU twins: kernels/cpu/moe_routing_ref.h (MoeGroupedMlpRef for the pair of GEMMs,
 // DequantizeMxfp8ToBf16Ref for the dequantization).
@@ -52,8 +55,9 @@ inline MoePackedLayout MakeMoePackedLayout(int64_t hidden, int64_t intermediate)
 }
 
 // Packs core/weights.h layouts (device pointers) into the kernel layout:
-//   w13 [E, 2I, H] (+ w13_scale [E, 2I, ceil(H/32)]) -> packed [E, 2Ip, Hp] (+ scales)
-//   w2  [E, H, I]  (+ w2_scale  [E, H, ceil(I/32)])  -> packed [E, w2_rows, Ip] (+ scales)
+//   w13 [E, 2I, H] (+ w13_scale [E, 2I, ceil(H/32)]) -> packed E x 2Ip x Hp values (+ scales)
+//   w2  [E, H, I]  (+ w2_scale  [E, H, ceil(I/32)])  -> packed E x w2_rows x Ip values (+ scales)
+// in the tile-contiguous order above (not row-major [E, rows, K]).
 // elem_bytes 2 (BF16; scales null) or 1 (E4M3; scales required). Padding is zero (scale 2^0).
 cudaError_t LaunchPackMoeW13(const void* w13, const uint8_t* w13_scale, int64_t num_experts,
                              const MoePackedLayout& layout, int elem_bytes, void* packed,
