@@ -3,11 +3,14 @@
 #ifndef MOESERVE_CORE_ENGINE_H_
 #define MOESERVE_CORE_ENGINE_H_
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -64,6 +67,20 @@ struct EngineOptions {
   // engine then reports not healthy (see Engine::health()).
   int64_t collective_timeout_ms = 60000;
   int64_t memory_budget_bytes = 0;             // 0: what the machine has available
+  // Multi-process (multi-node) expert parallelism, backend cuda only. world_size ranks in all,
+  // num_ranks of them (one per local GPU) in this process, as global ranks
+  // node_rank * num_ranks + i; every process has the same num_ranks. 0: single process
+  // (world_size = num_ranks). Node 0 is the leader: only its Forward is called; the others run
+  // RunFollower(). Every process must get the same model, weights and engine options.
+  int world_size = 0;
+  int node_rank = 0;
+  // The NCCL unique id's bytes, from NewCollectiveId() on the leader, handed to every process
+  // by the frontend (core has no network code). Required when world_size > num_ranks.
+  std::string collective_id;
+  // Leader: an idle leader sends the followers a no-op command this often (must be well under
+  // collective_timeout_ms: a follower's wait for the next command is bounded by it), which also
+  // finds a dead follower without a Forward. 0: off.
+  int64_t heartbeat_ms = 1000;
   // Tests only: called on each rank's thread at the start of every forward; a non-OK status
   // fails that rank there (an injected fault), and a hook may also sleep (a late rank).
   std::function<absl::Status(int rank)> fault_injection_for_testing;
@@ -97,6 +114,8 @@ struct EngineInfo {
   std::vector<std::vector<int>> rank_experts;  // global expert ids per rank
   int64_t max_tokens_per_request = 0;
   int64_t max_tokens_per_rank = 0;             // per dispatch round
+  int local_ranks = 1;                         // ranks in this process (multi-process: < num_ranks)
+  int node_rank = 0;                           // this process's index (multi-process)
   int threads_per_rank = 1;                    // experts' threads on each rank
   std::vector<DType> hidden_dtypes = {DType::kBF16, DType::kFP16, DType::kFP32};
   std::vector<DType> topk_ids_dtypes = {DType::kINT32, DType::kINT64};
@@ -139,6 +158,18 @@ class Engine {
   // Tests only: marks the engine unhealthy with `cause`, as a failed collective would.
   void MarkUnhealthyForTesting(absl::Status cause);
 
+  // Multi-process mode (EngineOptions::world_size). A fresh collective id for the leader to
+  // hand to the followers; FAILED_PRECONDITION without NCCL.
+  static absl::StatusOr<std::string> NewCollectiveId();
+  bool is_follower() const { return multi_process_ && first_rank_ != 0; }
+  // Follower: runs every command the leader broadcasts (forwards, heartbeats) until the leader
+  // shuts the group down (OK) or a collective fails or times out (the error; the process should
+  // then exit: a multi-process group is rebuilt by restarting it).
+  absl::Status RunFollower();
+  // Makes collectives in flight and later ones fail with ABORTED (e.g. RunFollower on SIGTERM).
+  // Any thread.
+  void AbortCollectives(const absl::Status& cause);
+
  private:
   struct Rank;
   Engine();
@@ -147,6 +178,24 @@ class Engine {
   absl::Status CreateCudaRanks(const WeightSource& source, const std::string& pf_type,
                                ActivationFormat format, int64_t tokens_per_rank);
   void AfterFailedStep(const absl::Status& cause);
+  // Multi-process: one command on every local rank (leader: `cmd`; followers: null).
+  absl::Status RunStep(const std::vector<int64_t>* cmd, const ForwardInput* input,
+                       const TensorView& ids, const TensorView& out32);
+  absl::Status MultiStep(int local, const std::vector<int64_t>* cmd, const ForwardInput* input,
+                         const TensorView& ids, const TensorView& out32);
+  void HeartbeatLoop();
+  void StopMultiProcess();
+
+  bool multi_process_ = false;
+  bool formed_ = false;  // Create finished: the multi-process group exists
+  int first_rank_ = 0;  // global rank of local rank 0
+  int world_ = 1;       // ranks in all processes
+  WeightSource source_;  // to load an expert another process holds (GetExpertWeightsBf16)
+  std::chrono::steady_clock::time_point last_step_;
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  bool hb_stop_ = false;
+  std::thread heartbeat_;
 
   EngineOptions options_;
   EngineInfo info_;

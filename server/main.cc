@@ -20,6 +20,7 @@
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "core/status_macros.h"
+#include "server/internal_bootstrap.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
@@ -62,6 +63,25 @@ ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving write 'HOST:PORT' (first listen address, bound port) and, with "
           "metrics on, 'metrics HOST:PORT' to this file (atomically)");
+// Multi-process (multi-node) serving; see server/internal_bootstrap.h for the LeaderWorkerSet
+// environment (LWS_GROUP_SIZE, LWS_WORKER_INDEX, LWS_LEADER_ADDRESS) these fall back to.
+ABSL_FLAG(int32_t, world_size, 0,
+          "Total expert-parallel ranks over all processes (0: LWS_GROUP_SIZE * --ranks, else "
+          "single process); more than --ranks turns on multi-process mode (backend cuda)");
+ABSL_FLAG(int32_t, node_rank, -1,
+          "This process's index in the group, 0 = leader (-1: LWS_WORKER_INDEX, else 0)");
+ABSL_FLAG(std::string, leader_address, "",
+          "host:port of the leader's internal bootstrap service (empty: LWS_LEADER_ADDRESS "
+          "with --leader_port); the leader listens on its port");
+ABSL_FLAG(int32_t, leader_port, moeserve::kDefaultLeaderPort,
+          "Port of the bootstrap service when the leader address comes from LWS_LEADER_ADDRESS");
+ABSL_FLAG(int32_t, bootstrap_timeout_s, 300,
+          "Follower: how long to keep asking the leader for the group's id");
+ABSL_FLAG(int64_t, collective_timeout_ms, 60000,
+          "How long a rank waits for its peers in one collective (and for the NCCL group to "
+          "form) before failing; followers also wait at most this long for the next command");
+ABSL_FLAG(int64_t, heartbeat_ms, 1000,
+          "Multi-process leader: idle no-op command to the followers this often");
 
 namespace moeserve {
 namespace {
@@ -137,6 +157,8 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   options.seed = absl::GetFlag(FLAGS_seed);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
+  options.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
+  options.heartbeat_ms = absl::GetFlag(FLAGS_heartbeat_ms);
   return options;
 }
 
@@ -168,12 +190,54 @@ int Run() {
     std::fprintf(stderr, "moeserve: bad flags: %s\n", options.status().ToString().c_str());
     return 1;
   }
+  MultiProcessFlags mp_flags;
+  mp_flags.world_size = absl::GetFlag(FLAGS_world_size);
+  mp_flags.node_rank = absl::GetFlag(FLAGS_node_rank);
+  mp_flags.leader_address = absl::GetFlag(FLAGS_leader_address);
+  mp_flags.leader_port = absl::GetFlag(FLAGS_leader_port);
+  mp_flags.local_ranks = options->num_ranks;
+  absl::StatusOr<MultiProcessConfig> mp = ResolveMultiProcess(mp_flags, ProcessEnvironment());
+  if (!mp.ok()) {
+    std::fprintf(stderr, "moeserve: bad flags: %s\n", mp.status().ToString().c_str());
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<BootstrapServer>> bootstrap = PrepareMultiProcess(
+      *mp, &*options, absl::Seconds(absl::GetFlag(FLAGS_bootstrap_timeout_s)));
+  if (!bootstrap.ok()) {
+    std::fprintf(stderr, "moeserve: multi-process bootstrap failed: %s\n",
+                 bootstrap.status().ToString().c_str());
+    return 1;
+  }
   // Never serve wrong weights: any failure to build the engine ends the process.
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*options);
+  if (*bootstrap != nullptr) (*bootstrap)->Shutdown();  // the group has formed (or failed)
   if (!engine.ok()) {
     std::fprintf(stderr, "moeserve: cannot create the engine: %s\n",
                  engine.status().ToString().c_str());
     return 1;
+  }
+  if ((*engine)->is_follower()) {
+    // Followers serve only health and run the leader's commands until it shuts them down.
+    absl::StatusOr<std::unique_ptr<FollowerProcess>> follower = FollowerProcess::Start(
+        engine->get(), SplitListenAddresses(absl::GetFlag(FLAGS_listen)),
+        [] { (void)!write(g_signal_pipe[1], "x", 1); });
+    if (!follower.ok()) {
+      std::fprintf(stderr, "moeserve: %s\n", follower.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "moeserve follower node_rank=%d ranks=%d world=%d health=%s\n",
+                 mp->node_rank, mp->local_ranks, mp->world_size,
+                 absl::StrJoin((*follower)->bound_addresses(), ",").c_str());
+    std::fflush(stderr);
+    if (const std::string path = absl::GetFlag(FLAGS_ready_file); !path.empty()) {
+      (void)WriteReadyFile(path, (*follower)->bound_addresses()[0], "");
+    }
+    WaitForSignal();
+    const absl::Status result = (*follower)->Stop();
+    std::fprintf(stderr, "moeserve follower: stopped: %s\n", result.ToString().c_str());
+    follower->reset();
+    engine->reset();
+    return result.ok() ? 0 : 1;
   }
   ServerOptions server_options;
   server_options.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));

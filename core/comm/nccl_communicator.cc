@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +35,38 @@ std::string NcclCommGroup::Version() {
 absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::Create(std::vector<int> devices,
                                                                      std::vector<void*> streams,
                                                                      absl::Duration timeout) {
+  const int n = static_cast<int>(devices.size());
+  return CreateLocalWithId(std::move(devices), std::move(streams), timeout, n, 0, "");
+}
+
+absl::StatusOr<std::string> NcclCommGroup::NewUniqueId() {
+  ncclUniqueId id;
+  if (ncclResult_t res = ncclGetUniqueId(&id); res != ncclSuccess) {
+    return NcclError("ncclGetUniqueId", res, nullptr);
+  }
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateMultiProcess(
+    std::vector<int> devices, std::vector<void*> streams, int world_size, int first_rank,
+    const std::string& unique_id, absl::Duration timeout) {
+  if (unique_id.size() != sizeof(ncclUniqueId::internal)) {
+    return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: unique id of ",
+                                                   unique_id.size(), " bytes, expected ",
+                                                   sizeof(ncclUniqueId::internal)));
+  }
+  if (first_rank < 0 || first_rank + static_cast<int>(devices.size()) > world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: local ranks [", first_rank,
+                                                   ", ", first_rank + devices.size(),
+                                                   ") outside the world of ", world_size));
+  }
+  return CreateLocalWithId(std::move(devices), std::move(streams), timeout, world_size,
+                           first_rank, unique_id);
+}
+
+absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateLocalWithId(
+    std::vector<int> devices, std::vector<void*> streams, absl::Duration timeout, int world,
+    int first_rank, const std::string& unique_id) {
   if (devices.empty() || devices.size() != streams.size()) {
     return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: ", devices.size(),
                                                    " devices and ", streams.size(), " streams"));
@@ -42,10 +75,15 @@ absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::Create(std::vector
   g->devices_ = std::move(devices);
   g->streams_ = std::move(streams);
   g->timeout_ = timeout;
-  const int n = g->world_size();
+  g->world_ = world;
+  g->first_rank_ = first_rank;
+  g->unique_id_ = unique_id;
+  g->multi_process_ = !unique_id.empty();
+  const int n = g->local_size();
   g->comm_aborted_ = std::make_unique<std::atomic<bool>[]>(n);
   for (int r = 0; r < n; ++r) {
-    g->endpoints_.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(g.get(), r)));
+    g->endpoints_.push_back(
+        std::unique_ptr<NcclCommunicator>(new NcclCommunicator(g.get(), first_rank + r, r)));
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(g->devices_[r]));
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->endpoints_[r]->scratch_, sizeof(int)));
   }
@@ -54,9 +92,11 @@ absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::Create(std::vector
 }
 
 absl::Status NcclCommGroup::Init() {
-  const int n = world_size();
+  const int n = local_size();
   ncclUniqueId id;
-  if (ncclResult_t res = ncclGetUniqueId(&id); res != ncclSuccess) {
+  if (multi_process_) {
+    std::memcpy(id.internal, unique_id_.data(), sizeof(id.internal));
+  } else if (ncclResult_t res = ncclGetUniqueId(&id); res != ncclSuccess) {
     return NcclError("ncclGetUniqueId", res, nullptr);
   }
   comms_.assign(n, nullptr);
@@ -66,7 +106,7 @@ absl::Status NcclCommGroup::Init() {
   for (int r = 0; r < n && (res == ncclSuccess || res == ncclInProgress); ++r) {
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[r]));
     ncclComm_t c = nullptr;
-    res = ncclCommInitRankConfig(&c, n, id, r, &config);
+    res = ncclCommInitRankConfig(&c, world_, id, first_rank_ + r, &config);
     comms_[r] = c;
   }
   const ncclResult_t end = ncclGroupEnd();
@@ -129,7 +169,7 @@ void NcclCommGroup::Abort(const absl::Status& cause) {
 }
 
 void NcclCommGroup::AbortAll() {
-  for (int r = 0; r < world_size(); ++r) {
+  for (int r = 0; r < local_size(); ++r) {
     if (r < static_cast<int>(comms_.size()) && comms_[r] != nullptr &&
         !comm_aborted_[r].exchange(true)) {
       cudaSetDevice(devices_[r]);
@@ -144,8 +184,12 @@ absl::Status NcclCommGroup::status() const {
 }
 
 absl::Status NcclCommGroup::Reinit() {
+  if (multi_process_) {
+    return absl::FailedPreconditionError(
+        "a multi-process NCCL group cannot be rebuilt from one process; restart the group");
+  }
   AbortAll();
-  for (int r = 0; r < world_size(); ++r) {
+  for (int r = 0; r < local_size(); ++r) {
     // Let aborted NCCL kernels drain before new communicators use the streams.
     cudaSetDevice(devices_[r]);
     cudaStreamSynchronize(AsStream(streams_[r]));
@@ -164,15 +208,15 @@ absl::Status NcclCommGroup::Reinit() {
 // NcclCommunicator.
 
 int NcclCommunicator::world_size() const { return group_->world_size(); }
-int NcclCommunicator::device() const { return group_->devices_[rank_]; }
-void* NcclCommunicator::stream() const { return group_->streams_[rank_]; }
+int NcclCommunicator::device() const { return group_->devices_[local_]; }
+void* NcclCommunicator::stream() const { return group_->streams_[local_]; }
 
 void NcclCommunicator::Abort(const absl::Status& cause) { group_->Abort(cause); }
 
 absl::Status NcclCommunicator::Check(const char* what) {
   if (!group_->healthy()) {
     // Abort our own communicator so NCCL kernels waiting on a dead peer exit.
-    if (!group_->comm_aborted_[rank_].exchange(true)) ncclCommAbort(AsComm(group_->comms_[rank_]));
+    if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(AsComm(group_->comms_[local_]));
     const absl::Status cause = group_->status();
     return absl::AbortedError(absl::StrCat(what, " on rank ", rank_, ": the NCCL group was "
                                            "aborted: ", cause.message()));
@@ -181,7 +225,7 @@ absl::Status NcclCommunicator::Check(const char* what) {
 }
 
 absl::Status NcclCommunicator::WaitEnqueued(const char* what) {
-  ncclComm_t comm = AsComm(group_->comms_[rank_]);
+  ncclComm_t comm = AsComm(group_->comms_[local_]);
   const absl::Time deadline = absl::Now() + group_->timeout_;
   for (uint64_t spin = 0;; ++spin) {
     ncclResult_t st = ncclInProgress;
@@ -198,7 +242,7 @@ absl::Status NcclCommunicator::WaitEnqueued(const char* what) {
           what, " on rank ", rank_, ": not enqueued within ",
           absl::FormatDuration(group_->timeout_), "; NCCL group aborted"));
       group_->Fail(s);
-      if (!group_->comm_aborted_[rank_].exchange(true)) ncclCommAbort(comm);
+      if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(comm);
       return s;
     }
     if (spin > 4096) std::this_thread::yield();  // spin first: enqueueing takes microseconds
@@ -208,7 +252,7 @@ absl::Status NcclCommunicator::WaitEnqueued(const char* what) {
 absl::Status NcclCommunicator::AllToAllVGroup(absl::Span<const AllToAllVTransfer> transfers) {
   MOESERVE_RETURN_IF_ERROR(Check("AllToAllV"));
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device()));
-  ncclComm_t comm = AsComm(group_->comms_[rank_]);
+  ncclComm_t comm = AsComm(group_->comms_[local_]);
   cudaStream_t stream = AsStream(this->stream());
   const int world = world_size();
   // Own share first (a device copy, no NCCL).
@@ -275,7 +319,7 @@ absl::Status NcclCommunicator::AllToAllV(const void* send, absl::Span<const int6
 absl::Status NcclCommunicator::AllGather(const void* send, int64_t bytes, void* recv) {
   MOESERVE_RETURN_IF_ERROR(Check("AllGather"));
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device()));
-  ncclComm_t comm = AsComm(group_->comms_[rank_]);
+  ncclComm_t comm = AsComm(group_->comms_[local_]);
   const ncclResult_t res =
       ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm, AsStream(stream()));
   if (res != ncclSuccess && res != ncclInProgress) {
@@ -289,7 +333,7 @@ absl::Status NcclCommunicator::AllGather(const void* send, int64_t bytes, void* 
 absl::Status NcclCommunicator::Barrier() {
   MOESERVE_RETURN_IF_ERROR(Check("Barrier"));
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device()));
-  ncclComm_t comm = AsComm(group_->comms_[rank_]);
+  ncclComm_t comm = AsComm(group_->comms_[local_]);
   const ncclResult_t res =
       ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm, AsStream(stream()));
   if (res != ncclSuccess && res != ncclInProgress) {
@@ -301,9 +345,23 @@ absl::Status NcclCommunicator::Barrier() {
   return Synchronize();
 }
 
+absl::Status NcclCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
+  MOESERVE_RETURN_IF_ERROR(Check("Broadcast"));
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device()));
+  ncclComm_t comm = AsComm(group_->comms_[local_]);
+  const ncclResult_t res = ncclBroadcast(buf, buf, static_cast<size_t>(bytes), ncclUint8, root,
+                                         comm, AsStream(stream()));
+  if (res != ncclSuccess && res != ncclInProgress) {
+    absl::Status s = NcclError(absl::StrCat("Broadcast on rank ", rank_).c_str(), res, comm);
+    group_->Fail(s);
+    return s;
+  }
+  return res == ncclInProgress ? WaitEnqueued("Broadcast") : absl::OkStatus();
+}
+
 absl::Status NcclCommunicator::Synchronize() {
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device()));
-  ncclComm_t comm = AsComm(group_->comms_[rank_]);
+  ncclComm_t comm = AsComm(group_->comms_[local_]);
   cudaStream_t stream = AsStream(this->stream());
   const absl::Time deadline = absl::Now() + group_->timeout_;
   for (uint64_t spin = 0;; ++spin) {
@@ -316,14 +374,14 @@ absl::Status NcclCommunicator::Synchronize() {
       return s;
     }
     if ((spin & 63) == 63) {
-      if (!group_->comm_aborted_[rank_].load()) {
+      if (!group_->comm_aborted_[local_].load()) {
         ncclResult_t st = ncclSuccess;
         ncclCommGetAsyncError(comm, &st);
         if (st != ncclSuccess && st != ncclInProgress) {
           absl::Status s = NcclError(absl::StrCat("rank ", rank_, ": NCCL async error").c_str(),
                                      st, comm);
           group_->Fail(s);
-          if (!group_->comm_aborted_[rank_].exchange(true)) ncclCommAbort(comm);
+          if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(comm);
           return s;
         }
       }
@@ -334,7 +392,7 @@ absl::Status NcclCommunicator::Synchronize() {
             absl::FormatDuration(group_->timeout_),
             " (a peer did not join); NCCL group aborted"));
         group_->Fail(s);
-        if (!group_->comm_aborted_[rank_].exchange(true)) ncclCommAbort(comm);
+        if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(comm);
         return s;
       }
       std::this_thread::yield();

@@ -56,11 +56,27 @@ class NcclCommGroup : public std::enable_shared_from_this<NcclCommGroup> {
   static absl::StatusOr<std::shared_ptr<NcclCommGroup>> Create(std::vector<int> devices,
                                                                std::vector<void*> streams,
                                                                absl::Duration timeout);
+  // Multi-process: this process's part of a group of `world_size` ranks spread over several
+  // processes (or hosts). Local endpoint i is global rank first_rank + i, on devices[i] /
+  // streams[i]. `unique_id` is the ncclUniqueId's bytes (NewUniqueId() on one process, handed
+  // to the others out of band). Every process must call this with the same id and world_size;
+  // blocks until the whole group is ready, at most `timeout` (DEADLINE_EXCEEDED when a process
+  // never joins; this process's communicators are then aborted).
+  static absl::StatusOr<std::shared_ptr<NcclCommGroup>> CreateMultiProcess(
+      std::vector<int> devices, std::vector<void*> streams, int world_size, int first_rank,
+      const std::string& unique_id, absl::Duration timeout);
+  // A fresh ncclUniqueId as bytes (NCCL_UNIQUE_ID_BYTES long).
+  static absl::StatusOr<std::string> NewUniqueId();
   ~NcclCommGroup();
 
-  // Rank r's endpoint (keeps the group alive).
+  // Local endpoint i (global rank first_rank() + i; keeps the group alive).
   std::shared_ptr<NcclCommunicator> communicator(int rank);
-  int world_size() const { return static_cast<int>(devices_.size()); }
+  // Ranks in the whole group (all processes).
+  int world_size() const { return world_; }
+  // Ranks (endpoints) in this process, and the global rank of the first.
+  int local_size() const { return static_cast<int>(devices_.size()); }
+  int first_rank() const { return first_rank_; }
+  bool multi_process() const { return multi_process_; }
   absl::Duration timeout() const { return timeout_; }
 
   // Fails every rank's current and later collectives with ABORTED carrying `cause`; each rank
@@ -73,7 +89,8 @@ class NcclCommGroup : public std::enable_shared_from_this<NcclCommGroup> {
   absl::Status status() const;
   bool healthy() const { return !failed_.load(std::memory_order_acquire); }
   // Destroys the (aborted) communicators and creates fresh ones with a new unique id. Only with
-  // no collective in flight.
+  // no collective in flight. A multi-process group cannot be rebuilt from one process:
+  // FAILED_PRECONDITION (restart the processes).
   absl::Status Reinit();
 
   // "NCCL x.y.z" of the library loaded at run time.
@@ -85,8 +102,15 @@ class NcclCommGroup : public std::enable_shared_from_this<NcclCommGroup> {
   absl::Status Init();
   void Fail(const absl::Status& cause);
 
+  static absl::StatusOr<std::shared_ptr<NcclCommGroup>> CreateLocalWithId(
+      std::vector<int> devices, std::vector<void*> streams, absl::Duration timeout, int world,
+      int first_rank, const std::string& unique_id);
   std::vector<int> devices_;
   std::vector<void*> streams_;
+  int world_ = 0;
+  int first_rank_ = 0;
+  bool multi_process_ = false;
+  std::string unique_id_;  // multi-process: the id every process was given
   std::vector<void*> comms_;  // ncclComm_t
   std::vector<std::unique_ptr<NcclCommunicator>> endpoints_;
   std::unique_ptr<std::atomic<bool>[]> comm_aborted_;
@@ -108,6 +132,9 @@ class NcclCommunicator final : public Communicator {
   absl::Status AllToAllVGroup(absl::Span<const AllToAllVTransfer> transfers);
   absl::Status AllGather(const void* send, int64_t bytes, void* recv) override;
   absl::Status Barrier() override;
+  // ncclBroadcast of `bytes` bytes of device memory `buf` from global rank `root` to every rank
+  // (in place). Stream-ordered like the others.
+  absl::Status Broadcast(void* buf, int64_t bytes, int root);
   void Abort(const absl::Status& cause) override;
 
   // Waits until everything enqueued on this rank's stream has completed (see the file comment
@@ -119,7 +146,8 @@ class NcclCommunicator final : public Communicator {
 
  private:
   friend class NcclCommGroup;
-  NcclCommunicator(NcclCommGroup* group, int rank) : group_(group), rank_(rank) {}
+  NcclCommunicator(NcclCommGroup* group, int rank, int local)
+      : group_(group), rank_(rank), local_(local) {}
  public:
   ~NcclCommunicator() override;
 
@@ -128,7 +156,8 @@ class NcclCommunicator final : public Communicator {
   absl::Status WaitEnqueued(const char* what);
   absl::Status Check(const char* what);
   NcclCommGroup* group_;  // owns this endpoint; communicator() hands out aliasing shared_ptrs
-  int rank_;
+  int rank_;   // global rank (NCCL's)
+  int local_;  // index into the group's per-process arrays
   void* scratch_ = nullptr;  // device int for Barrier
 };
 
