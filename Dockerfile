@@ -13,7 +13,7 @@ RUN BUILD_DIR=/build scripts/build.sh -DMOESERVE_BUILD_TESTS=OFF -DMOESERVE_BUIL
 FROM debian:bookworm-slim
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
       libgrpc++1.51 libprotobuf32 libopenblas0-pthread libabsl20220623 \
-      libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 ca-certificates >/dev/null && \
+      libprometheus-cpp-core1.0 ca-certificates >/dev/null && \
     rm -rf /var/lib/apt/lists/*
 COPY --from=build /build/bin/moeserve /usr/local/bin/moeserve
 COPY --from=build /build/bin/moeserve-cli /usr/local/bin/moeserve-cli

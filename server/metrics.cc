@@ -1,5 +1,9 @@
 #include "server/metrics.h"
 
+#include <prometheus/text_serializer.h>
+
+#include "core/status_macros.h"
+
 #include <exception>
 #include <vector>
 
@@ -103,20 +107,13 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                         .Register(r);
   if (address.empty()) return m;
 
-  // civetweb (under prometheus-cpp) reports bind failures as exceptions; keep them here.
-  try {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics: cannot listen on '", address, "': ", e.what()));
-  }
-  m->exposer_->RegisterCollectable(m->registry_);
-  const std::vector<int> ports = m->exposer_->GetListeningPorts();
-  if (ports.empty()) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics: no listening port after binding '", address, "'"));
-  }
-  m->port_ = ports[0];
+  std::weak_ptr<prometheus::Registry> registry = m->registry_;
+  MOESERVE_ASSIGN_OR_RETURN(m->http_, MetricsHttpServer::Start(address, [registry] {
+                              auto r = registry.lock();
+                              return r ? prometheus::TextSerializer().Serialize(r->Collect())
+                                       : std::string();
+                            }));
+  m->port_ = m->http_->port();
   const size_t colon = address.rfind(':');
   const std::string host = colon == std::string::npos ? "0.0.0.0" : address.substr(0, colon);
   m->bound_address_ = absl::StrCat(host, ":", m->port_);
@@ -125,7 +122,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
 
 Metrics::~Metrics() {
   // Stop serving HTTP before the registry and metrics go away.
-  exposer_.reset();
+  http_.reset();
 }
 
 void Metrics::SetModelInfo(const EngineInfo& info) {

@@ -6,7 +6,6 @@
 
 #include <grpcpp/support/status.h>
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -19,13 +18,14 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/engine.h"
+#include "server/metrics_http.h"
 
 namespace moeserve {
 
 class Metrics {
  public:
   // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
-  // empty, an HTTP exposer bound to it. UNAVAILABLE if the address cannot be bound.
+  // empty, an HTTP endpoint (GET /metrics) bound to it. UNAVAILABLE if the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& address);
   ~Metrics();
 
@@ -54,7 +54,7 @@ class Metrics {
   Metrics() = default;
 
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> http_;
   int port_ = 0;
   std::string bound_address_;
 
