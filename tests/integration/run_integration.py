@@ -258,6 +258,30 @@ def case_ep16(server, cli, workdir):
             log(f"ep16 {routing} {dtype}: relative_l2_error={err:.3g}")
 
 
+def case_checkpoint(server, cli, workdir):
+    """A Hugging Face checkpoint written by the `safetensors` package, served over gRPC: every
+    MoE layer answers within tolerance of the client's reference on the served weights, and a
+    dense layer is refused."""
+    info = parse_info(cli.run("info").stdout)
+    moe_layers = [int(x) for x in re.findall(r"\d+", info.get("moe_layers", ""))]
+    check(moe_layers, f"no moe_layers in info: {info}")
+    for layer in moe_layers:
+        err = parse_error(cli.run("forward", f"--layer={layer}", "--tokens=37", "--dtype=bf16",
+                                  "--seed=5", "--check").stdout)
+        check(err < 1e-2, f"checkpoint layer {layer}: relative_l2_error {err}")
+        log(f"checkpoint layer {layer} ({info.get('weight_format')}): relative_l2_error={err:.3g}")
+    dense = [l for l in range(int(info["num_layers"])) if l not in moe_layers]
+    if dense:
+        r = cli.run("forward", f"--layer={dense[0]}", "--tokens=2", allow_fail=True)
+        check(r.returncode == 2 and "INVALID_ARGUMENT" in (r.stdout + r.stderr),
+              f"dense layer {dense[0]}: exit {r.returncode}, {r.stdout} {r.stderr}")
+        log(f"dense layer {dense[0]} refused with INVALID_ARGUMENT")
+
+
+# (checkpoint folder under --checkpoints, served weight format)
+CHECKPOINT_CASES = [("deepseek_bf16_sharded", "mxfp8"), ("deepseek_bf16_sharded", "bf16"),
+                    ("qwen3_mxfp8", "mxfp8"), ("mixtral_bf16", "bf16")]
+
 EP16_ARGS = ["--model", "seed-megamoe", "--ranks", "16", "--hidden", "128",
              "--intermediate", "64", "--threads", "2"]
 
@@ -348,7 +372,9 @@ def main():
     p.add_argument("--server", required=True)
     p.add_argument("--cli", required=True)
     p.add_argument("--source-dir", required=True)
-    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "all"], default="all")
+    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "checkpoint", "all"], default="all")
+    p.add_argument("--checkpoints", default="",
+                   help="folder of scripts/make_test_checkpoint.py --suite (checkpoint case)")
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = p.parse_args()
@@ -359,11 +385,23 @@ def main():
                   file=sys.stderr)
             return 1
     cases = ["cli", "python", "load", "ep16"] if args.case == "all" else [args.case]
+    runs = []  # (case, extra server args)
     for case in cases:
+        if case == "checkpoint":
+            check_dir = os.path.isdir(args.checkpoints)
+            if not check_dir:
+                print(f"[integration] FAIL: --checkpoints {args.checkpoints!r} is not a folder",
+                      file=sys.stderr)
+                return 1
+            for name, fmt in CHECKPOINT_CASES:
+                runs.append((case, ["--checkpoint", os.path.join(args.checkpoints, name),
+                                    "--weight_format", fmt]))
+        else:
+            runs.append((case, EP16_ARGS if case == "ep16" else []))
+    for case, extra in runs:
         with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
             cli = Cli(args.cli)
             try:
-                extra = EP16_ARGS if case == "ep16" else ()
                 with Server(args.server, workdir, extra_args=extra,
                             startup_timeout=args.startup_timeout) as server:
                     server.wait_ready(cli)
@@ -373,13 +411,16 @@ def main():
                         case_load(server, cli, workdir)
                     elif case == "ep16":
                         case_ep16(server, cli, workdir)
+                    elif case == "checkpoint":
+                        case_checkpoint(server, cli, workdir)
                     else:
                         case_python(server, cli, workdir, args.source_dir)
                     server.terminate_and_check(args.shutdown_timeout)
             except Failure as e:
-                print(f"[integration] FAIL ({case}): {e}", file=sys.stderr, flush=True)
+                print(f"[integration] FAIL ({case} {' '.join(extra)}): {e}", file=sys.stderr,
+                      flush=True)
                 return 1
-        log(f"case {case}: PASS")
+        log(f"case {case} {' '.join(extra)}: PASS")
     return 0
 
 
