@@ -434,6 +434,17 @@ void Engine::MarkUnhealthyForTesting(absl::Status cause) {
 
 // After a failed step with every rank thread returned: a group whose NCCL communicators failed
 // cannot run another collective, so the engine stops serving until Recover().
+// A rank that timed out in a collective or was aborted by a peer is the server's failure, not a
+// client deadline: clients see UNAVAILABLE (retry elsewhere), with the cause kept in the message.
+static absl::Status ForClient(absl::Status s) {
+  if (s.code() != absl::StatusCode::kDeadlineExceeded && s.code() != absl::StatusCode::kAborted) {
+    return s;
+  }
+  return absl::UnavailableError(absl::StrCat("expert-parallel step failed (",
+                                             absl::StatusCodeToString(s.code()), "): ",
+                                             s.message()));
+}
+
 void Engine::AfterFailedStep(const absl::Status& cause) {
 #ifdef MOESERVE_HAVE_NCCL
   if (nccl_ != nullptr && !nccl_->healthy()) {
@@ -520,7 +531,7 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
     for (int r = 0; r < world_; ++r) {
       cmd[kCmdBoundsAt + r + 1] = cmd[kCmdBoundsAt + r] + m / world_ + (r < m % world_ ? 1 : 0);
     }
-    MOESERVE_RETURN_IF_ERROR(RunStep(&cmd, &input, ids, out32));
+    MOESERVE_RETURN_IF_ERROR(ForClient(RunStep(&cmd, &input, ids, out32)));
     if (timings) {
       for (const auto& rank : ranks_) timings->rank_stages.push_back(rank->timings);
       if (!ranks_.empty()) timings->stages = ranks_[0]->timings;  // this process's leader rank
@@ -540,7 +551,7 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
       if (nccl_ && !IsAgreedFailure(s)) nccl_->Abort(s);
 #endif
       AfterFailedStep(s);
-      return s;
+      return ForClient(s);
     }
   } else {
     const std::vector<absl::Status> statuses = threads_->Run([&](int r) {
@@ -566,7 +577,7 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
     if (!first.ok()) {
       if (group_) group_->Reset();  // every rank thread has returned: no collective in flight
       AfterFailedStep(first);
-      return first;
+      return ForClient(first);
     }
   }
   if (timings) {

@@ -1,7 +1,10 @@
 // Engine-level expert parallelism: 16 ranks serving a seed-megamoe-shaped model (512 experts,
 // top-8; small hidden/intermediate) against the single-rank reference engine with BF16 input
 // (relative L2 error < 1e-2), placement reporting, per-rank weight access, and failure handling.
+#include <atomic>
+#include <chrono>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "core/engine.h"
@@ -144,6 +147,36 @@ TEST(EngineEp, OneRankFailingAbortsAllAndRecovers) {
       ids.data<int32_t>()[5 * 8 + k] = (ids.data<int32_t>()[5 * 8 + k] + 7) % 512;
     }
   }
+  s = (*engine)->Forward(in, out.view());
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+TEST(EngineEp, LateRankTimesOutAsUnavailableThenServesAgain) {
+  EngineOptions o = SeedMegaMoe(4, "all2all_contiguous", "blas");
+  o.collective_timeout_ms = 200;
+  std::atomic<bool> late{false};
+  o.fault_injection_for_testing = [&late](int rank) {
+    if (rank == 3 && late) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    return absl::OkStatus();
+  };
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::mt19937 rng(2);
+  const int64_t m = 16, hidden = 128;
+  const Tensor x = ep_testing::RandomNormal({m, hidden}, rng);
+  const Tensor ids = ep_testing::MakeRouting(Routing::kUniform, m, 8, 512, {}, rng);
+  const Tensor w = ep_testing::RandomTopkWeights(m, 8, rng);
+  Tensor out = Tensor::Empty(DType::kFP32, {m, hidden});
+  ForwardInput in{.layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(),
+                  .topk_weights = w.view()};
+  late = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = (*engine)->Forward(in, out.view());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
+  // The server's failure, not the client's deadline: UNAVAILABLE with the cause kept.
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("DEADLINE_EXCEEDED"));
+  late = false;
   s = (*engine)->Forward(in, out.view());
   EXPECT_TRUE(s.ok()) << s;
 }
