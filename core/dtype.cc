@@ -1,7 +1,7 @@
 #include "core/dtype.h"
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace moeserve {
 
@@ -48,7 +48,8 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
     if (DTypeName(d) == name) return d;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", name, "'; expected one of bf16, fp16, fp32, int32, int64, "
+      absl::StrCat("unknown dtype '", name,
+                   "'; expected one of bf16, fp16, fp32, int32, int64, "
                    "uint8, fp8_e4m3"));
 }
 

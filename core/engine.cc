@@ -9,10 +9,10 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/comm/nccl_communicator.h"
 #include "core/cpu/all_to_all_prepare_finalize.h"
 #include "core/cpu/kernel_factory.h"
 #include "core/cpu/no_ep_prepare_finalize.h"
-#include "core/comm/nccl_communicator.h"
 #include "core/cuda/cuda_backend.h"
 #include "core/status_macros.h"
 #include "core/weight_loader.h"
@@ -56,7 +56,8 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
   }
   const TensorView& x = in.hidden_states;
   if (x.dtype() != DType::kBF16 && x.dtype() != DType::kFP16 && x.dtype() != DType::kFP32) {
-    return bad("hidden_states: dtype ", DTypeName(x.dtype()), " not accepted; expected bf16, "
+    return bad("hidden_states: dtype ", DTypeName(x.dtype()),
+               " not accepted; expected bf16, "
                "fp16 or fp32");
   }
   if (x.rank() != 2 || x.dim(1) != model.hidden) {
@@ -65,17 +66,17 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
   }
   const int64_t m = x.dim(0);
   if (m > max_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "hidden_states: M=", m, " tokens exceeds the maximum of ", max_tokens,
-        " tokens per request; split the batch"));
+    return absl::ResourceExhaustedError(absl::StrCat("hidden_states: M=", m,
+                                                     " tokens exceeds the maximum of ", max_tokens,
+                                                     " tokens per request; split the batch"));
   }
   if (in.topk_ids.dtype() != DType::kINT32 && in.topk_ids.dtype() != DType::kINT64) {
     return bad("topk_ids: dtype ", DTypeName(in.topk_ids.dtype()),
                " not accepted; expected int32 or int64");
   }
   if (in.topk_ids.rank() != 2 || in.topk_ids.dim(0) != m || in.topk_ids.dim(1) != model.topk) {
-    return bad("topk_ids: got shape ", ShapeToString(in.topk_ids.shape()), ", expected [", m,
-               ", ", model.topk, "] ([M, topk])");
+    return bad("topk_ids: got shape ", ShapeToString(in.topk_ids.shape()), ", expected [", m, ", ",
+               model.topk, "] ([M, topk])");
   }
   if (in.topk_weights.dtype() != DType::kFP32) {
     return bad("topk_weights: dtype ", DTypeName(in.topk_weights.dtype()),
@@ -83,8 +84,8 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
   }
   if (in.topk_weights.rank() != 2 || in.topk_weights.dim(0) != m ||
       in.topk_weights.dim(1) != model.topk) {
-    return bad("topk_weights: got shape ", ShapeToString(in.topk_weights.shape()),
-               ", expected [", m, ", ", model.topk, "] ([M, topk])");
+    return bad("topk_weights: got shape ", ShapeToString(in.topk_weights.shape()), ", expected [",
+               m, ", ", model.topk, "] ([M, topk])");
   }
   const int64_t routes = m * model.topk;
   for (int64_t i = 0; i < routes; ++i) {
@@ -107,7 +108,7 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
 
 struct Engine::Rank {
   std::shared_ptr<Communicator> comm;  // null with no_ep (and on GPUs: the PF holds its own)
-  std::shared_ptr<CudaContext> cuda;               // backend cuda: this rank's GPU
+  std::shared_ptr<CudaContext> cuda;   // backend cuda: this rank's GPU
   std::shared_ptr<DeviceWeightStore> dev_weights;  // backend cuda: resident packed weights
   std::unique_ptr<ExpertWeightStore> weights;
   std::unique_ptr<ModularKernel> kernel;
@@ -144,8 +145,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
     options.backend = gpus > 0 && options.model.hidden % 8 == 0 && !reference ? "cuda" : "cpu";
   }
   if (options.backend != "cpu" && options.backend != "cuda") {
-    return absl::InvalidArgumentError(absl::StrCat("backend: got '", options.backend,
-                                                   "', expected cpu, cuda or auto"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend: got '", options.backend, "', expected cpu, cuda or auto"));
   }
   const bool cuda = options.backend == "cuda";
   if (cuda) {
@@ -160,13 +161,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
     }
     if (options.num_ranks == 0) options.num_ranks = gpus;
     if (options.num_ranks > gpus) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "num_ranks: ", options.num_ranks, " GPU ranks requested but ", gpus,
-          " CUDA devices are visible (backend cuda runs one rank per GPU)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("num_ranks: ", options.num_ranks, " GPU ranks requested but ", gpus,
+                       " CUDA devices are visible (backend cuda runs one rank per GPU)"));
     }
     if (options.model.hidden % 8 != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "backend 'cuda' needs hidden % 8 == 0, got hidden=", options.model.hidden));
+      return absl::InvalidArgumentError(
+          absl::StrCat("backend 'cuda' needs hidden % 8 == 0, got hidden=", options.model.hidden));
     }
   } else if (options.num_ranks == 0) {
     options.num_ranks = 1;
@@ -176,20 +177,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   const int world = options.world_size > 0 ? options.world_size : num_ranks;
   const bool multi_process = world != num_ranks;
   if (num_ranks < 1 || world > options.model.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("num_ranks: got ", world,
-                                                   ", expected a value in [1, num_experts=",
-                                                   options.model.num_experts, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_ranks: got ", world,
+                     ", expected a value in [1, num_experts=", options.model.num_experts, "]"));
   }
   if (multi_process) {
     if (!cuda) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "world_size: multi-process serving (world_size=", world, " > num_ranks=", num_ranks,
-          ") needs backend cuda"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("world_size: multi-process serving (world_size=", world,
+                       " > num_ranks=", num_ranks, ") needs backend cuda"));
     }
     if (world % num_ranks != 0 || world > kMaxMultiProcessWorld) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "world_size: got ", world, ", expected a multiple of the ranks per process (",
-          num_ranks, "), at most ", kMaxMultiProcessWorld));
+          "world_size: got ", world, ", expected a multiple of the ranks per process (", num_ranks,
+          "), at most ", kMaxMultiProcessWorld));
     }
     if (options.node_rank < 0 || options.node_rank >= world / num_ranks) {
       return absl::InvalidArgumentError(absl::StrCat("node_rank: got ", options.node_rank,
@@ -210,8 +211,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
                                                    ", expected >= 0 (0: automatic)"));
   }
   if (options.dispatch != "per_rank" && options.dispatch != "per_route") {
-    return absl::InvalidArgumentError(absl::StrCat("dispatch: got '", options.dispatch,
-                                                   "', expected per_rank or per_route"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("dispatch: got '", options.dispatch, "', expected per_rank or per_route"));
   }
   if (options.collective_timeout_ms <= 0) {
     return absl::InvalidArgumentError("collective_timeout_ms must be > 0");
@@ -221,8 +222,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   ActivationFormat cuda_format = ActivationFormat::kStandard;
   if (cuda && (options.experts == "cuda" || options.experts == "CudaExperts")) {
     experts_type = "CudaExperts";
-  } else if (cuda && (options.experts == "cuda_batched" ||
-                      options.experts == "CudaBatchedExperts")) {
+  } else if (cuda &&
+             (options.experts == "cuda_batched" || options.experts == "CudaBatchedExperts")) {
     experts_type = "CudaBatchedExperts";
     cuda_format = ActivationFormat::kBatchedExperts;
   } else {
@@ -233,19 +234,18 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   }
   std::string pf_type = options.prepare_finalize;
   if (pf_type == "auto") {
-    pf_type = world == 1                                                    ? "no_ep"
+    pf_type = world == 1                                                 ? "no_ep"
               : cuda && cuda_format == ActivationFormat::kBatchedExperts ? "all2all_batched"
-                                                                          : "all2all_contiguous";
+                                                                         : "all2all_contiguous";
   }
   MOESERVE_ASSIGN_OR_RETURN(pf_type, CanonicalPrepareFinalizeType(pf_type));
   if (cuda && pf_type == NoEpPrepareAndFinalize::kName && world > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prepare_finalize: no_ep runs on a single rank, got num_ranks=", world));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prepare_finalize: no_ep runs on a single rank, got num_ranks=", world));
   }
 
   // Placement.
-  if (!options.rank_experts.empty() &&
-      static_cast<int>(options.rank_experts.size()) != world) {
+  if (!options.rank_experts.empty() && static_cast<int>(options.rank_experts.size()) != world) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rank_experts: lists ", options.rank_experts.size(), " ranks, num_ranks=", world));
   }
@@ -286,8 +286,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   source.memory_budget_bytes = options.memory_budget_bytes;
   engine->source_ = source;
   if (cuda) {
-    MOESERVE_RETURN_IF_ERROR(engine->CreateCudaRanks(source, pf_type, cuda_format,
-                                                     tokens_per_rank));
+    MOESERVE_RETURN_IF_ERROR(
+        engine->CreateCudaRanks(source, pf_type, cuda_format, tokens_per_rank));
   }
   for (int r = 0; r < num_ranks && !cuda; ++r) {
     auto rank = std::make_unique<Rank>();
@@ -302,8 +302,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
     config.dispatch = options.dispatch == "per_route" ? AllToAllOptions::Dispatch::kPerRoute
                                                       : AllToAllOptions::Dispatch::kPerRank;
     config.max_num_tokens_per_rank =
-        pf_type == NoEpPrepareAndFinalize::kName ? options.max_tokens_per_request
-                                                 : tokens_per_rank;
+        pf_type == NoEpPrepareAndFinalize::kName ? options.max_tokens_per_request : tokens_per_rank;
     MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> pf,
                               MakePrepareAndFinalize(pf_type, config));
     MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> experts,
@@ -327,9 +326,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   info.placement = engine->placement_->name();
   info.rank_experts = engine->placement_->all_rank_experts();
   info.max_tokens_per_request = options.max_tokens_per_request;
-  info.max_tokens_per_rank = pf_type == NoEpPrepareAndFinalize::kName
-                                 ? options.max_tokens_per_request
-                                 : tokens_per_rank;
+  info.max_tokens_per_rank =
+      pf_type == NoEpPrepareAndFinalize::kName ? options.max_tokens_per_request : tokens_per_rank;
   info.threads_per_rank = cuda ? 1 : threads_per_rank;
   engine->last_step_ = std::chrono::steady_clock::now();
   engine->formed_ = true;
@@ -351,9 +349,9 @@ absl::Status Engine::CreateCudaRanks(const WeightSource& source, const std::stri
   for (int r = 0; r < num_ranks; ++r) {
     auto rank = std::make_unique<Rank>();
     MOESERVE_ASSIGN_OR_RETURN(rank->cuda, CreateCudaContext(/*device=*/r));
-    MOESERVE_ASSIGN_OR_RETURN(rank->weights,
-                              LoadExpertWeights(source, options.model,
-                                                placement_->rank_experts(first_rank_ + r)));
+    MOESERVE_ASSIGN_OR_RETURN(
+        rank->weights,
+        LoadExpertWeights(source, options.model, placement_->rank_experts(first_rank_ + r)));
     MOESERVE_ASSIGN_OR_RETURN(rank->dev_weights,
                               DeviceWeightStore::Create(*rank->weights, *rank->cuda));
     rank->expert_map = placement_->ExpertMap(first_rank_ + r);
@@ -361,8 +359,8 @@ absl::Status Engine::CreateCudaRanks(const WeightSource& source, const std::stri
   }
   if (ep) {
 #ifndef MOESERVE_HAVE_NCCL
-    return absl::FailedPreconditionError(absl::StrCat(
-        "prepare_finalize ", pf_type, " on GPUs needs NCCL, which this build lacks"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("prepare_finalize ", pf_type, " on GPUs needs NCCL, which this build lacks"));
 #else
     std::vector<int> devices;
     std::vector<void*> streams;
@@ -372,9 +370,9 @@ absl::Status Engine::CreateCudaRanks(const WeightSource& source, const std::stri
     }
     const absl::Duration timeout = absl::Milliseconds(options.collective_timeout_ms);
     if (multi_process_) {
-      MOESERVE_ASSIGN_OR_RETURN(nccl_, NcclCommGroup::CreateMultiProcess(
-                                           devices, streams, world_, first_rank_,
-                                           options.collective_id, timeout));
+      MOESERVE_ASSIGN_OR_RETURN(
+          nccl_, NcclCommGroup::CreateMultiProcess(devices, streams, world_, first_rank_,
+                                                   options.collective_id, timeout));
       for (int r = 0; r < num_ranks; ++r) {
         ranks_[r]->host = std::make_unique<NcclHostTransfer>(nccl_->communicator(r));
       }
@@ -387,8 +385,8 @@ absl::Status Engine::CreateCudaRanks(const WeightSource& source, const std::stri
     Rank& rank = *ranks_[r];
     std::unique_ptr<PrepareAndFinalize> pf;
     if (!ep) {
-      MOESERVE_ASSIGN_OR_RETURN(pf, CreateCudaNoEpPrepareAndFinalize(
-                                        rank.cuda, options.max_tokens_per_request, format));
+      MOESERVE_ASSIGN_OR_RETURN(
+          pf, CreateCudaNoEpPrepareAndFinalize(rank.cuda, options.max_tokens_per_request, format));
     } else {
 #ifdef MOESERVE_HAVE_NCCL
       NcclAllToAllOptions o;
@@ -398,9 +396,8 @@ absl::Status Engine::CreateCudaRanks(const WeightSource& source, const std::stri
                      : ActivationFormat::kStandard;
       o.dispatch = options.dispatch == "per_route" ? AllToAllOptions::Dispatch::kPerRoute
                                                    : AllToAllOptions::Dispatch::kPerRank;
-      MOESERVE_ASSIGN_OR_RETURN(
-          pf, CreateNcclAllToAllPrepareAndFinalize(rank.cuda, nccl_->communicator(r), placement_,
-                                                   o));
+      MOESERVE_ASSIGN_OR_RETURN(pf, CreateNcclAllToAllPrepareAndFinalize(
+                                        rank.cuda, nccl_->communicator(r), placement_, o));
 #endif
     }
     MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> experts,
@@ -440,9 +437,8 @@ static absl::Status ForClient(absl::Status s) {
   if (s.code() != absl::StatusCode::kDeadlineExceeded && s.code() != absl::StatusCode::kAborted) {
     return s;
   }
-  return absl::UnavailableError(absl::StrCat("expert-parallel step failed (",
-                                             absl::StatusCodeToString(s.code()), "): ",
-                                             s.message()));
+  return absl::UnavailableError(absl::StrCat(
+      "expert-parallel step failed (", absl::StatusCodeToString(s.code()), "): ", s.message()));
 }
 
 void Engine::AfterFailedStep(const absl::Status& cause) {
@@ -450,8 +446,8 @@ void Engine::AfterFailedStep(const absl::Status& cause) {
   if (nccl_ != nullptr && !nccl_->healthy()) {
     nccl_->AbortAll();
     std::lock_guard<std::mutex> lock(health_mu_);
-    health_ = absl::UnavailableError(absl::StrCat(
-        "not serving: the NCCL communicators were aborted after: ", cause.message()));
+    health_ = absl::UnavailableError(
+        absl::StrCat("not serving: the NCCL communicators were aborted after: ", cause.message()));
   }
 #endif
 }
@@ -466,8 +462,8 @@ absl::Status Engine::RunRank(int r, const ForwardInput& input, const TensorView&
   // GPU ranks live in this process: each copies its slice of the answer straight into place.
   const bool in_place = r == 0 || rank.cuda != nullptr;
   // The leader writes its slice in place; the others gather theirs to it below.
-  TensorView out = in_place ? out32.Slice(begin, end)
-                            : rank.out.Get(DType::kFP32, {end - begin, k});
+  TensorView out =
+      in_place ? out32.Slice(begin, end) : rank.out.Get(DType::kFP32, {end - begin, k});
   ModularKernelArgs args;
   args.hidden_states = input.hidden_states.Slice(begin, end);
   args.topk_ids = ids.Slice(begin, end);
@@ -477,8 +473,7 @@ absl::Status Engine::RunRank(int r, const ForwardInput& input, const TensorView&
   args.expert_map = TensorView(rank.expert_map.data(), DType::kINT32,
                                {static_cast<int64_t>(rank.expert_map.size())});
   if (args.weights == nullptr) {
-    return absl::InternalError(absl::StrCat("rank ", r, " has no weights for layer ",
-                                            input.layer));
+    return absl::InternalError(absl::StrCat("rank ", r, " has no weights for layer ", input.layer));
   }
   MOESERVE_RETURN_IF_ERROR(rank.kernel->Forward(args, out, &rank.timings));
   if (ranks_.size() == 1 || rank.cuda != nullptr) return absl::OkStatus();
@@ -488,7 +483,8 @@ absl::Status Engine::RunRank(int r, const ForwardInput& input, const TensorView&
   std::vector<int64_t> sc(world, 0), sd(world, 0), rc(world, 0), rd(world, 0);
   if (r != 0) sc[0] = (end - begin) * row;
   if (r == 0) {
-    for (int p = 1; p < world; ++p) rc[p] = (bounds[p + 1] - bounds[p]) * row, rd[p] = bounds[p] * row;
+    for (int p = 1; p < world; ++p)
+      rc[p] = (bounds[p + 1] - bounds[p]) * row, rd[p] = bounds[p] * row;
   }
   return rank.comm->AllToAllV(out.raw_data(), sc, sd, out32.raw_data(), rc, rd);
 }
@@ -501,17 +497,17 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
   const int topk = options_.model.topk;
   if (output.dtype() != input.hidden_states.dtype() || output.shape() != Shape{m, k}) {
     return absl::InvalidArgumentError(absl::StrCat("output must be ",
-                                                   DTypeName(input.hidden_states.dtype()), "[",
-                                                   m, ", ", k, "], got ", output.DebugString()));
+                                                   DTypeName(input.hidden_states.dtype()), "[", m,
+                                                   ", ", k, "], got ", output.DebugString()));
   }
   const auto t_queue = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status h = health(); !h.ok()) return h;
   if (timings) {
     *timings = ForwardTimings();
-    timings->queue_us = std::chrono::duration<double, std::micro>(
-                            std::chrono::steady_clock::now() - t_queue)
-                            .count();
+    timings->queue_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_queue)
+            .count();
   }
   if (m == 0) return absl::OkStatus();
   TensorView ids = input.topk_ids;
@@ -525,8 +521,9 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
   TensorView out32 = fp32_out ? output : out32_.Get(DType::kFP32, {m, k});
   if (multi_process_) {
     // Every process's ranks run this forward; the followers' slices travel over NCCL.
-    std::vector<int64_t> cmd = {kCmdMagic, kOpForward, input.layer, m,
-                                static_cast<int64_t>(input.hidden_states.dtype()), world_};
+    std::vector<int64_t> cmd = {
+        kCmdMagic, kOpForward, input.layer, m, static_cast<int64_t>(input.hidden_states.dtype()),
+        world_};
     cmd.resize(kCmdBoundsAt + world_ + 1, 0);
     for (int r = 0; r < world_; ++r) {
       cmd[kCmdBoundsAt + r + 1] = cmd[kCmdBoundsAt + r] + m / world_ + (r < m % world_ ? 1 : 0);
@@ -569,8 +566,8 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
       const absl::Status& s = statuses[r];
       if (s.ok()) continue;
       // Prefer the root cause over the peers' ABORTED echoes.
-      if (first.ok() || (first.code() == absl::StatusCode::kAborted &&
-                         s.code() != absl::StatusCode::kAborted)) {
+      if (first.ok() ||
+          (first.code() == absl::StatusCode::kAborted && s.code() != absl::StatusCode::kAborted)) {
         first = absl::Status(s.code(), absl::StrCat("rank ", r, ": ", s.message()));
       }
     }
@@ -605,8 +602,8 @@ absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " has no experts"));
   }
   if (expert < 0 || expert >= options_.model.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("expert: got ", expert, ", expected [0, ",
-                                                   options_.model.num_experts, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert: got ", expert, ", expected [0, ", options_.model.num_experts, ")"));
   }
   const int owner = placement_->owner(expert);
   const LayerWeights* lw = nullptr;
@@ -634,8 +631,7 @@ absl::StatusOr<std::string> Engine::NewCollectiveId() {
 #ifdef MOESERVE_HAVE_NCCL
   return NcclCommGroup::NewUniqueId();
 #else
-  return absl::FailedPreconditionError(
-      "multi-process serving needs a build with CUDA and NCCL");
+  return absl::FailedPreconditionError("multi-process serving needs a build with CUDA and NCCL");
 #endif
 }
 
@@ -666,10 +662,10 @@ absl::Status Engine::RunStep(const std::vector<int64_t>* cmd, const ForwardInput
   for (size_t i = 0; i < statuses.size(); ++i) {
     const absl::Status& s = statuses[i];
     if (s.ok()) continue;
-    if (first.ok() || (first.code() == absl::StatusCode::kAborted &&
-                       s.code() != absl::StatusCode::kAborted)) {
-      first = absl::Status(s.code(), absl::StrCat("rank ", first_rank_ + static_cast<int>(i),
-                                                  ": ", s.message()));
+    if (first.ok() ||
+        (first.code() == absl::StatusCode::kAborted && s.code() != absl::StatusCode::kAborted)) {
+      first = absl::Status(
+          s.code(), absl::StrCat("rank ", first_rank_ + static_cast<int>(i), ": ", s.message()));
       if (IsAgreedFailure(s)) first.SetPayload("moeserve/agreed_failure", absl::Cord("1"));
     }
   }

@@ -42,17 +42,17 @@ struct EngineOptions {
   // "all2all_contiguous" | "all2all_batched"; class names are accepted too.
   std::string prepare_finalize = "auto";
   WeightFormat weight_format = WeightFormat::kBF16;
-  std::string checkpoint_dir;                  // empty: synthetic weights from `seed`
+  std::string checkpoint_dir;  // empty: synthetic weights from `seed`
   // Expert-parallel ranks (CPU: one worker thread each; CUDA: one GPU each, ranks 0..N-1 on
   // devices 0..N-1, NCCL between them); must divide num_experts. 0: every visible GPU with
   // backend cuda, 1 with cpu.
   int num_ranks = 1;
-  std::string placement = "contiguous";        // "contiguous" | "round_robin"
+  std::string placement = "contiguous";  // "contiguous" | "round_robin"
   // Explicit placement (global expert ids per rank, each expert exactly once), e.g. from a load
   // balancer; overrides `placement` when not empty. Its size must equal num_ranks.
   std::vector<std::vector<int>> rank_experts;
   uint64_t seed = 0;
-  int num_threads = 0;                         // 0: all hardware threads, shared by the ranks
+  int num_threads = 0;  // 0: all hardware threads, shared by the ranks
   int64_t max_tokens_per_request = 8192;
   // Tokens one rank submits to one dispatch round (the batched format's capacity is this times
   // num_ranks rows per local expert). 0: ceil(max_tokens_per_request / num_ranks), at most 128
@@ -66,7 +66,7 @@ struct EngineOptions {
   // On GPUs a collective that does not complete in time aborts the NCCL communicators; the
   // engine then reports not healthy (see Engine::health()).
   int64_t collective_timeout_ms = 60000;
-  int64_t memory_budget_bytes = 0;             // 0: what the machine has available
+  int64_t memory_budget_bytes = 0;  // 0: what the machine has available
   // Multi-process (multi-node) expert parallelism, backend cuda only. world_size ranks in all,
   // num_ranks of them (one per local GPU) in this process, as global ranks
   // node_rank * num_ranks + i; every process has the same num_ranks. 0: single process
@@ -108,15 +108,15 @@ struct EngineInfo {
   std::string prepare_finalize;
   std::string experts;
   WeightFormat weight_format = WeightFormat::kBF16;
-  std::string checkpoint_dir;                  // empty: synthetic weights from `seed`
+  std::string checkpoint_dir;  // empty: synthetic weights from `seed`
   int num_ranks = 1;
   std::string placement = "contiguous";
   std::vector<std::vector<int>> rank_experts;  // global expert ids per rank
   int64_t max_tokens_per_request = 0;
-  int64_t max_tokens_per_rank = 0;             // per dispatch round
-  int local_ranks = 1;                         // ranks in this process (multi-process: < num_ranks)
-  int node_rank = 0;                           // this process's index (multi-process)
-  int threads_per_rank = 1;                    // experts' threads on each rank
+  int64_t max_tokens_per_rank = 0;  // per dispatch round
+  int local_ranks = 1;              // ranks in this process (multi-process: < num_ranks)
+  int node_rank = 0;                // this process's index (multi-process)
+  int threads_per_rank = 1;         // experts' threads on each rank
   std::vector<DType> hidden_dtypes = {DType::kBF16, DType::kFP16, DType::kFP32};
   std::vector<DType> topk_ids_dtypes = {DType::kINT32, DType::kINT64};
 };
@@ -188,8 +188,8 @@ class Engine {
 
   bool multi_process_ = false;
   bool formed_ = false;  // Create finished: the multi-process group exists
-  int first_rank_ = 0;  // global rank of local rank 0
-  int world_ = 1;       // ranks in all processes
+  int first_rank_ = 0;   // global rank of local rank 0
+  int world_ = 1;        // ranks in all processes
   WeightSource source_;  // to load an expert another process holds (GetExpertWeightsBf16)
   std::chrono::steady_clock::time_point last_step_;
   std::mutex hb_mu_;
@@ -205,8 +205,8 @@ class Engine {
   std::shared_ptr<NcclCommGroup> nccl_;        // GPU ranks with an all-to-all
   mutable std::mutex health_mu_;
   absl::Status health_;
-  std::unique_ptr<RankThreads> threads_;       // null with one rank
-  std::mutex mu_;  // one forward at a time
+  std::unique_ptr<RankThreads> threads_;  // null with one rank
+  std::mutex mu_;                         // one forward at a time
   HostBuffer ids32_, out32_;
 };
 

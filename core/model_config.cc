@@ -6,9 +6,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 
 namespace moeserve {
 
@@ -64,8 +64,8 @@ absl::Status ModelConfig::Validate() const {
 
 std::string ModelConfig::DebugString() const {
   return absl::StrFormat(
-      "%s (layers=%d moe_layers=%d experts=%d topk=%d hidden=%d intermediate=%d)", name,
-      num_layers, num_moe_layers(), num_experts, topk, hidden, intermediate);
+      "%s (layers=%d moe_layers=%d experts=%d topk=%d hidden=%d intermediate=%d)", name, num_layers,
+      num_moe_layers(), num_experts, topk, hidden, intermediate);
 }
 
 absl::StatusOr<ModelConfig> ModelPreset(absl::string_view name) {
@@ -81,9 +81,10 @@ absl::StatusOr<ModelConfig> ModelPreset(absl::string_view name) {
     // The seed's one MegaMoE layer (FlashInfer's Cake MXFP8 EP16 backend).
     c.num_layers = 1, c.num_experts = 512, c.topk = 8, c.hidden = 3072, c.intermediate = 5120;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown model preset '", name, "'; expected one of tiny, qwen3-30b-a3b, deepseek-v3, "
-        "seed-megamoe"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown model preset '", name,
+                     "'; expected one of tiny, qwen3-30b-a3b, deepseek-v3, "
+                     "seed-megamoe"));
   }
   return c;
 }
@@ -118,8 +119,8 @@ int64_t AvailableHostMemoryBytes() {
     available = static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
   }
   // A container's cgroup limit may be far below the host's free memory.
-  for (const char* path : {"/sys/fs/cgroup/memory.max",
-                           "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
     std::ifstream f(path);
     std::string limit;
     if (f >> limit && limit != "max") {

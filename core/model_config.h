@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace moeserve {
 
@@ -21,7 +21,8 @@ absl::string_view WeightFormatName(WeightFormat format);
 absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 
 // Every MoE layer has num_experts experts, each a SiLU-gated MLP
-//   y = down(silu(gate(x)) * up(x)),  gate/up: hidden -> intermediate, down: intermediate -> hidden,
+//   y = down(silu(gate(x)) * up(x)),  gate/up: hidden -> intermediate, down: intermediate ->
+//   hidden,
 // and every token is routed to topk of them.
 struct ModelConfig {
   std::string name;

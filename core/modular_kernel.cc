@@ -2,8 +2,8 @@
 
 #include <chrono>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -25,8 +25,8 @@ absl::Status CheckCompatible(const PrepareAndFinalize& pf, const Experts& expert
   const ActivationFormats formats = experts.activation_formats();
   if (formats.input != pf.activation_format()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        pf.name(), " produces ", ActivationFormatName(pf.activation_format()),
-        " activations but ", experts.name(), " expects ", ActivationFormatName(formats.input)));
+        pf.name(), " produces ", ActivationFormatName(pf.activation_format()), " activations but ",
+        experts.name(), " expects ", ActivationFormatName(formats.input)));
   }
   if (pf.num_dispatchers() > 1 && !experts.supports_expert_map()) {
     return absl::InvalidArgumentError(
@@ -82,8 +82,8 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   }
   const int64_t m = args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0;
   if (bounds.size() < 2 || bounds.front() != 0 || bounds.back() != m) {
-    return absl::InternalError(absl::StrCat(prepare_finalize_->name(),
-                                            ": PlanChunks must return {0, ..., ", m, "}"));
+    return absl::InternalError(
+        absl::StrCat(prepare_finalize_->name(), ": PlanChunks must return {0, ..., ", m, "}"));
   }
   const std::unique_ptr<TopKWeightAndReduce> war = experts_->FinalizeWeightAndReduceImpl();
   for (size_t c = 0; c + 1 < bounds.size(); ++c) {

@@ -23,10 +23,10 @@
 #include <optional>
 #include <string>
 #include <vector>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "core/weights.h"
@@ -41,9 +41,9 @@ absl::string_view ActivationFormatName(ActivationFormat format);
 
 // The sizes one forward runs at on one rank, after dispatch.
 struct MoeProblem {
-  int64_t num_tokens = 0;         // Standard: tokens received (M_recv)
-  int64_t hidden = 0;             // K
-  int64_t intermediate = 0;       // N
+  int64_t num_tokens = 0;    // Standard: tokens received (M_recv)
+  int64_t hidden = 0;        // K
+  int64_t intermediate = 0;  // N
   int64_t topk = 0;
   int64_t num_experts = 0;        // global
   int64_t num_local_experts = 0;  // E
@@ -160,7 +160,7 @@ struct ActivationFormats {
 struct WorkspaceShapes {
   Shape workspace13;  // scratch, also reused across W1 / W2 stages
   Shape workspace2;
-  Shape output;       // fused expert output handed to Finalize
+  Shape output;  // fused expert output handed to Finalize
   DType workspace_dtype = DType::kFP32;
 };
 
@@ -203,7 +203,7 @@ struct ModularKernelArgs {
   TensorView topk_weights;   // [M, topk] FP32
   const LayerWeights* weights = nullptr;
   int64_t num_experts = 0;
-  TensorView expert_map;     // optional, see PrepareArgs
+  TensorView expert_map;  // optional, see PrepareArgs
 };
 
 // Why a pair cannot be combined; OK if it can.

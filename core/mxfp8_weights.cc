@@ -17,19 +17,19 @@ absl::Status QuantizeTensor(const uint16_t* in, int64_t rows, int64_t k, uint8_t
                             uint8_t* scales, int layer, int64_t local, int global,
                             absl::string_view name) {
   int64_t bad = -1;
-  const kernels::Mxfp8Status s = kernels::QuantizeMxfp8RowsFromBf16Ref(in, rows, k, q, scales, &bad);
+  const kernels::Mxfp8Status s =
+      kernels::QuantizeMxfp8RowsFromBf16Ref(in, rows, k, q, scales, &bad);
   if (s == kernels::Mxfp8Status::kOk) return absl::OkStatus();
-  const std::string expert =
-      global >= 0 ? absl::StrCat("expert ", global, " (local ", local, ")")
-                  : absl::StrCat("local expert ", local);
+  const std::string expert = global >= 0 ? absl::StrCat("expert ", global, " (local ", local, ")")
+                                         : absl::StrCat("local expert ", local);
   if (s == kernels::Mxfp8Status::kNonFinite) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer, ", ", expert, ", ", name, " [", rows, ", ", k, "]: value ",
-        kernels::Bf16ToFloat(in[bad]), " at [", bad / k, ", ", bad % k,
-        "] is not finite; MXFP8 quantization needs finite weights"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, ", ", expert, ", ", name, " [", rows, ", ", k, "]: value ",
+                     kernels::Bf16ToFloat(in[bad]), " at [", bad / k, ", ", bad % k,
+                     "] is not finite; MXFP8 quantization needs finite weights"));
   }
-  return absl::InternalError(absl::StrCat("layer ", layer, ", ", expert, ", ", name, ": ",
-                                          kernels::Mxfp8StatusName(s)));
+  return absl::InternalError(
+      absl::StrCat("layer ", layer, ", ", expert, ", ", name, ": ", kernels::Mxfp8StatusName(s)));
 }
 
 }  // namespace
@@ -66,15 +66,13 @@ absl::StatusOr<QuantizedLayer> QuantizeLayerToMxfp8(const LayerWeights& bf16, in
   ThreadPool pool(num_threads);
   pool.ParallelFor(num_local, [&](int64_t e, int) {
     const int global = expert_ids.empty() ? -1 : expert_ids[e];
-    status[e] = QuantizeTensor(bf16.w13.data<uint16_t>() + e * 2 * n * h, 2 * n, h,
-                               w13.data<uint8_t>() + e * 2 * n * h,
-                               w13_scale.data<uint8_t>() + e * 2 * n * w13_blocks, layer, e,
-                               global, "w13 (gate/up)");
+    status[e] = QuantizeTensor(
+        bf16.w13.data<uint16_t>() + e * 2 * n * h, 2 * n, h, w13.data<uint8_t>() + e * 2 * n * h,
+        w13_scale.data<uint8_t>() + e * 2 * n * w13_blocks, layer, e, global, "w13 (gate/up)");
     if (!status[e].ok()) return;
-    status[e] = QuantizeTensor(bf16.w2.data<uint16_t>() + e * h * n, h, n,
-                               w2.data<uint8_t>() + e * h * n,
-                               w2_scale.data<uint8_t>() + e * h * w2_blocks, layer, e, global,
-                               "w2 (down)");
+    status[e] =
+        QuantizeTensor(bf16.w2.data<uint16_t>() + e * h * n, h, n, w2.data<uint8_t>() + e * h * n,
+                       w2_scale.data<uint8_t>() + e * h * w2_blocks, layer, e, global, "w2 (down)");
   });
   for (const absl::Status& s : status) MOESERVE_RETURN_IF_ERROR(s);
 
@@ -105,8 +103,7 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> CreateSyntheticMxfp8(
     int64_t memory_budget_bytes) {
   MOESERVE_RETURN_IF_ERROR(config.Validate());
   const int num_local = static_cast<int>(expert_ids.size());
-  const int64_t budget =
-      memory_budget_bytes > 0 ? memory_budget_bytes : AvailableHostMemoryBytes();
+  const int64_t budget = memory_budget_bytes > 0 ? memory_budget_bytes : AvailableHostMemoryBytes();
   MOESERVE_RETURN_IF_ERROR(
       CheckMemoryBudget(config, Mxfp8LoadPeakBytes(config, num_local), budget));
 

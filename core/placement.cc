@@ -9,9 +9,9 @@ namespace {
 
 absl::Status CheckDivides(absl::string_view policy, int num_experts, int num_ranks) {
   if (num_ranks < 1 || num_experts < 1 || num_experts % num_ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "placement ", policy, ": num_ranks=", num_ranks, " must be >= 1 and divide num_experts=",
-        num_experts));
+    return absl::InvalidArgumentError(
+        absl::StrCat("placement ", policy, ": num_ranks=", num_ranks,
+                     " must be >= 1 and divide num_experts=", num_experts));
   }
   return absl::OkStatus();
 }
@@ -62,13 +62,12 @@ absl::StatusOr<Placement> Placement::FromRankExperts(int num_experts,
     for (size_t i = 0; i < rank_experts[r].size(); ++i) {
       const int e = rank_experts[r][i];
       if (e < 0 || e >= num_experts) {
-        return absl::InvalidArgumentError(absl::StrCat("placement: rank ", r, " lists expert ",
-                                                       e, ", outside [0, ", num_experts, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("placement: rank ", r, " lists expert ", e,
+                                                       ", outside [0, ", num_experts, ")"));
       }
       if (p.owner_[e] != -1) {
-        return absl::InvalidArgumentError(absl::StrCat("placement: expert ", e,
-                                                       " is listed by rank ", p.owner_[e],
-                                                       " and rank ", r));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "placement: expert ", e, " is listed by rank ", p.owner_[e], " and rank ", r));
       }
       p.owner_[e] = static_cast<int>(r);
       p.local_index_[e] = static_cast<int>(i);

@@ -24,8 +24,7 @@ class Placement {
   static absl::StatusOr<Placement> Contiguous(int num_experts, int num_ranks);
   static absl::StatusOr<Placement> RoundRobin(int num_experts, int num_ranks);
   // `name`: "contiguous" or "round_robin"; INVALID_ARGUMENT otherwise.
-  static absl::StatusOr<Placement> ByName(absl::string_view name, int num_experts,
-                                          int num_ranks);
+  static absl::StatusOr<Placement> ByName(absl::string_view name, int num_experts, int num_ranks);
   // Explicit lists (e.g. from a load balancer). Ranks may host different numbers of experts,
   // at least one each; every expert in [0, num_experts) exactly once.
   static absl::StatusOr<Placement> FromRankExperts(int num_experts,
@@ -38,9 +37,7 @@ class Placement {
   // Global ids hosted by `rank`, in local-index order.
   const std::vector<int>& rank_experts(int rank) const { return rank_experts_[rank]; }
   const std::vector<std::vector<int>>& all_rank_experts() const { return rank_experts_; }
-  int num_local_experts(int rank) const {
-    return static_cast<int>(rank_experts_[rank].size());
-  }
+  int num_local_experts(int rank) const { return static_cast<int>(rank_experts_[rank].size()); }
   int max_local_experts() const;
   int owner(int expert) const { return owner_[expert]; }
   int local_index(int expert) const { return local_index_[expert]; }

@@ -13,14 +13,14 @@
 #define MOESERVE_STATUS_CONCAT_(a, b) MOESERVE_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define MOESERVE_RETURN_IF_ERROR(expr)                  \
-  do {                                                  \
-    ::absl::Status _moeserve_status = (expr);           \
+#define MOESERVE_RETURN_IF_ERROR(expr)                   \
+  do {                                                   \
+    ::absl::Status _moeserve_status = (expr);            \
     if (!_moeserve_status.ok()) return _moeserve_status; \
   } while (0)
 
 // `lhs = value of rexpr` where rexpr is an absl::StatusOr<T>; returns its status on error.
-#define MOESERVE_ASSIGN_OR_RETURN(lhs, rexpr)                                               \
+#define MOESERVE_ASSIGN_OR_RETURN(lhs, rexpr)                                                  \
   MOESERVE_ASSIGN_OR_RETURN_IMPL_(MOESERVE_STATUS_CONCAT_(_moeserve_statusor_, __LINE__), lhs, \
                                   rexpr)
 #define MOESERVE_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
@@ -33,21 +33,21 @@
   do {                                                                                       \
     const cudaError_t _moeserve_cuda_err = (expr);                                           \
     if (_moeserve_cuda_err != cudaSuccess) {                                                 \
-      return ::absl::InternalError(::absl::StrCat(#expr, " failed: ",                        \
-                                                  cudaGetErrorString(_moeserve_cuda_err),    \
-                                                  " at ", __FILE__, ":", __LINE__));         \
+      return ::absl::InternalError(                                                          \
+          ::absl::StrCat(#expr, " failed: ", cudaGetErrorString(_moeserve_cuda_err), " at ", \
+                         __FILE__, ":", __LINE__));                                          \
     }                                                                                        \
   } while (0)
 
 // For ncclResult_t-returning calls; includes ncclGetLastError() detail.
-#define MOESERVE_NCCL_RETURN_IF_ERROR(expr, comm)                                             \
-  do {                                                                                        \
-    const ncclResult_t _moeserve_nccl_res = (expr);                                           \
-    if (_moeserve_nccl_res != ncclSuccess && _moeserve_nccl_res != ncclInProgress) {          \
-      return ::absl::InternalError(::absl::StrCat(                                            \
-          #expr, " failed: ", ncclGetErrorString(_moeserve_nccl_res), " (",                   \
-          ncclGetLastError(comm), ") at ", __FILE__, ":", __LINE__));                         \
-    }                                                                                         \
+#define MOESERVE_NCCL_RETURN_IF_ERROR(expr, comm)                                          \
+  do {                                                                                     \
+    const ncclResult_t _moeserve_nccl_res = (expr);                                        \
+    if (_moeserve_nccl_res != ncclSuccess && _moeserve_nccl_res != ncclInProgress) {       \
+      return ::absl::InternalError(                                                        \
+          ::absl::StrCat(#expr, " failed: ", ncclGetErrorString(_moeserve_nccl_res), " (", \
+                         ncclGetLastError(comm), ") at ", __FILE__, ":", __LINE__));       \
+    }                                                                                      \
   } while (0)
 
 #endif  // MOESERVE_CORE_STATUS_MACROS_H_

@@ -59,8 +59,8 @@ TensorView TensorView::Slice(int64_t begin, int64_t end) const {
 absl::StatusOr<TensorView> TensorView::Reshape(Shape shape) const {
   if (!is_contiguous()) return absl::FailedPreconditionError("Reshape of a strided view");
   if (NumElements(shape) != numel()) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot reshape ", ShapeToString(shape_),
-                                                   " to ", ShapeToString(shape)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot reshape ", ShapeToString(shape_), " to ", ShapeToString(shape)));
   }
   return TensorView(data_, dtype_, std::move(shape));
 }
@@ -108,7 +108,8 @@ absl::Status ConvertTensor(const TensorView& src, const TensorView& dst) {
   const int64_t n = src.numel();
   if (n == 0) return absl::OkStatus();
   if (src.dtype() == dst.dtype()) {
-    if (src.raw_data() != dst.raw_data()) std::memmove(dst.raw_data(), src.raw_data(), src.nbytes());
+    if (src.raw_data() != dst.raw_data())
+      std::memmove(dst.raw_data(), src.raw_data(), src.nbytes());
     return absl::OkStatus();
   }
   namespace k = kernels;
@@ -129,8 +130,8 @@ absl::Status ConvertTensor(const TensorView& src, const TensorView& dst) {
       out[i] = d == DType::kBF16 ? k::FloatToBf16(f) : k::FloatToFp16(f);
     }
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("ConvertTensor: unsupported ",
-                                                   DTypeName(s), " -> ", DTypeName(d)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ConvertTensor: unsupported ", DTypeName(s), " -> ", DTypeName(d)));
   }
   return absl::OkStatus();
 }

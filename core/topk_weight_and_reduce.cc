@@ -1,8 +1,8 @@
 // TopKWeightAndReduce implementations: NoOp, Contiguous, NaiveBatched, Delegate.
 #include <cstring>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "core/modular_kernel.h"
 #include "kernels/cpu/moe_ref.h"
 
@@ -12,8 +12,8 @@ namespace {
 absl::Status CheckOutput(const TensorView& output, const TensorView& topk_weights,
                          const TensorView& topk_ids) {
   if (output.rank() != 2 || output.dtype() != DType::kFP32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TopKWeightAndReduce: output must be FP32 [M, K], got ", output.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TopKWeightAndReduce: output must be FP32 [M, K], got ", output.DebugString()));
   }
   if (topk_weights.rank() != 2 || topk_weights.dim(0) != output.dim(0) ||
       topk_ids.shape() != topk_weights.shape()) {
@@ -44,8 +44,8 @@ class NoOp final : public TopKWeightAndReduce {
 class Contiguous final : public TopKWeightAndReduce {
  public:
   Kind kind() const override { return Kind::kContiguous; }
-  absl::Status Apply(const TensorView& output, const TensorView& in,
-                     const TensorView& topk_weights, const TensorView& topk_ids) const override {
+  absl::Status Apply(const TensorView& output, const TensorView& in, const TensorView& topk_weights,
+                     const TensorView& topk_ids) const override {
     if (auto s = CheckOutput(output, topk_weights, topk_ids); !s.ok()) return s;
     const int64_t m = output.dim(0), k = output.dim(1), topk = topk_weights.dim(1);
     if (in.rank() != 3 || in.dim(0) != m || in.dim(1) != topk || in.dim(2) != k) {
@@ -63,14 +63,14 @@ class Contiguous final : public TopKWeightAndReduce {
 class NaiveBatched final : public TopKWeightAndReduce {
  public:
   Kind kind() const override { return Kind::kNaiveBatched; }
-  absl::Status Apply(const TensorView& output, const TensorView& in,
-                     const TensorView& topk_weights, const TensorView& topk_ids) const override {
+  absl::Status Apply(const TensorView& output, const TensorView& in, const TensorView& topk_weights,
+                     const TensorView& topk_ids) const override {
     if (auto s = CheckOutput(output, topk_weights, topk_ids); !s.ok()) return s;
     const int64_t m = output.dim(0), k = output.dim(1), topk = topk_weights.dim(1);
     if (in.rank() != 3 || in.dim(2) != k) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "TopKWeightAndReduceNaiveBatched: input must be [E, max_tokens, ", k, "], got ",
-          in.DebugString()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("TopKWeightAndReduceNaiveBatched: input must be [E, max_tokens, ", k,
+                       "], got ", in.DebugString()));
     }
     const int64_t num_experts = in.dim(0), max_tokens = in.dim(1);
     std::vector<int64_t> next_row(num_experts, 0);
@@ -83,9 +83,9 @@ class NaiveBatched final : public TopKWeightAndReduce {
         const int32_t e = ids[t * topk + j];
         if (e < 0) continue;
         if (e >= num_experts || next_row[e] >= max_tokens) {
-          return absl::InternalError(absl::StrCat(
-              "TopKWeightAndReduceNaiveBatched: route (", t, ", ", j, ") to expert ", e,
-              " has no row in a [", num_experts, ", ", max_tokens, "] batch"));
+          return absl::InternalError(absl::StrCat("TopKWeightAndReduceNaiveBatched: route (", t,
+                                                  ", ", j, ") to expert ", e, " has no row in a [",
+                                                  num_experts, ", ", max_tokens, "] batch"));
         }
         const float* row = in.data<float>() + (e * max_tokens + next_row[e]++) * k;
         const float wt = w[t * topk + j];

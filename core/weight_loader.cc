@@ -16,8 +16,9 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const WeightSource& source,
   return configured;
 }
 
-absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(
-    const WeightSource& source, const ModelConfig& model, std::vector<int> expert_ids) {
+absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(const WeightSource& source,
+                                                                     const ModelConfig& model,
+                                                                     std::vector<int> expert_ids) {
   if (!source.checkpoint_dir.empty()) {
     // Maps and validates every safetensors file, then reads this rank's experts only.
     auto ckpt = checkpoint::HfCheckpoint::Open(source.checkpoint_dir);
@@ -26,8 +27,7 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(
     options.format = source.format;
     options.num_threads = source.num_threads;
     options.memory_budget_bytes = source.memory_budget_bytes;
-    return checkpoint::LoadCheckpointExperts(**ckpt, model, std::move(expert_ids),
-                                             options);
+    return checkpoint::LoadCheckpointExperts(**ckpt, model, std::move(expert_ids), options);
   }
   if (source.format == WeightFormat::kMXFP8) {
     // Synthetic BF16 weights quantized at load, one layer at a time.

@@ -30,8 +30,9 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const WeightSource& source,
 
 // Loads the weights of `expert_ids` (global ids, local-index order) for every MoE layer of
 // `model`. Each rank calls this for its own experts only.
-absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(
-    const WeightSource& source, const ModelConfig& model, std::vector<int> expert_ids);
+absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(const WeightSource& source,
+                                                                     const ModelConfig& model,
+                                                                     std::vector<int> expert_ids);
 
 }  // namespace moeserve
 

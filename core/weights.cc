@@ -56,8 +56,7 @@ absl::Status DequantizeExpertToFp32(const LayerWeights& w, int64_t e, float* w13
   const int64_t w13_blocks = 2 * n * kernels::Mxfp8ScaleBlocks(h);
   const int64_t w2_blocks = h * kernels::Mxfp8ScaleBlocks(n);
   kernels::DequantizeMxfp8RowsRef(w.w13.data<uint8_t>() + e * w13_elems,
-                                  w.w13_scale.data<uint8_t>() + e * w13_blocks, 2 * n, h,
-                                  w13_out);
+                                  w.w13_scale.data<uint8_t>() + e * w13_blocks, 2 * n, h, w13_out);
   kernels::DequantizeMxfp8RowsRef(w.w2.data<uint8_t>() + e * w2_elems,
                                   w.w2_scale.data<uint8_t>() + e * w2_blocks, h, n, w2_out);
   return absl::OkStatus();
@@ -76,8 +75,7 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> ExpertWeightStore::CreateSynt
   const int num_local = static_cast<int>(expert_ids.size());
   const int64_t needed =
       config.LayerWeightBytes(num_local, WeightFormat::kBF16) * config.num_moe_layers();
-  const int64_t budget =
-      memory_budget_bytes > 0 ? memory_budget_bytes : AvailableHostMemoryBytes();
+  const int64_t budget = memory_budget_bytes > 0 ? memory_budget_bytes : AvailableHostMemoryBytes();
   MOESERVE_RETURN_IF_ERROR(CheckMemoryBudget(config, needed, budget));
 
   const int64_t h = config.hidden, n = config.intermediate;
@@ -130,9 +128,8 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> ExpertWeightStore::FromLayers
     std::vector<Tensor> storage) {
   MOESERVE_RETURN_IF_ERROR(config.Validate());
   if (static_cast<int>(layers.size()) != config.num_moe_layers()) {
-    return absl::InvalidArgumentError(absl::StrCat("expected weights for ",
-                                                   config.num_moe_layers(), " MoE layers, got ",
-                                                   layers.size()));
+    return absl::InvalidArgumentError(absl::StrCat("expected weights for ", config.num_moe_layers(),
+                                                   " MoE layers, got ", layers.size()));
   }
   auto store = std::unique_ptr<ExpertWeightStore>(new ExpertWeightStore());
   store->config_ = config;
@@ -144,8 +141,8 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> ExpertWeightStore::FromLayers
     const LayerWeights& lw = layers[i];
     if (lw.num_local_experts != static_cast<int64_t>(store->expert_ids_.size()) ||
         lw.hidden != config.hidden || lw.intermediate != config.intermediate) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", layer,
-                                                     ": weight shapes do not match the model"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, ": weight shapes do not match the model"));
     }
   }
   for (const Tensor& t : storage) store->total_bytes_ += static_cast<int64_t>(t.nbytes());

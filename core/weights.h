@@ -16,8 +16,8 @@ namespace moeserve {
 // expert_ids[e]. W13 stacks gate (rows [0, I)) over up (rows [I, 2I)), as vLLM's w13.
 //   kBF16:  w13 BF16 [E_local, 2I, H], w2 BF16 [E_local, H, I]; scales empty.
 //   kMXFP8: w13 FP8E4M3 [E_local, 2I, H], w2 FP8E4M3 [E_local, H, I];
-//           w13_scale UINT8 (E8M0) [E_local, 2I, ceil(H/32)], w2_scale UINT8 [E_local, H, ceil(I/32)]
-//           (one scale per 32 consecutive values along K, the GEMM's reduction dim).
+//           w13_scale UINT8 (E8M0) [E_local, 2I, ceil(H/32)], w2_scale UINT8 [E_local, H,
+//           ceil(I/32)] (one scale per 32 consecutive values along K, the GEMM's reduction dim).
 struct LayerWeights {
   WeightFormat format = WeightFormat::kBF16;
   int64_t num_local_experts = 0;

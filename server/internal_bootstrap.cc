@@ -48,37 +48,37 @@ absl::StatusOr<MultiProcessConfig> ResolveMultiProcess(const MultiProcessFlags& 
   int world = flags.world_size;
   const char* world_from = "--world_size";
   if (world < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--world_size: got ", world,
-                                                   ", expected >= 0 (0: unset)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--world_size: got ", world, ", expected >= 0 (0: unset)"));
   }
   if (world == 0) {
     MOESERVE_ASSIGN_OR_RETURN(const int group, EnvInt(env, "LWS_GROUP_SIZE"));
     if (group <= 1) return c;  // single process (no group, or a group of one pod)
     if (flags.local_ranks <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--ranks: LWS_GROUP_SIZE=", group, " asks for multi-process serving, which needs the "
-          "ranks (GPUs) per process given explicitly (--ranks > 0)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ranks: LWS_GROUP_SIZE=", group,
+                       " asks for multi-process serving, which needs the "
+                       "ranks (GPUs) per process given explicitly (--ranks > 0)"));
     }
     world = group * flags.local_ranks;
     world_from = "LWS_GROUP_SIZE * --ranks";
   }
   if (flags.local_ranks <= 0) {
     if (world <= 1) return c;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--ranks: --world_size=", world, " needs the ranks (GPUs) per process given "
-        "explicitly (--ranks > 0)"));
+    return absl::InvalidArgumentError(absl::StrCat("--ranks: --world_size=", world,
+                                                   " needs the ranks (GPUs) per process given "
+                                                   "explicitly (--ranks > 0)"));
   }
   if (world <= flags.local_ranks) {
     if (world < flags.local_ranks) {
-      return absl::InvalidArgumentError(absl::StrCat(world_from, ": got ", world,
-                                                     ", fewer than --ranks=", flags.local_ranks));
+      return absl::InvalidArgumentError(
+          absl::StrCat(world_from, ": got ", world, ", fewer than --ranks=", flags.local_ranks));
     }
     return c;  // every rank in this process
   }
   if (world % flags.local_ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(world_from, ": got ", world,
-                                                   ", expected a multiple of --ranks=",
-                                                   flags.local_ranks));
+    return absl::InvalidArgumentError(absl::StrCat(
+        world_from, ": got ", world, ", expected a multiple of --ranks=", flags.local_ranks));
   }
   c.enabled = true;
   c.world_size = world;
@@ -91,9 +91,8 @@ absl::StatusOr<MultiProcessConfig> ResolveMultiProcess(const MultiProcessFlags& 
     if (node < 0) node = 0;
   }
   if (node >= nodes) {
-    return absl::InvalidArgumentError(absl::StrCat(node_from, ": got ", node,
-                                                   ", expected a value in [0, ", nodes,
-                                                   ") (world_size / ranks)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        node_from, ": got ", node, ", expected a value in [0, ", nodes, ") (world_size / ranks)"));
   }
   c.node_rank = node;
   c.leader_address = flags.leader_address;
@@ -110,8 +109,8 @@ absl::StatusOr<MultiProcessConfig> ResolveMultiProcess(const MultiProcessFlags& 
         "LWS_LEADER_ADDRESS)");
   }
   if (c.leader_address.rfind(':') == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("--leader_address: got '", c.leader_address,
-                                                   "', expected host:port"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--leader_address: got '", c.leader_address, "', expected host:port"));
   }
   return c;
 }
@@ -140,9 +139,9 @@ class BootstrapServer::Impl final : public v1::InternalService::Service {
     const int nodes = config_.world_size / config_.local_ranks;
     if (req->world_size() != config_.world_size || req->local_ranks() != config_.local_ranks) {
       return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-          "GetBootstrap: the follower has world_size=", req->world_size(), " ranks=",
-          req->local_ranks(), ", the leader world_size=", config_.world_size, " ranks=",
-          config_.local_ranks)));
+          "GetBootstrap: the follower has world_size=", req->world_size(),
+          " ranks=", req->local_ranks(), ", the leader world_size=", config_.world_size,
+          " ranks=", config_.local_ranks)));
     }
     if (req->node_rank() < 1 || req->node_rank() >= nodes) {
       return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
@@ -292,7 +291,8 @@ absl::StatusOr<std::unique_ptr<FollowerProcess>> FollowerProcess::Start(
     return absl::UnavailableError("listen: cannot start the follower's health server");
   }
   for (size_t i = 0; i < listen.size(); ++i) {
-    if (ports[i] == 0) return absl::UnavailableError(absl::StrCat("listen: cannot bind ", listen[i]));
+    if (ports[i] == 0)
+      return absl::UnavailableError(absl::StrCat("listen: cannot bind ", listen[i]));
     const size_t colon = listen[i].rfind(':');
     f->bound_.push_back(absl::StrCat(listen[i].substr(0, colon), ":", ports[i]));
   }

@@ -37,11 +37,11 @@ inline constexpr char kInternalServiceName[] = "moeserve.v1.InternalService";
 inline constexpr int kDefaultLeaderPort = 50052;
 
 struct MultiProcessFlags {
-  int world_size = 0;          // --world_size; 0: unset
-  int node_rank = -1;          // --node_rank; -1: unset
-  std::string leader_address;  // --leader_address (host:port); empty: unset
+  int world_size = 0;                    // --world_size; 0: unset
+  int node_rank = -1;                    // --node_rank; -1: unset
+  std::string leader_address;            // --leader_address (host:port); empty: unset
   int leader_port = kDefaultLeaderPort;  // with LWS_LEADER_ADDRESS, which has no port
-  int local_ranks = 0;         // --ranks (ranks in this process)
+  int local_ranks = 0;                   // --ranks (ranks in this process)
 };
 
 struct MultiProcessConfig {

@@ -201,8 +201,8 @@ int Run() {
     std::fprintf(stderr, "moeserve: bad flags: %s\n", mp.status().ToString().c_str());
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<BootstrapServer>> bootstrap = PrepareMultiProcess(
-      *mp, &*options, absl::Seconds(absl::GetFlag(FLAGS_bootstrap_timeout_s)));
+  absl::StatusOr<std::unique_ptr<BootstrapServer>> bootstrap =
+      PrepareMultiProcess(*mp, &*options, absl::Seconds(absl::GetFlag(FLAGS_bootstrap_timeout_s)));
   if (!bootstrap.ok()) {
     std::fprintf(stderr, "moeserve: multi-process bootstrap failed: %s\n",
                  bootstrap.status().ToString().c_str());
@@ -218,9 +218,9 @@ int Run() {
   }
   if ((*engine)->is_follower()) {
     // Followers serve only health and run the leader's commands until it shuts them down.
-    absl::StatusOr<std::unique_ptr<FollowerProcess>> follower = FollowerProcess::Start(
-        engine->get(), SplitListenAddresses(absl::GetFlag(FLAGS_listen)),
-        [] { (void)!write(g_signal_pipe[1], "x", 1); });
+    absl::StatusOr<std::unique_ptr<FollowerProcess>> follower =
+        FollowerProcess::Start(engine->get(), SplitListenAddresses(absl::GetFlag(FLAGS_listen)),
+                               [] { (void)!write(g_signal_pipe[1], "x", 1); });
     if (!follower.ok()) {
       std::fprintf(stderr, "moeserve: %s\n", follower.status().ToString().c_str());
       return 1;
@@ -243,8 +243,7 @@ int Run() {
   server_options.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
   server_options.server_threads = absl::GetFlag(FLAGS_server_threads);
   server_options.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
-  server_options.recover_after =
-      std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
+  server_options.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   server_options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   absl::StatusOr<std::unique_ptr<MoeServer>> server =

@@ -2,12 +2,11 @@
 
 #include <prometheus/text_serializer.h>
 
-#include "core/status_macros.h"
-
 #include <exception>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace moeserve {
 

@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -79,8 +79,8 @@ class MoeServer {
   bool shut_down_ = false;
   mutable std::mutex health_mu_;
   std::condition_variable health_cv_;
-  bool serving_ = false;         // guarded by health_mu_
-  bool stop_watching_ = false;   // guarded by health_mu_
+  bool serving_ = false;        // guarded by health_mu_
+  bool stop_watching_ = false;  // guarded by health_mu_
   std::thread health_watcher_;
 };
 

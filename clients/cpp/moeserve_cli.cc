@@ -56,10 +56,11 @@ ABSL_FLAG(int32_t, layer, 0, "forward/load: MoE layer index");
 ABSL_FLAG(int64_t, tokens, 4, "forward/load: tokens per request (M)");
 ABSL_FLAG(std::string, dtype, "bf16", "forward/load: hidden dtype, bf16 | fp16 | fp32");
 ABSL_FLAG(uint64_t, seed, 1, "forward/load: seed of the random inputs");
-ABSL_FLAG(std::string, routing, "uniform",
-          "forward/load: uniform (distinct random experts per token) | balanced (the seed's "
-          "((token*topk + k)*73 + 19) mod num_experts) | hot (route 0 of every token to --hot_expert, "
-          "the rest distinct random)");
+ABSL_FLAG(
+    std::string, routing, "uniform",
+    "forward/load: uniform (distinct random experts per token) | balanced (the seed's "
+    "((token*topk + k)*73 + 19) mod num_experts) | hot (route 0 of every token to --hot_expert, "
+    "the rest distinct random)");
 ABSL_FLAG(int32_t, hot_expert, 0, "forward/load --routing hot: the hot expert");
 ABSL_FLAG(std::string, input_file, "", "forward: raw input file (format in the source header)");
 ABSL_FLAG(std::string, output_file, "", "forward: write the output's raw bytes here");

@@ -30,8 +30,8 @@ struct Source {
   bool prequantized = false;
 
   std::string Where() const {
-    return absl::StrCat("layer ", layer, " expert ", expert, " ", kRoleName[role],
-                        " weight '", weight.name, "' (", weight.file, ")");
+    return absl::StrCat("layer ", layer, " expert ", expert, " ", kRoleName[role], " weight '",
+                        weight.name, "' (", weight.file, ")");
   }
 };
 
@@ -49,16 +49,17 @@ absl::Status Resolve(const HfCheckpoint& ckpt, const std::string& name, int laye
   absl::StatusOr<SafetensorsTensor> w = ckpt.Find(name);
   if (!w.ok()) {
     return absl::NotFoundError(absl::StrCat("checkpoint ", ckpt.dir(), ": layer ", layer,
-                                            " expert ", expert, " ", kRoleName[role],
-                                            " weight '", name, "' is missing"));
+                                            " expert ", expert, " ", kRoleName[role], " weight '",
+                                            name, "' is missing"));
   }
   out->weight = *std::move(w);
   const std::vector<int64_t> want = {rows, k};
   if (out->weight.shape != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        out->Where(), " has shape ", ShapeStr(out->weight.shape), " but config.json implies ",
-        ShapeStr(want), role == kDown ? " ([hidden_size, moe_intermediate_size])"
-                                      : " ([moe_intermediate_size, hidden_size])"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(out->Where(), " has shape ", ShapeStr(out->weight.shape),
+                     " but config.json implies ", ShapeStr(want),
+                     role == kDown ? " ([hidden_size, moe_intermediate_size])"
+                                   : " ([moe_intermediate_size, hidden_size])"));
   }
   switch (out->weight.dtype) {
     case StDType::kBF16:
@@ -87,17 +88,17 @@ absl::Status Resolve(const HfCheckpoint& ckpt, const std::string& name, int laye
   }
   const std::vector<int64_t> want_scale = {rows, kernels::Mxfp8ScaleBlocks(k)};
   if (out->scale.shape != want_scale) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer, " expert ", expert, " scales '", scale_name, "' (", out->scale.file,
-        ") have shape ", ShapeStr(out->scale.shape), "; expected ", ShapeStr(want_scale),
-        " (one per 32 values of a row)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " expert ", expert, " scales '", scale_name, "' (",
+                     out->scale.file, ") have shape ", ShapeStr(out->scale.shape), "; expected ",
+                     ShapeStr(want_scale), " (one per 32 values of a row)"));
   }
   return absl::OkStatus();
 }
 
 absl::Status NonFinite(const Source& s, int64_t index, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(s.Where(), ": ", what, " at [",
-                                                 index / s.k, ", ", index % s.k,
+  return absl::InvalidArgumentError(absl::StrCat(s.Where(), ": ", what, " at [", index / s.k, ", ",
+                                                 index % s.k,
                                                  "]; refusing to serve non-finite weights"));
 }
 
@@ -132,8 +133,9 @@ absl::Status FloatToBf16(const Source& s, uint16_t* dst) {
   }
   for (int64_t i = 0; i < n; ++i) {
     if (!Bf16IsFinite(dst[i])) {
-      return NonFinite(s, i, absl::StrCat("value ", kernels::Bf16ToFloat(dst[i]),
-                                          s.weight.dtype == StDType::kF32 ? " (in BF16)" : ""));
+      return NonFinite(s, i,
+                       absl::StrCat("value ", kernels::Bf16ToFloat(dst[i]),
+                                    s.weight.dtype == StDType::kF32 ? " (in BF16)" : ""));
     }
   }
   return absl::OkStatus();
@@ -191,9 +193,9 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadCheckpointExperts(
   if (model.num_layers != cc.num_layers || model.num_experts != cc.num_experts ||
       model.hidden != cc.hidden || model.intermediate != cc.intermediate ||
       model.moe_layers != cc.moe_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model ", model.DebugString(), " does not match checkpoint ", ckpt.dir(),
-                     "'s config.json: ", cc.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat("model ", model.DebugString(),
+                                                   " does not match checkpoint ", ckpt.dir(),
+                                                   "'s config.json: ", cc.DebugString()));
   }
   for (int id : expert_ids) {
     if (id < 0 || id >= model.num_experts) {
@@ -205,10 +207,10 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadCheckpointExperts(
   const int64_t h = model.hidden, n = model.intermediate;
   const bool mx = options.format == WeightFormat::kMXFP8;
   {
-    const int64_t needed = model.LayerWeightBytes(num_local, options.format) *
-                           model.num_moe_layers();
-    const int64_t budget = options.memory_budget_bytes > 0 ? options.memory_budget_bytes
-                                                           : AvailableHostMemoryBytes();
+    const int64_t needed =
+        model.LayerWeightBytes(num_local, options.format) * model.num_moe_layers();
+    const int64_t budget =
+        options.memory_budget_bytes > 0 ? options.memory_budget_bytes : AvailableHostMemoryBytes();
     MOESERVE_RETURN_IF_ERROR(CheckMemoryBudget(model, needed, budget));
   }
   std::vector<int> moe_layers = model.moe_layers;
@@ -248,9 +250,8 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadCheckpointExperts(
       // Offsets (in elements) of this matrix inside the layer's tensors.
       const int64_t row0 = s.role == kUp ? n : 0;
       const int64_t value_off = s.role == kDown ? e * h * n : (e * 2 * n + row0) * h;
-      const int64_t scale_off = s.role == kDown
-                                    ? e * h * kernels::Mxfp8ScaleBlocks(n)
-                                    : (e * 2 * n + row0) * kernels::Mxfp8ScaleBlocks(h);
+      const int64_t scale_off = s.role == kDown ? e * h * kernels::Mxfp8ScaleBlocks(n)
+                                                : (e * 2 * n + row0) * kernels::Mxfp8ScaleBlocks(h);
       const int64_t count = s.rows * s.k;
       const int64_t scale_count = s.rows * kernels::Mxfp8ScaleBlocks(s.k);
       Tensor& values = s.role == kDown ? w2 : w13;

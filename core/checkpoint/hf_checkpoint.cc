@@ -59,8 +59,7 @@ absl::StatusOr<nlohmann::json> ParseJsonObject(absl::string_view text, absl::str
 
 // The first of `keys` present: its value if it is an integer in [min, max].
 absl::StatusOr<int64_t> GetInt(const nlohmann::json& j, absl::string_view path,
-                               std::initializer_list<const char*> keys, int64_t min,
-                               int64_t max) {
+                               std::initializer_list<const char*> keys, int64_t min, int64_t max) {
   for (const char* key : keys) {
     const auto it = j.find(key);
     if (it == j.end() || it->is_null()) continue;
@@ -68,13 +67,13 @@ absl::StatusOr<int64_t> GetInt(const nlohmann::json& j, absl::string_view path,
         (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(max)) ||
         it->get<int64_t>() < min || it->get<int64_t>() > max) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": '", key, "' is ", it->dump(),
-                                                     "; expected an integer in [", min, ", ",
-                                                     max, "]"));
+                                                     "; expected an integer in [", min, ", ", max,
+                                                     "]"));
     }
     return it->get<int64_t>();
   }
-  return absl::InvalidArgumentError(absl::StrCat(path, ": none of ", absl::StrJoin(keys, ", "),
-                                                 " is set"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": none of ", absl::StrJoin(keys, ", "), " is set"));
 }
 
 std::string LastPathComponent(std::string dir) {
@@ -92,8 +91,8 @@ absl::string_view ExpertNamingName(ExpertNaming naming) {
 
 ExpertTensorNames ExpertTensorNamesFor(ExpertNaming naming, int layer, int expert) {
   if (naming == ExpertNaming::kMixtral) {
-    const std::string p = absl::StrCat("model.layers.", layer, ".block_sparse_moe.experts.",
-                                       expert, ".");
+    const std::string p =
+        absl::StrCat("model.layers.", layer, ".block_sparse_moe.experts.", expert, ".");
     return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
   }
   const std::string p = absl::StrCat("model.layers.", layer, ".mlp.experts.", expert, ".");
@@ -114,8 +113,9 @@ absl::StatusOr<ModelConfig> ModelConfigFromHfConfigJson(absl::string_view json_t
   if (!j.contains("n_routed_experts") && !j.contains("num_experts") &&
       !j.contains("num_local_experts")) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": none of n_routed_experts, num_experts, num_local_experts is set "
-                           "(not a Mixture-of-Experts model?)"));
+        absl::StrCat(path,
+                     ": none of n_routed_experts, num_experts, num_local_experts is set "
+                     "(not a Mixture-of-Experts model?)"));
   }
   MOESERVE_ASSIGN_OR_RETURN(
       const int64_t experts,
@@ -156,8 +156,8 @@ absl::StatusOr<ModelConfig> ModelConfigFromHfConfigJson(absl::string_view json_t
       }
       for (const auto& v : m) {
         if (!v.is_number_integer()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              path, ": 'mlp_only_layers' has ", v.dump(), "; expected a list of ints"));
+          return absl::InvalidArgumentError(absl::StrCat(path, ": 'mlp_only_layers' has ", v.dump(),
+                                                         "; expected a list of ints"));
         }
         dense.insert(v.get<int64_t>());
       }
@@ -170,8 +170,9 @@ absl::StatusOr<ModelConfig> ModelConfigFromHfConfigJson(absl::string_view json_t
   }
   if (moe.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": no layer has experts (first_k_dense_replace / mlp_only_layers / "
-                           "decoder_sparse_step leave none of ",
+        absl::StrCat(path,
+                     ": no layer has experts (first_k_dense_replace / mlp_only_layers / "
+                     "decoder_sparse_step leave none of ",
                      c.num_layers, " layers)"));
   }
   if (static_cast<int>(moe.size()) != c.num_layers) c.moe_layers = std::move(moe);
@@ -187,9 +188,9 @@ absl::StatusOr<ModelConfig> ReadHfModelConfig(const std::string& dir) {
   }
   const std::string path = JoinPath(dir, kConfigFile);
   if (!IsFile(path)) {
-    return absl::NotFoundError(
-        absl::StrCat("checkpoint ", dir, " has no ", kConfigFile, " (a Hugging Face checkpoint "
-                     "directory holds config.json and *.safetensors)"));
+    return absl::NotFoundError(absl::StrCat("checkpoint ", dir, " has no ", kConfigFile,
+                                            " (a Hugging Face checkpoint "
+                                            "directory holds config.json and *.safetensors)"));
   }
   MOESERVE_ASSIGN_OR_RETURN(const std::string text, ReadFile(path));
   return ModelConfigFromHfConfigJson(text, path, LastPathComponent(dir));
@@ -213,15 +214,14 @@ absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::stri
     std::map<std::string, std::string> tensor_file;
     for (const auto& [tensor, file] : wm->items()) {
       if (!file.is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map['", tensor,
-                                                       "'] is not a file name"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, ": weight_map['", tensor, "'] is not a file name"));
       }
       const std::string f = file.get<std::string>();
       // Shards live in the checkpoint directory; refuse paths that leave it.
       if (f.empty() || f[0] == '/' || absl::StrContains(f, "..")) {
-        return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map['", tensor,
-                                                       "'] = '", f,
-                                                       "' is not a file in the directory"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            index_path, ": weight_map['", tensor, "'] = '", f, "' is not a file in the directory"));
       }
       tensor_file[tensor] = JoinPath(dir, f);
     }
@@ -229,15 +229,15 @@ absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::stri
       auto it = ckpt->files_.find(path);
       if (it == ckpt->files_.end()) {
         if (!IsFile(path)) {
-          return absl::NotFoundError(absl::StrCat(index_path, " maps tensor '", tensor,
-                                                  "' to ", path, ", which does not exist"));
+          return absl::NotFoundError(absl::StrCat(index_path, " maps tensor '", tensor, "' to ",
+                                                  path, ", which does not exist"));
         }
         MOESERVE_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
         it = ckpt->files_.emplace(path, std::move(file)).first;
       }
       if (!it->second->Contains(tensor)) {
-        return absl::DataLossError(absl::StrCat(index_path, " maps tensor '", tensor, "' to ",
-                                                path, ", which does not contain it"));
+        return absl::DataLossError(absl::StrCat(index_path, " maps tensor '", tensor, "' to ", path,
+                                                ", which does not contain it"));
       }
       ckpt->where_[tensor] = it->second.get();
     }
@@ -246,8 +246,8 @@ absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::stri
     for (const std::string& name : file->TensorNames()) ckpt->where_[name] = file.get();
     ckpt->files_.emplace(single_path, std::move(file));
   } else {
-    return absl::NotFoundError(absl::StrCat("checkpoint ", dir, " has neither ", kSingleFile,
-                                            " nor ", kIndexFile));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", dir, " has neither ", kSingleFile, " nor ", kIndexFile));
   }
 
   bool mixtral = false, mlp = false;
@@ -258,10 +258,10 @@ absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::stri
   if (mixtral == mlp) {
     const ExpertTensorNames a = ExpertTensorNamesFor(ExpertNaming::kMlpExperts, 0, 0);
     const ExpertTensorNames b = ExpertTensorNamesFor(ExpertNaming::kMixtral, 0, 0);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint ", dir, (mixtral ? " mixes both" : " has neither"),
-        " of the supported expert tensor namings: '", a.gate, "' (Qwen-MoE, DeepSeek) or '",
-        b.gate, "' (Mixtral)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint ", dir, (mixtral ? " mixes both" : " has neither"),
+                     " of the supported expert tensor namings: '", a.gate,
+                     "' (Qwen-MoE, DeepSeek) or '", b.gate, "' (Mixtral)"));
   }
   ckpt->naming_ = mixtral ? ExpertNaming::kMixtral : ExpertNaming::kMlpExperts;
   return ckpt;

@@ -79,7 +79,7 @@ class HfCheckpoint {
   ModelConfig config_;
   ExpertNaming naming_ = ExpertNaming::kMlpExperts;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;  // by path
-  std::map<std::string, const SafetensorsFile*> where_;             // tensor -> file
+  std::map<std::string, const SafetensorsFile*> where_;            // tensor -> file
 };
 
 }  // namespace moeserve::checkpoint

@@ -141,7 +141,8 @@ absl::Status SafetensorsFile::Parse() {
     return absl::DataLossError(absl::StrCat(path_, ": ", parts...));
   };
   if (size_ < 8) {
-    return corrupt("file is ", size_, " bytes, too short for the 8-byte header length "
+    return corrupt("file is ", size_,
+                   " bytes, too short for the 8-byte header length "
                    "(truncated?)");
   }
   const auto* base = static_cast<const uint8_t*>(mapping_);
@@ -157,9 +158,8 @@ absl::Status SafetensorsFile::Parse() {
   }
   if (header_len < 2) return corrupt("header of ", header_len, " bytes is not a JSON object");
   const char* hbegin = reinterpret_cast<const char*>(base + 8);
-  const nlohmann::json header =
-      nlohmann::json::parse(hbegin, hbegin + header_len, /*cb=*/nullptr,
-                            /*allow_exceptions=*/false);
+  const nlohmann::json header = nlohmann::json::parse(hbegin, hbegin + header_len, /*cb=*/nullptr,
+                                                      /*allow_exceptions=*/false);
   if (header.is_discarded()) return corrupt("header is not well-formed JSON");
   if (!header.is_object()) return corrupt("header is JSON but not an object");
 
@@ -200,11 +200,12 @@ absl::Status SafetensorsFile::Parse() {
       return bad("missing field 'data_offsets' ([begin, end])");
     }
     const int64_t begin = NonNegativeInt((*off)[0]), end = NonNegativeInt((*off)[1]);
-    if (begin < 0 || end < 0) return bad("data_offsets ", off->dump(), " are not non-negative ints");
+    if (begin < 0 || end < 0)
+      return bad("data_offsets ", off->dump(), " are not non-negative ints");
     if (begin > end) return bad("data_offsets ", off->dump(), " have begin > end");
     if (end > data_size) {
-      return bad("data_offsets ", off->dump(), " run past the end of the data section (",
-                 data_size, " bytes; truncated file?)");
+      return bad("data_offsets ", off->dump(), " run past the end of the data section (", data_size,
+                 " bytes; truncated file?)");
     }
     uint64_t expected_bytes = 0;
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(StDTypeSize(t.dtype)),

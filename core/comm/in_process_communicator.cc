@@ -47,9 +47,9 @@ class InProcessCommunicator final : public Communicator {
     const size_t n = static_cast<size_t>(world_size());
     if (send_counts.size() != n || send_displs.size() != n || recv_counts.size() != n ||
         recv_displs.size() != n) {
-      return Fail(absl::InternalError(absl::StrCat(
-          "AllToAllV on rank ", rank_, ": count/displacement spans must have world_size=", n,
-          " entries")));
+      return Fail(absl::InternalError(
+          absl::StrCat("AllToAllV on rank ", rank_,
+                       ": count/displacement spans must have world_size=", n, " entries")));
     }
     InProcessCommGroup::Slot& slot = Post(InProcessCommGroup::Op::kAllToAllV);
     slot.send = static_cast<const std::byte*>(send);
@@ -81,9 +81,9 @@ class InProcessCommunicator final : public Communicator {
     for (int p = 0; p < world_size(); ++p) {
       const InProcessCommGroup::Slot& peer = group_->slots_[p];
       if (peer.bytes != bytes) {
-        return Fail(absl::InternalError(absl::StrCat("AllGather: rank ", p, " contributes ",
-                                                     peer.bytes, " bytes, rank ", rank_,
-                                                     " expects ", bytes)));
+        return Fail(
+            absl::InternalError(absl::StrCat("AllGather: rank ", p, " contributes ", peer.bytes,
+                                             " bytes, rank ", rank_, " expects ", bytes)));
       }
       if (bytes > 0) std::memcpy(out + p * bytes, peer.send, bytes);
     }
@@ -113,10 +113,10 @@ class InProcessCommunicator final : public Communicator {
     for (int p = 0; p < world_size(); ++p) {
       const InProcessCommGroup::Slot& peer = group_->slots_[p];
       if (peer.op != mine.op || peer.seq != mine.seq) {
-        return Fail(absl::InternalError(absl::StrCat(
-            "collective mismatch: rank ", rank_, " is in ", OpName(static_cast<int>(mine.op)),
-            " #", mine.seq, " but rank ", p, " is in ", OpName(static_cast<int>(peer.op)), " #",
-            peer.seq)));
+        return Fail(absl::InternalError(
+            absl::StrCat("collective mismatch: rank ", rank_, " is in ",
+                         OpName(static_cast<int>(mine.op)), " #", mine.seq, " but rank ", p,
+                         " is in ", OpName(static_cast<int>(peer.op)), " #", peer.seq)));
       }
     }
     return absl::OkStatus();
@@ -173,9 +173,8 @@ void InProcessCommGroup::Reset() {
 absl::Status InProcessCommGroup::Arrive(int rank, absl::string_view what) {
   auto failed = [&]() -> absl::Status {
     if (failure_.code() == absl::StatusCode::kDeadlineExceeded) return failure_;
-    return absl::AbortedError(absl::StrCat("rank ", rank, ": ", what,
-                                           " aborted because the group failed: ",
-                                           failure_.ToString()));
+    return absl::AbortedError(absl::StrCat(
+        "rank ", rank, ": ", what, " aborted because the group failed: ", failure_.ToString()));
   };
   std::unique_lock<std::mutex> lock(mu_);
   if (!failure_.ok()) return failed();
@@ -186,8 +185,7 @@ absl::Status InProcessCommGroup::Arrive(int rank, absl::string_view what) {
     cv_.notify_all();
     return absl::OkStatus();
   }
-  const auto deadline =
-      std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout_);
+  const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout_);
   while (generation_ == gen && failure_.ok()) {
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == gen &&
         failure_.ok()) {

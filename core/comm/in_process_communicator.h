@@ -50,14 +50,11 @@ class InProcessCommGroup : public std::enable_shared_from_this<InProcessCommGrou
     const std::byte* send = nullptr;
     const int64_t* send_counts = nullptr;  // AllToAllV: [world_size]
     const int64_t* send_displs = nullptr;
-    int64_t bytes = 0;                     // AllGather: bytes per rank
+    int64_t bytes = 0;  // AllGather: bytes per rank
   };
 
   InProcessCommGroup(int world_size, absl::Duration timeout)
-      : world_size_(world_size),
-        timeout_(timeout),
-        slots_(world_size),
-        next_seq_(world_size, 0) {}
+      : world_size_(world_size), timeout_(timeout), slots_(world_size), next_seq_(world_size, 0) {}
   // Waits until every rank has arrived at this barrier, the timeout passes, or the group fails.
   absl::Status Arrive(int rank, absl::string_view what);
 

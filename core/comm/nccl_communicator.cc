@@ -51,17 +51,17 @@ absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateMultiProcess
     std::vector<int> devices, std::vector<void*> streams, int world_size, int first_rank,
     const std::string& unique_id, absl::Duration timeout) {
   if (unique_id.size() != sizeof(ncclUniqueId::internal)) {
-    return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: unique id of ",
-                                                   unique_id.size(), " bytes, expected ",
+    return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: unique id of ", unique_id.size(),
+                                                   " bytes, expected ",
                                                    sizeof(ncclUniqueId::internal)));
   }
   if (first_rank < 0 || first_rank + static_cast<int>(devices.size()) > world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: local ranks [", first_rank,
-                                                   ", ", first_rank + devices.size(),
+    return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: local ranks [", first_rank, ", ",
+                                                   first_rank + devices.size(),
                                                    ") outside the world of ", world_size));
   }
-  return CreateLocalWithId(std::move(devices), std::move(streams), timeout, world_size,
-                           first_rank, unique_id);
+  return CreateLocalWithId(std::move(devices), std::move(streams), timeout, world_size, first_rank,
+                           unique_id);
 }
 
 absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateLocalWithId(
@@ -123,16 +123,16 @@ absl::Status NcclCommGroup::Init() {
       ncclCommGetAsyncError(AsComm(comms_[r]), &st);
       if (st == ncclSuccess) break;
       if (st != ncclInProgress) {
-        absl::Status s = NcclError(absl::StrCat("NCCL init of rank ", r).c_str(), st,
-                                   AsComm(comms_[r]));
+        absl::Status s =
+            NcclError(absl::StrCat("NCCL init of rank ", r).c_str(), st, AsComm(comms_[r]));
         AbortAll();
         return s;
       }
       if (absl::Now() > deadline) {
         AbortAll();
-        return absl::DeadlineExceededError(absl::StrCat(
-            "NCCL communicator init of rank ", r, " did not finish within ",
-            absl::FormatDuration(timeout_)));
+        return absl::DeadlineExceededError(absl::StrCat("NCCL communicator init of rank ", r,
+                                                        " did not finish within ",
+                                                        absl::FormatDuration(timeout_)));
       }
       std::this_thread::yield();
     }
@@ -216,10 +216,13 @@ void NcclCommunicator::Abort(const absl::Status& cause) { group_->Abort(cause); 
 absl::Status NcclCommunicator::Check(const char* what) {
   if (!group_->healthy()) {
     // Abort our own communicator so NCCL kernels waiting on a dead peer exit.
-    if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(AsComm(group_->comms_[local_]));
+    if (!group_->comm_aborted_[local_].exchange(true))
+      ncclCommAbort(AsComm(group_->comms_[local_]));
     const absl::Status cause = group_->status();
-    return absl::AbortedError(absl::StrCat(what, " on rank ", rank_, ": the NCCL group was "
-                                           "aborted: ", cause.message()));
+    return absl::AbortedError(absl::StrCat(what, " on rank ", rank_,
+                                           ": the NCCL group was "
+                                           "aborted: ",
+                                           cause.message()));
   }
   return absl::OkStatus();
 }
@@ -238,9 +241,9 @@ absl::Status NcclCommunicator::WaitEnqueued(const char* what) {
     }
     MOESERVE_RETURN_IF_ERROR(Check(what));
     if (absl::Now() > deadline) {
-      absl::Status s = absl::DeadlineExceededError(absl::StrCat(
-          what, " on rank ", rank_, ": not enqueued within ",
-          absl::FormatDuration(group_->timeout_), "; NCCL group aborted"));
+      absl::Status s = absl::DeadlineExceededError(
+          absl::StrCat(what, " on rank ", rank_, ": not enqueued within ",
+                       absl::FormatDuration(group_->timeout_), "; NCCL group aborted"));
       group_->Fail(s);
       if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(comm);
       return s;
@@ -263,16 +266,16 @@ absl::Status NcclCommunicator::AllToAllVGroup(absl::Span<const AllToAllVTransfer
                                               t.recv_counts[rank_]));
     }
     if (t.send_counts[rank_] > 0) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          static_cast<char*>(t.recv) + t.recv_displs[rank_],
-          static_cast<const char*>(t.send) + t.send_displs[rank_], t.send_counts[rank_],
-          cudaMemcpyDeviceToDevice, stream));
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(static_cast<char*>(t.recv) + t.recv_displs[rank_],
+                          static_cast<const char*>(t.send) + t.send_displs[rank_],
+                          t.send_counts[rank_], cudaMemcpyDeviceToDevice, stream));
     }
   }
   bool any = false;
   for (const AllToAllVTransfer& t : transfers) {
-    for (int p = 0; p < world; ++p) any = any || (p != rank_ && (t.send_counts[p] > 0 ||
-                                                                t.recv_counts[p] > 0));
+    for (int p = 0; p < world; ++p)
+      any = any || (p != rank_ && (t.send_counts[p] > 0 || t.recv_counts[p] > 0));
   }
   if (!any) return absl::OkStatus();
   MOESERVE_NCCL_RETURN_IF_ERROR(ncclGroupStart(), comm);
@@ -280,16 +283,14 @@ absl::Status NcclCommunicator::AllToAllVGroup(absl::Span<const AllToAllVTransfer
     for (int p = 0; p < world; ++p) {
       if (p == rank_) continue;
       if (t.send_counts[p] > 0) {
-        MOESERVE_NCCL_RETURN_IF_ERROR(
-            ncclSend(static_cast<const char*>(t.send) + t.send_displs[p], t.send_counts[p],
-                     ncclUint8, p, comm, stream),
-            comm);
+        MOESERVE_NCCL_RETURN_IF_ERROR(ncclSend(static_cast<const char*>(t.send) + t.send_displs[p],
+                                               t.send_counts[p], ncclUint8, p, comm, stream),
+                                      comm);
       }
       if (t.recv_counts[p] > 0) {
-        MOESERVE_NCCL_RETURN_IF_ERROR(
-            ncclRecv(static_cast<char*>(t.recv) + t.recv_displs[p], t.recv_counts[p],
-                     ncclUint8, p, comm, stream),
-            comm);
+        MOESERVE_NCCL_RETURN_IF_ERROR(ncclRecv(static_cast<char*>(t.recv) + t.recv_displs[p],
+                                               t.recv_counts[p], ncclUint8, p, comm, stream),
+                                      comm);
       }
     }
   }
@@ -368,8 +369,10 @@ absl::Status NcclCommunicator::Synchronize() {
     const cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
-      absl::Status s = absl::InternalError(absl::StrCat("rank ", rank_, ": CUDA error on the "
-                                                        "stream: ", cudaGetErrorString(q)));
+      absl::Status s = absl::InternalError(absl::StrCat("rank ", rank_,
+                                                        ": CUDA error on the "
+                                                        "stream: ",
+                                                        cudaGetErrorString(q)));
       group_->Fail(s);
       return s;
     }
@@ -378,8 +381,8 @@ absl::Status NcclCommunicator::Synchronize() {
         ncclResult_t st = ncclSuccess;
         ncclCommGetAsyncError(comm, &st);
         if (st != ncclSuccess && st != ncclInProgress) {
-          absl::Status s = NcclError(absl::StrCat("rank ", rank_, ": NCCL async error").c_str(),
-                                     st, comm);
+          absl::Status s =
+              NcclError(absl::StrCat("rank ", rank_, ": NCCL async error").c_str(), st, comm);
           group_->Fail(s);
           if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(comm);
           return s;
@@ -389,8 +392,7 @@ absl::Status NcclCommunicator::Synchronize() {
       if (absl::Now() > deadline) {
         absl::Status s = absl::DeadlineExceededError(absl::StrCat(
             "rank ", rank_, ": collective did not complete within ",
-            absl::FormatDuration(group_->timeout_),
-            " (a peer did not join); NCCL group aborted"));
+            absl::FormatDuration(group_->timeout_), " (a peer did not join); NCCL group aborted"));
         group_->Fail(s);
         if (!group_->comm_aborted_[local_].exchange(true)) ncclCommAbort(comm);
         return s;

@@ -110,7 +110,7 @@ class NcclCommGroup : public std::enable_shared_from_this<NcclCommGroup> {
   int world_ = 0;
   int first_rank_ = 0;
   bool multi_process_ = false;
-  std::string unique_id_;  // multi-process: the id every process was given
+  std::string unique_id_;     // multi-process: the id every process was given
   std::vector<void*> comms_;  // ncclComm_t
   std::vector<std::unique_ptr<NcclCommunicator>> endpoints_;
   std::unique_ptr<std::atomic<bool>[]> comm_aborted_;
@@ -148,6 +148,7 @@ class NcclCommunicator final : public Communicator {
   friend class NcclCommGroup;
   NcclCommunicator(NcclCommGroup* group, int rank, int local)
       : group_(group), rank_(rank), local_(local) {}
+
  public:
   ~NcclCommunicator() override;
 
@@ -155,9 +156,9 @@ class NcclCommunicator final : public Communicator {
   // ncclInProgress -> wait (bounded) for the non-blocking communicator to finish enqueueing.
   absl::Status WaitEnqueued(const char* what);
   absl::Status Check(const char* what);
-  NcclCommGroup* group_;  // owns this endpoint; communicator() hands out aliasing shared_ptrs
-  int rank_;   // global rank (NCCL's)
-  int local_;  // index into the group's per-process arrays
+  NcclCommGroup* group_;     // owns this endpoint; communicator() hands out aliasing shared_ptrs
+  int rank_;                 // global rank (NCCL's)
+  int local_;                // index into the group's per-process arrays
   void* scratch_ = nullptr;  // device int for Barrier
 };
 

@@ -54,8 +54,8 @@ absl::Status NcclHostTransfer::AllToAllV(const void* send, absl::Span<const int6
                                          absl::Span<const int64_t> recv_counts,
                                          absl::Span<const int64_t> recv_displs) {
   const size_t world = static_cast<size_t>(comm_->world_size());
-  if (send_counts.size() != world || send_displs.size() != world ||
-      recv_counts.size() != world || recv_displs.size() != world) {
+  if (send_counts.size() != world || send_displs.size() != world || recv_counts.size() != world ||
+      recv_displs.size() != world) {
     return absl::InvalidArgumentError("NcclHostTransfer::AllToAllV: spans need world entries");
   }
   int64_t send_end = 0, recv_end = 0;
@@ -80,9 +80,9 @@ absl::Status NcclHostTransfer::AllToAllV(const void* send, absl::Span<const int6
   if (recv_end == 0) return absl::OkStatus();
   for (size_t p = 0; p < world; ++p) {
     if (recv_counts[p] <= 0) continue;
-    MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        static_cast<char*>(recv) + recv_displs[p], static_cast<char*>(recv_) + recv_displs[p],
-        recv_counts[p], cudaMemcpyDeviceToHost, stream));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(recv) + recv_displs[p],
+                                                  static_cast<char*>(recv_) + recv_displs[p],
+                                                  recv_counts[p], cudaMemcpyDeviceToHost, stream));
   }
   return comm_->Synchronize();
 }

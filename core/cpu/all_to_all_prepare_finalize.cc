@@ -31,8 +31,8 @@ absl::StatusOr<std::vector<int64_t>> AllToAllPrepareAndFinalizeBase::PlanChunks(
       for (int64_t k = 0; k < topk; ++k) {
         const int32_t e = ids[t * topk + k];
         if (e < 0 || e >= placement_->num_experts()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              name(), ": expert id ", e, " outside [0, ", placement_->num_experts(), ")"));
+          return absl::InvalidArgumentError(absl::StrCat(name(), ": expert id ", e, " outside [0, ",
+                                                         placement_->num_experts(), ")"));
         }
       }
       bool fits = t - begin < cap;
@@ -77,25 +77,24 @@ absl::Status AllToAllPrepareAndFinalizeBase::Dispatch(const PrepareArgs& args) {
       args.topk_weights.shape() != args.topk_ids.shape() ||
       args.topk_ids.dtype() != DType::kINT32 || args.topk_weights.dtype() != DType::kFP32) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name(), ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
-                "[M, topk]; got ",
-        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ",
-        args.topk_weights.DebugString()));
+        name(),
+        ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
+        "[M, topk]; got ",
+        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ", args.topk_weights.DebugString()));
   }
   const int world = comm_->world_size(), me = comm_->rank();
   const int64_t m = x.dim(0), k = x.dim(1), topk = args.topk_ids.dim(1);
   if (m > options_.max_num_tokens_per_rank) {
-    return absl::ResourceExhaustedError(absl::StrCat(name(), ": ", m,
-                                                     " tokens exceed max_num_tokens_per_rank=",
-                                                     options_.max_num_tokens_per_rank,
-                                                     " in one round (use PlanChunks)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(name(), ": ", m, " tokens exceed max_num_tokens_per_rank=",
+                     options_.max_num_tokens_per_rank, " in one round (use PlanChunks)"));
   }
   if (args.num_experts != placement_->num_experts() ||
       args.num_local_experts != placement_->num_local_experts(me)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name(), " on rank ", me, ": placement has ", placement_->num_experts(), " experts, ",
-        placement_->num_local_experts(me), " local; forward has ", args.num_experts, " and ",
-        args.num_local_experts));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), " on rank ", me, ": placement has ", placement_->num_experts(),
+                     " experts, ", placement_->num_local_experts(me), " local; forward has ",
+                     args.num_experts, " and ", args.num_local_experts));
   }
   if (!args.expert_map.empty() &&
       (args.expert_map.numel() != placement_->num_experts() ||
@@ -214,9 +213,9 @@ absl::Status AllToAllPrepareAndFinalizeBase::Finalize(
         weight_and_reduce.kind() == TopKWeightAndReduce::Kind::kDelegate
             ? MakeTopKWeightAndReduce(delegate_kind())
             : nullptr;
-    MOESERVE_RETURN_IF_ERROR((resolved ? *resolved : weight_and_reduce)
-                                 .Apply(partial, fused_expert_output, prepared.topk_weights,
-                                        prepared.topk_ids));
+    MOESERVE_RETURN_IF_ERROR(
+        (resolved ? *resolved : weight_and_reduce)
+            .Apply(partial, fused_expert_output, prepared.topk_weights, prepared.topk_ids));
   }
   // Combine: partials go back to their source ranks (the reverse of the dispatch).
   const int64_t row = k * static_cast<int64_t>(sizeof(float));
@@ -285,9 +284,11 @@ absl::Status AllToAllBatchedPrepareAndFinalize::Prepare(const PrepareArgs& args,
       if (e >= num_local || n[e] >= cap) {
         // PlanChunks keeps every expert within capacity; reaching this is a bug, and a route
         // must never be dropped silently.
-        return absl::InternalError(absl::StrCat(name(), " on rank ", rank(), ": route to local "
-                                                "expert ", e, " has no row (capacity ", cap,
-                                                " rows, ", num_local, " local experts)"));
+        return absl::InternalError(absl::StrCat(name(), " on rank ", rank(),
+                                                ": route to local "
+                                                "expert ",
+                                                e, " has no row (capacity ", cap, " rows, ",
+                                                num_local, " local experts)"));
       }
       std::memcpy(a1q.data<std::byte>() + (e * cap + n[e]++) * row_bytes, record(i), row_bytes);
     }

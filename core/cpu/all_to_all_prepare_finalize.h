@@ -83,12 +83,12 @@ class AllToAllPrepareAndFinalizeBase : public PrepareAndFinalize {
 
  private:
   int64_t record_bytes_ = 0;
-  std::vector<int32_t> expert_map_;        // this rank's global -> local
-  std::vector<int64_t> send_count_;        // records per destination rank
-  std::vector<int64_t> recv_count_;        // records per source rank
-  std::vector<int64_t> send_token_;        // source token of each send slot, grouped by dest
-  std::vector<std::byte> send_, recv_;     // record buffers
-  std::vector<float> combine_recv_;        // [send slots, K] partials coming back
+  std::vector<int32_t> expert_map_;     // this rank's global -> local
+  std::vector<int64_t> send_count_;     // records per destination rank
+  std::vector<int64_t> recv_count_;     // records per source rank
+  std::vector<int64_t> send_token_;     // source token of each send slot, grouped by dest
+  std::vector<std::byte> send_, recv_;  // record buffers
+  std::vector<float> combine_recv_;     // [send slots, K] partials coming back
   HostBuffer a1q_src_, partial_;
   TransferStats stats_;
 };
@@ -122,9 +122,7 @@ class AllToAllBatchedPrepareAndFinalize final : public AllToAllPrepareAndFinaliz
                                     AllToAllOptions options)
       : AllToAllPrepareAndFinalizeBase(std::move(comm), std::move(placement), options) {}
   absl::string_view name() const override { return kName; }
-  ActivationFormat activation_format() const override {
-    return ActivationFormat::kBatchedExperts;
-  }
+  ActivationFormat activation_format() const override { return ActivationFormat::kBatchedExperts; }
   // Rows per local expert in a1q.
   int64_t max_tokens() const { return max_num_tokens_per_rank() * num_dispatchers(); }
   absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) override;

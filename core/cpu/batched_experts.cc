@@ -56,9 +56,9 @@ absl::Status BatchedReferenceExperts::Apply(const ExpertsApplyArgs& args) {
   const int64_t cap = p.a1q.dim(1);
   if (p.topk_ids.rank() != 2 || p.topk_ids.dim(0) != m || p.topk_ids.dtype() != DType::kINT32 ||
       p.topk_weights.shape() != p.topk_ids.shape()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kName, ": reduces in Apply, so it needs the records' ids and weights [", m,
-        ", topk]; got ", p.topk_ids.DebugString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kName, ": reduces in Apply, so it needs the records' ids and weights [", m,
+                     ", topk]; got ", p.topk_ids.DebugString()));
   }
   const int64_t topk = p.topk_ids.dim(1);
   float* out = args.output.data<float>();
@@ -77,8 +77,8 @@ absl::Status BatchedReferenceExperts::Apply(const ExpertsApplyArgs& args) {
     for (int64_t r = 0; r < m * topk; ++r) {
       if (ids[r] != e) continue;
       if (row >= counts[e]) {
-        return absl::InternalError(absl::StrCat(kName, ": expert ", e, " has more routes than its ",
-                                                counts[e], " rows"));
+        return absl::InternalError(
+            absl::StrCat(kName, ": expert ", e, " has more routes than its ", counts[e], " rows"));
       }
       const float* x = p.a1q.data<float>() + (e * cap + row++) * k;
       kernels::ExpertMlpRowRef(x, w13, w2, k, n, y, scratch);
@@ -86,8 +86,8 @@ absl::Status BatchedReferenceExperts::Apply(const ExpertsApplyArgs& args) {
       for (int64_t h = 0; h < k; ++h) o[h] += weights[r] * y[h];
     }
     if (row != counts[e]) {
-      return absl::InternalError(absl::StrCat(kName, ": expert ", e, " has ", counts[e],
-                                              " rows but ", row, " routes"));
+      return absl::InternalError(
+          absl::StrCat(kName, ": expert ", e, " has ", counts[e], " rows but ", row, " routes"));
     }
   }
   return absl::OkStatus();
@@ -144,17 +144,16 @@ absl::Status BatchedBlasExperts::Apply(const ExpertsApplyArgs& args) {
   const LayerWeights& w = *args.weights;
   const int64_t k = w.hidden, n = w.intermediate, cap = p.a1q.dim(1);
   if (args.output.shape() != Shape{w.num_local_experts, cap, k}) {
-    return absl::InvalidArgumentError(absl::StrCat(kName, ": output must be [",
-                                                   w.num_local_experts, ", ", cap, ", ", k,
-                                                   "], got ", args.output.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat(kName, ": output must be [", w.num_local_experts,
+                                                   ", ", cap, ", ", k, "], got ",
+                                                   args.output.DebugString()));
   }
   const int64_t threads = pool_->num_threads();
   const BatchedLayout layout = MakeBatchedLayout(w.num_local_experts, cap, n, gemv_max_rows_);
   if (args.workspace13.numel() < layout.Workspace13(threads, n) ||
       (layout.sgemm && args.workspace2.numel() < threads * 3 * n * k)) {
-    return absl::InternalError(absl::StrCat(kName, ": workspaces ",
-                                            args.workspace13.DebugString(), ", ",
-                                            args.workspace2.DebugString(), " too small for ",
+    return absl::InternalError(absl::StrCat(kName, ": workspaces ", args.workspace13.DebugString(),
+                                            ", ", args.workspace2.DebugString(), " too small for ",
                                             w.num_local_experts, " x ", cap, " rows"));
   }
   const int32_t* counts = p.expert_num_tokens.data<int32_t>();
@@ -213,11 +212,11 @@ absl::Status BatchedBlasExperts::Apply(const ExpertsApplyArgs& args) {
     for (int64_t begin = 0; begin < counts[e]; begin += chunk_rows) {
       const int64_t rows = std::min<int64_t>(chunk_rows, counts[e] - begin);
       // h1 [rows, 2N] = x [rows, K] * w13^T; y [rows, K] = act [rows, N] * w2^T.
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * n, k, 1.0f,
-                  x + begin * k, k, w13, k, 0.0f, h1, 2 * n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * n, k, 1.0f, x + begin * k, k,
+                  w13, k, 0.0f, h1, 2 * n);
       kernels::SiluAndMulRef(h1, rows, n, act);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, k, n, 1.0f, act, n, w2, n,
-                  0.0f, y + begin * k, k);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, k, n, 1.0f, act, n, w2, n, 0.0f,
+                  y + begin * k, k);
     }
   });
   if (failed) return first_error;

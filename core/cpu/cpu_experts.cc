@@ -8,8 +8,8 @@
 #include <mutex>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "core/status_macros.h"
 #include "kernels/cpu/expert_gemv.h"
 #include "kernels/cpu/moe_ref.h"
@@ -67,8 +67,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t GemvScratchRows(int64_t max_rows_total, int64_t gemv_max_rows) {
   if (gemv_max_rows <= 0) return 0;
-  return std::min(std::max<int64_t>(0, max_rows_total),
-                  std::max(kGemvWaveRows, gemv_max_rows));
+  return std::min(std::max<int64_t>(0, max_rows_total), std::max(kGemvWaveRows, gemv_max_rows));
 }
 
 absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
@@ -95,11 +94,11 @@ absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
   auto w13_gemv = [&](const GemvExpertRows& g, int64_t j0, int64_t j1, float* const* h) {
     if (mxfp8) {
       kernels::ExpertGemvMxfp8(w.w13.data<uint8_t>() + g.expert * w13_elems,
-                               w.w13_scale.data<uint8_t>() + g.expert * w13_blocks, k, j0, j1,
-                               g.x, g.rows, h);
+                               w.w13_scale.data<uint8_t>() + g.expert * w13_blocks, k, j0, j1, g.x,
+                               g.rows, h);
     } else {
-      kernels::ExpertGemvBf16(w.w13.data<uint16_t>() + g.expert * w13_elems, k, j0, j1, g.x,
-                              g.rows, h);
+      kernels::ExpertGemvBf16(w.w13.data<uint16_t>() + g.expert * w13_elems, k, j0, j1, g.x, g.rows,
+                              h);
     }
   };
   // Second GEMM: y [rows, K] = act W2^T, weight rows [j0, j1) of W2 [K, N].
@@ -109,8 +108,8 @@ absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
                                w.w2_scale.data<uint8_t>() + g.expert * w2_blocks, n, j0, j1, act,
                                g.rows, g.y);
     } else {
-      kernels::ExpertGemvBf16(w.w2.data<uint16_t>() + g.expert * w2_elems, n, j0, j1, act,
-                              g.rows, g.y);
+      kernels::ExpertGemvBf16(w.w2.data<uint16_t>() + g.expert * w2_elems, n, j0, j1, act, g.rows,
+                              g.y);
     }
   };
   const int64_t blocks13 = CeilDiv(2 * n, kGemvBlockRows), blocks2 = CeilDiv(k, kGemvBlockRows);
@@ -152,8 +151,8 @@ absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
 
 WorkspaceShapes ReferenceExperts::GetWorkspaceShapes(const MoeProblem& p) const {
   WorkspaceShapes s;
-  s.workspace13 = {3 * p.intermediate + p.hidden};                   // row scratch + y
-  s.workspace2 = {3 * p.intermediate * p.hidden};                    // one expert, FP32
+  s.workspace13 = {3 * p.intermediate + p.hidden};  // row scratch + y
+  s.workspace2 = {3 * p.intermediate * p.hidden};   // one expert, FP32
   s.output = {p.num_tokens, p.hidden};
   return s;
 }
@@ -193,10 +192,10 @@ namespace {
 // BlasExperts' workspace13: per-thread sgemm buffers (only when some expert can have more than
 // gemv_max_rows rows), then the GEMV scratch.
 struct BlasLayout {
-  int64_t chunk_rows = 0;   // sgemm rows per chunk
+  int64_t chunk_rows = 0;     // sgemm rows per chunk
   int64_t thread_floats = 0;  // per thread: x [rows, K], h1 [rows, 2N], act [rows, N], y [rows, K]
-  int64_t gemv_rows = 0;    // GEMV scratch rows (2N floats each)
-  bool sgemm = false;       // whether the sgemm path can run
+  int64_t gemv_rows = 0;      // GEMV scratch rows (2N floats each)
+  bool sgemm = false;         // whether the sgemm path can run
   int64_t Workspace13(int64_t threads, int64_t n) const {
     return threads * thread_floats + gemv_rows * 2 * n;
   }
@@ -242,10 +241,9 @@ absl::Status BlasExperts::Apply(const ExpertsApplyArgs& args) {
   const BlasLayout layout = MakeBlasLayout(m * topk, k, n, gemv_max_rows_);
   if (args.workspace13.numel() < layout.Workspace13(threads, n) ||
       (layout.sgemm && args.workspace2.numel() < threads * 3 * n * k)) {
-    return absl::InternalError(absl::StrCat(kName, ": workspaces ",
-                                            args.workspace13.DebugString(), ", ",
-                                            args.workspace2.DebugString(), " too small for ", m,
-                                            " x ", topk, " routes"));
+    return absl::InternalError(absl::StrCat(kName, ": workspaces ", args.workspace13.DebugString(),
+                                            ", ", args.workspace2.DebugString(), " too small for ",
+                                            m, " x ", topk, " routes"));
   }
   float* out = args.output.data<float>();
   const int32_t* ids = p.topk_ids.data<int32_t>();
@@ -313,12 +311,12 @@ absl::Status BlasExperts::Apply(const ExpertsApplyArgs& args) {
         std::memcpy(x + j * k, a + (rs[begin + j] / topk) * k, sizeof(float) * k);
       }
       // h1 [rows, 2N] = x [rows, K] * w13^T, w13 [2N, K].
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * n, k, 1.0f, x, k, w13, k,
-                  0.0f, h1, 2 * n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * n, k, 1.0f, x, k, w13, k, 0.0f,
+                  h1, 2 * n);
       kernels::SiluAndMulRef(h1, rows, n, act);
       // y [rows, K] = act [rows, N] * w2^T, w2 [K, N].
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, k, n, 1.0f, act, n, w2, n, 0.0f,
-                  y, k);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, k, n, 1.0f, act, n, w2, n, 0.0f, y,
+                  k);
       for (int64_t j = 0; j < rows; ++j) {
         std::memcpy(out + rs[begin + j] * k, y + j * k, sizeof(float) * k);
       }

@@ -57,19 +57,18 @@ absl::StatusOr<std::unique_ptr<PrepareAndFinalize>> MakePrepareAndFinalize(
     absl::string_view type, const PrepareFinalizeConfig& config) {
   MOESERVE_ASSIGN_OR_RETURN(const std::string name, CanonicalPrepareFinalizeType(type));
   if (config.max_num_tokens_per_rank <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_num_tokens_per_rank must be > 0, got ", config.max_num_tokens_per_rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_num_tokens_per_rank must be > 0, got ", config.max_num_tokens_per_rank));
   }
   const int world = config.comm ? config.comm->world_size() : 1;
   if (name == NoEpPrepareAndFinalize::kName) {
     if (world != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " serves a single rank, but there are ", world,
-          " ranks; use AllToAllContiguous (all2all_contiguous) or AllToAllBatched "
-          "(all2all_batched)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " serves a single rank, but there are ", world,
+                       " ranks; use AllToAllContiguous (all2all_contiguous) or AllToAllBatched "
+                       "(all2all_batched)"));
     }
-    return std::make_unique<NoEpPrepareAndFinalize>(config.max_num_tokens_per_rank,
-                                                    config.quant);
+    return std::make_unique<NoEpPrepareAndFinalize>(config.max_num_tokens_per_rank, config.quant);
   }
   if (config.comm == nullptr || config.placement == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(name, " needs a communicator and a placement"));

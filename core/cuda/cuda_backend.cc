@@ -30,8 +30,8 @@ class DeviceBuffer {
       const size_t want = std::max<size_t>(bytes, 256);
       if (cudaError_t err = cudaMalloc(&ptr_, want); err != cudaSuccess) {
         ptr_ = nullptr;
-        return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc(", want, ") failed: ",
-                                                         cudaGetErrorString(err)));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cudaMalloc(", want, ") failed: ", cudaGetErrorString(err)));
       }
       capacity_ = want;
     }
@@ -60,8 +60,8 @@ class PinnedBuffer {
       const size_t want = std::max<size_t>(bytes, 4096);
       if (cudaError_t err = cudaMallocHost(&ptr_, want); err != cudaSuccess) {
         ptr_ = nullptr;
-        return absl::ResourceExhaustedError(absl::StrCat("cudaMallocHost(", want, ") failed: ",
-                                                         cudaGetErrorString(err)));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cudaMallocHost(", want, ") failed: ", cudaGetErrorString(err)));
       }
       capacity_ = want;
     }
@@ -149,9 +149,8 @@ absl::StatusOr<std::unique_ptr<DevicePackedLayer>> UploadLayer(const LayerWeight
   if (w.w13.nbytes() != static_cast<size_t>(e * 2 * n * h * esize) ||
       w.w2.nbytes() != static_cast<size_t>(e * h * n * esize)) {
     return absl::InvalidArgumentError(absl::StrCat("DeviceWeightStore: weights ",
-                                                   w.w13.DebugString(), " / ",
-                                                   w.w2.DebugString(), " do not match E=", e,
-                                                   " H=", h, " I=", n));
+                                                   w.w13.DebugString(), " / ", w.w2.DebugString(),
+                                                   " do not match E=", e, " H=", h, " I=", n));
   }
   auto out = std::make_unique<DevicePackedLayer>();
   out->format = w.format;
@@ -182,8 +181,8 @@ absl::StatusOr<std::unique_ptr<DevicePackedLayer>> UploadLayer(const LayerWeight
           cudaMemcpyAsync(ds, s.raw_data(), s.nbytes(), cudaMemcpyHostToDevice, ctx.stream));
     }
     if (w13) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchPackMoeW13(d, ds, e, l, esize, out->w13,
-                                                              out->w13_scale, ctx.stream));
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          kernels::LaunchPackMoeW13(d, ds, e, l, esize, out->w13, out->w13_scale, ctx.stream));
     } else {
       MOESERVE_CUDA_RETURN_IF_ERROR(
           kernels::LaunchPackMoeW2(d, ds, e, l, esize, out->w2, out->w2_scale, ctx.stream));
@@ -201,8 +200,7 @@ int64_t PackedBytes(const DevicePackedLayer& p) {
   int64_t b = p.num_local_experts *
               (p.layout.w13_elems_per_expert() + p.layout.w2_elems_per_expert()) * esize;
   if (esize == 1) {
-    b += p.num_local_experts *
-         (p.layout.w13_scales_per_expert() + p.layout.w2_scales_per_expert());
+    b += p.num_local_experts * (p.layout.w13_scales_per_expert() + p.layout.w2_scales_per_expert());
   }
   return b;
 }
@@ -287,10 +285,10 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
       args.topk_ids.dtype() != DType::kINT32 || args.topk_weights.dtype() != DType::kFP32 ||
       !args.topk_ids.is_contiguous() || !args.topk_weights.is_contiguous()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name(), ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
-                "[M, topk]; got ",
-        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ",
-        args.topk_weights.DebugString()));
+        name(),
+        ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
+        "[M, topk]; got ",
+        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ", args.topk_weights.DebugString()));
   }
   const int64_t m = x.dim(0), k = x.dim(1), topk = args.topk_ids.dim(1);
   const int64_t e = args.num_local_experts;
@@ -371,16 +369,15 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   auto* counts = static_cast<int32_t*>(d_counts);
   auto* slot = static_cast<int32_t*>(d_slot);
   if (e > kernels::kMoeAlignMaxExperts) {
-    return absl::InvalidArgumentError(absl::StrCat(name(), ": ", e, " local experts exceed ",
-                                                   kernels::kMoeAlignMaxExperts));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": ", e, " local experts exceed ", kernels::kMoeAlignMaxExperts));
   }
-  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(
-      static_cast<int32_t*>(d_ids), m * topk, static_cast<int>(e), counts, counts + e + 1,
-      slot + m * topk, slot, c.stream));
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(static_cast<int32_t*>(d_ids), m * topk,
+                                                        static_cast<int>(e), counts, counts + e + 1,
+                                                        slot + m * topk, slot, c.stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchPermuteToBatched(
-      static_cast<uint16_t*>(d_x), static_cast<int32_t*>(d_ids), slot, m,
-      static_cast<int>(topk), k, static_cast<int>(e), max_tokens, static_cast<uint16_t*>(d_a),
-      c.stream));
+      static_cast<uint16_t*>(d_x), static_cast<int32_t*>(d_ids), slot, m, static_cast<int>(topk), k,
+      static_cast<int>(e), max_tokens, static_cast<uint16_t*>(d_a), c.stream));
   out->a1q = TensorView(d_a, DType::kBF16, {e, max_tokens, k});
   out->expert_num_tokens = TensorView(counts, DType::kINT32, {e});
   out->problem.max_num_tokens = max_tokens;
@@ -482,16 +479,17 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   const DevicePackedLayer* layer = weights_->Find(args.weights);
   if (layer == nullptr) {
     return absl::FailedPreconditionError(
-        absl::StrCat(name(), ": layer weights are not resident on the device (upload them with "
-                             "DeviceWeightStore first)"));
+        absl::StrCat(name(),
+                     ": layer weights are not resident on the device (upload them with "
+                     "DeviceWeightStore first)"));
   }
   const auto& l = layer->layout;
   const int64_t h = l.hidden, e = layer->num_local_experts;
   if (p.format != format_ || p.a1q.dtype() != DType::kBF16 || p.a1q.dim(p.a1q.rank() - 1) != h ||
       h % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name(), ": expected BF16 a1q with hidden ", h, " (a multiple of 8) in format ",
-        ActivationFormatName(format_), ", got ", p.a1q.DebugString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": expected BF16 a1q with hidden ", h, " (a multiple of 8) in format ",
+                     ActivationFormatName(format_), ", got ", p.a1q.DebugString()));
   }
   if (e > 2048) {
     return absl::InvalidArgumentError(absl::StrCat(name(), ": at most 2048 local experts"));
@@ -543,8 +541,8 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   }
   const int64_t routes = std::max<int64_t>(1, std::min(rows, m * topk));
   g1.total_rows_hint = g2.total_rows_hint = routes;
-  MOESERVE_ASSIGN_OR_RETURN(void* inter, c.intermediate.Get(std::max<int64_t>(rows, 1) *
-                                                            l.intermediate_padded * 2));
+  MOESERVE_ASSIGN_OR_RETURN(
+      void* inter, c.intermediate.Get(std::max<int64_t>(rows, 1) * l.intermediate_padded * 2));
   g1.kind = kernels::MoeGemmKind::kGateUpSilu;
   g1.weights = layer->w13;
   g1.scales = layer->w13_scale;

@@ -9,7 +9,8 @@
 //   auto kernel = ModularKernel::Create(
 //       *CreateCudaNoEpPrepareAndFinalize(*ctx, max_tokens, ActivationFormat::kStandard),
 //       *CreateCudaExperts(*ctx, *dev_weights, ActivationFormat::kStandard));
-//   kernel->Forward({.hidden_states = host, .topk_ids = host, ..., .weights = host_store->layer(l)},
+//   kernel->Forward({.hidden_states = host, .topk_ids = host, ..., .weights =
+//   host_store->layer(l)},
 //                   host_output_fp32);
 //
 // Device memory (activations, routing workspaces, expert outputs) lives in the CudaContext that

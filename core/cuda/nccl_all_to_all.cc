@@ -148,7 +148,7 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
   int64_t hidden_ = 0, topk_ = 0, num_src_ = 0, num_send_ = 0, num_recv_ = 0;
   std::vector<int> dest_of_;
   std::vector<int64_t> send_count_, recv_count_;
-  bool have_counts_ = false;                // recv_count_ known from PlanChunks for round 0
+  bool have_counts_ = false;                 // recv_count_ known from PlanChunks for round 0
   std::vector<int64_t> planned_send_count_;  // what PlanChunks announced for round 0
 
   DevBuf d_in_, d_send_rows_, d_recv_rows_, d_recv_ids_, d_recv_w_, d_batched_, d_align_;
@@ -165,18 +165,18 @@ absl::Status NcclAllToAllPrepareAndFinalize::CheckArgs(const PrepareArgs& args) 
       args.topk_ids.dtype() != DType::kINT32 || args.topk_weights.dtype() != DType::kFP32 ||
       !args.topk_ids.is_contiguous() || !args.topk_weights.is_contiguous()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name(), ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
-                "[M, topk]; got ",
-        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ",
-        args.topk_weights.DebugString()));
+        name(),
+        ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
+        "[M, topk]; got ",
+        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ", args.topk_weights.DebugString()));
   }
   const int me = comm_->rank();
   if (args.num_experts != placement_->num_experts() ||
       args.num_local_experts != placement_->num_local_experts(me)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name(), " on rank ", me, ": placement has ", placement_->num_experts(), " experts, ",
-        placement_->num_local_experts(me), " local; forward has ", args.num_experts, " and ",
-        args.num_local_experts));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), " on rank ", me, ": placement has ", placement_->num_experts(),
+                     " experts, ", placement_->num_local_experts(me), " local; forward has ",
+                     args.num_experts, " and ", args.num_local_experts));
   }
   if (!args.expert_map.empty() &&
       (args.expert_map.numel() != placement_->num_experts() ||
@@ -233,8 +233,7 @@ absl::Status NcclAllToAllPrepareAndFinalize::GatherCounts(const std::vector<int6
   std::memcpy(pin, mine.data(), bytes);
   char* d_recv = static_cast<char*>(dev) + bytes;
   char* p_recv = static_cast<char*>(pin) + bytes;
-  MOESERVE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dev, pin, bytes, cudaMemcpyHostToDevice, stream_));
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, pin, bytes, cudaMemcpyHostToDevice, stream_));
   MOESERVE_RETURN_IF_ERROR(comm_->AllGather(dev, static_cast<int64_t>(bytes), d_recv));
   MOESERVE_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(p_recv, d_recv, bytes * world, cudaMemcpyDeviceToHost, stream_));
@@ -312,9 +311,9 @@ absl::StatusOr<std::vector<int64_t>> NcclAllToAllPrepareAndFinalize::PlanChunks(
     const int64_t code = all[p * stride];
     if (code == 0) continue;
     if (!local.ok()) return Agreed(local);
-    return Agreed(absl::AbortedError(absl::StrCat(
-        name(), ": rank ", p, " refused this forward (",
-        absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), ")")));
+    return Agreed(absl::AbortedError(
+        absl::StrCat(name(), ": rank ", p, " refused this forward (",
+                     absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), ")")));
   }
   int64_t rounds = 1;
   for (int p = 0; p < world; ++p) rounds = std::max(rounds, all[p * stride + 1]);
@@ -334,10 +333,9 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   const TensorView& x = args.hidden_states;
   const int64_t m = x.dim(0), k = x.dim(1);
   if (m > opts_.max_num_tokens_per_rank) {
-    return absl::ResourceExhaustedError(absl::StrCat(name(), ": ", m,
-                                                     " tokens exceed max_num_tokens_per_rank=",
-                                                     opts_.max_num_tokens_per_rank,
-                                                     " in one round (use PlanChunks)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        name(), ": ", m, " tokens exceed max_num_tokens_per_rank=", opts_.max_num_tokens_per_rank,
+        " in one round (use PlanChunks)"));
   }
   hidden_ = k;
   num_src_ = m;
@@ -345,7 +343,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   const int64_t topk = topk_;
   if (have_counts_ && send_count_ != planned_send_count_) {
     // The peers expect what PlanChunks announced; a different exchange would mismatch theirs.
-    return absl::InternalError(absl::StrCat(name(), " on rank ", me, ": Prepare got other "
+    return absl::InternalError(absl::StrCat(name(), " on rank ", me,
+                                            ": Prepare got other "
                                             "tokens than PlanChunks planned for this round"));
   }
   if (!have_counts_) {
@@ -372,8 +371,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   auto* comb_off = reinterpret_cast<int32_t*>(rec_w + num_send_ * topk);
   int32_t* comb_slots = comb_off + m + 1;
   // Pinned BF16 input goes to the device as it is; anything else through the staging buffer.
-  const bool direct_x = m > 0 && x.dtype() == DType::kBF16 && x.is_contiguous() &&
-                        IsPinned(x.raw_data());
+  const bool direct_x =
+      m > 0 && x.dtype() == DType::kBF16 && x.is_contiguous() && IsPinned(x.raw_data());
   if (m > 0 && !direct_x) {
     TensorView pin_x_view(pin_x, DType::kBF16, {m, k});
     if (x.dtype() == DType::kBF16 && x.is_contiguous()) {
@@ -407,7 +406,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   {
     // Each token's slots in ascending slot order = ascending destination rank.
     std::vector<int32_t> fill(comb_off, comb_off + m);
-    for (int64_t s = 0; s < num_send_; ++s) comb_slots[fill[send_token[s]]++] = static_cast<int32_t>(s);
+    for (int64_t s = 0; s < num_send_; ++s)
+      comb_slots[fill[send_token[s]]++] = static_cast<int32_t>(s);
   }
   if (direct_x) {
     MOESERVE_CUDA_RETURN_IF_ERROR(
@@ -426,9 +426,9 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
 
   // Pack, then one NCCL group for rows, ids and weights.
   MOESERVE_ASSIGN_OR_RETURN(void* d_send_rows, d_send_rows_.Get(num_send_ * k * 2));
-  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchEpGatherRows(
-      static_cast<const uint16_t*>(d_in), d_send_token, num_send_, k,
-      static_cast<uint16_t*>(d_send_rows), stream_));
+  MOESERVE_CUDA_RETURN_IF_ERROR(
+      kernels::LaunchEpGatherRows(static_cast<const uint16_t*>(d_in), d_send_token, num_send_, k,
+                                  static_cast<uint16_t*>(d_send_rows), stream_));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rows, d_recv_rows_.Get(num_recv_ * k * 2));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rids, d_recv_ids_.Get(num_recv_ * topk * 4));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rw, d_recv_w_.Get(num_recv_ * topk * 4));
@@ -440,7 +440,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
     for (int p = 0; p < world; ++p) {
       sc[b][p] = send_count_[p] * unit[b], sd[b][p] = so, so += sc[b][p];
       rc[b][p] = recv_count_[p] * unit[b], rd[b][p] = ro, ro += rc[b][p];
-      if (p != me) stats_.dispatch_bytes_sent += sc[b][p], stats_.dispatch_bytes_received += rc[b][p];
+      if (p != me)
+        stats_.dispatch_bytes_sent += sc[b][p], stats_.dispatch_bytes_received += rc[b][p];
     }
   }
   const AllToAllVTransfer transfers[3] = {
@@ -470,8 +471,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   // at most capacity() of them (PlanChunks keeps every rank's contribution within
   // max_num_tokens_per_rank).
   if (e > kernels::kMoeAlignMaxExperts) {
-    return absl::InvalidArgumentError(absl::StrCat(name(), ": ", e, " local experts exceed ",
-                                                   kernels::kMoeAlignMaxExperts));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": ", e, " local experts exceed ", kernels::kMoeAlignMaxExperts));
   }
   const int64_t cap = capacity(), routes = num_recv_ * topk;
   MOESERVE_ASSIGN_OR_RETURN(void* d_a, d_batched_.Get(e * cap * k * 2));
@@ -487,8 +488,7 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
                                                           sorted, d_slot_, stream_));
     MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchPermuteToBatched(
         static_cast<uint16_t*>(d_rows), static_cast<int32_t*>(d_rids), d_slot_, num_recv_,
-        static_cast<int>(topk), k, static_cast<int>(e), cap, static_cast<uint16_t*>(d_a),
-        stream_));
+        static_cast<int>(topk), k, static_cast<int>(e), cap, static_cast<uint16_t*>(d_a), stream_));
   }
   out->format = ActivationFormat::kBatchedExperts;
   out->a1q = TensorView(d_a, DType::kBF16, {e, cap, k});
@@ -506,8 +506,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Finalize(const TensorView& output,
   const int64_t k = hidden_, topk = topk_, m = num_src_;
   if (output.rank() != 2 || output.dtype() != DType::kFP32 || output.dim(0) != m ||
       output.dim(1) != k || !output.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(name(), ": output must be FP32 [", m, ", ",
-                                                   k, "], got ", output.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat(name(), ": output must be FP32 [", m, ", ", k,
+                                                   "], got ", output.DebugString()));
   }
   // The Experts' device output: from the context (CudaExperts), or a device tensor handed in.
   const TensorView fused =
@@ -578,8 +578,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Finalize(const TensorView& output,
         static_cast<const float*>(d_comb), comb_off, comb_off + m + 1, m, k,
         static_cast<float*>(d_out), stream_));
     if (IsPinned(output.raw_data())) {  // straight into a page-locked answer
-      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(output.raw_data(), d_out, m * k * 4,
-                                                    cudaMemcpyDeviceToHost, stream_));
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(output.raw_data(), d_out, m * k * 4, cudaMemcpyDeviceToHost, stream_));
       MOESERVE_RETURN_IF_ERROR(comm_->Synchronize());
     } else {
       MOESERVE_ASSIGN_OR_RETURN(void* pin, pin_out_.Get(m * k * 4));
@@ -604,12 +604,14 @@ absl::StatusOr<std::unique_ptr<PrepareAndFinalize>> CreateNcclAllToAllPrepareAnd
     std::shared_ptr<CudaContext> ctx, std::shared_ptr<NcclCommunicator> comm,
     std::shared_ptr<const Placement> placement, NcclAllToAllOptions options) {
   if (ctx == nullptr || comm == nullptr || placement == nullptr) {
-    return absl::InvalidArgumentError("NcclAllToAll: needs a context, a communicator and a "
-                                      "placement");
+    return absl::InvalidArgumentError(
+        "NcclAllToAll: needs a context, a communicator and a "
+        "placement");
   }
   if (comm->stream() != CudaContextStream(*ctx)) {
-    return absl::InvalidArgumentError("NcclAllToAll: the communicator must run on the "
-                                      "context's stream");
+    return absl::InvalidArgumentError(
+        "NcclAllToAll: the communicator must run on the "
+        "context's stream");
   }
   if (placement->num_ranks() != comm->world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("NcclAllToAll: placement has ",

@@ -75,8 +75,8 @@ inline constexpr int kW = 16, kNb = 4, kRb = 6;
 typedef float F __attribute__((vector_size(64)));
 typedef uint32_t U __attribute__((vector_size(64)));
 MOESERVE_INLINE U WidenBf16(const uint16_t* p) {
-  return (U)_mm512_maskz_cvtepu16_epi32(
-      0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (U)_mm512_maskz_cvtepu16_epi32(0xffff,
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 MOESERVE_INLINE U WidenE4M3(const uint8_t* p) {
   return (U)_mm512_maskz_cvtepu8_epi32(0xffff,
@@ -105,10 +105,14 @@ GemvIsa Resolve(GemvIsa isa) { return isa == GemvIsa::kAuto ? GemvIsaBest() : is
 
 const char* GemvIsaName(GemvIsa isa) {
   switch (isa) {
-    case GemvIsa::kAuto: return "auto";
-    case GemvIsa::kPortable: return "portable";
-    case GemvIsa::kAvx2: return "avx2";
-    case GemvIsa::kAvx512: return "avx512";
+    case GemvIsa::kAuto:
+      return "auto";
+    case GemvIsa::kPortable:
+      return "portable";
+    case GemvIsa::kAvx2:
+      return "avx2";
+    case GemvIsa::kAvx512:
+      return "avx512";
   }
   return "unknown";
 }
@@ -123,15 +127,18 @@ bool GemvIsaSupported(GemvIsa isa) {
          static_cast<int>(isa) <= static_cast<int>(GemvIsaBest());
 }
 
-void ExpertGemvBf16Isa(GemvIsa isa, const uint16_t* w, int64_t k, int64_t j_begin,
-                       int64_t j_end, const float* const* x, int64_t rows, float* const* y) {
+void ExpertGemvBf16Isa(GemvIsa isa, const uint16_t* w, int64_t k, int64_t j_begin, int64_t j_end,
+                       const float* const* x, int64_t rows, float* const* y) {
   if (rows <= 0 || j_begin >= j_end) return;
   switch (Resolve(isa)) {
 #ifdef MOESERVE_GEMV_X86
-    case GemvIsa::kAvx512: return avx512::RunBf16(w, k, j_begin, j_end, x, rows, y);
-    case GemvIsa::kAvx2: return avx2::RunBf16(w, k, j_begin, j_end, x, rows, y);
+    case GemvIsa::kAvx512:
+      return avx512::RunBf16(w, k, j_begin, j_end, x, rows, y);
+    case GemvIsa::kAvx2:
+      return avx2::RunBf16(w, k, j_begin, j_end, x, rows, y);
 #endif
-    default: return portable::RunBf16(w, k, j_begin, j_end, x, rows, y);
+    default:
+      return portable::RunBf16(w, k, j_begin, j_end, x, rows, y);
   }
 }
 
@@ -141,10 +148,13 @@ void ExpertGemvMxfp8Isa(GemvIsa isa, const uint8_t* q, const uint8_t* scales, in
   if (rows <= 0 || j_begin >= j_end) return;
   switch (Resolve(isa)) {
 #ifdef MOESERVE_GEMV_X86
-    case GemvIsa::kAvx512: return avx512::RunMxfp8(q, scales, k, j_begin, j_end, x, rows, y);
-    case GemvIsa::kAvx2: return avx2::RunMxfp8(q, scales, k, j_begin, j_end, x, rows, y);
+    case GemvIsa::kAvx512:
+      return avx512::RunMxfp8(q, scales, k, j_begin, j_end, x, rows, y);
+    case GemvIsa::kAvx2:
+      return avx2::RunMxfp8(q, scales, k, j_begin, j_end, x, rows, y);
 #endif
-    default: return portable::RunMxfp8(q, scales, k, j_begin, j_end, x, rows, y);
+    default:
+      return portable::RunMxfp8(q, scales, k, j_begin, j_end, x, rows, y);
   }
 }
 

@@ -39,8 +39,8 @@ bool GemvIsaSupported(GemvIsa isa);
 GemvIsa GemvIsaBest();
 
 // The same, on a given path (which must be supported: GemvIsaSupported(isa)).
-void ExpertGemvBf16Isa(GemvIsa isa, const uint16_t* w, int64_t k, int64_t j_begin,
-                       int64_t j_end, const float* const* x, int64_t rows, float* const* y);
+void ExpertGemvBf16Isa(GemvIsa isa, const uint16_t* w, int64_t k, int64_t j_begin, int64_t j_end,
+                       const float* const* x, int64_t rows, float* const* y);
 void ExpertGemvMxfp8Isa(GemvIsa isa, const uint8_t* q, const uint8_t* scales, int64_t k,
                         int64_t j_begin, int64_t j_end, const float* const* x, int64_t rows,
                         float* const* y);

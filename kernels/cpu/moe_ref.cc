@@ -18,8 +18,8 @@ void SiluAndMulRef(const float* in, int64_t num_tokens, int64_t intermediate, fl
 
 void ExpertMlpRowRef(const float* x, const float* w13, const float* w2, int64_t hidden,
                      int64_t intermediate, float* y, float* scratch) {
-  float* gate_up = scratch;                  // [2 * intermediate]
-  float* act = scratch + 2 * intermediate;   // [intermediate]
+  float* gate_up = scratch;                 // [2 * intermediate]
+  float* act = scratch + 2 * intermediate;  // [intermediate]
   for (int64_t n = 0; n < 2 * intermediate; ++n) {
     const float* w = w13 + n * hidden;
     float acc = 0.0f;

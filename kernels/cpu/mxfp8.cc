@@ -135,7 +135,7 @@ uint8_t FloatToE4M3(float x) {
   const uint32_t u = FloatBits(x);
   const uint8_t sign = (u >> 24) & 0x80;
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | kE4M3NanCode;       // NaN
+  if (a > 0x7f800000u) return sign | kE4M3NanCode;         // NaN
   if (a >= 0x43e00000u) return sign | kE4M3MaxFiniteCode;  // |x| >= 448 (and Inf): saturate
   return EncodeE4M3InRange(x);
 }

@@ -67,8 +67,8 @@ uint8_t Mxfp8ScaleCode(float amax);
 
 enum class Mxfp8Status : int {
   kOk = 0,
-  kNonFinite = 1,    // an input value is NaN or +-Inf; *bad_index says where
-  kInvalidShape = 2, // rows < 0 or k < 0
+  kNonFinite = 1,     // an input value is NaN or +-Inf; *bad_index says where
+  kInvalidShape = 2,  // rows < 0 or k < 0
 };
 const char* Mxfp8StatusName(Mxfp8Status status);
 

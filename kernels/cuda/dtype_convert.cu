@@ -1,6 +1,6 @@
-#include "kernels/cuda/dtype_convert.cuh"
-
 #include <cuda_bf16.h>
+
+#include "kernels/cuda/dtype_convert.cuh"
 
 namespace moeserve::kernels {
 namespace {

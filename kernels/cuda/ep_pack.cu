@@ -26,9 +26,8 @@ __global__ void EpCombineReduceKernel(const float* __restrict__ partials,
       for (int64_t v = threadIdx.x; v < n4; v += blockDim.x) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int32_t j = b; j < e; ++j) {
-          const float4 p = reinterpret_cast<const float4*>(partials +
-                                                           static_cast<int64_t>(slots[j]) *
-                                                               hidden)[v];
+          const float4 p = reinterpret_cast<const float4*>(
+              partials + static_cast<int64_t>(slots[j]) * hidden)[v];
           acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
         }
         reinterpret_cast<float4*>(out + t * hidden)[v] = acc;
@@ -36,7 +35,8 @@ __global__ void EpCombineReduceKernel(const float* __restrict__ partials,
     } else {
       for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
         float acc = 0.f;
-        for (int32_t j = b; j < e; ++j) acc += partials[static_cast<int64_t>(slots[j]) * hidden + h];
+        for (int32_t j = b; j < e; ++j)
+          acc += partials[static_cast<int64_t>(slots[j]) * hidden + h];
         out[t * hidden + h] = acc;
       }
     }

@@ -30,9 +30,8 @@ inline void EpGatherRowsRef(const uint16_t* x, const int32_t* src_row, int64_t n
   }
 }
 
-inline void EpCombineReduceRef(const float* partials, const int32_t* offsets,
-                               const int32_t* slots, int64_t num_tokens, int64_t hidden,
-                               float* out) {
+inline void EpCombineReduceRef(const float* partials, const int32_t* offsets, const int32_t* slots,
+                               int64_t num_tokens, int64_t hidden, float* out) {
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t h = 0; h < hidden; ++h) {
       float acc = 0.0f;

@@ -1,8 +1,8 @@
-#include "kernels/cuda/moe_gemm.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include "kernels/cuda/moe_gemm.cuh"
 
 namespace moeserve::kernels {
 namespace {
@@ -26,8 +26,8 @@ __host__ __device__ inline int PermutedK(int p) {
 template <typename T>
 __global__ void PackKernel(const T* __restrict__ src, const uint8_t* __restrict__ src_scale,
                            int64_t num_experts, int64_t src_rows, int64_t k, int64_t rows,
-                           int64_t kp, bool interleave_w13, int64_t half_rows,
-                           T* __restrict__ dst, uint8_t* __restrict__ dst_scale) {
+                           int64_t kp, bool interleave_w13, int64_t half_rows, T* __restrict__ dst,
+                           uint8_t* __restrict__ dst_scale) {
   // One thread per packed 32-block (32 values + 1 scale).
   const int64_t blocks_per_row = kp / 32;
   const int64_t total = num_experts * rows * blocks_per_row;
@@ -83,8 +83,8 @@ cudaError_t LaunchPack(const void* src, const uint8_t* src_scale, int64_t num_ex
         half_rows, static_cast<uint16_t*>(dst), nullptr);
   } else {
     PackKernel<uint8_t><<<blocks, 256, 0, stream>>>(
-        static_cast<const uint8_t*>(src), src_scale, num_experts, src_rows, k, rows, kp,
-        interleave, half_rows, static_cast<uint8_t*>(dst), dst_scale);
+        static_cast<const uint8_t*>(src), src_scale, num_experts, src_rows, k, rows, kp, interleave,
+        half_rows, static_cast<uint8_t*>(dst), dst_scale);
   }
   return cudaGetLastError();
 }
@@ -223,7 +223,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
     int lo = 0, hi = E;
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (s_prefix[mid] <= u) lo = mid; else hi = mid;
+      if (s_prefix[mid] <= u)
+        lo = mid;
+      else
+        hi = mid;
     }
     Unit un;
     un.e = lo;
@@ -324,8 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
         const int r0 = warp_m * C::kWTM + mi * 16 + g;
         if (kFp8) {
           const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
-          const uint2 rb =
-              *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+          const uint2 rb = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
           const float sa = E8M0ToFloat(st[C::kABytes + r0 * 2 + kc]);
           const float sb = E8M0ToFloat(st[C::kABytes + (r0 + 8) * 2 + kc]);
           a[mi][0][0] = DequantPair(ra.x, sa);
@@ -338,10 +340,15 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
           a[mi][1][3] = DequantPair(rb.y >> 16, sb);
         } else {
           const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
-          const uint4 rb =
-              *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
-          a[mi][0][0] = ra.x; a[mi][0][1] = rb.x; a[mi][0][2] = ra.y; a[mi][0][3] = rb.y;
-          a[mi][1][0] = ra.z; a[mi][1][1] = rb.z; a[mi][1][2] = ra.w; a[mi][1][3] = rb.w;
+          const uint4 rb = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+          a[mi][0][0] = ra.x;
+          a[mi][0][1] = rb.x;
+          a[mi][0][2] = ra.y;
+          a[mi][0][3] = rb.y;
+          a[mi][1][0] = ra.z;
+          a[mi][1][1] = rb.z;
+          a[mi][1][2] = ra.w;
+          a[mi][1][3] = rb.w;
         }
       }
 #pragma unroll
@@ -353,8 +360,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
           const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
           uint32_t r[4];
           Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
-          b[2 * np][0] = r[0]; b[2 * np][1] = r[1];
-          b[2 * np + 1][0] = r[2]; b[2 * np + 1][1] = r[3];
+          b[2 * np][0] = r[0];
+          b[2 * np][1] = r[1];
+          b[2 * np + 1][0] = r[2];
+          b[2 * np + 1][1] = r[3];
         }
 #pragma unroll
         for (int mi = 0; mi < C::kMI; ++mi)
@@ -378,8 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
                 const float gt = acc[mi][ni][c], up = acc[mi][ni][2 + c];
                 const float v = gt / (1.0f + __expf(-gt)) * up;
                 const int64_t j = R0 / 2 + g;
-                static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] =
-                    __float2bfloat16_rn(v);
+                static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] = __float2bfloat16_rn(v);
               } else {
                 const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
                 float* o = static_cast<float*>(p.out) + orow * p.out_stride;
@@ -412,9 +420,8 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   size_t& configured = configured_on[device];
   int& blocks_per_sm = blocks_per_sm_on[device];
   if (smem > configured) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem));
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
     if (err != cudaSuccess) return err;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem);
     if (err != cudaSuccess) return err;
@@ -452,8 +459,7 @@ __device__ __forceinline__ void WgmmaFence() {
 }
 __device__ __forceinline__ void WgmmaCommitAndWaitAll() {
 #ifdef MOESERVE_WGMMA_DEVICE
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
-                   : "memory");
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void FenceProxyAsyncShared() {
@@ -468,10 +474,11 @@ __device__ __forceinline__ void Wgmma64(float* d, const uint32_t* a, uint64_t de
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
       "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
@@ -484,14 +491,16 @@ __device__ __forceinline__ void Wgmma128(float* d, const uint32_t* a, uint64_t d
       "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
       "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
       "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
@@ -508,22 +517,25 @@ __device__ __forceinline__ void Wgmma256(float* d, const uint32_t* a, uint64_t d
       "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
       "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
       "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 #endif
@@ -620,7 +632,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
     int lo = 0, hi = E;
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (s_prefix[mid] <= u) lo = mid; else hi = mid;
+      if (s_prefix[mid] <= u)
+        lo = mid;
+      else
+        hi = mid;
     }
     Unit un;
     un.e = lo;
@@ -728,8 +743,14 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
       } else {
         const uint4 ra = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0) * 64 + t4 * 16);
         const uint4 rb = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0 + 8) * 64 + t4 * 16);
-        a[0][0] = ra.x; a[0][1] = rb.x; a[0][2] = ra.y; a[0][3] = rb.y;
-        a[1][0] = ra.z; a[1][1] = rb.z; a[1][2] = ra.w; a[1][3] = rb.w;
+        a[0][0] = ra.x;
+        a[0][1] = rb.x;
+        a[0][2] = ra.y;
+        a[0][3] = rb.y;
+        a[1][0] = ra.z;
+        a[1][1] = rb.z;
+        a[1][2] = ra.w;
+        a[1][3] = rb.w;
       }
       WgmmaFence();  // orders the fragment registers (and zeroed accumulators) before the MMAs
 #pragma unroll
@@ -810,7 +831,7 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     if (avg > 128) return RunWgmma<kFp8, 256, KIND>(p, num_sms, stream);
   }
 #endif
-  return Run<kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND>(p, num_sms, stream);
+  return Run < kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND > (p, num_sms, stream);
 }
 
 }  // namespace

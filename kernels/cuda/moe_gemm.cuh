@@ -87,10 +87,10 @@ struct MoeGemmParams {
   bool mxfp8 = false;
   int num_experts = 0;
   MoePackedLayout layout;
-  const void* weights = nullptr;        // packed W13 or W2
-  const uint8_t* scales = nullptr;      // packed scales (MXFP8)
-  const uint16_t* act = nullptr;        // BF16 activation rows
-  int64_t act_stride = 0;               // elements between activation rows
+  const void* weights = nullptr;    // packed W13 or W2
+  const uint8_t* scales = nullptr;  // packed scales (MXFP8)
+  const uint16_t* act = nullptr;    // BF16 activation rows
+  int64_t act_stride = 0;           // elements between activation rows
   const int32_t* expert_counts = nullptr;
   const int32_t* expert_offsets = nullptr;
   int64_t offset_stride = 0;
@@ -99,7 +99,7 @@ struct MoeGemmParams {
   int gather_div = 1;
   const int32_t* scatter = nullptr;
   void* out = nullptr;
-  int64_t out_stride = 0;               // elements between output rows
+  int64_t out_stride = 0;  // elements between output rows
   // Host-side sizing hints (no device read): the most rows any one expert may have, and the
   // total rows over all experts. They choose the tile shape only; any counts are correct.
   int64_t max_rows_hint = 0;

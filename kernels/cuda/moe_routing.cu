@@ -6,14 +6,13 @@ namespace {
 // One block. Each warp owns a contiguous segment of routes; counters per (warp, expert) in
 // shared memory make the scatter stable without atomics: pass 1 counts, a scan turns counts into
 // bases, pass 2 walks the segment again in order and places each route.
-__global__ void MoeAlignKernel(const int32_t* __restrict__ ids, int64_t num_routes,
-                               int num_experts, int32_t* __restrict__ counts,
-                               int32_t* __restrict__ offsets, int32_t* __restrict__ sorted,
-                               int32_t* __restrict__ slot) {
+__global__ void MoeAlignKernel(const int32_t* __restrict__ ids, int64_t num_routes, int num_experts,
+                               int32_t* __restrict__ counts, int32_t* __restrict__ offsets,
+                               int32_t* __restrict__ sorted, int32_t* __restrict__ slot) {
   extern __shared__ int32_t smem[];
   const int num_warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int32_t* cnt = smem;                            // [num_warps][E]
+  int32_t* cnt = smem;                             // [num_warps][E]
   int32_t* excl = smem + num_warps * num_experts;  // [E]
   for (int i = threadIdx.x; i < num_warps * num_experts; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
@@ -113,10 +112,9 @@ __global__ void PermuteToBatchedKernel(const uint16_t* __restrict__ x,
 
 template <bool kBatched>
 __global__ void TopKReduceKernel(const float* __restrict__ in, const float* __restrict__ w,
-                                 const int32_t* __restrict__ ids,
-                                 const int32_t* __restrict__ slot, int64_t num_tokens, int topk,
-                                 int64_t hidden, int num_experts, int64_t max_tokens,
-                                 float* __restrict__ out) {
+                                 const int32_t* __restrict__ ids, const int32_t* __restrict__ slot,
+                                 int64_t num_tokens, int topk, int64_t hidden, int num_experts,
+                                 int64_t max_tokens, float* __restrict__ out) {
   const bool vec = hidden % 4 == 0;
   const int64_t per_row = vec ? hidden / 4 : hidden;
   const int64_t total = num_tokens * per_row;
@@ -161,15 +159,14 @@ int ReduceBlocks(int64_t n) {
 }  // namespace
 
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
-                           int32_t* expert_counts, int32_t* expert_offsets,
-                           int32_t* sorted_routes, int32_t* route_slot, cudaStream_t stream) {
+                           int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
+                           int32_t* route_slot, cudaStream_t stream) {
   if (num_experts <= 0 || num_experts > kMoeAlignMaxExperts) return cudaErrorInvalidValue;
   int warps = static_cast<int>(48 * 1024 / 4 / num_experts) - 1;
   warps = warps < 1 ? 1 : (warps > 32 ? 32 : warps);
   const size_t smem = static_cast<size_t>(warps + 1) * num_experts * sizeof(int32_t);
-  MoeAlignKernel<<<1, warps * 32, smem, stream>>>(topk_ids, num_routes, num_experts,
-                                                  expert_counts, expert_offsets, sorted_routes,
-                                                  route_slot);
+  MoeAlignKernel<<<1, warps * 32, smem, stream>>>(topk_ids, num_routes, num_experts, expert_counts,
+                                                  expert_offsets, sorted_routes, route_slot);
   return cudaGetLastError();
 }
 
@@ -180,8 +177,8 @@ cudaError_t LaunchPermuteToBatched(const uint16_t* x, const int32_t* topk_ids,
   const int64_t routes = num_tokens * topk;
   if (routes == 0) return cudaSuccess;
   const int blocks = static_cast<int>(routes < 8192 ? routes : 8192);
-  PermuteToBatchedKernel<<<blocks, 128, 0, stream>>>(x, topk_ids, route_slot, routes, topk,
-                                                     hidden, num_experts, max_tokens, out);
+  PermuteToBatchedKernel<<<blocks, 128, 0, stream>>>(x, topk_ids, route_slot, routes, topk, hidden,
+                                                     num_experts, max_tokens, out);
   return cudaGetLastError();
 }
 
@@ -206,8 +203,8 @@ cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* 
   if (topk_ids == nullptr || route_slot == nullptr) return cudaErrorInvalidValue;
   const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
   TopKReduceKernel<true><<<ReduceBlocks(n), 256, 0, stream>>>(in, topk_weights, topk_ids,
-                                                              route_slot, num_tokens, topk,
-                                                              hidden, num_experts, max_tokens, out);
+                                                              route_slot, num_tokens, topk, hidden,
+                                                              num_experts, max_tokens, out);
   return cudaGetLastError();
 }
 

@@ -24,8 +24,8 @@ inline constexpr int kMoeAlignMaxExperts = 12288;
 //   route_slot [num_routes]          position of each route inside its expert's group, or -1
 // One thread block; O(num_routes) work. num_routes may be 0.
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
-                           int32_t* expert_counts, int32_t* expert_offsets,
-                           int32_t* sorted_routes, int32_t* route_slot, cudaStream_t stream);
+                           int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
+                           int32_t* route_slot, cudaStream_t stream);
 
 // BF16 rows of x [num_tokens, hidden] to out [num_experts, max_tokens, hidden]: route r with
 // expert e and slot s = route_slot[r] < max_tokens copies row r / topk to out[e, s]. Rows of

@@ -19,12 +19,12 @@
 namespace moeserve {
 namespace {
 
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 using checkpoint::ModelConfigFromHfConfigJson;
 using moeserve::testing::CheckpointDir;
 using moeserve::testing::CheckpointInfo;
 using moeserve::testing::ReadReference;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 absl::StatusOr<ModelConfig> Parse(const std::string& json) {
   return ModelConfigFromHfConfigJson(json, "/ckpt/config.json", "m");
@@ -119,8 +119,8 @@ TEST(HfCheckpoint, MissingDirectoryAndFiles) {
   EXPECT_THAT(c.status().message(), HasSubstr("no_such_checkpoint"));
   // A directory with a config.json but no weights.
   const std::string dir = ::testing::TempDir() + "/config_only_checkpoint";
-  ASSERT_EQ(system(("mkdir -p " + dir + " && cp " + CheckpointDir("qwen3_bf16") +
-                    "/config.json " + dir + "/")
+  ASSERT_EQ(system(("mkdir -p " + dir + " && cp " + CheckpointDir("qwen3_bf16") + "/config.json " +
+                    dir + "/")
                        .c_str()),
             0);
   auto open = checkpoint::HfCheckpoint::Open(dir);
@@ -217,9 +217,8 @@ TEST_P(SuiteCheckpointTest, EachRankLoadsOnlyItsExperts) {
   auto loaded = Load(GetParam(), WeightFormat::kBF16, mine);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(loaded->store->expert_ids(), mine);
-  EXPECT_EQ(loaded->store->total_bytes(),
-            loaded->model.LayerWeightBytes(3, WeightFormat::kBF16) *
-                loaded->model.num_moe_layers());
+  EXPECT_EQ(loaded->store->total_bytes(), loaded->model.LayerWeightBytes(3, WeightFormat::kBF16) *
+                                              loaded->model.num_moe_layers());
   ExpectBf16EqualsReference(GetParam(), *loaded, mine);
 }
 
@@ -251,11 +250,10 @@ TEST_P(SuiteCheckpointTest, LoadsMxfp8) {
       const auto w2 = ReadReference<uint16_t>(GetParam(), l + "_w2.bf16.bin", num * h * n);
       q13.resize(w13.size()), s13.resize(num * 2 * n * bh), q2.resize(w2.size()),
           s2.resize(num * h * bn);
-      ASSERT_EQ(kernels::QuantizeMxfp8RowsFromBf16Ref(w13.data(), num * 2 * n, h, q13.data(),
-                                                      s13.data()),
-                kernels::Mxfp8Status::kOk);
-      ASSERT_EQ(kernels::QuantizeMxfp8RowsFromBf16Ref(w2.data(), num * h, n, q2.data(),
-                                                      s2.data()),
+      ASSERT_EQ(
+          kernels::QuantizeMxfp8RowsFromBf16Ref(w13.data(), num * 2 * n, h, q13.data(), s13.data()),
+          kernels::Mxfp8Status::kOk);
+      ASSERT_EQ(kernels::QuantizeMxfp8RowsFromBf16Ref(w2.data(), num * h, n, q2.data(), s2.data()),
                 kernels::Mxfp8Status::kOk);
     }
     EXPECT_EQ(0, std::memcmp(lw->w13.raw_data(), q13.data(), q13.size())) << l;

@@ -18,10 +18,10 @@
 namespace moeserve {
 namespace {
 
-using ::testing::HasSubstr;
 using moeserve::testing::CheckpointDir;
 using moeserve::testing::CheckpointInfo;
 using moeserve::testing::ReadReference;
+using ::testing::HasSubstr;
 
 struct E2eCase {
   std::string checkpoint;
@@ -73,8 +73,8 @@ TEST_P(EngineCheckpointTest, ForwardMatchesTheReferenceOnTheCheckpointsWeights) 
     Tensor x32 = moeserve::testing::RandomNormal({tokens, h}, rng);
     Tensor x = Tensor::Empty(DType::kBF16, {tokens, h});
     ASSERT_TRUE(ConvertTensor(x32.view(), x.view()).ok());
-    Tensor ids = moeserve::testing::MakeRouting(moeserve::testing::Routing::kUniform, tokens,
-                                                topk, static_cast<int>(num), rng);
+    Tensor ids = moeserve::testing::MakeRouting(moeserve::testing::Routing::kUniform, tokens, topk,
+                                                static_cast<int>(num), rng);
     Tensor weights = moeserve::testing::RandomTopkWeights(tokens, topk, rng);
     Tensor out = Tensor::Empty(DType::kBF16, {tokens, h});
     ForwardInput in{layer, x.view(), ids.view(), weights.view()};

@@ -80,10 +80,22 @@ TEST(Safetensors, ReadsTensorsMetadataAndData) {
 }
 
 TEST(Safetensors, EveryKnownDtypeHasItsSize) {
-  for (auto [name, size] : std::vector<std::pair<std::string, size_t>>{
-           {"BOOL", 1}, {"U8", 1}, {"I8", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
-           {"I16", 2}, {"U16", 2}, {"F16", 2}, {"BF16", 2}, {"I32", 4}, {"U32", 4},
-           {"F32", 4}, {"I64", 8}, {"U64", 8}, {"F64", 8}}) {
+  for (auto [name, size] : std::vector<std::pair<std::string, size_t>>{{"BOOL", 1},
+                                                                       {"U8", 1},
+                                                                       {"I8", 1},
+                                                                       {"F8_E4M3", 1},
+                                                                       {"F8_E5M2", 1},
+                                                                       {"F8_E8M0", 1},
+                                                                       {"I16", 2},
+                                                                       {"U16", 2},
+                                                                       {"F16", 2},
+                                                                       {"BF16", 2},
+                                                                       {"I32", 4},
+                                                                       {"U32", 4},
+                                                                       {"F32", 4},
+                                                                       {"I64", 8},
+                                                                       {"U64", 8},
+                                                                       {"F64", 8}}) {
     auto d = ParseStDType(name);
     ASSERT_TRUE(d.ok()) << name;
     EXPECT_EQ(StDTypeSize(*d), size) << name;
@@ -145,17 +157,14 @@ TEST_P(SafetensorsMalformedTest, RefusedNamingFileAndTensor) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, SafetensorsMalformedTest,
     ::testing::Values(
-        BadCase{"unknown_dtype", R"({"w":{"dtype":"Q7","shape":[4],"data_offsets":[0,4]}})",
-                "abcd", "unknown dtype 'Q7'"},
-        BadCase{"offsets_past_end",
-                R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})", "abcd",
-                "past the end of the data section"},
-        BadCase{"begin_after_end",
-                R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})", "abcd",
-                "begin > end"},
-        BadCase{"shape_vs_span",
-                R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]}})", "abcd",
-                "needs 6 bytes"},
+        BadCase{"unknown_dtype", R"({"w":{"dtype":"Q7","shape":[4],"data_offsets":[0,4]}})", "abcd",
+                "unknown dtype 'Q7'"},
+        BadCase{"offsets_past_end", R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})",
+                "abcd", "past the end of the data section"},
+        BadCase{"begin_after_end", R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})",
+                "abcd", "begin > end"},
+        BadCase{"shape_vs_span", R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]}})",
+                "abcd", "needs 6 bytes"},
         BadCase{"overlap",
                 R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
                 R"("w":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})",
@@ -164,10 +173,10 @@ INSTANTIATE_TEST_SUITE_P(
                 R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
                 R"("w":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}})",
                 "abcdef", "hole"},
-        BadCase{"negative_dim", R"({"w":{"dtype":"U8","shape":[-4],"data_offsets":[0,4]}})",
-                "abcd", "non-negative"},
-        BadCase{"float_dim", R"({"w":{"dtype":"U8","shape":[4.0],"data_offsets":[0,4]}})",
-                "abcd", "non-negative"},
+        BadCase{"negative_dim", R"({"w":{"dtype":"U8","shape":[-4],"data_offsets":[0,4]}})", "abcd",
+                "non-negative"},
+        BadCase{"float_dim", R"({"w":{"dtype":"U8","shape":[4.0],"data_offsets":[0,4]}})", "abcd",
+                "non-negative"},
         BadCase{"overflowing_shape",
                 R"({"w":{"dtype":"U8","shape":[4294967296,4294967296,16],)"
                 R"("data_offsets":[0,4]}})",
@@ -175,12 +184,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"no_dtype", R"({"w":{"shape":[4],"data_offsets":[0,4]}})", "abcd", "dtype"},
         BadCase{"no_shape", R"({"w":{"dtype":"U8","data_offsets":[0,4]}})", "abcd", "shape"},
         BadCase{"no_offsets", R"({"w":{"dtype":"U8","shape":[4]}})", "abcd", "data_offsets"},
-        BadCase{"three_offsets",
-                R"({"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4,8]}})", "abcd",
-                "data_offsets"},
-        BadCase{"string_offsets",
-                R"({"w":{"dtype":"U8","shape":[4],"data_offsets":["0","4"]}})", "abcd",
-                "data_offsets"},
+        BadCase{"three_offsets", R"({"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4,8]}})",
+                "abcd", "data_offsets"},
+        BadCase{"string_offsets", R"({"w":{"dtype":"U8","shape":[4],"data_offsets":["0","4"]}})",
+                "abcd", "data_offsets"},
         BadCase{"entry_not_object", R"({"w":[1,2]})", "", "not an object"}),
     [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
 
@@ -195,8 +202,8 @@ TEST(Safetensors, MetadataMustBeStrings) {
   const std::string header =
       R"({"__metadata__":{"n":3},"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})";
   const absl::Status s = OpenStatus("metadata", Bytes(header, "ab"));
-  EXPECT_THAT(s.message(), AllOf(HasSubstr("safetensors_test_metadata"),
-                                 HasSubstr("__metadata__['n']")));
+  EXPECT_THAT(s.message(),
+              AllOf(HasSubstr("safetensors_test_metadata"), HasSubstr("__metadata__['n']")));
 }
 
 TEST(Safetensors, EmptyHeaderObjectIsAnEmptyFile) {

@@ -119,7 +119,8 @@ TEST(EngineTest, ForwardMatchesReferenceInEveryDtype) {
   }
   // Layers differ: the same input through layer 0 and 1 gives different answers.
   Inputs in = RandomInputs(m, 3, DType::kFP32, rng);
-  Tensor l0 = Tensor::Empty(DType::kFP32, {3, m.hidden}), l1 = Tensor::Empty(DType::kFP32, {3, m.hidden});
+  Tensor l0 = Tensor::Empty(DType::kFP32, {3, m.hidden}),
+         l1 = Tensor::Empty(DType::kFP32, {3, m.hidden});
   ASSERT_TRUE(ref->Forward(in.View(0), l0.view()).ok());
   ASSERT_TRUE(ref->Forward(in.View(1), l1.view()).ok());
   EXPECT_GT(testing::RelativeL2Error(l0.data<float>(), l1.data<float>(), l0.numel()), 0.1);
@@ -139,7 +140,8 @@ TEST(EngineTest, ZeroTokensAndNanHiddenStates) {
   ASSERT_TRUE(engine->Forward(in.View(), out.view()).ok());
   for (int64_t t = 0; t < 4; ++t) {
     bool any_nan = false;
-    for (int64_t h = 0; h < m.hidden; ++h) any_nan |= std::isnan(out.data<float>()[t * m.hidden + h]);
+    for (int64_t h = 0; h < m.hidden; ++h)
+      any_nan |= std::isnan(out.data<float>()[t * m.hidden + h]);
     EXPECT_EQ(any_nan, t == 2) << "token " << t;
   }
 }

@@ -65,8 +65,8 @@ class ExpertsContractTest : public ::testing::Test {
     std::vector<int> ids(num_experts);
     std::iota(ids.begin(), ids.end(), 0);
     store_ = *ExpertWeightStore::CreateSynthetic(model_, ids, /*seed=*/rng_(), 1);
-    kernel_ = *ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(1 << 20),
-                                     Factory::Make());
+    kernel_ =
+        *ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(1 << 20), Factory::Make());
   }
 
   // Runs the kernel on `ids` with fresh random activations and weights; returns rel. error.
@@ -113,8 +113,8 @@ TYPED_TEST(ExpertsContractTest, SweepOfShapes) {
   for (Case c : {Case{4, 1, 16, 8, 1}, Case{16, 8, 36, 20, 7}, Case{16, 8, 37, 11, 0},
                  Case{8, 2, 29, 13, 300}, Case{16, 4, 64, 32, 64}}) {
     this->Build(c.experts, c.topk, c.hidden, c.inter);
-    Tensor ids = testing::MakeRouting(testing::Routing::kUniform, c.m, c.topk, c.experts,
-                                      this->rng_);
+    Tensor ids =
+        testing::MakeRouting(testing::Routing::kUniform, c.m, c.topk, c.experts, this->rng_);
     EXPECT_LT(this->RunAndCompare(ids), kFp32Tolerance)
         << "E=" << c.experts << " topk=" << c.topk << " hidden=" << c.hidden << " M=" << c.m;
   }

@@ -81,8 +81,8 @@ TEST(ModularKernelTest, ReduceInApplyAndReduceInFinalizeAgree) {
             TopKWeightAndReduce::Kind::kNoOp);
   EXPECT_EQ(BlasExperts(1).FinalizeWeightAndReduceImpl()->kind(),
             TopKWeightAndReduce::Kind::kDelegate);
-  ModelConfig model{.name = "t", .num_layers = 1, .num_experts = 6, .topk = 3, .hidden = 20,
-                    .intermediate = 12};
+  ModelConfig model{
+      .name = "t", .num_layers = 1, .num_experts = 6, .topk = 3, .hidden = 20, .intermediate = 12};
   auto store = *ExpertWeightStore::CreateSynthetic(model, {0, 1, 2, 3, 4, 5}, 9, 1);
   auto ref = *ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(64),
                                     std::make_unique<ReferenceExperts>());
@@ -92,8 +92,11 @@ TEST(ModularKernelTest, ReduceInApplyAndReduceInFinalizeAgree) {
   Tensor x = testing::RandomNormal({33, 20}, rng);
   Tensor ids = testing::MakeRouting(testing::Routing::kUniform, 33, 3, 6, rng);
   Tensor w = testing::RandomTopkWeights(33, 3, rng);
-  ModularKernelArgs args{.hidden_states = x.view(), .topk_ids = ids.view(),
-                         .topk_weights = w.view(), .weights = store->layer(0), .num_experts = 6};
+  ModularKernelArgs args{.hidden_states = x.view(),
+                         .topk_ids = ids.view(),
+                         .topk_weights = w.view(),
+                         .weights = store->layer(0),
+                         .num_experts = 6};
   Tensor a = Tensor::Empty(DType::kFP32, {33, 20}), b = Tensor::Empty(DType::kFP32, {33, 20});
   StageTimings t;
   ASSERT_TRUE(ref->Forward(args, a.view(), &t).ok());

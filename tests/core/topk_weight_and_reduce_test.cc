@@ -10,14 +10,14 @@ namespace {
 using Kind = TopKWeightAndReduce::Kind;
 
 // out[t] = sum_k w[t,k] * in_route(t,k) over routes with id >= 0, in double.
-std::vector<double> Expected(const std::vector<std::vector<float>>& route_rows,
-                             const float* w, const int32_t* ids, int64_t m, int64_t topk,
-                             int64_t k) {
+std::vector<double> Expected(const std::vector<std::vector<float>>& route_rows, const float* w,
+                             const int32_t* ids, int64_t m, int64_t topk, int64_t k) {
   std::vector<double> out(m * k, 0.0);
   for (int64_t t = 0; t < m; ++t)
     for (int64_t j = 0; j < topk; ++j)
       if (ids[t * topk + j] >= 0)
-        for (int64_t h = 0; h < k; ++h) out[t * k + h] += double{w[t * topk + j]} * route_rows[t * topk + j][h];
+        for (int64_t h = 0; h < k; ++h)
+          out[t * k + h] += double{w[t * topk + j]} * route_rows[t * topk + j][h];
   return out;
 }
 
@@ -66,7 +66,8 @@ TEST_F(TopKWeightAndReduceTest, NaiveBatched) {
   for (int64_t r = 0; r < m_ * topk_; ++r) {
     const int e = ids_.data<int32_t>()[r];
     if (e < 0) continue;
-    std::copy(rows_[r].begin(), rows_[r].end(), in.data<float>() + (e * max_tokens + next[e]++) * k_);
+    std::copy(rows_[r].begin(), rows_[r].end(),
+              in.data<float>() + (e * max_tokens + next[e]++) * k_);
   }
   Tensor out = Tensor::Empty(DType::kFP32, {m_, k_});
   auto war = MakeTopKWeightAndReduce(Kind::kNaiveBatched);

@@ -53,10 +53,10 @@ std::string Name(const ::testing::TestParamInfo<Variant>& info) {
          "_threads" + std::to_string(v.threads);
 }
 
-const Variant kVariants[] = {
-    {WeightFormat::kBF16, 0, 2},  {WeightFormat::kBF16, 3, 2},  {WeightFormat::kBF16, -1, 2},
-    {WeightFormat::kBF16, -1, 1}, {WeightFormat::kMXFP8, 0, 2}, {WeightFormat::kMXFP8, 3, 2},
-    {WeightFormat::kMXFP8, -1, 2}, {WeightFormat::kMXFP8, -1, 3}};
+const Variant kVariants[] = {{WeightFormat::kBF16, 0, 2},   {WeightFormat::kBF16, 3, 2},
+                             {WeightFormat::kBF16, -1, 2},  {WeightFormat::kBF16, -1, 1},
+                             {WeightFormat::kMXFP8, 0, 2},  {WeightFormat::kMXFP8, 3, 2},
+                             {WeightFormat::kMXFP8, -1, 2}, {WeightFormat::kMXFP8, -1, 3}};
 
 class BlasExpertsPathsTest : public ::testing::TestWithParam<Variant> {};
 
@@ -75,9 +75,9 @@ TEST_P(BlasExpertsPathsTest, StandardMatchesReference) {
     int64_t m;
     testing::Routing routing;
   };
-  for (const Run& run : {Run{1, testing::Routing::kUniform}, Run{5, testing::Routing::kUniform},
-                         Run{40, testing::Routing::kUniform},
-                         Run{40, testing::Routing::kHotExpert}}) {
+  for (const Run& run :
+       {Run{1, testing::Routing::kUniform}, Run{5, testing::Routing::kUniform},
+        Run{40, testing::Routing::kUniform}, Run{40, testing::Routing::kHotExpert}}) {
     SCOPED_TRACE(::testing::Message() << "m=" << run.m);
     Tensor x = testing::RandomNormal({run.m, model.hidden}, rng);
     Tensor ids = testing::MakeRouting(run.routing, run.m, model.topk, model.num_experts, rng);
@@ -136,15 +136,22 @@ TEST_P(BlasExpertsPathsTest, BatchedMatchesFloat64) {
   p.format = ActivationFormat::kBatchedExperts;
   p.a1q = a1q.view();
   p.expert_num_tokens = counts.view();
-  p.problem = {.num_tokens = 26, .hidden = k, .intermediate = model.intermediate,
-               .topk = model.topk, .num_experts = model.num_experts,
-               .num_local_experts = e_local, .max_num_tokens = cap};
+  p.problem = {.num_tokens = 26,
+               .hidden = k,
+               .intermediate = model.intermediate,
+               .topk = model.topk,
+               .num_experts = model.num_experts,
+               .num_local_experts = e_local,
+               .max_num_tokens = cap};
   const WorkspaceShapes shapes = experts.GetWorkspaceShapes(p.problem);
   Tensor ws13 = Tensor::Empty(DType::kFP32, shapes.workspace13);
   Tensor ws2 = Tensor::Empty(DType::kFP32, shapes.workspace2);
   Tensor out = Tensor::Empty(DType::kFP32, shapes.output);
-  ExpertsApplyArgs args{.output = out.view(), .prepared = &p, .weights = &w,
-                        .workspace13 = ws13.view(), .workspace2 = ws2.view()};
+  ExpertsApplyArgs args{.output = out.view(),
+                        .prepared = &p,
+                        .weights = &w,
+                        .workspace13 = ws13.view(),
+                        .workspace2 = ws2.view()};
   const absl::Status s = experts.Apply(args);
   ASSERT_TRUE(s.ok()) << s;
   std::vector<float> got, expected;
@@ -164,8 +171,13 @@ INSTANTIATE_TEST_SUITE_P(Paths, BlasExpertsPathsTest, ::testing::ValuesIn(kVaria
 
 // Workspaces: no FP32 weight copy when no expert can reach the sgemm path.
 TEST(BlasExpertsWorkspace, NoFp32WeightCopyAtDecodeSizes) {
-  const MoeProblem decode{.num_tokens = 4, .hidden = 2048, .intermediate = 768, .topk = 8,
-                          .num_experts = 128, .num_local_experts = 128, .max_num_tokens = 32};
+  const MoeProblem decode{.num_tokens = 4,
+                          .hidden = 2048,
+                          .intermediate = 768,
+                          .topk = 8,
+                          .num_experts = 128,
+                          .num_local_experts = 128,
+                          .max_num_tokens = 32};
   EXPECT_EQ(NumElements(BlasExperts(2).GetWorkspaceShapes(decode).workspace2), 0);
   EXPECT_EQ(NumElements(BatchedBlasExperts(2).GetWorkspaceShapes(decode).workspace2), 0);
   EXPECT_GT(NumElements(BlasExperts(2, 0).GetWorkspaceShapes(decode).workspace2), 0);

@@ -3,6 +3,8 @@
 // tails, the partial MXFP8 scale block and the scalar tail all run), row counts 1..16 and past
 // the kernel's 16-row groups, weight-row ranges that split the register blocks.
 // Tolerance: FP32 accumulation of k products -> relative L2 < 1e-5.
+#include "kernels/cpu/expert_gemv.h"
+
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -10,7 +12,6 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
-#include "kernels/cpu/expert_gemv.h"
 #include "kernels/cpu/mxfp8.h"
 
 namespace moeserve::kernels {
@@ -31,9 +32,8 @@ struct Case {
 };
 
 // Relative L2 error of y[r][j_begin..j_end) against float64 sum_c wf[j, c] x[r, c].
-double Error(const std::vector<float>& wf, const std::vector<float>& x, int64_t k,
-             int64_t j_begin, int64_t j_end, int64_t rows, const std::vector<float>& y,
-             int64_t n) {
+double Error(const std::vector<float>& wf, const std::vector<float>& x, int64_t k, int64_t j_begin,
+             int64_t j_end, int64_t rows, const std::vector<float>& y, int64_t n) {
   double err = 0, norm = 0;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = j_begin; j < j_end; ++j) {
@@ -82,11 +82,11 @@ class ExpertGemvTest : public ::testing::TestWithParam<GemvIsa> {
 TEST_P(ExpertGemvTest, Bf16MatchesFloat64) {
   const GemvIsa isa = GetParam();
   std::normal_distribution<float> dist(0.0f, 0.05f);
-  for (const Case& c : {Case{13, 77, 1}, Case{21, 77, 2}, Case{9, 131, 3}, Case{37, 45, 7},
-                        Case{16, 300, 16}, Case{11, 7, 5}, Case{6, 1, 4}, Case{29, 200, 23},
-                        Case{40, 96, 33}}) {
-    SCOPED_TRACE(::testing::Message() << GemvIsaName(isa) << " n=" << c.n << " k=" << c.k
-                                      << " rows=" << c.rows);
+  for (const Case& c :
+       {Case{13, 77, 1}, Case{21, 77, 2}, Case{9, 131, 3}, Case{37, 45, 7}, Case{16, 300, 16},
+        Case{11, 7, 5}, Case{6, 1, 4}, Case{29, 200, 23}, Case{40, 96, 33}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << GemvIsaName(isa) << " n=" << c.n << " k=" << c.k << " rows=" << c.rows);
     std::vector<uint16_t> w(c.n * c.k);
     std::vector<float> wf(c.n * c.k);
     for (int64_t i = 0; i < c.n * c.k; ++i) {
@@ -109,11 +109,11 @@ TEST_P(ExpertGemvTest, Bf16MatchesFloat64) {
 TEST_P(ExpertGemvTest, Mxfp8MatchesFloat64) {
   const GemvIsa isa = GetParam();
   std::normal_distribution<float> dist(0.0f, 0.05f);
-  for (const Case& c : {Case{13, 77, 1}, Case{21, 77, 2}, Case{9, 131, 3}, Case{37, 45, 7},
-                        Case{16, 300, 16}, Case{11, 7, 5}, Case{6, 1, 4}, Case{29, 200, 23},
-                        Case{40, 96, 33}}) {
-    SCOPED_TRACE(::testing::Message() << GemvIsaName(isa) << " n=" << c.n << " k=" << c.k
-                                      << " rows=" << c.rows);
+  for (const Case& c :
+       {Case{13, 77, 1}, Case{21, 77, 2}, Case{9, 131, 3}, Case{37, 45, 7}, Case{16, 300, 16},
+        Case{11, 7, 5}, Case{6, 1, 4}, Case{29, 200, 23}, Case{40, 96, 33}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << GemvIsaName(isa) << " n=" << c.n << " k=" << c.k << " rows=" << c.rows);
     std::vector<float> src(c.n * c.k), wf(c.n * c.k);
     for (int64_t i = 0; i < c.n * c.k; ++i) {
       // Spread magnitudes over many binades so subnormal E4M3 codes and exact zeros occur.
@@ -124,14 +124,12 @@ TEST_P(ExpertGemvTest, Mxfp8MatchesFloat64) {
               Mxfp8Status::kOk);
     DequantizeMxfp8RowsRef(q.data(), scales.data(), c.n, c.k, wf.data());
     MakeRows(c.rows, c.n, c.k);
-    ExpertGemvMxfp8Isa(isa, q.data(), scales.data(), c.k, 0, c.n, xp_.data(), c.rows,
-                       yp_.data());
+    ExpertGemvMxfp8Isa(isa, q.data(), scales.data(), c.k, 0, c.n, xp_.data(), c.rows, yp_.data());
     EXPECT_LT(Error(wf, x_, c.k, 0, c.n, c.rows, y_, c.n), kTolerance);
 
     const int64_t jb = c.n / 3, je = c.n - c.n / 4;
     MakeRows(c.rows, c.n, c.k);
-    ExpertGemvMxfp8Isa(isa, q.data(), scales.data(), c.k, jb, je, xp_.data(), c.rows,
-                       yp_.data());
+    ExpertGemvMxfp8Isa(isa, q.data(), scales.data(), c.k, jb, je, xp_.data(), c.rows, yp_.data());
     EXPECT_LT(Error(wf, x_, c.k, jb, je, c.rows, y_, c.n), kTolerance);
     ExpectUntouchedOutside(c.n, c.rows, jb, je);
   }

@@ -179,8 +179,8 @@ TEST_P(CudaExpertsTest, MatchesReferenceExperts) {
     args.num_experts = num_experts;
     if (c.expert_map) args.expert_map = map.view();
 
-    std::vector<float> ref(c.m * c.hidden), got(c.m * c.hidden,
-                                                std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> ref(c.m * c.hidden),
+        got(c.m * c.hidden, std::numeric_limits<float>::quiet_NaN());
     ASSERT_TRUE((*cpu)->Forward(args, TensorView(ref.data(), DType::kFP32, {c.m, c.hidden})).ok());
     absl::Status s = (*gpu)->Forward(args, TensorView(got.data(), DType::kFP32, {c.m, c.hidden}));
     ASSERT_TRUE(s.ok()) << s;

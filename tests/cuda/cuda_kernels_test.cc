@@ -142,14 +142,13 @@ TEST_F(CudaKernelsTest, PermuteToBatchedMatchesRef) {
   MoeAlignRef(ids.data(), m * topk, e, c.data(), o.data(), s.data(), sl.data());
   const int64_t max_tokens = 40;  // some routes past capacity are skipped by both
   std::vector<uint16_t> ref(e * max_tokens * hidden, 0x7fc1);
-  PermuteToBatchedRef(x.data(), ids.data(), sl.data(), m, topk, hidden, e, max_tokens,
-                      ref.data());
+  PermuteToBatchedRef(x.data(), ids.data(), sl.data(), m, topk, hidden, e, max_tokens, ref.data());
   Dev<uint16_t> d_x(x), d_out(ref.size());
   std::vector<uint16_t> poison(ref.size(), 0x7fc1);
   cudaMemcpy(d_out.p, poison.data(), poison.size() * 2, cudaMemcpyHostToDevice);
   Dev<int32_t> d_ids(ids), d_sl(sl);
-  CUDA_OK(LaunchPermuteToBatched(d_x.p, d_ids.p, d_sl.p, m, topk, hidden, e, max_tokens,
-                                 d_out.p, nullptr));
+  CUDA_OK(LaunchPermuteToBatched(d_x.p, d_ids.p, d_sl.p, m, topk, hidden, e, max_tokens, d_out.p,
+                                 nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(d_out.Get(), ref);
 }

@@ -15,16 +15,16 @@
 namespace moeserve {
 namespace {
 
-using ::testing::HasSubstr;
 using ep_testing::Routing;
+using ::testing::HasSubstr;
 
 constexpr double kBf16Tolerance = 1e-2;
 
 EngineOptions Small(const std::string& backend, const std::string& experts, WeightFormat wf) {
   EngineOptions o;
-  o.model = *ApplyOverrides(*ModelPreset("tiny"),
-                            ModelOverrides{.num_experts = 32, .topk = 4, .hidden = 512,
-                                           .intermediate = 192});
+  o.model = *ApplyOverrides(
+      *ModelPreset("tiny"),
+      ModelOverrides{.num_experts = 32, .topk = 4, .hidden = 512, .intermediate = 192});
   o.backend = backend;
   o.experts = experts;
   o.weight_format = wf;
@@ -84,10 +84,12 @@ TEST(EngineCuda, MatchesCpuReference) {
           SCOPED_TRACE(absl::StrCat(WeightFormatName(wf), " ", experts, " M=", m, " ",
                                     ep_testing::RoutingName(routing)));
           const Tensor x = ToBf16(ep_testing::RandomNormal({m, model.hidden}, rng));
-          const Tensor ids = ep_testing::MakeRouting(routing, m, model.topk, model.num_experts,
-                                                     {3, 4, 5, 6}, rng);
+          const Tensor ids =
+              ep_testing::MakeRouting(routing, m, model.topk, model.num_experts, {3, 4, 5, 6}, rng);
           const Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
-          ForwardInput in{.layer = 1, .hidden_states = x.view(), .topk_ids = ids.view(),
+          ForwardInput in{.layer = 1,
+                          .hidden_states = x.view(),
+                          .topk_ids = ids.view(),
                           .topk_weights = w.view()};
           Tensor got = Tensor::Empty(DType::kBF16, {m, model.hidden});
           Tensor want = Tensor::Empty(DType::kBF16, {m, model.hidden});

@@ -16,8 +16,8 @@
 namespace moeserve {
 namespace {
 
-using ::testing::HasSubstr;
 using ep_testing::Routing;
+using ::testing::HasSubstr;
 
 constexpr double kBf16Tolerance = 1e-2;
 
@@ -67,11 +67,11 @@ TEST(EngineEp, SixteenRanksMatchSingleRankReference) {
       SCOPED_TRACE(absl::StrCat(info.prepare_finalize, " ", ep_testing::RoutingName(routing)));
       const int64_t m = 64;
       const Tensor x = ToBf16(ep_testing::RandomNormal({m, model.hidden}, rng));
-      const Tensor ids =
-          ep_testing::MakeRouting(routing, m, model.topk, model.num_experts, info.rank_experts[7], rng);
+      const Tensor ids = ep_testing::MakeRouting(routing, m, model.topk, model.num_experts,
+                                                 info.rank_experts[7], rng);
       const Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
-      ForwardInput in{.layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(),
-                      .topk_weights = w.view()};
+      ForwardInput in{
+          .layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(), .topk_weights = w.view()};
       Tensor got = Tensor::Empty(DType::kBF16, {m, model.hidden});
       Tensor want = Tensor::Empty(DType::kBF16, {m, model.hidden});
       ForwardTimings timings;
@@ -134,8 +134,8 @@ TEST(EngineEp, OneRankFailingAbortsAllAndRecovers) {
   ids.data<int32_t>()[5 * 8 + 1] = ids.data<int32_t>()[5 * 8];
   const Tensor w = ep_testing::RandomTopkWeights(m, 8, rng);
   Tensor out = Tensor::Empty(DType::kFP32, {m, hidden});
-  ForwardInput in{.layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(),
-                  .topk_weights = w.view()};
+  ForwardInput in{
+      .layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(), .topk_weights = w.view()};
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = (*engine)->Forward(in, out.view());
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
@@ -167,8 +167,8 @@ TEST(EngineEp, LateRankTimesOutAsUnavailableThenServesAgain) {
   const Tensor ids = ep_testing::MakeRouting(Routing::kUniform, m, 8, 512, {}, rng);
   const Tensor w = ep_testing::RandomTopkWeights(m, 8, rng);
   Tensor out = Tensor::Empty(DType::kFP32, {m, hidden});
-  ForwardInput in{.layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(),
-                  .topk_weights = w.view()};
+  ForwardInput in{
+      .layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(), .topk_weights = w.view()};
   late = true;
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = (*engine)->Forward(in, out.view());

@@ -35,8 +35,8 @@ inline absl::StatusOr<Routing> ParseRouting(absl::string_view name) {
   for (Routing r : {Routing::kUniform, Routing::kBalancedAffine, Routing::kHotExpert}) {
     if (name == RoutingName(r)) return r;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "routing: got '", name, "', expected uniform, balanced_affine or hot_expert"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("routing: got '", name, "', expected uniform, balanced_affine or hot_expert"));
 }
 
 // [M, topk] INT32 global expert ids, distinct within a token.

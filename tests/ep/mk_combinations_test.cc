@@ -21,8 +21,8 @@
 namespace moeserve {
 namespace {
 
-using ::testing::HasSubstr;
 using ep_testing::Routing;
+using ::testing::HasSubstr;
 
 constexpr double kFp32Tolerance = 1e-5;
 constexpr int kExperts = 512, kTopk = 8;
@@ -78,8 +78,7 @@ Engine& ReferenceEngine() {
 
 // Compatibility as core decides it, from instances built for `ranks` ranks. Returns the
 // reason when incompatible (or when the PrepareAndFinalize cannot serve that many ranks).
-absl::Status Compatibility(const std::string& pf_type, const std::string& experts_type,
-                           int ranks) {
+absl::Status Compatibility(const std::string& pf_type, const std::string& experts_type, int ranks) {
   auto group = InProcessCommGroup::Create(ranks, absl::Seconds(10));
   if (!group.ok()) return group.status();
   auto placement = Placement::Contiguous(kExperts, ranks);
@@ -105,8 +104,8 @@ TEST_P(CombinationTest, MatchesReferenceOrIsRefused) {
   auto engine = Engine::Create(Options(pf_type, experts_type, ranks));
   if (!compat.ok()) {
     // Refused at construction, saying why.
-    ASSERT_FALSE(engine.ok()) << pf_type << " x " << experts_type << " should be refused: "
-                              << compat;
+    ASSERT_FALSE(engine.ok()) << pf_type << " x " << experts_type
+                              << " should be refused: " << compat;
     EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(engine.status().message(), compat.message());
     EXPECT_FALSE(compat.message().empty());
@@ -152,12 +151,12 @@ std::vector<Combo> AllCombos() {
   return combos;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllPairs, CombinationTest, ::testing::ValuesIn(AllCombos()),
-    [](const ::testing::TestParamInfo<Combo>& info) {
-      return absl::StrCat(std::get<0>(info.param), "_x_", std::get<1>(info.param), "_R",
-                          std::get<2>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(AllPairs, CombinationTest, ::testing::ValuesIn(AllCombos()),
+                         [](const ::testing::TestParamInfo<Combo>& info) {
+                           return absl::StrCat(std::get<0>(info.param), "_x_",
+                                               std::get<1>(info.param), "_R",
+                                               std::get<2>(info.param));
+                         });
 
 // The expected compatibility table, so a change in declared formats is noticed.
 TEST(CompatibilityTable, FormatsDecide) {
@@ -215,23 +214,23 @@ TEST(CompatibilityTable, ExpertMapRequiredUnderEp) {
 TEST(Placements, RoundRobinAndExplicitMatchReference) {
   std::vector<EngineOptions> configs;
   for (const char* pf : {"all2all_contiguous", "all2all_batched"}) {
-    EngineOptions o = Options(pf, std::string(pf) == "all2all_batched" ? "batched_blas" : "blas",
-                              4);
+    EngineOptions o =
+        Options(pf, std::string(pf) == "all2all_batched" ? "batched_blas" : "blas", 4);
     o.placement = "round_robin";
     configs.push_back(o);
-    EngineOptions u = Options(pf, std::string(pf) == "all2all_batched" ? "batched_blas" : "blas",
-                              3);
+    EngineOptions u =
+        Options(pf, std::string(pf) == "all2all_batched" ? "batched_blas" : "blas", 3);
     u.rank_experts.resize(3);
-    for (int e = 0; e < kExperts; ++e) u.rank_experts[e < 40 ? 0 : (e < 300 ? 1 : 2)].push_back(
-        kExperts - 1 - e);
+    for (int e = 0; e < kExperts; ++e)
+      u.rank_experts[e < 40 ? 0 : (e < 300 ? 1 : 2)].push_back(kExperts - 1 - e);
     configs.push_back(u);
   }
   std::mt19937 rng(5);
   for (const EngineOptions& o : configs) {
     auto engine = Engine::Create(o);
     ASSERT_TRUE(engine.ok()) << engine.status();
-    SCOPED_TRACE(absl::StrCat((*engine)->info().prepare_finalize, " ",
-                              (*engine)->info().placement));
+    SCOPED_TRACE(
+        absl::StrCat((*engine)->info().prepare_finalize, " ", (*engine)->info().placement));
     for (Routing routing : {Routing::kUniform, Routing::kHotExpert}) {
       const int64_t m = 97;
       const Tensor x = ep_testing::RandomNormal({m, kHidden}, rng);
@@ -249,10 +248,10 @@ TEST(Placements, RoundRobinAndExplicitMatchReference) {
 // No route is lost under hot-expert load: every token goes to one expert, with a capacity far
 // below the load; the batch runs in rounds and still matches the reference.
 TEST(Capacity, HotExpertOverCapacityIsChunkedNotTruncated) {
-  for (const auto& [pf, ex] : std::vector<std::pair<std::string, std::string>>{
-           {"all2all_batched", "batched_blas"},
-           {"all2all_batched", "batched_reference"},
-           {"all2all_contiguous", "blas"}}) {
+  for (const auto& [pf, ex] :
+       std::vector<std::pair<std::string, std::string>>{{"all2all_batched", "batched_blas"},
+                                                        {"all2all_batched", "batched_reference"},
+                                                        {"all2all_contiguous", "blas"}}) {
     SCOPED_TRACE(pf + " x " + ex);
     EngineOptions o = Options(pf, ex, 4);
     o.max_tokens_per_rank = 4;  // batched: 16 rows per expert; the hot expert gets 300
@@ -287,7 +286,8 @@ TEST(Capacity, DuplicateRoutesToOneExpert) {
   const int64_t m = 40;
   const Tensor x = ep_testing::RandomNormal({m, kHidden}, rng);
   Tensor ids = ep_testing::MakeRouting(Routing::kUniform, m, kTopk, kExperts, {}, rng);
-  for (int64_t t = 0; t < m; ++t) ids.data<int32_t>()[t * kTopk + 1] = ids.data<int32_t>()[t * kTopk];
+  for (int64_t t = 0; t < m; ++t)
+    ids.data<int32_t>()[t * kTopk + 1] = ids.data<int32_t>()[t * kTopk];
   const Tensor w = ep_testing::RandomTopkWeights(m, kTopk, rng);
   const Tensor got = RunForward(**engine, x, ids, w);
   const Tensor want = RunForward(ReferenceEngine(), x, ids, w);

@@ -79,10 +79,10 @@ TEST(Fp16Test, KnownValuesAndRounding) {
   EXPECT_EQ(FloatToFp16(65504.0f), 0x7bff);
   EXPECT_EQ(FloatToFp16(65520.0f), 0x7c00);  // halfway to 65536 rounds to even -> Inf
   EXPECT_EQ(FloatToFp16(65519.0f), 0x7bff);
-  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -24)), 0x0001);      // smallest subnormal
-  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -25)), 0x0000);      // halfway: ties to even (0)
-  EXPECT_EQ(FloatToFp16(std::ldexp(1.5f, -25)), 0x0001);      // above halfway
-  EXPECT_EQ(FloatToFp16(std::ldexp(3.0f, -25)), 0x0002);      // 1.5 ulp: ties to even (2)
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -24)), 0x0001);         // smallest subnormal
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -25)), 0x0000);         // halfway: ties to even (0)
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.5f, -25)), 0x0001);         // above halfway
+  EXPECT_EQ(FloatToFp16(std::ldexp(3.0f, -25)), 0x0002);         // 1.5 ulp: ties to even (2)
   EXPECT_EQ(FloatToFp16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);  // tie -> even
   EXPECT_EQ(FloatToFp16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);
   EXPECT_FLOAT_EQ(Fp16ToFloat(0x0001), std::ldexp(1.0f, -24));

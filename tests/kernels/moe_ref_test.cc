@@ -32,8 +32,8 @@ TEST(ExpertMlpRowRefTest, HandComputedCase) {
 
 TEST(TopKWeightAndReduceContiguousRefTest, WeightsSumsAndSkipsRemoteRoutes) {
   // 2 tokens, topk 2, hidden 3.
-  const std::vector<float> in = {1, 2, 3, 10, 20, 30,  // token 0: routes 0, 1
-                                 -1, 0, 1, 5, 5, 5};   // token 1: routes 0, 1
+  const std::vector<float> in = {1,  2, 3, 10, 20, 30,  // token 0: routes 0, 1
+                                 -1, 0, 1, 5,  5,  5};  // token 1: routes 0, 1
   const std::vector<float> w = {0.5, 0.25, 2, 7};
   const std::vector<int32_t> ids = {3, 1, 0, -1};  // token 1's second route is remote
   std::vector<float> out(6, 99.0f);

@@ -31,14 +31,14 @@
 namespace moeserve {
 namespace {
 
-using ::testing::HasSubstr;
 using ep_testing::Routing;
+using ::testing::HasSubstr;
 
 constexpr double kBf16Tolerance = 1e-2;
 
-#define SKIP_WITHOUT_TWO_GPUS()                                                   \
-  if (CudaDeviceCount() < 2) {                                                    \
-    GTEST_SKIP() << "needs 2 CUDA devices, found " << CudaDeviceCount();          \
+#define SKIP_WITHOUT_TWO_GPUS()                                          \
+  if (CudaDeviceCount() < 2) {                                           \
+    GTEST_SKIP() << "needs 2 CUDA devices, found " << CudaDeviceCount(); \
   }
 
 #ifndef MOESERVE_HAVE_NCCL
@@ -47,7 +47,7 @@ TEST(NcclEp, Disabled) { GTEST_SKIP() << "built without NCCL"; }
 
 TEST(NcclCommunicator, ExchangesAreCorrect) {
   SKIP_WITHOUT_TWO_GPUS();
-  std::vector<std::shared_ptr<CudaContext>> ctx;
+  std::vector<std::shared_ptr<CudaContext> > ctx;
   std::vector<int> devices = {0, 1};
   std::vector<void*> streams;
   for (int r = 0; r < 2; ++r) {
@@ -56,8 +56,8 @@ TEST(NcclCommunicator, ExchangesAreCorrect) {
   }
   auto group = NcclCommGroup::Create(devices, streams, absl::Seconds(30));
   ASSERT_TRUE(group.ok()) << group.status();
-  std::vector<std::vector<uint8_t>> got(2);
-  std::vector<std::vector<int64_t>> gathered(2);
+  std::vector<std::vector<uint8_t> > got(2);
+  std::vector<std::vector<int64_t> > gathered(2);
   auto count = [](int from, int to) -> int64_t { return (to + 1) * 1000 + from + 1; };
   auto byte = [](int from, int to, int64_t i) { return uint8_t((from * 100 + to * 10 + i % 7)); };
   RankThreads threads(2);
@@ -110,9 +110,10 @@ TEST(NcclCommunicator, ExchangesAreCorrect) {
 
 EngineOptions Ep2(const std::string& pf, const std::string& experts, WeightFormat wf) {
   EngineOptions o;
-  o.model = *ApplyOverrides(*ModelPreset("tiny"),
-                            ModelOverrides{.num_layers = 2, .num_experts = 32, .topk = 8,
-                                           .hidden = 256, .intermediate = 128});
+  o.model = *ApplyOverrides(
+      *ModelPreset("tiny"),
+      ModelOverrides{
+          .num_layers = 2, .num_experts = 32, .topk = 8, .hidden = 256, .intermediate = 128});
   o.backend = "cuda";
   o.num_ranks = 2;
   o.prepare_finalize = pf;
@@ -153,13 +154,15 @@ std::vector<float> Bf16ToFloat(const Tensor& y) {
 struct Inputs {
   Tensor x, ids, w;
   ForwardInput in(int layer) const {
-    return ForwardInput{.layer = layer, .hidden_states = x.view(), .topk_ids = ids.view(),
+    return ForwardInput{.layer = layer,
+                        .hidden_states = x.view(),
+                        .topk_ids = ids.view(),
                         .topk_weights = w.view()};
   }
 };
 
-Inputs MakeInputs(const ModelConfig& model, int64_t m, Routing routing,
-                  const std::vector<int>& hot, std::mt19937& rng) {
+Inputs MakeInputs(const ModelConfig& model, int64_t m, Routing routing, const std::vector<int>& hot,
+                  std::mt19937& rng) {
   Inputs i;
   i.x = ToBf16(ep_testing::RandomNormal({m, model.hidden}, rng));
   i.ids = ep_testing::MakeRouting(routing, m, model.topk, model.num_experts, hot, rng);
@@ -186,7 +189,7 @@ TEST(NcclEp, CombinationSuiteMatchesCpuReference) {
   SKIP_WITHOUT_TWO_GPUS();
   int cases = 0;
   for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
-    for (const auto& [pf, ex] : std::vector<std::pair<std::string, std::string>>{
+    for (const auto& [pf, ex] : std::vector<std::pair<std::string, std::string> >{
              {"all2all_contiguous", "blas"}, {"all2all_batched", "batched_blas"}}) {
       const EngineOptions o = Ep2(pf, ex, wf);
       auto gpu = Engine::Create(o);
@@ -226,11 +229,11 @@ TEST(NcclEp, RoundsPerRouteAndRoundRobin) {
     std::string pf, ex, placement, dispatch;
     int64_t tokens_per_rank;
   };
-  for (const Variant& v : std::vector<Variant>{
-           {"all2all_contiguous", "blas", "contiguous", "per_rank", 100},
-           {"all2all_batched", "batched_blas", "contiguous", "per_rank", 8},
-           {"all2all_contiguous", "blas", "round_robin", "per_route", 0},
-           {"all2all_batched", "batched_blas", "round_robin", "per_route", 0}}) {
+  for (const Variant& v :
+       std::vector<Variant>{{"all2all_contiguous", "blas", "contiguous", "per_rank", 100},
+                            {"all2all_batched", "batched_blas", "contiguous", "per_rank", 8},
+                            {"all2all_contiguous", "blas", "round_robin", "per_route", 0},
+                            {"all2all_batched", "batched_blas", "round_robin", "per_route", 0}}) {
     EngineOptions o = Ep2(v.pf, v.ex, WeightFormat::kMXFP8);
     o.placement = v.placement;
     o.dispatch = v.dispatch;
@@ -241,10 +244,9 @@ TEST(NcclEp, RoundsPerRouteAndRoundRobin) {
     ASSERT_TRUE(reference.ok());
     std::mt19937 rng(3);
     for (int64_t m : {5, 517}) {
-      SCOPED_TRACE(absl::StrCat(v.pf, " ", v.placement, " ", v.dispatch, " cap ",
-                                v.tokens_per_rank, " M=", m));
-      const Inputs in =
-          MakeInputs((*gpu)->info().model, m, Routing::kHotExpert, {0, 2, 4, 6}, rng);
+      SCOPED_TRACE(absl::StrCat(v.pf, " ", v.placement, " ", v.dispatch, " cap ", v.tokens_per_rank,
+                                " M=", m));
+      const Inputs in = MakeInputs((*gpu)->info().model, m, Routing::kHotExpert, {0, 2, 4, 6}, rng);
       ForwardTimings t;
       EXPECT_LT(Compare(**gpu, **reference, in, 0, &t), kBf16Tolerance);
       if (v.tokens_per_rank > 0 && m == 517) {

@@ -31,9 +31,9 @@ TEST(ResolveMultiProcess, SingleProcessWithoutFlagsOrEnv) {
 }
 
 TEST(ResolveMultiProcess, FromLeaderWorkerSetEnvironment) {
-  auto c = ResolveMultiProcess(
-      Flags(2), Env({{"LWS_GROUP_SIZE", "3"}, {"LWS_WORKER_INDEX", "2"},
-                     {"LWS_LEADER_ADDRESS", "moe-0.moe.default"}}));
+  auto c = ResolveMultiProcess(Flags(2), Env({{"LWS_GROUP_SIZE", "3"},
+                                              {"LWS_WORKER_INDEX", "2"},
+                                              {"LWS_LEADER_ADDRESS", "moe-0.moe.default"}}));
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE(c->enabled);
   EXPECT_EQ(c->world_size, 6);
@@ -48,8 +48,9 @@ TEST(ResolveMultiProcess, FlagsOverrideEnvironment) {
   f.world_size = 2;
   f.node_rank = 0;
   f.leader_address = "10.0.0.1:7000";
-  auto c = ResolveMultiProcess(f, Env({{"LWS_GROUP_SIZE", "4"}, {"LWS_WORKER_INDEX", "3"},
-                                       {"LWS_LEADER_ADDRESS", "other"}}));
+  auto c = ResolveMultiProcess(
+      f,
+      Env({{"LWS_GROUP_SIZE", "4"}, {"LWS_WORKER_INDEX", "3"}, {"LWS_LEADER_ADDRESS", "other"}}));
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->world_size, 2);
   EXPECT_EQ(c->node_rank, 0);
@@ -67,8 +68,7 @@ TEST(ResolveMultiProcess, RefusesWhatDoesNotFit) {
   MultiProcessFlags f = Flags(2);
   f.world_size = 5;  // not a multiple of --ranks
   f.leader_address = "h:1";
-  EXPECT_EQ(ResolveMultiProcess(f, Env({})).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveMultiProcess(f, Env({})).status().code(), absl::StatusCode::kInvalidArgument);
   f.world_size = 4;
   f.node_rank = 2;  // only nodes 0 and 1
   auto s = ResolveMultiProcess(f, Env({})).status();
@@ -76,11 +76,9 @@ TEST(ResolveMultiProcess, RefusesWhatDoesNotFit) {
   EXPECT_NE(s.message().find("node_rank"), absl::string_view::npos) << s;
   f.node_rank = 1;
   f.leader_address = "";  // no leader
-  EXPECT_EQ(ResolveMultiProcess(f, Env({})).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveMultiProcess(f, Env({})).status().code(), absl::StatusCode::kInvalidArgument);
   f.leader_address = "nohostport";
-  EXPECT_EQ(ResolveMultiProcess(f, Env({})).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveMultiProcess(f, Env({})).status().code(), absl::StatusCode::kInvalidArgument);
   // LWS group without an explicit --ranks.
   EXPECT_EQ(ResolveMultiProcess(Flags(0), Env({{"LWS_GROUP_SIZE", "2"}})).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -109,8 +107,8 @@ TEST(Bootstrap, FollowerGetsTheLeadersId) {
 }
 
 TEST(Bootstrap, LeaderRefusesOtherOptionsAtOnce) {
-  auto server = BootstrapServer::Start("127.0.0.1:0", Config(0, ""), std::string(128, 'a'),
-                                       "model=tiny");
+  auto server =
+      BootstrapServer::Start("127.0.0.1:0", Config(0, ""), std::string(128, 'a'), "model=tiny");
   ASSERT_TRUE(server.ok());
   const std::string leader = "127.0.0.1:" + std::to_string((*server)->port());
   const absl::Time start = absl::Now();

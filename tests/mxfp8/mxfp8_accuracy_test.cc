@@ -22,9 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "core/engine.h"
 #include "core/tensor.h"
+#include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "tests/mxfp8/uniform_error.h"
 
@@ -87,11 +87,12 @@ TEST_P(Mxfp8AccuracyTest, MatchesBf16WithinStatedBound) {
       kernels::ConvertBf16ToFp32Ref(v.data(), f.data(), static_cast<int64_t>(v.size()));
       return f;
     };
-    const double e13 = RelativeL2(to_f32(m13), to_f32(b13)), e2 = RelativeL2(to_f32(m2), to_f32(b2));
+    const double e13 = RelativeL2(to_f32(m13), to_f32(b13)),
+                 e2 = RelativeL2(to_f32(m2), to_f32(b2));
     const double want13 = testing_mxfp8::UniformRelativeL2(std::sqrt(3.0 / h));
     const double want2 = testing_mxfp8::UniformRelativeL2(std::sqrt(3.0 / n));
-    std::cout << c.name << ": weight relative L2 w13 " << e13 << " (expected " << want13
-              << "), w2 " << e2 << " (expected " << want2 << ")\n";
+    std::cout << c.name << ": weight relative L2 w13 " << e13 << " (expected " << want13 << "), w2 "
+              << e2 << " (expected " << want2 << ")\n";
     EXPECT_NEAR(e13, want13, 0.05 * want13);
     EXPECT_NEAR(e2, want2, 0.05 * want2);
     estimate = std::sqrt(2 * want13 * want13 + want2 * want2);
@@ -133,14 +134,13 @@ TEST_P(Mxfp8AccuracyTest, MatchesBf16WithinStatedBound) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Mxfp8AccuracyTest,
-    ::testing::Values(
-        Case{"tiny_reference", 256, 128, 16, 4, "reference", 32},
-        Case{"tiny_blas", 256, 128, 16, 4, "blas", 64},
-        // K not a multiple of 32 on both GEMMs: rows end in partial blocks (200 = 6*32 + 8,
-        // 72 = 2*32 + 8).
-        Case{"partial_blocks_blas", 200, 72, 8, 2, "blas", 48},
-        // qwen3-30b-a3b's expert sizes (fan-ins 2048 and 768), fewer experts.
-        Case{"qwen3_sizes_blas", 2048, 768, 4, 2, "blas", 32}),
+    ::testing::Values(Case{"tiny_reference", 256, 128, 16, 4, "reference", 32},
+                      Case{"tiny_blas", 256, 128, 16, 4, "blas", 64},
+                      // K not a multiple of 32 on both GEMMs: rows end in partial blocks (200 =
+                      // 6*32 + 8, 72 = 2*32 + 8).
+                      Case{"partial_blocks_blas", 200, 72, 8, 2, "blas", 48},
+                      // qwen3-30b-a3b's expert sizes (fan-ins 2048 and 768), fewer experts.
+                      Case{"qwen3_sizes_blas", 2048, 768, 4, 2, "blas", 32}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

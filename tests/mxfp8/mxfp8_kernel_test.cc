@@ -201,9 +201,8 @@ void ExpectBlockRule(const std::vector<float>& in, int64_t rows, int64_t k,
         // Dequantization is exact: code value times 2^(c-127), in double.
         ASSERT_EQ(static_cast<double>(deq[i]), RefE4M3(q[i]) * s) << i;
         const double err = std::fabs(x - deq[i]);
-        const double bound = std::fabs(x) / s >= 0x1p-6
-                                 ? std::ldexp(1.0, std::ilogb(x) - 4)
-                                 : std::ldexp(s, -10);
+        const double bound =
+            std::fabs(x) / s >= 0x1p-6 ? std::ldexp(1.0, std::ilogb(x) - 4) : std::ldexp(s, -10);
         ASSERT_LE(err, bound) << "x=" << x << " deq=" << deq[i] << " s=" << s;
         if (x != 0 && std::fabs(x) / s >= 0x1p-6) {
           ASSERT_LE(err, std::fabs(x) / 16) << x;
@@ -258,8 +257,7 @@ TEST(Mxfp8Rows, RoundTripBoundOnManyMagnitudes) {
       }
     }
     std::vector<uint8_t> q(rows * k), scales(rows * Mxfp8ScaleBlocks(k));
-    ASSERT_EQ(QuantizeMxfp8RowsRef(in.data(), rows, k, q.data(), scales.data()),
-              Mxfp8Status::kOk);
+    ASSERT_EQ(QuantizeMxfp8RowsRef(in.data(), rows, k, q.data(), scales.data()), Mxfp8Status::kOk);
     ExpectBlockRule(in, rows, k, q, scales);
   }
 }
@@ -279,8 +277,7 @@ TEST(Mxfp8Rows, WeightLikeDataRelativeL2) {
     std::uniform_real_distribution<float> u(-a, a);
     for (float& v : in) v = u(rng);
     std::vector<uint8_t> q(rows * k), scales(rows * Mxfp8ScaleBlocks(k));
-    ASSERT_EQ(QuantizeMxfp8RowsRef(in.data(), rows, k, q.data(), scales.data()),
-              Mxfp8Status::kOk);
+    ASSERT_EQ(QuantizeMxfp8RowsRef(in.data(), rows, k, q.data(), scales.data()), Mxfp8Status::kOk);
     std::vector<float> deq(in.size());
     DequantizeMxfp8RowsRef(q.data(), scales.data(), rows, k, deq.data());
     double num = 0, den = 0;
@@ -376,8 +373,7 @@ TEST(Mxfp8Rows, KNotAMultipleOf32PartialLastBlock) {
       }
     }
     std::vector<uint8_t> q(rows * k), scales(rows * blocks);
-    ASSERT_EQ(QuantizeMxfp8RowsRef(in.data(), rows, k, q.data(), scales.data()),
-              Mxfp8Status::kOk);
+    ASSERT_EQ(QuantizeMxfp8RowsRef(in.data(), rows, k, q.data(), scales.data()), Mxfp8Status::kOk);
     ExpectBlockRule(in, rows, k, q, scales);
     if (blocks > 1) {
       EXPECT_LT(scales[blocks - 1], scales[0] - 15) << k;

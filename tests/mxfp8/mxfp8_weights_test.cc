@@ -9,10 +9,10 @@
 #include <random>
 #include <vector>
 
-#include "gmock/gmock.h"
-#include "gtest/gtest.h"
 #include "core/weight_loader.h"
 #include "core/weights.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "kernels/cpu/mxfp8.h"
 
@@ -38,8 +38,10 @@ Bf16Layer RandomBf16Layer(std::mt19937_64& rng, int64_t e, int64_t h, int64_t n)
   l.w13 = Tensor::Empty(DType::kBF16, {e, 2 * n, h});
   l.w2 = Tensor::Empty(DType::kBF16, {e, h, n});
   std::normal_distribution<float> d(0.0f, 0.03f);
-  for (int64_t i = 0; i < l.w13.numel(); ++i) l.w13.data<uint16_t>()[i] = kernels::FloatToBf16(d(rng));
-  for (int64_t i = 0; i < l.w2.numel(); ++i) l.w2.data<uint16_t>()[i] = kernels::FloatToBf16(d(rng));
+  for (int64_t i = 0; i < l.w13.numel(); ++i)
+    l.w13.data<uint16_t>()[i] = kernels::FloatToBf16(d(rng));
+  for (int64_t i = 0; i < l.w2.numel(); ++i)
+    l.w2.data<uint16_t>()[i] = kernels::FloatToBf16(d(rng));
   l.view.format = WeightFormat::kBF16;
   l.view.num_local_experts = e;
   l.view.hidden = h;
@@ -104,21 +106,20 @@ TEST(QuantizeLayerToMxfp8, LayoutAndValues) {
                                                     2 * n, h, q13.data(), s13.data()),
               kernels::Mxfp8Status::kOk);
     EXPECT_EQ(std::memcmp(q13.data(), w.w13.data<uint8_t>() + x * 2 * n * h, q13.size()), 0);
-    EXPECT_EQ(std::memcmp(s13.data(), w.w13_scale.data<uint8_t>() + x * 2 * n * 3, s13.size()),
-              0);
+    EXPECT_EQ(std::memcmp(s13.data(), w.w13_scale.data<uint8_t>() + x * 2 * n * 3, s13.size()), 0);
     for (int64_t i = 0; i < 2 * n * h; ++i) {
       const float ref = kernels::Bf16ToFloat(bf16.w13.data<uint16_t>()[x * 2 * n * h + i]);
       const float s = kernels::E8M0ToFloat(s13[(i / h) * 3 + (i % h) / 32]);
-      const double bound = std::fabs(ref) / s >= 0x1p-6 ? std::ldexp(1.0, std::ilogb(ref) - 4)
-                                                        : std::ldexp(s, -10);
+      const double bound =
+          std::fabs(ref) / s >= 0x1p-6 ? std::ldexp(1.0, std::ilogb(ref) - 4) : std::ldexp(s, -10);
       ASSERT_LE(std::fabs(ref - f13[i]), bound) << i;
     }
     const uint8_t* s2 = w.w2_scale.data<uint8_t>() + x * h * 2;
     for (int64_t i = 0; i < h * n; ++i) {
       const float ref = kernels::Bf16ToFloat(bf16.w2.data<uint16_t>()[x * h * n + i]);
       const float s = kernels::E8M0ToFloat(s2[(i / n) * 2 + (i % n) / 32]);
-      const double bound = std::fabs(ref) / s >= 0x1p-6 ? std::ldexp(1.0, std::ilogb(ref) - 4)
-                                                        : std::ldexp(s, -10);
+      const double bound =
+          std::fabs(ref) / s >= 0x1p-6 ? std::ldexp(1.0, std::ilogb(ref) - 4) : std::ldexp(s, -10);
       ASSERT_LE(std::fabs(ref - f2[i]), bound) << i;
     }
   }

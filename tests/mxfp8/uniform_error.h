@@ -20,8 +20,8 @@ inline double UniformRelativeL2(double a) {
   const double whole = std::floor((a - x0) / h);
   integral += whole * h * h * h / 12;
   const double d = a - x0 - whole * h;  // the partial last interval [g, g + d)
-  integral += d <= h / 2 ? d * d * d / 3
-                         : h * h * h / 24 + (std::pow(h / 2, 3) - std::pow(h - d, 3)) / 3;
+  integral +=
+      d <= h / 2 ? d * d * d / 3 : h * h * h / 24 + (std::pow(h / 2, 3) - std::pow(h - d, 3)) / 3;
   return std::sqrt(integral / a / (a * a / 3));
 }
 

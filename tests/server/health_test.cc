@@ -3,8 +3,8 @@
 #include <chrono>
 #include <thread>
 
-#include "gtest/gtest.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/server.h"
 
@@ -62,7 +62,8 @@ TEST(ServerHealthTest, NotServingWhileEngineUnhealthyThenRecovers) {
   auto stub = v1::MoeService::NewStub(channel);
   v1::ForwardRequest req;
   req.set_layer(0);
-  for (auto* t : {req.mutable_hidden_states(), req.mutable_topk_ids(), req.mutable_topk_weights()}) {
+  for (auto* t :
+       {req.mutable_hidden_states(), req.mutable_topk_ids(), req.mutable_topk_weights()}) {
     t->add_shape(0);
   }
   req.mutable_hidden_states()->set_dtype(v1::DTYPE_BF16);

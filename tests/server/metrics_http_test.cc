@@ -33,9 +33,8 @@ std::string Get(int port, const std::string& path) {
 
 TEST(MetricsHttpServerTest, ServesMetricsAndRefusesOtherPaths) {
   std::atomic<int> calls{0};
-  auto server = MetricsHttpServer::Start("127.0.0.1:0", [&] {
-    return absl::StrCat("moeserve_test_metric ", ++calls, "\n");
-  });
+  auto server = MetricsHttpServer::Start(
+      "127.0.0.1:0", [&] { return absl::StrCat("moeserve_test_metric ", ++calls, "\n"); });
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   ASSERT_GT(port, 0);

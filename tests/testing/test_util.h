@@ -39,8 +39,8 @@ enum class Routing { kUniform, kBalancedAffine, kHotExpert };
 //  kBalancedAffine: the seed's ((token * topk + k) * 73 + 19) mod E.
 //  kHotExpert: route 0 of every token goes to expert `hot`; the rest are distinct experts drawn
 //    from [hot_begin, hot_end) (one rank's block) when it has room, else uniform.
-inline Tensor MakeRouting(Routing routing, int64_t m, int topk, int num_experts,
-                          std::mt19937& rng, int hot = 0, int hot_begin = 0, int hot_end = 0) {
+inline Tensor MakeRouting(Routing routing, int64_t m, int topk, int num_experts, std::mt19937& rng,
+                          int hot = 0, int hot_begin = 0, int hot_end = 0) {
   Tensor ids = Tensor::Empty(DType::kINT32, {m, topk});
   int32_t* p = ids.data<int32_t>();
   std::vector<int> perm(num_experts);
@@ -53,7 +53,8 @@ inline Tensor MakeRouting(Routing routing, int64_t m, int topk, int num_experts,
     }
     std::iota(perm.begin(), perm.end(), 0);
     int begin = 0, end = num_experts;
-    if (routing == Routing::kHotExpert && hot_end - hot_begin >= topk) begin = hot_begin, end = hot_end;
+    if (routing == Routing::kHotExpert && hot_end - hot_begin >= topk)
+      begin = hot_begin, end = hot_end;
     std::shuffle(perm.begin() + begin, perm.begin() + end, rng);
     for (int k = 0; k < topk; ++k) p[t * topk + k] = perm[begin + k];
     if (routing == Routing::kHotExpert) {

@@ -57,22 +57,38 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       }
     };
     bool ok = true;
-    if (a == "--pf-type") ok = next(&f->pf_type);
-    else if (a == "--experts-type") ok = next(&f->experts_type);
-    else if (a == "--ranks") ok = next(&f->ranks);
-    else if (a == "--tokens") ok = next(&f->tokens);
-    else if (a == "--num-experts") ok = next(&f->experts);
-    else if (a == "--topk") ok = next(&f->topk);
-    else if (a == "--hidden") ok = next(&f->hidden);
-    else if (a == "--intermediate") ok = next(&f->intermediate);
-    else if (a == "--routing") ok = next(&f->routing);
-    else if (a == "--placement") ok = next(&f->placement);
-    else if (a == "--max-tokens-per-rank") ok = next(&f->max_tokens_per_rank);
-    else if (a == "--threads") ok = next(&f->threads);
-    else if (a == "--iters") ok = next(&f->iters);
-    else if (a == "--profile") f->profile = true;
-    else if (a == "--help" || a == "-h") return false;
-    else ok = false;
+    if (a == "--pf-type")
+      ok = next(&f->pf_type);
+    else if (a == "--experts-type")
+      ok = next(&f->experts_type);
+    else if (a == "--ranks")
+      ok = next(&f->ranks);
+    else if (a == "--tokens")
+      ok = next(&f->tokens);
+    else if (a == "--num-experts")
+      ok = next(&f->experts);
+    else if (a == "--topk")
+      ok = next(&f->topk);
+    else if (a == "--hidden")
+      ok = next(&f->hidden);
+    else if (a == "--intermediate")
+      ok = next(&f->intermediate);
+    else if (a == "--routing")
+      ok = next(&f->routing);
+    else if (a == "--placement")
+      ok = next(&f->placement);
+    else if (a == "--max-tokens-per-rank")
+      ok = next(&f->max_tokens_per_rank);
+    else if (a == "--threads")
+      ok = next(&f->threads);
+    else if (a == "--iters")
+      ok = next(&f->iters);
+    else if (a == "--profile")
+      f->profile = true;
+    else if (a == "--help" || a == "-h")
+      return false;
+    else
+      ok = false;
     if (!ok) {
       std::fprintf(stderr, "bad flag or value: %s\n", a.c_str());
       return false;
@@ -158,8 +174,8 @@ int Main(int argc, char** argv) {
   const Tensor ids = ep_testing::MakeRouting(*routing, m, f.topk, f.experts,
                                              info.rank_experts[info.num_ranks - 1], rng);
   const Tensor w = ep_testing::RandomTopkWeights(m, f.topk, rng);
-  ForwardInput in{.layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(),
-                  .topk_weights = w.view()};
+  ForwardInput in{
+      .layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(), .topk_weights = w.view()};
   Tensor out = Tensor::Empty(DType::kFP32, {m, f.hidden});
 
   if (f.profile) {
@@ -177,8 +193,8 @@ int Main(int argc, char** argv) {
                 "finalize_us", "chunks", "dispatch_B", "combine_B");
     for (size_t r = 0; r < t.rank_stages.size(); ++r) {
       const StageTimings& s = t.rank_stages[r];
-      std::printf("%6zu %12.1f %12.1f %12.1f %7lld %14lld %14lld\n", r, s.prepare_us,
-                  s.experts_us, s.finalize_us, static_cast<long long>(s.num_chunks),
+      std::printf("%6zu %12.1f %12.1f %12.1f %7lld %14lld %14lld\n", r, s.prepare_us, s.experts_us,
+                  s.finalize_us, static_cast<long long>(s.num_chunks),
                   static_cast<long long>(s.transfer.dispatch_bytes_sent),
                   static_cast<long long>(s.transfer.combine_bytes_sent));
     }
@@ -209,8 +225,9 @@ int Main(int argc, char** argv) {
   }
   const double err = ep_testing::RelativeL2(out.data<float>(), want.data<float>(), m * f.hidden);
   const double tol = 1e-5;
-  std::printf("M=%lld %s routing: relative L2 error vs ReferenceExperts %.3g (tolerance %.0e): %s\n",
-              static_cast<long long>(m), f.routing.c_str(), err, tol, err <= tol ? "OK" : "FAIL");
+  std::printf(
+      "M=%lld %s routing: relative L2 error vs ReferenceExperts %.3g (tolerance %.0e): %s\n",
+      static_cast<long long>(m), f.routing.c_str(), err, tol, err <= tol ? "OK" : "FAIL");
   return err <= tol ? 0 : 2;
 }
 

@@ -83,33 +83,41 @@ int main(int argc, char** argv) {
     Tensor a = testing::RandomNormal({m, k}, rng), b = testing::RandomNormal({n, k}, rng);
     Tensor c = Tensor::Empty(DType::kFP32, {m, n});
     const double flops = 2.0 * m * n * k;
-    const double plain = m <= 64 ? flops / MedianSeconds(3, [&] {
-      PlainGemmNT(m, n, k, a.data<float>(), b.data<float>(), c.data<float>());
-    }) : 0;
-    const double blas = flops / MedianSeconds(5, [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data<float>(), k,
-                  b.data<float>(), k, 0.0f, c.data<float>(), n);
-    });
+    const double plain =
+        m <= 64 ? flops / MedianSeconds(3,
+                                        [&] {
+                                          PlainGemmNT(m, n, k, a.data<float>(), b.data<float>(),
+                                                      c.data<float>());
+                                        })
+                : 0;
+    const double blas =
+        flops / MedianSeconds(5, [&] {
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data<float>(), k,
+                      b.data<float>(), k, 0.0f, c.data<float>(), n);
+        });
     peak_sgemm = std::max(peak_sgemm, blas);
     double dnnl = 0;
 #ifdef MOESERVE_HAVE_DNNL
     dnnl = flops / MedianSeconds(5, [&] {
-      dnnl_sgemm('N', 'T', m, n, k, 1.0f, a.data<float>(), k, b.data<float>(), k, 0.0f,
-                 c.data<float>(), n);
-    });
+             dnnl_sgemm('N', 'T', m, n, k, 1.0f, a.data<float>(), k, b.data<float>(), k, 0.0f,
+                        c.data<float>(), n);
+           });
 #endif
-    std::printf("| %d | %s | %.1f | %s |\n", m, plain > 0 ? std::to_string(plain / 1e9).c_str() : "-",
-                blas / 1e9, dnnl > 0 ? std::to_string(dnnl / 1e9).c_str() : "not built");
+    std::printf("| %d | %s | %.1f | %s |\n", m,
+                plain > 0 ? std::to_string(plain / 1e9).c_str() : "-", blas / 1e9,
+                dnnl > 0 ? std::to_string(dnnl / 1e9).c_str() : "not built");
   }
 
   // --- Per-expert crossover, one thread, W13 shape: y[R,1536] = x[R,2048] W[1536,2048]^T with
   // BF16 weights: GEMV decoding in registers vs an FP32 copy (ConvertBf16ToFp32Ref) + sgemm.
   {
-    std::printf("\n## Per-expert crossover, one thread: y[R,%d] = x[R,%d] W[%d,%d]^T, BF16 "
-                "weights (ms; GEMV path: %s)\n\n", n, k, n, k,
-                kernels::GemvIsaName(kernels::GemvIsaBest()));
-    std::printf("| R | GEMV BF16 | GEMV MXFP8 | convert + OpenBLAS | convert + oneDNN | GEMV "
-                "GFLOP/s |\n|---:|---:|---:|---:|---:|---:|\n");
+    std::printf(
+        "\n## Per-expert crossover, one thread: y[R,%d] = x[R,%d] W[%d,%d]^T, BF16 "
+        "weights (ms; GEMV path: %s)\n\n",
+        n, k, n, k, kernels::GemvIsaName(kernels::GemvIsaBest()));
+    std::printf(
+        "| R | GEMV BF16 | GEMV MXFP8 | convert + OpenBLAS | convert + oneDNN | GEMV "
+        "GFLOP/s |\n|---:|---:|---:|---:|---:|---:|\n");
     Tensor wsrc = testing::RandomNormal({n, k}, rng, 0.02f);
     std::vector<uint16_t> wb(n * k);
     kernels::ConvertFp32ToBf16Ref(wsrc.data<float>(), wb.data(), n * k);
@@ -125,9 +133,8 @@ int main(int argc, char** argv) {
         xp[i] = a.data<float>() + i * k;
         yp[i] = c.data<float>() + i * n;
       }
-      const double t_gemv = MedianSeconds(5, [&] {
-        kernels::ExpertGemvBf16(wb.data(), k, 0, n, xp.data(), r, yp.data());
-      });
+      const double t_gemv = MedianSeconds(
+          5, [&] { kernels::ExpertGemvBf16(wb.data(), k, 0, n, xp.data(), r, yp.data()); });
       const double t_gemv8 = MedianSeconds(5, [&] {
         kernels::ExpertGemvMxfp8(wq.data(), ws.data(), k, 0, n, xp.data(), r, yp.data());
       });
@@ -140,8 +147,8 @@ int main(int argc, char** argv) {
 #ifdef MOESERVE_HAVE_DNNL
       const double t_dnnl = MedianSeconds(5, [&] {
         kernels::ConvertBf16ToFp32Ref(wb.data(), wf.data(), n * k);
-        dnnl_sgemm('N', 'T', r, n, k, 1.0f, a.data<float>(), k, wf.data(), k, 0.0f,
-                   c.data<float>(), n);
+        dnnl_sgemm('N', 'T', r, n, k, 1.0f, a.data<float>(), k, wf.data(), k, 0.0f, c.data<float>(),
+                   n);
       });
       char buf[32];
       std::snprintf(buf, sizeof(buf), "%.3f", t_dnnl * 1e3);
@@ -164,24 +171,28 @@ int main(int argc, char** argv) {
                                      std::make_unique<BlasExperts>(2));
   auto sgemm = *ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(4096),
                                       std::make_unique<BlasExperts>(2, /*gemv_max_rows=*/0));
-  std::printf("\n## Experts, qwen3-30b-a3b layer (E=128, top-8, hidden 2048, intermediate 768), "
-              "2 threads, FP32 activations, BF16 weights\n\n");
-  std::printf("| tokens | active experts | ReferenceExperts ms | sgemm path only ms | "
-              "BlasExperts ms | vs reference | vs sgemm path | Blas GFLOP/s | "
-              "Blas %% of sgemm peak x2 | weight GB/s | weight GB/s %% of memcpy | "
-              "rel. L2 vs reference |\n");
+  std::printf(
+      "\n## Experts, qwen3-30b-a3b layer (E=128, top-8, hidden 2048, intermediate 768), "
+      "2 threads, FP32 activations, BF16 weights\n\n");
+  std::printf(
+      "| tokens | active experts | ReferenceExperts ms | sgemm path only ms | "
+      "BlasExperts ms | vs reference | vs sgemm path | Blas GFLOP/s | "
+      "Blas %% of sgemm peak x2 | weight GB/s | weight GB/s %% of memcpy | "
+      "rel. L2 vs reference |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::vector<int> tokens = quick ? std::vector<int>{1, 64} : std::vector<int>{1, 64, 1024};
   for (int m : tokens) {
     Tensor x = testing::RandomNormal({m, model.hidden}, rng);
-    Tensor tid = testing::MakeRouting(testing::Routing::kUniform, m, model.topk,
-                                      model.num_experts, rng);
+    Tensor tid =
+        testing::MakeRouting(testing::Routing::kUniform, m, model.topk, model.num_experts, rng);
     Tensor w = testing::RandomTopkWeights(m, model.topk, rng);
     std::vector<bool> active(model.num_experts);
     for (int64_t i = 0; i < tid.numel(); ++i) active[tid.data<int32_t>()[i]] = true;
     const int n_active = static_cast<int>(std::count(active.begin(), active.end(), true));
-    ModularKernelArgs args{.hidden_states = x.view(), .topk_ids = tid.view(),
-                           .topk_weights = w.view(), .weights = store->layer(0),
+    ModularKernelArgs args{.hidden_states = x.view(),
+                           .topk_ids = tid.view(),
+                           .topk_weights = w.view(),
+                           .weights = store->layer(0),
                            .num_experts = model.num_experts};
     Tensor out_ref = Tensor::Empty(DType::kFP32, {m, model.hidden});
     Tensor out_blas = Tensor::Empty(DType::kFP32, {m, model.hidden});
@@ -193,13 +204,13 @@ int main(int argc, char** argv) {
     const double t_blas = MedianSeconds(5, [&] { (void)blas->Forward(args, out_blas.view()); });
     const double flops = 2.0 * 3 * model.hidden * model.intermediate * m * model.topk;
     const double weight_bytes = 2.0 * 3 * model.hidden * model.intermediate * n_active;
-    std::printf("| %d | %d | %.2f | %.2f | %.2f | %.1fx | %.1fx | %.1f | %.0f%% | %.1f | %.0f%% | "
-                "%.1e |\n", m, n_active, t_ref * 1e3, t_sgemm * 1e3, t_blas * 1e3,
-                t_ref / t_blas, t_sgemm / t_blas, flops / t_blas / 1e9,
-                100.0 * flops / t_blas / (2 * peak_sgemm), weight_bytes / t_blas / 1e9,
-                100.0 * weight_bytes / t_blas / bw,
-                testing::RelativeL2Error(out_blas.data<float>(), out_ref.data<float>(),
-                                         out_ref.numel()));
+    std::printf(
+        "| %d | %d | %.2f | %.2f | %.2f | %.1fx | %.1fx | %.1f | %.0f%% | %.1f | %.0f%% | "
+        "%.1e |\n",
+        m, n_active, t_ref * 1e3, t_sgemm * 1e3, t_blas * 1e3, t_ref / t_blas, t_sgemm / t_blas,
+        flops / t_blas / 1e9, 100.0 * flops / t_blas / (2 * peak_sgemm),
+        weight_bytes / t_blas / 1e9, 100.0 * weight_bytes / t_blas / bw,
+        testing::RelativeL2Error(out_blas.data<float>(), out_ref.data<float>(), out_ref.numel()));
   }
   return 0;
 }

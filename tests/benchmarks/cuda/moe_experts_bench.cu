@@ -17,18 +17,21 @@
 
 using namespace moeserve::kernels;
 
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
       std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                      \
-      std::exit(1);                                                                \
-    }                                                                              \
+                   __LINE__);                                                               \
+      std::exit(1);                                                                         \
+    }                                                                                       \
   } while (0)
 
 __device__ uint32_t Hash(uint64_t x) {
-  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
   return static_cast<uint32_t>(x ^ (x >> 33));
 }
 // BF16 values of magnitude ~2^-6, or E4M3 codes without NaN, or E8M0 scales in [117, 121].
@@ -37,7 +40,8 @@ __global__ void FillKernel(void* p, int64_t n, int kind, uint64_t seed) {
        i += (int64_t)gridDim.x * blockDim.x) {
     const uint32_t h = Hash(seed * 0x9e3779b97f4a7c15ull + i);
     if (kind == 0) {
-      static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>((h & 0x8000) | ((118 + (h >> 16) % 4) << 7) | (h & 0x7f));
+      static_cast<uint16_t*>(p)[i] =
+          static_cast<uint16_t>((h & 0x8000) | ((118 + (h >> 16) % 4) << 7) | (h & 0x7f));
     } else if (kind == 1) {
       uint8_t b = static_cast<uint8_t>(h);
       if ((b & 0x7f) == 0x7f) b = 0x7e;
@@ -57,7 +61,10 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct Shape { const char* name; int64_t h, i; };
+  struct Shape {
+    const char* name;
+    int64_t h, i;
+  };
   const Shape shapes[] = {{"seed", 3072, 5120}, {"dsv3", 7168, 2048}};
   const int E = 32, topk = 8, kSets = 4, kWarm = 5, kIters = 40;
   const int token_list[] = {16, 32, 64, 256, 1024};
@@ -101,7 +108,9 @@ int main(int argc, char** argv) {
                 } else if (j == 0) {
                   v = 0;
                 } else {
-                  do { v = 1 + rng() % (E - 1); } while (std::count(used.begin(), used.end(), v));
+                  do {
+                    v = 1 + rng() % (E - 1);
+                  } while (std::count(used.begin(), used.end(), v));
                 }
                 used.push_back(v);
                 ids[t * topk + j] = v;

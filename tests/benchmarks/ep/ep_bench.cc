@@ -10,9 +10,9 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <thread>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -24,8 +24,7 @@ namespace moeserve {
 namespace {
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Single-thread memcpy bandwidth (GB/s, bytes copied per second), 64 MiB.
@@ -81,10 +80,11 @@ int Main(int argc, char** argv) {
       configs.push_back({"batched", r, "all2all_batched", "batched_blas", "per_rank"});
     }
   }
-  std::printf("| R | PF (dispatch) | M | forward ms | prepare ms | experts ms | finalize ms | "
-              "chunks | dispatch B sent, all ranks | combine B sent, all ranks | "
-              "dispatch B sent, max rank | combine B sent, max rank | memcpy floor us, max rank "
-              "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| R | PF (dispatch) | M | forward ms | prepare ms | experts ms | finalize ms | "
+      "chunks | dispatch B sent, all ranks | combine B sent, all ranks | "
+      "dispatch B sent, max rank | combine B sent, max rank | memcpy floor us, max rank "
+      "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   // (R, M) -> total dispatch / combine bytes, per-rank and per-route dispatch.
   std::map<std::pair<int, int>, std::pair<int64_t, int64_t>> per_rank, per_route;
   for (const Config& c : configs) {
@@ -108,8 +108,8 @@ int Main(int argc, char** argv) {
                                                  model->num_experts, {}, rng);
       const Tensor w = ep_testing::RandomTopkWeights(m, model->topk, rng);
       Tensor out = Tensor::Empty(DType::kFP32, {m, model->hidden});
-      ForwardInput in{.layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(),
-                      .topk_weights = w.view()};
+      ForwardInput in{
+          .layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(), .topk_weights = w.view()};
       double best = 1e30;
       ForwardTimings best_t;
       for (int i = 0; i <= iters; ++i) {  // first is a warm-up
@@ -132,8 +132,8 @@ int Main(int argc, char** argv) {
       for (const StageTimings& s : best_t.rank_stages) {
         max_dispatch = std::max(max_dispatch, s.transfer.dispatch_bytes_sent);
         max_combine = std::max(max_combine, s.transfer.combine_bytes_sent);
-        max_moved = std::max(max_moved, s.transfer.dispatch_bytes_received +
-                                            s.transfer.combine_bytes_received);
+        max_moved = std::max(
+            max_moved, s.transfer.dispatch_bytes_received + s.transfer.combine_bytes_received);
       }
       std::printf(
           "| %d | %s | %d | %.1f | %.2f | %.1f | %.2f | %lld | %lld | %lld | %lld | %lld | %.1f "
@@ -146,10 +146,11 @@ int Main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
-  std::printf("\nSending once per destination rank instead of once per route (same inputs, "
-              "all ranks):\n\n| R | M | dispatch B per-rank | dispatch B per-route | saved | "
-              "combine B per-rank | combine B per-route | saved |\n"
-              "|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\nSending once per destination rank instead of once per route (same inputs, "
+      "all ranks):\n\n| R | M | dispatch B per-rank | dispatch B per-route | saved | "
+      "combine B per-rank | combine B per-route | saved |\n"
+      "|---|---|---|---|---|---|---|---|\n");
   for (const auto& [key, route] : per_route) {
     const auto it = per_rank.find(key);
     if (it == per_rank.end()) continue;

@@ -140,11 +140,13 @@ int main(int argc, char** argv) {
   Emit("- date: %s\n", Shell("date -u '+%Y-%m-%d %H:%M UTC'").c_str());
   Emit("- commit: %s (benchmark built from the working tree at this commit)\n",
        Shell("git -C " MOESERVE_SOURCE_DIR " rev-parse --short HEAD").c_str());
-  Emit("- command: `mxfp8_bench --out tests/benchmarks/mxfp8/RESULTS.md` (build: "
-       "`ninja -C build mxfp8_bench`)\n");
-  Emit("- BlasExperts with %d threads (OpenBLAS sgemm single-threaded per expert), FP32 "
-       "activations, NoEpPrepareAndFinalize; ReferenceExperts is the plain-loop oracle.\n\n",
-       threads);
+  Emit(
+      "- command: `mxfp8_bench --out tests/benchmarks/mxfp8/RESULTS.md` (build: "
+      "`ninja -C build mxfp8_bench`)\n");
+  Emit(
+      "- BlasExperts with %d threads (OpenBLAS sgemm single-threaded per expert), FP32 "
+      "activations, NoEpPrepareAndFinalize; ReferenceExperts is the plain-loop oracle.\n\n",
+      threads);
 
   // Physical limits measured here.
   double bw = 0;
@@ -159,14 +161,15 @@ int main(int argc, char** argv) {
     const int m = 256, n = 1536, k = 2048;
     std::vector<float> a(m * k, 0.5f), b(n * k, 0.25f), c(m * n);
     const double s = MedianSeconds(3, [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, b.data(),
-                  k, 0.0f, c.data(), n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, b.data(), k,
+                  0.0f, c.data(), n);
     });
     sgemm_peak = 2.0 * m * n * k / s;
   }
-  Emit("Measured limits: memcpy %.1f GB/s (read + write), OpenBLAS sgemm %.1f GFLOP/s on one "
-       "thread (M=256, the W13 shape), so about %.0f GFLOP/s on %d threads.\n\n",
-       bw / 1e9, sgemm_peak / 1e9, threads * sgemm_peak / 1e9, threads);
+  Emit(
+      "Measured limits: memcpy %.1f GB/s (read + write), OpenBLAS sgemm %.1f GFLOP/s on one "
+      "thread (M=256, the W13 shape), so about %.0f GFLOP/s on %d threads.\n\n",
+      bw / 1e9, sgemm_peak / 1e9, threads * sgemm_peak / 1e9, threads);
 
   ModelConfig model = *ModelPreset("qwen3-30b-a3b");
   model.num_layers = 1;
@@ -186,11 +189,12 @@ int main(int argc, char** argv) {
     mx = std::move(*s);
   });
   const double values = 3.0 * h * n * model.num_experts;
-  Emit("Weights: one layer, %d experts: BF16 %.1f MB, MXFP8 %.1f MB (%.3f B/value incl. E8M0 "
-       "scales). Generating BF16 took %.1f s; quantizing it to MXFP8 %.2f s on %d threads "
-       "(%.1f ns/value/thread).\n\n",
-       model.num_experts, bf16->total_bytes() / 1e6, mx->total_bytes() / 1e6,
-       mx->total_bytes() / values, t_gen, t_quant, threads, t_quant * threads / values * 1e9);
+  Emit(
+      "Weights: one layer, %d experts: BF16 %.1f MB, MXFP8 %.1f MB (%.3f B/value incl. E8M0 "
+      "scales). Generating BF16 took %.1f s; quantizing it to MXFP8 %.2f s on %d threads "
+      "(%.1f ns/value/thread).\n\n",
+      model.num_experts, bf16->total_bytes() / 1e6, mx->total_bytes() / 1e6,
+      mx->total_bytes() / values, t_gen, t_quant, threads, t_quant * threads / values * 1e9);
 
   // Dequantization to FP32, the step BlasExperts / ReferenceExperts run per active expert per
   // forward: one thread, 8 experts.
@@ -210,10 +214,11 @@ int main(int argc, char** argv) {
         });
     const double t_b = tb.cpu / 8, t_m = tm.cpu / 8;
     const double per = 3.0 * h * n;
-    Emit("Dequantizing one expert (%.1fM values) to FP32 on one thread (CPU time): BF16 %.2f ms "
-         "(%.2f ns/value, %.1f GB/s of FP32 written), MXFP8 %.2f ms (%.2f ns/value, %.1f GB/s).\n\n",
-         per / 1e6, t_b * 1e3, t_b / per * 1e9, per * 4 / t_b / 1e9, t_m * 1e3, t_m / per * 1e9,
-         per * 4 / t_m / 1e9);
+    Emit(
+        "Dequantizing one expert (%.1fM values) to FP32 on one thread (CPU time): BF16 %.2f ms "
+        "(%.2f ns/value, %.1f GB/s of FP32 written), MXFP8 %.2f ms (%.2f ns/value, %.1f GB/s).\n\n",
+        per / 1e6, t_b * 1e3, t_b / per * 1e9, per * 4 / t_b / 1e9, t_m * 1e3, t_m / per * 1e9,
+        per * 4 / t_m / 1e9);
   }
 
   auto blas_bf16 = *ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(4096),
@@ -224,14 +229,18 @@ int main(int argc, char** argv) {
                                     std::make_unique<ReferenceExperts>());
 
   Emit("## qwen3-30b-a3b layer (E=128, top-8, hidden 2048, intermediate 768)\n\n");
-  Emit("Wall and process-CPU times are medians over reps (9 at M=1, 5 otherwise), BF16 and MXFP8 "
-       "run alternately after one warm-up each, so that other load hits both alike. Floors: weight stream = active experts' "
-       "weight bytes read once at memcpy speed (read+write rate, so optimistic); FLOPs = "
-       "2*3*H*I*M*topk at %d x one-thread sgemm peak.\n\n", threads);
-  Emit("| M | active experts | BF16 Blas ms | MXFP8 Blas ms | MXFP8 / BF16 time | "
-       "BF16 CPU ms | MXFP8 CPU ms | MXFP8 / BF16 CPU | "
-       "BF16 stream floor ms | MXFP8 stream floor ms | FLOP floor ms | rel L2 MXFP8 vs BF16 Blas "
-       "| rel L2 MXFP8 Blas vs Ref BF16 | rel L2 BF16 Blas vs Ref BF16 |\n");
+  Emit(
+      "Wall and process-CPU times are medians over reps (9 at M=1, 5 otherwise), BF16 and MXFP8 "
+      "run alternately after one warm-up each, so that other load hits both alike. Floors: weight "
+      "stream = active experts' "
+      "weight bytes read once at memcpy speed (read+write rate, so optimistic); FLOPs = "
+      "2*3*H*I*M*topk at %d x one-thread sgemm peak.\n\n",
+      threads);
+  Emit(
+      "| M | active experts | BF16 Blas ms | MXFP8 Blas ms | MXFP8 / BF16 time | "
+      "BF16 CPU ms | MXFP8 CPU ms | MXFP8 / BF16 CPU | "
+      "BF16 stream floor ms | MXFP8 stream floor ms | FLOP floor ms | rel L2 MXFP8 vs BF16 Blas "
+      "| rel L2 MXFP8 Blas vs Ref BF16 | rel L2 BF16 Blas vs Ref BF16 |\n");
   Emit("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -271,14 +280,16 @@ int main(int argc, char** argv) {
     const double t_b = tb.wall, t_m = tm.wall;
     Check(ref->Forward(args, vr), "reference");  // once, untimed: the oracle
     const double per_expert = 3.0 * h * n;
-    const double floor_b = 2 * per_expert * n_active / bw, floor_m = 1.03125 * per_expert * n_active / bw;
+    const double floor_b = 2 * per_expert * n_active / bw,
+                 floor_m = 1.03125 * per_expert * n_active / bw;
     const double floor_f = 2.0 * 3 * h * n * m * topk / (threads * sgemm_peak);
-    Emit("| %lld | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f | %.2e | "
-         "%.2e | %.2e |\n",
-         static_cast<long long>(m), n_active, t_b * 1e3, t_m * 1e3, t_m / t_b, tb.cpu * 1e3,
-         tm.cpu * 1e3, tm.cpu / tb.cpu, floor_b * 1e3,
-         floor_m * 1e3, floor_f * 1e3, RelativeL2(o_m.data(), o_b.data(), m * h),
-         RelativeL2(o_m.data(), o_r.data(), m * h), RelativeL2(o_b.data(), o_r.data(), m * h));
+    Emit(
+        "| %lld | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f | %.2e | "
+        "%.2e | %.2e |\n",
+        static_cast<long long>(m), n_active, t_b * 1e3, t_m * 1e3, t_m / t_b, tb.cpu * 1e3,
+        tm.cpu * 1e3, tm.cpu / tb.cpu, floor_b * 1e3, floor_m * 1e3, floor_f * 1e3,
+        RelativeL2(o_m.data(), o_b.data(), m * h), RelativeL2(o_m.data(), o_r.data(), m * h),
+        RelativeL2(o_b.data(), o_r.data(), m * h));
   }
   if (!out_path.empty()) {
     if (FILE* f = std::fopen(out_path.c_str(), "w")) {

@@ -12,9 +12,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstring>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -41,14 +41,13 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-#define CHECK_OK(expr)                                                            \
-  do {                                                                            \
-    absl::Status _s = (expr);                                                     \
-    if (!_s.ok()) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,          \
-                   _s.ToString().c_str());                                        \
-      std::exit(1);                                                               \
-    }                                                                             \
+#define CHECK_OK(expr)                                                                          \
+  do {                                                                                          \
+    absl::Status _s = (expr);                                                                   \
+    if (!_s.ok()) {                                                                             \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, _s.ToString().c_str()); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
   } while (0)
 
 Tensor ToBf16(const Tensor& x) {
@@ -107,7 +106,8 @@ int Main(int argc, char** argv) {
     for (auto& s : st) CHECK_OK(s);
     t0.erase(t0.begin(), t0.begin() + 100);
     rows.push_back({"nccl_sendrecv_16B_floor", 0, 0, Median(t0), 0, 16});
-    std::printf("NCCL send/recv floor (16 B each way + host wait): median %.1f us\n", rows.back().us);
+    std::printf("NCCL send/recv floor (16 B each way + host wait): median %.1f us\n",
+                rows.back().us);
   }
 
   // 2. Dispatch + combine.
@@ -148,8 +148,8 @@ int Main(int argc, char** argv) {
         keep_pinned.push_back(po);
         xv.emplace_back(px, DType::kBF16, Shape{t, hidden});
         outv.emplace_back(po, DType::kFP32, Shape{t, hidden});
-        ids.push_back(ep_testing::MakeRouting(ep_testing::Routing::kUniform, t, topk,
-                                              num_experts, {}, rng));
+        ids.push_back(
+            ep_testing::MakeRouting(ep_testing::Routing::kUniform, t, topk, num_experts, {}, rng));
         w.push_back(ep_testing::RandomTopkWeights(t, topk, rng));
       }
       const int iters = t <= 256 ? 300 : (t <= 1024 ? 60 : 25), warm = iters / 5;
@@ -178,17 +178,19 @@ int Main(int argc, char** argv) {
         }
         if (r == 0) {
           const TransferStats s1 = pf[r]->transfer_stats();
-          bytes = (s1.dispatch_bytes_sent - s0.dispatch_bytes_sent +
-                   s1.combine_bytes_sent - s0.combine_bytes_sent) / iters;
+          bytes = (s1.dispatch_bytes_sent - s0.dispatch_bytes_sent + s1.combine_bytes_sent -
+                   s0.combine_bytes_sent) /
+                  iters;
         }
         return absl::OkStatus();
       });
       for (auto& s : st) CHECK_OK(s);
       times.erase(times.begin(), times.begin() + warm);
       rows.push_back({"dispatch_combine", hidden, t, Median(times), 0, bytes});
-      std::printf("dispatch+combine hidden %5lld tokens/rank %5lld: median %9.1f us  (%lld B "
-                  "sent by rank 0 per forward)\n",
-                  (long long)hidden, (long long)t, rows.back().us, (long long)bytes);
+      std::printf(
+          "dispatch+combine hidden %5lld tokens/rank %5lld: median %9.1f us  (%lld B "
+          "sent by rank 0 per forward)\n",
+          (long long)hidden, (long long)t, rows.back().us, (long long)bytes);
     }
     for (auto& p : pf) keep_pf.push_back(std::move(p));
     for (void* f : fused) keep_fused.push_back(f);
@@ -224,19 +226,21 @@ int Main(int argc, char** argv) {
       std::mt19937 rng(77 + t);
       const int64_t m = 2 * t;  // tokens per request: t per rank
       const Tensor x = ToBf16(ep_testing::RandomNormal({m, 3072}, rng));
-      const Tensor ids = ep_testing::MakeRouting(ep_testing::Routing::kUniform, m, topk, 64, {},
-                                                 rng);
+      const Tensor ids =
+          ep_testing::MakeRouting(ep_testing::Routing::kUniform, m, topk, 64, {}, rng);
       const Tensor w = ep_testing::RandomTopkWeights(m, topk, rng);
       // One GPU with 32 experts and t tokens top-8 sees the same 8t routes an EP2 rank does.
       const Tensor x1 = ToBf16(ep_testing::RandomNormal({t, 3072}, rng));
-      const Tensor ids1 = ep_testing::MakeRouting(ep_testing::Routing::kUniform, t, topk, 32, {},
-                                                  rng);
+      const Tensor ids1 =
+          ep_testing::MakeRouting(ep_testing::Routing::kUniform, t, topk, 32, {}, rng);
       const Tensor w1 = ep_testing::RandomTopkWeights(t, topk, rng);
       Tensor out = Tensor::Empty(DType::kBF16, {m, 3072});
       Tensor out1 = Tensor::Empty(DType::kBF16, {t, 3072});
-      ForwardInput in{.layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(),
-                      .topk_weights = w.view()};
-      ForwardInput in1{.layer = 0, .hidden_states = x1.view(), .topk_ids = ids1.view(),
+      ForwardInput in{
+          .layer = 0, .hidden_states = x.view(), .topk_ids = ids.view(), .topk_weights = w.view()};
+      ForwardInput in1{.layer = 0,
+                       .hidden_states = x1.view(),
+                       .topk_ids = ids1.view(),
                        .topk_weights = w1.view()};
       std::vector<double> a, b;
       StageTimings st_sum;
@@ -255,12 +259,13 @@ int Main(int argc, char** argv) {
         }
       }
       rows.push_back({"ep2_forward_seed_mxfp8", 3072, t, Median(a), Median(b), 0});
-      std::printf("EP2 forward seed layer (MXFP8) %lld tokens/rank: %.1f us; 1-GPU 32 experts, "
-                  "%lld tokens: %.1f us; stages (slowest rank, host-side; prepare/experts are "
-                  "enqueue times, finalize includes the wait): prepare %.1f experts %.1f "
-                  "finalize %.1f us\n",
-                  (long long)t, Median(a), (long long)t, Median(b), st_sum.prepare_us,
-                  st_sum.experts_us, st_sum.finalize_us);
+      std::printf(
+          "EP2 forward seed layer (MXFP8) %lld tokens/rank: %.1f us; 1-GPU 32 experts, "
+          "%lld tokens: %.1f us; stages (slowest rank, host-side; prepare/experts are "
+          "enqueue times, finalize includes the wait): prepare %.1f experts %.1f "
+          "finalize %.1f us\n",
+          (long long)t, Median(a), (long long)t, Median(b), st_sum.prepare_us, st_sum.experts_us,
+          st_sum.finalize_us);
     }
   }
 
