@@ -1,9 +1,9 @@
 // The combination suite: every PrepareAndFinalize x Experts type, compatibility decided by
 // core's CheckCompatible from their declared formats and capabilities; every compatible pair
-// runs through the Engine at R in {1, 2, 4, 16} ranks against the single-rank ReferenceExperts,
-// on E = 512 experts, top-8, hidden 64, intermediate 32, M in {0, 1, 7, 64, 300} and three
-// routings. FP32 activations: relative L2 error <= 1e-5. Incompatible pairs must be refused at
-// construction with a reason.
+// runs through the Engine at R in {1, 2, 4, 8, 16} ranks against the single-rank
+// ReferenceExperts, on E = 512 experts, top-8, hidden 64, intermediate 32, M in {0, 1, 7, 64, 300}
+// and three routings. FP32 activations: relative L2 error <= 1e-5. Incompatible pairs must be
+// refused at construction with a reason.
 #include <map>
 #include <memory>
 #include <random>
@@ -145,7 +145,7 @@ std::vector<Combo> AllCombos() {
   std::vector<Combo> combos;
   for (const std::string& pf : PrepareFinalizeTypes()) {
     for (const std::string& ex : ExpertsTypes()) {
-      for (int r : {1, 2, 4, 16}) combos.emplace_back(pf, ex, r);
+      for (int r : {1, 2, 4, 8, 16}) combos.emplace_back(pf, ex, r);
     }
   }
   return combos;
