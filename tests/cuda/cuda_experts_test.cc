@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -40,6 +41,9 @@ std::string CaseName(const Case& c) {
          (c.format == WeightFormat::kBF16 ? "bf16" : "mxfp8") + "_" + RoutingName(c.routing) +
          (c.act == ActivationFormat::kStandard ? "" : "_batched") + (c.expert_map ? "_ep" : "");
 }
+
+// So that gtest (and CTest's listing) print a case by name, not as a byte blob.
+void PrintTo(const Case& c, std::ostream* os) { *os << CaseName(c); }
 
 struct Layer {
   LayerWeights w;
