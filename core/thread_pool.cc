@@ -70,4 +70,17 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int)>&
   fn_ = nullptr;
 }
 
+absl::Status ThreadPool::ParallelForStatus(int64_t n,
+                                           const std::function<absl::Status(int64_t, int)>& fn) {
+  std::mutex error_mu;
+  absl::Status first_error;
+  ParallelFor(n, [&](int64_t i, int thread) {
+    absl::Status s = fn(i, thread);
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (first_error.ok()) first_error = std::move(s);
+  });
+  return first_error;
+}
+
 }  // namespace moeserve

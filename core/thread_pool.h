@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace moeserve {
 
 class ThreadPool {
@@ -26,6 +28,9 @@ class ThreadPool {
   // returns when all calls are done. Indices are handed out dynamically. One loop at a time:
   // concurrent callers are serialized.
   void ParallelFor(int64_t n, const std::function<void(int64_t, int)>& fn);
+  // ParallelFor whose calls may fail: every index still runs; returns the first error seen
+  // (in completion order), OK if none.
+  absl::Status ParallelForStatus(int64_t n, const std::function<absl::Status(int64_t, int)>& fn);
 
  private:
   void WorkerLoop(int thread_index);

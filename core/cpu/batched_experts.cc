@@ -3,9 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -193,34 +191,22 @@ absl::Status BatchedBlasExperts::Apply(const ExpertsApplyArgs& args) {
 
   // Many rows: FP32 copy of the weights + sgemm.
   const int64_t chunk_rows = layout.chunk_rows;
-  std::atomic<bool> failed{false};
-  absl::Status first_error;
-  std::mutex error_mu;
-  pool_->ParallelFor(static_cast<int64_t>(large.size()), [&](int64_t i, int thread) {
+  return pool_->ParallelForStatus(static_cast<int64_t>(large.size()), [&](int64_t i, int thread) {
     const int64_t e = large[i];
     float* w13 = args.workspace2.data<float>() + thread * 3 * n * k;
     float* w2 = w13 + 2 * n * k;
-    if (absl::Status s = DequantizeExpertToFp32(w, e, w13, w2); !s.ok()) {
-      std::lock_guard<std::mutex> lock(error_mu);
-      if (!failed.exchange(true)) first_error = s;
-      return;
-    }
+    MOESERVE_RETURN_IF_ERROR(DequantizeExpertToFp32(w, e, w13, w2));
     float* h1 = args.workspace13.data<float>() + thread * layout.thread_floats;
     float* act = h1 + chunk_rows * 2 * n;
     const float* x = a + e * cap * k;
     float* y = out + e * cap * k;
     for (int64_t begin = 0; begin < counts[e]; begin += chunk_rows) {
       const int64_t rows = std::min<int64_t>(chunk_rows, counts[e] - begin);
-      // h1 [rows, 2N] = x [rows, K] * w13^T; y [rows, K] = act [rows, N] * w2^T.
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * n, k, 1.0f, x + begin * k, k,
-                  w13, k, 0.0f, h1, 2 * n);
-      kernels::SiluAndMulRef(h1, rows, n, act);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, k, n, 1.0f, act, n, w2, n, 0.0f,
-                  y + begin * k, k);
+      cpu_experts_internal::SgemmExpertMlp(x + begin * k, rows, k, n, w13, w2, h1, act,
+                                           y + begin * k);
     }
+    return absl::OkStatus();
   });
-  if (failed) return first_error;
-  return absl::OkStatus();
 }
 
 }  // namespace moeserve

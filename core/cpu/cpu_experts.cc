@@ -3,9 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -145,6 +143,14 @@ absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
     begin = end;
   }
   return absl::OkStatus();
+}
+
+void SgemmExpertMlp(const float* x, int64_t rows, int64_t k, int64_t n, const float* w13,
+                    const float* w2, float* h1, float* act, float* y) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * n, k, 1.0f, x, k, w13, k, 0.0f, h1,
+              2 * n);
+  kernels::SiluAndMulRef(h1, rows, n, act);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, k, n, 1.0f, act, n, w2, n, 0.0f, y, k);
 }
 
 }  // namespace cpu_experts_internal
@@ -288,18 +294,11 @@ absl::Status BlasExperts::Apply(const ExpertsApplyArgs& args) {
 
   // Many rows: FP32 copy of the weights + sgemm.
   const int64_t chunk_rows = layout.chunk_rows;
-  std::atomic<bool> failed{false};
-  absl::Status first_error;
-  std::mutex error_mu;
-  pool_->ParallelFor(static_cast<int64_t>(large.size()), [&](int64_t i, int thread) {
+  return pool_->ParallelForStatus(static_cast<int64_t>(large.size()), [&](int64_t i, int thread) {
     const int64_t e = large[i];
     float* w13 = args.workspace2.data<float>() + thread * 3 * n * k;
     float* w2 = w13 + 2 * n * k;
-    if (absl::Status s = DequantizeExpertToFp32(w, e, w13, w2); !s.ok()) {
-      std::lock_guard<std::mutex> lock(error_mu);
-      if (!failed.exchange(true)) first_error = s;
-      return;
-    }
+    MOESERVE_RETURN_IF_ERROR(DequantizeExpertToFp32(w, e, w13, w2));
     float* x = args.workspace13.data<float>() + thread * layout.thread_floats;
     float* h1 = x + chunk_rows * k;
     float* act = h1 + chunk_rows * 2 * n;
@@ -310,20 +309,13 @@ absl::Status BlasExperts::Apply(const ExpertsApplyArgs& args) {
       for (int64_t j = 0; j < rows; ++j) {
         std::memcpy(x + j * k, a + (rs[begin + j] / topk) * k, sizeof(float) * k);
       }
-      // h1 [rows, 2N] = x [rows, K] * w13^T, w13 [2N, K].
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * n, k, 1.0f, x, k, w13, k, 0.0f,
-                  h1, 2 * n);
-      kernels::SiluAndMulRef(h1, rows, n, act);
-      // y [rows, K] = act [rows, N] * w2^T, w2 [K, N].
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, k, n, 1.0f, act, n, w2, n, 0.0f, y,
-                  k);
+      cpu_experts_internal::SgemmExpertMlp(x, rows, k, n, w13, w2, h1, act, y);
       for (int64_t j = 0; j < rows; ++j) {
         std::memcpy(out + rs[begin + j] * k, y + j * k, sizeof(float) * k);
       }
     }
+    return absl::OkStatus();
   });
-  if (failed) return first_error;
-  return absl::OkStatus();
 }
 
 }  // namespace moeserve

@@ -92,6 +92,12 @@ absl::Status RunGemvExperts(ThreadPool& pool, const LayerWeights& w,
                             const std::vector<GemvExpertRows>& experts, float* scratch,
                             int64_t scratch_rows);
 
+// One expert's MLP on FP32 weights with OpenBLAS, for `rows` contiguous rows:
+//   h1 [rows, 2N] = x [rows, K] w13^T;  act [rows, N] = silu(gate) * up;  y [rows, K] = act w2^T.
+// w13 [2N, K], w2 [K, N] FP32; h1, act are scratch.
+void SgemmExpertMlp(const float* x, int64_t rows, int64_t k, int64_t n, const float* w13,
+                    const float* w2, float* h1, float* act, float* y);
+
 }  // namespace cpu_experts_internal
 
 }  // namespace moeserve

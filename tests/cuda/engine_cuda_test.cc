@@ -34,17 +34,8 @@ EngineOptions Small(const std::string& backend, const std::string& experts, Weig
   return o;
 }
 
-Tensor ToBf16(const Tensor& x) {
-  Tensor y = Tensor::Empty(DType::kBF16, x.shape());
-  kernels::ConvertFp32ToBf16Ref(x.data<float>(), y.data<uint16_t>(), x.numel());
-  return y;
-}
-
-std::vector<float> Bf16ToFloat(const Tensor& y) {
-  std::vector<float> f(y.numel());
-  kernels::ConvertBf16ToFp32Ref(y.data<uint16_t>(), f.data(), y.numel());
-  return f;
-}
+using ep_testing::Bf16ToFloats;
+using ep_testing::ToBf16;
 
 TEST(EngineCuda, RefusedOrAutoWithoutGpu) {
   if (CudaDeviceCount() > 0) GTEST_SKIP() << "a GPU is present";
@@ -95,8 +86,8 @@ TEST(EngineCuda, MatchesCpuReference) {
           Tensor want = Tensor::Empty(DType::kBF16, {m, model.hidden});
           ASSERT_TRUE((*engine)->Forward(in, got.view()).ok());
           ASSERT_TRUE((*reference)->Forward(in, want.view()).ok());
-          const std::vector<float> g = Bf16ToFloat(got), r = Bf16ToFloat(want);
-          EXPECT_LT(ep_testing::RelativeL2(g.data(), r.data(), g.size()), kBf16Tolerance);
+          const std::vector<float> g = Bf16ToFloats(got), r = Bf16ToFloats(want);
+          EXPECT_LT(ep_testing::RelativeL2Error(g.data(), r.data(), g.size()), kBf16Tolerance);
         }
       }
     }

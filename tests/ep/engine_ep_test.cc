@@ -34,17 +34,8 @@ EngineOptions SeedMegaMoe(int ranks, const std::string& pf, const std::string& e
   return o;
 }
 
-Tensor ToBf16(const Tensor& x) {
-  Tensor y = Tensor::Empty(DType::kBF16, x.shape());
-  kernels::ConvertFp32ToBf16Ref(x.data<float>(), y.data<uint16_t>(), x.numel());
-  return y;
-}
-
-std::vector<float> Bf16ToFloat(const Tensor& y) {
-  std::vector<float> f(y.numel());
-  kernels::ConvertBf16ToFp32Ref(y.data<uint16_t>(), f.data(), y.numel());
-  return f;
-}
+using ep_testing::Bf16ToFloats;
+using ep_testing::ToBf16;
 
 TEST(EngineEp, SixteenRanksMatchSingleRankReference) {
   auto reference = Engine::Create(SeedMegaMoe(1, "no_ep", "reference"));
@@ -77,8 +68,8 @@ TEST(EngineEp, SixteenRanksMatchSingleRankReference) {
       ForwardTimings timings;
       ASSERT_TRUE((*engine)->Forward(in, got.view(), &timings).ok());
       ASSERT_TRUE((*reference)->Forward(in, want.view()).ok());
-      const std::vector<float> g = Bf16ToFloat(got), r = Bf16ToFloat(want);
-      EXPECT_LT(ep_testing::RelativeL2(g.data(), r.data(), g.size()), kBf16Tolerance);
+      const std::vector<float> g = Bf16ToFloats(got), r = Bf16ToFloats(want);
+      EXPECT_LT(ep_testing::RelativeL2Error(g.data(), r.data(), g.size()), kBf16Tolerance);
       EXPECT_EQ(timings.rank_stages.size(), 16u);
       EXPECT_GT(timings.stages.transfer.dispatch_bytes_sent, 0);
     }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "core/tensor.h"
+#include "tests/testing/test_util.h"
 
 namespace moeserve::ep_testing {
 
@@ -74,37 +75,12 @@ inline Tensor MakeRouting(Routing routing, int64_t m, int topk, int num_experts,
   return ids;
 }
 
-inline Tensor RandomNormal(Shape shape, std::mt19937& rng, float stddev = 1.0f) {
-  Tensor t = Tensor::Empty(DType::kFP32, std::move(shape));
-  std::normal_distribution<float> dist(0.0f, stddev);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = dist(rng);
-  return t;
-}
-
-// [M, topk] FP32 softmax of random logits.
-inline Tensor RandomTopkWeights(int64_t m, int topk, std::mt19937& rng) {
-  Tensor w = Tensor::Empty(DType::kFP32, {m, topk});
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (int64_t t = 0; t < m; ++t) {
-    float sum = 0;
-    float* row = w.data<float>() + t * topk;
-    for (int k = 0; k < topk; ++k) sum += (row[k] = std::exp(dist(rng)));
-    for (int k = 0; k < topk; ++k) row[k] /= sum;
-  }
-  return w;
-}
-
-// ||a - b|| / ||b||; 0 when both are zero.
-inline double RelativeL2(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  if (den == 0) return num == 0 ? 0 : INFINITY;
-  return std::sqrt(num / den);
-}
+// Shared with the other suites (tests/testing/test_util.h).
+using ::moeserve::testing::Bf16ToFloats;
+using ::moeserve::testing::RandomNormal;
+using ::moeserve::testing::RandomTopkWeights;
+using ::moeserve::testing::RelativeL2Error;
+using ::moeserve::testing::ToBf16;
 
 }  // namespace moeserve::ep_testing
 

@@ -127,7 +127,7 @@ TEST_P(CombinationTest, MatchesReferenceOrIsRefused) {
       ForwardTimings timings;
       const Tensor got = RunForward(**engine, x, ids, w, &timings);
       const Tensor want = RunForward(ReferenceEngine(), x, ids, w);
-      EXPECT_LE(ep_testing::RelativeL2(got.data<float>(), want.data<float>(), m * kHidden),
+      EXPECT_LE(ep_testing::RelativeL2Error(got.data<float>(), want.data<float>(), m * kHidden),
                 kFp32Tolerance);
       if (m > 0 && ranks > 1) {
         // Something really crossed ranks, in both directions.
@@ -239,7 +239,7 @@ TEST(Placements, RoundRobinAndExplicitMatchReference) {
       const Tensor w = ep_testing::RandomTopkWeights(m, kTopk, rng);
       const Tensor got = RunForward(**engine, x, ids, w);
       const Tensor want = RunForward(ReferenceEngine(), x, ids, w);
-      EXPECT_LE(ep_testing::RelativeL2(got.data<float>(), want.data<float>(), m * kHidden),
+      EXPECT_LE(ep_testing::RelativeL2Error(got.data<float>(), want.data<float>(), m * kHidden),
                 kFp32Tolerance);
     }
   }
@@ -272,7 +272,7 @@ TEST(Capacity, HotExpertOverCapacityIsChunkedNotTruncated) {
     ForwardTimings timings;
     const Tensor got = RunForward(**engine, x, ids, w, &timings);
     const Tensor want = RunForward(ReferenceEngine(), x, ids, w);
-    EXPECT_LE(ep_testing::RelativeL2(got.data<float>(), want.data<float>(), m * kHidden),
+    EXPECT_LE(ep_testing::RelativeL2Error(got.data<float>(), want.data<float>(), m * kHidden),
               kFp32Tolerance);
     EXPECT_GE(timings.stages.num_chunks, 75 / 4);  // 75 source tokens per rank, 4 a round
   }
@@ -291,7 +291,7 @@ TEST(Capacity, DuplicateRoutesToOneExpert) {
   const Tensor w = ep_testing::RandomTopkWeights(m, kTopk, rng);
   const Tensor got = RunForward(**engine, x, ids, w);
   const Tensor want = RunForward(ReferenceEngine(), x, ids, w);
-  EXPECT_LE(ep_testing::RelativeL2(got.data<float>(), want.data<float>(), m * kHidden),
+  EXPECT_LE(ep_testing::RelativeL2Error(got.data<float>(), want.data<float>(), m * kHidden),
             kFp32Tolerance);
 }
 

@@ -139,17 +139,8 @@ EngineOptions Oracle(const EngineOptions& gpu, const std::string& experts) {
   return o;
 }
 
-Tensor ToBf16(const Tensor& x) {
-  Tensor y = Tensor::Empty(DType::kBF16, x.shape());
-  kernels::ConvertFp32ToBf16Ref(x.data<float>(), y.data<uint16_t>(), x.numel());
-  return y;
-}
-
-std::vector<float> Bf16ToFloat(const Tensor& y) {
-  std::vector<float> f(y.numel());
-  kernels::ConvertBf16ToFp32Ref(y.data<uint16_t>(), f.data(), y.numel());
-  return f;
-}
+using ep_testing::Bf16ToFloats;
+using ep_testing::ToBf16;
 
 struct Inputs {
   Tensor x, ids, w;
@@ -181,8 +172,8 @@ double Compare(Engine& gpu, Engine& cpu, const Inputs& in, int layer,
   s = cpu.Forward(in.in(layer), want.view());
   EXPECT_TRUE(s.ok()) << s;
   if (m == 0) return 0;
-  const std::vector<float> g = Bf16ToFloat(got), r = Bf16ToFloat(want);
-  return ep_testing::RelativeL2(g.data(), r.data(), g.size());
+  const std::vector<float> g = Bf16ToFloats(got), r = Bf16ToFloats(want);
+  return ep_testing::RelativeL2Error(g.data(), r.data(), g.size());
 }
 
 TEST(NcclEp, CombinationSuiteMatchesCpuReference) {

@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "tests/mxfp8/uniform_error.h"
+#include "tests/testing/test_util.h"
 
 namespace moeserve {
 namespace {
@@ -42,12 +43,7 @@ struct Case {
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
 double RelativeL2(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-    den += static_cast<double>(want[i]) * want[i];
-  }
-  return std::sqrt(num / den);
+  return testing::RelativeL2Error(got, want);
 }
 
 class Mxfp8AccuracyTest : public ::testing::TestWithParam<Case> {};

@@ -21,6 +21,7 @@
 #include "core/dtype.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "moeserve/v1/moeserve.pb.h"
+#include "tests/testing/test_util.h"
 
 namespace moeserve::testing {
 
@@ -63,13 +64,7 @@ inline std::vector<float> DecodeFloats(const std::string& bytes, v1::DType dtype
 
 // ||got - want|| / ||want||.
 inline double RelativeL2(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - want[i];
-    num += d * d;
-    den += static_cast<double>(want[i]) * want[i];
-  }
-  return std::sqrt(num / (den > 0 ? den : 1));
+  return RelativeL2Error(got, want);
 }
 
 // A fresh random forward: hidden ~ N(0, 1), ids uniform in [0, num_experts) and distinct per

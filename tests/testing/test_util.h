@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/cpu/dtype_convert.h"
 
 namespace moeserve::testing {
 
@@ -23,6 +24,24 @@ inline double RelativeL2Error(const float* a, const float* b, int64_t n) {
   }
   if (den == 0) return num == 0 ? 0 : INFINITY;
   return std::sqrt(num / den);
+}
+
+inline double RelativeL2Error(const std::vector<float>& a, const std::vector<float>& b) {
+  return RelativeL2Error(a.data(), b.data(), static_cast<int64_t>(b.size()));
+}
+
+// FP32 tensor -> BF16 tensor of the same shape (round to nearest even).
+inline Tensor ToBf16(const Tensor& x) {
+  Tensor y = Tensor::Empty(DType::kBF16, x.shape());
+  kernels::ConvertFp32ToBf16Ref(x.data<float>(), y.data<uint16_t>(), x.numel());
+  return y;
+}
+
+// BF16 tensor -> its values as floats (exact).
+inline std::vector<float> Bf16ToFloats(const Tensor& y) {
+  std::vector<float> f(y.numel());
+  kernels::ConvertBf16ToFp32Ref(y.data<uint16_t>(), f.data(), y.numel());
+  return f;
 }
 
 inline Tensor RandomNormal(Shape shape, std::mt19937& rng, float stddev = 1.0f) {

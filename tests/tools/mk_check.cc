@@ -223,7 +223,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
     return 3;
   }
-  const double err = ep_testing::RelativeL2(out.data<float>(), want.data<float>(), m * f.hidden);
+  const double err =
+      ep_testing::RelativeL2Error(out.data<float>(), want.data<float>(), m * f.hidden);
   const double tol = 1e-5;
   std::printf(
       "M=%lld %s routing: relative L2 error vs ReferenceExperts %.3g (tolerance %.0e): %s\n",

@@ -30,6 +30,7 @@
 #include "core/modular_kernel.h"
 #include "core/mxfp8_weights.h"
 #include "core/weights.h"
+#include "tests/testing/test_util.h"
 
 namespace moeserve {
 namespace {
@@ -106,14 +107,7 @@ std::string Shell(const char* cmd) {
   return out.empty() ? "unknown" : out;
 }
 
-double RelativeL2(const float* got, const float* want, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-    den += static_cast<double>(want[i]) * want[i];
-  }
-  return std::sqrt(num / den);
-}
+using ::moeserve::testing::RelativeL2Error;
 
 void Check(const absl::Status& s, const char* what) {
   if (!s.ok()) {
@@ -288,8 +282,9 @@ int main(int argc, char** argv) {
         "%.2e | %.2e |\n",
         static_cast<long long>(m), n_active, t_b * 1e3, t_m * 1e3, t_m / t_b, tb.cpu * 1e3,
         tm.cpu * 1e3, tm.cpu / tb.cpu, floor_b * 1e3, floor_m * 1e3, floor_f * 1e3,
-        RelativeL2(o_m.data(), o_b.data(), m * h), RelativeL2(o_m.data(), o_r.data(), m * h),
-        RelativeL2(o_b.data(), o_r.data(), m * h));
+        RelativeL2Error(o_m.data(), o_b.data(), m * h),
+        RelativeL2Error(o_m.data(), o_r.data(), m * h),
+        RelativeL2Error(o_b.data(), o_r.data(), m * h));
   }
   if (!out_path.empty()) {
     if (FILE* f = std::fopen(out_path.c_str(), "w")) {
