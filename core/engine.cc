@@ -44,8 +44,8 @@ std::vector<int64_t> Command(int64_t op, int world) {
 
 }  // namespace
 
-absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
-                                  const ForwardInput& in) {
+absl::Status ValidateForwardShapes(const ModelConfig& model, int64_t max_tokens,
+                                   const ForwardInput& in) {
   auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (!model.IsMoeLayer(in.layer)) {
     if (in.layer >= 0 && in.layer < model.num_layers) {
@@ -87,7 +87,14 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
     return bad("topk_weights: got shape ", ShapeToString(in.topk_weights.shape()), ", expected [",
                m, ", ", model.topk, "] ([M, topk])");
   }
-  const int64_t routes = m * model.topk;
+  return absl::OkStatus();
+}
+
+absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
+                                  const ForwardInput& in) {
+  MOESERVE_RETURN_IF_ERROR(ValidateForwardShapes(model, max_tokens, in));
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  const int64_t routes = in.hidden_states.dim(0) * model.topk;
   for (int64_t i = 0; i < routes; ++i) {
     const int64_t id = in.topk_ids.dtype() == DType::kINT32 ? in.topk_ids.data<int32_t>()[i]
                                                             : in.topk_ids.data<int64_t>()[i];

@@ -124,6 +124,10 @@ struct EngineInfo {
 // Checks a forward against the model: INVALID_ARGUMENT naming the field, what came and what
 // was expected; RESOURCE_EXHAUSTED when M exceeds max_tokens. Reads ids and weights (host).
 // NaN/Inf in hidden_states is allowed and propagates to that token's output only.
+// Engine::Forward runs it; ValidateForwardShapes is its O(1) part (layer, dtypes, shapes, M),
+// enough to size an output buffer before calling Forward.
+absl::Status ValidateForwardShapes(const ModelConfig& model, int64_t max_tokens,
+                                   const ForwardInput& input);
 absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
                                   const ForwardInput& input);
 

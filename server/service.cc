@@ -49,9 +49,9 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     }
     absl::StatusOr<ForwardInput> input = ForwardInputFromProto(*request);
     if (!input.ok()) return finish(input.status(), 0);
-    // Validate before sizing the output: the output shape comes from hidden_states.
+    // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
     const EngineInfo& info = engine_->info();
-    if (absl::Status s = ValidateForwardInput(info.model, info.max_tokens_per_request, *input);
+    if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
         !s.ok()) {
       return finish(s, 0);
     }
