@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/cuda/grow_only_buffer.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_routing.cuh"
@@ -13,64 +14,11 @@
 namespace moeserve {
 namespace {
 
-// Grow-only device allocation.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  absl::StatusOr<void*> Get(size_t bytes) {
-    if (bytes > capacity_) {
-      if (ptr_ != nullptr) cudaFree(ptr_);
-      ptr_ = nullptr;
-      capacity_ = 0;
-      const size_t want = std::max<size_t>(bytes, 256);
-      if (cudaError_t err = cudaMalloc(&ptr_, want); err != cudaSuccess) {
-        ptr_ = nullptr;
-        return absl::ResourceExhaustedError(
-            absl::StrCat("cudaMalloc(", want, ") failed: ", cudaGetErrorString(err)));
-      }
-      capacity_ = want;
-    }
-    return ptr_;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t capacity_ = 0;
+struct DeviceBuffer : GrowOnlyBuffer {
+  DeviceBuffer() : GrowOnlyBuffer(Memory::kDevice, 256, /*quarter_slack=*/false) {}
 };
-
-// Grow-only pinned host allocation.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-  }
-  absl::StatusOr<void*> Get(size_t bytes) {
-    if (bytes > capacity_) {
-      if (ptr_ != nullptr) cudaFreeHost(ptr_);
-      ptr_ = nullptr;
-      capacity_ = 0;
-      const size_t want = std::max<size_t>(bytes, 4096);
-      if (cudaError_t err = cudaMallocHost(&ptr_, want); err != cudaSuccess) {
-        ptr_ = nullptr;
-        return absl::ResourceExhaustedError(
-            absl::StrCat("cudaMallocHost(", want, ") failed: ", cudaGetErrorString(err)));
-      }
-      capacity_ = want;
-    }
-    return ptr_;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t capacity_ = 0;
+struct PinnedBuffer : GrowOnlyBuffer {
+  PinnedBuffer() : GrowOnlyBuffer(Memory::kPinnedHost, 4096, /*quarter_slack=*/false) {}
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "core/cuda/grow_only_buffer.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/ep_pack.cuh"
 #include "kernels/cuda/moe_routing.cuh"
@@ -23,62 +24,11 @@ absl::Status Agreed(absl::Status s) {
 }
 
 // Grow-only device / pinned allocations (one forward at a time per instance).
-class DevBuf {
- public:
-  DevBuf() = default;
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() {
-    if (p_ != nullptr) cudaFree(p_);
-  }
-  absl::StatusOr<void*> Get(size_t bytes) {
-    if (bytes > cap_) {
-      if (p_ != nullptr) cudaFree(p_);
-      p_ = nullptr;
-      cap_ = 0;
-      const size_t want = std::max<size_t>(bytes + bytes / 4, 512);
-      if (cudaError_t e = cudaMalloc(&p_, want); e != cudaSuccess) {
-        p_ = nullptr;
-        return absl::ResourceExhaustedError(
-            absl::StrCat("cudaMalloc(", want, ") failed: ", cudaGetErrorString(e)));
-      }
-      cap_ = want;
-    }
-    return p_;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t cap_ = 0;
+struct DevBuf : GrowOnlyBuffer {
+  DevBuf() : GrowOnlyBuffer(Memory::kDevice, 512, /*quarter_slack=*/true) {}
 };
-
-class PinBuf {
- public:
-  PinBuf() = default;
-  PinBuf(const PinBuf&) = delete;
-  PinBuf& operator=(const PinBuf&) = delete;
-  ~PinBuf() {
-    if (p_ != nullptr) cudaFreeHost(p_);
-  }
-  absl::StatusOr<void*> Get(size_t bytes) {
-    if (bytes > cap_) {
-      if (p_ != nullptr) cudaFreeHost(p_);
-      p_ = nullptr;
-      cap_ = 0;
-      const size_t want = std::max<size_t>(bytes + bytes / 4, 4096);
-      if (cudaError_t e = cudaMallocHost(&p_, want); e != cudaSuccess) {
-        p_ = nullptr;
-        return absl::ResourceExhaustedError(
-            absl::StrCat("cudaMallocHost(", want, ") failed: ", cudaGetErrorString(e)));
-      }
-      cap_ = want;
-    }
-    return p_;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t cap_ = 0;
+struct PinBuf : GrowOnlyBuffer {
+  PinBuf() : GrowOnlyBuffer(Memory::kPinnedHost, 4096, /*quarter_slack=*/true) {}
 };
 
 size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
