@@ -248,6 +248,11 @@ def case_ep16(server, cli, workdir):
     check(info.get("num_ranks") == "16", f"num_ranks: {info.get('num_ranks')}")
     check(info.get("num_experts") == "512", f"num_experts: {info.get('num_experts')}")
     check(len(re.findall(r"^\s*rank \d+:", out, re.M)) == 16, "placement lists 16 ranks")
+    # Bad routing flags are refused before anything is sent.
+    for bad in (["--routing=sideways"], ["--routing=hot", "--hot_expert=512"]):
+        r = cli.run("forward", "--tokens=2", *bad, allow_fail=True)
+        check(r.returncode == 2 and "INVALID_ARGUMENT" in (r.stdout + r.stderr),
+              f"forward {bad}: exit {r.returncode}, {r.stdout} {r.stderr}")
     for routing in ("uniform", "balanced", "hot"):
         for dtype, tol in (("bf16", 1e-2), ("fp32", 1e-5)):
             out = cli.run("forward", "--layer=0", "--tokens=300", f"--dtype={dtype}",

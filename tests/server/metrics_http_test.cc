@@ -14,21 +14,25 @@
 namespace moeserve {
 namespace {
 
-std::string Get(int port, const std::string& path) {
+// Sends `request` raw to 127.0.0.1:port and returns everything the server answers.
+std::string Send(int port, const std::string& request) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  const std::string req = absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n");
-  EXPECT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+  EXPECT_EQ(::send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
   std::string out;
   char buf[1024];
   ssize_t n;
   while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, n);
   ::close(fd);
   return out;
+}
+
+std::string Get(int port, const std::string& path) {
+  return Send(port, absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n"));
 }
 
 TEST(MetricsHttpServerTest, ServesMetricsAndRefusesOtherPaths) {
@@ -45,6 +49,9 @@ TEST(MetricsHttpServerTest, ServesMetricsAndRefusesOtherPaths) {
   r = Get(port, "/metrics");
   EXPECT_NE(r.find("moeserve_test_metric 2"), std::string::npos);  // rendered per scrape
   EXPECT_NE(Get(port, "/").find("404"), std::string::npos);
+  // Only GET is served.
+  EXPECT_NE(Send(port, "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").find("405"),
+            std::string::npos);
   // The port is taken: a second server fails cleanly, naming the address.
   auto second = MetricsHttpServer::Start(absl::StrCat("127.0.0.1:", port), [] { return ""; });
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
