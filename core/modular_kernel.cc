@@ -1,7 +1,5 @@
 #include "core/modular_kernel.h"
 
-#include <chrono>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
@@ -19,6 +17,13 @@ absl::StatusOr<PrepareAndFinalize::Receiver> PrepareAndFinalize::PrepareNoReceiv
 
 absl::StatusOr<std::vector<int64_t>> PrepareAndFinalize::PlanChunks(const PrepareArgs& args) {
   return std::vector<int64_t>{0, args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0};
+}
+
+TopKWeightAndReduce::Kind ResolveWeightAndReduce(TopKWeightAndReduce::Kind kind,
+                                                 ActivationFormat format) {
+  if (kind != TopKWeightAndReduce::Kind::kDelegate) return kind;
+  return format == ActivationFormat::kStandard ? TopKWeightAndReduce::Kind::kContiguous
+                                               : TopKWeightAndReduce::Kind::kNaiveBatched;
 }
 
 absl::Status CheckCompatible(const PrepareAndFinalize& pf, const Experts& experts) {
@@ -42,13 +47,15 @@ absl::Status CheckCompatible(const PrepareAndFinalize& pf, const Experts& expert
 }
 
 absl::StatusOr<std::unique_ptr<ModularKernel>> ModularKernel::Create(
-    std::unique_ptr<PrepareAndFinalize> prepare_finalize, std::unique_ptr<Experts> experts) {
+    std::unique_ptr<PrepareAndFinalize> prepare_finalize, std::unique_ptr<Experts> experts,
+    std::unique_ptr<WorkspaceAllocator> allocator) {
   if (prepare_finalize == nullptr || experts == nullptr) {
     return absl::InvalidArgumentError("ModularKernel needs a PrepareAndFinalize and an Experts");
   }
   MOESERVE_RETURN_IF_ERROR(CheckCompatible(*prepare_finalize, *experts));
+  if (allocator == nullptr) allocator = MakeHostWorkspaceAllocator();
   return std::unique_ptr<ModularKernel>(
-      new ModularKernel(std::move(prepare_finalize), std::move(experts)));
+      new ModularKernel(std::move(prepare_finalize), std::move(experts), std::move(allocator)));
 }
 
 absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorView& output,
@@ -59,11 +66,15 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
                                                    WeightFormatName(args.weights->format),
                                                    " weights"));
   }
-  using Clock = std::chrono::steady_clock;
-  auto us_since = [](Clock::time_point t0) {
-    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-  };
-
+  const int64_t m = args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0;
+  const int64_t k = args.hidden_states.rank() == 2 ? args.hidden_states.dim(1) : 0;
+  const DType out_dtype = output.dtype();
+  if (!output.device().is_host() || output.shape() != Shape{m, k} || !output.is_contiguous() ||
+      (out_dtype != DType::kFP32 && out_dtype != DType::kBF16 && out_dtype != DType::kFP16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ModularKernel: output must be a contiguous host [", m, ", ", k,
+                     "] tensor of fp32, bf16 or fp16, got ", output.DebugString()));
+  }
   PrepareArgs pargs;
   pargs.hidden_states = args.hidden_states;
   pargs.topk_ids = args.topk_ids;
@@ -73,48 +84,26 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   pargs.intermediate = args.weights->intermediate;
   pargs.expert_map = args.expert_map;
   const TransferStats stats0 = prepare_finalize_->transfer_stats();
-  auto t0 = Clock::now();
+  timer_->Reset();
+  MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kPrepare));
   MOESERVE_ASSIGN_OR_RETURN(const std::vector<int64_t> bounds,
                             prepare_finalize_->PlanChunks(pargs));
-  if (timings) {
-    *timings = StageTimings();
-    timings->prepare_us += us_since(t0);
-  }
-  const int64_t m = args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0;
+  MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kPrepare));
   if (bounds.size() < 2 || bounds.front() != 0 || bounds.back() != m) {
     return absl::InternalError(
         absl::StrCat(prepare_finalize_->name(), ": PlanChunks must return {0, ..., ", m, "}"));
   }
-  const std::unique_ptr<TopKWeightAndReduce> war = experts_->FinalizeWeightAndReduceImpl();
-  for (size_t c = 0; c + 1 < bounds.size(); ++c) {
-    const int64_t begin = bounds[c], end = bounds[c + 1];
-    if (begin > end) return absl::InternalError("PlanChunks: boundaries must ascend");
-    pargs.hidden_states = args.hidden_states.Slice(begin, end);
-    pargs.topk_ids = args.topk_ids.Slice(begin, end);
-    pargs.topk_weights = args.topk_weights.Slice(begin, end);
-
-    t0 = Clock::now();
-    PreparedActivations prepared;
-    MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
-    if (timings) timings->prepare_us += us_since(t0);
-
-    t0 = Clock::now();
-    const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(prepared.problem);
-    ExpertsApplyArgs aargs;
-    aargs.prepared = &prepared;
-    aargs.weights = args.weights;
-    aargs.workspace13 = workspace13_.Get(shapes.workspace_dtype, shapes.workspace13);
-    aargs.workspace2 = workspace2_.Get(shapes.workspace_dtype, shapes.workspace2);
-    aargs.output = fused_output_.Get(DType::kFP32, shapes.output);
-    MOESERVE_RETURN_IF_ERROR(experts_->Apply(aargs));
-    if (timings) timings->experts_us += us_since(t0);
-
-    t0 = Clock::now();
-    MOESERVE_RETURN_IF_ERROR(
-        prepare_finalize_->Finalize(output.Slice(begin, end), aargs.output, prepared, *war));
-    if (timings) timings->finalize_us += us_since(t0);
-  }
+  // A PrepareAndFinalize that writes only FP32 gets an FP32 answer, converted here once.
+  const bool convert = !prepare_finalize_->writes_output_dtype(out_dtype);
+  const TensorView answer = convert ? output32_.Get(DType::kFP32, {m, k}) : output;
+  MOESERVE_RETURN_IF_ERROR(RunRounds(args, answer, bounds));
+  if (convert) MOESERVE_RETURN_IF_ERROR(ConvertTensor(answer, output));
   if (timings) {
+    MOESERVE_ASSIGN_OR_RETURN(const auto us, timer_->ElapsedUs());
+    *timings = StageTimings();
+    timings->prepare_us = us[StageTimer::kPrepare];
+    timings->experts_us = us[StageTimer::kExperts];
+    timings->finalize_us = us[StageTimer::kFinalize];
     const TransferStats stats1 = prepare_finalize_->transfer_stats();
     timings->num_chunks = static_cast<int64_t>(bounds.size()) - 1;
     timings->transfer.dispatch_bytes_sent = stats1.dispatch_bytes_sent - stats0.dispatch_bytes_sent;
@@ -123,6 +112,58 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
     timings->transfer.combine_bytes_sent = stats1.combine_bytes_sent - stats0.combine_bytes_sent;
     timings->transfer.combine_bytes_received =
         stats1.combine_bytes_received - stats0.combine_bytes_received;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const TensorView& output,
+                                      const std::vector<int64_t>& bounds) {
+  PrepareArgs pargs;
+  pargs.num_experts = args.num_experts;
+  pargs.num_local_experts = args.weights->num_local_experts;
+  pargs.intermediate = args.weights->intermediate;
+  pargs.expert_map = args.expert_map;
+  const std::unique_ptr<TopKWeightAndReduce> weight_and_reduce =
+      experts_->FinalizeWeightAndReduceImpl();
+  for (size_t round = 0; round + 1 < bounds.size(); ++round) {
+    const int64_t begin = bounds[round], end = bounds[round + 1];
+    if (begin > end) return absl::InternalError("PlanChunks: boundaries must ascend");
+    pargs.hidden_states = args.hidden_states.Slice(begin, end);
+    pargs.topk_ids = args.topk_ids.Slice(begin, end);
+    pargs.topk_weights = args.topk_weights.Slice(begin, end);
+
+    MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kPrepare));
+    PreparedActivations prepared;
+    MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
+    MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kPrepare));
+    if (prepared.a1q.device() != allocator_->device()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          prepare_finalize_->name(), " put a1q on ", DeviceName(prepared.a1q.device()),
+          " but this ModularKernel allocates its workspaces on ", DeviceName(allocator_->device()),
+          "; create it with an allocator for that device"));
+    }
+
+    MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kExperts));
+    const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(prepared.problem);
+    ExpertsApplyArgs apply;
+    apply.prepared = &prepared;
+    apply.layer = args.layer;
+    apply.weights = args.weights;
+    MOESERVE_ASSIGN_OR_RETURN(apply.workspace13,
+                              allocator_->Get(WorkspaceAllocator::kWorkspace13,
+                                              shapes.workspace13_dtype, shapes.workspace13));
+    MOESERVE_ASSIGN_OR_RETURN(
+        apply.workspace2, allocator_->Get(WorkspaceAllocator::kWorkspace2, shapes.workspace2_dtype,
+                                          shapes.workspace2));
+    MOESERVE_ASSIGN_OR_RETURN(apply.output, allocator_->Get(WorkspaceAllocator::kFusedOutput,
+                                                            DType::kFP32, shapes.output));
+    MOESERVE_RETURN_IF_ERROR(experts_->Apply(apply));
+    MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kExperts));
+
+    MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kFinalize));
+    MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Finalize(output.Slice(begin, end), apply.output,
+                                                         prepared, *weight_and_reduce));
+    MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kFinalize));
   }
   return absl::OkStatus();
 }

@@ -11,6 +11,10 @@
 //  - Expert ids reaching Experts are *local* indices in [0, E), or -1 for a route whose expert
 //    lives on another rank (PrepareAndFinalize maps global ids through the expert map).
 //  - Floating-point results between stages are FP32.
+//  - Every TensorView says where its memory lives (TensorView::device()). Prepare puts a1q on
+//    the device Experts compute on; ModularKernel allocates the workspaces and the fused expert
+//    output on that device through its WorkspaceAllocator (core/workspace.h) and hands them to
+//    Apply and Finalize. The caller's inputs and output are host (or pinned host) memory.
 //  - Objects are not thread-safe: one ModularKernel per rank, used by one thread at a time.
 //  - CPU implementations are synchronous. Device implementations run on the stream given at
 //    construction and document when they synchronize.
@@ -30,6 +34,7 @@
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "core/weights.h"
+#include "core/workspace.h"
 
 namespace moeserve {
 
@@ -86,6 +91,10 @@ class TopKWeightAndReduce {
 };
 
 std::unique_ptr<TopKWeightAndReduce> MakeTopKWeightAndReduce(TopKWeightAndReduce::Kind kind);
+// What kDelegate means for a PrepareAndFinalize of `format`: Contiguous for Standard,
+// NaiveBatched for BatchedExperts. Other kinds are returned as they are.
+TopKWeightAndReduce::Kind ResolveWeightAndReduce(TopKWeightAndReduce::Kind kind,
+                                                 ActivationFormat format);
 
 struct PrepareArgs {
   TensorView hidden_states;  // [M, K] BF16/FP16/FP32, this rank's source tokens
@@ -142,11 +151,16 @@ class PrepareAndFinalize {
   virtual absl::StatusOr<Receiver> PrepareNoReceive(const PrepareArgs& args);
 
   // Combines expert outputs back to their source ranks and applies `weight_and_reduce`
-  // (resolving kDelegate to this implementation's own). output: [M_src, K] FP32, the
-  // source tokens of the matching Prepare. `prepared` is what that Prepare returned.
+  // (resolving kDelegate to this implementation's own). output: [M_src, K] host memory in a
+  // dtype for which writes_output_dtype() is true, the source tokens of the matching Prepare.
+  // fused_expert_output: what Experts::Apply wrote (WorkspaceShapes::output, FP32, on a1q's
+  // device). `prepared` is what that Prepare returned.
   virtual absl::Status Finalize(const TensorView& output, const TensorView& fused_expert_output,
                                 const PreparedActivations& prepared,
                                 const TopKWeightAndReduce& weight_and_reduce) = 0;
+  // Whether Finalize writes `dtype` itself (converting on its device); ModularKernel converts
+  // from FP32 on the host for the others.
+  virtual bool writes_output_dtype(DType dtype) const { return dtype == DType::kFP32; }
 
   // Bytes exchanged with other ranks since construction (zero for single-rank ones).
   virtual TransferStats transfer_stats() const { return {}; }
@@ -157,17 +171,20 @@ struct ActivationFormats {
   ActivationFormat output;
 };
 
+// Allocated by ModularKernel on a1q's device for every Apply.
 struct WorkspaceShapes {
   Shape workspace13;  // scratch, also reused across W1 / W2 stages
+  DType workspace13_dtype = DType::kFP32;
   Shape workspace2;
-  Shape output;  // fused expert output handed to Finalize
-  DType workspace_dtype = DType::kFP32;
+  DType workspace2_dtype = DType::kFP32;
+  Shape output;  // fused expert output handed to Finalize, FP32
 };
 
 struct ExpertsApplyArgs {
-  TensorView output;  // WorkspaceShapes::output, FP32
+  TensorView output;  // WorkspaceShapes::output, FP32, on a1q's device
   const PreparedActivations* prepared = nullptr;
-  const LayerWeights* weights = nullptr;
+  int layer = 0;                          // the MoE layer (device weights are keyed by it)
+  const LayerWeights* weights = nullptr;  // that layer's host weights
   TensorView workspace13;
   TensorView workspace2;
 };
@@ -189,6 +206,7 @@ class Experts {
   virtual absl::Status Apply(const ExpertsApplyArgs& args) = 0;
 };
 
+// Stage times: host wall clock for host kernels, device time (events) for device ones.
 struct StageTimings {
   double prepare_us = 0;
   double experts_us = 0;
@@ -201,7 +219,8 @@ struct ModularKernelArgs {
   TensorView hidden_states;  // [M, K] BF16/FP16/FP32
   TensorView topk_ids;       // [M, topk] INT32 global ids, validated
   TensorView topk_weights;   // [M, topk] FP32
-  const LayerWeights* weights = nullptr;
+  int layer = 0;             // which MoE layer (device-resident weights are keyed by it)
+  const LayerWeights* weights = nullptr;  // that layer's host weights
   int64_t num_experts = 0;
   TensorView expert_map;  // optional, see PrepareArgs
 };
@@ -211,13 +230,17 @@ absl::Status CheckCompatible(const PrepareAndFinalize& prepare_finalize, const E
 
 class ModularKernel {
  public:
-  // Refuses (INVALID_ARGUMENT, saying why) a pair that CheckCompatible rejects.
+  // Refuses (INVALID_ARGUMENT, saying why) a pair that CheckCompatible rejects. `allocator`
+  // provides the workspaces on the device Prepare puts a1q on (null: host memory).
   static absl::StatusOr<std::unique_ptr<ModularKernel>> Create(
-      std::unique_ptr<PrepareAndFinalize> prepare_finalize, std::unique_ptr<Experts> experts);
+      std::unique_ptr<PrepareAndFinalize> prepare_finalize, std::unique_ptr<Experts> experts,
+      std::unique_ptr<WorkspaceAllocator> allocator = nullptr);
 
   // Runs prepare -> apply -> finalize once per round of PrepareAndFinalize::PlanChunks (stage
-  // times are summed over rounds). output: [M, K] FP32 host. Workspaces are allocated from
-  // Experts::GetWorkspaceShapes() and reused across calls. Not thread-safe.
+  // times are summed over rounds). output: [M, K] host memory, FP32, BF16 or FP16.
+  // Workspaces come from Experts::GetWorkspaceShapes() through the allocator, reused across
+  // calls; FAILED_PRECONDITION if Prepare put a1q on another device than the allocator's.
+  // Returns when the output is written. Not thread-safe.
   absl::Status Forward(const ModularKernelArgs& args, const TensorView& output,
                        StageTimings* timings = nullptr);
 
@@ -225,11 +248,19 @@ class ModularKernel {
   Experts& experts() { return *experts_; }
 
  private:
-  ModularKernel(std::unique_ptr<PrepareAndFinalize> pf, std::unique_ptr<Experts> experts)
-      : prepare_finalize_(std::move(pf)), experts_(std::move(experts)) {}
+  ModularKernel(std::unique_ptr<PrepareAndFinalize> pf, std::unique_ptr<Experts> experts,
+                std::unique_ptr<WorkspaceAllocator> allocator)
+      : prepare_finalize_(std::move(pf)),
+        experts_(std::move(experts)),
+        allocator_(std::move(allocator)),
+        timer_(allocator_->MakeStageTimer()) {}
+  absl::Status RunRounds(const ModularKernelArgs& args, const TensorView& output,
+                         const std::vector<int64_t>& bounds);
   std::unique_ptr<PrepareAndFinalize> prepare_finalize_;
   std::unique_ptr<Experts> experts_;
-  HostBuffer workspace13_, workspace2_, fused_output_;
+  std::unique_ptr<WorkspaceAllocator> allocator_;
+  std::unique_ptr<StageTimer> timer_;
+  HostBuffer output32_;  // FP32 answer for a PrepareAndFinalize that writes only FP32
 };
 
 }  // namespace moeserve

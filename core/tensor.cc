@@ -31,13 +31,29 @@ Shape ContiguousStrides(const Shape& shape) {
 }
 }  // namespace
 
-TensorView::TensorView(void* data, DType dtype, Shape shape)
-    : data_(data), dtype_(dtype), shape_(std::move(shape)) {
+std::string DeviceName(const Device& device) {
+  switch (device.space) {
+    case MemorySpace::kHost:
+      return "host";
+    case MemorySpace::kPinnedHost:
+      return "pinned";
+    case MemorySpace::kCuda:
+      return absl::StrCat("cuda:", device.index);
+  }
+  return "unknown";
+}
+
+TensorView::TensorView(void* data, DType dtype, Shape shape, Device device)
+    : data_(data), dtype_(dtype), shape_(std::move(shape)), device_(device) {
   strides_ = ContiguousStrides(shape_);
 }
 
-TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
-    : data_(data), dtype_(dtype), shape_(std::move(shape)), strides_(std::move(strides)) {}
+TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides, Device device)
+    : data_(data),
+      dtype_(dtype),
+      shape_(std::move(shape)),
+      strides_(std::move(strides)),
+      device_(device) {}
 
 bool TensorView::is_contiguous() const {
   int64_t expected = 1;
@@ -53,7 +69,7 @@ TensorView TensorView::Slice(int64_t begin, int64_t end) const {
   shape[0] = end - begin;
   auto* base = static_cast<std::byte*>(data_);
   void* p = base == nullptr ? nullptr : base + begin * strides_[0] * DTypeSize(dtype_);
-  return TensorView(p, dtype_, shape, strides_);
+  return TensorView(p, dtype_, shape, strides_, device_);
 }
 
 absl::StatusOr<TensorView> TensorView::Reshape(Shape shape) const {
@@ -62,11 +78,12 @@ absl::StatusOr<TensorView> TensorView::Reshape(Shape shape) const {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot reshape ", ShapeToString(shape_), " to ", ShapeToString(shape)));
   }
-  return TensorView(data_, dtype_, std::move(shape));
+  return TensorView(data_, dtype_, std::move(shape), device_);
 }
 
 std::string TensorView::DebugString() const {
-  return absl::StrCat(DTypeName(dtype_), ShapeToString(shape_));
+  if (device_ == Device::Host()) return absl::StrCat(DTypeName(dtype_), ShapeToString(shape_));
+  return absl::StrCat(DTypeName(dtype_), ShapeToString(shape_), "@", DeviceName(device_));
 }
 
 void Tensor::Free::operator()(std::byte* p) const { std::free(p); }
@@ -104,6 +121,10 @@ absl::Status ConvertTensor(const TensorView& src, const TensorView& dst) {
   }
   if (!src.is_contiguous() || !dst.is_contiguous()) {
     return absl::InvalidArgumentError("ConvertTensor: views must be contiguous");
+  }
+  if (!src.device().is_host() || !dst.device().is_host()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ConvertTensor runs on the host, got ", src.DebugString(), " -> ", dst.DebugString()));
   }
   const int64_t n = src.numel();
   if (n == 0) return absl::OkStatus();

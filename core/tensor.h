@@ -1,9 +1,9 @@
 // Tensor views (non-owning) and a small owning host tensor.
 //
-// A TensorView is a pointer plus dtype, shape and strides (in elements). It never owns memory;
-// whoever creates it keeps the storage alive. Views are cheap to copy and are not thread-safe
-// with respect to the data they point at. The pointer may be host or device memory; nothing
-// here dereferences it except the host-only helpers documented as such.
+// A TensorView is a pointer plus dtype, shape, strides (in elements) and the Device its memory
+// lives on. It never owns memory; whoever creates it keeps the storage alive. Views are cheap to
+// copy and are not thread-safe with respect to the data they point at. Nothing here dereferences
+// the pointer except the host-only helpers documented as such.
 #ifndef MOESERVE_CORE_TENSOR_H_
 #define MOESERVE_CORE_TENSOR_H_
 
@@ -22,6 +22,27 @@ namespace moeserve {
 
 using Shape = absl::InlinedVector<int64_t, 4>;
 
+// Where a tensor's bytes live. Pinned host memory is host memory that a device can copy
+// without staging (cudaMallocHost / cudaHostRegister).
+enum class MemorySpace : uint8_t { kHost, kPinnedHost, kCuda };
+
+struct Device {
+  MemorySpace space = MemorySpace::kHost;
+  int index = 0;  // the CUDA device ordinal (kCuda); 0 otherwise
+
+  static constexpr Device Host() { return {MemorySpace::kHost, 0}; }
+  static constexpr Device PinnedHost() { return {MemorySpace::kPinnedHost, 0}; }
+  static constexpr Device Cuda(int index) { return {MemorySpace::kCuda, index}; }
+  // Host code may dereference the pointer.
+  bool is_host() const { return space != MemorySpace::kCuda; }
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.space == b.space && a.index == b.index;
+  }
+  friend bool operator!=(const Device& a, const Device& b) { return !(a == b); }
+};
+// "host", "pinned" or "cuda:N".
+std::string DeviceName(const Device& device);
+
 std::string ShapeToString(absl::Span<const int64_t> shape);
 // Product of the dims; 1 for a scalar (empty shape).
 int64_t NumElements(absl::Span<const int64_t> shape);
@@ -30,12 +51,12 @@ class TensorView {
  public:
   TensorView() = default;
   // Contiguous row-major view.
-  TensorView(void* data, DType dtype, Shape shape);
+  TensorView(void* data, DType dtype, Shape shape, Device device = Device::Host());
   // Strided view; strides are in elements.
-  TensorView(void* data, DType dtype, Shape shape, Shape strides);
+  TensorView(void* data, DType dtype, Shape shape, Shape strides, Device device = Device::Host());
   // Read-only data is viewed through the same type; callers must not write through it.
-  TensorView(const void* data, DType dtype, Shape shape)
-      : TensorView(const_cast<void*>(data), dtype, std::move(shape)) {}
+  TensorView(const void* data, DType dtype, Shape shape, Device device = Device::Host())
+      : TensorView(const_cast<void*>(data), dtype, std::move(shape), device) {}
 
   bool empty() const { return data_ == nullptr && shape_.empty(); }
   void* raw_data() const { return data_; }
@@ -44,6 +65,7 @@ class TensorView {
     return static_cast<T*>(data_);
   }
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   const Shape& shape() const { return shape_; }
   const Shape& strides() const { return strides_; }
   int rank() const { return static_cast<int>(shape_.size()); }
@@ -58,6 +80,7 @@ class TensorView {
   // Same storage with a new contiguous shape of equal element count. Requires contiguity.
   absl::StatusOr<TensorView> Reshape(Shape shape) const;
 
+  // "bf16[4, 8]", with "@cuda:0" / "@pinned" appended off the plain host.
   std::string DebugString() const;
 
  private:
@@ -65,6 +88,7 @@ class TensorView {
   DType dtype_ = DType::kFP32;
   Shape shape_;
   Shape strides_;
+  Device device_;
 };
 
 // Owning, 64-byte aligned, contiguous host tensor. Movable, not copyable.

@@ -56,7 +56,8 @@ absl::Status NoEpPrepareAndFinalize::Finalize(const TensorView& output,
                                               const PreparedActivations& prepared,
                                               const TopKWeightAndReduce& weight_and_reduce) {
   if (weight_and_reduce.kind() == TopKWeightAndReduce::Kind::kDelegate) {
-    return MakeTopKWeightAndReduce(TopKWeightAndReduce::Kind::kContiguous)
+    return MakeTopKWeightAndReduce(
+               ResolveWeightAndReduce(weight_and_reduce.kind(), ActivationFormat::kStandard))
         ->Apply(output, fused_expert_output, prepared.topk_weights, prepared.topk_ids);
   }
   return weight_and_reduce.Apply(output, fused_expert_output, prepared.topk_weights,

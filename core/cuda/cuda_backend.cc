@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/cuda/answer_copy.h"
 #include "core/cuda/grow_only_buffer.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/moe_gemm.cuh"
@@ -21,26 +22,9 @@ struct PinnedBuffer : GrowOnlyBuffer {
   PinnedBuffer() : GrowOnlyBuffer(Memory::kPinnedHost, 4096, /*quarter_slack=*/false) {}
 };
 
-}  // namespace
+cudaStream_t StreamOf(const CudaContext& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
 
-class CudaContext {
- public:
-  int device = 0;
-  int num_sms = 0;
-  cudaStream_t stream = nullptr;
-  // Prepare -> Experts.
-  DeviceBuffer hidden, ids, weights, batched_a1q, slot, counts;
-  PinnedBuffer pin_in, pin_out;
-  // Experts -> Finalize.
-  DeviceBuffer routing, intermediate, fused, final_out;
-  TensorView fused_output;  // device, set by the Experts' Apply
-  ~CudaContext() {
-    if (stream != nullptr) {
-      cudaSetDevice(device);
-      cudaStreamDestroy(stream);
-    }
-  }
-};
+}  // namespace
 
 struct DevicePackedLayer {
   WeightFormat format = WeightFormat::kBF16;
@@ -66,23 +50,107 @@ int CudaDeviceCount() {
   return n;
 }
 
-absl::StatusOr<std::shared_ptr<CudaContext>> CreateCudaContext(int device) {
+absl::StatusOr<std::shared_ptr<CudaContext>> CudaContext::Create(int device) {
   const int n = CudaDeviceCount();
   if (device < 0 || device >= n) {
     return absl::FailedPreconditionError(
         absl::StrCat("CUDA device ", device, " requested but ", n, " visible"));
   }
-  auto ctx = std::make_shared<CudaContext>();
-  ctx->device = device;
+  std::shared_ptr<CudaContext> ctx(new CudaContext());
+  ctx->device_ = device;
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   MOESERVE_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&ctx->num_sms, cudaDevAttrMultiProcessorCount, device));
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx->stream, cudaStreamNonBlocking));
+      cudaDeviceGetAttribute(&ctx->num_sms_, cudaDevAttrMultiProcessorCount, device));
+  cudaStream_t stream = nullptr;
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ctx->stream_ = stream;
   return ctx;
 }
 
-void* CudaContextStream(const CudaContext& ctx) { return ctx.stream; }
-TensorView CudaContextFusedOutput(const CudaContext& ctx) { return ctx.fused_output; }
+CudaContext::~CudaContext() {
+  if (stream_ != nullptr) {
+    cudaSetDevice(device_);
+    cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  }
+}
+
+absl::StatusOr<std::shared_ptr<CudaContext>> CreateCudaContext(int device) {
+  return CudaContext::Create(device);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workspaces and stage timing.
+
+namespace {
+
+// Event pairs recorded on the context's stream; elapsed times are read once, after the forward's
+// last synchronization, so timing adds no host wait of its own.
+class CudaStageTimer final : public StageTimer {
+ public:
+  explicit CudaStageTimer(std::shared_ptr<CudaContext> ctx) : ctx_(std::move(ctx)) {}
+  ~CudaStageTimer() override {
+    cudaSetDevice(ctx_->device());
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  void Reset() override { marks_.clear(); }
+  absl::Status Begin(Stage stage) override { return Mark(stage); }
+  absl::Status End(Stage stage) override { return Mark(stage); }
+  absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() override {
+    std::array<double, kNumStages> us{};
+    if (marks_.empty()) return us;
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size() - 1]));
+    for (size_t i = 0; i + 1 < marks_.size(); i += 2) {
+      float ms = 0;
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+      us[marks_[i]] += 1000.0 * ms;
+    }
+    return us;
+  }
+
+ private:
+  absl::Status Mark(Stage stage) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+    if (marks_.size() == events_.size()) {
+      cudaEvent_t e = nullptr;
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[marks_.size()], StreamOf(*ctx_)));
+    marks_.push_back(stage);
+    return absl::OkStatus();
+  }
+  std::shared_ptr<CudaContext> ctx_;
+  std::vector<cudaEvent_t> events_;  // grow-only pool, one per mark
+  std::vector<Stage> marks_;         // Begin, End, Begin, End, ...
+};
+
+class CudaWorkspaceAllocator final : public WorkspaceAllocator {
+ public:
+  explicit CudaWorkspaceAllocator(std::shared_ptr<CudaContext> ctx) : ctx_(std::move(ctx)) {}
+  Device device() const override { return ctx_->tensor_device(); }
+  absl::StatusOr<TensorView> Get(Slot slot, DType dtype, const Shape& shape) override {
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+    const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+    MOESERVE_ASSIGN_OR_RETURN(void* p, buffers_[slot].Get(bytes));
+    return TensorView(p, dtype, shape, device());
+  }
+  std::unique_ptr<StageTimer> MakeStageTimer() const override {
+    return std::make_unique<CudaStageTimer>(ctx_);
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  DeviceBuffer buffers_[kNumSlots];
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<WorkspaceAllocator>> CreateCudaWorkspaceAllocator(
+    std::shared_ptr<CudaContext> ctx) {
+  if (ctx == nullptr) return absl::InvalidArgumentError("CudaWorkspaceAllocator: no context");
+  return std::make_unique<CudaWorkspaceAllocator>(std::move(ctx));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Weights.
@@ -120,22 +188,22 @@ absl::StatusOr<std::unique_ptr<DevicePackedLayer>> UploadLayer(const LayerWeight
     // Async on the context's stream: a plain cudaMemcpy from pageable memory may return before
     // the DMA lands, and the pack kernel runs on a non-blocking stream.
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d, v.raw_data(), v.nbytes(), cudaMemcpyHostToDevice, ctx.stream));
+        cudaMemcpyAsync(d, v.raw_data(), v.nbytes(), cudaMemcpyHostToDevice, StreamOf(ctx)));
     uint8_t* ds = nullptr;
     if (fp8) {
       MOESERVE_ASSIGN_OR_RETURN(void* p, raw_scale.Get(s.nbytes()));
       ds = static_cast<uint8_t*>(p);
       MOESERVE_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(ds, s.raw_data(), s.nbytes(), cudaMemcpyHostToDevice, ctx.stream));
+          cudaMemcpyAsync(ds, s.raw_data(), s.nbytes(), cudaMemcpyHostToDevice, StreamOf(ctx)));
     }
     if (w13) {
       MOESERVE_CUDA_RETURN_IF_ERROR(
-          kernels::LaunchPackMoeW13(d, ds, e, l, esize, out->w13, out->w13_scale, ctx.stream));
+          kernels::LaunchPackMoeW13(d, ds, e, l, esize, out->w13, out->w13_scale, StreamOf(ctx)));
     } else {
       MOESERVE_CUDA_RETURN_IF_ERROR(
-          kernels::LaunchPackMoeW2(d, ds, e, l, esize, out->w2, out->w2_scale, ctx.stream));
+          kernels::LaunchPackMoeW2(d, ds, e, l, esize, out->w2, out->w2_scale, StreamOf(ctx)));
     }
-    MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx.stream));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(ctx)));
     return absl::OkStatus();
   };
   MOESERVE_RETURN_IF_ERROR(pack(w.w13, w.w13_scale, true));
@@ -162,32 +230,28 @@ DeviceWeightStore::~DeviceWeightStore() {
 
 absl::StatusOr<std::shared_ptr<DeviceWeightStore>> DeviceWeightStore::CreateFromLayers(
     const std::vector<const LayerWeights*>& layers, const CudaContext& ctx) {
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx.device));
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx.device()));
   std::shared_ptr<DeviceWeightStore> store(new DeviceWeightStore());
-  store->device_ = ctx.device;
-  for (const LayerWeights* w : layers) {
-    if (w == nullptr) continue;
-    MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<DevicePackedLayer> p, UploadLayer(*w, ctx));
-    store->device_bytes_ += PackedBytes(*p);
-    store->layers_.emplace_back(w, std::move(p));
+  store->device_ = ctx.device();
+  store->layers_.resize(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i] == nullptr) continue;
+    MOESERVE_ASSIGN_OR_RETURN(store->layers_[i], UploadLayer(*layers[i], ctx));
+    store->device_bytes_ += PackedBytes(*store->layers_[i]);
   }
   return store;
 }
 
 absl::StatusOr<std::shared_ptr<DeviceWeightStore>> DeviceWeightStore::Create(
     const ExpertWeightStore& host, const CudaContext& ctx) {
-  std::vector<const LayerWeights*> layers;
-  for (int l = 0; l < host.config().num_layers; ++l) {
-    if (const LayerWeights* w = host.layer(l); w != nullptr) layers.push_back(w);
-  }
+  std::vector<const LayerWeights*> layers(host.config().num_layers, nullptr);
+  for (int l = 0; l < host.config().num_layers; ++l) layers[l] = host.layer(l);
   return CreateFromLayers(layers, ctx);
 }
 
-const DevicePackedLayer* DeviceWeightStore::Find(const LayerWeights* host_layer) const {
-  for (const auto& [k, v] : layers_) {
-    if (k == host_layer) return v.get();
-  }
-  return nullptr;
+const DevicePackedLayer* DeviceWeightStore::layer(int index) const {
+  if (index < 0 || index >= static_cast<int>(layers_.size())) return nullptr;
+  return layers_[index].get();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -211,6 +275,9 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   int64_t max_num_tokens_per_rank() const override { return max_num_tokens_; }
   int num_dispatchers() const override { return 1; }
   const QuantConfig& quant_config() const override { return quant_; }
+  bool writes_output_dtype(DType dtype) const override {
+    return dtype == DType::kFP32 || dtype == DType::kBF16 || dtype == DType::kFP16;
+  }
 
   absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) override;
   absl::Status Finalize(const TensorView& output, const TensorView& fused_expert_output,
@@ -223,6 +290,11 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   ActivationFormat format_;
   QuantConfig quant_;
   std::vector<int32_t> host_counts_;
+  // Prepare's outputs (valid until the next Prepare) and Finalize's reduce target.
+  DeviceBuffer hidden_, ids_, weights_, batched_a1q_, align_, reduced_;
+  PinnedBuffer staging_;
+  int32_t* slot_ = nullptr;  // batched: route -> row within its expert, into align_
+  AnswerCopy answer_;
 };
 
 absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
@@ -248,21 +320,22 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
     return absl::InvalidArgumentError(
         absl::StrCat(name(), ": hidden must be a multiple of 8 on the CUDA path, got ", k));
   }
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device));
-  CudaContext& c = *ctx_;
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  const cudaStream_t stream = StreamOf(*ctx_);
+  const Device gpu = ctx_->tensor_device();
   const size_t x_bytes = m * k * 2, id_bytes = m * topk * 4, w_bytes = m * topk * 4;
-  MOESERVE_ASSIGN_OR_RETURN(void* pin, c.pin_in.Get(x_bytes + id_bytes + w_bytes + 64));
+  MOESERVE_ASSIGN_OR_RETURN(void* pin, staging_.Get(x_bytes + id_bytes + w_bytes + 64));
   auto* pin_x = static_cast<uint8_t*>(pin);
   auto* pin_ids = reinterpret_cast<int32_t*>(pin_x + (x_bytes + 15) / 16 * 16);
   auto* pin_w = reinterpret_cast<float*>(pin_ids + m * topk);
   // Quantization hook: BF16 activations (exact for BF16 input, round-to-nearest otherwise).
-  TensorView pin_x_view(pin_x, DType::kBF16, {m, k});
+  TensorView pin_x_view(pin_x, DType::kBF16, {m, k}, Device::PinnedHost());
   if (x.dtype() == DType::kBF16 && x.is_contiguous()) {
     std::memcpy(pin_x, x.raw_data(), x_bytes);
   } else {
     MOESERVE_RETURN_IF_ERROR(ConvertTensor(x, pin_x_view));
   }
-  // Global -> local ids.
+  // Global -> local ids (the engine range-checked the ids; this guards the map lookup).
   const int32_t* g = args.topk_ids.data<int32_t>();
   const bool has_map = !args.expert_map.empty();
   host_counts_.assign(e, 0);
@@ -279,22 +352,22 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
     if (l >= 0) ++host_counts_[l];
   }
   std::memcpy(pin_w, args.topk_weights.raw_data(), w_bytes);
-  MOESERVE_ASSIGN_OR_RETURN(void* d_x, c.hidden.Get(x_bytes));
-  MOESERVE_ASSIGN_OR_RETURN(void* d_ids, c.ids.Get(id_bytes));
-  MOESERVE_ASSIGN_OR_RETURN(void* d_w, c.weights.Get(w_bytes));
+  MOESERVE_ASSIGN_OR_RETURN(void* d_x, hidden_.Get(x_bytes));
+  MOESERVE_ASSIGN_OR_RETURN(void* d_ids, ids_.Get(id_bytes));
+  MOESERVE_ASSIGN_OR_RETURN(void* d_w, weights_.Get(w_bytes));
   if (m > 0) {
     // One contiguous pinned block; three copies.
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_x, pin_x, x_bytes, cudaMemcpyHostToDevice, c.stream));
+        cudaMemcpyAsync(d_x, pin_x, x_bytes, cudaMemcpyHostToDevice, stream));
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_ids, pin_ids, id_bytes, cudaMemcpyHostToDevice, c.stream));
+        cudaMemcpyAsync(d_ids, pin_ids, id_bytes, cudaMemcpyHostToDevice, stream));
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_w, pin_w, w_bytes, cudaMemcpyHostToDevice, c.stream));
+        cudaMemcpyAsync(d_w, pin_w, w_bytes, cudaMemcpyHostToDevice, stream));
   }
   out->format = format_;
   out->a1q_scale = TensorView();
-  out->topk_ids = TensorView(d_ids, DType::kINT32, {m, topk});
-  out->topk_weights = TensorView(d_w, DType::kFP32, {m, topk});
+  out->topk_ids = TensorView(d_ids, DType::kINT32, {m, topk}, gpu);
+  out->topk_weights = TensorView(d_w, DType::kFP32, {m, topk}, gpu);
   out->problem = MoeProblem{.num_tokens = m,
                             .hidden = k,
                             .intermediate = args.intermediate,
@@ -303,7 +376,7 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
                             .num_local_experts = e,
                             .max_num_tokens = m};
   if (format_ == ActivationFormat::kStandard) {
-    out->a1q = TensorView(d_x, DType::kBF16, {m, k});
+    out->a1q = TensorView(d_x, DType::kBF16, {m, k}, gpu);
     out->expert_num_tokens = TensorView();
     return absl::OkStatus();
   }
@@ -311,77 +384,90 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   // routes, known here from the host ids, so nothing is ever dropped.
   int64_t max_tokens = 1;
   for (int32_t n : host_counts_) max_tokens = std::max<int64_t>(max_tokens, n);
-  MOESERVE_ASSIGN_OR_RETURN(void* d_a, c.batched_a1q.Get(e * max_tokens * k * 2));
-  MOESERVE_ASSIGN_OR_RETURN(void* d_counts, c.counts.Get((2 * e + 2) * 4));
-  MOESERVE_ASSIGN_OR_RETURN(void* d_slot, c.slot.Get(2 * m * topk * 4 + 4));
-  auto* counts = static_cast<int32_t*>(d_counts);
-  auto* slot = static_cast<int32_t*>(d_slot);
   if (e > kernels::kMoeAlignMaxExperts) {
     return absl::InvalidArgumentError(
         absl::StrCat(name(), ": ", e, " local experts exceed ", kernels::kMoeAlignMaxExperts));
   }
+  MOESERVE_ASSIGN_OR_RETURN(void* d_a, batched_a1q_.Get(e * max_tokens * k * 2));
+  // [counts (e) | offsets (e + 1) | pad | sorted routes | slot per route]
+  MOESERVE_ASSIGN_OR_RETURN(void* d_align, align_.Get((2 * e + 2 + 2 * m * topk) * 4 + 4));
+  auto* counts = static_cast<int32_t*>(d_align);
+  int32_t* sorted = counts + 2 * e + 2;
+  slot_ = sorted + m * topk;
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(static_cast<int32_t*>(d_ids), m * topk,
                                                         static_cast<int>(e), counts, counts + e + 1,
-                                                        slot + m * topk, slot, c.stream));
+                                                        sorted, slot_, stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchPermuteToBatched(
-      static_cast<uint16_t*>(d_x), static_cast<int32_t*>(d_ids), slot, m, static_cast<int>(topk), k,
-      static_cast<int>(e), max_tokens, static_cast<uint16_t*>(d_a), c.stream));
-  out->a1q = TensorView(d_a, DType::kBF16, {e, max_tokens, k});
-  out->expert_num_tokens = TensorView(counts, DType::kINT32, {e});
+      static_cast<uint16_t*>(d_x), static_cast<int32_t*>(d_ids), slot_, m, static_cast<int>(topk),
+      k, static_cast<int>(e), max_tokens, static_cast<uint16_t*>(d_a), stream));
+  out->a1q = TensorView(d_a, DType::kBF16, {e, max_tokens, k}, gpu);
+  out->expert_num_tokens = TensorView(counts, DType::kINT32, {e}, gpu);
   out->problem.max_num_tokens = max_tokens;
   return absl::OkStatus();
 }
 
-absl::Status CudaNoEpPrepareAndFinalize::Finalize(const TensorView& output, const TensorView&,
+absl::Status CudaNoEpPrepareAndFinalize::Finalize(const TensorView& output,
+                                                  const TensorView& fused_expert_output,
                                                   const PreparedActivations& prepared,
-                                                  const TopKWeightAndReduce& war) {
-  CudaContext& c = *ctx_;
+                                                  const TopKWeightAndReduce& weight_and_reduce) {
   const int64_t m = prepared.problem.num_tokens, k = prepared.problem.hidden;
   const int64_t topk = prepared.problem.topk, e = prepared.problem.num_local_experts;
   if (output.rank() != 2 || output.dim(0) != m || output.dim(1) != k ||
-      output.dtype() != DType::kFP32 || !output.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(name(), ": output must be FP32 [", m, ", ", k,
-                                                   "], got ", output.DebugString()));
+      !writes_output_dtype(output.dtype()) || !output.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(name(), ": output must be FP32/BF16/FP16 [", m,
+                                                   ", ", k, "], got ", output.DebugString()));
   }
   if (m == 0) return absl::OkStatus();
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(c.device));
-  const size_t bytes = m * k * 4;
-  MOESERVE_ASSIGN_OR_RETURN(void* d_out, c.final_out.Get(bytes));
-  const auto* fused = c.fused_output.data<float>();
+  if (fused_expert_output.device() != ctx_->tensor_device() ||
+      fused_expert_output.dtype() != DType::kFP32) {
+    return absl::InvalidArgumentError(absl::StrCat(name(), ": expert output must be FP32 on ",
+                                                   DeviceName(ctx_->tensor_device()), ", got ",
+                                                   fused_expert_output.DebugString()));
+  }
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  const cudaStream_t stream = StreamOf(*ctx_);
+  const auto* fused = fused_expert_output.data<float>();
   const auto* w = prepared.topk_weights.data<float>();
   const auto* ids = prepared.topk_ids.data<int32_t>();
-  switch (war.kind()) {
+  const float* answer = fused;
+  switch (ResolveWeightAndReduce(weight_and_reduce.kind(), format_)) {
     case TopKWeightAndReduce::Kind::kNoOp:
-      d_out = const_cast<float*>(fused);
+      if (fused_expert_output.numel() != m * k) {
+        return absl::InvalidArgumentError(absl::StrCat(name(), ": NoOp reduce needs [", m, ", ", k,
+                                                       "] expert output, got ",
+                                                       fused_expert_output.DebugString()));
+      }
       break;
-    case TopKWeightAndReduce::Kind::kDelegate:
-    case TopKWeightAndReduce::Kind::kContiguous:
+    case TopKWeightAndReduce::Kind::kContiguous: {
       if (format_ != ActivationFormat::kStandard) {
         return absl::FailedPreconditionError(
             absl::StrCat(name(), ": Contiguous reduce needs Standard-format expert output"));
       }
+      MOESERVE_ASSIGN_OR_RETURN(void* d_out, reduced_.Get(m * k * 4));
       MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceContiguous(
           fused, w, ids, m, static_cast<int>(topk), k, static_cast<int>(e),
-          static_cast<float*>(d_out), c.stream));
+          static_cast<float*>(d_out), stream));
+      answer = static_cast<float*>(d_out);
       break;
+    }
     case TopKWeightAndReduce::Kind::kNaiveBatched: {
       if (format_ != ActivationFormat::kBatchedExperts) {
         return absl::FailedPreconditionError(
             absl::StrCat(name(), ": NaiveBatched reduce needs BatchedExperts output"));
       }
-      MOESERVE_ASSIGN_OR_RETURN(void* d_slot, c.slot.Get(0));
+      MOESERVE_ASSIGN_OR_RETURN(void* d_out, reduced_.Get(m * k * 4));
       MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceNaiveBatched(
-          fused, w, ids, static_cast<int32_t*>(d_slot), m, static_cast<int>(topk), k,
-          static_cast<int>(e), prepared.problem.max_num_tokens, static_cast<float*>(d_out),
-          c.stream));
+          fused, w, ids, slot_, m, static_cast<int>(topk), k, static_cast<int>(e),
+          prepared.problem.max_num_tokens, static_cast<float*>(d_out), stream));
+      answer = static_cast<float*>(d_out);
       break;
     }
+    case TopKWeightAndReduce::Kind::kDelegate:
+      return absl::InternalError("unresolved TopKWeightAndReduce");
   }
-  MOESERVE_ASSIGN_OR_RETURN(void* pin, c.pin_out.Get(bytes));
-  MOESERVE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(pin, d_out, bytes, cudaMemcpyDeviceToHost, c.stream));
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(c.stream));
-  std::memcpy(output.raw_data(), pin, bytes);
+  MOESERVE_RETURN_IF_ERROR(answer_.Enqueue(answer, output, stream));
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  answer_.Finish();
   return absl::OkStatus();
 }
 
@@ -401,12 +487,20 @@ class CudaExpertsImpl final : public Experts {
   bool supports_expert_map() const override { return true; }
   bool supports_weight_format(WeightFormat) const override { return true; }
   DType activation_dtype() const override { return DType::kBF16; }
-  // Device memory lives in the shared CudaContext: ModularKernel's host buffers stay empty.
-  WorkspaceShapes GetWorkspaceShapes(const MoeProblem&) const override {
+  // workspace13: the W13 output after SiLU-and-mul, BF16 [rows, intermediate padded];
+  // workspace2: the routing of the Standard format (INT32 counts | offsets | sorted | slot);
+  // output: FP32 per route [M, topk, K] (Standard) or per expert row [E, max_tokens, K].
+  WorkspaceShapes GetWorkspaceShapes(const MoeProblem& p) const override {
+    const bool standard = format_ == ActivationFormat::kStandard;
+    const int64_t rows = standard ? p.num_tokens * p.topk : p.num_local_experts * p.max_num_tokens;
     WorkspaceShapes s;
-    s.workspace13 = {0};
-    s.workspace2 = {0};
-    s.output = {0};
+    s.workspace13 = {std::max<int64_t>(rows, 1),
+                     kernels::MakeMoePackedLayout(p.hidden, p.intermediate).intermediate_padded};
+    s.workspace13_dtype = DType::kBF16;
+    s.workspace2 = {standard ? 2 * p.num_local_experts + 2 + 2 * rows : 1};
+    s.workspace2_dtype = DType::kINT32;
+    s.output = standard ? Shape{p.num_tokens, p.topk, p.hidden}
+                        : Shape{p.num_local_experts, p.max_num_tokens, p.hidden};
     return s;
   }
   std::unique_ptr<TopKWeightAndReduce> FinalizeWeightAndReduceImpl() const override {
@@ -424,46 +518,62 @@ class CudaExpertsImpl final : public Experts {
 
 absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   const PreparedActivations& p = *args.prepared;
-  const DevicePackedLayer* layer = weights_->Find(args.weights);
+  const DevicePackedLayer* layer = weights_->layer(args.layer);
   if (layer == nullptr) {
     return absl::FailedPreconditionError(
-        absl::StrCat(name(),
-                     ": layer weights are not resident on the device (upload them with "
+        absl::StrCat(name(), ": layer ", args.layer,
+                     " has no experts resident on the device (upload them with "
                      "DeviceWeightStore first)"));
   }
   const auto& l = layer->layout;
   const int64_t h = l.hidden, e = layer->num_local_experts;
+  if (args.weights != nullptr &&
+      (args.weights->num_local_experts != e || args.weights->hidden != h ||
+       args.weights->intermediate != l.intermediate)) {
+    return absl::InternalError(absl::StrCat(name(), ": device weights of layer ", args.layer,
+                                            " do not match the host layer handed in"));
+  }
+  const Device gpu = ctx_->tensor_device();
   if (p.format != format_ || p.a1q.dtype() != DType::kBF16 || p.a1q.dim(p.a1q.rank() - 1) != h ||
-      h % 8 != 0) {
+      h % 8 != 0 || p.a1q.device() != gpu) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name(), ": expected BF16 a1q with hidden ", h, " (a multiple of 8) in format ",
-                     ActivationFormatName(format_), ", got ", p.a1q.DebugString()));
+        absl::StrCat(name(), ": expected BF16 a1q on ", DeviceName(gpu), " with hidden ", h,
+                     " (a multiple of 8) in format ", ActivationFormatName(format_), ", got ",
+                     p.a1q.DebugString()));
   }
   if (e > 2048) {
     return absl::InvalidArgumentError(absl::StrCat(name(), ": at most 2048 local experts"));
   }
-  CudaContext& c = *ctx_;
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(c.device));
+  const WorkspaceShapes need = GetWorkspaceShapes(p.problem);
+  if (args.output.device() != gpu || args.output.dtype() != DType::kFP32 ||
+      args.output.shape() != need.output || args.workspace13.device() != gpu ||
+      args.workspace13.numel() < NumElements(need.workspace13) || args.workspace2.device() != gpu ||
+      args.workspace2.numel() < NumElements(need.workspace2)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": workspaces ", args.workspace13.DebugString(), ", ",
+                     args.workspace2.DebugString(), " and output ", args.output.DebugString(),
+                     " do not fit GetWorkspaceShapes() on ", DeviceName(gpu)));
+  }
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  const cudaStream_t stream = StreamOf(*ctx_);
   const int64_t m = p.problem.num_tokens, topk = p.problem.topk;
   kernels::MoeGemmParams g1;
   g1.mxfp8 = layer->format == WeightFormat::kMXFP8;
   g1.num_experts = static_cast<int>(e);
   g1.layout = l;
   kernels::MoeGemmParams g2 = g1;
+  void* fused = args.output.raw_data();
   int64_t rows = 0;  // rows of the intermediate / fused output
   if (format_ == ActivationFormat::kStandard) {
     rows = m * topk;
-    MOESERVE_ASSIGN_OR_RETURN(void* ws, c.routing.Get((2 * e + 2 + 2 * rows) * 4));
-    auto* counts = static_cast<int32_t*>(ws);
+    if (rows == 0) return absl::OkStatus();
+    auto* counts = args.workspace2.data<int32_t>();
     int32_t* offsets = counts + e;
     int32_t* sorted = offsets + e + 1;
     int32_t* slot = sorted + rows;
-    MOESERVE_ASSIGN_OR_RETURN(void* fused, c.fused.Get(std::max<int64_t>(rows, 1) * h * 4));
-    c.fused_output = TensorView(fused, DType::kFP32, {m, topk, h});
-    if (rows == 0) return absl::OkStatus();
     MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(p.topk_ids.data<int32_t>(), rows,
                                                           static_cast<int>(e), counts, offsets,
-                                                          sorted, slot, c.stream));
+                                                          sorted, slot, stream));
     g1.expert_counts = g2.expert_counts = counts;
     g1.expert_offsets = g2.expert_offsets = offsets;
     g1.gather = sorted;
@@ -476,8 +586,6 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   } else {
     const int64_t max_tokens = p.a1q.dim(1);
     rows = e * max_tokens;
-    MOESERVE_ASSIGN_OR_RETURN(void* fused, c.fused.Get(std::max<int64_t>(rows, 1) * h * 4));
-    c.fused_output = TensorView(fused, DType::kFP32, {e, max_tokens, h});
     if (m == 0) return absl::OkStatus();
     g1.expert_counts = g2.expert_counts = p.expert_num_tokens.data<int32_t>();
     g1.offset_stride = g2.offset_stride = max_tokens;
@@ -489,8 +597,7 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   }
   const int64_t routes = std::max<int64_t>(1, std::min(rows, m * topk));
   g1.total_rows_hint = g2.total_rows_hint = routes;
-  MOESERVE_ASSIGN_OR_RETURN(
-      void* inter, c.intermediate.Get(std::max<int64_t>(rows, 1) * l.intermediate_padded * 2));
+  void* inter = args.workspace13.raw_data();
   g1.kind = kernels::MoeGemmKind::kGateUpSilu;
   g1.weights = layer->w13;
   g1.scales = layer->w13_scale;
@@ -502,8 +609,8 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g2.act = static_cast<const uint16_t*>(inter);
   g2.act_stride = l.intermediate_padded;
   g2.out_stride = h;
-  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, c.num_sms, c.stream));
-  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, c.num_sms, c.stream));
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, ctx_->num_sms(), stream));
   return absl::OkStatus();
 }
 

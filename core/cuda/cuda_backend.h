@@ -1,25 +1,21 @@
 // The CUDA backend of the modular kernel for one GPU: resident packed expert weights, CUDA
-// Experts (Standard and BatchedExperts formats) and a no-EP PrepareAndFinalize that moves
-// requests host -> device through pinned memory and answers device -> host.
+// Experts (Standard and BatchedExperts formats), a no-EP PrepareAndFinalize that moves requests
+// host -> device through pinned memory and answers device -> host, and the WorkspaceAllocator
+// that gives ModularKernel its workspaces on the GPU.
 //
-// The pieces plug into the unchanged core ModularKernel:
-//
-//   auto ctx = CreateCudaContext(/*device=*/0);                      // one per GPU / rank
-//   auto dev_weights = DeviceWeightStore::Create(*host_store, *ctx); // uploads every layer once
+//   auto ctx = CudaContext::Create(/*device=*/0);                    // one per GPU / rank
+//   auto dev_weights = DeviceWeightStore::Create(*host_store, **ctx); // uploads every layer once
 //   auto kernel = ModularKernel::Create(
 //       *CreateCudaNoEpPrepareAndFinalize(*ctx, max_tokens, ActivationFormat::kStandard),
-//       *CreateCudaExperts(*ctx, *dev_weights, ActivationFormat::kStandard));
-//   kernel->Forward({.hidden_states = host, .topk_ids = host, ..., .weights =
-//   host_store->layer(l)},
-//                   host_output_fp32);
+//       *CreateCudaExperts(*ctx, *dev_weights, ActivationFormat::kStandard),
+//       *CreateCudaWorkspaceAllocator(*ctx));
+//   kernel->Forward({..., .layer = l, .weights = host_store->layer(l)}, host_output);
 //
-// Device memory (activations, routing workspaces, expert outputs) lives in the CudaContext that
-// the PrepareAndFinalize and the Experts share, not in ModularKernel's host workspaces:
-// CudaExperts::GetWorkspaceShapes() asks ModularKernel for empty host workspaces and an empty
-// fused output; Finalize reads the Experts' device output from the context. Every device call
-// runs on the context's stream; Forward synchronizes once, in Finalize, after the answer's
-// device -> host copy. Weights are looked up by the host LayerWeights pointer that
-// ModularKernelArgs::weights carries, so callers pass the same host views as on the CPU path.
+// Each PrepareAndFinalize owns the device buffers it fills (a1q, routing, its staging); the
+// workspaces and the fused expert output come from ModularKernel's allocator and are handed to
+// Apply and Finalize, as in vLLM. Every device call runs on the context's stream; a forward
+// synchronizes once per round, at the end of Finalize, after the answer's device -> host copy.
+// Stage times are CUDA event times on that stream.
 //
 // This header compiles without CUDA (no CUDA types); the implementation needs
 // MOESERVE_ENABLE_CUDA (target moeserve_core_cuda).
@@ -32,44 +28,66 @@
 
 #include "absl/status/statusor.h"
 #include "core/modular_kernel.h"
+#include "core/tensor.h"
 #include "core/weights.h"
+#include "core/workspace.h"
 
 namespace moeserve {
 
 // Number of CUDA devices visible (0 when there is no GPU or no driver).
 int CudaDeviceCount();
 
-// One GPU's stream and device buffers, shared by that GPU's PrepareAndFinalize and Experts.
-// Not thread-safe: one forward at a time (as ModularKernel).
-class CudaContext;
+// One GPU and the stream its rank's work runs on. Immutable after Create; owns the stream.
+class CudaContext {
+ public:
+  // FAILED_PRECONDITION when `device` is not a visible CUDA device.
+  static absl::StatusOr<std::shared_ptr<CudaContext>> Create(int device);
+  ~CudaContext();
+  CudaContext(const CudaContext&) = delete;
+  CudaContext& operator=(const CudaContext&) = delete;
+
+  int device() const { return device_; }
+  // The cudaStream_t, as an opaque pointer.
+  void* stream() const { return stream_; }
+  int num_sms() const { return num_sms_; }
+  // The Device of tensors on this GPU.
+  Device tensor_device() const { return Device::Cuda(device_); }
+
+ private:
+  CudaContext() = default;
+  int device_ = 0;
+  int num_sms_ = 0;
+  void* stream_ = nullptr;
+};
+// Shorthands kept for callers of the first backend: CudaContext::Create and ctx.stream().
 absl::StatusOr<std::shared_ptr<CudaContext>> CreateCudaContext(int device);
-// The context's cudaStream_t, as an opaque pointer (for callers that add their own work).
-void* CudaContextStream(const CudaContext& ctx);
-// The device FP32 output the last CudaExperts::Apply on `ctx` wrote (Standard: [M, topk, K];
-// BatchedExperts: [E, max_tokens, K]), for PrepareAndFinalize implementations in other files
-// (the NCCL all-to-all ones).
-TensorView CudaContextFusedOutput(const CudaContext& ctx);
+inline void* CudaContextStream(const CudaContext& ctx) { return ctx.stream(); }
+
+// Grow-only device workspaces on ctx's GPU and a CUDA-event StageTimer on its stream.
+absl::StatusOr<std::unique_ptr<WorkspaceAllocator>> CreateCudaWorkspaceAllocator(
+    std::shared_ptr<CudaContext> ctx);
 
 // Every MoE layer's local experts, packed for the CUDA kernels (kernels/cuda/moe_gemm.cuh) and
-// resident on the context's device. Immutable after Create; safe to share across threads.
+// resident on the context's device, keyed by layer index. Immutable after Create; safe to share
+// across threads.
 struct DevicePackedLayer;
 class DeviceWeightStore {
  public:
-  // Uploads and packs every layer of `host` (synchronous; blocks until resident).
+  // Uploads and packs every MoE layer of `host` (synchronous; blocks until resident).
   static absl::StatusOr<std::shared_ptr<DeviceWeightStore>> Create(const ExpertWeightStore& host,
                                                                    const CudaContext& ctx);
-  // The same for loose layers; Find() then answers for exactly these pointers.
+  // The same for loose layers: layers[i] becomes layer i (null entries: no experts).
   static absl::StatusOr<std::shared_ptr<DeviceWeightStore>> CreateFromLayers(
       const std::vector<const LayerWeights*>& layers, const CudaContext& ctx);
   ~DeviceWeightStore();
 
-  // The resident copy of `host_layer`, or null if it was not uploaded.
-  const DevicePackedLayer* Find(const LayerWeights* host_layer) const;
+  // Layer `index`'s resident experts, or null if it has none here.
+  const DevicePackedLayer* layer(int index) const;
   int64_t device_bytes() const { return device_bytes_; }
 
  private:
   DeviceWeightStore() = default;
-  std::vector<std::pair<const LayerWeights*, std::unique_ptr<DevicePackedLayer>>> layers_;
+  std::vector<std::unique_ptr<DevicePackedLayer>> layers_;
   int64_t device_bytes_ = 0;
   int device_ = 0;
 };
@@ -77,7 +95,8 @@ class DeviceWeightStore {
 // No expert parallelism, one GPU. Standard: a1q BF16 [M, K] on the device. BatchedExperts: a1q
 // BF16 [E, max_tokens, K] built on the device (max_tokens = the largest expert's routes in this
 // forward, so no route is ever dropped). Finalize applies the Experts' TopKWeightAndReduce on the
-// device (Delegate -> Contiguous) and copies [M, K] FP32 to the host output.
+// device (Delegate -> Contiguous), converts to the output's dtype (FP32, BF16 or FP16) there and
+// copies [M, K] straight into the host output (through pinned staging unless it is pinned).
 absl::StatusOr<std::unique_ptr<PrepareAndFinalize>> CreateCudaNoEpPrepareAndFinalize(
     std::shared_ptr<CudaContext> ctx, int64_t max_num_tokens, ActivationFormat format);
 

@@ -1,5 +1,6 @@
-// BF16 <-> FP32 conversion on the device. The CPU twins are ConvertBf16ToFp32Ref and
-// ConvertFp32ToBf16Ref in kernels/cpu/dtype_convert.h; results are bit-identical.
+// BF16 <-> FP32 and FP32 -> FP16 conversion on the device. The CPU twins are ConvertBf16ToFp32Ref,
+// ConvertFp32ToBf16Ref and ConvertFp32ToFp16Ref in kernels/cpu/dtype_convert.h; results are
+// bit-identical.
 #ifndef MOESERVE_KERNELS_CUDA_DTYPE_CONVERT_CUH_
 #define MOESERVE_KERNELS_CUDA_DTYPE_CONVERT_CUH_
 
@@ -12,6 +13,7 @@ namespace moeserve::kernels {
 // Asynchronous on `stream`; in/out are device pointers of n elements.
 cudaError_t LaunchConvertBf16ToFp32(const uint16_t* in, float* out, int64_t n, cudaStream_t stream);
 cudaError_t LaunchConvertFp32ToBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
+cudaError_t LaunchConvertFp32ToFp16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
 
 }  // namespace moeserve::kernels
 

@@ -8,8 +8,10 @@
 #include <random>
 #include <vector>
 
+#include "kernels/cpu/dtype_convert.h"
 #include "kernels/cpu/moe_ref.h"
 #include "kernels/cpu/moe_routing_ref.h"
+#include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_routing.cuh"
 
@@ -180,6 +182,44 @@ TEST_F(CudaKernelsTest, DequantizeMxfp8IsExact) {
     }
     EXPECT_EQ(mismatches, 0) << "k=" << k;
   }
+}
+
+// The answer's FP32 -> BF16 / FP16 conversion on the device must equal the host twins bit for
+// bit: random normals over a wide exponent range plus the edge values (subnormals, rounding
+// ties, overflow to Inf, NaN, signed zero).
+TEST_F(CudaKernelsTest, Fp32ToHalfMatchesRefBitForBit) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> ex(-30, 20);
+  std::vector<float> in(100003);
+  for (auto& v : in) v = std::ldexp(nd(rng), ex(rng));
+  const float edges[] = {0.0f,     -0.0f,     65504.0f, 65520.0f,           -70000.0f,
+                         6.0e-8f,  2.9e-8f,   6.1e-5f,  1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048,
+                         INFINITY, -INFINITY, NAN,      3.3895314e38f};
+  for (size_t i = 0; i < sizeof(edges) / sizeof(edges[0]); ++i) in[i * 7] = edges[i];
+  const int64_t n = static_cast<int64_t>(in.size());
+  std::vector<uint16_t> want_bf16(n), want_fp16(n);
+  ConvertFp32ToBf16Ref(in.data(), want_bf16.data(), n);
+  ConvertFp32ToFp16Ref(in.data(), want_fp16.data(), n);
+  Dev<float> d_in(in);
+  Dev<uint16_t> d_bf16(n), d_fp16(n);
+  CUDA_OK(LaunchConvertFp32ToBf16(d_in.p, d_bf16.p, n, nullptr));
+  CUDA_OK(LaunchConvertFp32ToFp16(d_in.p, d_fp16.p, n, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> bf16 = d_bf16.Get(), fp16 = d_fp16.Get();
+  int64_t bad_bf16 = 0, bad_fp16 = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool nan = std::isnan(in[i]);
+    // NaN: any quiet NaN of the right sign will do for BF16 (payloads differ by library).
+    if (nan) {
+      bad_bf16 += (bf16[i] & 0x7f80) != 0x7f80 || (bf16[i] & 0x7f) == 0;
+    } else {
+      bad_bf16 += bf16[i] != want_bf16[i];
+    }
+    bad_fp16 += fp16[i] != want_fp16[i];
+  }
+  EXPECT_EQ(bad_bf16, 0);
+  EXPECT_EQ(bad_fp16, 0);
 }
 
 }  // namespace

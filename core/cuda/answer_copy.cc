@@ -1,0 +1,64 @@
+#include "core/cuda/answer_copy.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "kernels/cuda/dtype_convert.cuh"
+
+namespace moeserve {
+
+bool IsPinnedHostPointer(const void* p) {
+  cudaPointerAttributes a;
+  if (p == nullptr || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+
+absl::Status AnswerCopy::Enqueue(const float* d_answer, const TensorView& output, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  pending_bytes_ = 0;
+  if (!output.device().is_host() || !output.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the answer must go to contiguous host memory, got ", output.DebugString()));
+  }
+  const int64_t n = output.numel();
+  const size_t bytes = output.nbytes();
+  if (n == 0) return absl::OkStatus();
+  const void* src = d_answer;
+  if (output.dtype() != DType::kFP32) {
+    MOESERVE_ASSIGN_OR_RETURN(void* d, converted_.Get(bytes));
+    auto* half = static_cast<uint16_t*>(d);
+    if (output.dtype() == DType::kBF16) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(d_answer, half, n, s));
+    } else if (output.dtype() == DType::kFP16) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToFp16(d_answer, half, n, s));
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the answer can be fp32, bf16 or fp16, got ", DTypeName(output.dtype())));
+    }
+    src = d;
+  }
+  if (output.device().space == MemorySpace::kPinnedHost || IsPinnedHostPointer(output.raw_data())) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(output.raw_data(), src, bytes, cudaMemcpyDeviceToHost, s));
+    return absl::OkStatus();
+  }
+  MOESERVE_ASSIGN_OR_RETURN(void* pin, staging_.Get(bytes));
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pin, src, bytes, cudaMemcpyDeviceToHost, s));
+  pending_dst_ = output.raw_data();
+  pending_src_ = pin;
+  pending_bytes_ = bytes;
+  return absl::OkStatus();
+}
+
+void AnswerCopy::Finish() {
+  if (pending_bytes_ > 0) std::memcpy(pending_dst_, pending_src_, pending_bytes_);
+  pending_bytes_ = 0;
+}
+
+}  // namespace moeserve

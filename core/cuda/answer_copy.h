@@ -1,0 +1,39 @@
+// The last step of a CUDA Finalize: the answer, reduced in FP32 on the device, converted to the
+// caller's dtype on the device and copied once into the caller's host buffer (straight into it
+// when it is page-locked, else through pinned staging). No CUDA types; one per PrepareAndFinalize,
+// not thread-safe.
+#ifndef MOESERVE_CORE_CUDA_ANSWER_COPY_H_
+#define MOESERVE_CORE_CUDA_ANSWER_COPY_H_
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "core/cuda/grow_only_buffer.h"
+#include "core/tensor.h"
+
+namespace moeserve {
+
+class AnswerCopy {
+ public:
+  // Enqueues on `stream` (a cudaStream_t of the current device): FP32 -> output.dtype() (FP32,
+  // BF16 or FP16, bit-identical to the host conversion) of d_answer [rows, cols] (device,
+  // contiguous) and the device -> host copy into `output` (host, contiguous, same shape).
+  // The caller synchronizes the stream, then calls Finish().
+  absl::Status Enqueue(const float* d_answer, const TensorView& output, void* stream);
+  // After the stream synchronized: moves staged bytes into the output (nothing when direct).
+  void Finish();
+
+ private:
+  GrowOnlyBuffer converted_{GrowOnlyBuffer::Memory::kDevice, 512, /*quarter_slack=*/true};
+  GrowOnlyBuffer staging_{GrowOnlyBuffer::Memory::kPinnedHost, 4096, /*quarter_slack=*/true};
+  void* pending_dst_ = nullptr;
+  const void* pending_src_ = nullptr;
+  size_t pending_bytes_ = 0;
+};
+
+// Whether host pointer `p` is page-locked (cudaMallocHost / cudaHostRegister).
+bool IsPinnedHostPointer(const void* p);
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_CUDA_ANSWER_COPY_H_
