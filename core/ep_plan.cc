@@ -213,6 +213,38 @@ absl::StatusOr<EpDispatchPlan> BuildEpDispatchPlan(const int32_t* ids, const flo
   return FillEpDispatchPlan(routing, ids, weights, placement, /*block=*/nullptr);
 }
 
+MoeProblem EpRecvProblem(const PrepareArgs& args, const EpDispatchPlan& plan,
+                         int64_t max_num_tokens) {
+  return MoeProblem{.num_tokens = plan.num_recv(),
+                    .hidden = args.hidden_states.dim(1),
+                    .intermediate = args.intermediate,
+                    .topk = plan.topk,
+                    .num_experts = args.num_experts,
+                    .num_local_experts = args.num_local_experts,
+                    .max_num_tokens = max_num_tokens};
+}
+
+EpAllToAllVBytes::EpAllToAllVBytes(absl::Span<const int64_t> send, absl::Span<const int64_t> recv,
+                                   int64_t unit_bytes)
+    : send_counts(send.size()),
+      send_displs(send.size()),
+      recv_counts(recv.size()),
+      recv_displs(recv.size()) {
+  int64_t so = 0, ro = 0;
+  for (size_t p = 0; p < send.size(); ++p) {
+    send_counts[p] = send[p] * unit_bytes, send_displs[p] = so, so += send_counts[p];
+  }
+  for (size_t p = 0; p < recv.size(); ++p) {
+    recv_counts[p] = recv[p] * unit_bytes, recv_displs[p] = ro, ro += recv_counts[p];
+  }
+}
+
+void EpAllToAllVBytes::CountPeerBytes(int self, int64_t* sent, int64_t* received) const {
+  for (int p = 0; p < static_cast<int>(send_counts.size()); ++p) {
+    if (p != self) *sent += send_counts[p], *received += recv_counts[p];
+  }
+}
+
 absl::Status PrefixEpStatus(absl::string_view who, const absl::Status& status) {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat(who, ": ", status.message()));

@@ -155,6 +155,22 @@ absl::StatusOr<EpDispatchPlan> BuildEpDispatchPlan(const int32_t* topk_ids,
                                                    int64_t topk, const Placement& placement,
                                                    EpDispatchMode mode);
 
+// The sizes Experts see on the expert rank after the dispatch of `plan` (its recv_count
+// filled) for the forward `args`; max_num_tokens as the activation format defines it.
+MoeProblem EpRecvProblem(const PrepareArgs& args, const EpDispatchPlan& plan,
+                         int64_t max_num_tokens);
+
+// Byte counts and displacements of one all-to-all-v (Communicator::AllToAllV) that sends
+// send[p] units to and receives recv[p] units from each rank p, packed in rank order. The
+// dispatch sends (plan.send_count, plan.recv_count); the combine is its reverse.
+struct EpAllToAllVBytes {
+  EpAllToAllVBytes(absl::Span<const int64_t> send, absl::Span<const int64_t> recv,
+                   int64_t unit_bytes);
+  // Adds the bytes exchanged with ranks other than `self` (its own share is a local copy).
+  void CountPeerBytes(int self, int64_t* sent, int64_t* received) const;
+  std::vector<int64_t> send_counts, send_displs, recv_counts, recv_displs;
+};
+
 // `status` with its message prefixed by "`who`: " (plan errors name no implementation).
 absl::Status PrefixEpStatus(absl::string_view who, const absl::Status& status);
 

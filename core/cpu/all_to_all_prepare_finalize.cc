@@ -75,14 +75,10 @@ absl::StatusOr<std::shared_ptr<EpDispatchPlan>> AllToAllPrepareAndFinalizeBase::
   for (int s = 0; s < world; ++s) plan->recv_count[s] = all[s * world + me];
   const int64_t num_recv = plan->num_recv();
   recv_.resize(static_cast<size_t>(num_recv * record_bytes_));
-  std::vector<int64_t> sc(world), sd(world), rc(world), rd(world);
-  int64_t so = 0, ro = 0;
-  for (int p = 0; p < world; ++p) {
-    sc[p] = plan->send_count[p] * record_bytes_, sd[p] = so, so += sc[p];
-    rc[p] = plan->recv_count[p] * record_bytes_, rd[p] = ro, ro += rc[p];
-    if (p != me) stats_.dispatch_bytes_sent += sc[p], stats_.dispatch_bytes_received += rc[p];
-  }
-  MOESERVE_RETURN_IF_ERROR(comm_->AllToAllV(send_.data(), sc, sd, recv_.data(), rc, rd));
+  const EpAllToAllVBytes bytes(plan->send_count, plan->recv_count, record_bytes_);
+  bytes.CountPeerBytes(me, &stats_.dispatch_bytes_sent, &stats_.dispatch_bytes_received);
+  MOESERVE_RETURN_IF_ERROR(comm_->AllToAllV(send_.data(), bytes.send_counts, bytes.send_displs,
+                                            recv_.data(), bytes.recv_counts, bytes.recv_displs));
 
   // The records' ids and weights, [M_recv, topk].
   TensorView rids = recv_ids_.Get(DType::kINT32, {num_recv, topk});
@@ -102,7 +98,7 @@ absl::Status AllToAllPrepareAndFinalizeBase::Finalize(
     return absl::InvalidArgumentError(
         absl::StrCat(name(), ": Finalize needs the PreparedActivations of its own Prepare"));
   }
-  const int world = comm_->world_size(), me = comm_->rank();
+  const int me = comm_->rank();
   const int64_t k = prepared.problem.hidden, m = plan->num_src_tokens;
   const int64_t num_recv = plan->num_recv();
   if (output.rank() != 2 || output.dtype() != DType::kFP32 || output.dim(0) != m ||
@@ -126,17 +122,13 @@ absl::Status AllToAllPrepareAndFinalizeBase::Finalize(
             .Apply(partial, fused_expert_output, prepared.topk_weights, prepared.topk_ids));
   }
   // Combine: partials go back to their source ranks (the reverse of the dispatch).
-  const int64_t row = k * static_cast<int64_t>(sizeof(float));
   combine_recv_.resize(static_cast<size_t>(plan->num_send() * k));
-  std::vector<int64_t> sc(world), sd(world), rc(world), rd(world);
-  int64_t so = 0, ro = 0;
-  for (int p = 0; p < world; ++p) {
-    sc[p] = plan->recv_count[p] * row, sd[p] = so, so += sc[p];
-    rc[p] = plan->send_count[p] * row, rd[p] = ro, ro += rc[p];
-    if (p != me) stats_.combine_bytes_sent += sc[p], stats_.combine_bytes_received += rc[p];
-  }
-  MOESERVE_RETURN_IF_ERROR(
-      comm_->AllToAllV(partial.raw_data(), sc, sd, combine_recv_.data(), rc, rd));
+  const EpAllToAllVBytes bytes(plan->recv_count, plan->send_count,
+                               k * static_cast<int64_t>(sizeof(float)));
+  bytes.CountPeerBytes(me, &stats_.combine_bytes_sent, &stats_.combine_bytes_received);
+  MOESERVE_RETURN_IF_ERROR(comm_->AllToAllV(partial.raw_data(), bytes.send_counts,
+                                            bytes.send_displs, combine_recv_.data(),
+                                            bytes.recv_counts, bytes.recv_displs));
   // Each token sums its partials from 0 in ascending rank order (as the device's
   // EpCombineReduce does with the same offsets and slots).
   float* out = output.data<float>();
@@ -169,13 +161,7 @@ absl::Status AllToAllContiguousPrepareAndFinalize::Prepare(const PrepareArgs& ar
   out->topk_ids = recv_ids_.Get(DType::kINT32, {num_recv, topk});
   out->topk_weights = recv_weights_.Get(DType::kFP32, {num_recv, topk});
   out->expert_num_tokens = TensorView();
-  out->problem = MoeProblem{.num_tokens = num_recv,
-                            .hidden = hidden,
-                            .intermediate = args.intermediate,
-                            .topk = topk,
-                            .num_experts = args.num_experts,
-                            .num_local_experts = args.num_local_experts,
-                            .max_num_tokens = num_recv};
+  out->problem = EpRecvProblem(args, *plan, /*max_num_tokens=*/num_recv);
   out->handle = std::move(plan);
   return absl::OkStatus();
 }
@@ -215,13 +201,7 @@ absl::Status AllToAllBatchedPrepareAndFinalize::Prepare(const PrepareArgs& args,
   out->topk_ids = ids;
   out->topk_weights = recv_weights_.Get(DType::kFP32, {num_recv, topk});
   out->expert_num_tokens = counts;
-  out->problem = MoeProblem{.num_tokens = num_recv,
-                            .hidden = hidden,
-                            .intermediate = args.intermediate,
-                            .topk = topk,
-                            .num_experts = args.num_experts,
-                            .num_local_experts = num_local,
-                            .max_num_tokens = cap};
+  out->problem = EpRecvProblem(args, *plan, /*max_num_tokens=*/cap);
   out->handle = std::move(plan);
   return absl::OkStatus();
 }
