@@ -55,6 +55,13 @@ struct MoeProblem {
   int64_t max_num_tokens = 0;     // Batched: rows per local expert
 };
 
+// Per-round state a PrepareAndFinalize hands from Prepare to its own Finalize (DeepEP's
+// "handle": for expert parallelism, the dispatch plan's layout); null for implementations that
+// need none.
+struct DispatchHandle {
+  virtual ~DispatchHandle() = default;
+};
+
 // What Prepare hands to Experts::Apply. Views point into the PrepareAndFinalize's buffers and
 // stay valid until its next Prepare.
 struct PreparedActivations {
@@ -70,6 +77,8 @@ struct PreparedActivations {
   // Batched: [E] INT32, valid rows per local expert. Empty for Standard.
   TensorView expert_num_tokens;
   MoeProblem problem;
+  // Read by the same PrepareAndFinalize's Finalize; opaque to everyone else.
+  std::shared_ptr<const DispatchHandle> handle;
 };
 
 // Applies router weights to per-route expert outputs and sums over top-k.

@@ -1,10 +1,11 @@
 // Expert-parallel PrepareAndFinalize implementations over a Communicator (host memory).
 //
-// Both dispatch the same way: each source token is sent once per destination rank that hosts
-// at least one of its experts (not once per route), as a record
+// Both dispatch the same way, by the EP plan of core/ep_plan.h: each source token is sent once
+// per destination rank that hosts at least one of its experts (not once per route), as a record
 //   [a1q row (K x activation dtype) | topk local expert ids on that rank, -1 elsewhere (INT32)
 //    | topk router weights (FP32)],
-// after an all-gather of per-peer record counts. The expert rank applies the top-k weights and
+// after an all-gather of per-peer record counts. Prepare hands the round's EpDispatchPlan to
+// Finalize as PreparedActivations::handle. The expert rank applies the top-k weights and
 // reduces its own routes (in Experts::Apply or in Finalize, per TopKWeightAndReduce), so the
 // combine sends back one partial [K] FP32 row per record and the source rank sums the partials
 // of each token in ascending rank order (deterministic).
@@ -19,6 +20,10 @@
 //    max_num_tokens_per_rank rows to any expert in a round: a batch over capacity runs in more
 //    rounds, never truncated.
 //
+// PlanChunks validates the forward (ValidateEpPrepareArgs, expert ids); Prepare expects a round
+// of a forward PlanChunks accepted. Finalize takes the PreparedActivations of the matching
+// Prepare.
+//
 // Every rank must call PlanChunks / Prepare / Finalize of its own instance in the same order
 // (they run collectives). Not thread-safe; one instance per rank. Errors from the communicator
 // (DEADLINE_EXCEEDED, ABORTED, INTERNAL) are returned as they come; the owner aborts the group
@@ -31,6 +36,7 @@
 #include <vector>
 
 #include "core/comm/communicator.h"
+#include "core/ep_plan.h"
 #include "core/modular_kernel.h"
 #include "core/placement.h"
 
@@ -43,7 +49,7 @@ struct AllToAllOptions {
   QuantConfig quant;
   // kPerRank: one record per (token, destination rank). kPerRoute: one record per route, as a
   // dispatch without deduplication would send; kept to measure what deduplication saves.
-  enum class Dispatch { kPerRank, kPerRoute };
+  using Dispatch = EpDispatchMode;
   Dispatch dispatch = Dispatch::kPerRank;
 };
 
@@ -63,9 +69,10 @@ class AllToAllPrepareAndFinalizeBase : public PrepareAndFinalize {
   AllToAllPrepareAndFinalizeBase(std::shared_ptr<Communicator> comm,
                                  std::shared_ptr<const Placement> placement,
                                  AllToAllOptions options);
-  // Validates, quantizes, exchanges counts and sends the records; afterwards recv_ holds
-  // num_recv_ records grouped by source rank.
-  absl::Status Dispatch(const PrepareArgs& args);
+  // Quantizes, plans, exchanges counts and sends the records; afterwards recv_ holds the plan's
+  // num_recv() records grouped by source rank, and recv_ids_ / recv_weights_ their ids and
+  // weights [num_recv, topk]. Returns the round's plan (recv_count filled).
+  absl::StatusOr<std::shared_ptr<EpDispatchPlan>> Dispatch(const PrepareArgs& args);
   // Whether PlanChunks must also bound rows per expert (fixed-capacity formats).
   virtual bool bounded_expert_rows() const = 0;
   // What kDelegate resolves to.
@@ -78,15 +85,11 @@ class AllToAllPrepareAndFinalizeBase : public PrepareAndFinalize {
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<const Placement> placement_;
   AllToAllOptions options_;
-  int64_t hidden_ = 0, topk_ = 0, num_recv_ = 0, num_src_ = 0;
   HostBuffer recv_ids_, recv_weights_;
 
  private:
-  int64_t record_bytes_ = 0;
-  std::vector<int32_t> expert_map_;     // this rank's global -> local
-  std::vector<int64_t> send_count_;     // records per destination rank
-  std::vector<int64_t> recv_count_;     // records per source rank
-  std::vector<int64_t> send_token_;     // source token of each send slot, grouped by dest
+  // Scratch only: the round's plan travels in PreparedActivations::handle.
+  int64_t record_bytes_ = 0;            // layout of send_ / recv_
   std::vector<std::byte> send_, recv_;  // record buffers
   std::vector<float> combine_recv_;     // [send slots, K] partials coming back
   HostBuffer a1q_src_, partial_;

@@ -1,6 +1,6 @@
 // Expert-parallel PrepareAndFinalize on GPUs over NCCL: the device twins of
-// core/cpu/all_to_all_prepare_finalize.h, with the same algorithm, so the CPU implementations
-// stay the oracle:
+// core/cpu/all_to_all_prepare_finalize.h, planned by the same host-side EP plan
+// (core/ep_plan.h), so the CPU implementations stay the oracle:
 //  - each source token is sent once per destination rank that hosts at least one of its experts
 //    (kPerRoute: once per route, to measure what deduplication saves), as a BF16 row plus the
 //    topk local expert ids on that rank (-1 elsewhere) and the topk router weights;
@@ -15,7 +15,8 @@
 // routing plan (built on the host from the host ids) to the device, packs the send rows with a
 // gather kernel and runs one NCCL group of sends/receives (rows, ids, weights) per round.
 // Finalize reduces on the expert rank, runs the combine group, sums on the source rank and
-// copies [M, K] FP32 to the host output. Host synchronizations per forward: one after the
+// copies [M, K] FP32 to the host output; it reads the round's plan from
+// PreparedActivations::handle. Host synchronizations per forward: one after the
 // count exchange in PlanChunks (an NCCL all-gather of [status, rounds, round-0 counts per peer],
 // which also makes a refusal on one rank a refusal on all, without aborting NCCL), one per
 // extra round for its counts, and one at the end of each round's Finalize (the answer's D2H).
