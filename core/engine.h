@@ -1,90 +1,28 @@
-// The engine: owns the expert weights, the modular kernel(s) and the ranks, and runs one MoE
-// layer forward at a time. This is the API the server (and any other frontend) drives.
+// The engine: resolves its options once (ResolveEngineConfig), has the backend build its ranks
+// (a RankGroup: weights, modular kernels, communicators), and runs one MoE layer forward at a
+// time: validate, split the tokens over the ranks, run, gather, report timings. Multi-process
+// groups run through a MultiProcessDriver. This is the API the server (and any other frontend)
+// drives.
 #ifndef MOESERVE_CORE_ENGINE_H_
 #define MOESERVE_CORE_ENGINE_H_
 
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/comm/in_process_communicator.h"
-#include "core/comm/rank_threads.h"
+#include "core/engine_plan.h"
 #include "core/model_config.h"
 #include "core/modular_kernel.h"
-#include "core/placement.h"
+#include "core/multi_process_driver.h"
+#include "core/rank_group.h"
 #include "core/tensor.h"
-#include "core/weight_loader.h"
 #include "core/weights.h"
 
 namespace moeserve {
-
-class NcclCommGroup;
-
-struct EngineOptions {
-  ModelConfig model;
-  // "cpu" | "cuda" (one GPU per rank; FAILED_PRECONDITION without a GPU or a CUDA build) |
-  // "auto" (cuda where a GPU exists, hidden % 8 == 0 and the experts are not the reference
-  // ones, else cpu).
-  std::string backend = "cpu";
-  // "reference" | "blas" (Standard format) | "batched_reference" | "batched_blas"
-  // (BatchedExperts format); class names are accepted too. With backend cuda the format picks
-  // CudaExperts (Standard) or CudaBatchedExperts; "cuda" / "cuda_batched" name them directly.
-  std::string experts = "blas";
-  // "auto" (no_ep for one rank, all2all_contiguous for more) | "no_ep" (one rank only) |
-  // "all2all_contiguous" | "all2all_batched"; class names are accepted too.
-  std::string prepare_finalize = "auto";
-  WeightFormat weight_format = WeightFormat::kBF16;
-  std::string checkpoint_dir;  // empty: synthetic weights from `seed`
-  // Expert-parallel ranks (CPU: one worker thread each; CUDA: one GPU each, ranks 0..N-1 on
-  // devices 0..N-1, NCCL between them); must divide num_experts. 0: every visible GPU with
-  // backend cuda, 1 with cpu.
-  int num_ranks = 1;
-  std::string placement = "contiguous";  // "contiguous" | "round_robin"
-  // Explicit placement (global expert ids per rank, each expert exactly once), e.g. from a load
-  // balancer; overrides `placement` when not empty. Its size must equal num_ranks.
-  std::vector<std::vector<int>> rank_experts;
-  uint64_t seed = 0;
-  int num_threads = 0;  // 0: all hardware threads, shared by the ranks
-  int64_t max_tokens_per_request = 8192;
-  // Tokens one rank submits to one dispatch round (the batched format's capacity is this times
-  // num_ranks rows per local expert). 0: ceil(max_tokens_per_request / num_ranks), at most 128
-  // for all2all_batched. Larger batches run in several rounds, never truncated.
-  int64_t max_tokens_per_rank = 0;
-  // "per_rank": the all-to-all types send a token once per destination rank; "per_route": once
-  // per route, as without deduplication (only to measure what deduplication saves).
-  std::string dispatch = "per_rank";
-  // How long a rank waits for its peers in one collective before the forward fails with
-  // DEADLINE_EXCEEDED.
-  // On GPUs a collective that does not complete in time aborts the NCCL communicators; the
-  // engine then reports not healthy (see Engine::health()).
-  int64_t collective_timeout_ms = 60000;
-  int64_t memory_budget_bytes = 0;  // 0: what the machine has available
-  // Multi-process (multi-node) expert parallelism, backend cuda only. world_size ranks in all,
-  // num_ranks of them (one per local GPU) in this process, as global ranks
-  // node_rank * num_ranks + i; every process has the same num_ranks. 0: single process
-  // (world_size = num_ranks). Node 0 is the leader: only its Forward is called; the others run
-  // RunFollower(). Every process must get the same model, weights and engine options.
-  int world_size = 0;
-  int node_rank = 0;
-  // The NCCL unique id's bytes, from NewCollectiveId() on the leader, handed to every process
-  // by the frontend (core has no network code). Required when world_size > num_ranks.
-  std::string collective_id;
-  // Leader: an idle leader sends the followers a no-op command this often (must be well under
-  // collective_timeout_ms: a follower's wait for the next command is bounded by it), which also
-  // finds a dead follower without a Forward. 0: off.
-  int64_t heartbeat_ms = 1000;
-  // Tests only: called on each rank's thread at the start of every forward; a non-OK status
-  // fails that rank there (an injected fault), and a hook may also sleep (a late rank).
-  std::function<absl::Status(int rank)> fault_injection_for_testing;
-};
 
 // One layer call. Views are read-only and must stay valid for the call.
 struct ForwardInput {
@@ -165,7 +103,7 @@ class Engine {
   // Multi-process mode (EngineOptions::world_size). A fresh collective id for the leader to
   // hand to the followers; FAILED_PRECONDITION without NCCL.
   static absl::StatusOr<std::string> NewCollectiveId();
-  bool is_follower() const { return multi_process_ && first_rank_ != 0; }
+  bool is_follower() const { return multi_process_ != nullptr && !multi_process_->is_leader(); }
   // Follower: runs every command the leader broadcasts (forwards, heartbeats) until the leader
   // shuts the group down (OK) or a collective fails or times out (the error; the process should
   // then exit: a multi-process group is rebuilt by restarting it).
@@ -175,42 +113,15 @@ class Engine {
   void AbortCollectives(const absl::Status& cause);
 
  private:
-  struct Rank;
-  Engine();
-  absl::Status RunRank(int rank, const ForwardInput& input, const TensorView& ids,
-                       const TensorView& out32, const std::vector<int64_t>& bounds);
-  absl::Status CreateCudaRanks(const WeightSource& source, const std::string& pf_type,
-                               ActivationFormat format, int64_t tokens_per_rank);
-  void AfterFailedStep(const absl::Status& cause);
-  // Multi-process: one command on every local rank (leader: `cmd`; followers: null).
-  absl::Status RunStep(const std::vector<int64_t>* cmd, const ForwardInput* input,
-                       const TensorView& ids, const TensorView& out32);
-  absl::Status MultiStep(int local, const std::vector<int64_t>* cmd, const ForwardInput* input,
-                         const TensorView& ids, const TensorView& out32);
-  void HeartbeatLoop();
-  void StopMultiProcess();
+  Engine() = default;
+  // A failed step as clients see it (UNAVAILABLE for a collective's timeout or abort).
+  static absl::Status ClientStatusForFailedStep(absl::Status cause);
 
-  bool multi_process_ = false;
-  bool formed_ = false;  // Create finished: the multi-process group exists
-  int first_rank_ = 0;   // global rank of local rank 0
-  int world_ = 1;        // ranks in all processes
-  WeightSource source_;  // to load an expert another process holds (GetExpertWeightsBf16)
-  std::chrono::steady_clock::time_point last_step_;
-  std::mutex hb_mu_;
-  std::condition_variable hb_cv_;
-  bool hb_stop_ = false;
-  std::thread heartbeat_;
-
-  EngineOptions options_;
+  EnginePlan plan_;
   EngineInfo info_;
-  std::shared_ptr<const Placement> placement_;
-  std::vector<std::unique_ptr<Rank>> ranks_;
-  std::shared_ptr<InProcessCommGroup> group_;  // null with no_ep or on GPUs
-  std::shared_ptr<NcclCommGroup> nccl_;        // GPU ranks with an all-to-all
-  mutable std::mutex health_mu_;
-  absl::Status health_;
-  std::unique_ptr<RankThreads> threads_;  // null with one rank
-  std::mutex mu_;                         // one forward at a time
+  std::mutex mu_;  // one step at a time (forwards, heartbeats, Recover)
+  std::unique_ptr<RankGroup> ranks_;
+  std::unique_ptr<MultiProcessDriver> multi_process_;  // null in a single process
   HostBuffer ids32_, out32_;
 };
 

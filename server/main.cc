@@ -35,7 +35,9 @@ ABSL_FLAG(int64_t, intermediate, 0, "Override the preset's intermediate size (0:
 ABSL_FLAG(uint64_t, seed, 0, "Seed of the synthetic weights");
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: cpu, cuda, or auto (cuda where a GPU exists, else cpu)");
-ABSL_FLAG(std::string, experts, "blas", "Experts implementation: reference or blas");
+ABSL_FLAG(std::string, experts, "blas",
+          "Experts: reference, blas, batched_reference, batched_blas, cuda or cuda_batched (or a "
+          "class name; moeserve-mk-check --list prints every provider)");
 ABSL_FLAG(std::string, weight_format, "bf16", "Expert weight format: bf16 or mxfp8");
 ABSL_FLAG(std::string, checkpoint, "",
           "Hugging Face checkpoint directory (empty: synthetic weights from --seed)");
@@ -44,7 +46,8 @@ ABSL_FLAG(int32_t, ranks, 0,
           "visible GPU with cuda, 1 with cpu");
 ABSL_FLAG(std::string, placement, "contiguous", "Experts over ranks: contiguous or round_robin");
 ABSL_FLAG(std::string, prepare_finalize, "auto",
-          "PrepareAndFinalize: auto, no_ep, all2all_contiguous or all2all_batched");
+          "PrepareAndFinalize: auto, no_ep, all2all_contiguous or all2all_batched (or a class "
+          "name; moeserve-mk-check --list)");
 ABSL_FLAG(int64_t, max_tokens_per_rank, 0,
           "Tokens one rank submits per dispatch round (0: engine default); larger batches run "
           "in several rounds");

@@ -26,7 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
-#include "tests/ep/ep_test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace moeserve {
 namespace {

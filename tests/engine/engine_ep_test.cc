@@ -11,7 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
-#include "tests/ep/ep_test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace moeserve {
 namespace {
@@ -21,18 +21,7 @@ using ::testing::HasSubstr;
 
 constexpr double kBf16Tolerance = 1e-2;
 
-EngineOptions SeedMegaMoe(int ranks, const std::string& pf, const std::string& experts) {
-  EngineOptions o;
-  o.model = *ApplyOverrides(*ModelPreset("seed-megamoe"),
-                            ModelOverrides{.hidden = 128, .intermediate = 64});
-  o.num_ranks = ranks;
-  o.prepare_finalize = pf;
-  o.experts = experts;
-  o.seed = 3;
-  o.num_threads = 2;
-  o.max_tokens_per_request = 1024;
-  return o;
-}
+using engine_testing::SeedMegaMoe;
 
 using ep_testing::Bf16ToFloats;
 using ep_testing::ToBf16;

@@ -13,7 +13,7 @@
 #include "kernels/cpu/dtype_convert.h"
 #include "kernels/cpu/moe_ref.h"
 #include "tests/checkpoint/checkpoint_test_util.h"
-#include "tests/testing/test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace moeserve {
 namespace {

@@ -5,19 +5,12 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
-#include "tests/testing/test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace moeserve {
 namespace {
 
-EngineOptions TinyOptions(absl::string_view experts) {
-  EngineOptions o;
-  o.model = *ModelPreset("tiny");
-  o.experts = std::string(experts);
-  o.num_threads = 2;
-  o.max_tokens_per_request = 128;
-  return o;
-}
+using engine_testing::TinyOptions;
 
 struct Inputs {
   Tensor x, ids, w;

@@ -1,22 +1,25 @@
-// The combination suite: every PrepareAndFinalize x Experts type, compatibility decided by
-// core's CheckCompatible from their declared formats and capabilities; every compatible pair
-// runs through the Engine at R in {1, 2, 4, 8, 16} ranks against the single-rank
-// ReferenceExperts, on E = 512 experts, top-8, hidden 64, intermediate 32, M in {0, 1, 7, 64, 300}
-// and three routings. FP32 activations: relative L2 error <= 1e-5. Incompatible pairs must be
-// refused at construction with a reason.
+// The combination suite: every (PrepareAndFinalize, Experts) pair of one backend in the provider
+// registry, compatibility decided by core's CheckCompatible on instances the providers build
+// (after each provider's Supports); every compatible pair runs through the Engine at R in
+// {1, 2, 4, 8, 16} ranks against the single-rank CPU ReferenceExperts, on E = 512 experts, top-8,
+// hidden 64, intermediate 32, M in {0, 1, 7, 64, 300} and three routings. CPU (FP32
+// activations): relative L2 error <= 1e-5; CUDA pairs (BF16 activations, 1e-2) run where enough
+// GPUs exist and skip elsewhere. Incompatible pairs must be refused at construction with a
+// reason.
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/comm/in_process_communicator.h"
-#include "core/cpu/kernel_factory.h"
 #include "core/engine.h"
+#include "core/provider_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/ep/ep_test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace moeserve {
 namespace {
@@ -24,7 +27,7 @@ namespace {
 using ep_testing::Routing;
 using ::testing::HasSubstr;
 
-constexpr double kFp32Tolerance = 1e-5;
+constexpr double kFp32Tolerance = 1e-5, kBf16Tolerance = 1e-2;
 constexpr int kExperts = 512, kTopk = 8;
 constexpr int64_t kHidden = 64, kIntermediate = 32;
 constexpr uint64_t kWeightSeed = 11;
@@ -40,9 +43,11 @@ ModelConfig SuiteModel() {
   return c;
 }
 
-EngineOptions Options(const std::string& pf, const std::string& experts, int ranks) {
+EngineOptions Options(const std::string& pf, const std::string& experts, int ranks,
+                      const std::string& backend = "cpu") {
   EngineOptions o;
   o.model = SuiteModel();
+  o.backend = backend;
   o.prepare_finalize = pf;
   o.experts = experts;
   o.num_ranks = ranks;
@@ -53,18 +58,7 @@ EngineOptions Options(const std::string& pf, const std::string& experts, int ran
   return o;
 }
 
-// Runs one forward with FP32 inputs; returns the FP32 output.
-Tensor RunForward(Engine& engine, const Tensor& x, const Tensor& ids, const Tensor& w,
-                  ForwardTimings* timings = nullptr) {
-  Tensor out = Tensor::Empty(DType::kFP32, {x.shape()[0], kHidden});
-  ForwardInput in;
-  in.hidden_states = x.view();
-  in.topk_ids = ids.view();
-  in.topk_weights = w.view();
-  absl::Status s = engine.Forward(in, out.view(), timings);
-  EXPECT_TRUE(s.ok()) << s;
-  return out;
-}
+using engine_testing::RunForward;
 
 // The single-rank oracle, shared by the cases of one process.
 Engine& ReferenceEngine() {
@@ -76,22 +70,44 @@ Engine& ReferenceEngine() {
   return *engine;
 }
 
-// Compatibility as core decides it, from instances built for `ranks` ranks. Returns the
-// reason when incompatible (or when the PrepareAndFinalize cannot serve that many ranks).
+// Compatibility as core decides it, from instances the providers build for `ranks` ranks (CPU
+// pairs; a GPU pair is decided by its providers' declarations). Returns the reason when
+// incompatible (or when the PrepareAndFinalize cannot serve that many ranks).
 absl::Status Compatibility(const std::string& pf_type, const std::string& experts_type, int ranks) {
-  auto group = InProcessCommGroup::Create(ranks, absl::Seconds(10));
-  if (!group.ok()) return group.status();
+  const ProviderRegistry& registry = ProviderRegistry::Global();
+  const PrepareFinalizeProvider* pf = registry.FindPrepareFinalize(pf_type);
+  const ExpertsProvider* experts = registry.FindExperts(experts_type);
+  if (pf == nullptr || experts == nullptr) return absl::NotFoundError(pf_type + " " + experts_type);
+  EnginePlan plan;
+  plan.model = SuiteModel();
+  plan.backend = pf->backend;
+  plan.prepare_finalize = pf->name;
+  plan.experts = experts->name;
+  plan.local_ranks = plan.world_size = ranks;
+  plan.max_tokens_per_rank = 64;
   auto placement = Placement::Contiguous(kExperts, ranks);
   if (!placement.ok()) return placement.status();
-  PrepareFinalizeConfig config;
-  config.comm = (*group)->MakeCommunicator(0);
-  config.placement = std::make_shared<const Placement>(*placement);
-  config.max_num_tokens_per_rank = 64;
-  auto pf = MakePrepareAndFinalize(pf_type, config);
-  if (!pf.ok()) return pf.status();
-  auto experts = MakeExperts(experts_type, 1);
-  if (!experts.ok()) return experts.status();
-  return CheckCompatible(**pf, **experts);
+  plan.placement = std::make_shared<const Placement>(*placement);
+  if (!pf->supports_ep && ranks > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(pf->name, " serves a single rank"));
+  }
+  if (absl::Status s = pf->Supports(plan); !s.ok()) return s;
+  if (absl::Status s = experts->Supports(plan); !s.ok()) return s;
+  if (pf->backend != Backend::kCpu) return CheckProvidersCompatible(*pf, *experts, plan);
+  auto group = InProcessCommGroup::Create(ranks, absl::Seconds(10));
+  if (!group.ok()) return group.status();
+  RankResources rank;
+  rank.comm = (*group)->MakeCommunicator(0);
+  auto pf_instance = pf->create(plan, rank);
+  if (!pf_instance.ok()) return pf_instance.status();
+  auto experts_instance = experts->create(plan, rank);
+  if (!experts_instance.ok()) return experts_instance.status();
+  return CheckCompatible(**pf_instance, **experts_instance);
+}
+
+int VisibleGpus() {
+  const BackendProvider* gpu = ProviderRegistry::Global().FindBackend(Backend::kCuda);
+  return gpu != nullptr && gpu->visible_devices ? gpu->visible_devices() : 0;
 }
 
 using Combo = std::tuple<std::string, std::string, int>;
@@ -100,14 +116,22 @@ class CombinationTest : public ::testing::TestWithParam<Combo> {};
 
 TEST_P(CombinationTest, MatchesReferenceOrIsRefused) {
   const auto& [pf_type, experts_type, ranks] = GetParam();
+  const ExpertsProvider* provider = ProviderRegistry::Global().FindExperts(experts_type);
+  ASSERT_NE(provider, nullptr);
+  const bool gpu = provider->backend == Backend::kCuda;
+  if (gpu && VisibleGpus() < ranks) GTEST_SKIP() << ranks << " GPUs needed";
+  const double tolerance = gpu ? kBf16Tolerance : kFp32Tolerance;
   const absl::Status compat = Compatibility(pf_type, experts_type, ranks);
-  auto engine = Engine::Create(Options(pf_type, experts_type, ranks));
+  auto engine = Engine::Create(
+      Options(pf_type, experts_type, ranks, std::string(BackendName(provider->backend))));
   if (!compat.ok()) {
     // Refused at construction, saying why.
     ASSERT_FALSE(engine.ok()) << pf_type << " x " << experts_type
                               << " should be refused: " << compat;
     EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(engine.status().message(), compat.message());
+    const bool single_rank = absl::StrContains(compat.message(), "serves a single rank");
+    EXPECT_THAT(std::string(engine.status().message()),
+                HasSubstr(single_rank ? "single rank" : std::string(compat.message())));
     EXPECT_FALSE(compat.message().empty());
     return;
   }
@@ -128,8 +152,8 @@ TEST_P(CombinationTest, MatchesReferenceOrIsRefused) {
       const Tensor got = RunForward(**engine, x, ids, w, &timings);
       const Tensor want = RunForward(ReferenceEngine(), x, ids, w);
       EXPECT_LE(ep_testing::RelativeL2Error(got.data<float>(), want.data<float>(), m * kHidden),
-                kFp32Tolerance);
-      if (m > 0 && ranks > 1) {
+                tolerance);
+      if (m > 0 && ranks > 1 && !gpu) {
         // Something really crossed ranks, in both directions.
         EXPECT_GT(timings.stages.transfer.dispatch_bytes_sent, 0);
         EXPECT_EQ(timings.stages.transfer.dispatch_bytes_sent,
@@ -141,11 +165,14 @@ TEST_P(CombinationTest, MatchesReferenceOrIsRefused) {
   }
 }
 
+// Every pair of providers of one backend, from the registry.
 std::vector<Combo> AllCombos() {
+  const ProviderRegistry& registry = ProviderRegistry::Global();
   std::vector<Combo> combos;
-  for (const std::string& pf : PrepareFinalizeTypes()) {
-    for (const std::string& ex : ExpertsTypes()) {
-      for (int r : {1, 2, 4, 8, 16}) combos.emplace_back(pf, ex, r);
+  for (const PrepareFinalizeProvider* pf : registry.prepare_finalizes()) {
+    for (const ExpertsProvider* ex : registry.experts()) {
+      if (ex->backend != pf->backend) continue;
+      for (int r : {1, 2, 4, 8, 16}) combos.emplace_back(pf->name, ex->name, r);
     }
   }
   return combos;
@@ -164,8 +191,13 @@ TEST(CompatibilityTable, FormatsDecide) {
       {"NoEpPrepareAndFinalize", {"ReferenceExperts", "BlasExperts"}},
       {"AllToAllContiguous", {"ReferenceExperts", "BlasExperts"}},
       {"AllToAllBatched", {"BatchedReferenceExperts", "BatchedBlasExperts"}}};
-  for (const std::string& pf : PrepareFinalizeTypes()) {
-    for (const std::string& ex : ExpertsTypes()) {
+  for (const PrepareFinalizeProvider* pf_provider :
+       ProviderRegistry::Global().prepare_finalizes()) {
+    if (pf_provider->backend != Backend::kCpu) continue;
+    for (const ExpertsProvider* ex_provider : ProviderRegistry::Global().experts()) {
+      if (ex_provider->backend != Backend::kCpu) continue;
+      const std::string& pf = pf_provider->name;
+      const std::string& ex = ex_provider->name;
       const auto& ok = compatible.at(pf);
       const bool want = std::find(ok.begin(), ok.end(), ex) != ok.end();
       EXPECT_EQ(Compatibility(pf, ex, 1).ok(), want) << pf << " x " << ex;
@@ -199,10 +231,14 @@ class NoExpertMapExperts final : public Experts {
 TEST(CompatibilityTable, ExpertMapRequiredUnderEp) {
   auto group = InProcessCommGroup::Create(2, absl::Seconds(1));
   ASSERT_TRUE(group.ok());
-  PrepareFinalizeConfig config;
-  config.comm = (*group)->MakeCommunicator(0);
-  config.placement = std::make_shared<const Placement>(*Placement::Contiguous(kExperts, 2));
-  auto pf = MakePrepareAndFinalize("AllToAllContiguous", config);
+  EnginePlan plan;
+  plan.world_size = 2;
+  plan.max_tokens_per_rank = 64;
+  plan.placement = std::make_shared<const Placement>(*Placement::Contiguous(kExperts, 2));
+  RankResources rank;
+  rank.comm = (*group)->MakeCommunicator(0);
+  auto pf =
+      ProviderRegistry::Global().FindPrepareFinalize("AllToAllContiguous")->create(plan, rank);
   ASSERT_TRUE(pf.ok());
   auto mk = ModularKernel::Create(std::move(*pf), std::make_unique<NoExpertMapExperts>());
   ASSERT_FALSE(mk.ok());
