@@ -122,7 +122,7 @@ class Engine {
   std::mutex mu_;  // one step at a time (forwards, heartbeats, Recover)
   std::unique_ptr<RankGroup> ranks_;
   std::unique_ptr<MultiProcessDriver> multi_process_;  // null in a single process
-  HostBuffer ids32_, out32_;
+  HostBuffer ids32_;
 };
 
 }  // namespace moeserve

@@ -164,7 +164,7 @@ absl::Status MultiProcessDriver::RunCommandOnRank(int i, const std::vector<int64
 
   // 2. The modular kernel (its own collectives, the same on every rank).
   const TensorView out =
-      remote(g) ? group_->OutputBuffer(i, rows) : step->output.Slice(begin, begin + rows);
+      remote(g) ? group_->OutputBuffer(i, rows, dtype) : step->output.Slice(begin, begin + rows);
   MOESERVE_RETURN_IF_ERROR(
       group_->ForwardSlice(i, layer, hidden_states, topk_ids, topk_weights, out));
 
@@ -173,7 +173,7 @@ absl::Status MultiProcessDriver::RunCommandOnRank(int i, const std::vector<int64
   std::fill(send_displs.begin(), send_displs.end(), 0);
   std::fill(recv_counts.begin(), recv_counts.end(), 0);
   std::fill(recv_displs.begin(), recv_displs.end(), 0);
-  const int64_t out_row = k * static_cast<int64_t>(sizeof(float));
+  const int64_t out_row = hidden_row;  // the answer has the request's dtype
   if (g == 0) {
     for (int p = local; p < world_; ++p) {
       recv_counts[p] = (bounds[p + 1] - bounds[p]) * out_row;

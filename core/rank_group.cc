@@ -55,6 +55,7 @@ absl::Status RankGroup::ForwardSlice(int local, int layer, const TensorView& hid
   args.hidden_states = hidden_states;
   args.topk_ids = topk_ids;
   args.topk_weights = topk_weights;
+  args.layer = layer;
   args.weights = rank.weights->layer(layer);
   args.num_experts = plan_.model.num_experts;
   args.expert_map = TensorView(rank.expert_map.data(), DType::kINT32,
@@ -66,8 +67,8 @@ absl::Status RankGroup::ForwardSlice(int local, int layer, const TensorView& hid
   return rank.kernel->Forward(args, out, &rank.timings);
 }
 
-TensorView RankGroup::OutputBuffer(int local, int64_t rows) {
-  return ranks_[local].out.Get(DType::kFP32, {rows, plan_.model.hidden});
+TensorView RankGroup::OutputBuffer(int local, int64_t rows, DType dtype) {
+  return ranks_[local].out.Get(dtype, {rows, plan_.model.hidden});
 }
 
 absl::Status RankGroup::RunRank(int local, const ForwardStep& step) {

@@ -26,7 +26,7 @@ struct ForwardStep {
   TensorView hidden_states;  // [M, hidden] BF16, FP16 or FP32
   TensorView topk_ids;       // [M, topk] INT32, validated
   TensorView topk_weights;   // [M, topk] FP32
-  TensorView output;         // [M, hidden] FP32, written on the leader (global rank 0)
+  TensorView output;  // [M, hidden] the request's dtype, written on the leader (global rank 0)
   // world_size + 1 entries: global rank r is the source of tokens [bounds[r], bounds[r+1]).
   std::vector<int64_t> bounds;
 };
@@ -82,8 +82,8 @@ class RankGroup {
   // The stage times of the local rank's last ForwardSlice.
   const StageTimings& timings(int local) const { return ranks_[local].timings; }
   const ExpertWeightStore& weights(int local) const { return *ranks_[local].weights; }
-  // A per-rank FP32 buffer for an output slice that is sent on, reused across steps.
-  TensorView OutputBuffer(int local, int64_t rows);
+  // A per-rank buffer for an output slice that is sent on, reused across steps.
+  TensorView OutputBuffer(int local, int64_t rows, DType dtype);
 
   // Multi-process: the local rank's host channel to every process; null otherwise.
   virtual HostTransfer* host_transfer(int local) { return nullptr; }

@@ -57,7 +57,7 @@ class CpuRankGroup final : public RankGroup {
       MOESERVE_RETURN_IF_ERROR(plan_.fault_injection_for_testing(r));
     }
     const int64_t begin = step.bounds[r], end = step.bounds[r + 1];
-    const TensorView out = OutputBuffer(r, end - begin);
+    const TensorView out = OutputBuffer(r, end - begin, step.output.dtype());
     MOESERVE_RETURN_IF_ERROR(ForwardSlice(r, step.layer, step.hidden_states.Slice(begin, end),
                                           step.topk_ids.Slice(begin, end),
                                           step.topk_weights.Slice(begin, end), out));
@@ -76,7 +76,8 @@ class CpuRankGroup final : public RankGroup {
   // The output slices to the leader (rank 0 receives, the others send).
   absl::Status Gather(int r, const ForwardStep& step, const TensorView& out) {
     const int world = static_cast<int>(ranks_.size());
-    const int64_t row_bytes = plan_.model.hidden * static_cast<int64_t>(sizeof(float));
+    const int64_t row_bytes =
+        plan_.model.hidden * static_cast<int64_t>(DTypeSize(step.output.dtype()));
     std::vector<int64_t> send_counts(world, 0), send_displs(world, 0), recv_counts(world, 0),
         recv_displs(world, 0);
     if (r != 0) {

@@ -74,10 +74,6 @@ CudaContext::~CudaContext() {
   }
 }
 
-absl::StatusOr<std::shared_ptr<CudaContext>> CreateCudaContext(int device) {
-  return CudaContext::Create(device);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Workspaces and stage timing.
 

@@ -59,9 +59,6 @@ class CudaContext {
   int num_sms_ = 0;
   void* stream_ = nullptr;
 };
-// Shorthands kept for callers of the first backend: CudaContext::Create and ctx.stream().
-absl::StatusOr<std::shared_ptr<CudaContext>> CreateCudaContext(int device);
-inline void* CudaContextStream(const CudaContext& ctx) { return ctx.stream(); }
 
 // Grow-only device workspaces on ctx's GPU and a CUDA-event StageTimer on its stream.
 absl::StatusOr<std::unique_ptr<WorkspaceAllocator>> CreateCudaWorkspaceAllocator(

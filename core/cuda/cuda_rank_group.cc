@@ -53,7 +53,7 @@ class CudaRankGroup final : public RankGroup {
     device_weights_.resize(n);
     for (int r = 0; r < n; ++r) {
       const int global = plan_.first_rank + r;
-      MOESERVE_ASSIGN_OR_RETURN(contexts_[r], CreateCudaContext(/*device=*/r));
+      MOESERVE_ASSIGN_OR_RETURN(contexts_[r], CudaContext::Create(/*device=*/r));
       MOESERVE_ASSIGN_OR_RETURN(
           ranks_[r].weights,
           LoadExpertWeights(plan_.weights, plan_.model, plan_.placement->rank_experts(global)));
@@ -74,8 +74,11 @@ class CudaRankGroup final : public RankGroup {
                                 pf->create(plan_, resources));
       MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> expert_impl,
                                 experts->create(plan_, resources));
-      MOESERVE_ASSIGN_OR_RETURN(ranks_[r].kernel, ModularKernel::Create(std::move(prepare_finalize),
-                                                                        std::move(expert_impl)));
+      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<WorkspaceAllocator> workspaces,
+                                CreateCudaWorkspaceAllocator(contexts_[r]));
+      MOESERVE_ASSIGN_OR_RETURN(
+          ranks_[r].kernel, ModularKernel::Create(std::move(prepare_finalize),
+                                                  std::move(expert_impl), std::move(workspaces)));
     }
     StartThreads();
     return absl::OkStatus();
@@ -130,7 +133,7 @@ class CudaRankGroup final : public RankGroup {
     std::vector<void*> streams;
     for (int r = 0; r < plan_.local_ranks; ++r) {
       devices.push_back(r);
-      streams.push_back(CudaContextStream(*contexts_[r]));
+      streams.push_back(contexts_[r]->stream());
     }
     if (plan_.multi_process) {
       MOESERVE_ASSIGN_OR_RETURN(nccl_, NcclCommGroup::CreateMultiProcess(

@@ -9,6 +9,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "core/cuda/answer_copy.h"
 #include "core/cuda/grow_only_buffer.h"
 #include "core/ep_plan.h"
 #include "core/status_macros.h"
@@ -35,16 +36,6 @@ struct PinBuf : GrowOnlyBuffer {
 
 size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
 
-// Page-locked (cudaMallocHost / cudaHostRegister) host memory can be copied without staging.
-bool IsPinned(const void* p) {
-  cudaPointerAttributes a;
-  if (p == nullptr || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return a.type == cudaMemoryTypeHost;
-}
-
 // What Prepare hands to Finalize: the round's EP plan (its block is in pin_in_) and where its
 // device twins live. Valid until the next Prepare (the buffers are reused).
 struct NcclRoundHandle final : EpDispatchPlan {
@@ -64,7 +55,7 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
         placement_(std::move(placement)),
         opts_(options) {
     quant_.activation_dtype = DType::kBF16;
-    stream_ = static_cast<cudaStream_t>(CudaContextStream(*ctx_));
+    stream_ = static_cast<cudaStream_t>(ctx_->stream());
   }
 
   absl::string_view name() const override {
@@ -76,6 +67,9 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
   int64_t max_num_tokens_per_rank() const override { return opts_.max_num_tokens_per_rank; }
   int num_dispatchers() const override { return comm_->world_size(); }
   const QuantConfig& quant_config() const override { return quant_; }
+  bool writes_output_dtype(DType dtype) const override {
+    return dtype == DType::kFP32 || dtype == DType::kBF16 || dtype == DType::kFP16;
+  }
   TransferStats transfer_stats() const override { return stats_; }
 
   absl::StatusOr<std::vector<int64_t>> PlanChunks(const PrepareArgs& args) override;
@@ -108,7 +102,8 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
 
   DevBuf d_in_, d_send_rows_, d_recv_rows_, d_recv_ids_, d_recv_w_, d_batched_, d_align_;
   DevBuf d_partial_, d_comb_recv_, d_out_, d_cnt_;
-  PinBuf pin_in_, pin_out_, pin_cnt_;
+  PinBuf pin_in_, pin_cnt_;
+  AnswerCopy answer_;
 };
 
 absl::Status NcclAllToAllPrepareAndFinalize::CheckArgs(const PrepareArgs& args) const {
@@ -245,7 +240,7 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   auto* pin_x = static_cast<uint8_t*>(pin);
   // Pinned BF16 input goes to the device as it is; anything else through the staging buffer.
   const bool direct_x =
-      m > 0 && x.dtype() == DType::kBF16 && x.is_contiguous() && IsPinned(x.raw_data());
+      m > 0 && x.dtype() == DType::kBF16 && x.is_contiguous() && IsPinnedHostPointer(x.raw_data());
   if (m > 0 && !direct_x) {
     TensorView pin_x_view(pin_x, DType::kBF16, {m, k});
     if (x.dtype() == DType::kBF16 && x.is_contiguous()) {
@@ -300,12 +295,12 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
 
   const int64_t e = args.num_local_experts;
   out->a1q_scale = TensorView();
-  out->topk_ids = TensorView(d_rids, DType::kINT32, {num_recv, topk});
-  out->topk_weights = TensorView(d_rw, DType::kFP32, {num_recv, topk});
+  out->topk_ids = TensorView(d_rids, DType::kINT32, {num_recv, topk}, ctx_->tensor_device());
+  out->topk_weights = TensorView(d_rw, DType::kFP32, {num_recv, topk}, ctx_->tensor_device());
   out->problem = EpRecvProblem(args, *handle, /*max_num_tokens=*/num_recv);
   if (!batched()) {
     out->format = ActivationFormat::kStandard;
-    out->a1q = TensorView(d_rows, DType::kBF16, {num_recv, k});
+    out->a1q = TensorView(d_rows, DType::kBF16, {num_recv, k}, ctx_->tensor_device());
     out->expert_num_tokens = TensorView();
     out->handle = std::move(handle);
     return absl::OkStatus();
@@ -335,17 +330,16 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
         static_cast<int>(topk), k, static_cast<int>(e), cap, static_cast<uint16_t*>(d_a), stream_));
   }
   out->format = ActivationFormat::kBatchedExperts;
-  out->a1q = TensorView(d_a, DType::kBF16, {e, cap, k});
-  out->expert_num_tokens = TensorView(counts, DType::kINT32, {e});
+  out->a1q = TensorView(d_a, DType::kBF16, {e, cap, k}, ctx_->tensor_device());
+  out->expert_num_tokens = TensorView(counts, DType::kINT32, {e}, ctx_->tensor_device());
   out->problem.max_num_tokens = cap;
   out->handle = std::move(handle);
   return absl::OkStatus();
 }
 
-absl::Status NcclAllToAllPrepareAndFinalize::Finalize(const TensorView& output,
-                                                      const TensorView& fused_expert_output,
-                                                      const PreparedActivations& prepared,
-                                                      const TopKWeightAndReduce& war) {
+absl::Status NcclAllToAllPrepareAndFinalize::Finalize(
+    const TensorView& output, const TensorView& fused_expert_output,
+    const PreparedActivations& prepared, const TopKWeightAndReduce& weight_and_reduce) {
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(comm_->device()));
   const auto* h = dynamic_cast<const NcclRoundHandle*>(prepared.handle.get());
   if (h == nullptr) {
@@ -355,19 +349,19 @@ absl::Status NcclAllToAllPrepareAndFinalize::Finalize(const TensorView& output,
   const int me = comm_->rank();
   const int64_t k = prepared.problem.hidden, topk = h->topk, m = h->num_src_tokens;
   const int64_t num_send = h->num_send(), num_recv = h->num_recv();
-  if (output.rank() != 2 || output.dtype() != DType::kFP32 || output.dim(0) != m ||
+  if (output.rank() != 2 || !writes_output_dtype(output.dtype()) || output.dim(0) != m ||
       output.dim(1) != k || !output.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(name(), ": output must be FP32 [", m, ", ", k,
-                                                   "], got ", output.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat(name(), ": output must be FP32/BF16/FP16 [", m,
+                                                   ", ", k, "], got ", output.DebugString()));
   }
-  // The Experts' device output: from the context (CudaExperts), or a device tensor handed in.
-  const TensorView fused =
-      fused_expert_output.numel() > 0 ? fused_expert_output : CudaContextFusedOutput(*ctx_);
-  TopKWeightAndReduce::Kind kind = war.kind();
-  if (kind == TopKWeightAndReduce::Kind::kDelegate) {
-    kind = batched() ? TopKWeightAndReduce::Kind::kNaiveBatched
-                     : TopKWeightAndReduce::Kind::kContiguous;
+  const TensorView& fused = fused_expert_output;
+  if (num_recv > 0 && fused.device() != ctx_->tensor_device()) {
+    return absl::InvalidArgumentError(absl::StrCat(name(), ": expert output must be on ",
+                                                   DeviceName(ctx_->tensor_device()), ", got ",
+                                                   fused.DebugString()));
   }
+  const TopKWeightAndReduce::Kind kind =
+      ResolveWeightAndReduce(weight_and_reduce.kind(), opts_.format);
   const int e = static_cast<int>(prepared.problem.num_local_experts);
   const float* w = prepared.topk_weights.data<float>();
   const int32_t* ids = prepared.topk_ids.data<int32_t>();
@@ -422,17 +416,9 @@ absl::Status NcclAllToAllPrepareAndFinalize::Finalize(const TensorView& output,
     MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchEpCombineReduce(
         static_cast<const float*>(d_comb), h->d_plan + h->layout().comb_offsets,
         h->d_plan + h->layout().comb_slots, m, k, static_cast<float*>(d_out), stream_));
-    if (IsPinned(output.raw_data())) {  // straight into a page-locked answer
-      MOESERVE_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(output.raw_data(), d_out, m * k * 4, cudaMemcpyDeviceToHost, stream_));
-      MOESERVE_RETURN_IF_ERROR(comm_->Synchronize());
-    } else {
-      MOESERVE_ASSIGN_OR_RETURN(void* pin, pin_out_.Get(m * k * 4));
-      MOESERVE_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(pin, d_out, m * k * 4, cudaMemcpyDeviceToHost, stream_));
-      MOESERVE_RETURN_IF_ERROR(comm_->Synchronize());
-      std::memcpy(output.raw_data(), pin, m * k * 4);
-    }
+    MOESERVE_RETURN_IF_ERROR(answer_.Enqueue(static_cast<const float*>(d_out), output, stream_));
+    MOESERVE_RETURN_IF_ERROR(comm_->Synchronize());  // bounded, aborts the group on a timeout
+    answer_.Finish();
   } else {
     MOESERVE_RETURN_IF_ERROR(comm_->Synchronize());
   }
@@ -453,7 +439,7 @@ absl::StatusOr<std::unique_ptr<PrepareAndFinalize>> CreateNcclAllToAllPrepareAnd
         "NcclAllToAll: needs a context, a communicator and a "
         "placement");
   }
-  if (comm->stream() != CudaContextStream(*ctx)) {
+  if (comm->stream() != ctx->stream()) {
     return absl::InvalidArgumentError(
         "NcclAllToAll: the communicator must run on the "
         "context's stream");

@@ -154,20 +154,23 @@ TEST_P(CudaExpertsTest, MatchesReferenceExperts) {
     for (int64_t g = 0; g < num_experts; ++g) map.data<int32_t>()[g] = g % 2 ? g / 2 : -1;
   }
 
-  auto ctx = CreateCudaContext(0);
+  auto ctx = CudaContext::Create(0);
   ASSERT_TRUE(ctx.ok()) << ctx.status();
   auto dev = DeviceWeightStore::CreateFromLayers({&layer.w}, **ctx);
   ASSERT_TRUE(dev.ok()) << dev.status();
   auto pf = CreateCudaNoEpPrepareAndFinalize(*ctx, 1 << 20, c.act);
   auto ex = CreateCudaExperts(*ctx, *dev, c.act);
-  ASSERT_TRUE(pf.ok() && ex.ok());
-  auto gpu = ModularKernel::Create(std::move(*pf), std::move(*ex));
+  auto workspaces = CreateCudaWorkspaceAllocator(*ctx);
+  ASSERT_TRUE(pf.ok() && ex.ok() && workspaces.ok());
+  auto gpu = ModularKernel::Create(std::move(*pf), std::move(*ex), std::move(*workspaces));
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   auto cpu = ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(1 << 20),
                                    std::make_unique<ReferenceExperts>());
   ASSERT_TRUE(cpu.ok()) << cpu.status();
 
-  for (int run = 0; run < 2; ++run) {  // fresh inputs each run, reused workspaces
+  // Fresh inputs each run, reused workspaces; run 1 asks for a BF16 answer (converted on the
+  // device by Finalize), run 0 for FP32.
+  for (int run = 0; run < 2; ++run) {
     Tensor x = Tensor::Empty(DType::kBF16, {c.m, c.hidden});
     std::normal_distribution<float> nd;
     for (int64_t i = 0; i < x.numel(); ++i) x.data<uint16_t>()[i] = kernels::FloatToBf16(nd(rng));
@@ -186,14 +189,67 @@ TEST_P(CudaExpertsTest, MatchesReferenceExperts) {
     std::vector<float> ref(c.m * c.hidden),
         got(c.m * c.hidden, std::numeric_limits<float>::quiet_NaN());
     ASSERT_TRUE((*cpu)->Forward(args, TensorView(ref.data(), DType::kFP32, {c.m, c.hidden})).ok());
-    absl::Status s = (*gpu)->Forward(args, TensorView(got.data(), DType::kFP32, {c.m, c.hidden}));
-    ASSERT_TRUE(s.ok()) << s;
+    StageTimings timings;
+    if (run == 0) {
+      absl::Status s =
+          (*gpu)->Forward(args, TensorView(got.data(), DType::kFP32, {c.m, c.hidden}), &timings);
+      ASSERT_TRUE(s.ok()) << s;
+    } else {
+      std::vector<uint16_t> bf16(c.m * c.hidden, 0x7fc1);  // NaN-poisoned
+      absl::Status s =
+          (*gpu)->Forward(args, TensorView(bf16.data(), DType::kBF16, {c.m, c.hidden}), &timings);
+      ASSERT_TRUE(s.ok()) << s;
+      for (size_t i = 0; i < bf16.size(); ++i) got[i] = kernels::Bf16ToFloat(bf16[i]);
+    }
+    // Device (event) times: every stage ran, none negative.
+    EXPECT_GE(timings.prepare_us, 0);
+    EXPECT_GE(timings.experts_us, 0);
+    EXPECT_GE(timings.finalize_us, 0);
+    EXPECT_EQ(timings.num_chunks, 1);
     int64_t bad = 0;
     const double err = RelL2(got, ref, &bad);
     EXPECT_EQ(bad, 0) << CaseName(c) << ": non-finite outputs (unwritten?)";
     EXPECT_LT(err, 1e-2) << CaseName(c);
     if (run == 0) RecordProperty("rel_l2", std::to_string(err));
   }
+}
+
+// The workspaces live where a1q lives: a CUDA PrepareAndFinalize with host workspaces is a
+// wiring error, refused with FAILED_PRECONDITION naming both devices.
+TEST(CudaModularKernelTest, RefusesHostWorkspacesForDeviceActivations) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(3);
+  const Case c{8, 4, 2, 256, 128, WeightFormat::kBF16, Routing::kUniform};
+  Layer layer = MakeLayer(c, rng);
+  auto ctx = CudaContext::Create(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  auto dev = DeviceWeightStore::CreateFromLayers({&layer.w}, **ctx);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  auto mk = ModularKernel::Create(*CreateCudaNoEpPrepareAndFinalize(*ctx, 64, c.act),
+                                  *CreateCudaExperts(*ctx, *dev, c.act));
+  ASSERT_TRUE(mk.ok()) << mk.status();
+  std::vector<uint16_t> x(c.m * c.hidden, 0x3f80);
+  std::vector<int32_t> ids(c.m * c.topk);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % c.e);
+  std::vector<float> w(c.m * c.topk, 0.5f), out(c.m * c.hidden);
+  ModularKernelArgs args;
+  args.hidden_states = TensorView(x.data(), DType::kBF16, {c.m, c.hidden});
+  args.topk_ids = TensorView(ids.data(), DType::kINT32, {c.m, c.topk});
+  args.topk_weights = TensorView(w.data(), DType::kFP32, {c.m, c.topk});
+  args.weights = &layer.w;
+  args.num_experts = c.e;
+  const absl::Status s =
+      (*mk)->Forward(args, TensorView(out.data(), DType::kFP32, {c.m, c.hidden}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("cuda:0"), std::string::npos) << s;
+  // A layer index with no resident experts is refused, not read out of bounds.
+  auto mk2 = ModularKernel::Create(*CreateCudaNoEpPrepareAndFinalize(*ctx, 64, c.act),
+                                   *CreateCudaExperts(*ctx, *dev, c.act),
+                                   *CreateCudaWorkspaceAllocator(*ctx));
+  ASSERT_TRUE(mk2.ok());
+  args.layer = 5;
+  EXPECT_EQ((*mk2)->Forward(args, TensorView(out.data(), DType::kFP32, {c.m, c.hidden})).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 std::vector<Case> Cases() {

@@ -51,8 +51,8 @@ TEST(NcclCommunicator, ExchangesAreCorrect) {
   std::vector<int> devices = {0, 1};
   std::vector<void*> streams;
   for (int r = 0; r < 2; ++r) {
-    ctx.push_back(*CreateCudaContext(r));
-    streams.push_back(CudaContextStream(*ctx.back()));
+    ctx.push_back(*CudaContext::Create(r));
+    streams.push_back(ctx.back()->stream());
   }
   auto group = NcclCommGroup::Create(devices, streams, absl::Seconds(30));
   ASSERT_TRUE(group.ok()) << group.status();

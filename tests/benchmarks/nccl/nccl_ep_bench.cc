@@ -76,8 +76,8 @@ int Main(int argc, char** argv) {
   std::vector<std::shared_ptr<CudaContext>> ctx;
   std::vector<void*> streams;
   for (int r = 0; r < world; ++r) {
-    ctx.push_back(*CreateCudaContext(r));
-    streams.push_back(CudaContextStream(*ctx[r]));
+    ctx.push_back(*CudaContext::Create(r));
+    streams.push_back(ctx[r]->stream());
   }
   auto group_or = NcclCommGroup::Create({0, 1}, streams, absl::Seconds(60));
   CHECK_OK(group_or.status());
