@@ -21,17 +21,7 @@ absl::Status CheckExpertId(int32_t id, int64_t index, int64_t topk, const Placem
 
 absl::Status ValidateEpPrepareArgs(absl::string_view who, const PrepareArgs& args,
                                    const Placement& placement, int rank) {
-  const TensorView& x = args.hidden_states;
-  if (x.rank() != 2 || args.topk_ids.rank() != 2 || args.topk_ids.dim(0) != x.dim(0) ||
-      args.topk_weights.shape() != args.topk_ids.shape() ||
-      args.topk_ids.dtype() != DType::kINT32 || args.topk_weights.dtype() != DType::kFP32 ||
-      !args.topk_ids.is_contiguous() || !args.topk_weights.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who,
-        ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
-        "[M, topk]; got ",
-        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ", args.topk_weights.DebugString()));
-  }
+  MOESERVE_RETURN_IF_ERROR(CheckPrepareArgsLayout(who, args));
   if (args.num_experts != placement.num_experts() ||
       args.num_local_experts != placement.num_local_experts(rank)) {
     return absl::InvalidArgumentError(

@@ -19,6 +19,21 @@ absl::StatusOr<std::vector<int64_t>> PrepareAndFinalize::PlanChunks(const Prepar
   return std::vector<int64_t>{0, args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0};
 }
 
+absl::Status CheckPrepareArgsLayout(absl::string_view who, const PrepareArgs& args) {
+  const TensorView& x = args.hidden_states;
+  if (x.rank() != 2 || args.topk_ids.rank() != 2 || args.topk_ids.dim(0) != x.dim(0) ||
+      args.topk_weights.shape() != args.topk_ids.shape() ||
+      args.topk_ids.dtype() != DType::kINT32 || args.topk_weights.dtype() != DType::kFP32 ||
+      !args.topk_ids.is_contiguous() || !args.topk_weights.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who,
+        ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
+        "[M, topk]; got ",
+        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ", args.topk_weights.DebugString()));
+  }
+  return absl::OkStatus();
+}
+
 TopKWeightAndReduce::Kind ResolveWeightAndReduce(TopKWeightAndReduce::Kind kind,
                                                  ActivationFormat format) {
   if (kind != TopKWeightAndReduce::Kind::kDelegate) return kind;

@@ -116,6 +116,10 @@ struct PrepareArgs {
   TensorView expert_map;
 };
 
+// The layout every PrepareAndFinalize::Prepare needs: hidden_states [M, K], topk_ids contiguous
+// INT32 [M, topk], topk_weights contiguous FP32 [M, topk]. INVALID_ARGUMENT starting with `who`.
+absl::Status CheckPrepareArgsLayout(absl::string_view who, const PrepareArgs& args);
+
 // Quantization applied by Prepare before dispatch ("the quantization hook").
 struct QuantConfig {
   DType activation_dtype = DType::kFP32;  // what Experts receive in a1q

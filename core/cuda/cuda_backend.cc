@@ -295,17 +295,8 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
 
 absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
                                                  PreparedActivations* out) {
+  MOESERVE_RETURN_IF_ERROR(CheckPrepareArgsLayout(name(), args));
   const TensorView& x = args.hidden_states;
-  if (x.rank() != 2 || args.topk_ids.rank() != 2 || args.topk_ids.dim(0) != x.dim(0) ||
-      args.topk_weights.shape() != args.topk_ids.shape() ||
-      args.topk_ids.dtype() != DType::kINT32 || args.topk_weights.dtype() != DType::kFP32 ||
-      !args.topk_ids.is_contiguous() || !args.topk_weights.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name(),
-        ": expected hidden_states [M, K], topk_ids INT32 [M, topk], topk_weights FP32 "
-        "[M, topk]; got ",
-        x.DebugString(), ", ", args.topk_ids.DebugString(), ", ", args.topk_weights.DebugString()));
-  }
   const int64_t m = x.dim(0), k = x.dim(1), topk = args.topk_ids.dim(1);
   const int64_t e = args.num_local_experts;
   if (m > max_num_tokens_) {

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/dtype_convert.cuh"
+#include "kernels/fp16_bits.h"
 
 namespace moeserve::kernels {
 namespace {
@@ -23,35 +24,11 @@ __global__ void Fp32ToBf16Kernel(const float* __restrict__ in, uint16_t* __restr
   }
 }
 
-// The same integer rounding as kernels/cpu FloatToFp16 (nearest even, canonical NaN 0x7e00),
-// so device and host answers are bit-identical.
-__device__ __forceinline__ uint16_t FloatToFp16Bits(float f) {
-  const uint32_t u = __float_as_uint(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;
-  if (abs < 0x38800000u) {
-    if (abs < 0x33000000u) return sign;
-    const uint32_t exp = abs >> 23;
-    const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - exp;
-    const uint32_t halfway = 1u << (shift - 1);
-    const uint32_t rem = mant & ((1u << shift) - 1);
-    uint32_t q = mant >> shift;
-    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
-    return sign | static_cast<uint16_t>(q);
-  }
-  const uint32_t rebased = abs - (112u << 23);
-  const uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
-  return sign | static_cast<uint16_t>(rounded >> 13);
-}
-
 __global__ void Fp32ToFp16Kernel(const float* __restrict__ in, uint16_t* __restrict__ out,
                                  int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = FloatToFp16Bits(in[i]);
+    out[i] = Fp32BitsToFp16Bits(__float_as_uint(in[i]));  // as the host twin
   }
 }
 

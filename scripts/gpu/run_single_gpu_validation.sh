@@ -1,0 +1,74 @@
+#!/bin/bash
+# One call on nvidia-h200 (one GPU) validating a commit against a base build: the CUDA suites
+# (kernels, experts, engine, the registry's combination pairs that fit one GPU), memcheck on a
+# subset, the real server (auto -> cuda) checked by moeserve-cli in every answer dtype, the
+# expert-MLP benchmark with its PyTorch peers and the base build as "before", then the same
+# closed-loop client load against the base and the new server. A short table last.
+# Binaries in $BUNDLE/bin (base ones suffixed _base), libraries in $BUNDLE/lib.
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+BUNDLE=${BUNDLE:-$PWD/.bundle}
+B=$BUNDLE/bin
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=$BUNDLE/lib:$NCCL_DIR
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader; date -u
+declare -a ROWS
+row() { ROWS+=("$(printf '%-44s %s' "$1" "$2")"); echo "== $1: $2"; }
+gtest() {  # name, timeout, binary args...
+  local name=$1 t=$2; shift 2
+  timeout "$t" "$@" --gtest_brief=1 > "$OUT/$name.log" 2>&1
+  row "$name" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$name.log" | tr -s ' ' | tr '\n' ' ')"
+  grep -E "Failure|FAILED" "$OUT/$name.log" | head -5
+}
+gtest cuda_kernels_test 120 $B/cuda_kernels_test
+gtest cuda_experts_test 240 $B/cuda_experts_test
+gtest engine_cuda_test 180 $B/engine_cuda_test
+gtest engine_mk_combinations_cuda 240 $B/engine_mk_combinations_test --gtest_filter='*Cuda*:*Nccl*'
+timeout 90 compute-sanitizer --tool memcheck $B/cuda_experts_test --gtest_brief=1 \
+  --gtest_filter='*M64_E16*bf16_hot:*M300_E16_k8*batched:*M100_E8*mxfp8_uniform_ep:*Refuses*' \
+  > "$OUT/memcheck.log" 2>&1
+row "memcheck cuda_experts_test subset" "$(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck.log" | tr '\n' ' ')"
+
+serve() {  # name bin port flags... ; leaves $SERVER_PID
+  local name=$1 bin=$2 port=$3; shift 3
+  rm -f /tmp/ready_$name
+  $bin --listen 127.0.0.1:$port --metrics_address 127.0.0.1:$((port + 100)) \
+    --ready_file /tmp/ready_$name "$@" > "$OUT/server_$name.log" 2>&1 &
+  SERVER_PID=$!
+  for i in $(seq 1 480); do [ -f /tmp/ready_$name ] && break; kill -0 $SERVER_PID 2>/dev/null || break; sleep 0.5; done
+}
+stop() { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID; }
+# Correctness through the real server, every answer dtype, both weight formats.
+for wf in bf16 mxfp8; do
+  serve check_$wf $B/moeserve 50081 --weight_format $wf --model qwen3-30b-a3b --num_layers 1
+  for dt in bf16 fp16 fp32; do
+    res=$(timeout 60 $B/moeserve-cli forward --target 127.0.0.1:50081 --tokens 64 --dtype $dt \
+      --routing hot --check 2>&1 | tee "$OUT/cli_${wf}_$dt.log" | grep -o "relative_l2_error=[0-9.e+-]*")
+    row "server $wf weights, $dt answer" "${res:-FAILED} $(grep -o 'backend=[a-z]*' "$OUT/server_check_$wf.log" | head -1)"
+  done
+  stop
+done
+
+BASE=; [ -x $B/moe_experts_bench_base ] && BASE=$B/moe_experts_bench_base
+timeout ${T_BENCH:-260} python3 scripts/gpu/bench_moe.py $B/moe_experts_bench "$OUT" $BASE \
+  > "$OUT/bench.log" 2>&1
+tail -44 "$OUT/bench.log"
+
+# What a user sees: one client, seed per-rank layer (32 experts, top-8, H3072 I5120), MXFP8.
+SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
+for which in base new; do
+  bin=$B/moeserve; [ $which = base ] && bin=$B/moeserve_base
+  [ -x $bin ] || continue
+  serve load_$which $bin 50091 $SEED
+  for m in 1 16 64 1024; do
+    n=200; [ $m = 1024 ] && n=60
+    timeout 120 $B/moeserve-cli load --target 127.0.0.1:50091 --tokens $m --concurrency 1 \
+      --requests $n --routing balanced > "$OUT/load_${which}_$m.log" 2>&1
+    row "load $which M=$m" "$(grep -E 'latency_ms|server_total' "$OUT/load_${which}_$m.log" | tr '\n' ' ')"
+  done
+  stop
+done
+echo "=================== summary ==================="
+printf '%s\n' "${ROWS[@]}"
