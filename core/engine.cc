@@ -177,6 +177,7 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
 
   ForwardStep step;
   step.layer = input.layer;
+  step.timed = timings != nullptr;
   step.hidden_states = input.hidden_states;
   step.topk_ids = input.topk_ids;
   if (step.topk_ids.dtype() == DType::kINT64) {

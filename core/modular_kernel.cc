@@ -99,11 +99,14 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   pargs.intermediate = args.weights->intermediate;
   pargs.expert_map = args.expert_map;
   const TransferStats stats0 = prepare_finalize_->transfer_stats();
-  timer_->Reset();
-  MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kPrepare));
+  // Stage marks only when the caller wants timings (device timers record events).
+  StageTimer* timer = timings != nullptr ? timer_.get() : nullptr;
+  if (timer) {
+    timer->Reset();
+    MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kPrepare));
+  }
   MOESERVE_ASSIGN_OR_RETURN(const std::vector<int64_t> bounds,
                             prepare_finalize_->PlanChunks(pargs));
-  MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kPrepare));
   if (bounds.size() < 2 || bounds.front() != 0 || bounds.back() != m) {
     return absl::InternalError(
         absl::StrCat(prepare_finalize_->name(), ": PlanChunks must return {0, ..., ", m, "}"));
@@ -111,10 +114,11 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   // A PrepareAndFinalize that writes only FP32 gets an FP32 answer, converted here once.
   const bool convert = !prepare_finalize_->writes_output_dtype(out_dtype);
   const TensorView answer = convert ? output32_.Get(DType::kFP32, {m, k}) : output;
-  MOESERVE_RETURN_IF_ERROR(RunRounds(args, answer, bounds));
+  MOESERVE_RETURN_IF_ERROR(RunRounds(args, answer, bounds, timer));
   if (convert) MOESERVE_RETURN_IF_ERROR(ConvertTensor(answer, output));
-  if (timings) {
-    MOESERVE_ASSIGN_OR_RETURN(const auto us, timer_->ElapsedUs());
+  if (timer) {
+    MOESERVE_RETURN_IF_ERROR(timer->Stop());
+    MOESERVE_ASSIGN_OR_RETURN(const auto us, timer->ElapsedUs());
     *timings = StageTimings();
     timings->prepare_us = us[StageTimer::kPrepare];
     timings->experts_us = us[StageTimer::kExperts];
@@ -132,7 +136,10 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
 }
 
 absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const TensorView& output,
-                                      const std::vector<int64_t>& bounds) {
+                                      const std::vector<int64_t>& bounds, StageTimer* timer) {
+  auto mark = [timer](StageTimer::Stage stage) {
+    return timer ? timer->Mark(stage) : absl::OkStatus();
+  };
   PrepareArgs pargs;
   pargs.num_experts = args.num_experts;
   pargs.num_local_experts = args.weights->num_local_experts;
@@ -147,10 +154,9 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
     pargs.topk_ids = args.topk_ids.Slice(begin, end);
     pargs.topk_weights = args.topk_weights.Slice(begin, end);
 
-    MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kPrepare));
+    MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kPrepare));
     PreparedActivations prepared;
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
-    MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kPrepare));
     if (prepared.a1q.device() != allocator_->device()) {
       return absl::FailedPreconditionError(absl::StrCat(
           prepare_finalize_->name(), " put a1q on ", DeviceName(prepared.a1q.device()),
@@ -158,7 +164,7 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
           "; create it with an allocator for that device"));
     }
 
-    MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kExperts));
+    MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kExperts));
     const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(prepared.problem);
     ExpertsApplyArgs apply;
     apply.prepared = &prepared;
@@ -173,12 +179,10 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
     MOESERVE_ASSIGN_OR_RETURN(apply.output, allocator_->Get(WorkspaceAllocator::kFusedOutput,
                                                             DType::kFP32, shapes.output));
     MOESERVE_RETURN_IF_ERROR(experts_->Apply(apply));
-    MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kExperts));
 
-    MOESERVE_RETURN_IF_ERROR(timer_->Begin(StageTimer::kFinalize));
+    MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kFinalize));
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Finalize(output.Slice(begin, end), apply.output,
                                                          prepared, *weight_and_reduce));
-    MOESERVE_RETURN_IF_ERROR(timer_->End(StageTimer::kFinalize));
   }
   return absl::OkStatus();
 }

@@ -268,7 +268,7 @@ class ModularKernel {
         allocator_(std::move(allocator)),
         timer_(allocator_->MakeStageTimer()) {}
   absl::Status RunRounds(const ModularKernelArgs& args, const TensorView& output,
-                         const std::vector<int64_t>& bounds);
+                         const std::vector<int64_t>& bounds, StageTimer* timer);
   std::unique_ptr<PrepareAndFinalize> prepare_finalize_;
   std::unique_ptr<Experts> experts_;
   std::unique_ptr<WorkspaceAllocator> allocator_;

@@ -23,6 +23,7 @@ namespace moeserve {
 // One forward over every rank, in host memory. Views stay valid for the call.
 struct ForwardStep {
   int layer = 0;
+  bool timed = true;         // collect stage timings (RankGroup::timings)
   TensorView hidden_states;  // [M, hidden] BF16, FP16 or FP32
   TensorView topk_ids;       // [M, topk] INT32, validated
   TensorView topk_weights;   // [M, topk] FP32
@@ -76,10 +77,11 @@ class RankGroup {
 
   // The local rank's modular kernel over one slice: host views, `out` [rows, hidden] FP32.
   // Runs the kernel's collectives: every rank must call it in the same step.
+  // timed: collect stage timings (device timers record events; skipped when nobody reads them).
   absl::Status ForwardSlice(int local, int layer, const TensorView& hidden_states,
                             const TensorView& topk_ids, const TensorView& topk_weights,
-                            const TensorView& out);
-  // The stage times of the local rank's last ForwardSlice.
+                            const TensorView& out, bool timed = true);
+  // The stage times of the local rank's last timed ForwardSlice.
   const StageTimings& timings(int local) const { return ranks_[local].timings; }
   const ExpertWeightStore& weights(int local) const { return *ranks_[local].weights; }
   // A per-rank buffer for an output slice that is sent on, reused across steps.

@@ -7,21 +7,34 @@ namespace {
 
 class HostStageTimer final : public StageTimer {
  public:
-  void Reset() override { elapsed_.fill(0); }
-  absl::Status Begin(Stage stage) override {
-    begin_[stage] = Clock::now();
+  void Reset() override {
+    elapsed_.fill(0);
+    running_ = -1;
+  }
+  absl::Status Mark(Stage stage) override {
+    if (stage == running_) return absl::OkStatus();
+    const Clock::time_point now = Clock::now();
+    Close(now);
+    running_ = stage;
+    since_ = now;
     return absl::OkStatus();
   }
-  absl::Status End(Stage stage) override {
-    elapsed_[stage] +=
-        std::chrono::duration<double, std::micro>(Clock::now() - begin_[stage]).count();
+  absl::Status Stop() override {
+    Close(Clock::now());
+    running_ = -1;
     return absl::OkStatus();
   }
   absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() override { return elapsed_; }
 
  private:
   using Clock = std::chrono::steady_clock;
-  std::array<Clock::time_point, kNumStages> begin_;
+  void Close(Clock::time_point now) {
+    if (running_ >= 0) {
+      elapsed_[running_] += std::chrono::duration<double, std::micro>(now - since_).count();
+    }
+  }
+  int running_ = -1;
+  Clock::time_point since_;
   std::array<double, kNumStages> elapsed_{};
 };
 

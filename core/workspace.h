@@ -17,19 +17,20 @@
 
 namespace moeserve {
 
-// Times the stages of a forward. Begin/End pairs may repeat (one per round); ElapsedUs sums
-// them. The host timer reads the wall clock when Begin/End are called; device timers record
-// events on their stream, so a stage's time is what the device spent between the two marks,
-// not the host's enqueue time.
+// Times the stages of a forward with boundary marks: Mark(s) means "from here on the work
+// counts toward stage s", Stop() ends the last interval; stages may recur (one per round) and
+// ElapsedUs sums them. The host timer reads the wall clock at each mark; device timers record
+// one event per mark on their stream, so a stage's time is what the device spent between two
+// marks, not the host's enqueue time. A mark for the stage already running records nothing.
 class StageTimer {
  public:
   enum Stage { kPrepare = 0, kExperts = 1, kFinalize = 2, kNumStages = 3 };
   virtual ~StageTimer() = default;
   // Forgets every mark (start of a forward).
   virtual void Reset() = 0;
-  virtual absl::Status Begin(Stage stage) = 0;
-  virtual absl::Status End(Stage stage) = 0;
-  // Microseconds per stage, summed over the marked pairs. Device timers wait for the last mark.
+  virtual absl::Status Mark(Stage stage) = 0;
+  virtual absl::Status Stop() = 0;
+  // Microseconds per stage, summed over the intervals. Device timers wait for the last mark.
   virtual absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() = 0;
 };
 

@@ -60,7 +60,7 @@ class CpuRankGroup final : public RankGroup {
     const TensorView out = OutputBuffer(r, end - begin, step.output.dtype());
     MOESERVE_RETURN_IF_ERROR(ForwardSlice(r, step.layer, step.hidden_states.Slice(begin, end),
                                           step.topk_ids.Slice(begin, end),
-                                          step.topk_weights.Slice(begin, end), out));
+                                          step.topk_weights.Slice(begin, end), out, step.timed));
     return Gather(r, step, out);
   }
 

@@ -79,8 +79,8 @@ CudaContext::~CudaContext() {
 
 namespace {
 
-// Event pairs recorded on the context's stream; elapsed times are read once, after the forward's
-// last synchronization, so timing adds no host wait of its own.
+// One event per boundary mark on the context's stream; elapsed times are read once, after the
+// forward's last synchronization, so timing adds no host wait of its own.
 class CudaStageTimer final : public StageTimer {
  public:
   explicit CudaStageTimer(std::shared_ptr<CudaContext> ctx) : ctx_(std::move(ctx)) {}
@@ -89,14 +89,18 @@ class CudaStageTimer final : public StageTimer {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
   }
   void Reset() override { marks_.clear(); }
-  absl::Status Begin(Stage stage) override { return Mark(stage); }
-  absl::Status End(Stage stage) override { return Mark(stage); }
+  absl::Status Mark(Stage stage) override {
+    if (!marks_.empty() && marks_.back() == stage) return absl::OkStatus();
+    return Record(stage);
+  }
+  absl::Status Stop() override { return Record(kNumStages); }
   absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() override {
     std::array<double, kNumStages> us{};
     if (marks_.empty()) return us;
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size() - 1]));
-    for (size_t i = 0; i + 1 < marks_.size(); i += 2) {
+    for (size_t i = 0; i + 1 < marks_.size(); ++i) {
+      if (marks_[i] == kNumStages) continue;  // stopped: no stage ran until the next mark
       float ms = 0;
       MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
       us[marks_[i]] += 1000.0 * ms;
@@ -105,7 +109,7 @@ class CudaStageTimer final : public StageTimer {
   }
 
  private:
-  absl::Status Mark(Stage stage) {
+  absl::Status Record(int mark) {
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
     if (marks_.size() == events_.size()) {
       cudaEvent_t e = nullptr;
@@ -113,12 +117,12 @@ class CudaStageTimer final : public StageTimer {
       events_.push_back(e);
     }
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[marks_.size()], StreamOf(*ctx_)));
-    marks_.push_back(stage);
+    marks_.push_back(mark);
     return absl::OkStatus();
   }
   std::shared_ptr<CudaContext> ctx_;
   std::vector<cudaEvent_t> events_;  // grow-only pool, one per mark
-  std::vector<Stage> marks_;         // Begin, End, Begin, End, ...
+  std::vector<int> marks_;           // the stage each mark starts; kNumStages: Stop()
 };
 
 class CudaWorkspaceAllocator final : public WorkspaceAllocator {

@@ -54,6 +54,26 @@ TEST(TensorViewTest, EmptyTensors) {
   EXPECT_TRUE(TensorView().empty());
 }
 
+TEST(TensorViewTest, DeviceTravelsWithViews) {
+  float data[12] = {};
+  const TensorView host(data, DType::kFP32, {3, 4});
+  EXPECT_EQ(host.device(), Device::Host());
+  EXPECT_TRUE(host.device().is_host());
+  EXPECT_EQ(host.DebugString(), "fp32[3, 4]");
+  const TensorView gpu(data, DType::kFP32, {3, 4}, Device::Cuda(1));
+  EXPECT_FALSE(gpu.device().is_host());
+  EXPECT_EQ(gpu.Slice(1, 3).device(), Device::Cuda(1));
+  EXPECT_EQ(gpu.Reshape({12})->device(), Device::Cuda(1));
+  EXPECT_EQ(gpu.DebugString(), "fp32[3, 4]@cuda:1");
+  EXPECT_NE(Device::Cuda(0), Device::Cuda(1));
+  EXPECT_TRUE(Device::PinnedHost().is_host());
+  EXPECT_EQ(DeviceName(Device::PinnedHost()), "pinned");
+  // Host code never dereferences device memory.
+  float out[12];
+  const absl::Status s = ConvertTensor(gpu, TensorView(out, DType::kFP32, {3, 4}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+}
+
 TEST(HostBufferTest, GrowsAndReuses) {
   HostBuffer b;
   TensorView a = b.Get(DType::kFP32, {10});
