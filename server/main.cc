@@ -24,7 +24,8 @@
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
-          "Comma-separated host:port list to serve gRPC on; port 0 binds a free port");
+          "Comma-separated addresses to serve gRPC on: host:port (port 0 binds a free port) or "
+          "unix:/path/to.sock for frontends on the same host (no TCP stack)");
 ABSL_FLAG(std::string, model, "tiny",
           "Model preset: tiny, qwen3-30b-a3b, deepseek-v3, seed-megamoe");
 ABSL_FLAG(int32_t, num_layers, 0, "Override the preset's number of layers (0: preset value)");

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -70,6 +71,10 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
     if (server->bound_ports_[i] == 0) {
       server->Shutdown(std::chrono::milliseconds(0));
       return absl::UnavailableError(absl::StrCat("listen: cannot bind ", address));
+    }
+    if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+      server->bound_addresses_.push_back(address);  // no port: the path is the address
+      continue;
     }
     const size_t colon = address.rfind(':');
     const std::string host = colon == std::string::npos ? address : address.substr(0, colon);

@@ -46,8 +46,10 @@ def log(msg):
 class Server:
     """The moeserve process; a context manager that always kills it on the way out."""
 
-    def __init__(self, binary, workdir, extra_args=(), startup_timeout=60.0):
+    def __init__(self, binary, workdir, extra_args=(), startup_timeout=60.0,
+                 listen="127.0.0.1:0"):
         self.binary = binary
+        self.listen = listen
         self.workdir = workdir
         self.ready_file = os.path.join(workdir, "ready")
         self.log_path = os.path.join(workdir, "server.log")
@@ -58,7 +60,7 @@ class Server:
         self.metrics = None
 
     def __enter__(self):
-        cmd = [self.binary, "--listen", "127.0.0.1:0", "--metrics_address", "127.0.0.1:0",
+        cmd = [self.binary, "--listen", self.listen, "--metrics_address", "127.0.0.1:0",
                "--ready_file", self.ready_file, "--model", "tiny"] + self.extra_args
         log("starting " + " ".join(cmd))
         self._log = open(self.log_path, "wb")
@@ -94,7 +96,7 @@ class Server:
         if len(lines) < 2:
             return None
         m = re.fullmatch(r"metrics (\S+:\d+)", lines[1].strip())
-        if not re.fullmatch(r"\S+:\d+", lines[0].strip()) or not m:
+        if not re.fullmatch(r"unix:\S+|\S+:\d+", lines[0].strip()) or not m:
             return None
         return lines[0].strip(), m.group(1)
 
@@ -240,6 +242,20 @@ def case_load(server, cli, workdir):
           f"time-bounded load: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
 
 
+def case_unix(server, cli, workdir):
+    """--listen unix:/path: a same-host frontend without the TCP stack; answers as over TCP."""
+    check(server.target == "unix:" + os.path.join(workdir, "moeserve.sock"),
+          f"ready file names {server.target!r}, expected the socket path")
+    check(os.path.exists(os.path.join(workdir, "moeserve.sock")), "no socket file while serving")
+    for dtype in ("bf16", "fp32"):
+        r = cli.run("forward", "--tokens=24", f"--dtype={dtype}", "--check", "--seed=5")
+        check("check passed" in r.stdout, f"unix-socket forward ({dtype}) failed:\n{r.stdout}")
+        log(f"unix socket, {dtype}: " + r.stdout.strip().splitlines()[-1])
+    r = cli.run("load", "--requests=32", "--concurrency=4", "--tokens=8")
+    check(re.search(r"^ok=32 errors=0 not_sent=0 ", r.stdout, re.M) is not None,
+          f"unix-socket load:\n{r.stdout}")
+
+
 def case_ep16(server, cli, workdir):
     """--ranks 16 on a seed-megamoe-shaped model (512 experts, top-8, small sizes): every routing
     matches the client's independent single-process reference."""
@@ -377,7 +393,8 @@ def main():
     p.add_argument("--server", required=True)
     p.add_argument("--cli", required=True)
     p.add_argument("--source-dir", required=True)
-    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "checkpoint", "all"], default="all")
+    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "unix", "checkpoint", "all"],
+                   default="all")
     p.add_argument("--checkpoints", default="",
                    help="folder of scripts/make_test_checkpoint.py --suite (checkpoint case)")
     p.add_argument("--startup-timeout", type=float, default=60.0)
@@ -389,7 +406,7 @@ def main():
             print(f"[integration] FAIL: {path} is missing or not executable (build it first)",
                   file=sys.stderr)
             return 1
-    cases = ["cli", "python", "load", "ep16"] if args.case == "all" else [args.case]
+    cases = ["cli", "python", "load", "ep16", "unix"] if args.case == "all" else [args.case]
     runs = []  # (case, extra server args)
     for case in cases:
         if case == "checkpoint":
@@ -407,8 +424,10 @@ def main():
         with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
             cli = Cli(args.cli)
             try:
+                listen = ("unix:" + os.path.join(workdir, "moeserve.sock") if case == "unix"
+                          else "127.0.0.1:0")
                 with Server(args.server, workdir, extra_args=extra,
-                            startup_timeout=args.startup_timeout) as server:
+                            startup_timeout=args.startup_timeout, listen=listen) as server:
                     server.wait_ready(cli)
                     if case == "cli":
                         case_cli(server, cli, workdir)
@@ -416,6 +435,8 @@ def main():
                         case_load(server, cli, workdir)
                     elif case == "ep16":
                         case_ep16(server, cli, workdir)
+                    elif case == "unix":
+                        case_unix(server, cli, workdir)
                     elif case == "checkpoint":
                         case_checkpoint(server, cli, workdir)
                     else:
