@@ -57,7 +57,7 @@ absl::Status AnswerCopy::Enqueue(const float* d_answer, const TensorView& output
 }
 
 void AnswerCopy::Finish() {
-  if (pending_bytes_ > 0) std::memcpy(pending_dst_, pending_src_, pending_bytes_);
+  if (pending_bytes_ > 0) copier_->Copy(pending_dst_, pending_src_, pending_bytes_);
   pending_bytes_ = 0;
 }
 

@@ -9,12 +9,16 @@
 
 #include "absl/status/status.h"
 #include "core/cuda/grow_only_buffer.h"
+#include "core/parallel_copy.h"
 #include "core/tensor.h"
 
 namespace moeserve {
 
 class AnswerCopy {
  public:
+  // `copier` (owned by the caller, outlives this) moves staged bytes in Finish().
+  explicit AnswerCopy(ParallelCopier* copier) : copier_(copier) {}
+
   // Enqueues on `stream` (a cudaStream_t of the current device): FP32 -> output.dtype() (FP32,
   // BF16 or FP16, bit-identical to the host conversion) of d_answer [rows, cols] (device,
   // contiguous) and the device -> host copy into `output` (host, contiguous, same shape).
@@ -26,6 +30,7 @@ class AnswerCopy {
  private:
   GrowOnlyBuffer converted_{GrowOnlyBuffer::Memory::kDevice, 512, /*quarter_slack=*/true};
   GrowOnlyBuffer staging_{GrowOnlyBuffer::Memory::kPinnedHost, 4096, /*quarter_slack=*/true};
+  ParallelCopier* copier_;
   void* pending_dst_ = nullptr;
   const void* pending_src_ = nullptr;
   size_t pending_bytes_ = 0;

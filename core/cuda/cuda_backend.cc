@@ -24,6 +24,9 @@ struct PinnedBuffer : GrowOnlyBuffer {
 
 cudaStream_t StreamOf(const CudaContext& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
 
+// Threads per rank for the staging copies between request bytes and pinned memory.
+constexpr int kStagingCopyThreads = 4;
+
 }  // namespace
 
 struct DevicePackedLayer {
@@ -294,7 +297,8 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   DeviceBuffer hidden_, ids_, weights_, batched_a1q_, align_, reduced_;
   PinnedBuffer staging_;
   int32_t* slot_ = nullptr;  // batched: route -> row within its expert, into align_
-  AnswerCopy answer_;
+  ParallelCopier copier_{kStagingCopyThreads};
+  AnswerCopy answer_{&copier_};
 };
 
 absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
@@ -322,7 +326,7 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   // Quantization hook: BF16 activations (exact for BF16 input, round-to-nearest otherwise).
   TensorView pin_x_view(pin_x, DType::kBF16, {m, k}, Device::PinnedHost());
   if (x.dtype() == DType::kBF16 && x.is_contiguous()) {
-    std::memcpy(pin_x, x.raw_data(), x_bytes);
+    copier_.Copy(pin_x, x.raw_data(), x_bytes);
   } else {
     MOESERVE_RETURN_IF_ERROR(ConvertTensor(x, pin_x_view));
   }

@@ -103,7 +103,8 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
   DevBuf d_in_, d_send_rows_, d_recv_rows_, d_recv_ids_, d_recv_w_, d_batched_, d_align_;
   DevBuf d_partial_, d_comb_recv_, d_out_, d_cnt_;
   PinBuf pin_in_, pin_cnt_;
-  AnswerCopy answer_;
+  ParallelCopier copier_{4};  // staging copies between request bytes and pinned memory
+  AnswerCopy answer_{&copier_};
 };
 
 absl::Status NcclAllToAllPrepareAndFinalize::CheckArgs(const PrepareArgs& args) const {
@@ -244,7 +245,7 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   if (m > 0 && !direct_x) {
     TensorView pin_x_view(pin_x, DType::kBF16, {m, k});
     if (x.dtype() == DType::kBF16 && x.is_contiguous()) {
-      std::memcpy(pin_x, x.raw_data(), m * k * 2);
+      copier_.Copy(pin_x, x.raw_data(), m * k * 2);
     } else {
       MOESERVE_RETURN_IF_ERROR(ConvertTensor(x, pin_x_view));
     }
