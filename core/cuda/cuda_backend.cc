@@ -9,6 +9,7 @@
 #include "core/cuda/answer_copy.h"
 #include "core/cuda/grow_only_buffer.h"
 #include "core/status_macros.h"
+#include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_routing.cuh"
 
@@ -294,7 +295,7 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   QuantConfig quant_;
   std::vector<int32_t> host_counts_;
   // Prepare's outputs (valid until the next Prepare) and Finalize's reduce target.
-  DeviceBuffer hidden_, ids_, weights_, batched_a1q_, align_, reduced_;
+  DeviceBuffer hidden_, wire_, ids_, weights_, batched_a1q_, align_, reduced_;
   PinnedBuffer staging_;
   int32_t* slot_ = nullptr;  // batched: route -> row within its expert, into align_
   ParallelCopier copier_{kStagingCopyThreads};
@@ -318,17 +319,21 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
   const cudaStream_t stream = StreamOf(*ctx_);
   const Device gpu = ctx_->tensor_device();
-  const size_t x_bytes = m * k * 2, id_bytes = m * topk * 4, w_bytes = m * topk * 4;
-  MOESERVE_ASSIGN_OR_RETURN(void* pin, staging_.Get(x_bytes + id_bytes + w_bytes + 64));
+  // The input crosses in its own dtype (one staged copy); the quantization hook, BF16
+  // activations (exact for BF16, round-to-nearest-even otherwise), runs on the device. A strided
+  // view is converted on the host instead.
+  const DType wire = x.is_contiguous() ? x.dtype() : DType::kBF16;
+  const size_t x_bytes = m * k * 2, wire_bytes = m * k * DTypeSize(wire);
+  const size_t id_bytes = m * topk * 4, w_bytes = m * topk * 4;
+  MOESERVE_ASSIGN_OR_RETURN(void* pin, staging_.Get(wire_bytes + id_bytes + w_bytes + 64));
   auto* pin_x = static_cast<uint8_t*>(pin);
-  auto* pin_ids = reinterpret_cast<int32_t*>(pin_x + (x_bytes + 15) / 16 * 16);
+  auto* pin_ids = reinterpret_cast<int32_t*>(pin_x + (wire_bytes + 15) / 16 * 16);
   auto* pin_w = reinterpret_cast<float*>(pin_ids + m * topk);
-  // Quantization hook: BF16 activations (exact for BF16 input, round-to-nearest otherwise).
-  TensorView pin_x_view(pin_x, DType::kBF16, {m, k}, Device::PinnedHost());
-  if (x.dtype() == DType::kBF16 && x.is_contiguous()) {
-    copier_.Copy(pin_x, x.raw_data(), x_bytes);
+  if (x.is_contiguous()) {
+    copier_.Copy(pin_x, x.raw_data(), wire_bytes);
   } else {
-    MOESERVE_RETURN_IF_ERROR(ConvertTensor(x, pin_x_view));
+    MOESERVE_RETURN_IF_ERROR(
+        ConvertTensor(x, TensorView(pin_x, DType::kBF16, {m, k}, Device::PinnedHost())));
   }
   // Global -> local ids (the engine range-checked the ids; this guards the map lookup).
   const int32_t* g = args.topk_ids.data<int32_t>();
@@ -351,9 +356,24 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   MOESERVE_ASSIGN_OR_RETURN(void* d_ids, ids_.Get(id_bytes));
   MOESERVE_ASSIGN_OR_RETURN(void* d_w, weights_.Get(w_bytes));
   if (m > 0) {
-    // One contiguous pinned block; three copies.
+    // One contiguous pinned block; three copies (then the conversion, for FP16 / FP32 input).
+    void* d_wire = d_x;
+    if (wire != DType::kBF16) {
+      MOESERVE_ASSIGN_OR_RETURN(d_wire, wire_.Get(wire_bytes));
+    }
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_x, pin_x, x_bytes, cudaMemcpyHostToDevice, stream));
+        cudaMemcpyAsync(d_wire, pin_x, wire_bytes, cudaMemcpyHostToDevice, stream));
+    auto* d_bf16 = static_cast<uint16_t*>(d_x);
+    if (wire == DType::kFP32) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(
+          static_cast<const float*>(d_wire), d_bf16, m * k, stream));
+    } else if (wire == DType::kFP16) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp16ToBf16(
+          static_cast<const uint16_t*>(d_wire), d_bf16, m * k, stream));
+    } else if (wire != DType::kBF16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name(), ": hidden_states must be bf16, fp16 or fp32, got ", DTypeName(wire)));
+    }
     MOESERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(d_ids, pin_ids, id_bytes, cudaMemcpyHostToDevice, stream));
     MOESERVE_CUDA_RETURN_IF_ERROR(

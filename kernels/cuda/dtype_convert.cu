@@ -1,4 +1,5 @@
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/fp16_bits.h"
@@ -32,6 +33,15 @@ __global__ void Fp32ToFp16Kernel(const float* __restrict__ in, uint16_t* __restr
   }
 }
 
+__global__ void Fp16ToBf16Kernel(const uint16_t* __restrict__ in, uint16_t* __restrict__ out,
+                                 int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float f = __half2float(__ushort_as_half(in[i]));
+    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+}
+
 int NumBlocks(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < 65535 ? blocks : 65535);
@@ -57,6 +67,13 @@ cudaError_t LaunchConvertFp32ToFp16(const float* in, uint16_t* out, int64_t n,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   Fp32ToFp16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchConvertFp16ToBf16(const uint16_t* in, uint16_t* out, int64_t n,
+                                    cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  Fp16ToBf16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
   return cudaGetLastError();
 }
 

@@ -14,6 +14,9 @@ namespace moeserve::kernels {
 cudaError_t LaunchConvertBf16ToFp32(const uint16_t* in, float* out, int64_t n, cudaStream_t stream);
 cudaError_t LaunchConvertFp32ToBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
 cudaError_t LaunchConvertFp32ToFp16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
+// FP16 -> BF16 through FP32 (exact), rounded to nearest even: as the host's ConvertTensor.
+cudaError_t LaunchConvertFp16ToBf16(const uint16_t* in, uint16_t* out, int64_t n,
+                                    cudaStream_t stream);
 
 }  // namespace moeserve::kernels
 

@@ -184,7 +184,8 @@ TEST_F(CudaKernelsTest, DequantizeMxfp8IsExact) {
   }
 }
 
-// The answer's FP32 -> BF16 / FP16 conversion on the device must equal the host twins bit for
+// The answer's FP32 -> BF16 / FP16 conversion and the FP16 -> BF16 input conversion on the device
+// must equal the host twins bit for
 // bit: random normals over a wide exponent range plus the edge values (subnormals, rounding
 // ties, overflow to Inf, NaN, signed zero).
 TEST_F(CudaKernelsTest, Fp32ToHalfMatchesRefBitForBit) {
@@ -220,6 +221,19 @@ TEST_F(CudaKernelsTest, Fp32ToHalfMatchesRefBitForBit) {
   }
   EXPECT_EQ(bad_bf16, 0);
   EXPECT_EQ(bad_fp16, 0);
+  // FP16 input -> BF16 activations, as the host's ConvertTensor does it (through FP32).
+  std::vector<uint16_t> want_fp16_to_bf16(n);
+  for (int64_t i = 0; i < n; ++i) want_fp16_to_bf16[i] = FloatToBf16(Fp16ToFloat(want_fp16[i]));
+  Dev<uint16_t> d_from_fp16(n);
+  CUDA_OK(LaunchConvertFp16ToBf16(d_fp16.p, d_from_fp16.p, n, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> from_fp16 = d_from_fp16.Get();
+  int64_t bad_from_fp16 = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(in[i])) continue;  // NaN payloads differ by library
+    bad_from_fp16 += from_fp16[i] != want_fp16_to_bf16[i];
+  }
+  EXPECT_EQ(bad_from_fp16, 0);
 }
 
 }  // namespace
