@@ -24,6 +24,13 @@ declare -A R
 # (A) engine --backend cuda vs the CPU reference.
 timeout 120 $B/engine_cuda_test --gtest_brief=1 2>&1 | tee "$OUT/engine_cuda.log" | grep -E "FAILED|PASSED|SKIPPED|tests from" | tail -4
 R[engine_cuda_test]=$(grep -E "^\[  (PASSED|FAILED)" "$OUT/engine_cuda.log" | tr '\n' ' ')
+# (A) the registry's combination suite, every CUDA PrepareAndFinalize x Experts pair at R = 1, 2
+# (R > 2 skips on two GPUs), against the CPU reference.
+if [ -x $B/engine_mk_combinations_test ]; then
+  timeout 300 $B/engine_mk_combinations_test --gtest_brief=1 --gtest_filter='*Cuda*:*Nccl*' \
+    > "$OUT/combinations_cuda.log" 2>&1
+  R[combinations_cuda]=$(grep -E "^\[  (PASSED|FAILED|SKIPPED)" "$OUT/combinations_cuda.log" | tr '\n' ' ')
+fi
 
 # (A) the real server, one GPU (BF16) and two GPUs (EP2 over NCCL, MXFP8), checked by the CLI.
 serve_check() {  # name, server flags...
