@@ -13,6 +13,7 @@
 #include "core/cuda/grow_only_buffer.h"
 #include "core/ep_plan.h"
 #include "core/status_macros.h"
+#include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/ep_pack.cuh"
 #include "kernels/cuda/moe_routing.cuh"
 
@@ -100,7 +101,7 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
   std::vector<int64_t> planned_send_count_;  // what PlanChunks announced for round 0
   std::vector<int64_t> planned_recv_count_;  // what the peers announced to this rank
 
-  DevBuf d_in_, d_send_rows_, d_recv_rows_, d_recv_ids_, d_recv_w_, d_batched_, d_align_;
+  DevBuf d_in_, d_x_bf16_, d_send_rows_, d_recv_rows_, d_recv_ids_, d_recv_w_, d_batched_, d_align_;
   DevBuf d_partial_, d_comb_recv_, d_out_, d_cnt_;
   PinBuf pin_in_, pin_cnt_;
   ParallelCopier copier_{4};  // staging copies between request bytes and pinned memory
@@ -230,9 +231,12 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   int64_t num_recv = 0;
   for (int p = 0; p < world; ++p) num_recv += recv_count[p];
 
-  // Pinned staging: [x BF16 | the plan's block (EpPlanLayout: send_token | rec_ids | rec_w |
-  // comb_off (m+1) | comb_slots)].
-  const size_t x_bytes = Align256(m * k * 2);
+  // Pinned staging: [x in its wire dtype | the plan's block (EpPlanLayout: send_token | rec_ids |
+  // rec_w | comb_off (m+1) | comb_slots)]. FP16 / FP32 input becomes BF16 on the device; a
+  // strided view is converted on the host instead.
+  const DType wire = x.is_contiguous() ? x.dtype() : DType::kBF16;
+  const size_t wire_bytes = m * k * DTypeSize(wire);
+  const size_t x_bytes = Align256(wire_bytes);
   const EpPlanLayout layout = EpPlanLayout::For(num_send, m, topk);
   const size_t plan_elems = layout.words;
   const size_t in_bytes = x_bytes + plan_elems * 4;
@@ -241,13 +245,13 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   auto* pin_x = static_cast<uint8_t*>(pin);
   // Pinned BF16 input goes to the device as it is; anything else through the staging buffer.
   const bool direct_x =
-      m > 0 && x.dtype() == DType::kBF16 && x.is_contiguous() && IsPinnedHostPointer(x.raw_data());
+      m > 0 && wire == DType::kBF16 && x.is_contiguous() && IsPinnedHostPointer(x.raw_data());
   if (m > 0 && !direct_x) {
-    TensorView pin_x_view(pin_x, DType::kBF16, {m, k});
-    if (x.dtype() == DType::kBF16 && x.is_contiguous()) {
-      copier_.Copy(pin_x, x.raw_data(), m * k * 2);
+    if (x.is_contiguous()) {
+      copier_.Copy(pin_x, x.raw_data(), wire_bytes);
     } else {
-      MOESERVE_RETURN_IF_ERROR(ConvertTensor(x, pin_x_view));
+      MOESERVE_RETURN_IF_ERROR(
+          ConvertTensor(x, TensorView(pin_x, DType::kBF16, {m, k}, Device::PinnedHost())));
     }
   }
   // The round's plan, filled straight into the staging block (records grouped by destination
@@ -270,12 +274,26 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   const int32_t* d_send_token = d_plan + layout.send_token;
   const int32_t* d_rec_ids = d_plan + layout.rec_ids;
   const int32_t* d_rec_w = d_plan + layout.rec_weights;
+  auto* d_x = static_cast<const uint16_t*>(d_in);  // BF16 rows
+  if (m > 0 && wire != DType::kBF16) {
+    MOESERVE_ASSIGN_OR_RETURN(void* d_bf16, d_x_bf16_.Get(m * k * 2));
+    if (wire == DType::kFP32) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(
+          static_cast<const float*>(d_in), static_cast<uint16_t*>(d_bf16), m * k, stream_));
+    } else if (wire == DType::kFP16) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp16ToBf16(
+          static_cast<const uint16_t*>(d_in), static_cast<uint16_t*>(d_bf16), m * k, stream_));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name(), ": hidden_states must be bf16, fp16 or fp32, got ", DTypeName(wire)));
+    }
+    d_x = static_cast<const uint16_t*>(d_bf16);
+  }
 
   // Pack, then one NCCL group for rows, ids and weights.
   MOESERVE_ASSIGN_OR_RETURN(void* d_send_rows, d_send_rows_.Get(num_send * k * 2));
-  MOESERVE_CUDA_RETURN_IF_ERROR(
-      kernels::LaunchEpGatherRows(static_cast<const uint16_t*>(d_in), d_send_token, num_send, k,
-                                  static_cast<uint16_t*>(d_send_rows), stream_));
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchEpGatherRows(
+      d_x, d_send_token, num_send, k, static_cast<uint16_t*>(d_send_rows), stream_));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rows, d_recv_rows_.Get(num_recv * k * 2));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rids, d_recv_ids_.Get(num_recv * topk * 4));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rw, d_recv_w_.Get(num_recv * topk * 4));
