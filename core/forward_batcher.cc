@@ -1,0 +1,250 @@
+#include "core/forward_batcher.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace moeserve {
+
+struct ForwardBatcher::Call {
+  ForwardInput input;
+  TensorView output;
+  absl::Time deadline;
+  std::function<bool()> cancelled;
+  Done done;
+  absl::Time enqueued;
+  int64_t tokens = 0;
+  // Contiguous views can share a step (their rows are copied into the merged buffers).
+  bool mergeable = false;
+};
+
+namespace {
+
+double MicrosBetween(absl::Time a, absl::Time b) { return absl::ToDoubleMicroseconds(b - a); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
+    Engine* engine, ForwardBatcherOptions options) {
+  if (engine == nullptr) return absl::InvalidArgumentError("ForwardBatcher: no engine");
+  if (options.max_batch_tokens <= 0 || options.max_queued_tokens <= 0 ||
+      options.max_batch_delay < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_batch_tokens (", options.max_batch_tokens, ") and max_queued_tokens (",
+                     options.max_queued_tokens, ") must be > 0 and max_batch_delay (",
+                     absl::FormatDuration(options.max_batch_delay), ") >= 0"));
+  }
+  return std::unique_ptr<ForwardBatcher>(new ForwardBatcher(engine, options));
+}
+
+ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
+    : engine_(engine), options_(options) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+ForwardBatcher::~ForwardBatcher() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+ForwardBatcherStats ForwardBatcher::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
+                            absl::Time deadline, std::function<bool()> cancelled, Done done) {
+  const ForwardTimings no_timings;
+  const EngineInfo& info = engine_->info();
+  if (absl::Status s = ValidateForwardInput(info.model, info.max_tokens_per_request, input);
+      !s.ok()) {
+    return done(s, no_timings);
+  }
+  const int64_t m = input.hidden_states.dim(0);
+  if (output.dtype() != input.hidden_states.dtype() ||
+      output.shape() != input.hidden_states.shape() || !output.is_contiguous() ||
+      !output.device().is_host()) {
+    return done(absl::InvalidArgumentError(absl::StrCat(
+                    "output must be contiguous host ", DTypeName(input.hidden_states.dtype()),
+                    ShapeToString(input.hidden_states.shape()), ", got ", output.DebugString())),
+                no_timings);
+  }
+  if (m == 0) return done(absl::OkStatus(), no_timings);
+  auto call = std::make_unique<Call>();
+  call->input = input;
+  call->output = output;
+  call->deadline = deadline;
+  call->cancelled = std::move(cancelled);
+  call->done = std::move(done);
+  call->enqueued = absl::Now();
+  call->tokens = m;
+  call->mergeable = input.hidden_states.is_contiguous() && input.topk_ids.is_contiguous() &&
+                    input.topk_weights.is_contiguous();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    absl::Status refused;
+    if (stop_) {
+      refused = absl::UnavailableError("Forward: the server is shutting down");
+    } else if (stats_.queued_tokens + m > options_.max_queued_tokens) {
+      ++stats_.refused_queue_full;
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "Forward: the queue is full (", stats_.queued_tokens, " tokens queued + ", m,
+          " > max_queued_tokens=", options_.max_queued_tokens, "); retry later or elsewhere"));
+    }
+    if (!refused.ok()) {
+      lock.unlock();
+      return call->done(refused, no_timings);
+    }
+    stats_.queued_tokens += m;
+    queue_.push_back(std::move(call));
+  }
+  cv_.notify_all();
+}
+
+void ForwardBatcher::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (stop_) break;
+    const Call& head = *queue_.front();
+    const int layer = head.input.layer;
+    const DType dtype = head.input.hidden_states.dtype();
+    auto joins = [&](const Call& c) {
+      return c.mergeable && head.mergeable && c.input.layer == layer &&
+             c.input.hidden_states.dtype() == dtype;
+    };
+    // Wait for company until the head's delay is spent or its step is full.
+    const absl::Time ready_at = head.enqueued + options_.max_batch_delay;
+    while (!stop_ && absl::Now() < ready_at) {
+      int64_t tokens = 0;
+      for (const auto& c : queue_) {
+        if (c.get() == &head || joins(*c)) tokens += c->tokens;
+      }
+      if (tokens >= options_.max_batch_tokens) break;
+      cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
+                             1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
+    }
+    if (stop_) break;
+    // The head, then every call that joins it in arrival order while the step fits.
+    std::vector<std::unique_ptr<Call>> step;
+    int64_t tokens = 0;
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      Call& c = **it;
+      const bool first = step.empty();
+      if (first || (joins(c) && tokens + c.tokens <= options_.max_batch_tokens)) {
+        tokens += c.tokens;
+        step.push_back(std::move(*it));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    stats_.queued_tokens -= tokens;
+    lock.unlock();
+    RunStep(std::move(step));
+    lock.lock();
+  }
+  // Shutting down: whatever is still queued is answered, not dropped.
+  std::deque<std::unique_ptr<Call>> left;
+  left.swap(queue_);
+  stats_.queued_tokens = 0;
+  lock.unlock();
+  for (auto& c : left) {
+    c->done(absl::UnavailableError("Forward: the server is shutting down"), ForwardTimings());
+  }
+}
+
+void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
+  const absl::Time start = absl::Now();
+  std::vector<std::unique_ptr<Call>> live;
+  int64_t deadline_drops = 0, cancel_drops = 0;
+  for (auto& c : calls) {
+    if (c->deadline <= start) {
+      ++deadline_drops;
+      c->done(absl::DeadlineExceededError(absl::StrCat("Forward: the deadline passed after ",
+                                                       MicrosBetween(c->enqueued, start),
+                                                       " us in the queue, before the call ran")),
+              ForwardTimings());
+    } else if (c->cancelled && c->cancelled()) {
+      ++cancel_drops;
+      c->done(absl::CancelledError("Forward: cancelled by the client before it ran"),
+              ForwardTimings());
+    } else {
+      live.push_back(std::move(c));
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.dropped_deadline += deadline_drops;
+    stats_.dropped_cancelled += cancel_drops;
+  }
+  if (live.empty()) return;
+
+  ForwardTimings timings;
+  absl::Status status;
+  if (live.size() == 1) {
+    // Alone: straight from and into the caller's buffers.
+    status = engine_->Forward(live[0]->input, live[0]->output, &timings);
+  } else {
+    const ForwardInput& first = live[0]->input;
+    const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
+    const DType dtype = first.hidden_states.dtype();
+    const size_t row = static_cast<size_t>(hidden) * DTypeSize(dtype);
+    int64_t m = 0;
+    for (const auto& c : live) m += c->tokens;
+    ForwardInput merged;
+    merged.layer = first.layer;
+    merged.hidden_states = hidden_.Get(dtype, {m, hidden});
+    merged.topk_ids = ids_.Get(DType::kINT32, {m, topk});
+    merged.topk_weights = weights_.Get(DType::kFP32, {m, topk});
+    const TensorView output = output_.Get(dtype, {m, hidden});
+    int64_t at = 0;
+    for (const auto& c : live) {
+      const ForwardInput& in = c->input;
+      const int64_t n = c->tokens;
+      std::memcpy(merged.hidden_states.data<std::byte>() + at * row, in.hidden_states.raw_data(),
+                  n * row);
+      int32_t* ids = merged.topk_ids.data<int32_t>() + at * topk;
+      if (in.topk_ids.dtype() == DType::kINT32) {
+        std::memcpy(ids, in.topk_ids.raw_data(), n * topk * sizeof(int32_t));
+      } else {  // INT64, range-checked by ValidateForwardInput
+        for (int64_t i = 0; i < n * topk; ++i) {
+          ids[i] = static_cast<int32_t>(in.topk_ids.data<int64_t>()[i]);
+        }
+      }
+      std::memcpy(merged.topk_weights.data<float>() + at * topk, in.topk_weights.raw_data(),
+                  n * topk * sizeof(float));
+      at += n;
+    }
+    status = engine_->Forward(merged, output, &timings);
+    at = 0;
+    for (const auto& c : live) {
+      if (status.ok()) {
+        std::memcpy(c->output.raw_data(), output.data<std::byte>() + at * row, c->tokens * row);
+      }
+      at += c->tokens;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.steps;
+    stats_.calls += static_cast<int64_t>(live.size());
+    if (live.size() > 1) stats_.merged_calls += static_cast<int64_t>(live.size());
+    stats_.max_step_calls = std::max<int64_t>(stats_.max_step_calls, live.size());
+  }
+  for (auto& c : live) {
+    ForwardTimings mine = timings;
+    mine.queue_us += MicrosBetween(c->enqueued, start);
+    c->done(status, mine);
+  }
+}
+
+}  // namespace moeserve

@@ -1,0 +1,99 @@
+// The per-layer batcher: concurrent Forward calls for the same MoE layer (attention
+// data-parallel ranks, micro-batches) become one engine step, and each caller gets exactly its
+// rows back.
+//
+// One scheduling thread. It takes the oldest queued call (arrival order across layers, so no
+// layer starves), then every queued call of the same layer and hidden dtype in arrival order
+// while the step stays within max_batch_tokens, waiting up to max_batch_delay after the oldest
+// call's arrival for more to come. Calls whose deadline passed or that were cancelled are
+// answered (DEADLINE_EXCEEDED / CANCELLED) without running. The queue is bounded in tokens:
+// beyond max_queued_tokens a call is refused at once with RESOURCE_EXHAUSTED naming the limit.
+//
+// Submitted inputs are validated first (ValidateForwardInput), so a bad call is refused alone
+// and never fails the step it would have joined; a failed step fails every call in it.
+//
+// Thread-safety: Submit from any thread. The callback runs on the scheduling thread (or on the
+// submitting thread for an immediate answer) and must not block for long.
+#ifndef MOESERVE_CORE_FORWARD_BATCHER_H_
+#define MOESERVE_CORE_FORWARD_BATCHER_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/engine.h"
+#include "core/tensor.h"
+
+namespace moeserve {
+
+struct ForwardBatcherOptions {
+  // Most tokens in one engine step (a single larger call still runs, alone).
+  int64_t max_batch_tokens = 1024;
+  // How long the oldest queued call may wait for others to join its step. 0: never wait (merge
+  // only what is already queued).
+  absl::Duration max_batch_delay = absl::Microseconds(200);
+  // Most tokens queued and not yet running; beyond it calls are refused.
+  int64_t max_queued_tokens = 16384;
+};
+
+// Counters since creation (a snapshot).
+struct ForwardBatcherStats {
+  int64_t steps = 0;           // engine steps run
+  int64_t calls = 0;           // calls answered by a step (ok or its error)
+  int64_t merged_calls = 0;    // calls that shared their step with at least one other
+  int64_t max_step_calls = 0;  // most calls in one step
+  int64_t refused_queue_full = 0;
+  int64_t dropped_deadline = 0;
+  int64_t dropped_cancelled = 0;
+  int64_t queued_tokens = 0;  // now
+};
+
+class ForwardBatcher {
+ public:
+  using Done = std::function<void(absl::Status status, const ForwardTimings& timings)>;
+
+  // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits.
+  static absl::StatusOr<std::unique_ptr<ForwardBatcher>> Create(Engine* engine,
+                                                                ForwardBatcherOptions options);
+  // Answers every queued call with UNAVAILABLE, then joins the scheduling thread.
+  ~ForwardBatcher();
+
+  // Queues one call. `input` and `output` (as Engine::Forward: output [M, hidden] in the
+  // hidden dtype, host memory) must stay valid until `done` runs; `done` runs exactly once.
+  // `cancelled` (may be null) is polled before the call runs. timings.queue_us is the time from
+  // Submit to the start of its step.
+  void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
+              std::function<bool()> cancelled, Done done);
+
+  ForwardBatcherStats stats() const;
+  const ForwardBatcherOptions& options() const { return options_; }
+
+ private:
+  struct Call;
+  ForwardBatcher(Engine* engine, ForwardBatcherOptions options);
+  void Loop();
+  // Runs the calls of one step (same layer and dtype) and answers them.
+  void RunStep(std::vector<std::unique_ptr<Call>> calls);
+
+  Engine* const engine_;
+  const ForwardBatcherOptions options_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Call>> queue_;
+  bool stop_ = false;
+  ForwardBatcherStats stats_;
+  // The merged step's buffers (scheduling thread only).
+  HostBuffer hidden_, ids_, weights_, output_;
+  std::thread thread_;
+};
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_FORWARD_BATCHER_H_

@@ -1,0 +1,192 @@
+// The per-layer batcher over a CPU engine with ReferenceExperts (every token computed on its
+// own, so a batched answer must equal the answer alone bit for bit).
+#include "core/forward_batcher.h"
+
+#include <atomic>
+#include <cstring>
+#include <future>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/engine/engine_test_util.h"
+
+namespace moeserve {
+namespace {
+
+struct Call {
+  Tensor x, ids, w, out;
+  int layer = 0;
+  ForwardInput input() const { return ForwardInput{layer, x.view(), ids.view(), w.view()}; }
+};
+
+Call MakeCall(const ModelConfig& m, int64_t tokens, int layer, DType dtype, std::mt19937& rng) {
+  Call c;
+  c.layer = layer;
+  Tensor f = testing::RandomNormal({tokens, m.hidden}, rng);
+  c.x = Tensor::Empty(dtype, {tokens, m.hidden});
+  EXPECT_TRUE(ConvertTensor(f.view(), c.x.view()).ok());
+  c.ids = testing::MakeRouting(testing::Routing::kUniform, tokens, m.topk, m.num_experts, rng);
+  c.w = testing::RandomTopkWeights(tokens, m.topk, rng);
+  c.out = Tensor::Empty(dtype, {tokens, m.hidden});
+  return c;
+}
+
+// Submits and returns a future of (status, timings).
+std::future<std::pair<absl::Status, ForwardTimings>> SubmitAsync(
+    ForwardBatcher& batcher, const Call& call, absl::Time deadline = absl::InfiniteFuture(),
+    std::function<bool()> cancelled = nullptr) {
+  auto promise = std::make_shared<std::promise<std::pair<absl::Status, ForwardTimings>>>();
+  auto future = promise->get_future();
+  batcher.Submit(call.input(), call.out.view(), deadline, std::move(cancelled),
+                 [promise](absl::Status s, const ForwardTimings& t) {
+                   promise->set_value({std::move(s), t});
+                 });
+  return future;
+}
+
+std::unique_ptr<Engine> ReferenceEngine() {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 512;
+  return *Engine::Create(o);
+}
+
+// Concurrent calls for one layer share steps, each gets exactly its rows (equal to running
+// it alone), across dtypes and layers; steps never exceed max_batch_tokens.
+TEST(ForwardBatcherTest, MergedCallsGetTheirOwnRowsBitForBit) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(), {.max_batch_tokens = 64, .max_batch_delay = absl::Milliseconds(50)});
+  std::mt19937 rng(4);
+  std::vector<Call> calls;
+  const DType dtypes[] = {DType::kBF16, DType::kFP32};
+  for (int i = 0; i < 12; ++i) {
+    calls.push_back(MakeCall(m, 1 + i % 5 * 7, i % 2, dtypes[i / 6], rng));
+  }
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+  for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto [status, timings] = futures[i].get();
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_GE(timings.queue_us, 0);
+    Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
+    ASSERT_TRUE(engine->Forward(calls[i].input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0)
+        << "call " << i;
+  }
+  const ForwardBatcherStats stats = batcher->stats();
+  EXPECT_EQ(stats.calls, 12);
+  EXPECT_LT(stats.steps, 12);  // a 50 ms delay lets the quickly submitted calls meet
+  EXPECT_GE(stats.merged_calls, 2);
+  EXPECT_GE(stats.max_step_calls, 2);
+  EXPECT_EQ(stats.queued_tokens, 0);
+}
+
+// Bad input is refused alone at Submit, before it can join (and fail) a step.
+TEST(ForwardBatcherTest, BadInputIsRefusedAloneWithTheEnginesMessage) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(engine.get(), {});
+  std::mt19937 rng(5);
+  Call bad = MakeCall(m, 3, 0, DType::kBF16, rng);
+  bad.ids.data<int32_t>()[4] = static_cast<int32_t>(m.num_experts);
+  auto [s, t] = SubmitAsync(*batcher, bad).get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("topk_ids"), std::string::npos) << s;
+  Call good = MakeCall(m, 3, 0, DType::kBF16, rng);
+  Tensor wrong_out = Tensor::Empty(DType::kFP32, {3, m.hidden});
+  std::promise<absl::Status> p;
+  batcher->Submit(good.input(), wrong_out.view(), absl::InfiniteFuture(), nullptr,
+                  [&p](absl::Status st, const ForwardTimings&) { p.set_value(st); });
+  const absl::Status so = p.get_future().get();
+  EXPECT_EQ(so.code(), absl::StatusCode::kInvalidArgument) << so;
+  EXPECT_NE(so.message().find("output"), std::string::npos) << so;
+  EXPECT_TRUE(SubmitAsync(*batcher, good).get().first.ok());
+  EXPECT_EQ(batcher->stats().calls, 1);
+}
+
+// Beyond max_queued_tokens a call is refused at once, naming the limit; nothing is lost.
+TEST(ForwardBatcherTest, FullQueueRefusesWithResourceExhausted) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  // A long delay keeps the first calls queued while the others arrive.
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 1000,
+                                                        .max_batch_delay = absl::Milliseconds(300),
+                                                        .max_queued_tokens = 40});
+  std::mt19937 rng(6);
+  std::vector<Call> calls;
+  for (int i = 0; i < 6; ++i) calls.push_back(MakeCall(m, 16, 0, DType::kBF16, rng));
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+  for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+  int ok = 0, refused = 0;
+  for (auto& f : futures) {
+    const absl::Status s = f.get().first;
+    if (s.ok()) {
+      ++ok;
+    } else {
+      ++refused;
+      EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+      EXPECT_NE(s.message().find("max_queued_tokens=40"), std::string::npos) << s;
+    }
+  }
+  EXPECT_EQ(ok, 2);  // 16 + 16 <= 40 < 48
+  EXPECT_EQ(refused, 4);
+  EXPECT_EQ(batcher->stats().refused_queue_full, 4);
+}
+
+// A call whose deadline passed or that was cancelled while queued does not run.
+TEST(ForwardBatcherTest, ExpiredAndCancelledCallsAreDroppedBeforeRunning) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(), {.max_batch_tokens = 1000, .max_batch_delay = absl::Milliseconds(100)});
+  std::mt19937 rng(7);
+  Call late = MakeCall(m, 4, 0, DType::kBF16, rng);
+  Call gone = MakeCall(m, 4, 0, DType::kBF16, rng);
+  Call fine = MakeCall(m, 4, 0, DType::kBF16, rng);
+  std::atomic<bool> client_left{false};
+  auto f_late = SubmitAsync(*batcher, late, absl::Now() + absl::Milliseconds(10));
+  auto f_gone =
+      SubmitAsync(*batcher, gone, absl::InfiniteFuture(), [&] { return client_left.load(); });
+  auto f_fine = SubmitAsync(*batcher, fine);
+  client_left = true;
+  const absl::Status s_late = f_late.get().first, s_gone = f_gone.get().first;
+  EXPECT_EQ(s_late.code(), absl::StatusCode::kDeadlineExceeded) << s_late;
+  EXPECT_EQ(s_gone.code(), absl::StatusCode::kCancelled) << s_gone;
+  EXPECT_TRUE(f_fine.get().first.ok());
+  const ForwardBatcherStats stats = batcher->stats();
+  EXPECT_EQ(stats.dropped_deadline, 1);
+  EXPECT_EQ(stats.dropped_cancelled, 1);
+  EXPECT_EQ(stats.calls, 1);
+}
+
+// Destroying the batcher answers what is still queued (UNAVAILABLE), never drops it; M = 0 is
+// answered at once; bad limits are refused.
+TEST(ForwardBatcherTest, ShutdownAnswersQueuedCallsAndLimitsAreChecked) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  EXPECT_EQ(ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ForwardBatcher::Create(nullptr, {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::mt19937 rng(8);
+  Call empty = MakeCall(m, 0, 0, DType::kBF16, rng);
+  std::vector<Call> calls;
+  for (int i = 0; i < 3; ++i) calls.push_back(MakeCall(m, 8, i % 2, DType::kBF16, rng));
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+  {
+    auto batcher = *ForwardBatcher::Create(
+        engine.get(), {.max_batch_tokens = 1000, .max_batch_delay = absl::Seconds(30)});
+    EXPECT_TRUE(SubmitAsync(*batcher, empty).get().first.ok());
+    for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+  }
+  for (auto& f : futures) {
+    EXPECT_EQ(f.get().first.code(), absl::StatusCode::kUnavailable);
+  }
+}
+
+}  // namespace
+}  // namespace moeserve
