@@ -53,6 +53,21 @@ absl::Status ModelConfig::Validate() const {
   }
   if (hidden <= 0) return bad(absl::StrCat("hidden must be > 0, got ", hidden));
   if (intermediate <= 0) return bad(absl::StrCat("intermediate must be > 0, got ", intermediate));
+  // Upper bounds far above any real MoE layer (DeepSeek-V3: 58 layers, 256 experts, hidden 7168,
+  // intermediate 2048) that keep every size product (elements, bytes, per layer and in all) far
+  // inside int64, so no later computation can overflow.
+  if (num_layers > kMaxLayers) {
+    return bad(absl::StrCat("num_layers must be <= ", kMaxLayers, ", got ", num_layers));
+  }
+  if (num_experts > kMaxExperts) {
+    return bad(absl::StrCat("num_experts must be <= ", kMaxExperts, ", got ", num_experts));
+  }
+  if (hidden > kMaxHidden) {
+    return bad(absl::StrCat("hidden must be <= ", kMaxHidden, ", got ", hidden));
+  }
+  if (intermediate > kMaxHidden) {
+    return bad(absl::StrCat("intermediate must be <= ", kMaxHidden, ", got ", intermediate));
+  }
   for (size_t i = 0; i < moe_layers.size(); ++i) {
     if (moe_layers[i] < 0 || moe_layers[i] >= num_layers ||
         (i > 0 && moe_layers[i] <= moe_layers[i - 1])) {

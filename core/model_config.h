@@ -25,6 +25,11 @@ absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
 //   hidden,
 // and every token is routed to topk of them.
 struct ModelConfig {
+  // Validate()'s upper bounds (sizes beyond them are refused, so size products fit in int64).
+  static constexpr int kMaxLayers = 1024;
+  static constexpr int kMaxExperts = 16384;
+  static constexpr int64_t kMaxHidden = int64_t{1} << 18;  // also bounds intermediate
+
   std::string name;
   int num_layers = 0;
   int num_experts = 0;

@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -14,8 +15,17 @@ std::string ShapeToString(absl::Span<const int64_t> shape) {
 }
 
 int64_t NumElements(absl::Span<const int64_t> shape) {
+  // A zero dim makes the product 0 whatever the others are (no overflow from [2^62, 2^62, 0]).
+  for (int64_t d : shape) {
+    if (d < 0) return -1;
+  }
+  for (int64_t d : shape) {
+    if (d == 0) return 0;
+  }
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) return -1;
+  }
   return n;
 }
 
@@ -92,10 +102,23 @@ Tensor Tensor::Empty(DType dtype, Shape shape) {
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = std::move(shape);
-  size_t bytes = t.nbytes();
+  const int64_t numel = t.numel();
+  size_t bytes = 0;
+  if (numel < 0 || __builtin_mul_overflow(static_cast<size_t>(numel), DTypeSize(dtype), &bytes) ||
+      bytes > (size_t{1} << 62)) {
+    // Shapes reaching here were validated; an impossible one is a bug, not a request to serve.
+    std::fprintf(stderr, "moeserve: Tensor::Empty(%s) has no valid byte size\n",
+                 ShapeToString(t.shape_).c_str());
+    std::abort();
+  }
   bytes = (bytes + 63) / 64 * 64;
   if (bytes == 0) bytes = 64;
   t.buffer_.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
+  if (t.buffer_ == nullptr) {
+    std::fprintf(stderr, "moeserve: out of memory allocating %zu bytes for %s %s\n", bytes,
+                 DTypeName(dtype).data(), ShapeToString(t.shape_).c_str());
+    std::abort();
+  }
   return t;
 }
 

@@ -44,7 +44,8 @@ struct Device {
 std::string DeviceName(const Device& device);
 
 std::string ShapeToString(absl::Span<const int64_t> shape);
-// Product of the dims; 1 for a scalar (empty shape).
+// Product of the dims; 1 for a scalar (empty shape), 0 if any dim is 0, and -1 if a dim is
+// negative or the product overflows int64 (so a hostile shape can never wrap around).
 int64_t NumElements(absl::Span<const int64_t> shape);
 
 class TensorView {

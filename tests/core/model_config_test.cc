@@ -1,5 +1,10 @@
 #include "core/model_config.h"
 
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/tensor.h"
 #include "gtest/gtest.h"
 
 namespace moeserve {
@@ -70,6 +75,53 @@ TEST(ModelConfigTest, WeightBytesAndMemoryBudget) {
   EXPECT_NE(s.message().find("--num_layers"), absl::string_view::npos);
   EXPECT_TRUE(CheckMemoryBudget(c, 1 << 20, int64_t{24} << 30).ok());
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
+}
+
+// Sizes that would overflow the size arithmetic (issue 14: hidden = intermediate = 2^30
+// crashed the server; hidden = 2^63 - 1 started serving) are refused, naming the field; the
+// largest accepted model still has every size product well inside int64.
+TEST(ModelConfigTest, RefusesSizesBeyondTheLimits) {
+  ModelConfig ok = *ModelPreset("tiny");
+  ASSERT_TRUE(ok.Validate().ok());
+  struct Bad {
+    const char* field;
+    std::function<void(ModelConfig&)> set;
+  };
+  const Bad cases[] = {
+      {"hidden", [](ModelConfig& c) { c.hidden = int64_t{1} << 30; }},
+      {"hidden", [](ModelConfig& c) { c.hidden = INT64_MAX; }},
+      {"intermediate", [](ModelConfig& c) { c.intermediate = int64_t{1} << 30; }},
+      {"num_experts", [](ModelConfig& c) { c.num_experts = ModelConfig::kMaxExperts + 1; }},
+      {"num_layers", [](ModelConfig& c) { c.num_layers = ModelConfig::kMaxLayers + 1; }},
+  };
+  for (const Bad& b : cases) {
+    ModelConfig c = ok;
+    b.set(c);
+    const absl::Status s = c.Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.field;
+    EXPECT_NE(s.message().find(b.field), std::string::npos) << s;
+  }
+  ModelConfig big = ok;
+  big.num_layers = ModelConfig::kMaxLayers;
+  big.num_experts = ModelConfig::kMaxExperts;
+  big.hidden = big.intermediate = ModelConfig::kMaxHidden;
+  ASSERT_TRUE(big.Validate().ok());
+  const int64_t layer_bytes = big.LayerWeightBytes(big.num_experts, WeightFormat::kBF16);
+  EXPECT_GT(layer_bytes, 0);
+  EXPECT_LT(layer_bytes, INT64_MAX / big.num_layers);
+}
+
+// Element counts never overflow: a zero dim gives 0 whatever follows, a negative dim or an
+// overflowing product gives -1 (so byte-length checks fail instead of wrapping).
+TEST(NumElementsTest, ZeroNegativeAndOverflow) {
+  const int64_t big = int64_t{1} << 62;
+  EXPECT_EQ(NumElements({}), 1);
+  EXPECT_EQ(NumElements({3, 4}), 12);
+  EXPECT_EQ(NumElements({0, big, big}), 0);
+  EXPECT_EQ(NumElements({big, big, 0}), 0);
+  EXPECT_EQ(NumElements({big, 4}), -1);
+  EXPECT_EQ(NumElements({2, -3}), -1);
+  EXPECT_EQ(NumElements({INT64_MAX, 1}), INT64_MAX);
 }
 
 }  // namespace
