@@ -43,8 +43,13 @@ struct WireTensor {
 };
 
 // A decoded ForwardRequest. `header` has every field except the three tensors; the tensors'
-// data point into `slices`, which this object owns: keep it alive while using them. Movable.
+// data point into `slices`, which this object owns: keep it alive while using them. Move-only:
+// moving keeps the slices in place, a copy would not (small slices hold their bytes inline).
 struct ForwardRequestView {
+  ForwardRequestView() = default;
+  ForwardRequestView(ForwardRequestView&&) = default;
+  ForwardRequestView& operator=(ForwardRequestView&&) = default;
+
   v1::ForwardRequest header;
   WireTensor hidden_states;
   WireTensor topk_ids;
@@ -54,6 +59,10 @@ struct ForwardRequestView {
 
 // A decoded ForwardResponse; as ForwardRequestView.
 struct ForwardResponseView {
+  ForwardResponseView() = default;
+  ForwardResponseView(ForwardResponseView&&) = default;
+  ForwardResponseView& operator=(ForwardResponseView&&) = default;
+
   v1::ForwardResponse header;  // request_id and timings; output left empty
   WireTensor output;
   std::vector<grpc::Slice> slices;
