@@ -52,9 +52,16 @@ v1::DType DTypeToProto(DType dtype) {
 }
 
 absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor, absl::string_view field) {
-  MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(tensor.dtype(), field));
+  return TensorViewFromParts(tensor.dtype(), tensor.shape(), tensor.data().data(),
+                             tensor.data().size(), field);
+}
+
+absl::StatusOr<TensorView> TensorViewFromParts(int dtype_value, absl::Span<const int64_t> dims,
+                                               const void* data, size_t size,
+                                               absl::string_view field) {
+  MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(dtype_value, field));
   const int64_t itemsize = static_cast<int64_t>(DTypeSize(dtype));
-  Shape shape(tensor.shape().begin(), tensor.shape().end());
+  Shape shape(dims.begin(), dims.end());
   // Bytes needed, checked for overflow at every step; the data can never exceed int64 anyway.
   int64_t bytes = itemsize;
   for (int i = 0; i < static_cast<int>(shape.size()); ++i) {
@@ -79,19 +86,18 @@ absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor, absl::s
       }
     }
   }
-  const std::string& data = tensor.data();
-  if (static_cast<int64_t>(data.size()) != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": data has ", data.size(), " bytes, expected ", bytes, " (shape ",
-                     ShapeToString(shape), " x ", itemsize, " bytes of ", DTypeName(dtype), ")"));
+  if (static_cast<int64_t>(size) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", size, " bytes, expected ",
+                                                   bytes, " (shape ", ShapeToString(shape), " x ",
+                                                   itemsize, " bytes of ", DTypeName(dtype), ")"));
   }
-  // std::string storage comes from operator new (16-byte aligned) or, for short strings, sits
-  // inside the string object (8-byte aligned); either satisfies every wire dtype.
-  if (reinterpret_cast<uintptr_t>(data.data()) % itemsize != 0) {
+  // Proto strings and gathered buffers are at least 8-byte aligned; bytes viewed inside a gRPC
+  // slice are checked by the caller (ForwardInputFromWire).
+  if (reinterpret_cast<uintptr_t>(data) % itemsize != 0) {
     return absl::InternalError(
         absl::StrCat(field, ": data is not ", itemsize, "-byte aligned in server memory"));
   }
-  return TensorView(static_cast<const void*>(data.data()), dtype, std::move(shape));
+  return TensorView(data, dtype, std::move(shape));
 }
 
 TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tensor) {
@@ -103,16 +109,68 @@ TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tens
   return TensorView(static_cast<void*>(data->data()), dtype, shape);
 }
 
-absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request) {
-  ForwardInput input;
-  input.layer = request.layer();
+namespace {
+
+// The first missing tensor of a ForwardRequest, as INVALID_ARGUMENT; OK if all are present.
+absl::Status CheckForwardTensorsPresent(bool hidden_states, bool topk_ids, bool topk_weights) {
   const auto missing = [](absl::string_view field, absl::string_view expected) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": missing; expected a ", expected, " tensor"));
   };
-  if (!request.has_hidden_states()) return missing("hidden_states", "[M, hidden]");
-  if (!request.has_topk_ids()) return missing("topk_ids", "[M, topk] int32 or int64");
-  if (!request.has_topk_weights()) return missing("topk_weights", "[M, topk] fp32");
+  if (!hidden_states) return missing("hidden_states", "[M, hidden]");
+  if (!topk_ids) return missing("topk_ids", "[M, topk] int32 or int64");
+  if (!topk_weights) return missing("topk_weights", "[M, topk] fp32");
+  return absl::OkStatus();
+}
+
+// A view of a wire tensor: in place when its bytes are one suitably aligned piece, else
+// gathered once.
+absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
+                                              absl::string_view field, GatheredBytes* gathered) {
+  // Any non-null, 8-byte aligned address serves for empty data.
+  static const uint64_t kEmpty = 0;
+  absl::Span<const uint8_t> piece;
+  const void* data = nullptr;
+  if (tensor.SinglePiece(&piece)) {
+    absl::StatusOr<DType> dtype = DTypeFromProto(tensor.header.dtype(), field);
+    const size_t itemsize = dtype.ok() ? DTypeSize(*dtype) : 1;
+    if (piece.empty()) {
+      data = &kEmpty;
+    } else if (reinterpret_cast<uintptr_t>(piece.data()) % itemsize == 0) {
+      data = piece.data();
+    }
+  }
+  if (data == nullptr) {
+    gathered->emplace_back(new uint64_t[(tensor.data_size + 7) / 8]);
+    tensor.CopyTo(gathered->back().get());
+    data = gathered->back().get();
+  }
+  return TensorViewFromParts(tensor.header.dtype(), tensor.header.shape(), data, tensor.data_size,
+                             field);
+}
+
+}  // namespace
+
+absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
+                                                  GatheredBytes* gathered) {
+  ForwardInput input;
+  input.layer = request.header.layer();
+  MOESERVE_RETURN_IF_ERROR(CheckForwardTensorsPresent(
+      request.hidden_states.present, request.topk_ids.present, request.topk_weights.present));
+  MOESERVE_ASSIGN_OR_RETURN(input.hidden_states,
+                            TensorViewFromWire(request.hidden_states, "hidden_states", gathered));
+  MOESERVE_ASSIGN_OR_RETURN(input.topk_ids,
+                            TensorViewFromWire(request.topk_ids, "topk_ids", gathered));
+  MOESERVE_ASSIGN_OR_RETURN(input.topk_weights,
+                            TensorViewFromWire(request.topk_weights, "topk_weights", gathered));
+  return input;
+}
+
+absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request) {
+  ForwardInput input;
+  input.layer = request.layer();
+  MOESERVE_RETURN_IF_ERROR(CheckForwardTensorsPresent(
+      request.has_hidden_states(), request.has_topk_ids(), request.has_topk_weights()));
   MOESERVE_ASSIGN_OR_RETURN(input.hidden_states,
                             TensorViewFromProto(request.hidden_states(), "hidden_states"));
   MOESERVE_ASSIGN_OR_RETURN(input.topk_ids, TensorViewFromProto(request.topk_ids(), "topk_ids"));

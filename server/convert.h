@@ -6,13 +6,17 @@
 #define MOESERVE_SERVER_CONVERT_H_
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "core/dtype.h"
 #include "core/engine.h"
 #include "core/tensor.h"
+#include "moeserve/v1/forward_wire.h"
 #include "moeserve/v1/moeserve.pb.h"
 
 namespace moeserve {
@@ -28,6 +32,10 @@ v1::DType DTypeToProto(DType dtype);
 // product(shape) * itemsize. Rank and model-specific checks are left to the caller
 // (ValidateForwardInput).
 absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor, absl::string_view field);
+// The same checks on a tensor given as parts: `size` bytes at `data` (not owned).
+absl::StatusOr<TensorView> TensorViewFromParts(int dtype, absl::Span<const int64_t> shape,
+                                               const void* data, size_t size,
+                                               absl::string_view field);
 
 // Sets `tensor`'s dtype and shape and sizes its data to hold them; returns a writable view of
 // that data so the producer writes straight into the reply (no extra copy). The view stays
@@ -36,6 +44,14 @@ TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tens
 
 // The request's layer and tensors as a ForwardInput viewing `request` (see the file comment).
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request);
+
+// Storage for request tensors whose bytes had to be gathered; 8-byte aligned.
+using GatheredBytes = std::vector<std::unique_ptr<uint64_t[]>>;
+// As ForwardInputFromProto, for a request decoded from gRPC slices: a tensor whose bytes sit in
+// one slice, aligned to its itemsize, is viewed in place; any other is copied once into a buffer
+// appended to `gathered`. The views need `request` and `gathered` alive and unmodified.
+absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
+                                                  GatheredBytes* gathered);
 
 // Engine description -> ModelInfo. `max_message_bytes` is the server's gRPC message limit.
 void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::ModelInfo* out);

@@ -1,10 +1,12 @@
 #include "server/service.h"
 
 #include <chrono>
+#include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "moeserve/v1/forward_wire.h"
 #include "server/convert.h"
 #include "server/status.h"
 
@@ -13,6 +15,16 @@ namespace moeserve {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Uninitialized, 8-byte aligned bytes for one answer.
+class OutputBuffer {
+ public:
+  explicit OutputBuffer(size_t bytes) : words_(new uint64_t[(bytes + 7) / 8 + 1]) {}
+  void* data() { return words_.get(); }
+
+ private:
+  std::unique_ptr<uint64_t[]> words_;
+};
 
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
@@ -26,8 +38,8 @@ MoeServiceImpl::MoeServiceImpl(Engine* engine, Metrics* metrics, const ServiceOp
 MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
 grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* context,
-                                                  const v1::ForwardRequest* request,
-                                                  v1::ForwardResponse* response) {
+                                                  const grpc::ByteBuffer* raw_request,
+                                                  grpc::ByteBuffer* response) {
   const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -41,13 +53,19 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     }
     reactor->Finish(grpc_status);
   };
-  auto task = [this, context, request, response, start, finish]() {
+  auto task = [this, context, raw_request, response, start, finish]() {
     const double server_queue_us = MicrosSince(start);
     if (context->IsCancelled()) {
       finish(absl::CancelledError("Forward: cancelled by the client before it ran"), 0);
       return;
     }
-    absl::StatusOr<ForwardInput> input = ForwardInputFromProto(*request);
+    absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(*raw_request);
+    if (!request.ok()) {
+      return finish(
+          absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())), 0);
+    }
+    GatheredBytes gathered;
+    absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
     if (!input.ok()) return finish(input.status(), 0);
     // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
     const EngineInfo& info = engine_->info();
@@ -56,19 +74,30 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
       return finish(s, 0);
     }
     const int64_t m = input->hidden_states.dim(0);
-    const TensorView output = AllocateProtoTensor(
-        input->hidden_states.dtype(), {m, info.model.hidden}, response->mutable_output());
+    const DType dtype = input->hidden_states.dtype();
+    const Shape out_shape = {m, info.model.hidden};
+    const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
+    // The engine writes the answer here; the reply's slice then owns it (no copy).
+    auto out = std::make_unique<OutputBuffer>(out_bytes);
     ForwardTimings timings;
-    if (absl::Status s = engine_->Forward(*input, output, &timings); !s.ok()) {
-      response->clear_output();
+    if (absl::Status s =
+            engine_->Forward(*input, TensorView(out->data(), dtype, out_shape), &timings);
+        !s.ok()) {
       return finish(s, 0);
     }
-    response->set_request_id(request->request_id());
+    v1::ForwardResponse header;
+    header.mutable_output()->set_dtype(DTypeToProto(dtype));
+    for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
+    header.set_request_id(request->header.request_id());
     if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
-    if (request->return_timings()) {
-      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
-                            response->mutable_timings());
+    if (request->header.return_timings()) {
+      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start), header.mutable_timings());
     }
+    void* out_data = out->data();
+    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
+        header, v1wire::SliceOwning(out_data, out_bytes, std::move(out)));
+    if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
+    response->Swap(&*encoded);
     finish(absl::OkStatus(), m);
   };
   if (!workers_.Submit(task)) {

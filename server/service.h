@@ -1,5 +1,8 @@
 // moeserve.v1.MoeService on gRPC's callback API.
 //
+// Forward is served raw: the request's tensors are read straight out of gRPC's slices and the
+// answer is written by the engine into a buffer that the reply's slice then owns, so tensor
+// bytes are never copied by protobuf (the wire format is still moeserve.v1's).
 // Forward and GetExpertWeights run on the service's own worker threads (a WorkQueue), never on
 // gRPC's callback threads; each reply is Finished from the worker. GetModelInfo answers inline.
 #ifndef MOESERVE_SERVER_SERVICE_H_
@@ -22,16 +25,21 @@ struct ServiceOptions {
   int64_t max_message_bytes = 64 << 20;
 };
 
-class MoeServiceImpl final : public v1::MoeService::CallbackService {
+using MoeServiceBase =
+    v1::MoeService::WithRawCallbackMethod_Forward<v1::MoeService::WithCallbackMethod_GetModelInfo<
+        v1::MoeService::WithCallbackMethod_GetExpertWeights<v1::MoeService::Service>>>;
+
+class MoeServiceImpl final : public MoeServiceBase {
  public:
   // `engine` and `metrics` must outlive the service; `metrics` may be null.
   MoeServiceImpl(Engine* engine, Metrics* metrics, const ServiceOptions& options);
   // Drains the workers.
   ~MoeServiceImpl() override;
 
+  // `request` and `response` are serialized moeserve.v1 ForwardRequest / ForwardResponse.
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
-                                    const v1::ForwardRequest* request,
-                                    v1::ForwardResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;

@@ -365,14 +365,14 @@ int RunLoad() {
   // A few distinct requests, built once and cycled, so that client-side encoding stays out of
   // the measured loop.
   const int distinct = std::max(1, absl::GetFlag(FLAGS_distinct_inputs));
-  std::vector<v1::ForwardRequest> requests;
+  std::vector<grpc::ByteBuffer> requests;
   for (int i = 0; i < distinct; ++i) {
     auto in = RandomInputs(num_tokens, info->hidden(), info->topk(), info->num_experts(), *dtype,
                            absl::GetFlag(FLAGS_seed) + i);
     if (!in.ok()) return Fail(in.status(), "inputs");
     ForwardArgs args = MakeArgs(*in, info->hidden(), info->topk(), *dtype);
     args.request_id = absl::StrCat("load-", i);
-    auto request = MoeClient::BuildForwardRequest(args);
+    auto request = MoeClient::EncodeForwardRequest(args);
     if (!request.ok()) return Fail(request.status(), "build request");
     requests.push_back(std::move(*request));
   }
@@ -394,7 +394,8 @@ int RunLoad() {
       for (;;) {
         const int64_t i = next.fetch_add(1);
         if (i >= num_requests || absl::Now() >= stop_at) break;
-        auto result = (*client)->Forward(requests[static_cast<size_t>(i) % requests.size()]);
+        auto result = (*client)->Forward(requests[static_cast<size_t>(i) % requests.size()],
+                                         /*copy_output=*/false);
         if (result.ok()) {
           local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
           local_server_us.push_back(result->timings.total_us());

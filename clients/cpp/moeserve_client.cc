@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <climits>
+#include <condition_variable>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +28,7 @@ MoeClient::MoeClient(std::string target, MoeClientOptions options,
       options_(options),
       channel_(std::move(channel)),
       stub_(v1::MoeService::NewStub(channel_)),
+      generic_stub_(std::make_unique<grpc::GenericStub>(channel_)),
       health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
 
 absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& target,
@@ -84,7 +87,10 @@ absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::GetExpertWeights(int lay
   return response;
 }
 
-absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardArgs& args) {
+namespace {
+
+// Checks `args`' sizes against each other.
+absl::Status ValidateForwardArgs(const ForwardArgs& args) {
   if (args.hidden_dtype != v1::DTYPE_BF16 && args.hidden_dtype != v1::DTYPE_FP16 &&
       args.hidden_dtype != v1::DTYPE_FP32) {
     return absl::InvalidArgumentError(absl::StrCat("hidden_dtype is ", DTypeName(args.hidden_dtype),
@@ -106,6 +112,18 @@ absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardA
         "topk_ids has ", args.topk_ids.size(), " and topk_weights ", args.topk_weights.size(),
         " elements; [", args.num_tokens, ", ", args.topk, "] needs ", routes));
   }
+  return absl::OkStatus();
+}
+
+grpc::Slice CopyToSlice(const void* data, size_t size) {
+  return size == 0 ? grpc::Slice() : grpc::Slice(data, size);
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardArgs& args) {
+  if (absl::Status s = ValidateForwardArgs(args); !s.ok()) return s;
+  const size_t routes = static_cast<size_t>(args.num_tokens * args.topk);
   v1::ForwardRequest request;
   request.set_layer(args.layer);
   request.set_request_id(args.request_id);
@@ -128,24 +146,90 @@ absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardA
   return request;
 }
 
+absl::StatusOr<grpc::ByteBuffer> MoeClient::EncodeForwardRequest(const ForwardArgs& args) {
+  if (absl::Status s = ValidateForwardArgs(args); !s.ok()) return s;
+  v1::ForwardRequest header;
+  header.set_layer(args.layer);
+  header.set_request_id(args.request_id);
+  header.set_return_timings(args.return_timings);
+  const auto set = [&args](v1::DType dtype, int64_t cols, v1::Tensor* t) {
+    t->set_dtype(dtype);
+    t->add_shape(args.num_tokens);
+    t->add_shape(cols);
+  };
+  set(args.hidden_dtype, args.hidden, header.mutable_hidden_states());
+  set(v1::DTYPE_INT32, args.topk, header.mutable_topk_ids());
+  set(v1::DTYPE_FP32, args.topk, header.mutable_topk_weights());
+  return v1wire::EncodeForwardRequest(
+      header, CopyToSlice(args.hidden_bytes.data(), args.hidden_bytes.size()),
+      CopyToSlice(args.topk_ids.data(), args.topk_ids.size() * sizeof(int32_t)),
+      CopyToSlice(args.topk_weights.data(), args.topk_weights.size() * sizeof(float)));
+}
+
+absl::StatusOr<grpc::ByteBuffer> MoeClient::EncodeForwardRequest(
+    const v1::ForwardRequest& request) {
+  v1::ForwardRequest header = request;
+  v1::Tensor* tensors[] = {header.mutable_hidden_states(), header.mutable_topk_ids(),
+                           header.mutable_topk_weights()};
+  for (v1::Tensor* t : tensors) t->clear_data();
+  if (!request.has_hidden_states()) header.clear_hidden_states();
+  if (!request.has_topk_ids()) header.clear_topk_ids();
+  if (!request.has_topk_weights()) header.clear_topk_weights();
+  const auto data = [](const v1::Tensor& t) {
+    return CopyToSlice(t.data().data(), t.data().size());
+  };
+  return v1wire::EncodeForwardRequest(header, data(request.hidden_states()),
+                                      data(request.topk_ids()), data(request.topk_weights()));
+}
+
 absl::StatusOr<ForwardResult> MoeClient::Forward(const ForwardArgs& args) {
-  absl::StatusOr<v1::ForwardRequest> request = BuildForwardRequest(args);
+  absl::StatusOr<grpc::ByteBuffer> request = EncodeForwardRequest(args);
   if (!request.ok()) return request.status();
   return Forward(*request);
 }
 
 absl::StatusOr<ForwardResult> MoeClient::Forward(const v1::ForwardRequest& request) {
+  absl::StatusOr<grpc::ByteBuffer> encoded = EncodeForwardRequest(request);
+  if (!encoded.ok()) return encoded.status();
+  return Forward(*encoded);
+}
+
+absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request,
+                                                 bool copy_output) {
   grpc::ClientContext context;
   PrepareContext(&context);
-  v1::ForwardResponse response;
+  grpc::ByteBuffer response;
+  // GenericStub's unary call is callback-based; wait for it here.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
   const absl::Time start = absl::Now();
-  grpc::Status status = stub_->Forward(&context, request, &response);
+  generic_stub_->UnaryCall(&context, "/moeserve.v1.MoeService/Forward", grpc::StubOptions(),
+                           &request, &response, [&](grpc::Status s) {
+                             std::lock_guard<std::mutex> lock(mu);
+                             status = std::move(s);
+                             done = true;
+                             cv.notify_one();
+                           });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&done] { return done; });
+  }
   const absl::Duration latency = absl::Now() - start;
   if (!status.ok()) return FromGrpcStatus(status);
+  absl::StatusOr<v1wire::ForwardResponseView> decoded = v1wire::DecodeForwardResponse(response);
+  if (!decoded.ok()) return absl::InternalError(decoded.status().message());
   ForwardResult result;
-  result.output = std::move(*response.mutable_output());
-  result.request_id = std::move(*response.mutable_request_id());
-  result.timings = response.timings();
+  result.raw = *std::move(decoded);
+  result.output = result.raw.output.header;
+  if (copy_output && result.raw.output.data_size > 0) {
+    std::string* data = result.output.mutable_data();
+    data->resize(result.raw.output.data_size);
+    result.raw.output.CopyTo(data->data());
+  }
+  result.request_id = result.raw.header.request_id();
+  result.timings = result.raw.header.timings();
   result.latency = latency;
   return result;
 }

@@ -15,7 +15,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
+#include "moeserve/v1/forward_wire.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 
 namespace moeserve::client {
@@ -48,10 +50,14 @@ struct ForwardArgs {
 };
 
 struct ForwardResult {
-  v1::Tensor output;         // [num_tokens, hidden], the request's hidden dtype
+  // [num_tokens, hidden], the request's hidden dtype. Its data is filled (one copy out of the
+  // received slices) unless the call asked for no copy; `raw` always has it in place.
+  v1::Tensor output;
   std::string request_id;    // as echoed by the server
   v1::StageTimings timings;  // zeros unless return_timings
   absl::Duration latency;    // client-side round trip
+  // The response as received: raw.output.data points into raw.slices (owned here).
+  v1wire::ForwardResponseView raw;
 };
 
 class MoeClient {
@@ -69,14 +75,22 @@ class MoeClient {
 
   // Builds the request from `args` (checking sizes locally) and runs it.
   absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args);
-  // Sends a ready-made request, e.g. one built once and re-sent by a load generator.
+  // Sends a ready-made request (its tensor bytes are copied once into the outgoing slices).
   absl::StatusOr<ForwardResult> Forward(const v1::ForwardRequest& request);
+  // Sends an encoded request, e.g. one built once by EncodeForwardRequest and re-sent by a load
+  // generator: its slices are referenced, not copied. With `copy_output` false,
+  // ForwardResult::output gets dtype and shape only and the bytes stay in ForwardResult::raw.
+  absl::StatusOr<ForwardResult> Forward(const grpc::ByteBuffer& request, bool copy_output = true);
 
   // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]).
   absl::StatusOr<v1::GetExpertWeightsResponse> GetExpertWeights(int layer, int expert);
 
   // Builds a ForwardRequest from `args`, validating the sizes.
   static absl::StatusOr<v1::ForwardRequest> BuildForwardRequest(const ForwardArgs& args);
+  // The serialized ForwardRequest as slices: framing plus one slice per tensor. The tensor bytes
+  // are copied once into slices the buffer owns, so `args` need not outlive it.
+  static absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const ForwardArgs& args);
+  static absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const v1::ForwardRequest& request);
 
   const std::string& target() const { return target_; }
   const MoeClientOptions& options() const { return options_; }
@@ -89,6 +103,7 @@ class MoeClient {
   MoeClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::MoeService::Stub> stub_;
+  std::unique_ptr<grpc::GenericStub> generic_stub_;  // Forward, as raw bytes
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
 };
 

@@ -5,12 +5,14 @@
 #include "server/service.h"
 
 #include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -95,6 +97,28 @@ class ServiceTest : public ::testing::Test {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     return Stub()->Forward(&ctx, request, response);
+  }
+
+  // Forward with hand-made request bytes (the raw wire, as any client could send).
+  grpc::Status RawCall(const std::string& request_bytes, std::string* response_bytes) {
+    grpc::GenericStub stub(*channel_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    grpc::Slice slice(request_bytes.data(), request_bytes.size());
+    const grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&ctx, "/moeserve.v1.MoeService/Forward", grpc::StubOptions(), &request,
+                   &response, [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    grpc::Status status = done.get_future().get();
+    response_bytes->clear();
+    std::vector<grpc::Slice> slices;
+    if (status.ok() && response.Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) {
+        response_bytes->append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    return status;
   }
 
   // What the reference engine answers for `request`, as floats.
@@ -198,6 +222,44 @@ TEST_F(ServiceTest, ForwardMatchesReferenceForEveryDType) {
         EXPECT_FALSE(resp.has_timings());
       }
     }
+  }
+}
+
+// Bytes protobuf's serializer never writes but every parser accepts: tensors split over several
+// occurrences (merged; the last data wins), unknown fields, fields out of order.
+TEST_F(ServiceTest, UnusualButValidEncodingIsAnsweredAsProtobufReadsIt) {
+  v1::ForwardRequest r = Random(5);
+  r.set_request_id("odd");
+  v1::ForwardRequest first;  // the first hidden_states occurrence: dtype and wrong data
+  first.mutable_hidden_states()->set_dtype(r.hidden_states().dtype());
+  first.mutable_hidden_states()->set_data(std::string(r.hidden_states().data().size(), '\x7f'));
+  v1::ForwardRequest rest = r;
+  rest.mutable_hidden_states()->clear_dtype();                 // merged from the first occurrence
+  const std::string unknown = std::string("\xf8\x07\x2a", 3);  // field 127, varint 42
+  const std::string bytes =
+      unknown + first.SerializeAsString() + unknown + rest.SerializeAsString();
+  v1::ForwardRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(bytes));
+  ASSERT_EQ(parsed.hidden_states().data(), r.hidden_states().data());
+  std::string response_bytes;
+  grpc::Status s = RawCall(bytes, &response_bytes);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(resp.ParseFromString(response_bytes));
+  EXPECT_EQ(resp.request_id(), "odd");
+  const std::vector<float> got = DecodeFloats(resp.output().data(), r.hidden_states().dtype());
+  EXPECT_LT(RelativeL2(got, Expected(r)), 1e-2);
+}
+
+TEST_F(ServiceTest, UnparseableRequestRejected) {
+  for (const std::string& bytes :
+       {std::string("\x0a\x05ab", 4), std::string("\x12\x03\x08\x80\x80", 5),
+        std::string("\x08\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", 12)}) {
+    std::string response_bytes;
+    grpc::Status s = RawCall(bytes, &response_bytes);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("Forward: malformed moeserve.v1.ForwardRequest"));
+    ExpectStillServing();
   }
 }
 

@@ -1,0 +1,416 @@
+#include "moeserve/v1/forward_wire.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace moeserve::v1wire {
+
+namespace {
+
+constexpr int kVarint = 0, kFixed64 = 1, kLen = 2, kStartGroup = 3, kEndGroup = 4, kFixed32 = 5;
+// protobuf's default recursion limit (nested messages and groups).
+constexpr int kMaxDepth = 100;
+// protobuf refuses lengths this close to 2 GiB (ParseContext::kSlopBytes of headroom).
+constexpr uint32_t kMaxLen = INT32_MAX - 16;
+
+// A position in a list of byte spans.
+struct Cursor {
+  size_t piece = 0;   // index into the spans
+  size_t offset = 0;  // within that span
+  size_t pos = 0;     // absolute
+};
+
+// Reads protobuf wire-format primitives across span boundaries. Every read is bounded by an
+// absolute `end` the caller passes; a failed read returns false and leaves the cursor anywhere.
+class Reader {
+ public:
+  explicit Reader(const std::vector<grpc::Slice>& slices) {
+    for (const grpc::Slice& s : slices) {
+      if (s.size() == 0) continue;
+      spans_.emplace_back(s.begin(), s.size());
+      size_ += s.size();
+    }
+  }
+  size_t size() const { return size_; }
+
+  bool ReadByte(Cursor* c, size_t end, uint8_t* b) const {
+    if (c->pos >= end) return false;
+    *b = spans_[c->piece][c->offset];
+    Advance(c, 1);
+    return true;
+  }
+  bool Skip(Cursor* c, size_t end, size_t n) const {
+    if (n > end - c->pos) return false;
+    Advance(c, n);
+    return true;
+  }
+  // Varint of at most `max_bytes` bytes; bits past 64 are dropped, as protobuf does.
+  bool ReadVarint(Cursor* c, size_t end, int max_bytes, uint64_t* v) const {
+    *v = 0;
+    for (int i = 0; i < max_bytes; ++i) {
+      uint8_t b;
+      if (!ReadByte(c, end, &b)) return false;
+      if (i < 10) *v |= static_cast<uint64_t>(b & 0x7f) << (7 * i);
+      if (b < 0x80) return true;
+    }
+    return false;
+  }
+  // A length prefix: at most 5 bytes, below 2 GiB less protobuf's headroom.
+  bool ReadLength(Cursor* c, size_t end, size_t* len) const {
+    uint64_t v;
+    if (!ReadVarint(c, end, 5, &v)) return false;
+    if (v > kMaxLen) return false;
+    *len = static_cast<size_t>(v);
+    return true;
+  }
+  // Spans covering [c, c + n); requires c + n <= size().
+  void Pieces(Cursor c, size_t n, std::vector<absl::Span<const uint8_t>>* out) const {
+    out->clear();
+    while (n > 0) {
+      const size_t take = std::min(n, spans_[c.piece].size() - c.offset);
+      out->emplace_back(spans_[c.piece].data() + c.offset, take);
+      Advance(&c, take);
+      n -= take;
+    }
+  }
+  void AppendTo(Cursor c, size_t n, std::string* out) const {
+    std::vector<absl::Span<const uint8_t>> pieces;
+    Pieces(c, n, &pieces);
+    for (auto p : pieces) out->append(reinterpret_cast<const char*>(p.data()), p.size());
+  }
+
+ private:
+  void Advance(Cursor* c, size_t n) const {
+    c->pos += n;
+    c->offset += n;
+    while (c->piece < spans_.size() && c->offset >= spans_[c->piece].size()) {
+      c->offset -= spans_[c->piece].size();
+      ++c->piece;
+    }
+  }
+
+  std::vector<absl::Span<const uint8_t>> spans_;
+  size_t size_ = 0;
+};
+
+absl::Status Malformed(absl::string_view message, absl::string_view what, size_t pos) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("malformed ", message, ": ", what, " at byte ", pos));
+}
+
+// Reads a tag: at most 5 bytes, kept modulo 2^32 (protobuf's ReadTag).
+bool ReadTag(const Reader& r, Cursor* c, size_t end, uint32_t* tag) {
+  uint64_t v;
+  if (!r.ReadVarint(c, end, 5, &v)) return false;
+  *tag = static_cast<uint32_t>(v);
+  return true;
+}
+
+// Skips the value of a field whose tag was just read (groups through their end tag).
+absl::Status SkipValue(const Reader& r, Cursor* c, size_t end, uint32_t tag, int depth,
+                       absl::string_view message) {
+  const size_t at = c->pos;
+  switch (tag & 7) {
+    case kVarint: {
+      uint64_t v;
+      if (!r.ReadVarint(c, end, 10, &v)) return Malformed(message, "bad or truncated varint", at);
+      return absl::OkStatus();
+    }
+    case kFixed64:
+      if (!r.Skip(c, end, 8)) return Malformed(message, "truncated fixed64", at);
+      return absl::OkStatus();
+    case kFixed32:
+      if (!r.Skip(c, end, 4)) return Malformed(message, "truncated fixed32", at);
+      return absl::OkStatus();
+    case kLen: {
+      size_t len;
+      if (!r.ReadLength(c, end, &len)) return Malformed(message, "bad length", at);
+      if (!r.Skip(c, end, len)) return Malformed(message, "length past the end", at);
+      return absl::OkStatus();
+    }
+    case kStartGroup: {
+      if (depth - 1 < 0) return Malformed(message, "groups nested too deeply", at);
+      while (true) {
+        const size_t tag_at = c->pos;
+        uint32_t inner;
+        if (!ReadTag(r, c, end, &inner)) return Malformed(message, "unterminated group", tag_at);
+        if ((inner >> 3) == 0) return Malformed(message, "field number 0", tag_at);
+        if ((inner & 7) == kEndGroup) {
+          if (inner != tag + 1) return Malformed(message, "mismatched end-group", tag_at);
+          return absl::OkStatus();
+        }
+        if (absl::Status s = SkipValue(r, c, end, inner, depth - 1, message); !s.ok()) return s;
+      }
+    }
+    default:
+      return Malformed(message, absl::StrCat("invalid wire type ", tag & 7), at);
+  }
+}
+
+// Walks one Tensor submessage in [c, end): data pieces replace `out`'s (last one wins); dtype
+// and shape fields are appended raw to `rest` for protobuf to parse; unknown fields are checked
+// and skipped.
+absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireTensor* out,
+                        std::string* rest, absl::string_view message) {
+  if (depth < 0) return Malformed(message, "messages nested too deeply", c->pos);
+  while (c->pos < end) {
+    const Cursor field = *c;
+    uint32_t tag;
+    if (!ReadTag(r, c, end, &tag)) return Malformed(message, "bad tag", field.pos);
+    if ((tag >> 3) == 0 || (tag & 7) == kEndGroup) {
+      return Malformed(message, "field number 0 or unmatched end-group", field.pos);
+    }
+    const uint32_t number = tag >> 3;
+    if (number == 3 && (tag & 7) == kLen) {
+      const size_t len_at = c->pos;
+      size_t len;
+      if (!r.ReadLength(c, end, &len)) return Malformed(message, "bad length", len_at);
+      if (len > end - c->pos) return Malformed(message, "length past the end", len_at);
+      r.Pieces(*c, len, &out->data);
+      out->data_size = len;
+      r.Skip(c, end, len);
+      continue;
+    }
+    if (absl::Status s = SkipValue(r, c, end, tag, depth, message); !s.ok()) return s;
+    if (number == 1 || number == 2 || number == 3) r.AppendTo(field, c->pos - field.pos, rest);
+  }
+  return absl::OkStatus();
+}
+
+// Walks a top-level message: LEN fields numbered in `tensor_numbers` are tensors (walked into
+// `tensors`), fields numbered up to `max_known` are appended raw to `rest`, others skipped.
+absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
+                     absl::Span<WireTensor* const> tensors, uint32_t max_known, std::string* rest,
+                     std::vector<std::string>* tensor_rests, absl::string_view message) {
+  Cursor c;
+  const size_t end = r.size();
+  tensor_rests->assign(tensors.size(), std::string());
+  while (c.pos < end) {
+    const Cursor field = c;
+    uint32_t tag;
+    if (!ReadTag(r, &c, end, &tag)) return Malformed(message, "bad tag", field.pos);
+    if ((tag >> 3) == 0 || (tag & 7) == kEndGroup) {
+      return Malformed(message, "field number 0 or unmatched end-group", field.pos);
+    }
+    const uint32_t number = tag >> 3;
+    if ((tag & 7) == kLen) {
+      auto it = std::find(tensor_numbers.begin(), tensor_numbers.end(), number);
+      if (it != tensor_numbers.end()) {
+        const size_t i = static_cast<size_t>(it - tensor_numbers.begin());
+        const size_t len_at = c.pos;
+        size_t len;
+        if (!r.ReadLength(&c, end, &len)) return Malformed(message, "bad length", len_at);
+        if (len > end - c.pos) return Malformed(message, "length past the end", len_at);
+        tensors[i]->present = true;
+        if (absl::Status s = WalkTensor(r, &c, c.pos + len, kMaxDepth - 1, tensors[i],
+                                        &(*tensor_rests)[i], message);
+            !s.ok()) {
+          return s;
+        }
+        continue;
+      }
+    }
+    if (absl::Status s = SkipValue(r, &c, end, tag, kMaxDepth, message); !s.ok()) return s;
+    if (number >= 1 && number <= max_known) r.AppendTo(field, c.pos - field.pos, rest);
+  }
+  return absl::OkStatus();
+}
+
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// Appends tensor field `number` (header plus data taken from `data`) to the buffer being built:
+// framing goes to `head`, which is flushed into `slices` before the data slice.
+absl::Status AppendTensor(uint32_t number, const v1::Tensor& header, const grpc::Slice& data,
+                          absl::string_view field, std::string* head,
+                          std::vector<grpc::Slice>* slices) {
+  if (!header.data().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": the header's data must be empty (the bytes come as a slice)"));
+  }
+  const std::string fields = header.SerializeAsString();
+  const size_t n = data.size();
+  const uint64_t data_field = n > 0 ? 1 + VarintSize(n) + n : 0;
+  const uint64_t inner = fields.size() + data_field;
+  if (n > kMaxLen || inner > kMaxLen) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", n, " data bytes exceed protobuf's 2 GiB limit"));
+  }
+  AppendVarint((number << 3) | kLen, head);
+  AppendVarint(inner, head);
+  head->append(fields);
+  if (n == 0) return absl::OkStatus();
+  AppendVarint((3 << 3) | kLen, head);
+  AppendVarint(n, head);
+  slices->push_back(SliceFromString(std::move(*head)));
+  head->clear();
+  slices->push_back(data);
+  return absl::OkStatus();
+}
+
+grpc::ByteBuffer Finish(std::string head, std::vector<grpc::Slice> slices) {
+  if (!head.empty()) slices.push_back(SliceFromString(std::move(head)));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+std::vector<grpc::Slice> DumpSlices(const grpc::ByteBuffer& buffer, bool* ok) {
+  std::vector<grpc::Slice> slices;
+  // An empty (or never written) buffer is a valid, empty message.
+  *ok = !buffer.Valid() || buffer.Dump(&slices).ok();
+  return slices;
+}
+
+}  // namespace
+
+bool WireTensor::SinglePiece(absl::Span<const uint8_t>* out) const {
+  if (data.size() > 1) return false;
+  *out = data.empty() ? absl::Span<const uint8_t>() : data[0];
+  return true;
+}
+
+void WireTensor::CopyTo(void* dst) const {
+  auto* p = static_cast<uint8_t*>(dst);
+  for (auto piece : data) {
+    std::memcpy(p, piece.data(), piece.size());
+    p += piece.size();
+  }
+}
+
+absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice> slices) {
+  constexpr absl::string_view kMessage = "moeserve.v1.ForwardRequest";
+  ForwardRequestView view;
+  view.slices = std::move(slices);
+  const Reader reader(view.slices);
+  std::string rest;
+  std::vector<std::string> tensor_rests;
+  const uint32_t numbers[] = {2, 3, 4};
+  WireTensor* const tensors[] = {&view.hidden_states, &view.topk_ids, &view.topk_weights};
+  if (absl::Status s = WalkTop(reader, numbers, tensors, 6, &rest, &tensor_rests, kMessage);
+      !s.ok()) {
+    return s;
+  }
+  if (!view.header.ParseFromString(rest)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed ", kMessage, ": bad layer, request_id (UTF-8) or return_timings"));
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    if (!tensors[i]->header.ParseFromString(tensor_rests[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed ", kMessage, ": bad dtype or shape in tensor field ", i + 2));
+    }
+  }
+  return view;
+}
+
+absl::StatusOr<ForwardResponseView> DecodeForwardResponse(std::vector<grpc::Slice> slices) {
+  constexpr absl::string_view kMessage = "moeserve.v1.ForwardResponse";
+  ForwardResponseView view;
+  view.slices = std::move(slices);
+  const Reader reader(view.slices);
+  std::string rest;
+  std::vector<std::string> tensor_rests;
+  const uint32_t numbers[] = {1};
+  WireTensor* const tensors[] = {&view.output};
+  if (absl::Status s = WalkTop(reader, numbers, tensors, 3, &rest, &tensor_rests, kMessage);
+      !s.ok()) {
+    return s;
+  }
+  if (!view.header.ParseFromString(rest)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed ", kMessage, ": bad request_id (UTF-8) or timings"));
+  }
+  if (!view.output.header.ParseFromString(tensor_rests[0])) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed ", kMessage, ": bad dtype or shape in output"));
+  }
+  return view;
+}
+
+absl::StatusOr<ForwardRequestView> DecodeForwardRequest(const grpc::ByteBuffer& buffer) {
+  bool ok;
+  std::vector<grpc::Slice> slices = DumpSlices(buffer, &ok);
+  if (!ok) return absl::InternalError("could not read the request's byte buffer");
+  return DecodeForwardRequest(std::move(slices));
+}
+
+absl::StatusOr<ForwardResponseView> DecodeForwardResponse(const grpc::ByteBuffer& buffer) {
+  bool ok;
+  std::vector<grpc::Slice> slices = DumpSlices(buffer, &ok);
+  if (!ok) return absl::InternalError("could not read the response's byte buffer");
+  return DecodeForwardResponse(std::move(slices));
+}
+
+absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const v1::ForwardRequest& header,
+                                                      const grpc::Slice& hidden_states_data,
+                                                      const grpc::Slice& topk_ids_data,
+                                                      const grpc::Slice& topk_weights_data) {
+  v1::ForwardRequest top = header;
+  top.clear_hidden_states();
+  top.clear_topk_ids();
+  top.clear_topk_weights();
+  std::string head = top.SerializeAsString();
+  std::vector<grpc::Slice> slices;
+  const struct {
+    uint32_t number;
+    bool has;
+    const v1::Tensor& tensor;
+    const grpc::Slice& data;
+    absl::string_view name;
+  } fields[] = {
+      {2, header.has_hidden_states(), header.hidden_states(), hidden_states_data, "hidden_states"},
+      {3, header.has_topk_ids(), header.topk_ids(), topk_ids_data, "topk_ids"},
+      {4, header.has_topk_weights(), header.topk_weights(), topk_weights_data, "topk_weights"},
+  };
+  for (const auto& f : fields) {
+    if (!f.has && f.data.size() == 0) continue;
+    if (absl::Status s = AppendTensor(f.number, f.tensor, f.data, f.name, &head, &slices);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return Finish(std::move(head), std::move(slices));
+}
+
+absl::StatusOr<grpc::ByteBuffer> EncodeForwardResponse(const v1::ForwardResponse& header,
+                                                       const grpc::Slice& output_data) {
+  v1::ForwardResponse top = header;
+  top.clear_output();
+  std::string head = top.SerializeAsString();
+  std::vector<grpc::Slice> slices;
+  if (header.has_output() || output_data.size() > 0) {
+    if (absl::Status s = AppendTensor(1, header.output(), output_data, "output", &head, &slices);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return Finish(std::move(head), std::move(slices));
+}
+
+grpc::Slice SliceFromString(std::string bytes) {
+  if (bytes.empty()) return grpc::Slice();
+  auto owner = std::make_unique<std::string>(std::move(bytes));
+  void* data = owner->data();
+  const size_t size = owner->size();
+  return SliceOwning(data, size, std::move(owner));
+}
+
+}  // namespace moeserve::v1wire
