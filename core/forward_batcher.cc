@@ -42,7 +42,10 @@ absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
 }
 
 ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
-    : engine_(engine), options_(options) {
+    : engine_(engine),
+      options_(options),
+      // A merged step is one engine call: it must respect the engine's per-call limit too.
+      step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -68,6 +71,8 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       !s.ok()) {
     return done(s, no_timings);
   }
+  // An engine that cannot serve refuses at once (UNAVAILABLE), even an empty call.
+  if (absl::Status h = engine_->health(); !h.ok()) return done(h, no_timings);
   const int64_t m = input.hidden_states.dim(0);
   if (output.dtype() != input.hidden_states.dtype() ||
       output.shape() != input.hidden_states.shape() || !output.is_contiguous() ||
@@ -128,7 +133,7 @@ void ForwardBatcher::Loop() {
       for (const auto& c : queue_) {
         if (c.get() == &head || joins(*c)) tokens += c->tokens;
       }
-      if (tokens >= options_.max_batch_tokens) break;
+      if (tokens >= step_tokens_) break;
       cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
                              1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
     }
@@ -139,7 +144,7 @@ void ForwardBatcher::Loop() {
     for (auto it = queue_.begin(); it != queue_.end();) {
       Call& c = **it;
       const bool first = step.empty();
-      if (first || (joins(c) && tokens + c.tokens <= options_.max_batch_tokens)) {
+      if (first || (joins(c) && tokens + c.tokens <= step_tokens_)) {
         tokens += c.tokens;
         step.push_back(std::move(*it));
         it = queue_.erase(it);

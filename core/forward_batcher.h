@@ -34,7 +34,8 @@
 namespace moeserve {
 
 struct ForwardBatcherOptions {
-  // Most tokens in one engine step (a single larger call still runs, alone).
+  // Most tokens in one engine step (a single larger call still runs, alone); never more than
+  // the engine's max_tokens_per_request.
   int64_t max_batch_tokens = 1024;
   // How long the oldest queued call may wait for others to join its step. 0: never wait (merge
   // only what is already queued).
@@ -84,6 +85,7 @@ class ForwardBatcher {
 
   Engine* const engine_;
   const ForwardBatcherOptions options_;
+  const int64_t step_tokens_;  // max_batch_tokens, at most the engine's max_tokens_per_request
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Call>> queue_;

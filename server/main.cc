@@ -57,7 +57,16 @@ ABSL_FLAG(int32_t, health_poll_ms, 500,
           "How often the server checks the engine's health (NOT_SERVING while unhealthy)");
 ABSL_FLAG(int32_t, recover_after_ms, 5000,
           "Unhealthy engine: try Engine::Recover() this often (0: never; stay NOT_SERVING)");
-ABSL_FLAG(int32_t, server_threads, 2, "Worker threads running Forward calls");
+ABSL_FLAG(int32_t, server_threads, 2, "Worker threads decoding and queueing Forward calls");
+ABSL_FLAG(int64_t, max_batch_tokens, 1024,
+          "Most tokens in one engine step: concurrent Forward calls for the same layer are "
+          "merged up to this many tokens (a larger call runs alone)");
+ABSL_FLAG(int64_t, max_batch_delay_us, 0,
+          "How long the oldest queued call waits for others to join its step; 0: merge only "
+          "what is queued when the engine is free (no added latency for a lone caller)");
+ABSL_FLAG(int64_t, max_queued_tokens, 32768,
+          "Most tokens queued for the engine; calls beyond it are refused at once with "
+          "RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
           "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
@@ -246,6 +255,10 @@ int Run() {
   ServerOptions server_options;
   server_options.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
   server_options.server_threads = absl::GetFlag(FLAGS_server_threads);
+  server_options.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  server_options.batcher.max_batch_delay =
+      absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
+  server_options.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
   server_options.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
   server_options.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

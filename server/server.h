@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/engine.h"
+#include "core/forward_batcher.h"
 #include "server/metrics.h"
 #include "server/service.h"
 
@@ -26,8 +27,10 @@ inline constexpr char kMoeServiceName[] = "moeserve.v1.MoeService";
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
   std::vector<std::string> listen_addresses = {"0.0.0.0:50051"};
-  int server_threads = 2;                        // Forward worker threads
-  int64_t max_message_bytes = 64 << 20;          // receive and send limit per message
+  int server_threads = 2;                // Forward worker threads
+  int64_t max_message_bytes = 64 << 20;  // receive and send limit per message
+  // Concurrent Forward calls for one layer share engine steps (core/forward_batcher.h).
+  ForwardBatcherOptions batcher;
   std::string metrics_address = "0.0.0.0:9090";  // empty: no metrics endpoint
   // The engine's health is polled this often; health reports NOT_SERVING while it is unhealthy
   // (e.g. an NCCL collective timed out or a rank failed). <= 0: no polling.

@@ -26,14 +26,28 @@ class OutputBuffer {
   std::unique_ptr<uint64_t[]> words_;
 };
 
+// The call's deadline; none (gRPC's infinite future) maps to absl::InfiniteFuture().
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
 }
 
 }  // namespace
 
-MoeServiceImpl::MoeServiceImpl(Engine* engine, Metrics* metrics, const ServiceOptions& options)
-    : engine_(engine), metrics_(metrics), options_(options), workers_(options.num_worker_threads) {}
+MoeServiceImpl::MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> batcher,
+                               Metrics* metrics, const ServiceOptions& options)
+    : engine_(engine),
+      metrics_(metrics),
+      options_(options),
+      workers_(options.num_worker_threads),
+      batcher_(std::move(batcher)) {}
 
 MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
@@ -77,28 +91,41 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     const DType dtype = input->hidden_states.dtype();
     const Shape out_shape = {m, info.model.hidden};
     const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
-    // The engine writes the answer here; the reply's slice then owns it (no copy).
-    auto out = std::make_unique<OutputBuffer>(out_bytes);
-    ForwardTimings timings;
-    if (absl::Status s =
-            engine_->Forward(*input, TensorView(out->data(), dtype, out_shape), &timings);
-        !s.ok()) {
-      return finish(s, 0);
-    }
-    v1::ForwardResponse header;
-    header.mutable_output()->set_dtype(DTypeToProto(dtype));
-    for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
-    header.set_request_id(request->header.request_id());
-    if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
-    if (request->header.return_timings()) {
-      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start), header.mutable_timings());
-    }
-    void* out_data = out->data();
-    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
-        header, v1wire::SliceOwning(out_data, out_bytes, std::move(out)));
-    if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
-    response->Swap(&*encoded);
-    finish(absl::OkStatus(), m);
+    // What the call needs until the batcher answers it: the request's slices (its tensors may
+    // be views into them), the gathered bytes and the answer buffer, which the engine writes
+    // and the reply's slice then owns (no copy).
+    struct Pending {
+      v1wire::ForwardRequestView request;
+      GatheredBytes gathered;
+      ForwardInput input;
+      std::unique_ptr<OutputBuffer> out;
+    };
+    auto pending =
+        std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered), *input,
+                                          std::make_unique<OutputBuffer>(out_bytes)});
+    const TensorView output(pending->out->data(), dtype, out_shape);
+    auto done = [this, pending, response, dtype, out_shape, out_bytes, m, start, server_queue_us,
+                 finish](const absl::Status& status, const ForwardTimings& timings) {
+      if (!status.ok()) return finish(status, 0);
+      v1::ForwardResponse header;
+      header.mutable_output()->set_dtype(DTypeToProto(dtype));
+      for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
+      header.set_request_id(pending->request.header.request_id());
+      if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
+      if (pending->request.header.return_timings()) {
+        ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
+                              header.mutable_timings());
+      }
+      void* out_data = pending->out->data();
+      absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
+          header, v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out)));
+      if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
+      response->Swap(&*encoded);
+      finish(absl::OkStatus(), m);
+    };
+    batcher_->Submit(
+        pending->input, output, DeadlineOf(*context), [context] { return context->IsCancelled(); },
+        std::move(done));
   };
   if (!workers_.Submit(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);

@@ -11,8 +11,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "core/engine.h"
+#include "core/forward_batcher.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/metrics.h"
 #include "server/work_queue.h"
@@ -31,8 +33,10 @@ using MoeServiceBase =
 
 class MoeServiceImpl final : public MoeServiceBase {
  public:
-  // `engine` and `metrics` must outlive the service; `metrics` may be null.
-  MoeServiceImpl(Engine* engine, Metrics* metrics, const ServiceOptions& options);
+  // `engine` and `metrics` must outlive the service; `metrics` may be null. Forward calls go
+  // through `batcher` (over the same engine), which the service owns.
+  MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> batcher, Metrics* metrics,
+                 const ServiceOptions& options);
   // Drains the workers.
   ~MoeServiceImpl() override;
 
@@ -57,6 +61,7 @@ class MoeServiceImpl final : public MoeServiceBase {
   Metrics* const metrics_;
   const ServiceOptions options_;
   WorkQueue workers_;
+  std::unique_ptr<ForwardBatcher> batcher_;
 };
 
 }  // namespace moeserve

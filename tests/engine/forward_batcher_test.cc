@@ -85,6 +85,28 @@ TEST(ForwardBatcherTest, MergedCallsGetTheirOwnRowsBitForBit) {
   EXPECT_EQ(stats.queued_tokens, 0);
 }
 
+// A merged step is one engine call: it never exceeds the engine's max_tokens_per_request, even
+// with a larger max_batch_tokens (the server test found 86-token steps against a 64 limit).
+TEST(ForwardBatcherTest, StepsRespectTheEnginesTokenLimit) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 32;
+  auto engine = *Engine::Create(o);
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(), {.max_batch_tokens = 4096, .max_batch_delay = absl::Milliseconds(50)});
+  std::mt19937 rng(9);
+  std::vector<Call> calls;
+  for (int i = 0; i < 8; ++i) calls.push_back(MakeCall(m, 20 + i % 3 * 6, 0, DType::kBF16, rng));
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+  for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+  for (auto& f : futures) {
+    const absl::Status s = f.get().first;
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  EXPECT_EQ(batcher->stats().calls, 8);
+  EXPECT_EQ(batcher->stats().steps, 8);  // no two of 20-32 tokens fit in 32
+}
+
 // Bad input is refused alone at Submit, before it can join (and fail) a step.
 TEST(ForwardBatcherTest, BadInputIsRefusedAloneWithTheEnginesMessage) {
   auto engine = ReferenceEngine();
