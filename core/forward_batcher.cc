@@ -106,6 +106,9 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     }
     if (!refused.ok()) {
       lock.unlock();
+      if (options_.observer && refused.code() == absl::StatusCode::kResourceExhausted) {
+        options_.observer->OnRefused(refused.code());
+      }
       return call->done(refused, no_timings);
     }
     stats_.queued_tokens += m;
@@ -191,6 +194,14 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
     stats_.dropped_deadline += deadline_drops;
     stats_.dropped_cancelled += cancel_drops;
   }
+  if (options_.observer) {
+    for (int64_t i = 0; i < deadline_drops; ++i) {
+      options_.observer->OnRefused(absl::StatusCode::kDeadlineExceeded);
+    }
+    for (int64_t i = 0; i < cancel_drops; ++i) {
+      options_.observer->OnRefused(absl::StatusCode::kCancelled);
+    }
+  }
   if (live.empty()) return;
 
   ForwardTimings timings;
@@ -238,12 +249,18 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
       at += c->tokens;
     }
   }
+  int64_t step_tokens = 0, queued_tokens = 0;
+  for (const auto& c : live) step_tokens += c->tokens;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());
     if (live.size() > 1) stats_.merged_calls += static_cast<int64_t>(live.size());
     stats_.max_step_calls = std::max<int64_t>(stats_.max_step_calls, live.size());
+    queued_tokens = stats_.queued_tokens;
+  }
+  if (options_.observer) {
+    options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }
   for (auto& c : live) {
     ForwardTimings mine = timings;

@@ -33,6 +33,18 @@
 
 namespace moeserve {
 
+// Told what the batcher does, e.g. for metrics. Must outlive the batcher; thread-safe.
+class ForwardBatcherObserver {
+ public:
+  virtual ~ForwardBatcherObserver() = default;
+  // A step ran `calls` calls of `tokens` tokens in all; `queued_tokens` are still waiting.
+  // Scheduling thread.
+  virtual void OnStep(int64_t calls, int64_t tokens, int64_t queued_tokens) = 0;
+  // A call was answered without running: RESOURCE_EXHAUSTED (queue full, on the submitting
+  // thread), DEADLINE_EXCEEDED or CANCELLED (scheduling thread).
+  virtual void OnRefused(absl::StatusCode reason) = 0;
+};
+
 struct ForwardBatcherOptions {
   // Most tokens in one engine step (a single larger call still runs, alone); never more than
   // the engine's max_tokens_per_request.
@@ -42,6 +54,7 @@ struct ForwardBatcherOptions {
   absl::Duration max_batch_delay = absl::Microseconds(200);
   // Most tokens queued and not yet running; beyond it calls are refused.
   int64_t max_queued_tokens = 16384;
+  ForwardBatcherObserver* observer = nullptr;  // optional
 };
 
 // Counters since creation (a snapshot).

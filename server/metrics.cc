@@ -100,6 +100,29 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                       .Help("RPCs received and not yet answered")
                       .Register(r)
                       .Add({});
+  prometheus::Histogram::BucketBoundaries powers_of_two;
+  for (double v = 1; v <= 16384; v *= 2) powers_of_two.push_back(v);
+  m->batch_calls_ = &prometheus::BuildHistogram()
+                         .Name("moeserve_batch_calls")
+                         .Help("Forward calls merged into one engine step")
+                         .Register(r)
+                         .Add({}, powers_of_two);
+  m->batch_tokens_ = &prometheus::BuildHistogram()
+                          .Name("moeserve_batch_tokens")
+                          .Help("Tokens in one engine step (all its calls)")
+                          .Register(r)
+                          .Add({}, powers_of_two);
+  m->queued_tokens_ = &prometheus::BuildGauge()
+                           .Name("moeserve_queued_tokens")
+                           .Help("Tokens waiting for an engine step (after the last step)")
+                           .Register(r)
+                           .Add({});
+  m->refused_ = &prometheus::BuildCounter()
+                     .Name("moeserve_forward_refused_total")
+                     .Help(
+                         "Forward calls answered without running, by reason: queue_full, "
+                         "deadline, cancelled")
+                     .Register(r);
   m->model_info_ = &prometheus::BuildGauge()
                         .Name("moeserve_model_info")
                         .Help("The served model and configuration (value is always 1)")
@@ -142,6 +165,19 @@ void Metrics::RecordRequest(absl::string_view method, grpc::StatusCode code, dou
 }
 
 void Metrics::AddTokens(int64_t tokens) { tokens_->Increment(static_cast<double>(tokens)); }
+
+void Metrics::OnStep(int64_t calls, int64_t tokens, int64_t queued_tokens) {
+  batch_calls_->Observe(static_cast<double>(calls));
+  batch_tokens_->Observe(static_cast<double>(tokens));
+  queued_tokens_->Set(static_cast<double>(queued_tokens));
+}
+
+void Metrics::OnRefused(absl::StatusCode reason) {
+  const char* name = reason == absl::StatusCode::kResourceExhausted  ? "queue_full"
+                     : reason == absl::StatusCode::kDeadlineExceeded ? "deadline"
+                                                                     : "cancelled";
+  refused_->Add({{"reason", name}}).Increment();
+}
 
 void Metrics::RecordStages(double queue_us, const StageTimings& stages) {
   stage_queue_->Observe(queue_us * 1e-6);

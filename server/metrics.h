@@ -18,11 +18,14 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/engine.h"
+#include "core/forward_batcher.h"
 #include "server/metrics_http.h"
 
 namespace moeserve {
 
-class Metrics {
+// Also the ForwardBatcher's observer: moeserve_batch_calls / moeserve_batch_tokens per step,
+// moeserve_queued_tokens, moeserve_forward_refused_total{reason}.
+class Metrics : public ForwardBatcherObserver {
  public:
   // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
   // empty, an HTTP endpoint (GET /metrics) bound to it. UNAVAILABLE if the address cannot be bound.
@@ -40,6 +43,8 @@ class Metrics {
   // moeserve_forward_stage_seconds{stage=queue|prepare|experts|finalize}; queue_us includes
   // the wait for a server worker.
   void RecordStages(double queue_us, const StageTimings& stages);
+  void OnStep(int64_t calls, int64_t tokens, int64_t queued_tokens) override;
+  void OnRefused(absl::StatusCode reason) override;
   // moeserve_inflight_requests.
   void IncrementInflight() { inflight_->Increment(); }
   void DecrementInflight() { inflight_->Decrement(); }
@@ -66,6 +71,10 @@ class Metrics {
   prometheus::Histogram* stage_experts_ = nullptr;
   prometheus::Histogram* stage_finalize_ = nullptr;
   prometheus::Gauge* inflight_ = nullptr;
+  prometheus::Histogram* batch_calls_ = nullptr;
+  prometheus::Histogram* batch_tokens_ = nullptr;
+  prometheus::Gauge* queued_tokens_ = nullptr;
+  prometheus::Family<prometheus::Counter>* refused_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
 };
 

@@ -44,8 +44,10 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   ServiceOptions service_options;
   service_options.num_worker_threads = std::max(1, options.server_threads);
   service_options.max_message_bytes = options.max_message_bytes;
+  ForwardBatcherOptions batcher_options = options.batcher;
+  batcher_options.observer = server->metrics_.get();
   MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
-                            ForwardBatcher::Create(engine, options.batcher));
+                            ForwardBatcher::Create(engine, batcher_options));
   server->service_ = std::make_unique<MoeServiceImpl>(engine, std::move(batcher),
                                                       server->metrics_.get(), service_options);
 

@@ -638,6 +638,15 @@ TEST_F(ServiceTest, MetricsMove) {
               kCalls)
         << stage;
   }
+  // Sequential calls: one engine step each, one call and kTokens tokens per step.
+  EXPECT_EQ(
+      value(after, "moeserve_batch_calls_count") - value(before, "moeserve_batch_calls_count"),
+      kCalls);
+  EXPECT_EQ(value(after, "moeserve_batch_calls_sum") - value(before, "moeserve_batch_calls_sum"),
+            kCalls);
+  EXPECT_EQ(value(after, "moeserve_batch_tokens_sum") - value(before, "moeserve_batch_tokens_sum"),
+            kCalls * kTokens);
+  EXPECT_EQ(MetricValue(after, "moeserve_queued_tokens"), 0);
   EXPECT_EQ(MetricValue(after, "moeserve_inflight_requests"), 0);
 }
 
