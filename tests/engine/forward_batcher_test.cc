@@ -130,14 +130,28 @@ TEST(ForwardBatcherTest, BadInputIsRefusedAloneWithTheEnginesMessage) {
   EXPECT_EQ(batcher->stats().calls, 1);
 }
 
-// Beyond max_queued_tokens a call is refused at once, naming the limit; nothing is lost.
+struct CountingObserver : ForwardBatcherObserver {
+  void OnStep(int64_t calls, int64_t tokens, int64_t) override {
+    step_calls += calls;
+    step_tokens += tokens;
+  }
+  void OnRefused(absl::StatusCode reason) override {
+    if (reason == absl::StatusCode::kResourceExhausted) ++queue_full;
+  }
+  std::atomic<int64_t> step_calls{0}, step_tokens{0}, queue_full{0};
+};
+
+// Beyond max_queued_tokens a call is refused at once, naming the limit; nothing is lost; the
+// observer (the server's metrics) sees the steps and the refusals.
 TEST(ForwardBatcherTest, FullQueueRefusesWithResourceExhausted) {
   auto engine = ReferenceEngine();
   const ModelConfig& m = engine->info().model;
+  CountingObserver observer;
   // A long delay keeps the first calls queued while the others arrive.
   auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 1000,
                                                         .max_batch_delay = absl::Milliseconds(300),
-                                                        .max_queued_tokens = 40});
+                                                        .max_queued_tokens = 40,
+                                                        .observer = &observer});
   std::mt19937 rng(6);
   std::vector<Call> calls;
   for (int i = 0; i < 6; ++i) calls.push_back(MakeCall(m, 16, 0, DType::kBF16, rng));
@@ -157,6 +171,10 @@ TEST(ForwardBatcherTest, FullQueueRefusesWithResourceExhausted) {
   EXPECT_EQ(ok, 2);  // 16 + 16 <= 40 < 48
   EXPECT_EQ(refused, 4);
   EXPECT_EQ(batcher->stats().refused_queue_full, 4);
+  batcher.reset();  // the step's observer call has certainly returned
+  EXPECT_EQ(observer.queue_full, 4);
+  EXPECT_EQ(observer.step_calls, 2);
+  EXPECT_EQ(observer.step_tokens, 32);
 }
 
 // A call whose deadline passed or that was cancelled while queued does not run.
