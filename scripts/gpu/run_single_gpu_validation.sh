@@ -59,6 +59,7 @@ if [ "$WHAT" != checks ]; then
 BASE=; [ -x $B/moe_experts_bench_base ] && BASE=$B/moe_experts_bench_base
 # BENCH_RUNS runs of the whole table (run-to-run spread of the same code), into bench<i>/.
 for i in $(seq 1 ${BENCH_RUNS:-1}); do
+  [ "${SKIP_BENCH:-0}" = 1 ] && break
   mkdir -p "$OUT/bench$i"
   timeout ${T_BENCH:-260} python3 scripts/gpu/bench_moe.py $B/moe_experts_bench "$OUT/bench$i" \
     $BASE > "$OUT/bench$i/bench.log" 2>&1
@@ -78,17 +79,30 @@ for which in base new; do
   done
 done
 
-# What a user sees: one client, seed per-rank layer (32 experts, top-8, H3072 I5120), MXFP8.
+# What a user sees: one client, seed per-rank layer (32 experts, top-8, H3072 I5120), MXFP8;
+# then 8 concurrent clients at 16 tokens each (per-layer batching); then trivial experts at
+# hidden 7168 (the transport alone).
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
+TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 --num_layers 1"
+load() {  # which tag tokens concurrency requests
+  timeout 120 $B/moeserve-cli load --target 127.0.0.1:50091 --tokens $3 --concurrency $4 \
+    --requests $5 --routing balanced > "$OUT/load_${1}_$2.log" 2>&1
+  row "load $1 $2" "$(grep -E 'latency_ms|server_total|requests_per_s' "$OUT/load_${1}_$2.log" | sed 's/tokens_per_s=.*//' | tr '\n' ' ')"
+}
 for which in base new; do
   bin=$B/moeserve; [ $which = base ] && bin=$B/moeserve_base
   [ -x $bin ] || continue
   serve load_$which $bin 50091 $SEED
   for m in 1 16 64 1024; do
     n=200; [ $m = 1024 ] && n=60
-    timeout 120 $B/moeserve-cli load --target 127.0.0.1:50091 --tokens $m --concurrency 1 \
-      --requests $n --routing balanced > "$OUT/load_${which}_$m.log" 2>&1
-    row "load $which M=$m" "$(grep -E 'latency_ms|server_total' "$OUT/load_${which}_$m.log" | tr '\n' ' ')"
+    load $which "seed_M=${m}_c1" $m 1 $n
+  done
+  load $which "seed_M=16_c8" 16 8 800
+  stop
+  serve trivial_$which $bin 50091 $TRIVIAL
+  for m in 1 64 1024; do
+    n=200; [ $m = 1024 ] && n=60
+    load $which "trivial_M=${m}_c1" $m 1 $n
   done
   stop
 done
