@@ -141,9 +141,9 @@ absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
     }
   }
   if (data == nullptr) {
-    gathered->emplace_back(new uint64_t[(tensor.data_size + 7) / 8]);
-    tensor.CopyTo(gathered->back().get());
-    data = gathered->back().get();
+    gathered->push_back(PooledBuffer::Acquire(tensor.data_size));
+    tensor.CopyTo(gathered->back()->data());
+    data = gathered->back()->data();
   }
   return TensorViewFromParts(tensor.header.dtype(), tensor.header.shape(), data, tensor.data_size,
                              field);

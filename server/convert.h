@@ -18,6 +18,7 @@
 #include "core/tensor.h"
 #include "moeserve/v1/forward_wire.h"
 #include "moeserve/v1/moeserve.pb.h"
+#include "server/buffer_pool.h"
 
 namespace moeserve {
 
@@ -45,8 +46,8 @@ TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tens
 // The request's layer and tensors as a ForwardInput viewing `request` (see the file comment).
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request);
 
-// Storage for request tensors whose bytes had to be gathered; 8-byte aligned.
-using GatheredBytes = std::vector<std::unique_ptr<uint64_t[]>>;
+// Storage for request tensors whose bytes had to be gathered; 16-byte aligned, recycled.
+using GatheredBytes = std::vector<std::unique_ptr<PooledBuffer>>;
 // As ForwardInputFromProto, for a request decoded from gRPC slices: a tensor whose bytes sit in
 // one slice, aligned to its itemsize, is viewed in place; any other is copied once into a buffer
 // appended to `gathered`. The views need `request` and `gathered` alive and unmodified.

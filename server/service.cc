@@ -16,16 +16,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Uninitialized, 8-byte aligned bytes for one answer.
-class OutputBuffer {
- public:
-  explicit OutputBuffer(size_t bytes) : words_(new uint64_t[(bytes + 7) / 8 + 1]) {}
-  void* data() { return words_.get(); }
-
- private:
-  std::unique_ptr<uint64_t[]> words_;
-};
-
 // The call's deadline; none (gRPC's infinite future) maps to absl::InfiniteFuture().
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
@@ -98,11 +88,10 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
       v1wire::ForwardRequestView request;
       GatheredBytes gathered;
       ForwardInput input;
-      std::unique_ptr<OutputBuffer> out;
+      std::unique_ptr<PooledBuffer> out;  // recycled: no page faults per call
     };
-    auto pending =
-        std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered), *input,
-                                          std::make_unique<OutputBuffer>(out_bytes)});
+    auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered),
+                                                     *input, PooledBuffer::Acquire(out_bytes)});
     const TensorView output(pending->out->data(), dtype, out_shape);
     auto done = [this, pending, response, dtype, out_shape, out_bytes, m, start, server_queue_us,
                  finish](const absl::Status& status, const ForwardTimings& timings) {
