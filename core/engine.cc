@@ -155,8 +155,14 @@ absl::Status Engine::ClientStatusForFailedStep(absl::Status cause) {
 
 absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output,
                              ForwardTimings* timings) {
+  MOESERVE_RETURN_IF_ERROR(ValidateForwardInput(plan_.model, plan_.max_tokens_per_request, input));
+  return ForwardValidated(input, output, timings);
+}
+
+absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorView& output,
+                                      ForwardTimings* timings) {
   const ModelConfig& model = plan_.model;
-  MOESERVE_RETURN_IF_ERROR(ValidateForwardInput(model, plan_.max_tokens_per_request, input));
+  MOESERVE_RETURN_IF_ERROR(ValidateForwardShapes(model, plan_.max_tokens_per_request, input));
   const int64_t m = input.hidden_states.dim(0), k = model.hidden;
   const int topk = model.topk;
   if (output.dtype() != input.hidden_states.dtype() || output.shape() != Shape{m, k}) {

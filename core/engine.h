@@ -82,6 +82,11 @@ class Engine {
   // cause is returned and the engine stays usable.
   absl::Status Forward(const ForwardInput& input, const TensorView& output,
                        ForwardTimings* timings = nullptr);
+  // Forward for a caller that has already run ValidateForwardInput on `input` (with this
+  // engine's model and max_tokens_per_request), e.g. the batcher: the O(M * topk) value scan is
+  // not repeated. Shapes and the output are still checked.
+  absl::Status ForwardValidated(const ForwardInput& input, const TensorView& output,
+                                ForwardTimings* timings = nullptr);
 
   // One expert's weights as computed with, rounded to BF16: w13 [2I, H], w2 [H, I].
   absl::Status GetExpertWeightsBf16(int layer, int expert, uint16_t* w13, uint16_t* w2) const;

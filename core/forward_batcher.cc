@@ -208,7 +208,7 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
   absl::Status status;
   if (live.size() == 1) {
     // Alone: straight from and into the caller's buffers.
-    status = engine_->Forward(live[0]->input, live[0]->output, &timings);
+    status = engine_->ForwardValidated(live[0]->input, live[0]->output, &timings);
   } else {
     const ForwardInput& first = live[0]->input;
     const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
@@ -240,7 +240,7 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
                   n * topk * sizeof(float));
       at += n;
     }
-    status = engine_->Forward(merged, output, &timings);
+    status = engine_->ForwardValidated(merged, output, &timings);
     at = 0;
     for (const auto& c : live) {
       if (status.ok()) {

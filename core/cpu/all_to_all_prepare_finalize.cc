@@ -115,7 +115,8 @@ absl::Status AllToAllPrepareAndFinalizeBase::Finalize(
     partial = partial_.Get(DType::kFP32, {num_recv, k});
     const std::unique_ptr<TopKWeightAndReduce> resolved =
         weight_and_reduce.kind() == TopKWeightAndReduce::Kind::kDelegate
-            ? MakeTopKWeightAndReduce(delegate_kind())
+            ? MakeTopKWeightAndReduce(
+                  ResolveWeightAndReduce(weight_and_reduce.kind(), activation_format()))
             : nullptr;
     MOESERVE_RETURN_IF_ERROR(
         (resolved ? *resolved : weight_and_reduce)

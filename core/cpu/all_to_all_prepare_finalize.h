@@ -75,8 +75,6 @@ class AllToAllPrepareAndFinalizeBase : public PrepareAndFinalize {
   absl::StatusOr<std::shared_ptr<EpDispatchPlan>> Dispatch(const PrepareArgs& args);
   // Whether PlanChunks must also bound rows per expert (fixed-capacity formats).
   virtual bool bounded_expert_rows() const = 0;
-  // What kDelegate resolves to.
-  virtual TopKWeightAndReduce::Kind delegate_kind() const = 0;
 
   int64_t record_bytes() const { return record_bytes_; }
   const std::byte* record(int64_t i) const { return recv_.data() + i * record_bytes_; }
@@ -109,9 +107,6 @@ class AllToAllContiguousPrepareAndFinalize final : public AllToAllPrepareAndFina
 
  protected:
   bool bounded_expert_rows() const override { return false; }
-  TopKWeightAndReduce::Kind delegate_kind() const override {
-    return TopKWeightAndReduce::Kind::kContiguous;
-  }
 
  private:
   HostBuffer a1q_;
@@ -132,9 +127,6 @@ class AllToAllBatchedPrepareAndFinalize final : public AllToAllPrepareAndFinaliz
 
  protected:
   bool bounded_expert_rows() const override { return true; }
-  TopKWeightAndReduce::Kind delegate_kind() const override {
-    return TopKWeightAndReduce::Kind::kNaiveBatched;
-  }
 
  private:
   HostBuffer a1q_, expert_num_tokens_;

@@ -49,7 +49,7 @@ absl::Status NoEpPrepareAndFinalize::Finalize(const TensorView& output,
                                               const TopKWeightAndReduce& weight_and_reduce) {
   if (weight_and_reduce.kind() == TopKWeightAndReduce::Kind::kDelegate) {
     return MakeTopKWeightAndReduce(
-               ResolveWeightAndReduce(weight_and_reduce.kind(), ActivationFormat::kStandard))
+               ResolveWeightAndReduce(weight_and_reduce.kind(), activation_format()))
         ->Apply(output, fused_expert_output, prepared.topk_weights, prepared.topk_ids);
   }
   return weight_and_reduce.Apply(output, fused_expert_output, prepared.topk_weights,
