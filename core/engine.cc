@@ -103,6 +103,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
         absl::StrCat("backend ", BackendName(plan.backend), " is not linked into this binary"));
   }
 
+  if (plan.weights.observer != nullptr) {
+    std::vector<int> experts_per_rank;
+    for (int r = 0; r < plan.local_ranks; ++r) {
+      experts_per_rank.push_back(
+          static_cast<int>(plan.placement->rank_experts(plan.first_rank + r).size()));
+    }
+    plan.weights.observer->OnLoadPlanned(
+        ExpertWeightBytes(plan.model, plan.weights.format, experts_per_rank),
+        plan.local_ranks * plan.model.num_moe_layers(), AvailableHostMemoryBytes());
+  }
+
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->plan_ = plan;
   MOESERVE_ASSIGN_OR_RETURN(engine->ranks_, backend->create_rank_group(plan, registry));

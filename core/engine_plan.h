@@ -86,6 +86,9 @@ struct EngineOptions {
   // collective_timeout_ms: a follower's wait for the next command is bounded by it), which also
   // finds a dead follower without a Forward. 0: off.
   int64_t heartbeat_ms = 1000;
+  // Told how the weight load goes (progress, or a stop request); optional, must outlive
+  // Engine::Create.
+  WeightLoadObserver* load_observer = nullptr;
   // Tests only: called on each rank's thread at the start of every forward; a non-OK status
   // fails that rank there (an injected fault), and a hook may also sleep (a late rank).
   std::function<absl::Status(int rank)> fault_injection_for_testing;

@@ -54,9 +54,9 @@ class CudaRankGroup final : public RankGroup {
     for (int r = 0; r < n; ++r) {
       const int global = plan_.first_rank + r;
       MOESERVE_ASSIGN_OR_RETURN(contexts_[r], CudaContext::Create(/*device=*/r));
-      MOESERVE_ASSIGN_OR_RETURN(
-          ranks_[r].weights,
-          LoadExpertWeights(plan_.weights, plan_.model, plan_.placement->rank_experts(global)));
+      MOESERVE_ASSIGN_OR_RETURN(ranks_[r].weights,
+                                LoadExpertWeights(plan_.weights, plan_.model,
+                                                  plan_.placement->rank_experts(global), global));
       MOESERVE_ASSIGN_OR_RETURN(device_weights_[r],
                                 DeviceWeightStore::Create(*ranks_[r].weights, *contexts_[r]));
       ranks_[r].expert_map = plan_.placement->ExpertMap(global);
