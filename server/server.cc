@@ -29,6 +29,16 @@ std::vector<std::string> SplitListenAddresses(const std::string& list) {
 
 absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
                                                             const ServerOptions& options) {
+  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<MoeServer> server, Bind(options));
+  if (absl::Status s = server->AttachEngine(engine); !s.ok()) {
+    server->Shutdown(std::chrono::milliseconds(0));
+    return s;
+  }
+  return server;
+}
+
+absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
+    const ServerOptions& options, std::function<std::string()> describe_startup) {
   if (options.listen_addresses.empty()) {
     return absl::InvalidArgumentError("listen: no address given; expected host:port[,...]");
   }
@@ -37,24 +47,21 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
         "max_message_bytes: got ", options.max_message_bytes, ", expected a positive size"));
   }
   auto server = std::unique_ptr<MoeServer>(new MoeServer());
-  server->engine_ = engine;
+  server->options_ = options;
   MOESERVE_ASSIGN_OR_RETURN(server->metrics_, Metrics::Create(options.metrics_address));
-  server->metrics_->SetModelInfo(engine->info());
-
-  ServiceOptions service_options;
-  service_options.num_worker_threads = std::max(1, options.server_threads);
-  service_options.max_message_bytes = options.max_message_bytes;
-  ForwardBatcherOptions batcher_options = options.batcher;
-  batcher_options.observer = server->metrics_.get();
-  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
-                            ForwardBatcher::Create(engine, batcher_options));
-  server->service_ = std::make_unique<MoeServiceImpl>(engine, std::move(batcher),
-                                                      server->metrics_.get(), service_options);
+  server->state_ =
+      std::make_unique<ServingState>(server->metrics_.get(), std::max(1, options.server_threads),
+                                     options.max_message_bytes, std::move(describe_startup));
+  server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get());
+  server->inference_service_ = std::make_unique<InferenceServiceImpl>(
+      server->state_.get(), [s = server.get()] { return s->serving(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
+  const int64_t grpc_limit =
+      options.grpc_limit_bytes > 0 ? options.grpc_limit_bytes : options.max_message_bytes;
+  const int limit = static_cast<int>(std::min<int64_t>(grpc_limit, INT_MAX));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
   // A port another process holds must fail loudly, not be silently shared (SO_REUSEPORT).
@@ -65,6 +72,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
                              &server->bound_ports_[i]);
   }
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->inference_service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("listen: cannot start a gRPC server on ",
@@ -84,12 +92,26 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
     const std::string host = colon == std::string::npos ? address : address.substr(0, colon);
     server->bound_addresses_.push_back(absl::StrCat(host, ":", server->bound_ports_[i]));
   }
-  // The engine is ready (Create loaded the weights), so the process is ready to serve.
-  server->SetServing(engine->healthy());
-  if (options.health_poll.count() > 0) {
-    server->health_watcher_ = std::thread([s = server.get(), options] { s->WatchHealth(options); });
-  }
+  // Live, not ready: the weights are not loaded yet.
+  server->SetServing(false);
   return server;
+}
+
+absl::Status MoeServer::AttachEngine(Engine* engine) {
+  if (engine_ != nullptr) return absl::FailedPreconditionError("AttachEngine: already attached");
+  if (shut_down_) return absl::FailedPreconditionError("AttachEngine: the server is shut down");
+  ForwardBatcherOptions batcher_options = options_.batcher;
+  batcher_options.observer = metrics_.get();
+  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
+                            ForwardBatcher::Create(engine, batcher_options));
+  engine_ = engine;
+  metrics_->SetModelInfo(engine->info());
+  state_->Attach(engine, std::move(batcher));
+  SetServing(engine->healthy());
+  if (options_.health_poll.count() > 0) {
+    health_watcher_ = std::thread([this] { WatchHealth(options_); });
+  }
+  return absl::OkStatus();
 }
 
 bool MoeServer::serving() const {
@@ -102,9 +124,11 @@ void MoeServer::SetServing(bool serving) {
     std::lock_guard<std::mutex> lock(health_mu_);
     serving_ = serving;
   }
+  if (metrics_) metrics_->SetServing(serving);
   if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
     health->SetServingStatus("", serving);
     health->SetServingStatus(kMoeServiceName, serving);
+    health->SetServingStatus(kInferenceServiceName, serving);
   }
 }
 
@@ -155,7 +179,7 @@ void MoeServer::Shutdown(std::chrono::milliseconds deadline) {
     server_->Shutdown(std::chrono::system_clock::now() + deadline);
   }
   // Every call the server accepted has been queued by now; run what is left, then stop.
-  if (service_ != nullptr) service_->Drain();
+  if (state_ != nullptr) state_->Drain();
   if (server_ != nullptr) server_->Wait();
 }
 

@@ -1,5 +1,10 @@
-// A running moeserve gRPC server: MoeService, the standard health service, reflection and the
-// Prometheus endpoint, around an Engine that is ready (weights loaded) before it starts.
+// A running moeserve gRPC server: MoeService, the KServe v2 GRPCInferenceService, the standard
+// health service, reflection and the Prometheus endpoint, around an Engine.
+//
+// Startup in two steps, so orchestrators see a live process while the weights load: Bind()
+// opens every port with health NOT_SERVING (the services refuse calls with UNAVAILABLE saying
+// what the process is doing), AttachEngine() then serves the loaded engine and reports SERVING.
+// Start() does both for an engine that is already loaded.
 #ifndef MOESERVE_SERVER_SERVER_H_
 #define MOESERVE_SERVER_SERVER_H_
 
@@ -8,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -17,8 +23,10 @@
 #include "absl/status/statusor.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
+#include "server/inference_service.h"
 #include "server/metrics.h"
 #include "server/service.h"
+#include "server/serving_state.h"
 
 namespace moeserve {
 
@@ -27,8 +35,10 @@ inline constexpr char kMoeServiceName[] = "moeserve.v1.MoeService";
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
   std::vector<std::string> listen_addresses = {"0.0.0.0:50051"};
-  int server_threads = 2;                // Forward worker threads
-  int64_t max_message_bytes = 64 << 20;  // receive and send limit per message
+  int server_threads = 2;                // Forward / ModelInfer worker threads
+  int64_t max_message_bytes = 64 << 20;  // the logical limit (ModelInfo; checked per request)
+  // What gRPC refuses by itself, receive and send (server/limits.h); 0: max_message_bytes.
+  int64_t grpc_limit_bytes = 0;
   // Concurrent Forward calls for one layer share engine steps (core/forward_batcher.h).
   ForwardBatcherOptions batcher;
   std::string metrics_address = "0.0.0.0:9090";  // empty: no metrics endpoint
@@ -44,11 +54,17 @@ std::vector<std::string> SplitListenAddresses(const std::string& list);
 
 class MoeServer {
  public:
-  // Binds every address and the metrics endpoint, then marks "" and kMoeServiceName SERVING.
-  // `engine` must be ready and outlive the server. UNAVAILABLE naming the address when one
-  // cannot be bound.
+  // Bind() then AttachEngine(engine): `engine` must be ready and outlive the server.
   static absl::StatusOr<std::unique_ptr<MoeServer>> Start(Engine* engine,
                                                           const ServerOptions& options);
+  // Binds every address and the metrics endpoint; health reports NOT_SERVING for "",
+  // kMoeServiceName and kInferenceServiceName, calls get UNAVAILABLE with `describe_startup()`
+  // (may be empty) in the message. UNAVAILABLE naming the address when one cannot be bound.
+  static absl::StatusOr<std::unique_ptr<MoeServer>> Bind(
+      const ServerOptions& options, std::function<std::string()> describe_startup = nullptr);
+  // Serves `engine` (ready; must outlive the server): creates the batcher, exports the model's
+  // metrics, reports SERVING (if the engine is healthy) and starts following its health. Once.
+  absl::Status AttachEngine(Engine* engine);
   // Shutdown(kDefaultShutdownDeadline) if not done yet.
   ~MoeServer();
 
@@ -73,9 +89,12 @@ class MoeServer {
   void SetServing(bool serving);
   void WatchHealth(ServerOptions options);
 
+  ServerOptions options_;
   Engine* engine_ = nullptr;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ServingState> state_;
   std::unique_ptr<MoeServiceImpl> service_;
+  std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::Server> server_;
   std::vector<int> bound_ports_;
   std::vector<std::string> bound_addresses_;

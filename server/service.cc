@@ -16,53 +16,40 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The call's deadline; none (gRPC's infinite future) maps to absl::InfiniteFuture().
-absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
-    return absl::InfiniteFuture();
-  }
-  return absl::FromChrono(deadline);
-}
-
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
 }
 
 }  // namespace
 
-MoeServiceImpl::MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> batcher,
-                               Metrics* metrics, const ServiceOptions& options)
-    : engine_(engine),
-      metrics_(metrics),
-      options_(options),
-      workers_(options.num_worker_threads),
-      batcher_(std::move(batcher)) {}
-
-MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
-
 grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* raw_request,
                                                   grpc::ByteBuffer* response) {
   const Clock::time_point start = Clock::now();
-  if (metrics_) metrics_->IncrementInflight();
+  Metrics* const metrics = state_->metrics();
+  if (metrics) metrics->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const int64_t received = static_cast<int64_t>(raw_request->Length());
   // Records metrics and answers; `tokens` counts only on success.
-  auto finish = [this, reactor, start](const absl::Status& status, int64_t tokens) {
+  auto finish = [metrics, reactor, start, received, response](const absl::Status& status,
+                                                              int64_t tokens) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
-    if (metrics_) {
-      if (status.ok()) metrics_->AddTokens(tokens);
-      metrics_->RecordRequest("Forward", grpc_status.error_code(), MicrosSince(start) * 1e-6);
-      metrics_->DecrementInflight();
+    if (metrics) {
+      if (status.ok()) metrics->AddTokens(tokens);
+      metrics->RecordRequest("Forward", grpc_status.error_code(), MicrosSince(start) * 1e-6);
+      metrics->AddBytes("Forward", received,
+                        status.ok() ? static_cast<int64_t>(response->Length()) : 0);
+      metrics->DecrementInflight();
     }
     reactor->Finish(grpc_status);
   };
-  auto task = [this, context, raw_request, response, start, finish]() {
+  auto task = [this, context, raw_request, response, start, received, finish]() {
     const double server_queue_us = MicrosSince(start);
     if (context->IsCancelled()) {
       finish(absl::CancelledError("Forward: cancelled by the client before it ran"), 0);
       return;
     }
+    if (state_->engine() == nullptr) return finish(state_->NotReady("Forward"), 0);
     absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(*raw_request);
     if (!request.ok()) {
       return finish(
@@ -71,52 +58,40 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     GatheredBytes gathered;
     absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
     if (!input.ok()) return finish(input.status(), 0);
-    // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
-    const EngineInfo& info = engine_->info();
-    if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
-        !s.ok()) {
-      return finish(s, 0);
-    }
-    const int64_t m = input->hidden_states.dim(0);
-    const DType dtype = input->hidden_states.dtype();
-    const Shape out_shape = {m, info.model.hidden};
-    const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
-    // What the call needs until the batcher answers it: the request's slices (its tensors may
-    // be views into them), the gathered bytes and the answer buffer, which the engine writes
-    // and the reply's slice then owns (no copy).
+    // The request's slices (the tensors may be views into them) and the gathered bytes live
+    // until the batcher answers.
     struct Pending {
       v1wire::ForwardRequestView request;
       GatheredBytes gathered;
-      ForwardInput input;
-      std::unique_ptr<PooledBuffer> out;  // recycled: no page faults per call
     };
-    auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered),
-                                                     *input, PooledBuffer::Acquire(out_bytes)});
-    const TensorView output(pending->out->data(), dtype, out_shape);
-    auto done = [this, pending, response, dtype, out_shape, out_bytes, m, start, server_queue_us,
-                 finish](const absl::Status& status, const ForwardTimings& timings) {
+    auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered)});
+    Metrics* const metrics = state_->metrics();
+    auto done = [pending, response, start, server_queue_us, metrics, finish](
+                    absl::Status status, ServingState::ForwardAnswer answer) {
       if (!status.ok()) return finish(status, 0);
       v1::ForwardResponse header;
-      header.mutable_output()->set_dtype(DTypeToProto(dtype));
-      for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
+      header.mutable_output()->set_dtype(DTypeToProto(answer.dtype));
+      for (int64_t d : answer.shape) header.mutable_output()->add_shape(d);
       header.set_request_id(pending->request.header.request_id());
-      if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
+      if (metrics)
+        metrics->RecordStages(server_queue_us + answer.timings.queue_us, answer.timings.stages);
       if (pending->request.header.return_timings()) {
-        ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
+        ForwardTimingsToProto(answer.timings, server_queue_us, MicrosSince(start),
                               header.mutable_timings());
       }
-      void* out_data = pending->out->data();
+      void* out_data = answer.output->data();
+      // The answer buffer, written by the engine, becomes the reply's slice (no copy).
       absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
-          header, v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out)));
+          header, v1wire::SliceOwning(out_data, answer.bytes, std::move(answer.output)));
       if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
       response->Swap(&*encoded);
-      finish(absl::OkStatus(), m);
+      finish(absl::OkStatus(), answer.shape[0]);
     };
-    batcher_->Submit(
-        pending->input, output, DeadlineOf(*context), [context] { return context->IsCancelled(); },
-        std::move(done));
+    state_->SubmitForward(
+        "Forward", *input, received, CallDeadline(context->deadline()),
+        [context] { return context->IsCancelled(); }, std::move(done));
   };
-  if (!workers_.Submit(task)) {
+  if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
   }
   return reactor;
@@ -126,14 +101,23 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerConte
                                                        const v1::GetModelInfoRequest* request,
                                                        v1::ModelInfo* response) {
   const Clock::time_point start = Clock::now();
-  if (metrics_) metrics_->IncrementInflight();
-  EngineInfoToProto(engine_->info(), options_.max_message_bytes, response);
-  if (metrics_) {
-    metrics_->RecordRequest("GetModelInfo", grpc::StatusCode::OK, MicrosSince(start) * 1e-6);
-    metrics_->DecrementInflight();
+  Metrics* const metrics = state_->metrics();
+  if (metrics) metrics->IncrementInflight();
+  absl::Status status;
+  if (Engine* engine = state_->engine()) {
+    EngineInfoToProto(engine->info(), state_->max_message_bytes(), response);
+  } else {
+    status = state_->NotReady("GetModelInfo");
+  }
+  const grpc::Status grpc_status = ToGrpcStatus(status);
+  if (metrics) {
+    metrics->RecordRequest("GetModelInfo", grpc_status.error_code(), MicrosSince(start) * 1e-6);
+    metrics->AddBytes("GetModelInfo", static_cast<int64_t>(request->ByteSizeLong()),
+                      status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
+    metrics->DecrementInflight();
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  reactor->Finish(grpc_status);
   return reactor;
 }
 
@@ -141,29 +125,34 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     grpc::CallbackServerContext* context, const v1::GetExpertWeightsRequest* request,
     v1::GetExpertWeightsResponse* response) {
   const Clock::time_point start = Clock::now();
-  if (metrics_) metrics_->IncrementInflight();
+  Metrics* const metrics = state_->metrics();
+  if (metrics) metrics->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [this, reactor, start](const absl::Status& status) {
+  auto finish = [metrics, reactor, start, request, response](const absl::Status& status) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
-    if (metrics_) {
-      metrics_->RecordRequest("GetExpertWeights", grpc_status.error_code(),
-                              MicrosSince(start) * 1e-6);
-      metrics_->DecrementInflight();
+    if (metrics) {
+      metrics->RecordRequest("GetExpertWeights", grpc_status.error_code(),
+                             MicrosSince(start) * 1e-6);
+      metrics->AddBytes("GetExpertWeights", static_cast<int64_t>(request->ByteSizeLong()),
+                        status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
+      metrics->DecrementInflight();
     }
     reactor->Finish(grpc_status);
   };
   // Dequantizing one expert of a large model takes milliseconds: keep it off gRPC's threads.
   auto task = [this, request, response, finish]() {
-    const ModelConfig& model = engine_->info().model;
+    Engine* engine = state_->engine();
+    if (engine == nullptr) return finish(state_->NotReady("GetExpertWeights"));
+    const ModelConfig& model = engine->info().model;
     const int64_t k = model.hidden, n = model.intermediate;
     const TensorView w13 = AllocateProtoTensor(DType::kBF16, {2 * n, k}, response->mutable_w13());
     const TensorView w2 = AllocateProtoTensor(DType::kBF16, {k, n}, response->mutable_w2());
-    absl::Status s = engine_->GetExpertWeightsBf16(request->layer(), request->expert(),
-                                                   w13.data<uint16_t>(), w2.data<uint16_t>());
+    absl::Status s = engine->GetExpertWeightsBf16(request->layer(), request->expert(),
+                                                  w13.data<uint16_t>(), w2.data<uint16_t>());
     if (!s.ok()) response->Clear();
     finish(s);
   };
-  if (!workers_.Submit(task)) {
+  if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("GetExpertWeights: the server is shutting down"));
   }
   return reactor;

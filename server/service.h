@@ -5,6 +5,7 @@
 // bytes are never copied by protobuf (the wire format is still moeserve.v1's).
 // Forward and GetExpertWeights run on the service's own worker threads (a WorkQueue), never on
 // gRPC's callback threads; each reply is Finished from the worker. GetModelInfo answers inline.
+// Until the engine is attached (weights still loading) every call is refused with UNAVAILABLE.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
@@ -13,19 +14,10 @@
 #include <cstdint>
 #include <memory>
 
-#include "core/engine.h"
-#include "core/forward_batcher.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
-#include "server/metrics.h"
-#include "server/work_queue.h"
+#include "server/serving_state.h"
 
 namespace moeserve {
-
-struct ServiceOptions {
-  int num_worker_threads = 2;
-  // Reported in ModelInfo; the limit itself is set on the ServerBuilder.
-  int64_t max_message_bytes = 64 << 20;
-};
 
 using MoeServiceBase =
     v1::MoeService::WithRawCallbackMethod_Forward<v1::MoeService::WithCallbackMethod_GetModelInfo<
@@ -33,12 +25,8 @@ using MoeServiceBase =
 
 class MoeServiceImpl final : public MoeServiceBase {
  public:
-  // `engine` and `metrics` must outlive the service; `metrics` may be null. Forward calls go
-  // through `batcher` (over the same engine), which the service owns.
-  MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> batcher, Metrics* metrics,
-                 const ServiceOptions& options);
-  // Drains the workers.
-  ~MoeServiceImpl() override;
+  // `state` (engine, batcher, workers, metrics) must outlive the service.
+  explicit MoeServiceImpl(ServingState* state) : state_(state) {}
 
   // `request` and `response` are serialized moeserve.v1 ForwardRequest / ForwardResponse.
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
@@ -51,17 +39,8 @@ class MoeServiceImpl final : public MoeServiceBase {
                                              const v1::GetExpertWeightsRequest* request,
                                              v1::GetExpertWeightsResponse* response) override;
 
-  // Runs every queued call and stops the workers; calls arriving later get UNAVAILABLE. Call
-  // after grpc::Server::Shutdown (which waits for in-flight calls) and before destroying the
-  // server. Idempotent.
-  void Drain() { workers_.Drain(); }
-
  private:
-  Engine* const engine_;
-  Metrics* const metrics_;
-  const ServiceOptions options_;
-  WorkQueue workers_;
-  std::unique_ptr<ForwardBatcher> batcher_;
+  ServingState* const state_;
 };
 
 }  // namespace moeserve
