@@ -177,7 +177,7 @@ void SetFlagsUsage() {
   absl::SetProgramUsageMessage(
       "Serves the expert layers of a Mixture-of-Experts model over gRPC (moeserve.v1 and the "
       "KServe v2 inference protocol).\n"
-      "  moeserve --model=tiny --listen=127.0.0.1:50051 --metrics_address=127.0.0.1:9090\n"
+      "  moeserve --model=tiny --listen=127.0.0.1:50051 --metrics_address=127.0.0.1:9464\n"
       "  moeserve --version");
   absl::FlagsUsageConfig config;
   auto ours = [](absl::string_view file) {
