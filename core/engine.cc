@@ -105,10 +105,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
 
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->plan_ = plan;
+  for (int lane = 0; lane < plan.lanes; ++lane) {
+    engine->lane_mu_.push_back(std::make_unique<std::mutex>());
+  }
+  engine->lane_busy_.assign(plan.lanes, false);
+  engine->ids32_.resize(plan.lanes);
   MOESERVE_ASSIGN_OR_RETURN(engine->ranks_, backend->create_rank_group(plan, registry));
   if (plan.multi_process) {
     engine->multi_process_ =
-        std::make_unique<MultiProcessDriver>(engine->ranks_.get(), &engine->mu_);
+        std::make_unique<MultiProcessDriver>(engine->ranks_.get(), engine->lane_mu_[0].get());
   }
 
   EngineInfo& info = engine->info_;
@@ -132,8 +137,47 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
 
 absl::Status Engine::health() const { return ranks_->health(); }
 
+class Engine::LaneLease {
+ public:
+  explicit LaneLease(Engine* engine)
+      : engine_(engine), lane_(engine->AcquireLane()), lock_(*engine->lane_mu_[lane_]) {}
+  ~LaneLease() {
+    lock_.unlock();
+    engine_->ReleaseLane(lane_);
+  }
+  int lane() const { return lane_; }
+
+ private:
+  Engine* const engine_;
+  const int lane_;
+  std::unique_lock<std::mutex> lock_;
+};
+
+int Engine::AcquireLane() {
+  std::unique_lock<std::mutex> lock(pool_mu_);
+  for (;;) {
+    for (size_t i = 0; i < lane_busy_.size(); ++i) {
+      if (!lane_busy_[i]) {
+        lane_busy_[i] = true;
+        return static_cast<int>(i);
+      }
+    }
+    pool_cv_.wait(lock);
+  }
+}
+
+void Engine::ReleaseLane(int lane) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    lane_busy_[lane] = false;
+  }
+  pool_cv_.notify_all();
+}
+
 absl::Status Engine::Recover() {
-  std::lock_guard<std::mutex> lock(mu_);
+  // Every lane: no step runs while the communicators are rebuilt.
+  std::vector<std::unique_ptr<LaneLease>> leases;
+  for (size_t i = 0; i < lane_mu_.size(); ++i) leases.push_back(std::make_unique<LaneLease>(this));
   return ranks_->Recover();
 }
 
@@ -171,7 +215,8 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
                                                    ", ", k, "], got ", output.DebugString()));
   }
   const auto t_queue = std::chrono::steady_clock::now();
-  std::lock_guard<std::mutex> lock(mu_);
+  const LaneLease lease(this);
+  const int lane = lease.lane();
   if (absl::Status h = health(); !h.ok()) return h;
   if (timings) {
     *timings = ForwardTimings();
@@ -183,11 +228,12 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
 
   ForwardStep step;
   step.layer = input.layer;
+  step.lane = lane;
   step.timed = timings != nullptr;
   step.hidden_states = input.hidden_states;
   step.topk_ids = input.topk_ids;
   if (step.topk_ids.dtype() == DType::kINT64) {
-    step.topk_ids = ids32_.Get(DType::kINT32, {m, topk});
+    step.topk_ids = ids32_[lane].Get(DType::kINT32, {m, topk});
     for (int64_t i = 0; i < m * topk; ++i) {
       step.topk_ids.data<int32_t>()[i] = static_cast<int32_t>(input.topk_ids.data<int64_t>()[i]);
     }
@@ -208,7 +254,7 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
   if (!s.ok()) return ClientStatusForFailedStep(s);
   if (timings) {
     for (int r = 0; r < ranks_->num_local_ranks(); ++r) {
-      timings->rank_stages.push_back(ranks_->timings(r));
+      timings->rank_stages.push_back(ranks_->timings(r, lane));
     }
     if (multi_process_ != nullptr) {
       timings->stages = ranks_->timings(0);  // this process's leader rank

@@ -6,6 +6,7 @@
 #ifndef MOESERVE_CORE_ENGINE_H_
 #define MOESERVE_CORE_ENGINE_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -75,7 +76,8 @@ class Engine {
   ~Engine();
 
   // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (host,
-  // caller-owned). Thread-safe: concurrent calls queue and run one at a time.
+  // caller-owned). Thread-safe: concurrent calls run up to steps_in_flight() at once (each on
+  // its own lane: stream, buffers, workspaces), the rest wait.
   // With R ranks the M tokens are split evenly (rank r is the source of its slice), every rank
   // runs the modular kernel (its collectives in the same order) and rank 0, the leader, gathers
   // the output slices. A failure on one rank aborts the collectives of all; the first root
@@ -92,6 +94,8 @@ class Engine {
   absl::Status GetExpertWeightsBf16(int layer, int expert, uint16_t* w13, uint16_t* w2) const;
 
   const EngineInfo& info() const { return info_; }
+  // Steps that may run at once (Forward calls beyond it wait for a lane).
+  int steps_in_flight() const { return plan_.lanes; }
 
   // OK while the engine can serve; otherwise why not (e.g. the NCCL communicators were aborted
   // after a collective timed out or a rank failed mid-forward). While unhealthy, Forward
@@ -122,12 +126,23 @@ class Engine {
   // A failed step as clients see it (UNAVAILABLE for a collective's timeout or abort).
   static absl::Status ClientStatusForFailedStep(absl::Status cause);
 
+  // Takes a free lane (waiting for one) and holds its mutex until destroyed.
+  class LaneLease;
+  int AcquireLane();
+  void ReleaseLane(int lane);
+
   EnginePlan plan_;
   EngineInfo info_;
-  std::mutex mu_;  // one step at a time (forwards, heartbeats, Recover)
+  // Steps run on lanes (plan_.lanes; 1 on the CPU and with collectives): a step holds one
+  // lane's mutex while it runs; Recover holds them all; the multi-process driver's heartbeats
+  // take lane 0's.
+  std::vector<std::unique_ptr<std::mutex>> lane_mu_;
+  std::mutex pool_mu_;
+  std::condition_variable pool_cv_;
+  std::vector<bool> lane_busy_;  // guarded by pool_mu_
   std::unique_ptr<RankGroup> ranks_;
   std::unique_ptr<MultiProcessDriver> multi_process_;  // null in a single process
-  HostBuffer ids32_;
+  std::vector<HostBuffer> ids32_;                      // per lane
 };
 
 }  // namespace moeserve

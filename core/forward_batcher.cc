@@ -45,8 +45,12 @@ ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
     : engine_(engine),
       options_(options),
       // A merged step is one engine call: it must respect the engine's per-call limit too.
-      step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)) {
-  thread_ = std::thread([this] { Loop(); });
+      step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)),
+      runners_(std::max(1, engine->steps_in_flight())) {
+  for (int i = 0; i < runners_; ++i) buffers_.push_back(std::make_unique<StepBuffers>());
+  for (int i = 0; i < runners_; ++i) {
+    threads_.emplace_back([this, buffers = buffers_[i].get()] { Loop(buffers); });
+  }
 }
 
 ForwardBatcher::~ForwardBatcher() {
@@ -55,12 +59,17 @@ ForwardBatcher::~ForwardBatcher() {
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  for (std::thread& t : threads_) t.join();
 }
 
 ForwardBatcherStats ForwardBatcher::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
+}
+
+bool ForwardBatcher::Joins(const Call& head, const Call& c) {
+  return c.mergeable && head.mergeable && c.input.layer == head.input.layer &&
+         c.input.hidden_states.dtype() == head.input.hidden_states.dtype();
 }
 
 void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
@@ -117,37 +126,37 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   cv_.notify_all();
 }
 
-void ForwardBatcher::Loop() {
+void ForwardBatcher::Loop(StepBuffers* buffers) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (stop_) break;
-    const Call& head = *queue_.front();
-    const int layer = head.input.layer;
-    const DType dtype = head.input.hidden_states.dtype();
-    auto joins = [&](const Call& c) {
-      return c.mergeable && head.mergeable && c.input.layer == layer &&
-             c.input.hidden_states.dtype() == dtype;
-    };
-    // Wait for company until the head's delay is spent or its step is full.
-    const absl::Time ready_at = head.enqueued + options_.max_batch_delay;
-    while (!stop_ && absl::Now() < ready_at) {
+    // Wait for company until the head's delay is spent or its step is full. Another scheduling
+    // thread may take the head meanwhile: look again after every wait.
+    bool take = false;
+    while (!stop_ && !queue_.empty()) {
+      const Call& head = *queue_.front();
+      const absl::Time ready_at = head.enqueued + options_.max_batch_delay;
       int64_t tokens = 0;
       for (const auto& c : queue_) {
-        if (c.get() == &head || joins(*c)) tokens += c->tokens;
+        if (c.get() == &head || Joins(head, *c)) tokens += c->tokens;
       }
-      if (tokens >= step_tokens_) break;
+      if (tokens >= step_tokens_ || absl::Now() >= ready_at) {
+        take = true;
+        break;
+      }
       cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
                              1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
     }
     if (stop_) break;
+    if (!take) continue;
     // The head, then every call that joins it in arrival order while the step fits.
-    std::vector<std::unique_ptr<Call>> step;
+    Step step;
     int64_t tokens = 0;
     for (auto it = queue_.begin(); it != queue_.end();) {
       Call& c = **it;
       const bool first = step.empty();
-      if (first || (joins(c) && tokens + c.tokens <= step_tokens_)) {
+      if (first || (Joins(*step.front(), c) && tokens + c.tokens <= step_tokens_)) {
         tokens += c.tokens;
         step.push_back(std::move(*it));
         it = queue_.erase(it);
@@ -157,10 +166,10 @@ void ForwardBatcher::Loop() {
     }
     stats_.queued_tokens -= tokens;
     lock.unlock();
-    RunStep(std::move(step));
+    RunStep(std::move(step), buffers);
     lock.lock();
   }
-  // Shutting down: whatever is still queued is answered, not dropped.
+  // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
   std::deque<std::unique_ptr<Call>> left;
   left.swap(queue_);
   stats_.queued_tokens = 0;
@@ -170,7 +179,7 @@ void ForwardBatcher::Loop() {
   }
 }
 
-void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
+void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
   const absl::Time start = absl::Now();
   std::vector<std::unique_ptr<Call>> live;
   int64_t deadline_drops = 0, cancel_drops = 0;
@@ -218,10 +227,10 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
     for (const auto& c : live) m += c->tokens;
     ForwardInput merged;
     merged.layer = first.layer;
-    merged.hidden_states = hidden_.Get(dtype, {m, hidden});
-    merged.topk_ids = ids_.Get(DType::kINT32, {m, topk});
-    merged.topk_weights = weights_.Get(DType::kFP32, {m, topk});
-    const TensorView output = output_.Get(dtype, {m, hidden});
+    merged.hidden_states = buffers->hidden.Get(dtype, {m, hidden});
+    merged.topk_ids = buffers->ids.Get(DType::kINT32, {m, topk});
+    merged.topk_weights = buffers->weights.Get(DType::kFP32, {m, topk});
+    const TensorView output = buffers->output.Get(dtype, {m, hidden});
     int64_t at = 0;
     for (const auto& c : live) {
       const ForwardInput& in = c->input;

@@ -52,6 +52,10 @@ ABSL_FLAG(std::string, prepare_finalize, "auto",
 ABSL_FLAG(int64_t, max_tokens_per_rank, 0,
           "Tokens one rank submits per dispatch round (0: engine default); larger batches run "
           "in several rounds");
+ABSL_FLAG(int32_t, steps_in_flight, 0,
+          "Engine steps run at once, each on its own GPU stream and buffers so that one step's "
+          "copies overlap another's experts; 0: auto (2 on a single GPU without expert "
+          "parallelism, else 1)");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, health_poll_ms, 500,
           "How often the server checks the engine's health (NOT_SERVING while unhealthy)");
@@ -167,6 +171,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   options.placement = absl::GetFlag(FLAGS_placement);
   options.prepare_finalize = absl::GetFlag(FLAGS_prepare_finalize);
   options.max_tokens_per_rank = absl::GetFlag(FLAGS_max_tokens_per_rank);
+  options.steps_in_flight = absl::GetFlag(FLAGS_steps_in_flight);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);

@@ -1,7 +1,12 @@
 #include "server/service.h"
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -41,6 +46,67 @@ MoeServiceImpl::MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> b
 
 MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
+void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
+                                std::function<bool()> cancelled, Clock::time_point start,
+                                AnswerFn answer) {
+  const double server_queue_us = MicrosSince(start);
+  if (cancelled && cancelled()) {
+    return answer(absl::CancelledError("Forward: cancelled by the client before it ran"), {}, 0,
+                  "");
+  }
+  absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(raw_request);
+  if (!request.ok()) {
+    return answer(absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())),
+                  {}, 0, "");
+  }
+  std::string request_id = request->header.request_id();
+  GatheredBytes gathered;
+  absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
+  if (!input.ok()) return answer(input.status(), {}, 0, request_id);
+  // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
+  const EngineInfo& info = engine_->info();
+  if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
+      !s.ok()) {
+    return answer(s, {}, 0, request_id);
+  }
+  const int64_t m = input->hidden_states.dim(0);
+  const DType dtype = input->hidden_states.dtype();
+  const Shape out_shape = {m, info.model.hidden};
+  const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
+  // What the call needs until the batcher answers it: the request's slices (its tensors may
+  // be views into them), the gathered bytes and the answer buffer, which the engine writes
+  // and the reply's slice then owns (no copy).
+  struct Pending {
+    v1wire::ForwardRequestView request;
+    GatheredBytes gathered;
+    ForwardInput input;
+    std::unique_ptr<PooledBuffer> out;  // recycled: no page faults per call
+  };
+  auto pending = std::make_shared<Pending>(
+      Pending{std::move(*request), std::move(gathered), *input, PooledBuffer::Acquire(out_bytes)});
+  const TensorView output(pending->out->data(), dtype, out_shape);
+  auto done = [this, pending, dtype, out_shape, out_bytes, m, start, server_queue_us,
+               answer = std::move(answer)](const absl::Status& status,
+                                           const ForwardTimings& timings) {
+    const std::string& id = pending->request.header.request_id();
+    if (!status.ok()) return answer(status, {}, 0, id);
+    v1::ForwardResponse header;
+    header.mutable_output()->set_dtype(DTypeToProto(dtype));
+    for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
+    header.set_request_id(id);
+    if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
+    if (pending->request.header.return_timings()) {
+      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start), header.mutable_timings());
+    }
+    void* out_data = pending->out->data();
+    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
+        header, v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out)));
+    if (!encoded.ok()) return answer(absl::InternalError(encoded.status().message()), {}, 0, id);
+    answer(absl::OkStatus(), std::move(*encoded), m, id);
+  };
+  batcher_->Submit(pending->input, output, deadline, std::move(cancelled), std::move(done));
+}
+
 grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* raw_request,
                                                   grpc::ByteBuffer* response) {
@@ -58,68 +124,173 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     reactor->Finish(grpc_status);
   };
   auto task = [this, context, raw_request, response, start, finish]() {
-    const double server_queue_us = MicrosSince(start);
-    if (context->IsCancelled()) {
-      finish(absl::CancelledError("Forward: cancelled by the client before it ran"), 0);
-      return;
-    }
-    absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(*raw_request);
-    if (!request.ok()) {
-      return finish(
-          absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())), 0);
-    }
-    GatheredBytes gathered;
-    absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
-    if (!input.ok()) return finish(input.status(), 0);
-    // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
-    const EngineInfo& info = engine_->info();
-    if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
-        !s.ok()) {
-      return finish(s, 0);
-    }
-    const int64_t m = input->hidden_states.dim(0);
-    const DType dtype = input->hidden_states.dtype();
-    const Shape out_shape = {m, info.model.hidden};
-    const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
-    // What the call needs until the batcher answers it: the request's slices (its tensors may
-    // be views into them), the gathered bytes and the answer buffer, which the engine writes
-    // and the reply's slice then owns (no copy).
-    struct Pending {
-      v1wire::ForwardRequestView request;
-      GatheredBytes gathered;
-      ForwardInput input;
-      std::unique_ptr<PooledBuffer> out;  // recycled: no page faults per call
-    };
-    auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered),
-                                                     *input, PooledBuffer::Acquire(out_bytes)});
-    const TensorView output(pending->out->data(), dtype, out_shape);
-    auto done = [this, pending, response, dtype, out_shape, out_bytes, m, start, server_queue_us,
-                 finish](const absl::Status& status, const ForwardTimings& timings) {
-      if (!status.ok()) return finish(status, 0);
-      v1::ForwardResponse header;
-      header.mutable_output()->set_dtype(DTypeToProto(dtype));
-      for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
-      header.set_request_id(pending->request.header.request_id());
-      if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
-      if (pending->request.header.return_timings()) {
-        ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
-                              header.mutable_timings());
-      }
-      void* out_data = pending->out->data();
-      absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
-          header, v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out)));
-      if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
-      response->Swap(&*encoded);
-      finish(absl::OkStatus(), m);
-    };
-    batcher_->Submit(
-        pending->input, output, DeadlineOf(*context), [context] { return context->IsCancelled(); },
-        std::move(done));
+    RunForward(
+        *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
+        [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
+                           const std::string&) {
+          if (status.ok()) response->Swap(&encoded);
+          finish(status, tokens);
+        });
   };
   if (!workers_.Submit(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
   }
   return reactor;
+}
+
+// One ForwardStream. Lives until gRPC is done with it (OnDone) and every call it submitted
+// has answered: refs_ counts both. Calls never touch the CallbackServerContext (it dies at
+// OnDone); they poll stop_ instead.
+class MoeServiceImpl::StreamReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  StreamReactor(MoeServiceImpl* service, grpc::CallbackServerContext* context)
+      : service_(service), deadline_(DeadlineOf(*context)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    StartReadingLocked();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    reading_ = false;
+    if (!ok || finished_) {  // the client half-closed (or the stream broke or was finished)
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    auto request = std::make_shared<grpc::ByteBuffer>();
+    request->Swap(&read_buffer_);
+    const uint64_t seq = front_seq_ + slots_.size();
+    slots_.emplace_back();
+    ++refs_;
+    if (static_cast<int>(slots_.size()) < kMaxStreamCallsInFlight) StartReadingLocked();
+    lock.unlock();
+
+    const Clock::time_point start = Clock::now();
+    Metrics* metrics = service_->metrics_;
+    if (metrics) metrics->IncrementInflight();
+    auto answer = [this, seq, start, metrics](const absl::Status& status, grpc::ByteBuffer encoded,
+                                              int64_t tokens, const std::string& request_id) {
+      const grpc::Status grpc_status = ToGrpcStatus(status);
+      if (metrics) {
+        if (status.ok()) metrics->AddTokens(tokens);
+        metrics->RecordRequest("ForwardStream", grpc_status.error_code(),
+                               MicrosSince(start) * 1e-6);
+        metrics->DecrementInflight();
+      }
+      if (!status.ok()) encoded = ErrorAnswer(grpc_status, request_id);
+      Answer(seq, std::move(encoded));
+    };
+    auto task = [this, request, start, answer]() {
+      service_->RunForward(
+          *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
+          answer);
+    };
+    if (!service_->workers_.Submit(task)) {
+      answer(absl::UnavailableError("ForwardStream: the server is shutting down"), {}, 0, "");
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    if (!ok) {  // the stream broke: nothing more can be written
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "ForwardStream: write failed"));
+      return;
+    }
+    slots_.pop_front();
+    ++front_seq_;
+    if (!reading_ && !reads_done_ && !finished_) StartReadingLocked();
+    MaybeWriteLocked();
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "ForwardStream: cancelled"));
+  }
+
+  void OnDone() override { Unref(); }
+
+ private:
+  struct Slot {
+    bool ready = false;
+    grpc::ByteBuffer answer;
+  };
+
+  static grpc::ByteBuffer ErrorAnswer(const grpc::Status& status, const std::string& request_id) {
+    v1::ForwardResponse header;
+    header.set_request_id(request_id);
+    header.set_error_code(static_cast<int32_t>(status.error_code()));
+    header.set_error_message(status.error_message());
+    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, {});
+    return encoded.ok() ? std::move(*encoded) : grpc::ByteBuffer();
+  }
+
+  // A call's answer (any thread): parks it in its slot and writes whatever is next in order.
+  void Answer(uint64_t seq, grpc::ByteBuffer encoded) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!finished_) {
+        Slot& slot = slots_[seq - front_seq_];
+        slot.answer.Swap(&encoded);
+        slot.ready = true;
+        MaybeWriteLocked();
+      }
+    }
+    Unref();
+  }
+
+  void StartReadingLocked() {
+    reading_ = true;
+    StartRead(&read_buffer_);
+  }
+
+  // Writes the oldest answer if it is ready (deque elements keep their address while the write
+  // is in flight: only the front is popped, after it completes).
+  void MaybeWriteLocked() {
+    if (writing_ || finished_ || slots_.empty() || !slots_.front().ready) return;
+    writing_ = true;
+    StartWrite(&slots_.front().answer);
+  }
+
+  void MaybeFinishLocked() {
+    if (reads_done_ && slots_.empty() && !writing_) FinishLocked(grpc::Status::OK);
+  }
+
+  void FinishLocked(const grpc::Status& status) {
+    if (finished_) return;
+    finished_ = true;
+    stop_.store(true, std::memory_order_relaxed);
+    Finish(status);
+  }
+
+  void Unref() {
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = --refs_ == 0;
+    }
+    if (last) delete this;
+  }
+
+  MoeServiceImpl* const service_;
+  const absl::Time deadline_;
+  std::atomic<bool> stop_{false};  // finished or cancelled: queued calls are dropped
+  std::mutex mu_;
+  grpc::ByteBuffer read_buffer_;
+  std::deque<Slot> slots_;  // calls in request order, from front_seq_
+  uint64_t front_seq_ = 0;
+  bool reading_ = false;
+  bool reads_done_ = false;
+  bool writing_ = false;
+  bool finished_ = false;
+  int refs_ = 1;  // gRPC's (released at OnDone) + one per call not yet answered
+};
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* MoeServiceImpl::ForwardStream(
+    grpc::CallbackServerContext* context) {
+  return new StreamReactor(this, context);
 }
 
 grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,

@@ -10,9 +10,14 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
+#include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
@@ -27,9 +32,10 @@ struct ServiceOptions {
   int64_t max_message_bytes = 64 << 20;
 };
 
-using MoeServiceBase =
-    v1::MoeService::WithRawCallbackMethod_Forward<v1::MoeService::WithCallbackMethod_GetModelInfo<
-        v1::MoeService::WithCallbackMethod_GetExpertWeights<v1::MoeService::Service>>>;
+using MoeServiceBase = v1::MoeService::WithRawCallbackMethod_Forward<
+    v1::MoeService::WithRawCallbackMethod_ForwardStream<
+        v1::MoeService::WithCallbackMethod_GetModelInfo<
+            v1::MoeService::WithCallbackMethod_GetExpertWeights<v1::MoeService::Service>>>>;
 
 class MoeServiceImpl final : public MoeServiceBase {
  public:
@@ -44,6 +50,11 @@ class MoeServiceImpl final : public MoeServiceBase {
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
+  // Layer calls on one stream: each request message runs as Forward does (through the batcher,
+  // up to kMaxStreamCallsInFlight at once), answers are written in request order, and a failed
+  // call answers with error_code/error_message without ending the stream.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
@@ -51,12 +62,28 @@ class MoeServiceImpl final : public MoeServiceBase {
                                              const v1::GetExpertWeightsRequest* request,
                                              v1::GetExpertWeightsResponse* response) override;
 
+  // Calls of one stream decoded, queued or answered but not yet written; the stream stops
+  // reading beyond it (flow control reaches the client).
+  static constexpr int kMaxStreamCallsInFlight = 64;
+
   // Runs every queued call and stops the workers; calls arriving later get UNAVAILABLE. Call
   // after grpc::Server::Shutdown (which waits for in-flight calls) and before destroying the
   // server. Idempotent.
   void Drain() { workers_.Drain(); }
 
  private:
+  class StreamReactor;
+  // The answer to one Forward: OK with the encoded ForwardResponse and its token count, or the
+  // failure; `request_id` as decoded (empty when the request could not be read). Runs once, on a
+  // worker or the batcher's thread.
+  using AnswerFn = std::function<void(const absl::Status& status, grpc::ByteBuffer encoded,
+                                      int64_t tokens, const std::string& request_id)>;
+  // Decodes, validates and submits one serialized ForwardRequest to the batcher. `raw_request`
+  // is read before this returns (the decoded call keeps its slices). Worker threads.
+  void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
+                  std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
+                  AnswerFn answer);
+
   Engine* const engine_;
   Metrics* const metrics_;
   const ServiceOptions options_;

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -72,6 +73,13 @@ ABSL_FLAG(double, tolerance, 1e-2, "forward --check: max relative L2 error");
 ABSL_FLAG(int64_t, requests, 100, "load: total requests");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent closed-loop workers");
 ABSL_FLAG(double, max_seconds, 60.0, "load: stop issuing requests after this many seconds");
+ABSL_FLAG(double, rate, 0,
+          "load: open loop: send this many calls per second for --max_seconds, whatever the "
+          "answers do (0: closed loop with --concurrency workers); every OK answer is checked "
+          "against the same input's answer taken before the run");
+ABSL_FLAG(bool, stream, false,
+          "load: each worker sends its calls on one ForwardStream (one request, then its answer) "
+          "instead of one unary Forward per call");
 ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled through");
 
 namespace moeserve::client {
@@ -342,6 +350,114 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[rank - 1];
 }
 
+// Relative L2 distance of two answers in `dtype` (as floats).
+double AnswerDistance(const ForwardResult& got, const std::string& want, v1::DType dtype) {
+  if (got.raw.output.data_size != want.size()) return 1e30;
+  v1::Tensor got_t, want_t;
+  got_t.set_dtype(dtype);
+  want_t.set_dtype(dtype);
+  got_t.add_shape(static_cast<int64_t>(want.size()) / DTypeSize(dtype));
+  want_t.add_shape(static_cast<int64_t>(want.size()) / DTypeSize(dtype));
+  got_t.mutable_data()->resize(want.size());
+  got.raw.output.CopyTo(got_t.mutable_data()->data());
+  *want_t.mutable_data() = want;
+  const auto a_or = DecodeFloats(got_t), b_or = DecodeFloats(want_t);
+  if (!a_or.ok() || !b_or.ok()) return 1e30;
+  const std::vector<float>& a = *a_or;
+  const std::vector<float>& b = *b_or;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Open loop: calls leave at a fixed rate, whatever the answers do (an overload run). Reports
+// answered / refused by code, the answered calls' latency, and wrong answers (relative L2 >
+// --tolerance against the same input's unloaded answer).
+int RunOpenLoop(MoeClient& client, const std::vector<grpc::ByteBuffer>& requests, v1::DType dtype,
+                int64_t num_tokens) {
+  const double rate = absl::GetFlag(FLAGS_rate);
+  const double seconds = absl::GetFlag(FLAGS_max_seconds);
+  const double tolerance = absl::GetFlag(FLAGS_tolerance);
+  std::vector<std::string> expected;
+  for (const grpc::ByteBuffer& r : requests) {
+    auto result = client.Forward(r, /*copy_output=*/true);
+    if (!result.ok()) return Fail(result.status(), "unloaded Forward");
+    expected.push_back(result->output.data());
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t outstanding = 0, sent = 0, wrong = 0;
+  std::vector<double> latencies_ms;
+  std::map<std::string, int64_t> codes;
+  std::string first_error;
+  const absl::Time start = absl::Now();
+  const absl::Duration interval = absl::Seconds(1.0 / rate);
+  for (absl::Time next = start; next < start + absl::Seconds(seconds); next += interval) {
+    absl::SleepFor(next - absl::Now());
+    const size_t which = static_cast<size_t>(sent) % requests.size();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++outstanding;
+      ++sent;
+    }
+    client.ForwardAsync(
+        requests[which],
+        [&, which](absl::StatusOr<ForwardResult> result) {
+          const bool bad =
+              result.ok() && AnswerDistance(*result, expected[which], dtype) > tolerance;
+          std::lock_guard<std::mutex> lock(mu);
+          ++codes[absl::StatusCodeToString(result.status().code())];
+          if (result.ok()) {
+            latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+            wrong += bad ? 1 : 0;
+          } else if (first_error.empty()) {
+            first_error = result.status().ToString();
+          }
+          --outstanding;
+          cv.notify_all();
+        },
+        /*copy_output=*/false);
+  }
+  const double send_s = absl::ToDoubleSeconds(absl::Now() - start);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return outstanding == 0; });
+  }
+  const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  std::sort(latencies_ms.begin(), latencies_ms.end());
+  const int64_t ok = static_cast<int64_t>(latencies_ms.size());
+  int64_t refused = 0, other = 0;
+  for (const auto& [code, n] : codes) {
+    if (code == "RESOURCE_EXHAUSTED") {
+      refused += n;
+    } else if (code != "OK") {
+      other += n;
+    }
+  }
+  std::printf("load: open loop rate=%.1f/s seconds=%.1f tokens=%lld dtype=%s layer=%d\n", rate,
+              seconds, static_cast<long long>(num_tokens), DTypeName(dtype).c_str(),
+              absl::GetFlag(FLAGS_layer));
+  std::printf(
+      "sent=%lld ok=%lld refused=%lld other_errors=%lld wrong_answers=%lld send_s=%.3f "
+      "wall_s=%.3f\n",
+      static_cast<long long>(sent), static_cast<long long>(ok), static_cast<long long>(refused),
+      static_cast<long long>(other), static_cast<long long>(wrong), send_s, wall_s);
+  for (const auto& [code, n] : codes) {
+    std::printf("  code %s: %lld\n", code.c_str(), static_cast<long long>(n));
+  }
+  if (!first_error.empty()) std::printf("  first error: %s\n", first_error.c_str());
+  std::printf("latency_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f\n", Percentile(latencies_ms, 50),
+              Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
+              latencies_ms.empty() ? 0.0 : latencies_ms.back());
+  std::printf("throughput: answered_per_s=%.1f tokens_per_s=%.1f\n", ok / wall_s,
+              static_cast<double>(ok * num_tokens) / wall_s);
+  // Overload may refuse; it must never answer wrongly or fail otherwise.
+  return (wrong == 0 && other == 0 && ok > 0) ? kExitOk : kExitFailed;
+}
+
 int RunLoad() {
   auto dtype = ParseFloatDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Fail(dtype.status(), "--dtype");
@@ -377,6 +493,8 @@ int RunLoad() {
     requests.push_back(std::move(*request));
   }
 
+  if (absl::GetFlag(FLAGS_rate) > 0) return RunOpenLoop(**client, requests, *dtype, num_tokens);
+
   std::atomic<int64_t> next{0};
   std::mutex mu;
   std::vector<double> latencies_ms;
@@ -386,22 +504,48 @@ int RunLoad() {
   const absl::Time start = absl::Now();
   const absl::Time stop_at = start + absl::Seconds(max_seconds);
   std::vector<std::thread> workers;
+  const bool use_stream = absl::GetFlag(FLAGS_stream);
   for (int w = 0; w < concurrency; ++w) {
     workers.emplace_back([&] {
       std::vector<double> local_ms, local_server_us;
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
+      std::unique_ptr<ForwardStream> stream;
+      if (use_stream) {
+        auto opened = (*client)->OpenForwardStream();
+        if (!opened.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          ++errors[absl::StatusCodeToString(opened.status().code())];
+          if (first_error.empty()) first_error = opened.status().ToString();
+          return;
+        }
+        stream = std::move(*opened);
+      }
+      // One call: unary, or a write and its answer on this worker's stream.
+      auto call = [&](const grpc::ByteBuffer& request) -> absl::StatusOr<ForwardResult> {
+        if (!stream) return (*client)->Forward(request, /*copy_output=*/false);
+        const absl::Time sent = absl::Now();
+        if (absl::Status s = stream->Write(request); !s.ok()) return s;
+        absl::StatusOr<ForwardResult> result = stream->Read(/*copy_output=*/false);
+        if (result.ok()) result->latency = absl::Now() - sent;
+        return result;
+      };
       for (;;) {
         const int64_t i = next.fetch_add(1);
         if (i >= num_requests || absl::Now() >= stop_at) break;
-        auto result = (*client)->Forward(requests[static_cast<size_t>(i) % requests.size()],
-                                         /*copy_output=*/false);
+        auto result = call(requests[static_cast<size_t>(i) % requests.size()]);
         if (result.ok()) {
           local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
           local_server_us.push_back(result->timings.total_us());
         } else {
           ++local_errors[absl::StatusCodeToString(result.status().code())];
           if (local_first_error.empty()) local_first_error = result.status().ToString();
+        }
+      }
+      if (stream) {
+        if (absl::Status s = stream->Finish(); !s.ok()) {
+          ++local_errors[absl::StatusCodeToString(s.code())];
+          if (local_first_error.empty()) local_first_error = s.ToString();
         }
       }
       std::lock_guard<std::mutex> lock(mu);
@@ -420,9 +564,10 @@ int RunLoad() {
   for (const auto& [code, n] : errors) num_errors += n;
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
   const int64_t not_sent = num_requests - ok - num_errors;
-  std::printf("load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d\n",
+  std::printf("load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d rpc=%s\n",
               static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
-              DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer));
+              DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer),
+              use_stream ? "ForwardStream" : "Forward");
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {

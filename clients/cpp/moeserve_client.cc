@@ -6,6 +6,7 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "clients/cpp/dtype_convert.h"
 
@@ -218,8 +219,39 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
   }
   const absl::Duration latency = absl::Now() - start;
   if (!status.ok()) return FromGrpcStatus(status);
+  return DecodeForwardResult(response, copy_output, latency);
+}
+
+void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
+                             std::function<void(absl::StatusOr<ForwardResult>)> done,
+                             bool copy_output) {
+  struct InFlight {
+    grpc::ClientContext context;
+    grpc::ByteBuffer request;
+    grpc::ByteBuffer response;
+    absl::Time start;
+  };
+  auto call = std::make_shared<InFlight>();
+  PrepareContext(&call->context);
+  call->request = request;  // shares the slices
+  call->start = absl::Now();
+  generic_stub_->UnaryCall(&call->context, "/moeserve.v1.MoeService/Forward", grpc::StubOptions(),
+                           &call->request, &call->response,
+                           [call, done = std::move(done), copy_output](grpc::Status s) {
+                             const absl::Duration latency = absl::Now() - call->start;
+                             if (!s.ok()) return done(FromGrpcStatus(s));
+                             done(DecodeForwardResult(call->response, copy_output, latency));
+                           });
+}
+
+absl::StatusOr<ForwardResult> DecodeForwardResult(const grpc::ByteBuffer& response,
+                                                  bool copy_output, absl::Duration latency) {
   absl::StatusOr<v1wire::ForwardResponseView> decoded = v1wire::DecodeForwardResponse(response);
   if (!decoded.ok()) return absl::InternalError(decoded.status().message());
+  if (decoded->header.error_code() != 0) {  // a ForwardStream call that failed
+    return absl::Status(static_cast<absl::StatusCode>(decoded->header.error_code()),
+                        decoded->header.error_message());
+  }
   ForwardResult result;
   result.raw = *std::move(decoded);
   result.output = result.raw.output.header;
@@ -232,6 +264,154 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
   result.timings = result.raw.header.timings();
   result.latency = latency;
   return result;
+}
+
+// ForwardStream's client half: a callback reactor turned into blocking calls.
+class ForwardStream::Reactor final
+    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    write_ok_ = ok;
+    cv_.notify_all();
+  }
+  void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reading_ = false;
+    read_ok_ = ok;
+    cv_.notify_all();
+  }
+  void OnDone(const grpc::Status& status) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    status_ = status;
+    cv_.notify_all();
+  }
+
+  // Drops the hold taken at StartCall (once), so that OnDone can come. Call without mu_ held:
+  // OnDone may run on this thread.
+  void ReleaseHold() {
+    bool release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      release = held_;
+      held_ = false;
+    }
+    if (release) RemoveHold();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool held_ = false;
+  bool writing_ = false, write_ok_ = true;
+  bool reading_ = false, read_ok_ = true;
+  bool writes_done_ = false;
+  bool done_ = false;
+  grpc::Status status_;
+  grpc::ByteBuffer write_buffer_, read_buffer_;
+};
+
+ForwardStream::ForwardStream() : reactor_(std::make_unique<Reactor>()) {}
+
+ForwardStream::~ForwardStream() {
+  if (!started_) return;
+  {
+    std::lock_guard<std::mutex> lock(reactor_->mu_);
+    if (reactor_->done_) return;
+  }
+  context_.TryCancel();
+  reactor_->ReleaseHold();
+  std::unique_lock<std::mutex> lock(reactor_->mu_);
+  reactor_->cv_.wait(lock, [this] { return reactor_->done_ && !reactor_->reading_; });
+}
+
+absl::Status ForwardStream::Write(const grpc::ByteBuffer& request) {
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  r.cv_.wait(lock, [&r] { return !r.writing_; });
+  if (r.done_ || r.writes_done_ || !r.write_ok_) {
+    return absl::FailedPreconditionError("ForwardStream: the stream is closed for writing");
+  }
+  r.write_buffer_ = request;  // shares the slices (refcounted), no byte copy
+  r.writing_ = true;
+  r.StartWrite(&r.write_buffer_);
+  r.cv_.wait(lock, [&r] { return !r.writing_; });
+  if (!r.write_ok_) return absl::UnavailableError("ForwardStream: the stream broke while writing");
+  return absl::OkStatus();
+}
+
+absl::Status ForwardStream::Write(const ForwardArgs& args) {
+  absl::StatusOr<grpc::ByteBuffer> request = MoeClient::EncodeForwardRequest(args);
+  if (!request.ok()) return request.status();
+  return Write(*request);
+}
+
+absl::StatusOr<ForwardResult> ForwardStream::Read(bool copy_output) {
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  const absl::Time start = absl::Now();
+  if (!r.done_ && r.read_ok_) {
+    r.reading_ = true;
+    r.StartRead(&r.read_buffer_);
+    r.cv_.wait(lock, [&r] { return !r.reading_; });
+  }
+  if (r.done_ || !r.read_ok_) {
+    // No more answers: the stream ended; its status says why.
+    lock.unlock();
+    r.ReleaseHold();
+    lock.lock();
+    r.cv_.wait(lock, [&r] { return r.done_; });
+    if (!r.status_.ok()) return FromGrpcStatus(r.status_);
+    return absl::OutOfRangeError("ForwardStream: the server ended the stream (no more answers)");
+  }
+  grpc::ByteBuffer response;
+  response.Swap(&r.read_buffer_);
+  lock.unlock();
+  return DecodeForwardResult(response, copy_output, absl::Now() - start);
+}
+
+void ForwardStream::WritesDone() {
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  r.cv_.wait(lock, [&r] { return !r.writing_; });
+  if (r.writes_done_ || r.done_) return;
+  r.writes_done_ = true;
+  r.StartWritesDone();
+}
+
+absl::Status ForwardStream::Finish() {
+  WritesDone();
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  // Drain answers nobody read so that the server's Finish arrives.
+  while (!r.done_ && r.read_ok_) {
+    r.reading_ = true;
+    r.StartRead(&r.read_buffer_);
+    r.cv_.wait(lock, [&r] { return !r.reading_; });
+  }
+  lock.unlock();
+  r.ReleaseHold();
+  lock.lock();
+  r.cv_.wait(lock, [&r] { return r.done_; });
+  return FromGrpcStatus(r.status_);
+}
+
+absl::StatusOr<std::unique_ptr<ForwardStream>> MoeClient::OpenForwardStream() {
+  auto stream = absl::WrapUnique(new ForwardStream());
+  PrepareContext(&stream->context_);
+  // A stream outlives any one call: no per-call deadline.
+  stream->context_.set_deadline(std::chrono::system_clock::time_point::max());
+  generic_stub_->PrepareBidiStreamingCall(&stream->context_,
+                                          "/moeserve.v1.MoeService/ForwardStream",
+                                          grpc::StubOptions(), stream->reactor_.get());
+  // Reads and writes start from the caller's threads, outside the reactions: the hold keeps
+  // OnDone from coming before they do (released once the stream has ended).
+  stream->reactor_->held_ = true;
+  stream->reactor_->AddHold();
+  stream->reactor_->StartCall();
+  stream->started_ = true;
+  return stream;
 }
 
 }  // namespace moeserve::client

@@ -7,6 +7,7 @@
 #define MOESERVE_CLIENTS_CPP_MOESERVE_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,6 +61,8 @@ struct ForwardResult {
   v1wire::ForwardResponseView raw;
 };
 
+class ForwardStream;
+
 class MoeClient {
  public:
   // Creates a client for `target` ("host:port", or any gRPC target URI) over an insecure channel.
@@ -81,6 +84,17 @@ class MoeClient {
   // generator: its slices are referenced, not copied. With `copy_output` false,
   // ForwardResult::output gets dtype and shape only and the bytes stay in ForwardResult::raw.
   absl::StatusOr<ForwardResult> Forward(const grpc::ByteBuffer& request, bool copy_output = true);
+
+  // Starts a Forward and returns at once; `done` runs exactly once, on a gRPC thread, with the
+  // result (keep it short). `request`'s slices are shared, not copied; ForwardResult::output gets
+  // the bytes copied out only with `copy_output`.
+  void ForwardAsync(const grpc::ByteBuffer& request,
+                    std::function<void(absl::StatusOr<ForwardResult>)> done,
+                    bool copy_output = true);
+
+  // Opens a ForwardStream: layer calls one after another on one HTTP/2 stream (answers in
+  // order). The stream has no deadline of its own; the client options' deadline is not applied.
+  absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream();
 
   // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]).
   absl::StatusOr<v1::GetExpertWeightsResponse> GetExpertWeights(int layer, int expert);
@@ -106,6 +120,36 @@ class MoeClient {
   std::unique_ptr<grpc::GenericStub> generic_stub_;  // Forward, as raw bytes
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
 };
+
+// One ForwardStream call. Write sends a request (blocking until gRPC has taken it), Read returns
+// the next answer in request order: the result, or that call's own failure (the stream goes
+// on), or, once the stream has ended, its final status (OUT_OF_RANGE after a clean end). Several
+// writes may precede the reads (pipelining). Thread-safety: one writer thread and one reader
+// thread may use it at once. The destructor cancels a stream that was not finished.
+class ForwardStream {
+ public:
+  ~ForwardStream();
+  absl::Status Write(const grpc::ByteBuffer& request);
+  absl::Status Write(const ForwardArgs& args);
+  absl::StatusOr<ForwardResult> Read(bool copy_output = true);
+  // Half-closes: no more writes. Idempotent.
+  void WritesDone();
+  // WritesDone, discards unread answers, and waits for the stream's status.
+  absl::Status Finish();
+
+ private:
+  friend class MoeClient;
+  class Reactor;
+  ForwardStream();
+  grpc::ClientContext context_;
+  std::unique_ptr<Reactor> reactor_;
+  bool started_ = false;
+};
+
+// Decodes a serialized ForwardResponse; a response carrying error_code (ForwardStream) becomes
+// that status.
+absl::StatusOr<ForwardResult> DecodeForwardResult(const grpc::ByteBuffer& response,
+                                                  bool copy_output, absl::Duration latency);
 
 // gRPC status -> absl::Status (the codes share numeric values).
 absl::Status FromGrpcStatus(const grpc::Status& status);
