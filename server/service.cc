@@ -132,7 +132,11 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
           finish(status, tokens);
         });
   };
-  if (!workers_.Submit(task)) {
+  // A small request is decoded and queued right here (a thread hop costs more than the work);
+  // a large one, whose pieces may need gathering, on a worker.
+  if (raw_request->Length() <= kInlineRequestBytes) {
+    task();
+  } else if (!workers_.Submit(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
   }
   return reactor;

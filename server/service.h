@@ -3,8 +3,10 @@
 // Forward is served raw: the request's tensors are read straight out of gRPC's slices and the
 // answer is written by the engine into a buffer that the reply's slice then owns, so tensor
 // bytes are never copied by protobuf (the wire format is still moeserve.v1's).
-// Forward and GetExpertWeights run on the service's own worker threads (a WorkQueue), never on
-// gRPC's callback threads; each reply is Finished from the worker. GetModelInfo answers inline.
+// A small Forward is decoded and handed to the batcher on gRPC's callback thread (nothing there
+// blocks: the batcher refuses at once when full); large ones and GetExpertWeights run on the
+// service's own worker threads (a WorkQueue). Answers are Finished from the batcher's thread.
+// GetModelInfo answers inline.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
@@ -65,6 +67,8 @@ class MoeServiceImpl final : public MoeServiceBase {
   // Calls of one stream decoded, queued or answered but not yet written; the stream stops
   // reading beyond it (flow control reaches the client).
   static constexpr int kMaxStreamCallsInFlight = 64;
+  // Forward requests up to this size are decoded and queued on gRPC's callback thread.
+  static constexpr size_t kInlineRequestBytes = 256 << 10;
 
   // Runs every queued call and stops the workers; calls arriving later get UNAVAILABLE. Call
   // after grpc::Server::Shutdown (which waits for in-flight calls) and before destroying the
