@@ -112,6 +112,16 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       refused = absl::ResourceExhaustedError(absl::StrCat(
           "Forward: the queue is full (", stats_.queued_tokens, " tokens queued + ", m,
           " > max_queued_tokens=", options_.max_queued_tokens, "); retry later or elsewhere"));
+    } else if (options_.max_queue_wait > absl::ZeroDuration() && stats_.queued_tokens > 0 &&
+               us_per_token_ * static_cast<double>(stats_.queued_tokens + m) / runners_ >
+                   absl::ToDoubleMicroseconds(options_.max_queue_wait)) {
+      ++stats_.refused_queue_full;
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "Forward: the queue holds about ",
+          static_cast<int64_t>(us_per_token_ * static_cast<double>(stats_.queued_tokens + m) /
+                               runners_ / 1000),
+          " ms of work (", stats_.queued_tokens, " tokens) > max_queue_wait=",
+          absl::FormatDuration(options_.max_queue_wait), "; retry later or elsewhere"));
     }
     if (!refused.ok()) {
       lock.unlock();
@@ -141,12 +151,20 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       for (const auto& c : queue_) {
         if (c.get() == &head || Joins(head, *c)) tokens += c->tokens;
       }
-      if (tokens >= step_tokens_ || absl::Now() >= ready_at) {
+      // While another step runs, a second one starts only with at least half a step of work:
+      // decode steps are bound by reading the weights, so one merged step beats two small
+      // concurrent ones; large calls still overlap one another's copies.
+      const bool lane_worth_it = running_ == 0 || tokens * 2 >= step_tokens_;
+      if (lane_worth_it && (tokens >= step_tokens_ || absl::Now() >= ready_at)) {
         take = true;
         break;
       }
-      cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
-                             1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
+      if (!lane_worth_it && absl::Now() >= ready_at) {
+        cv_.wait(lock);  // until a step ends or more calls come
+      } else {
+        cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
+                               1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
+      }
     }
     if (stop_) break;
     if (!take) continue;
@@ -165,9 +183,17 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       }
     }
     stats_.queued_tokens -= tokens;
+    ++running_;
     lock.unlock();
+    const absl::Time started = absl::Now();
     RunStep(std::move(step), buffers);
+    const absl::Duration took = absl::Now() - started;
     lock.lock();
+    --running_;
+    // Per-token service time, for the queue-wait admission (a running average).
+    const double us_per_token = absl::ToDoubleMicroseconds(took) / static_cast<double>(tokens);
+    us_per_token_ = us_per_token_ == 0 ? us_per_token : 0.8 * us_per_token_ + 0.2 * us_per_token;
+    cv_.notify_all();  // a waiting scheduling thread may start its step now
   }
   // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
   std::deque<std::unique_ptr<Call>> left;

@@ -7,7 +7,8 @@
 // while the step stays within max_batch_tokens, waiting up to max_batch_delay after the oldest
 // call's arrival for more to come. Calls whose deadline passed or that were cancelled are
 // answered (DEADLINE_EXCEEDED / CANCELLED) without running. The queue is bounded in tokens:
-// beyond max_queued_tokens a call is refused at once with RESOURCE_EXHAUSTED naming the limit.
+// beyond max_queued_tokens (or, when set, beyond max_queue_wait of estimated work) a call is
+// refused at once with RESOURCE_EXHAUSTED naming the limit.
 //
 // Submitted inputs are validated first (ValidateForwardInput), so a bad call is refused alone
 // and never fails the step it would have joined; a failed step fails every call in it.
@@ -59,6 +60,10 @@ struct ForwardBatcherOptions {
   absl::Duration max_batch_delay = absl::Microseconds(200);
   // Most tokens queued and not yet running; beyond it calls are refused.
   int64_t max_queued_tokens = 16384;
+  // Refuse a call when the queue (with it) holds more than this much work, estimated from the
+  // engine's recent time per token (a call to an empty queue is always taken). Bounds the
+  // latency of the answered calls under overload. 0: no bound but max_queued_tokens.
+  absl::Duration max_queue_wait = absl::ZeroDuration();
   ForwardBatcherObserver* observer = nullptr;  // optional
 };
 
@@ -118,7 +123,9 @@ class ForwardBatcher {
   std::deque<std::unique_ptr<Call>> queue_;
   bool stop_ = false;
   ForwardBatcherStats stats_;
-  const int runners_;  // scheduling threads = engine steps in flight
+  const int runners_;        // scheduling threads = engine steps in flight
+  int running_ = 0;          // steps running now (guarded by mu_)
+  double us_per_token_ = 0;  // running average of step time per token (guarded by mu_)
   std::vector<std::unique_ptr<StepBuffers>> buffers_;  // one per scheduling thread
   std::vector<std::thread> threads_;
 };

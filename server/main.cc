@@ -71,6 +71,11 @@ ABSL_FLAG(int64_t, max_batch_delay_us, 0,
 ABSL_FLAG(int64_t, max_queued_tokens, 32768,
           "Most tokens queued for the engine; calls beyond it are refused at once with "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, max_queue_wait_ms, 0,
+          "Refuse a Forward with RESOURCE_EXHAUSTED when the queue would hold more than this "
+          "many milliseconds of work (estimated from recent steps; an empty queue always takes "
+          "a call), which bounds the latency of answered calls under overload; 0: off "
+          "(--max_queued_tokens only)");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
           "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
@@ -264,6 +269,13 @@ int Run() {
   server_options.batcher.max_batch_delay =
       absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server_options.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
+  if (absl::GetFlag(FLAGS_max_queue_wait_ms) < 0) {
+    std::fprintf(stderr, "moeserve: --max_queue_wait_ms must be >= 0, got %g\n",
+                 absl::GetFlag(FLAGS_max_queue_wait_ms));
+    return 2;
+  }
+  server_options.batcher.max_queue_wait =
+      absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_ms) * 1000.0);
   server_options.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
   server_options.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

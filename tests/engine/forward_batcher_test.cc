@@ -203,6 +203,41 @@ TEST(ForwardBatcherTest, ExpiredAndCancelledCallsAreDroppedBeforeRunning) {
   EXPECT_EQ(stats.calls, 1);
 }
 
+// The queue-wait bound: once the batcher knows the engine's time per token, a call that would
+// wait longer than max_queue_wait behind the queue is refused at once (RESOURCE_EXHAUSTED naming
+// the bound); the others are answered correctly; a call to an empty queue is always taken.
+TEST(ForwardBatcherTest, QueueWaitBoundRefusesWhatWouldWaitTooLong) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
+                                                        .max_batch_delay = absl::Milliseconds(30),
+                                                        .max_queue_wait = absl::Microseconds(1)});
+  std::mt19937 rng(14);
+  Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
+  ASSERT_TRUE(SubmitAsync(*batcher, warm).get().first.ok());  // learns the time per token
+  std::vector<Call> calls;
+  for (int i = 0; i < 8; ++i) calls.push_back(MakeCall(m, 16, 1, DType::kFP32, rng));
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+  for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+  int refused = 0, answered = 0;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const absl::Status s = futures[i].get().first;
+    if (s.code() == absl::StatusCode::kResourceExhausted) {
+      EXPECT_NE(s.message().find("max_queue_wait"), std::string::npos) << s;
+      ++refused;
+      continue;
+    }
+    ASSERT_TRUE(s.ok()) << s;
+    ++answered;
+    Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
+    ASSERT_TRUE(engine->Forward(calls[i].input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0);
+  }
+  EXPECT_GE(answered, 1);  // the first of the burst found the queue empty
+  EXPECT_GE(refused, 1);
+  EXPECT_EQ(batcher->stats().refused_queue_full, refused);
+}
+
 // Destroying the batcher answers what is still queued (UNAVAILABLE), never drops it; M = 0 is
 // answered at once; bad limits are refused.
 TEST(ForwardBatcherTest, ShutdownAnswersQueuedCallsAndLimitsAreChecked) {

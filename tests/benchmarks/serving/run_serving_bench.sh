@@ -5,9 +5,10 @@
 #     1 caller vs 8 concurrent callers at M=16 (unary and ForwardStream), 1 vs 2 callers at
 #     M=1024 with 2 steps in flight (the default on a GPU) and with 1 (no overlap);
 #   - trivial experts (I=64, H7168): the server's own cost of a 1-token call;
-#   - an open-loop overload run at 2x the measured 8-caller capacity for 10 s: every call must
-#     answer correctly (checked against its unloaded answer) or be refused RESOURCE_EXHAUSTED;
-#     answered p99 against the unloaded p99; server RSS sampled throughout.
+#   - an open-loop overload run at 2x the capacity (32 closed-loop callers at M=16) for 10 s on a
+#     server with --max_queue_wait_ms 3: every call must answer correctly (checked against its
+#     unloaded answer) or be refused RESOURCE_EXHAUSTED; answered p99 against the unloaded p99;
+#     server RSS sampled throughout.
 # Usage: run_serving_bench.sh [BIN_DIR]   (moeserve, moeserve-cli; LD_LIBRARY_PATH set)
 set -uo pipefail
 B=${1:-build/bin}
@@ -49,9 +50,12 @@ for wf in mxfp8 bf16; do
   load "${wf}_M16_c8_stream" 16 8 3200 --stream
   load "${wf}_M1024_c1" 1024 1 80
   load "${wf}_M1024_c2" 1024 2 160
+  stop
   if [ $wf = mxfp8 ]; then
-    # Overload: 2x the 8-caller capacity, open loop, 10 s; RSS sampled every 0.25 s.
-    cap=$(val mxfp8_M16_c8 requests_per_s)
+    serve seed_${wf}_bounded $SEED --weight_format $wf --max_queue_wait_ms 3
+    load "${wf}_M16_c32" 16 32 8000
+    # Overload: 2x the 32-caller capacity, open loop, 10 s; RSS sampled every 0.25 s.
+    cap=$(val mxfp8_M16_c32 requests_per_s)
     rate=$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')
     rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
     ( while kill -0 $SERVER_PID 2>/dev/null; do
@@ -65,14 +69,20 @@ for wf in mxfp8 bf16; do
     rss_end=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
     row "overload rate=${rate}/s (2x ${cap}/s)" "$(grep -E '^sent=|latency_ms' "$OUT/load_overload.log" | tr '\n' ' ')"
     row "overload server RSS kB" "before=$rss0 peak=$rss_peak after=$rss_end"
+    stop
   fi
-  stop
   serve seed_${wf}_1lane $SEED --weight_format $wf --steps_in_flight 1
+  load "${wf}_M16_c8_1lane" 16 8 3200
   load "${wf}_M1024_c1_1lane" 1024 1 80
   load "${wf}_M1024_c2_1lane" 1024 2 160
   stop
 done
 serve trivial $TRIVIAL
+for dt in bf16 fp32; do
+  timeout 30 "$B/moeserve-cli" forward --target 127.0.0.1:$PORT --tokens 1 --dtype $dt \
+    > "$OUT/forward_trivial_$dt.log" 2>&1
+  row "trivial M=1 $dt one call" "$(grep -E 'server_timings|latency' "$OUT/forward_trivial_$dt.log" | tr '\n' ' ')"
+done
 load trivial_M1_c1 1 1 2000
 load trivial_M1_c1_stream 1 1 2000 --stream
 stop
@@ -82,9 +92,9 @@ printf '%s\n' "${ROWS[@]}"
 echo "------------------- targets -------------------"
 for wf in mxfp8 bf16; do
   t1=$(val ${wf}_M16_c1 requests_per_s); t8=$(val ${wf}_M16_c8 requests_per_s)
-  t8s=$(val ${wf}_M16_c8_stream requests_per_s)
+  t8s=$(val ${wf}_M16_c8_stream requests_per_s); t8l=$(val ${wf}_M16_c8_1lane requests_per_s)
   p1=$(val ${wf}_M16_c1 p50); p8=$(val ${wf}_M16_c8 p50); p8s=$(val ${wf}_M16_c8_stream p50)
-  echo "$wf 8 callers M=16: throughput x$(ratio $t8 $t1) (stream x$(ratio $t8s $t1)) [>= 5]," \
+  echo "$wf 8 callers M=16: throughput x$(ratio $t8 $t1) (stream x$(ratio $t8s $t1), 1 step in flight x$(ratio $t8l $t1)) [>= 5]," \
     "p50 x$(ratio $p8 $p1) (stream x$(ratio $p8s $p1)) [<= 2]"
   a=$(val ${wf}_M1024_c1 requests_per_s); b=$(val ${wf}_M1024_c2 requests_per_s)
   a1=$(val ${wf}_M1024_c1_1lane requests_per_s); b1=$(val ${wf}_M1024_c2_1lane requests_per_s)
