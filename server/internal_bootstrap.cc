@@ -197,6 +197,7 @@ absl::StatusOr<std::unique_ptr<BootstrapServer>> BootstrapServer::Start(
   s->impl_ = std::make_unique<Impl>(config, std::move(collective_id), std::move(fingerprint),
                                     security.token);
   grpc::ServerBuilder builder;
+  SetReflection(&builder, false);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(address, credentials, &s->port_);
   builder.RegisterService(s->impl_.get());
@@ -347,6 +348,7 @@ absl::StatusOr<std::unique_ptr<FollowerProcess>> FollowerProcess::Start(
   f->service_ = std::make_unique<NotLeaderService>();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  SetReflection(&builder, false);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   std::vector<int> ports(listen.size(), 0);
   for (size_t i = 0; i < listen.size(); ++i) {

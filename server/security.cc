@@ -9,6 +9,7 @@
 #include <openssl/evp.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <utility>
 
@@ -43,12 +44,24 @@ int64_t NowNs() {
       .count();
 }
 
+// Leaves exactly one reflection plugin (enabled) or none. Linking gRPC's reflection library
+// registers its plugin for every server of the process at static initialization, so "off"
+// must remove it, and "on" must not add a second one.
 class ReflectionOption final : public grpc::ServerBuilderOption {
  public:
+  explicit ReflectionOption(bool enabled) : enabled_(enabled) {}
   void UpdateArguments(grpc::ChannelArguments*) override {}
   void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
-    plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    auto reflection = std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>();
+    const std::string name = reflection->name();
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [&](const auto& p) { return p->name() == name; }),
+                   plugins->end());
+    if (enabled_) plugins->push_back(std::move(reflection));
   }
+
+ private:
+  const bool enabled_;
 };
 
 }  // namespace
@@ -166,8 +179,8 @@ absl::Status BearerTokens::Check(const std::multimap<grpc::string_ref, grpc::str
     return absl::UnauthenticatedError(absl::StrCat(
         what,
         ": this server requires a bearer token: send the metadata 'authorization: Bearer "
-        "<token>' with a token from the server's --auth_token_file (moeserve-cli "
-        "--auth_token_file, MoeClient(auth_token=...))"));
+        "<token>' with a token from the server's ",
+        flag_));
   }
   absl::string_view value(it->second.data(), it->second.size());
   constexpr absl::string_view kScheme = "bearer ";
@@ -190,8 +203,8 @@ absl::Status BearerTokens::Check(const std::multimap<grpc::string_ref, grpc::str
 
 std::string BearerHeader(absl::string_view token) { return absl::StrCat("Bearer ", token); }
 
-void AddReflection(grpc::ServerBuilder* builder) {
-  builder->SetOption(std::make_unique<ReflectionOption>());
+void SetReflection(grpc::ServerBuilder* builder, bool enabled) {
+  builder->SetOption(std::make_unique<ReflectionOption>(enabled));
 }
 
 bool IsLocalAddress(absl::string_view address) {

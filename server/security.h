@@ -83,10 +83,11 @@ class BearerTokens {
 // The "authorization" metadata value that carries `token`.
 std::string BearerHeader(absl::string_view token);
 
-// Adds grpc.reflection.v1alpha.ServerReflection to this builder's server only (unlike
-// grpc::reflection::InitProtoReflectionServerBuilderPlugin, which turns it on for every server
-// the process builds afterwards).
-void AddReflection(grpc::ServerBuilder* builder);
+// Serves grpc.reflection.v1alpha.ServerReflection on this builder's server, or not, whatever
+// other servers of the process do (gRPC's own switch,
+// grpc::reflection::InitProtoReflectionServerBuilderPlugin, is process-wide, and linking its
+// library flips it on). Every ServerBuilder of moeserve calls this.
+void SetReflection(grpc::ServerBuilder* builder, bool enabled);
 
 // True for addresses only this host can reach: unix sockets, localhost, 127.0.0.0/8, [::1].
 bool IsLocalAddress(absl::string_view address);

@@ -58,7 +58,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  if (options.enable_reflection) AddReflection(&builder);
+  SetReflection(&builder, options.enable_reflection);
   const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);

@@ -92,7 +92,7 @@ class ClientSecurityTest : public ::testing::Test {
     EXPECT_TRUE(got.w2().data() == w2);
   }
 
-  static double Calls(const MoeServer& server, const char* method) {
+  static double Calls(MoeServer& server, const char* method) {
     return MetricValue(testing::HttpGetMetrics(server.metrics().port()), "moeserve_requests_total",
                        {absl::StrCat("method=\"", method, "\"")});
   }

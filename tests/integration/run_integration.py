@@ -3,7 +3,11 @@
 client, check answers against the clients' independent references, then SIGTERM it.
 
   run_integration.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli \
-      --source-dir REPO --case cli|python|load|all
+      --source-dir REPO --case cli|python|load|ep16|unix|closed|stream|secure|checkpoint|all
+
+closed: the default flags (no expert weights; --check names the flag). stream: experts larger
+than the server's message limit, streamed by both clients. secure: mutual TLS and a bearer
+token (certificates made with the openssl CLI), on the API and HTTPS metrics.
 
 Each case starts its own server (--model tiny, ports chosen by the kernel), waits (bounded) for
 the ready file and health SERVING, runs its checks, and finishes by sending SIGTERM and requiring

@@ -174,7 +174,7 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
 // The default of `flag` as --helpfull prints it ("" if absent).
 std::string HelpDefault(const std::string& help, const std::string& flag) {
   std::smatch m;
-  const std::regex re("--" + flag + " \\([\\s\\S]*?\\); default: (\"[^\"]*\"|\\w+);");
+  const std::regex re("--" + flag + " \\([\\s\\S]*?\\);\\s+default: (\"[^\"]*\"|\\w+);");
   return std::regex_search(help, m, re) ? m[1].str() : "";
 }
 

@@ -280,8 +280,18 @@ TEST(ExpertWeightsDeepSeekTest, RefusedBadCallsAreCheapAndTheExpertStreams) {
   EXPECT_TRUE(st.w2 == w2);
   EXPECT_LE(st.largest_chunk, static_cast<size_t>(kDefaultExpertChunkBytes));
 
-  // Bad references were 60 ms each (two 88 MiB zero-filled buffers before the check); now they
-  // are refused before allocating: far cheaper than serving one expert.
+  // Bad references were 60 ms each (the answer's two zero-filled buffers, 88 MiB, came before
+  // the check); now they are refused before allocating. The yardstick is what those buffers
+  // cost on this machine (the best of three), so a slow machine does not make the test pass
+  // or fail by itself.
+  double alloc_ms = 1e9;
+  for (int i = 0; i < 3; ++i) {
+    const auto t = Clock::now();
+    std::string a(w13.size(), '\0'), b(w2.size(), '\0');
+    alloc_ms =
+        std::min(alloc_ms, std::chrono::duration<double, std::milli>(Clock::now() - t).count());
+    ASSERT_EQ(a.size() + b.size(), w13.size() + w2.size());
+  }
   std::vector<double> ms;
   for (int i = 0; i < 10; ++i) {
     const auto t = Clock::now();
@@ -291,9 +301,10 @@ TEST(ExpertWeightsDeepSeekTest, RefusedBadCallsAreCheapAndTheExpertStreams) {
   }
   std::sort(ms.begin(), ms.end());
   std::printf(
-      "DeepSeek-V3 expert: streamed in %.1f ms (%d chunks); bad reference: median %.2f ms\n",
-      stream_ms, st.chunks, ms[ms.size() / 2]);
-  EXPECT_LT(ms[ms.size() / 2], stream_ms / 10);
+      "DeepSeek-V3 expert: streamed in %.1f ms (%d chunks); bad reference: median %.2f ms; "
+      "allocating the answer's buffers: %.1f ms\n",
+      stream_ms, st.chunks, ms[ms.size() / 2], alloc_ms);
+  EXPECT_LT(ms[ms.size() / 2], alloc_ms / 2);
 }
 
 }  // namespace

@@ -276,6 +276,7 @@ TEST_F(SecurityTest, BearerTokenGuardsMoeServiceNotHealth) {
   EXPECT_EQ(missing.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_THAT(missing.error_message(), HasSubstr("GetModelInfo"));
   EXPECT_THAT(missing.error_message(), HasSubstr("authorization: Bearer"));
+  EXPECT_THAT(missing.error_message(), HasSubstr("--auth_token_file"));
   grpc::Status wrong = Info(channel, "not-the-token-0123456789");
   EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_THAT(wrong.error_message(), HasSubstr("not accepted"));
@@ -307,7 +308,9 @@ TEST_F(SecurityTest, BearerTokenGuardsMoeServiceNotHealth) {
     v1::ForwardResponse resp;
     grpc::Status s = stub->Forward(&ctx, req, &resp);
     EXPECT_EQ(s.error_code(), right ? grpc::StatusCode::OK : grpc::StatusCode::UNAUTHENTICATED);
-    if (!right) EXPECT_THAT(s.error_message(), HasSubstr("Forward"));
+    if (!right) {
+      EXPECT_THAT(s.error_message(), HasSubstr("Forward"));
+    }
 
     grpc::ClientContext wctx;
     if (!token.empty()) wctx.AddMetadata("authorization", BearerHeader(token));
