@@ -276,8 +276,7 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
   return absl::OkStatus();
 }
 
-absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
-                                          uint16_t* w2) const {
+absl::Status Engine::ValidateExpertRef(int layer, int expert) const {
   if (layer < 0 || ranks_->num_local_ranks() == 0 || ranks_->weights(0).layer(layer) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " has no experts"));
   }
@@ -285,6 +284,12 @@ absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
     return absl::InvalidArgumentError(
         absl::StrCat("expert: got ", expert, ", expected [0, ", plan_.model.num_experts, ")"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
+                                          uint16_t* w2) const {
+  MOESERVE_RETURN_IF_ERROR(ValidateExpertRef(layer, expert));
   const int owner = plan_.placement->owner(expert);
   const int first = ranks_->first_rank();
   const LayerWeights* lw = nullptr;

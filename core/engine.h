@@ -92,6 +92,9 @@ class Engine {
 
   // One expert's weights as computed with, rounded to BF16: w13 [2I, H], w2 [H, I].
   absl::Status GetExpertWeightsBf16(int layer, int expert, uint16_t* w13, uint16_t* w2) const;
+  // What GetExpertWeightsBf16 checks first, cheaply (callers check before allocating):
+  // INVALID_ARGUMENT unless `layer` has experts and `expert` is in [0, num_experts).
+  absl::Status ValidateExpertRef(int layer, int expert) const;
 
   const EngineInfo& info() const { return info_; }
   // Steps that may run at once (Forward calls beyond it wait for a lane).

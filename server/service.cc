@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <atomic>
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -11,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "moeserve/v1/forward_wire.h"
 #include "server/convert.h"
 #include "server/status.h"
@@ -20,6 +22,12 @@ namespace moeserve {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Bytes of one expert's BF16 w13 [2I, H] and w2 [H, I] (sizes are bounded by
+// ModelConfig::kMaxHidden, so this cannot overflow).
+int64_t ExpertWeightsBytes(const ModelConfig& model) {
+  return 3 * model.intermediate * model.hidden * static_cast<int64_t>(sizeof(uint16_t));
+}
 
 // The call's deadline; none (gRPC's infinite future) maps to absl::InfiniteFuture().
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
@@ -123,6 +131,10 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     }
     reactor->Finish(grpc_status);
   };
+  if (absl::Status s = Authorize(*context, "Forward"); !s.ok()) {
+    finish(s, 0);
+    return reactor;
+  }
   auto task = [this, context, raw_request, response, start, finish]() {
     RunForward(
         *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
@@ -292,8 +304,23 @@ class MoeServiceImpl::StreamReactor final
   int refs_ = 1;  // gRPC's (released at OnDone) + one per call not yet answered
 };
 
+namespace {
+
+// Ends a stream at once with `status` (a refused ForwardStream).
+class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* MoeServiceImpl::ForwardStream(
     grpc::CallbackServerContext* context) {
+  if (absl::Status s = Authorize(*context, "ForwardStream"); !s.ok()) {
+    if (metrics_) metrics_->RecordRequest("ForwardStream", ToGrpcStatus(s).error_code(), 0);
+    return new RefusedStream(ToGrpcStatus(s));
+  }
   return new StreamReactor(this, context);
 }
 
@@ -302,13 +329,14 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerConte
                                                        v1::ModelInfo* response) {
   const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
-  EngineInfoToProto(engine_->info(), options_.max_message_bytes, response);
+  const grpc::Status status = ToGrpcStatus(Authorize(*context, "GetModelInfo"));
+  if (status.ok()) EngineInfoToProto(engine_->info(), options_.max_message_bytes, response);
   if (metrics_) {
-    metrics_->RecordRequest("GetModelInfo", grpc::StatusCode::OK, MicrosSince(start) * 1e-6);
+    metrics_->RecordRequest("GetModelInfo", status.error_code(), MicrosSince(start) * 1e-6);
     metrics_->DecrementInflight();
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  reactor->Finish(status);
   return reactor;
 }
 
@@ -327,6 +355,23 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     }
     reactor->Finish(grpc_status);
   };
+  // Every refusal comes before the answer's buffers exist.
+  if (absl::Status s =
+          AdmitExpertWeights(*context, "GetExpertWeights", request->layer(), request->expert());
+      !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  const ModelConfig& model = engine_->info().model;
+  const int64_t bytes = ExpertWeightsBytes(model);
+  if (bytes + kExpertMessageFramingBytes > options_.max_message_bytes) {
+    finish(absl::ResourceExhaustedError(absl::StrCat(
+        "GetExpertWeights: one expert of this model is ", bytes,
+        " bytes, more than fits in a message (max_message_bytes ", options_.max_message_bytes,
+        "); use StreamExpertWeights, which sends it in chunks (moeserve-cli and the clients do "
+        "so by themselves)")));
+    return reactor;
+  }
   // Dequantizing one expert of a large model takes milliseconds: keep it off gRPC's threads.
   auto task = [this, request, response, finish]() {
     const ModelConfig& model = engine_->info().model;
@@ -342,6 +387,145 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     finish(absl::UnavailableError("GetExpertWeights: the server is shutting down"));
   }
   return reactor;
+}
+
+absl::Status MoeServiceImpl::Authorize(const grpc::CallbackServerContext& context,
+                                       absl::string_view method) const {
+  if (options_.auth == nullptr) return absl::OkStatus();
+  return options_.auth->Check(context.client_metadata(), method);
+}
+
+absl::Status MoeServiceImpl::AdmitExpertWeights(const grpc::CallbackServerContext& context,
+                                                absl::string_view method, int layer,
+                                                int expert) const {
+  MOESERVE_RETURN_IF_ERROR(Authorize(context, method));
+  if (!options_.enable_get_expert_weights) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        method,
+        ": this server does not hand out expert weights; start moeserve with "
+        "--enable_get_expert_weights to allow GetExpertWeights and StreamExpertWeights (anyone "
+        "who can call them can copy the model)"));
+  }
+  absl::Status s = engine_->ValidateExpertRef(layer, expert);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(method, ": ", s.message()));
+  return absl::OkStatus();
+}
+
+namespace {
+
+// StreamExpertWeights' reactor: the expert is computed once on a worker (Begin), then written
+// chunk by chunk, each write started when the previous one is done. Deletes itself in OnDone.
+class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeightsChunk> {
+ public:
+  ExpertWeightsStream(Metrics* metrics, Clock::time_point start)
+      : metrics_(metrics), start_(start) {
+    if (metrics_) metrics_->IncrementInflight();
+  }
+
+  // The weights are ready: w13 then w2 go out in chunks of at most `chunk_bytes`.
+  void Begin(std::string w13, Shape w13_shape, std::string w2, Shape w2_shape,
+             int64_t chunk_bytes) {
+    tensors_[0] = {"w13", std::move(w13), std::move(w13_shape)};
+    tensors_[1] = {"w2", std::move(w2), std::move(w2_shape)};
+    chunk_bytes_ = static_cast<size_t>(chunk_bytes);
+    NextWrite();
+  }
+
+  void Fail(const absl::Status& status) { End(status); }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return End(absl::CancelledError("StreamExpertWeights: the client went away"));
+    NextWrite();
+  }
+
+  void OnDone() override {
+    if (metrics_) {
+      metrics_->RecordRequest("StreamExpertWeights", code_, MicrosSince(start_) * 1e-6);
+      metrics_->DecrementInflight();
+    }
+    delete this;
+  }
+
+ private:
+  struct Part {
+    const char* name = "";
+    std::string bytes;
+    Shape shape;
+  };
+
+  void NextWrite() {
+    // Each tensor sends at least one chunk (so that its shape arrives even when empty).
+    while (current_ < 2 && offset_ >= tensors_[current_].bytes.size() && sent_any_) {
+      ++current_;
+      offset_ = 0;
+      sent_any_ = false;
+    }
+    if (current_ >= 2) return End(absl::OkStatus());
+    const Part& part = tensors_[current_];
+    const size_t n = std::min(chunk_bytes_, part.bytes.size() - offset_);
+    chunk_.Clear();
+    chunk_.set_tensor(part.name);
+    chunk_.set_dtype(v1::DTYPE_BF16);
+    for (int64_t d : part.shape) chunk_.add_shape(d);
+    chunk_.set_offset(static_cast<int64_t>(offset_));
+    chunk_.set_data(part.bytes.data() + offset_, n);
+    offset_ += n;
+    sent_any_ = true;
+    StartWrite(&chunk_);
+  }
+
+  void End(const absl::Status& status) {
+    const grpc::Status grpc_status = ToGrpcStatus(status);
+    code_ = grpc_status.error_code();
+    Finish(grpc_status);
+  }
+
+  Metrics* const metrics_;
+  const Clock::time_point start_;
+  Part tensors_[2];
+  size_t chunk_bytes_ = 0;
+  int current_ = 0;
+  size_t offset_ = 0;
+  bool sent_any_ = false;
+  v1::ExpertWeightsChunk chunk_;
+  grpc::StatusCode code_ = grpc::StatusCode::UNKNOWN;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* MoeServiceImpl::StreamExpertWeights(
+    grpc::CallbackServerContext* context, const v1::StreamExpertWeightsRequest* request) {
+  auto* stream = new ExpertWeightsStream(metrics_, Clock::now());
+  const int layer = request->layer(), expert = request->expert();
+  if (absl::Status s = AdmitExpertWeights(*context, "StreamExpertWeights", layer, expert);
+      !s.ok()) {
+    stream->Fail(s);
+    return stream;
+  }
+  if (request->chunk_bytes() < 0) {
+    stream->Fail(absl::InvalidArgumentError(
+        absl::StrCat("StreamExpertWeights: chunk_bytes: got ", request->chunk_bytes(),
+                     ", expected >= 0 (0: ", kDefaultExpertChunkBytes, ")")));
+    return stream;
+  }
+  int64_t chunk = request->chunk_bytes() == 0 ? kDefaultExpertChunkBytes : request->chunk_bytes();
+  chunk = std::max<int64_t>(
+      1, std::min(chunk, options_.max_message_bytes - kExpertMessageFramingBytes));
+  auto task = [this, stream, layer, expert, chunk]() {
+    const ModelConfig& model = engine_->info().model;
+    const int64_t k = model.hidden, n = model.intermediate;
+    std::string w13(static_cast<size_t>(2 * n * k) * sizeof(uint16_t), '\0');
+    std::string w2(static_cast<size_t>(k * n) * sizeof(uint16_t), '\0');
+    absl::Status s =
+        engine_->GetExpertWeightsBf16(layer, expert, reinterpret_cast<uint16_t*>(w13.data()),
+                                      reinterpret_cast<uint16_t*>(w2.data()));
+    if (!s.ok()) return stream->Fail(s);
+    stream->Begin(std::move(w13), {2 * n, k}, std::move(w2), {k, n}, chunk);
+  };
+  if (!workers_.Submit(task)) {
+    stream->Fail(absl::UnavailableError("StreamExpertWeights: the server is shutting down"));
+  }
+  return stream;
 }
 
 }  // namespace moeserve

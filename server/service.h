@@ -7,6 +7,10 @@
 // blocks: the batcher refuses at once when full); large ones and GetExpertWeights run on the
 // service's own worker threads (a WorkQueue). Answers are Finished from the batcher's thread.
 // GetModelInfo answers inline.
+//
+// Access (docs/security.md): every MoeService call passes Authorize() first (the bearer token,
+// when one is configured); the expert-weight RPCs also need ServiceOptions::
+// enable_get_expert_weights and are checked (layer, expert, size) before anything is allocated.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
@@ -24,6 +28,7 @@
 #include "core/forward_batcher.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/metrics.h"
+#include "server/security.h"
 #include "server/work_queue.h"
 
 namespace moeserve {
@@ -32,12 +37,23 @@ struct ServiceOptions {
   int num_worker_threads = 2;
   // Reported in ModelInfo; the limit itself is set on the ServerBuilder.
   int64_t max_message_bytes = 64 << 20;
+  // Bearer tokens every MoeService call must carry; null: no token needed.
+  std::shared_ptr<const BearerTokens> auth;
+  // GetExpertWeights / StreamExpertWeights hand out the model's weights: off unless set.
+  bool enable_get_expert_weights = false;
 };
 
 using MoeServiceBase = v1::MoeService::WithRawCallbackMethod_Forward<
     v1::MoeService::WithRawCallbackMethod_ForwardStream<
         v1::MoeService::WithCallbackMethod_GetModelInfo<
-            v1::MoeService::WithCallbackMethod_GetExpertWeights<v1::MoeService::Service>>>>;
+            v1::MoeService::WithCallbackMethod_GetExpertWeights<
+                v1::MoeService::WithCallbackMethod_StreamExpertWeights<
+                    v1::MoeService::Service>>>>>;
+
+// Default and floor of StreamExpertWeights' chunk size, and the room left under
+// max_message_bytes for a message's framing.
+inline constexpr int64_t kDefaultExpertChunkBytes = int64_t{1} << 20;
+inline constexpr int64_t kExpertMessageFramingBytes = 1024;
 
 class MoeServiceImpl final : public MoeServiceBase {
  public:
@@ -63,6 +79,8 @@ class MoeServiceImpl final : public MoeServiceBase {
   grpc::ServerUnaryReactor* GetExpertWeights(grpc::CallbackServerContext* context,
                                              const v1::GetExpertWeightsRequest* request,
                                              v1::GetExpertWeightsResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* StreamExpertWeights(
+      grpc::CallbackServerContext* context, const v1::StreamExpertWeightsRequest* request) override;
 
   // Calls of one stream decoded, queued or answered but not yet written; the stream stops
   // reading beyond it (flow control reaches the client).
@@ -87,6 +105,13 @@ class MoeServiceImpl final : public MoeServiceBase {
   void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                   std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
                   AnswerFn answer);
+  // The one access check of every MoeService call (UNAUTHENTICATED naming `method`).
+  absl::Status Authorize(const grpc::CallbackServerContext& context,
+                         absl::string_view method) const;
+  // Authorize, then the expert-weight checks that come before any allocation: the flag
+  // (FAILED_PRECONDITION naming it), then layer and expert (INVALID_ARGUMENT).
+  absl::Status AdmitExpertWeights(const grpc::CallbackServerContext& context,
+                                  absl::string_view method, int layer, int expert) const;
 
   Engine* const engine_;
   Metrics* const metrics_;

@@ -7,6 +7,9 @@
 //                        [--input_file F] [--output_file F] [--check --tolerance T]
 //   moeserve-cli load    --target HOST:PORT --requests N --concurrency C --tokens M
 //                        [--max_seconds S]
+// Every command takes --tls / --tls_ca / --tls_cert / --tls_key / --tls_server_name and
+// --auth_token_file for servers that require them (docs/security.md). forward --check needs a
+// server started with --enable_get_expert_weights; experts larger than a message are streamed.
 //
 // Exit codes: 0 success; 1 the check failed / not SERVING / load errors; 2 usage or RPC error.
 //
@@ -52,6 +55,17 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server gRPC address, HOST:POR
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(30), "Per-call deadline");
 ABSL_FLAG(int64_t, max_message_bytes, 256ll << 20, "Max gRPC message size sent/received");
 ABSL_FLAG(bool, wait_for_ready, false, "Wait for the channel to connect instead of failing fast");
+ABSL_FLAG(bool, tls, false, "Connect over TLS (implied by --tls_ca / --tls_cert / --tls_key)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM roots that verify the server's certificate (empty with --tls: the system's)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM client certificate chain, for servers that require one (mutual TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name the server's certificate must carry when it is not --target's host");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File whose first token (line) is sent as 'authorization: Bearer <token>' (servers "
+          "started with --auth_token_file)");
 ABSL_FLAG(std::string, service, "", "health: service name to check ('' = whole server)");
 ABSL_FLAG(int32_t, layer, 0, "forward/load: MoE layer index");
 ABSL_FLAG(int64_t, tokens, 4, "forward/load: tokens per request (M)");
@@ -91,7 +105,30 @@ constexpr int kExitError = 2;
 
 int Fail(const absl::Status& status, absl::string_view what) {
   std::fprintf(stderr, "error: %s: %s\n", std::string(what).c_str(), status.ToString().c_str());
+  // What to do about the refusals a secured server gives (docs/security.md).
+  if (status.code() == absl::StatusCode::kUnauthenticated) {
+    std::fprintf(stderr,
+                 "hint: the server requires a bearer token: pass --auth_token_file with a token "
+                 "from its --auth_token_file\n");
+  } else if (status.code() == absl::StatusCode::kUnavailable &&
+             absl::GetFlag(FLAGS_tls_ca).empty() && !absl::GetFlag(FLAGS_tls)) {
+    std::fprintf(stderr,
+                 "hint: if the server serves TLS, pass --tls_ca (and --tls_cert/--tls_key if it "
+                 "requires a client certificate)\n");
+  }
   return kExitError;
+}
+
+// The first token of --auth_token_file (blank lines and '#' comments skipped).
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
+  for (std::string line; std::getline(f, line);) {
+    const size_t begin = line.find_first_not_of(" \t\r");
+    if (begin == std::string::npos || line[begin] == '#') continue;
+    return line.substr(begin, line.find_last_not_of(" \t\r") + 1 - begin);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--auth_token_file: '", path, "' holds no token"));
 }
 
 absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
@@ -99,6 +136,16 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  options.use_tls = absl::GetFlag(FLAGS_tls);
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = ReadToken(path);
+    if (!token.ok()) return token.status();
+    options.auth_token = *std::move(token);
+  }
   return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
 }
 
@@ -318,7 +365,17 @@ int RunForward() {
   for (int32_t id : std::set<int32_t>(in->topk_ids.begin(), in->topk_ids.end())) {
     if (id < 0) continue;
     auto reply = (*client)->GetExpertWeights(args.layer, id);
-    if (!reply.ok()) return Fail(reply.status(), absl::StrCat("GetExpertWeights expert ", id));
+    if (!reply.ok()) {
+      const int code = Fail(reply.status(), absl::StrCat("GetExpertWeights expert ", id));
+      if (reply.status().code() == absl::StatusCode::kFailedPrecondition ||
+          reply.status().code() == absl::StatusCode::kPermissionDenied) {
+        std::fprintf(stderr,
+                     "hint: --check compares against the experts' weights, which this server "
+                     "does not hand out: restart it with --enable_get_expert_weights, or run "
+                     "forward without --check\n");
+      }
+      return code;
+    }
     auto weights = ExpertWeightsFromProto(*reply);
     if (!weights.ok()) return Fail(weights.status(), absl::StrCat("expert ", id, " weights"));
     experts.emplace(id, std::move(*weights));

@@ -1,8 +1,11 @@
 #include "clients/cpp/moeserve_client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <utility>
 
@@ -13,6 +16,16 @@
 namespace moeserve::client {
 
 using grpc::health::v1::HealthCheckResponse;
+
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -46,7 +59,26 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.use_tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
+      !options.tls_key_file.empty()) {
+    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_cert_file and tls_key_file go together: give both or neither");
+    }
+    grpc::SslCredentialsOptions ssl;
+    for (auto [path, out] : {std::pair{&options.tls_ca_file, &ssl.pem_root_certs},
+                             {&options.tls_cert_file, &ssl.pem_cert_chain},
+                             {&options.tls_key_file, &ssl.pem_private_key}}) {
+      if (path->empty()) continue;
+      absl::StatusOr<std::string> data = ReadFile(*path);
+      if (!data.ok()) return data.status();
+      *out = std::move(*data);
+    }
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  auto channel = grpc::CreateCustomChannel(target, credentials, args);
   if (channel == nullptr) return absl::InternalError("could not create a gRPC channel");
   return std::unique_ptr<MoeClient>(new MoeClient(target, options, std::move(channel)));
 }
@@ -54,6 +86,9 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
 void MoeClient::PrepareContext(grpc::ClientContext* context) const {
   context->set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
   context->set_wait_for_ready(options_.wait_for_ready);
+  if (!options_.auth_token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
+  }
 }
 
 absl::StatusOr<HealthCheckResponse::ServingStatus> MoeClient::Health(const std::string& service) {
@@ -77,6 +112,92 @@ absl::StatusOr<v1::ModelInfo> MoeClient::GetModelInfo() {
 }
 
 absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::GetExpertWeights(int layer, int expert) {
+  int64_t server_limit = 0, bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(info_mu_);
+    if (!info_.has_value()) {
+      absl::StatusOr<v1::ModelInfo> info = GetModelInfo();
+      if (!info.ok()) return info.status();
+      info_ = *std::move(info);
+    }
+    server_limit = info_->max_message_bytes();
+    bytes = 3 * static_cast<int64_t>(info_->hidden()) * info_->intermediate() * 2;
+  }
+  // The unary reply carries both tensors plus a little framing.
+  constexpr int64_t kFraming = 1024;
+  const int64_t limit = server_limit > 0 ? std::min(server_limit, options_.max_message_bytes)
+                                         : options_.max_message_bytes;
+  if (bytes + kFraming <= limit) return GetExpertWeightsUnary(layer, expert);
+  return StreamExpertWeights(layer, expert, std::min<int64_t>(limit - kFraming, 1 << 20));
+}
+
+absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::StreamExpertWeights(int layer, int expert,
+                                                                            int64_t chunk_bytes) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::StreamExpertWeightsRequest request;
+  request.set_layer(layer);
+  request.set_expert(expert);
+  request.set_chunk_bytes(chunk_bytes);
+  std::unique_ptr<grpc::ClientReader<v1::ExpertWeightsChunk>> reader =
+      stub_->StreamExpertWeights(&context, request);
+  v1::GetExpertWeightsResponse response;
+  std::string error;
+  int current = -1;  // 0: w13, 1: w2
+  int64_t expected_bytes = 0;
+  v1::ExpertWeightsChunk chunk;
+  while (error.empty() && reader->Read(&chunk)) {
+    const int index = chunk.tensor() == "w13" ? 0 : chunk.tensor() == "w2" ? 1 : -1;
+    v1::Tensor* t = index == 0 ? response.mutable_w13() : response.mutable_w2();
+    if (index < 0 || index < current) {
+      error = absl::StrCat("unexpected chunk of tensor '", chunk.tensor(), "'");
+      break;
+    }
+    if (index != current) {  // the first chunk of a tensor: its dtype and shape
+      if (current == 0 && static_cast<int64_t>(response.w13().data().size()) != expected_bytes) {
+        error = "w13 ended early";
+        break;
+      }
+      current = index;
+      // Two dims of at most 2^20 each (the server's sizes are far smaller): no overflow.
+      bool usable = chunk.dtype() == v1::DTYPE_BF16 && chunk.shape_size() == 2;
+      expected_bytes = 2;
+      for (int64_t d : chunk.shape()) {
+        usable = usable && d >= 0 && d <= (int64_t{1} << 20);
+        if (usable) expected_bytes *= d;
+      }
+      if (!usable) {
+        error = absl::StrCat(chunk.tensor(), " has an unusable dtype or shape");
+        break;
+      }
+      t->set_dtype(chunk.dtype());
+      *t->mutable_shape() = chunk.shape();
+      t->mutable_data()->reserve(static_cast<size_t>(expected_bytes));
+    }
+    if (chunk.offset() != static_cast<int64_t>(t->data().size()) ||
+        static_cast<int64_t>(t->data().size() + chunk.data().size()) > expected_bytes) {
+      error = absl::StrCat(chunk.tensor(), ": chunk at byte ", chunk.offset(), " of ",
+                           chunk.data().size(), " bytes; expected byte ", t->data().size(), " of ",
+                           expected_bytes);
+      break;
+    }
+    t->mutable_data()->append(chunk.data());
+  }
+  if (!error.empty()) {
+    context.TryCancel();
+    reader->Finish();
+    return absl::DataLossError(absl::StrCat("StreamExpertWeights: ", error));
+  }
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (current != 1 || static_cast<int64_t>(response.w2().data().size()) != expected_bytes) {
+    return absl::DataLossError("StreamExpertWeights: the stream ended before w2 was complete");
+  }
+  return response;
+}
+
+absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::GetExpertWeightsUnary(int layer,
+                                                                              int expert) {
   grpc::ClientContext context;
   PrepareContext(&context);
   v1::GetExpertWeightsRequest request;

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +34,17 @@ struct MoeClientOptions {
   // If true, calls wait (up to the deadline) for the channel to connect instead of failing fast
   // with UNAVAILABLE while the server is not up yet.
   bool wait_for_ready = false;
+  // TLS (docs/security.md): on when use_tls or any tls_* file is set. tls_ca_file: PEM roots
+  // that verify the server (empty: the system's); tls_cert_file + tls_key_file: this client's
+  // certificate, for servers that require one (mutual TLS); tls_server_name: the name the
+  // server's certificate must carry when it is not the target's host.
+  bool use_tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;
+  // Sent as "authorization: Bearer <auth_token>" on every call when not empty.
+  std::string auth_token;
 };
 
 // Inputs of one Forward call. Shapes: hidden_states [num_tokens, hidden] in hidden_dtype
@@ -65,7 +78,8 @@ class ForwardStream;
 
 class MoeClient {
  public:
-  // Creates a client for `target` ("host:port", or any gRPC target URI) over an insecure channel.
+  // Creates a client for `target` ("host:port", or any gRPC target URI); insecure unless the
+  // options ask for TLS (their files are read now: NOT_FOUND naming one that cannot be read).
   // Does not contact the server.
   static absl::StatusOr<std::unique_ptr<MoeClient>> Create(const std::string& target,
                                                            const MoeClientOptions& options = {});
@@ -96,8 +110,17 @@ class MoeClient {
   // order). The stream has no deadline of its own; the client options' deadline is not applied.
   absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream();
 
-  // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]).
+  // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]): the
+  // unary GetExpertWeights when the expert fits in one message (the server's and this
+  // client's max_message_bytes; sizes from GetModelInfo, asked once), else StreamExpertWeights.
+  // The server must run with --enable_get_expert_weights (FAILED_PRECONDITION otherwise).
   absl::StatusOr<v1::GetExpertWeightsResponse> GetExpertWeights(int layer, int expert);
+  // Always the unary RPC.
+  absl::StatusOr<v1::GetExpertWeightsResponse> GetExpertWeightsUnary(int layer, int expert);
+  // Always the stream, reassembled and checked (order, offsets, shapes, completeness);
+  // chunk_bytes 0: the server's default.
+  absl::StatusOr<v1::GetExpertWeightsResponse> StreamExpertWeights(int layer, int expert,
+                                                                   int64_t chunk_bytes = 0);
 
   // Builds a ForwardRequest from `args`, validating the sizes.
   static absl::StatusOr<v1::ForwardRequest> BuildForwardRequest(const ForwardArgs& args);
@@ -119,6 +142,8 @@ class MoeClient {
   std::unique_ptr<v1::MoeService::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_stub_;  // Forward, as raw bytes
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+  std::mutex info_mu_;
+  std::optional<v1::ModelInfo> info_;  // guarded by info_mu_: sizes for GetExpertWeights
 };
 
 // One ForwardStream call. Write sends a request (blocking until gRPC has taken it), Read returns

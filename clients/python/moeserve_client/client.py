@@ -70,21 +70,51 @@ def _array(tensor, storage):
     return a.reshape(tuple(tensor.shape)).copy()
 
 
+_FRAMING = 1024  # bytes of a message beyond its tensors
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 class MoeClient:
     """A channel to one moeserve server. Thread-safe; close() (or `with`) when done.
 
     timeout: per-call deadline in seconds. max_message_bytes: largest message either way.
     wait_for_ready: calls wait for the channel to connect (up to the timeout) instead of failing
     fast with UNAVAILABLE.
+
+    Secured servers (docs/security.md): tls=True (implied by any of the file arguments) connects
+    over TLS; tls_ca_file verifies the server (default: the system's roots); tls_cert_file and
+    tls_key_file present a client certificate (mutual TLS); tls_server_name is the name the
+    server's certificate carries when it is not the target's host. auth_token is sent as
+    "authorization: Bearer <token>" on every call.
     """
 
-    def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, wait_for_ready=False):
+    def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, wait_for_ready=False,
+                 tls=False, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
+                 tls_server_name=None, auth_token=None):
         self.target = target
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
+        self.max_message_bytes = max_message_bytes
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._info = None
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        if tls or tls_ca_file or tls_cert_file or tls_key_file:
+            if bool(tls_cert_file) != bool(tls_key_file):
+                raise ValueError("tls_cert_file and tls_key_file go together")
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca_file) if tls_ca_file else None,
+                private_key=_read(tls_key_file) if tls_key_file else None,
+                certificate_chain=_read(tls_cert_file) if tls_cert_file else None)
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.MoeServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -99,7 +129,7 @@ class MoeClient:
 
     def _call(self, method, request, timeout):
         return method(request, timeout=self.timeout if timeout is None else timeout,
-                      wait_for_ready=self.wait_for_ready)
+                      wait_for_ready=self.wait_for_ready, metadata=self._metadata)
 
     def health(self, service="", timeout=None):
         """Serving status name: 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN' or 'UNKNOWN'."""
@@ -113,16 +143,56 @@ class MoeClient:
 
     def expert_weights(self, layer, expert, timeout=None):
         """(w13 [2I, H], w2 [H, I]) of one expert as float32, decoded exactly from the served
-        BF16. w13's rows [0, I) are the gate projection, [I, 2I) the up projection."""
+        BF16. w13's rows [0, I) are the gate projection, [I, 2I) the up projection.
+
+        Uses GetExpertWeights when the expert fits in one message, else StreamExpertWeights.
+        The server must run with --enable_get_expert_weights (FAILED_PRECONDITION otherwise)."""
+        if self._info is None:
+            self._info = self.info(timeout=timeout)
+        limit = self.max_message_bytes
+        if self._info.max_message_bytes > 0:
+            limit = min(limit, self._info.max_message_bytes)
+        if 6 * self._info.hidden * self._info.intermediate + _FRAMING > limit:
+            return self.stream_expert_weights(layer, expert, min(limit - _FRAMING, 1 << 20),
+                                              timeout=timeout)
         reply = self._call(self._stub.GetExpertWeights,
                            pb.GetExpertWeightsRequest(layer=layer, expert=expert), timeout)
+        return tuple(self._decode_weights(t) for t in (reply.w13, reply.w2))
+
+    def stream_expert_weights(self, layer, expert, chunk_bytes=0, timeout=None):
+        """expert_weights() through StreamExpertWeights (chunks of at most chunk_bytes; 0: the
+        server's default), checked for order, offsets and completeness."""
+        request = pb.StreamExpertWeightsRequest(layer=layer, expert=expert,
+                                                chunk_bytes=chunk_bytes)
+        parts = {}  # name -> (dtype, shape, bytearray)
+        for chunk in self._call(self._stub.StreamExpertWeights, request, timeout):
+            if chunk.tensor not in ("w13", "w2") or (chunk.tensor == "w13" and "w2" in parts):
+                raise ValueError(f"StreamExpertWeights: unexpected chunk of {chunk.tensor!r}")
+            if chunk.tensor not in parts:
+                parts[chunk.tensor] = (chunk.dtype, tuple(chunk.shape), bytearray())
+            _, _, data = parts[chunk.tensor]
+            if chunk.offset != len(data):
+                raise ValueError(f"StreamExpertWeights: {chunk.tensor} chunk at byte "
+                                 f"{chunk.offset}, expected {len(data)}")
+            data += chunk.data
         out = []
-        for t in (reply.w13, reply.w2):
-            name = _FROM_WIRE.get(t.dtype)
-            if name is None:
-                raise ValueError(f"expert weights came as dtype {t.dtype}; expected a float")
-            out.append(_dt.to_float32(_array(t, _dt.STORAGE[name]), name))
+        for name in ("w13", "w2"):
+            if name not in parts:
+                raise ValueError(f"StreamExpertWeights: no {name} in the stream")
+            dtype, shape, data = parts[name]
+            t = pb.Tensor(dtype=dtype, shape=list(shape), data=bytes(data))
+            if len(t.data) != int(np.prod(shape)) * 2:
+                raise ValueError(f"StreamExpertWeights: {name} has {len(t.data)} bytes for "
+                                 f"shape {list(shape)}")
+            out.append(self._decode_weights(t))
         return tuple(out)
+
+    @staticmethod
+    def _decode_weights(t):
+        name = _FROM_WIRE.get(t.dtype)
+        if name is None:
+            raise ValueError(f"expert weights came as dtype {t.dtype}; expected a float")
+        return _dt.to_float32(_array(t, _dt.STORAGE[name]), name)
 
     def forward_full(self, hidden, topk_ids, topk_weights, layer=0, dtype=None, request_id="",
                      return_timings=True, timeout=None):
