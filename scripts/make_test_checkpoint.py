@@ -28,6 +28,10 @@ Usage:
                           [--intermediate 48] [--dense 1] [--corrupt KIND]
   make_test_checkpoint.py --suite OUT   # every checkpoint tests/checkpoint uses, in OUT/<name>
 
+Router options (--gate-std, --no-gates, --norm-topk-prob, --n-group, --topk-group,
+--routed-scaling-factor, --scoring-func, --correction-bias) shape the gates and config.json's
+routing keys for the server-side routing tests; the defaults write what they always did.
+
 Corruptions (--corrupt), each applied to expert 1's up weight of the first MoE layer:
   truncated          the file holding it loses its last bytes
   header_past_end    the 8-byte header length points past the end of that file
@@ -87,17 +91,25 @@ def make_config(a, moe):
         return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
                     num_local_experts=a.experts, intermediate_size=a.intermediate,
                     num_attention_heads=4, num_key_value_heads=2)
+    routing = {}
+    if a.norm_topk_prob is not None:
+        routing["norm_topk_prob"] = a.norm_topk_prob == "true"
     if a.scheme == "deepseek-v3":
+        if a.routed_scaling_factor is not None:
+            routing["routed_scaling_factor"] = a.routed_scaling_factor
+        if a.scoring_func is not None:
+            routing["scoring_func"] = a.scoring_func
         return dict(common, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                     n_routed_experts=a.experts, n_shared_experts=1,
                     moe_intermediate_size=a.intermediate, intermediate_size=3 * a.intermediate,
-                    first_k_dense_replace=a.dense, moe_layer_freq=1, n_group=1, topk_group=1,
-                    num_attention_heads=4)
+                    first_k_dense_replace=a.dense, moe_layer_freq=1, n_group=a.n_group,
+                    topk_group=a.topk_group, topk_method="noaux_tc", num_attention_heads=4,
+                    **routing)
     dense = [l for l in range(a.layers) if l not in moe]
     return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                 num_experts=a.experts, moe_intermediate_size=a.intermediate,
                 intermediate_size=3 * a.intermediate, decoder_sparse_step=1,
-                mlp_only_layers=dense, num_attention_heads=4, num_key_value_heads=2)
+                mlp_only_layers=dense, num_attention_heads=4, num_key_value_heads=2, **routing)
 
 
 def mxfp8_quantize(x):
@@ -169,7 +181,14 @@ def build(a):
                 tensors[p + f"mlp.{n}.weight"] = small(*shape)
             continue
         router = "block_sparse_moe.gate.weight" if a.scheme == "mixtral" else "mlp.gate.weight"
-        tensors[p + router] = small(E, H)
+        # The same draw as small() (so the other tensors do not change), at the gate's scale.
+        gate = (rng.standard_normal((E, H)) * a.gate_std).astype(np.float32).astype(dt)
+        if not a.no_gates:
+            tensors[p + router] = gate
+        if a.correction_bias:  # DeepSeek-V3's e_score_correction_bias, F32 as released
+            brng = np.random.default_rng(a.seed + 7919 + l)
+            tensors[p + "mlp.gate.e_score_correction_bias"] = \
+                (brng.standard_normal(E) * 0.1).astype(np.float32)
         if a.scheme == "deepseek-v3":
             for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 tensors[p + f"mlp.shared_experts.{n}.weight"] = small(*shape)
@@ -308,6 +327,20 @@ def parser():
                    help="dense layers (deepseek-v3: first_k_dense_replace; qwen3-moe: the last "
                         "ones, in mlp_only_layers; mixtral: ignored)")
     p.add_argument("--corrupt", choices=CORRUPTIONS)
+    # The router (mlp.gate), for server-side routing tests.
+    p.add_argument("--gate-std", type=float, default=0.02,
+                   help="standard deviation of the gate weights (1/sqrt(hidden) gives logits of "
+                        "std about 1 for N(0, 1) hidden states)")
+    p.add_argument("--no-gates", action="store_true", help="write no router gate tensors")
+    p.add_argument("--norm-topk-prob", choices=("true", "false"),
+                   help="config.json norm_topk_prob (qwen3-moe, deepseek-v3); default: absent")
+    p.add_argument("--n-group", type=int, default=1, help="deepseek-v3 n_group")
+    p.add_argument("--topk-group", type=int, default=1, help="deepseek-v3 topk_group")
+    p.add_argument("--routed-scaling-factor", type=float,
+                   help="deepseek-v3 routed_scaling_factor; default: absent")
+    p.add_argument("--scoring-func", help="deepseek-v3 scoring_func; default: absent (sigmoid)")
+    p.add_argument("--correction-bias", action="store_true",
+                   help="write mlp.gate.e_score_correction_bias (F32 [experts]) per MoE layer")
     return p
 
 
