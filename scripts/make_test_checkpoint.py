@@ -10,6 +10,8 @@ moeserve's layout, computed here with numpy (independently of the C++ loader):
   reference/layer{L}_w2.bf16.bin   BF16 [E, H, I]   down
   reference/layer{L}_{w13,w2}.{q,scale}.bin  (pre-quantized MXFP8 only) the E4M3 codes and E8M0
                                    scale codes, [E, rows, K] and [E, rows, ceil(K/32)]
+  reference/layer{L}_gate.f32.bin  the router gate [E, H] as float32 (the stored values widened)
+  reference/layer{L}_gate_bias.f32.bin  (--correction-bias) e_score_correction_bias [E]
   reference/info.json              sizes, MoE layers, scheme, dtype, corruption
 
 BF16 reference values are what the checkpoint holds, rounded to BF16 (round to nearest even)
@@ -183,12 +185,19 @@ def build(a):
         router = "block_sparse_moe.gate.weight" if a.scheme == "mixtral" else "mlp.gate.weight"
         # The same draw as small() (so the other tensors do not change), at the gate's scale.
         gate = (rng.standard_normal((E, H)) * a.gate_std).astype(np.float32).astype(dt)
-        if not a.no_gates:
+        refdir = os.path.join(a.out, "reference")
+        first_moe = l == moe[0]
+        if a.gate_corrupt == "nan" and first_moe:
+            gate = gate.copy()
+            gate[1, 2] = np.nan
+        if not a.no_gates and not (a.gate_corrupt == "missing" and first_moe):
             tensors[p + router] = gate
+            gate.astype(np.float32).tofile(os.path.join(refdir, f"layer{l}_gate.f32.bin"))
         if a.correction_bias:  # DeepSeek-V3's e_score_correction_bias, F32 as released
             brng = np.random.default_rng(a.seed + 7919 + l)
-            tensors[p + "mlp.gate.e_score_correction_bias"] = \
-                (brng.standard_normal(E) * 0.1).astype(np.float32)
+            bias = (brng.standard_normal(E) * 0.1).astype(np.float32)
+            tensors[p + "mlp.gate.e_score_correction_bias"] = bias
+            bias.tofile(os.path.join(refdir, f"layer{l}_gate_bias.f32.bin"))
         if a.scheme == "deepseek-v3":
             for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 tensors[p + f"mlp.shared_experts.{n}.weight"] = small(*shape)
@@ -341,6 +350,8 @@ def parser():
     p.add_argument("--scoring-func", help="deepseek-v3 scoring_func; default: absent (sigmoid)")
     p.add_argument("--correction-bias", action="store_true",
                    help="write mlp.gate.e_score_correction_bias (F32 [experts]) per MoE layer")
+    p.add_argument("--gate-corrupt", choices=("nan", "missing"),
+                   help="the first MoE layer's gate has a NaN at [1, 2] / is not written")
     return p
 
 
@@ -359,6 +370,15 @@ SUITE = {
                                "--seed", "8"],
     **{f"corrupt_{c}": ["--scheme", "qwen3-moe", "--shards", "2", "--seed", "9", "--corrupt", c]
        for c in CORRUPTIONS},
+    # Routers: DeepSeek-V3 with groups and the correction bias; broken gates.
+    "deepseek_router": ["--scheme", "deepseek-v3", "--experts", "16", "--topk", "4",
+                        "--n-group", "4", "--topk-group", "2", "--routed-scaling-factor", "2.5",
+                        "--correction-bias", "--gate-std", "0.1", "--seed", "11"],
+    "router_nan_gate": ["--scheme", "mixtral", "--layers", "2", "--gate-corrupt", "nan",
+                        "--seed", "12"],
+    "router_missing_gate": ["--scheme", "qwen3-moe", "--gate-corrupt", "missing",
+                            "--seed", "13"],
+    "router_no_gates": ["--scheme", "qwen3-moe", "--no-gates", "--seed", "14"],
 }
 
 

@@ -3,6 +3,8 @@
 
 For each M it times, one call at a time (closed loop, concurrency 1), median of --calls calls:
   cli     moeserve-cli load (C++: requests prebuilt, answer not copied): the floor
+  raw     grpcio's own blocking call with a prebuilt request, answer not decoded: the Python
+          floor (what no Python client can go below)
   torch   TorchMoeClient.forward (moeserve_client.torch_client): tensors in, tensor out
   numpy   MoeClient.forward (protobuf messages): numpy in, numpy out
 and prints the medians and torch - cli (the torch client's added cost per call; issue 11's
@@ -21,6 +23,7 @@ and a server started with --enable_shared_memory on the same host).
 import argparse
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -65,21 +68,36 @@ def start_server(binary, extra):
     raise RuntimeError("server not ready after 120 s")
 
 
-def cli_p50_ms(cli, target, m, calls, dtype, layer):
+def cli_run(cli, target, m, calls, dtype, layer):
+    """(p50 latency ms, CPU seconds the process used) of one moeserve-cli load run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([cli, "load", f"--target={target}", f"--requests={calls}",
                           "--concurrency=1", f"--tokens={m}", f"--dtype={dtype}",
-                          f"--layer={layer}", "--return_timings=false"],
+                          f"--layer={layer}", "--return_timings=false", "--distinct_inputs=1"],
                          capture_output=True, text=True, check=True).stdout
-    return float(re.search(r"latency_ms: p50=([0-9.]+)", out).group(1))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return float(re.search(r"latency_ms: p50=([0-9.]+)", out).group(1)), cpu
+
+
+def cli_cpu_us_per_call(cli, target, m, calls, dtype, layer):
+    """The C++ client's CPU per call: two runs of different lengths, so that process start,
+    GetModelInfo and building the request cancel out."""
+    short = max(5, calls // 5)
+    _, cpu_short = cli_run(cli, target, m, short, dtype, layer)
+    _, cpu_long = cli_run(cli, target, m, calls, dtype, layer)
+    return (cpu_long - cpu_short) / (calls - short) * 1e6
 
 
 def time_calls(fn, calls):
+    """Wall ms per call, and the process's CPU us per call (all its threads: gRPC's too)."""
     samples = []
+    cpu0 = time.process_time()
     for _ in range(calls):
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return samples
+    return samples, (time.process_time() - cpu0) / calls * 1e6
 
 
 def main():
@@ -112,8 +130,11 @@ def main():
         print(f"# server {a.target}: {info.model_name} hidden={h} experts={e} topk={k} "
               f"intermediate={info.intermediate} backend={info.backend}; device={a.device} "
               f"shared_memory={a.shared_memory}; torch {torch.__version__}")
-        print(f"{'M':>6} {'cli_ms':>9} {'torch_ms':>9} {'numpy_ms':>9} {'torch-cli_us':>13} "
-              f"{'numpy-cli_us':>13} {'MB_each_way':>11}")
+        print("# wall: per-call medians (ms); cpu: the client process's CPU per call (us), "
+              "which a busy machine disturbs far less")
+        print(f"{'M':>6} {'cli_ms':>8} {'raw_ms':>8} {'torch_ms':>8} {'numpy_ms':>8} "
+              f"{'torch-cli_us':>12} {'torch-raw_us':>12} {'cli_cpu':>8} {'raw_cpu':>8} "
+              f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}")
         for m in (int(t) for t in a.tokens.split(",")):
             calls = a.calls if m < 256 else max(30, a.calls * 64 // m)
             g = torch.Generator().manual_seed(m)
@@ -128,21 +149,32 @@ def main():
                 client.forward(xd, idsd, wd, layer=a.layer, out=out)
                 npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
             per = max(1, calls // a.rounds)
-            t_cli, t_torch, t_np = [], [], []
+            t_cli, t_raw, t_torch, t_np = [], [], [], []
+            c_cli, c_raw, c_torch, c_np = [], [], [], []
+            prebuilt = client._prepare(x, ids, w, a.layer, "", False, False)[1]
+            nan = float("nan")
             for _ in range(a.rounds):
                 if a.cli:
-                    t_cli.append(cli_p50_ms(a.cli, a.target, m, per, "bf16", a.layer))
-                t_torch += time_calls(lambda: client.forward(xd, idsd, wd, layer=a.layer,
-                                                             out=out), per)
+                    t_cli.append(cli_run(a.cli, a.target, m, per, "bf16", a.layer)[0])
+                    c_cli.append(cli_cpu_us_per_call(a.cli, a.target, m, per, "bf16", a.layer))
+                t, c = time_calls(lambda: client._forward(prebuilt), per)
+                t_raw += t
+                c_raw.append(c)
+                t, c = time_calls(lambda: client.forward(xd, idsd, wd, layer=a.layer, out=out),
+                                  per)
+                t_torch += t
+                c_torch.append(c)
                 if not a.no_numpy:
-                    t_np += time_calls(lambda: npc.forward(xn, idn, wn, layer=a.layer,
-                                                           dtype="bf16"), per)
-            cli_ms = statistics.median(t_cli) if t_cli else float("nan")
-            torch_ms = statistics.median(t_torch)
-            np_ms = statistics.median(t_np) if t_np else float("nan")
-            print(f"{m:>6} {cli_ms:>9.3f} {torch_ms:>9.3f} {np_ms:>9.3f} "
-                  f"{(torch_ms - cli_ms) * 1e3:>13.1f} {(np_ms - cli_ms) * 1e3:>13.1f} "
-                  f"{m * h * 2 / 1e6:>11.2f}", flush=True)
+                    t, c = time_calls(lambda: npc.forward(xn, idn, wn, layer=a.layer,
+                                                          dtype="bf16"), per)
+                    t_np += t
+                    c_np.append(c)
+            med = lambda v: statistics.median(v) if v else nan  # noqa: E731
+            cli_ms, raw_ms, torch_ms, np_ms = med(t_cli), med(t_raw), med(t_torch), med(t_np)
+            print(f"{m:>6} {cli_ms:>8.3f} {raw_ms:>8.3f} {torch_ms:>8.3f} {np_ms:>8.3f} "
+                  f"{(torch_ms - cli_ms) * 1e3:>12.1f} {(torch_ms - raw_ms) * 1e3:>12.1f} "
+                  f"{med(c_cli):>8.0f} {med(c_raw):>8.0f} {med(c_torch):>9.0f} "
+                  f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}", flush=True)
         client.close()
         npc.close()
     finally:

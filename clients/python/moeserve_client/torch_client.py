@@ -53,25 +53,38 @@ _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 _FORWARD = "/moeserve.v1.MoeService/Forward"
 
 
-def _host_bytes(t):
-    """A zero-copy memoryview of a contiguous CPU tensor's bytes (keep `t` alive meanwhile)."""
-    n = t.numel() * t.element_size()
+_FLOAT_WIRE = {torch.bfloat16: wire.DTYPE_BF16, torch.float16: wire.DTYPE_FP16,
+               torch.float32: wire.DTYPE_FP32}
+_ID_WIRE = {torch.int32: wire.DTYPE_INT32, torch.int64: wire.DTYPE_INT64}
+
+
+def _host_bytes(t, n):
+    """A zero-copy memoryview of the n bytes of a contiguous CPU tensor (keep `t` alive)."""
     if n == 0:
         return b""
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _view(buffer, wt, device=None):
+_frombuffer_warned = False
+
+
+def _view(buffer, wt):
     """The tensor `wt` (a wire.WireTensor) of `buffer`, viewed in place (CPU)."""
+    global _frombuffer_warned
     dtype = _FROM_WIRE.get(wt.dtype)
     if dtype is None:
         raise ValueError(f"reply tensor has unknown dtype {wt.dtype}")
     if wt.nbytes == 0:
         return torch.empty(wt.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # The reply's bytes object is read-only to Python but private to this call.
-        warnings.simplefilter("ignore", UserWarning)
+    if _frombuffer_warned:
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=wt.nbytes, offset=wt.offset)
+    else:
+        # torch warns (once per process) that the reply's bytes object is read-only; it is
+        # private to this call, so the view may be used as any tensor.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=wt.nbytes, offset=wt.offset)
+        _frombuffer_warned = True
     return flat.view(dtype).view(wt.shape)
 
 
@@ -240,11 +253,11 @@ class TorchMoeClient:
 
     # ---- calls ----
 
-    def _staged(self, t):
-        """CPU bytes of `t`: itself when on the CPU, else a pinned copy (per thread, reused)."""
-        if t.device.type == "cpu":
+    def _staged(self, t, device, n):
+        """CPU bytes of `t` (n of them): itself when on the CPU, else a pinned copy (per thread,
+        reused)."""
+        if device.type == "cpu":
             return t.contiguous()
-        n = t.numel() * t.element_size()
         key = threading.get_ident()
         buf = self._pinned.get(key)
         if buf is None or buf.numel() < n:
@@ -257,67 +270,86 @@ class TorchMoeClient:
     def submit(self, hidden, topk_ids=None, topk_weights=None, layer=0, request_id="",
                return_timings=False, return_routing=False, timeout=None):
         """Starts one MoE layer forward and returns a MoeFuture at once (see result())."""
-        if hidden.dim() != 2:
-            raise ValueError(f"hidden must be [M, H]; got shape {tuple(hidden.shape)}")
-        if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"hidden has dtype {hidden.dtype}; expected bfloat16, float16 or "
-                            "float32")
+        fut, request = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
+                                     return_timings, return_routing)
+        fut._start = time.perf_counter()
+        try:
+            fut._call = self._forward.future(request, timeout=timeout or self.timeout)
+        except BaseException:
+            self._drop(fut)
+            raise
+        return fut
+
+    def _drop(self, fut):
+        region, fut._region = fut._region, None
+        if region is not None:
+            self._release_region(region)
+
+    def _prepare(self, hidden, topk_ids, topk_weights, layer, request_id, return_timings,
+                 return_routing):
+        """A MoeFuture (not started) and the request bytes."""
+        # Few tensor attribute reads: each is a C call, and this runs on every layer call.
+        shape = tuple(hidden.shape)
+        dtype = hidden.dtype
+        hid_wire = _FLOAT_WIRE.get(dtype)
+        if len(shape) != 2:
+            raise ValueError(f"hidden must be [M, H]; got shape {shape}")
+        if hid_wire is None:
+            raise TypeError(f"hidden has dtype {dtype}; expected bfloat16, float16 or float32")
         if (topk_ids is None) != (topk_weights is None):
             raise ValueError("pass both topk_ids and topk_weights, or neither (server routing)")
-        m = hidden.shape[0]
         fut = MoeFuture()
-        fut._dtype, fut._shape, fut._device = hidden.dtype, tuple(hidden.shape), hidden.device
+        device = hidden.device
+        fut._dtype, fut._shape, fut._device = dtype, shape, device
         keep = []
         ids_t = weights_t = None
         if topk_ids is not None:
-            if topk_ids.dim() != 2 or topk_ids.shape[0] != m or \
-                    tuple(topk_weights.shape) != tuple(topk_ids.shape):
-                raise ValueError(f"expected topk ids/weights [{m}, K]; got "
-                                 f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
-            if topk_ids.dtype not in (torch.int32, torch.int64):
-                topk_ids = topk_ids.to(torch.int32)
-            if topk_weights.dtype != torch.float32:
+            ids_shape = tuple(topk_ids.shape)
+            if len(ids_shape) != 2 or ids_shape[0] != shape[0] or \
+                    tuple(topk_weights.shape) != ids_shape:
+                raise ValueError(f"expected topk ids/weights [{shape[0]}, K]; got "
+                                 f"{ids_shape}, {tuple(topk_weights.shape)}")
+            ids_wire = _ID_WIRE.get(topk_ids.dtype)
+            if ids_wire is None:
+                topk_ids, ids_wire = topk_ids.to(torch.int32), wire.DTYPE_INT32
+            if topk_weights.dtype is not torch.float32:
                 topk_weights = topk_weights.float()
             # ids and weights are small and read on the server's host: always bytes.
-            ids_c = topk_ids.contiguous().cpu() if topk_ids.is_cuda else topk_ids.contiguous()
-            w_c = topk_weights.contiguous().cpu() if topk_weights.is_cuda else \
-                topk_weights.contiguous()
-            keep += [ids_c, w_c]
-            ids_t = (_TO_WIRE[ids_c.dtype], tuple(ids_c.shape), _host_bytes(ids_c))
-            weights_t = (wire.DTYPE_FP32, tuple(w_c.shape), _host_bytes(w_c))
-        hid_wire = _TO_WIRE[hidden.dtype]
-        nbytes = hidden.numel() * hidden.element_size()
+            if topk_ids.is_cuda:
+                topk_ids = topk_ids.cpu()
+            if topk_weights.is_cuda:
+                topk_weights = topk_weights.cpu()
+            topk_ids = topk_ids.contiguous()
+            topk_weights = topk_weights.contiguous()
+            keep += [topk_ids, topk_weights]
+            n = ids_shape[0] * ids_shape[1]
+            ids_t = (ids_wire, ids_shape, _host_bytes(topk_ids, n * wire.ITEMSIZE[ids_wire]))
+            weights_t = (wire.DTYPE_FP32, ids_shape, _host_bytes(topk_weights, n * 4))
+        nbytes = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
         output_region = None
         region = None
-        if self._use_region(hidden) and nbytes > 0:
-            region = self._acquire_region(hidden.device, 2 * nbytes + 256)
+        if device.type == "cuda" and nbytes > 0 and self._use_region(hidden):
+            region = self._acquire_region(device, 2 * nbytes + 256)
         if region is not None:
             out_off = (nbytes + 255) // 256 * 256
             region.buf[:nbytes].copy_(hidden.contiguous().view(-1).view(torch.uint8))
             # The server reads the region from another process: the copy must have landed.
-            torch.cuda.current_stream(hidden.device).synchronize()
-            hid_t = (hid_wire, fut._shape, None, region.ref(0, nbytes))
+            torch.cuda.current_stream(device).synchronize()
+            hid_t = (hid_wire, shape, None, region.ref(0, nbytes))
             output_region = region.ref(out_off, nbytes)
             fut._region, fut._region_out = region, out_off
             fut.used_region = True
         else:
-            host = self._staged(hidden)
+            host = self._staged(hidden, device, nbytes)
             keep.append(host)
-            hid_t = (hid_wire, fut._shape, _host_bytes(host))
+            hid_t = (hid_wire, shape, _host_bytes(host, nbytes))
         parts = wire.forward_request(layer, hid_t, ids_t, weights_t, request_id=request_id,
                                      return_timings=return_timings,
                                      return_routing=return_routing,
                                      output_region=output_region)
         request = b"".join(parts)
         del keep  # the bytes are in `request` now
-        fut._start = time.perf_counter()
-        try:
-            fut._call = self._forward.future(request, timeout=timeout or self.timeout)
-        except BaseException:
-            if region is not None:
-                self._release_region(region)
-            raise
-        return fut
+        return fut, request
 
     def result(self, fut, out=None):
         """Waits for `fut` and returns the output [M, H] (hidden's dtype): `out` when given
@@ -325,9 +357,15 @@ class TorchMoeClient:
         with the server's status on failure."""
         try:
             raw = fut._call.result()
+        except BaseException:
+            self._drop(fut)
+            raise
         finally:
             fut.latency_s = time.perf_counter() - fut._start
-            region, fut._region = fut._region, None
+        return self._finish(fut, raw, out)
+
+    def _finish(self, fut, raw, out):
+        region, fut._region = fut._region, None
         try:
             reply = wire.forward_response(raw)
             o = reply.output
@@ -337,13 +375,19 @@ class TorchMoeClient:
                 raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; expected "
                                  f"{fut._dtype} {fut._shape}")
             if region is not None:
-                n = o.nbytes if o.nbytes else _numel(fut._shape) * _itemsize(fut._dtype)
+                n = fut._shape[0] * fut._shape[1] * wire.ITEMSIZE[_FLOAT_WIRE[fut._dtype]]
                 src = region.buf[fut._region_out:fut._region_out + n].view(fut._dtype).view(
                     fut._shape)
                 if out is None:
                     out = src.clone()
                 else:
                     out.copy_(src)
+            elif out is not None and out.device.type == "cpu" and out.is_contiguous():
+                # A plain memcpy: torch's copy_ would run a parallel region whose spinning
+                # threads take CPU from a server on the same cores.
+                if o.nbytes:
+                    ctypes.memmove(out.data_ptr(), ctypes.cast(raw, ctypes.c_void_p).value +
+                                   o.offset, o.nbytes)
             else:
                 src = _view(raw, o)
                 if out is not None:
@@ -362,21 +406,21 @@ class TorchMoeClient:
             if region is not None:
                 self._release_region(region)
 
-    def forward(self, hidden, topk_ids=None, topk_weights=None, layer=0, out=None, **kwargs):
-        """submit() then result(): one blocking MoE layer forward."""
-        return self.result(self.submit(hidden, topk_ids, topk_weights, layer=layer, **kwargs),
-                           out=out)
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
+    def forward(self, hidden, topk_ids=None, topk_weights=None, layer=0, out=None,
+                request_id="", return_timings=False, timeout=None):
+        """One blocking MoE layer forward: as submit() then result(), on the calling thread (a
+        blocking gRPC call has no completion-thread hand-off, which a future pays)."""
+        fut, request = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
+                                     return_timings, False)
+        fut._start = time.perf_counter()
+        try:
+            raw = self._forward(request, timeout=timeout or self.timeout)
+        except BaseException:
+            self._drop(fut)
+            raise
+        finally:
+            fut.latency_s = time.perf_counter() - fut._start
+        return self._finish(fut, raw, out)
 
 
 class MoeAFDConnector:

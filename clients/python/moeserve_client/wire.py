@@ -22,12 +22,15 @@ ITEMSIZE = {DTYPE_BF16: 2, DTYPE_FP16: 2, DTYPE_FP32: 4, DTYPE_INT32: 4, DTYPE_I
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
+_SMALL = [bytes((i,)) for i in range(128)]
+
+
 def varint(n):
     """Unsigned LEB128; negative int32/int64 as their 64-bit two's complement (10 bytes)."""
+    if 0 <= n < 128:
+        return _SMALL[n]
     if n < 0:
         n += 1 << 64
-    if n < 0x80:
-        return bytes((n,))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -51,10 +54,19 @@ def region_ref(name, offset, byte_size):
             + _tag(3, _VARINT) + varint(byte_size))
 
 
+# Tensor headers by (field, dtype, shape, data_len, region): a frontend sends the same few
+# shapes again and again, so the header bytes are built once.
+_HEADERS = {}
+
+
 def tensor_parts(field, dtype, shape, data_len=0, region=None):
     """The parts of Tensor field `field` of a message, up to (not including) its data bytes,
     which the caller appends (data_len of them). With `region` ((name, offset, byte_size)) the
     tensor names a region instead and data_len must be 0."""
+    key = (field, dtype, shape, data_len, region)
+    head = _HEADERS.get(key)
+    if head is not None:
+        return head
     packed = b"".join(varint(d) for d in shape)
     body = _tag(1, _VARINT) + varint(dtype)
     if shape:
@@ -64,7 +76,17 @@ def tensor_parts(field, dtype, shape, data_len=0, region=None):
         body += _len_field(4, len(ref)) + ref
     if data_len:
         body += _len_field(3, data_len)
-    return _len_field(field, len(body) + data_len) + body
+    head = _len_field(field, len(body) + data_len) + body
+    if len(_HEADERS) > 4096:
+        _HEADERS.clear()
+    _HEADERS[key] = head
+    return head
+
+
+_LAYER_TAG = _tag(1, _VARINT)
+_RID_TAG = _tag(5, _LEN)
+_TIMINGS = _tag(6, _VARINT) + b"\x01"
+_ROUTING = _tag(8, _VARINT) + b"\x01"
 
 
 def forward_request(layer, hidden, topk_ids=None, topk_weights=None, request_id="",
@@ -73,31 +95,31 @@ def forward_request(layer, hidden, topk_ids=None, topk_weights=None, request_id=
 
     hidden / topk_ids / topk_weights: (dtype, shape, data) with data a buffer (bytes,
     memoryview, ...) of exactly product(shape) * itemsize bytes, or (dtype, shape, None,
-    (region name, offset, byte_size)) for a tensor in a registered region. topk_* None: the
-    server routes. output_region: (name, offset, byte_size) or None.
+    (region name, offset, byte_size)) for a tensor in a registered region. shape a tuple.
+    topk_* None: the server routes. output_region: (name, offset, byte_size) or None.
     """
-    parts = []
-    if layer:
-        parts.append(_tag(1, _VARINT) + varint(layer))
+    parts = [_LAYER_TAG + varint(layer)] if layer else []
     for field, t in ((2, hidden), (3, topk_ids), (4, topk_weights)):
         if t is None:
             continue
-        dtype, shape, data = t[0], t[1], t[2]
-        region = t[3] if len(t) > 3 else None
-        n = 0 if data is None else memoryview(data).nbytes
-        parts.append(tensor_parts(field, dtype, shape, n, region))
+        data = t[2]
+        if data is None:
+            parts.append(tensor_parts(field, t[0], t[1], 0, t[3] if len(t) > 3 else None))
+            continue
+        n = len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+        parts.append(tensor_parts(field, t[0], t[1], n, t[3] if len(t) > 3 else None))
         if n:
             parts.append(data)
     if request_id:
         rid = request_id.encode()
-        parts.append(_len_field(5, len(rid)) + rid)
+        parts.append(_RID_TAG + varint(len(rid)) + rid)
     if return_timings:
-        parts.append(_tag(6, _VARINT) + b"\x01")
+        parts.append(_TIMINGS)
     if output_region is not None:
         ref = region_ref(*output_region)
         parts.append(_len_field(7, len(ref)) + ref)
     if return_routing:
-        parts.append(_tag(8, _VARINT) + b"\x01")
+        parts.append(_ROUTING)
     return parts
 
 
@@ -167,21 +189,40 @@ class WireTensor:
 def _tensor(buf, start, end):
     t = WireTensor()
     shape = []
-    for field, wt, v, s, e in _fields(buf, start, end):
-        if field == 1 and wt == _VARINT:
-            t.dtype = v
-        elif field == 2 and wt == _LEN:  # packed
-            shape = []
-            p = s
-            while p < e:
-                d, p = _read_varint(buf, p, e)
-                shape.append(d)
-        elif field == 2 and wt == _VARINT:
-            shape.append(v)
-        elif field == 3 and wt == _LEN:
-            t.offset, t.nbytes = s, e - s
-        elif field == 4 and wt == _LEN:
-            t.region = bytes(buf[s:e])
+    pos = start
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wt = key >> 3, key & 7
+        if wt == _VARINT:
+            v, pos = _read_varint(buf, pos, end)
+            if field == 1:
+                t.dtype = v
+            elif field == 2:  # an unpacked shape
+                shape.append(v)
+        elif wt == _LEN:
+            n, pos = _read_varint(buf, pos, end)
+            s, e = pos, pos + n
+            if e > end:
+                raise WireError(f"tensor field {field}: length {n} past the end")
+            pos = e
+            if field == 3:
+                t.offset, t.nbytes = s, n
+            elif field == 2:  # packed
+                shape = []
+                p = s
+                while p < e:
+                    d, p = _read_varint(buf, p, e)
+                    shape.append(d)
+            elif field == 4:
+                t.region = bytes(buf[s:e])
+        elif wt == _I64:
+            pos += 8
+        elif wt == _I32:
+            pos += 4
+        else:
+            raise WireError(f"tensor field {field}: unsupported wire type {wt}")
+    if pos > end:
+        raise WireError("tensor: truncated")
     t.shape = tuple(d - (1 << 64) if d >= 1 << 63 else d for d in shape)
     return t
 
@@ -210,9 +251,27 @@ class ForwardReply:
 def forward_response(buf):
     """Decodes a serialized ForwardResponse (bytes-like). Raises WireError if malformed."""
     reply = ForwardReply(buf)
-    mv = memoryview(buf)
-    for field, wt, v, s, e in _fields(mv, 0, len(mv)):
+    mv = buf if isinstance(buf, bytes) else memoryview(buf)
+    end = len(mv)
+    pos = 0
+    # A plain loop (no generator): this runs once per call, on the critical path.
+    while pos < end:
+        key = mv[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _read_varint(mv, pos, end)
+        field, wt = key >> 3, key & 7
         if wt == _LEN:
+            n = mv[pos] if pos < end else 0x80
+            if n < 0x80:
+                pos += 1
+            else:
+                n, pos = _read_varint(mv, pos, end)
+            s, e = pos, pos + n
+            if e > end:
+                raise WireError(f"field {field}: length {n} past the end")
+            pos = e
             if field == 1:
                 reply.output = _tensor(mv, s, e)
             elif field == 2:
@@ -229,6 +288,16 @@ def forward_response(buf):
                 reply.topk_weights = _tensor(mv, s, e)
             elif field == 7:
                 reply.error_message = bytes(mv[s:e]).decode()
-        elif wt == _VARINT and field == 6:
-            reply.error_code = v - (1 << 64) if v >= 1 << 63 else v
+        elif wt == _VARINT:
+            v, pos = _read_varint(mv, pos, end)
+            if field == 6:
+                reply.error_code = v - (1 << 64) if v >= 1 << 63 else v
+        elif wt == _I64:
+            pos += 8
+        elif wt == _I32:
+            pos += 4
+        else:
+            raise WireError(f"field {field}: unsupported wire type {wt}")
+        if pos > end:
+            raise WireError(f"field {field}: truncated")
     return reply
