@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "core/provider_registry.h"
@@ -131,6 +132,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   info.max_tokens_per_request = plan.max_tokens_per_request;
   info.max_tokens_per_rank = plan.max_tokens_per_rank;
   info.threads_per_rank = plan.threads_per_rank;
+  // Only the leader process takes requests, so only it routes.
+  if (plan.node_rank == 0) {
+    const int router_threads =
+        std::max(1, std::min(8, static_cast<int>(std::thread::hardware_concurrency())));
+    MOESERVE_RETURN_IF_ERROR(LoadRouter(plan.weights, plan.model, router_threads, &engine->router_,
+                                        &info.no_router_reason));
+    if (engine->router_ != nullptr) info.router = engine->router_->config().Describe();
+  } else {
+    info.no_router_reason = "a follower process does not route";
+  }
   if (engine->multi_process_ != nullptr) engine->multi_process_->Start();
   return engine;
 }
@@ -274,6 +285,26 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status Engine::Route(int layer, const TensorView& hidden_states, const TensorView& topk_ids,
+                           const TensorView& topk_weights) const {
+  if (router_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "server-side routing (a request without topk_ids and topk_weights) is not available: ",
+        info_.no_router_reason, "; send topk_ids and topk_weights"));
+  }
+  ForwardInput in;
+  in.layer = layer;
+  in.hidden_states = hidden_states;
+  in.topk_ids = topk_ids;
+  in.topk_weights = topk_weights;
+  MOESERVE_RETURN_IF_ERROR(ValidateForwardShapes(plan_.model, plan_.max_tokens_per_request, in));
+  if (topk_ids.dtype() != DType::kINT32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Route: topk_ids must be int32, got ", DTypeName(topk_ids.dtype())));
+  }
+  return router_->Route(layer, hidden_states, topk_ids, topk_weights);
 }
 
 absl::Status Engine::ValidateExpertRef(int layer, int expert) const {

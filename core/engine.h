@@ -20,6 +20,7 @@
 #include "core/modular_kernel.h"
 #include "core/multi_process_driver.h"
 #include "core/rank_group.h"
+#include "core/router.h"
 #include "core/tensor.h"
 #include "core/weights.h"
 
@@ -58,6 +59,10 @@ struct EngineInfo {
   int threads_per_rank = 1;         // experts' threads on each rank
   std::vector<DType> hidden_dtypes = {DType::kBF16, DType::kFP16, DType::kFP32};
   std::vector<DType> topk_ids_dtypes = {DType::kINT32, DType::kINT64};
+  // Server-side routing (Engine::Route): the router as RouterConfig::Describe() says, or empty
+  // when there is none, with the reason in no_router_reason.
+  std::string router;
+  std::string no_router_reason;
 };
 
 // Checks a forward against the model: INVALID_ARGUMENT naming the field, what came and what
@@ -89,6 +94,18 @@ class Engine {
   // not repeated. Shapes and the output are still checked.
   absl::Status ForwardValidated(const ForwardInput& input, const TensorView& output,
                                 ForwardTimings* timings = nullptr);
+
+  // Server-side routing: the layer's gate on hidden_states -> topk_ids and topk_weights
+  // (core/router.h for the semantics). hidden [M, hidden] BF16/FP16/FP32, topk_ids INT32
+  // [M, topk] and topk_weights FP32 [M, topk] written; host memory. FAILED_PRECONDITION when
+  // the model has no router (info().no_router_reason); otherwise the refusals of
+  // ValidateForwardShapes (layer, hidden_states, M over the limit). Thread-safe and independent
+  // of forwards (it runs beside them, on the caller's thread and the router's own threads).
+  // Cost on the CPU: one FP32 GEMM of M x hidden x num_experts (for DeepSeek-V3 shapes about
+  // 2 ms at M=16, single-threaded BLAS per part).
+  absl::Status Route(int layer, const TensorView& hidden_states, const TensorView& topk_ids,
+                     const TensorView& topk_weights) const;
+  bool has_router() const { return router_ != nullptr; }
 
   // One expert's weights as computed with, rounded to BF16: w13 [2I, H], w2 [H, I].
   absl::Status GetExpertWeightsBf16(int layer, int expert, uint16_t* w13, uint16_t* w2) const;
@@ -145,6 +162,7 @@ class Engine {
   std::vector<bool> lane_busy_;  // guarded by pool_mu_
   std::unique_ptr<RankGroup> ranks_;
   std::unique_ptr<MultiProcessDriver> multi_process_;  // null in a single process
+  std::unique_ptr<Router> router_;                     // null: no server-side routing
   std::vector<HostBuffer> ids32_;                      // per lane
 };
 

@@ -71,8 +71,32 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   GatheredBytes gathered;
   absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
   if (!input.ok()) return answer(input.status(), {}, 0, request_id);
-  // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
   const EngineInfo& info = engine_->info();
+  // No topk tensors: the server routes with the layer's gate, into a recycled buffer that
+  // lives as long as the call (ids INT32 [M, topk], then weights FP32 [M, topk]).
+  std::unique_ptr<PooledBuffer> routing;
+  double route_us = 0;
+  if (input->topk_ids.empty()) {
+    const Clock::time_point route_start = Clock::now();
+    const TensorView& x = input->hidden_states;
+    // Sized only for a hidden_states that Route will accept; anything else is refused there
+    // (before the routing buffers are touched).
+    const int64_t rows =
+        x.rank() == 2 && x.dim(1) == info.model.hidden && x.dim(0) <= info.max_tokens_per_request
+            ? x.dim(0)
+            : 0;
+    const int64_t routes = rows * info.model.topk;
+    routing = PooledBuffer::Acquire(static_cast<size_t>(routes) * 8);
+    char* base = static_cast<char*>(routing->data());
+    input->topk_ids = TensorView(base, DType::kINT32, {rows, info.model.topk});
+    input->topk_weights = TensorView(base + routes * 4, DType::kFP32, {rows, info.model.topk});
+    if (absl::Status s = engine_->Route(input->layer, x, input->topk_ids, input->topk_weights);
+        !s.ok()) {
+      return answer(s, {}, 0, request_id);
+    }
+    route_us = MicrosSince(route_start);
+  }
+  // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
   if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
       !s.ok()) {
     return answer(s, {}, 0, request_id);
@@ -88,12 +112,14 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     v1wire::ForwardRequestView request;
     GatheredBytes gathered;
     ForwardInput input;
-    std::unique_ptr<PooledBuffer> out;  // recycled: no page faults per call
+    std::unique_ptr<PooledBuffer> out;      // recycled: no page faults per call
+    std::unique_ptr<PooledBuffer> routing;  // server-side routing only
   };
-  auto pending = std::make_shared<Pending>(
-      Pending{std::move(*request), std::move(gathered), *input, PooledBuffer::Acquire(out_bytes)});
+  auto pending =
+      std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered), *input,
+                                        PooledBuffer::Acquire(out_bytes), std::move(routing)});
   const TensorView output(pending->out->data(), dtype, out_shape);
-  auto done = [this, pending, dtype, out_shape, out_bytes, m, start, server_queue_us,
+  auto done = [this, pending, dtype, out_shape, out_bytes, m, start, server_queue_us, route_us,
                answer = std::move(answer)](const absl::Status& status,
                                            const ForwardTimings& timings) {
     const std::string& id = pending->request.header.request_id();
@@ -104,7 +130,12 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     header.set_request_id(id);
     if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
     if (pending->request.header.return_timings()) {
-      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start), header.mutable_timings());
+      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
+                            header.mutable_timings());
+      header.mutable_timings()->set_route_us(route_us);
+    }
+    if (pending->request.header.return_routing()) {
+      RoutingToProto(pending->input, header.mutable_topk_ids(), header.mutable_topk_weights());
     }
     void* out_data = pending->out->data();
     absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(

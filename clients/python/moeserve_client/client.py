@@ -8,6 +8,10 @@ Tensors are numpy arrays. Hidden-state dtypes:
     without dtype="bf16" is refused rather than guessed.
   * ml_dtypes.bfloat16 arrays (if you use ml_dtypes) -> BF16, answer bfloat16.
 topk_ids: int32 or int64 [M, K] (sent as given); topk_weights: [M, K], sent as float32.
+Both None: the server routes with the layer's own gate (ModelInfo.server_routing); with
+return_routing=True the answer carries the ids (int32) and weights (float32) it chose.
+
+For torch tensors, CUDA memory and asynchronous calls see moeserve_client.torch_client.
 """
 
 import collections
@@ -31,7 +35,8 @@ _WIRE = {"bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16, "fp32": pb.DTYPE_FP32}
 _FROM_WIRE = {v: k for k, v in _WIRE.items()}
 
 ForwardResult = collections.namedtuple(
-    "ForwardResult", ["output", "request_id", "timings", "latency_s"])
+    "ForwardResult", ["output", "request_id", "timings", "latency_s", "topk_ids", "topk_weights"],
+    defaults=(None, None))
 
 
 def _hidden_dtype(hidden, dtype):
@@ -194,35 +199,45 @@ class MoeClient:
             raise ValueError(f"expert weights came as dtype {t.dtype}; expected a float")
         return _dt.to_float32(_array(t, _dt.STORAGE[name]), name)
 
-    def forward_full(self, hidden, topk_ids, topk_weights, layer=0, dtype=None, request_id="",
-                     return_timings=True, timeout=None):
-        """Like forward(), returning ForwardResult(output, request_id, timings dict, latency_s)."""
+    def forward_full(self, hidden, topk_ids=None, topk_weights=None, layer=0, dtype=None,
+                     request_id="", return_timings=True, timeout=None, return_routing=False):
+        """Like forward(), returning ForwardResult(output, request_id, timings dict, latency_s,
+        topk_ids, topk_weights); the last two only with return_routing (else None)."""
         hidden = np.asarray(hidden)
-        topk_ids = np.asarray(topk_ids)
-        topk_weights = np.asarray(topk_weights)
-        if hidden.ndim != 2 or topk_ids.ndim != 2 or topk_weights.shape != topk_ids.shape:
-            raise ValueError(f"expected hidden [M, H] and topk ids/weights [M, K]; got "
-                             f"{hidden.shape}, {topk_ids.shape}, {topk_weights.shape}")
-        if topk_ids.shape[0] != hidden.shape[0]:
-            raise ValueError(f"hidden has {hidden.shape[0]} tokens, topk_ids {topk_ids.shape[0]}")
+        if (topk_ids is None) != (topk_weights is None):
+            raise ValueError("pass both topk_ids and topk_weights, or neither (server routing)")
+        if hidden.ndim != 2:
+            raise ValueError(f"expected hidden [M, H]; got {hidden.shape}")
+        ids = weights = None
+        if topk_ids is not None:
+            topk_ids = np.asarray(topk_ids)
+            topk_weights = np.asarray(topk_weights)
+            if topk_ids.ndim != 2 or topk_weights.shape != topk_ids.shape:
+                raise ValueError(f"expected topk ids/weights [M, K]; got {topk_ids.shape}, "
+                                 f"{topk_weights.shape}")
+            if topk_ids.shape[0] != hidden.shape[0]:
+                raise ValueError(
+                    f"hidden has {hidden.shape[0]} tokens, topk_ids {topk_ids.shape[0]}")
+            if topk_ids.dtype == np.int64:
+                ids = _tensor(topk_ids, pb.DTYPE_INT64, np.dtype("<i8"))
+            elif np.issubdtype(topk_ids.dtype, np.integer):
+                ids = _tensor(topk_ids, pb.DTYPE_INT32, np.dtype("<i4"))
+            else:
+                raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer type")
+            weights = _tensor(topk_weights, pb.DTYPE_FP32, np.dtype("<f4"))
         name = _hidden_dtype(hidden, dtype)
         if hidden.dtype.name == "bfloat16":
             hidden_bits = hidden.view(np.uint16)
         else:
             hidden_bits = hidden
-        if topk_ids.dtype == np.int64:
-            ids = _tensor(topk_ids, pb.DTYPE_INT64, np.dtype("<i8"))
-        elif np.issubdtype(topk_ids.dtype, np.integer):
-            ids = _tensor(topk_ids, pb.DTYPE_INT32, np.dtype("<i4"))
-        else:
-            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer type")
         request = pb.ForwardRequest(
             layer=layer,
             hidden_states=_tensor(hidden_bits, _WIRE[name], _dt.STORAGE[name]),
             topk_ids=ids,
-            topk_weights=_tensor(topk_weights, pb.DTYPE_FP32, np.dtype("<f4")),
+            topk_weights=weights,
             request_id=request_id,
-            return_timings=return_timings)
+            return_timings=return_timings,
+            return_routing=return_routing)
         start = time.perf_counter()
         reply = self._call(self._stub.Forward, request, timeout)
         latency = time.perf_counter() - start
@@ -235,15 +250,21 @@ class MoeClient:
         t = reply.timings
         timings = {"queue_us": t.queue_us, "prepare_us": t.prepare_us,
                    "experts_us": t.experts_us, "finalize_us": t.finalize_us,
-                   "total_us": t.total_us}
-        return ForwardResult(output, reply.request_id, timings, latency)
+                   "total_us": t.total_us, "route_us": t.route_us}
+        routed_ids = routed_weights = None
+        if return_routing:
+            routed_ids = _array(reply.topk_ids, np.dtype("<i4"))
+            routed_weights = _array(reply.topk_weights, np.dtype("<f4"))
+        return ForwardResult(output, reply.request_id, timings, latency, routed_ids,
+                             routed_weights)
 
-    def forward(self, hidden, topk_ids, topk_weights, layer=0, dtype=None, request_id="",
-                timeout=None):
+    def forward(self, hidden, topk_ids=None, topk_weights=None, layer=0, dtype=None,
+                request_id="", timeout=None):
         """One MoE layer: [M, H] hidden states -> [M, H] output in the same dtype.
 
         See the module docstring for the accepted dtypes; BF16 needs dtype='bf16' with uint16
-        bit patterns. Raises grpc.RpcError on server errors (e.g. INVALID_ARGUMENT)."""
+        bit patterns. topk_ids/topk_weights None: the server routes. Raises grpc.RpcError on
+        server errors (e.g. INVALID_ARGUMENT)."""
         return self.forward_full(hidden, topk_ids, topk_weights, layer=layer, dtype=dtype,
                                  request_id=request_id, return_timings=False,
                                  timeout=timeout).output
