@@ -57,6 +57,9 @@ struct EngineInfo {
   int threads_per_rank = 1;         // experts' threads on each rank
   std::vector<DType> hidden_dtypes = {DType::kBF16, DType::kFP16, DType::kFP32};
   std::vector<DType> topk_ids_dtypes = {DType::kINT32, DType::kINT64};
+  // Forward takes hidden_states and writes the output in CUDA device memory too (a client's
+  // CUDA region, read and written in place): single-process GPU engines.
+  bool device_tensors = false;
 };
 
 // Checks a forward against the model: INVALID_ARGUMENT naming the field, what came and what
@@ -74,12 +77,13 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
   ~Engine();
 
-  // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (host,
-  // caller-owned). Thread-safe: concurrent calls queue and run one at a time.
-  // With R ranks the M tokens are split evenly (rank r is the source of its slice), every rank
-  // runs the modular kernel (its collectives in the same order) and rank 0, the leader, gathers
-  // the output slices. A failure on one rank aborts the collectives of all; the first root
-  // cause is returned and the engine stays usable.
+  // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (caller-owned;
+  // host memory, or CUDA device memory as hidden_states may be where info().device_tensors --
+  // elsewhere FAILED_PRECONDITION). topk ids and weights are host memory. Thread-safe: concurrent
+  // calls queue and run one at a time. With R ranks the M tokens are split evenly (rank r is the
+  // source of its slice), every rank runs the modular kernel (its collectives in the same order)
+  // and rank 0, the leader, gathers the output slices. A failure on one rank aborts the collectives
+  // of all; the first root cause is returned and the engine stays usable.
   absl::Status Forward(const ForwardInput& input, const TensorView& output,
                        ForwardTimings* timings = nullptr);
   // Forward for a caller that has already run ValidateForwardInput on `input` (with this
