@@ -69,6 +69,10 @@ ABSL_FLAG(int64_t, max_queued_tokens, 32768,
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
           "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
+ABSL_FLAG(bool, enable_shared_memory, false,
+          "Accept shared-memory regions (Register*SharedMemory RPCs; Forward tensors and answers "
+          "by region): a frontend on this host. Off by default: a client may then name any shm "
+          "object the server's user can open");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
           "Most tokens (M) one Forward may carry; more fail with RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
@@ -263,6 +267,7 @@ int Run() {
   server_options.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   server_options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  server_options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   absl::StatusOr<std::unique_ptr<MoeServer>> server =
       MoeServer::Start(engine->get(), server_options);
   if (!server.ok()) {

@@ -44,6 +44,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   ServiceOptions service_options;
   service_options.num_worker_threads = std::max(1, options.server_threads);
   service_options.max_message_bytes = options.max_message_bytes;
+  service_options.enable_shared_memory = options.enable_shared_memory;
   ForwardBatcherOptions batcher_options = options.batcher;
   batcher_options.observer = server->metrics_.get();
   MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,

@@ -37,7 +37,14 @@ MoeServiceImpl::MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> b
       metrics_(metrics),
       options_(options),
       workers_(options.num_worker_threads),
-      batcher_(std::move(batcher)) {}
+      batcher_(std::move(batcher)) {
+  if (options_.enable_shared_memory) {
+    RegionRegistryOptions regions;
+    regions.backend = engine_->info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;
+    regions.max_regions = options_.max_shared_memory_regions;
+    regions_ = std::make_unique<RegionRegistry>(regions);
+  }
+}
 
 MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
@@ -69,33 +76,55 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
           absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())), 0);
     }
     GatheredBytes gathered;
-    absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
-    if (!input.ok()) return finish(input.status(), 0);
-    // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
+    // Tensors in shared-memory regions hold their regions until the answer is ready; released
+    // before the call finishes, so the client may unregister as soon as it has the answer.
+    ForwardRegions regions;
+    auto fail = [&regions, &finish](const absl::Status& status) {
+      regions.Release();
+      finish(status, 0);
+    };
+    // A CUDA region's bytes are read and written in place where the engine takes device memory.
     const EngineInfo& info = engine_->info();
+    absl::StatusOr<ForwardInput> input =
+        ForwardInputFromWire(*request, &gathered, regions_.get(), info.device_tensors, &regions);
+    if (!input.ok()) return fail(input.status());
+    // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
     if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
         !s.ok()) {
-      return finish(s, 0);
+      return fail(s);
     }
     const int64_t m = input->hidden_states.dim(0);
     const DType dtype = input->hidden_states.dtype();
     const Shape out_shape = {m, info.model.hidden};
-    const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
+    if (absl::Status s = ResolveOutputRegion(request->header, regions_.get(), dtype, out_shape,
+                                             info.device_tensors, &regions);
+        !s.ok()) {
+      return fail(s);
+    }
+    const bool region_output = regions.output.has_value();
+    const size_t out_bytes =
+        region_output ? 0 : static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
     // What the call needs until the batcher answers it: the request's slices (its tensors may
-    // be views into them), the gathered bytes and the answer buffer, which the engine writes
-    // and the reply's slice then owns (no copy).
+    // be views into them), the gathered bytes, the regions, and the answer buffer, which the
+    // engine writes and the reply's slice then owns (no copy) -- or the output region.
     struct Pending {
       v1wire::ForwardRequestView request;
       GatheredBytes gathered;
+      ForwardRegions regions;
       ForwardInput input;
       std::unique_ptr<PooledBuffer> out;  // recycled: no page faults per call
     };
-    auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered),
-                                                     *input, PooledBuffer::Acquire(out_bytes)});
-    const TensorView output(pending->out->data(), dtype, out_shape);
+    auto pending = std::make_shared<Pending>(
+        Pending{std::move(*request), std::move(gathered), std::move(regions), *input,
+                region_output ? nullptr : PooledBuffer::Acquire(out_bytes)});
+    const TensorView output = region_output ? pending->regions.output->view()
+                                            : TensorView(pending->out->data(), dtype, out_shape);
     auto done = [this, pending, response, dtype, out_shape, out_bytes, m, start, server_queue_us,
                  finish](const absl::Status& status, const ForwardTimings& timings) {
-      if (!status.ok()) return finish(status, 0);
+      absl::Status s = status;
+      if (s.ok() && pending->regions.output.has_value()) s = pending->regions.output->Flush();
+      pending->regions.Release();
+      if (!s.ok()) return finish(s, 0);
       v1::ForwardResponse header;
       header.mutable_output()->set_dtype(DTypeToProto(dtype));
       for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
@@ -105,9 +134,13 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
         ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
                               header.mutable_timings());
       }
-      void* out_data = pending->out->data();
-      absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
-          header, v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out)));
+      // With an output region the answer is there already: the reply has dtype and shape only.
+      grpc::Slice data;
+      if (pending->out != nullptr) {
+        void* out_data = pending->out->data();
+        data = v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out));
+      }
+      absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, data);
       if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
       response->Swap(&*encoded);
       finish(absl::OkStatus(), m);
