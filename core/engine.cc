@@ -142,6 +142,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   } else {
     info.no_router_reason = "a follower process does not route";
   }
+  const PrepareFinalizeProvider* pf = registry.FindPrepareFinalize(plan.prepare_finalize);
+  // Followers receive their slices over host collectives: device memory stays in one process.
+  info.device_tensors = pf != nullptr && pf->device_tensors && !plan.multi_process;
   if (engine->multi_process_ != nullptr) engine->multi_process_->Start();
   return engine;
 }
@@ -224,6 +227,16 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
     return absl::InvalidArgumentError(absl::StrCat("output must be ",
                                                    DTypeName(input.hidden_states.dtype()), "[", m,
                                                    ", ", k, "], got ", output.DebugString()));
+  }
+  if ((!input.hidden_states.device().is_host() || !output.device().is_host()) &&
+      !info_.device_tensors) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this engine (backend ", info_.backend, ", prepare_finalize ",
+                     info_.prepare_finalize, ") takes host tensors only; got hidden_states ",
+                     input.hidden_states.DebugString(), " and output ", output.DebugString()));
+  }
+  if (!input.topk_ids.device().is_host() || !input.topk_weights.device().is_host()) {
+    return absl::InvalidArgumentError("topk_ids and topk_weights must be host memory");
   }
   const auto t_queue = std::chrono::steady_clock::now();
   const LaneLease lease(this);

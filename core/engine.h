@@ -63,6 +63,9 @@ struct EngineInfo {
   // when there is none, with the reason in no_router_reason.
   std::string router;
   std::string no_router_reason;
+  // Forward takes hidden_states and writes the output in CUDA device memory too (a client's
+  // CUDA region, read and written in place): single-process GPU engines.
+  bool device_tensors = false;
 };
 
 // Checks a forward against the model: INVALID_ARGUMENT naming the field, what came and what
@@ -80,13 +83,14 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
   ~Engine();
 
-  // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (host,
-  // caller-owned). Thread-safe: concurrent calls run up to steps_in_flight() at once (each on
-  // its own lane: stream, buffers, workspaces), the rest wait.
-  // With R ranks the M tokens are split evenly (rank r is the source of its slice), every rank
-  // runs the modular kernel (its collectives in the same order) and rank 0, the leader, gathers
-  // the output slices. A failure on one rank aborts the collectives of all; the first root
-  // cause is returned and the engine stays usable.
+  // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (caller-owned;
+  // host memory, or CUDA device memory as hidden_states may be where info().device_tensors --
+  // elsewhere FAILED_PRECONDITION). topk ids and weights are host memory. Thread-safe:
+  // concurrent calls run up to steps_in_flight() at once (each on its own lane: stream, buffers,
+  // workspaces), the rest wait. With R ranks the M tokens are split evenly (rank r is the source
+  // of its slice), every rank runs the modular kernel (its collectives in the same order) and
+  // rank 0, the leader, gathers the output slices. A failure on one rank aborts the collectives
+  // of all; the first root cause is returned and the engine stays usable.
   absl::Status Forward(const ForwardInput& input, const TensorView& output,
                        ForwardTimings* timings = nullptr);
   // Forward for a caller that has already run ValidateForwardInput on `input` (with this

@@ -85,7 +85,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   const int64_t m = input.hidden_states.dim(0);
   if (output.dtype() != input.hidden_states.dtype() ||
       output.shape() != input.hidden_states.shape() || !output.is_contiguous() ||
-      !output.device().is_host()) {
+      (!output.device().is_host() && !info.device_tensors)) {
     return done(absl::InvalidArgumentError(absl::StrCat(
                     "output must be contiguous host ", DTypeName(input.hidden_states.dtype()),
                     ShapeToString(input.hidden_states.shape()), ", got ", output.DebugString())),
@@ -100,8 +100,10 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   call->done = std::move(done);
   call->enqueued = absl::Now();
   call->tokens = m;
+  // Device tensors (a CUDA region) run alone: the merged buffers are host memory.
   call->mergeable = input.hidden_states.is_contiguous() && input.topk_ids.is_contiguous() &&
-                    input.topk_weights.is_contiguous();
+                    input.topk_weights.is_contiguous() && input.hidden_states.device().is_host() &&
+                    output.device().is_host();
   {
     std::unique_lock<std::mutex> lock(mu_);
     absl::Status refused;

@@ -91,7 +91,8 @@ class ForwardBatcher {
   ~ForwardBatcher();
 
   // Queues one call. `input` and `output` (as Engine::Forward: output [M, hidden] in the
-  // hidden dtype, host memory) must stay valid until `done` runs; `done` runs exactly once.
+  // hidden dtype, host memory or, where the engine takes them, CUDA device memory; such calls
+  // run alone) must stay valid until `done` runs; `done` runs exactly once.
   // `cancelled` (may be null) is polled before the call runs. timings.queue_us is the time from
   // Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,

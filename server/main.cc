@@ -81,6 +81,10 @@ ABSL_FLAG(double, max_queue_wait_ms, 0,
           "(--max_queued_tokens only)");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
           "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
+ABSL_FLAG(bool, enable_shared_memory, false,
+          "Accept shared-memory regions (Register*SharedMemory RPCs; Forward tensors and answers "
+          "by region): a frontend on this host. Off by default: a client may then name any shm "
+          "object the server's user can open");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
           "Most tokens (M) one Forward may carry; more fail with RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, metrics_address, moeserve::kDefaultMetricsAddress,
@@ -396,6 +400,7 @@ int Run() {
   server_options.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
   server_options.enable_get_expert_weights = absl::GetFlag(FLAGS_enable_get_expert_weights);
   WarnIfExposed(server_options.listen_addresses, *security);
+  server_options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   absl::StatusOr<std::unique_ptr<MoeServer>> server =
       MoeServer::Start(engine->get(), server_options);
   if (!server.ok()) {

@@ -49,6 +49,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   service_options.max_message_bytes = options.max_message_bytes;
   service_options.auth = options.auth;
   service_options.enable_get_expert_weights = options.enable_get_expert_weights;
+  service_options.enable_shared_memory = options.enable_shared_memory;
   ForwardBatcherOptions batcher_options = options.batcher;
   batcher_options.observer = server->metrics_.get();
   MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,

@@ -56,6 +56,8 @@ struct ServerOptions {
   std::chrono::milliseconds health_poll{500};
   // While unhealthy, Engine::Recover() is tried this often; <= 0: never.
   std::chrono::milliseconds recover_after{5000};
+  // Shared-memory regions for a frontend on the same host (ServiceOptions).
+  bool enable_shared_memory = false;
 };
 
 // Splits "a:1,b:2" into addresses, dropping empty items and surrounding spaces.

@@ -50,7 +50,14 @@ MoeServiceImpl::MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> b
       metrics_(metrics),
       options_(options),
       workers_(options.num_worker_threads),
-      batcher_(std::move(batcher)) {}
+      batcher_(std::move(batcher)) {
+  if (options_.enable_shared_memory) {
+    RegionRegistryOptions regions;
+    regions.backend = engine_->info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;
+    regions.max_regions = options_.max_shared_memory_regions;
+    regions_ = std::make_unique<RegionRegistry>(regions);
+  }
+}
 
 MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
@@ -69,9 +76,18 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   }
   std::string request_id = request->header.request_id();
   GatheredBytes gathered;
-  absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
-  if (!input.ok()) return answer(input.status(), {}, 0, request_id);
+  // Tensors in shared-memory regions hold their regions until the answer is ready; released
+  // before the call is answered, so the client may unregister as soon as it has the answer.
+  ForwardRegions regions;
+  auto fail = [&regions, &answer, &request_id](const absl::Status& status) {
+    regions.Release();
+    answer(status, {}, 0, request_id);
+  };
+  // A CUDA region's bytes are read and written in place where the engine takes device memory.
   const EngineInfo& info = engine_->info();
+  absl::StatusOr<ForwardInput> input =
+      ForwardInputFromWire(*request, &gathered, regions_.get(), info.device_tensors, &regions);
+  if (!input.ok()) return fail(input.status());
   // No topk tensors: the server routes with the layer's gate, into a recycled buffer that
   // lives as long as the call (ids INT32 [M, topk], then weights FP32 [M, topk]).
   std::unique_ptr<PooledBuffer> routing;
@@ -79,6 +95,11 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   if (input->topk_ids.empty()) {
     const Clock::time_point route_start = Clock::now();
     const TensorView& x = input->hidden_states;
+    if (!x.device().is_host()) {
+      return fail(absl::InvalidArgumentError(
+          "hidden_states: server-side routing reads host memory, but hidden_states is in a CUDA "
+          "region; send topk_ids and topk_weights, or the hidden states in a system region"));
+    }
     // Sized only for a hidden_states that Route will accept; anything else is refused there
     // (before the routing buffers are touched).
     const int64_t rows =
@@ -92,38 +113,50 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     input->topk_weights = TensorView(base + routes * 4, DType::kFP32, {rows, info.model.topk});
     if (absl::Status s = engine_->Route(input->layer, x, input->topk_ids, input->topk_weights);
         !s.ok()) {
-      return answer(s, {}, 0, request_id);
+      return fail(s);
     }
     route_us = MicrosSince(route_start);
   }
   // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
   if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
       !s.ok()) {
-    return answer(s, {}, 0, request_id);
+    return fail(s);
   }
   const int64_t m = input->hidden_states.dim(0);
   const DType dtype = input->hidden_states.dtype();
   const Shape out_shape = {m, info.model.hidden};
-  const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
+  if (absl::Status s = ResolveOutputRegion(request->header, regions_.get(), dtype, out_shape,
+                                           info.device_tensors, &regions);
+      !s.ok()) {
+    return fail(s);
+  }
+  const bool region_output = regions.output.has_value();
+  const size_t out_bytes =
+      region_output ? 0 : static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
   // What the call needs until the batcher answers it: the request's slices (its tensors may
-  // be views into them), the gathered bytes and the answer buffer, which the engine writes
-  // and the reply's slice then owns (no copy).
+  // be views into them), the gathered bytes, the regions, and the answer buffer, which the
+  // engine writes and the reply's slice then owns (no copy) -- or the output region.
   struct Pending {
     v1wire::ForwardRequestView request;
     GatheredBytes gathered;
+    ForwardRegions regions;
     ForwardInput input;
     std::unique_ptr<PooledBuffer> out;      // recycled: no page faults per call
     std::unique_ptr<PooledBuffer> routing;  // server-side routing only
   };
-  auto pending =
-      std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered), *input,
-                                        PooledBuffer::Acquire(out_bytes), std::move(routing)});
-  const TensorView output(pending->out->data(), dtype, out_shape);
+  auto pending = std::make_shared<Pending>(
+      Pending{std::move(*request), std::move(gathered), std::move(regions), *input,
+              region_output ? nullptr : PooledBuffer::Acquire(out_bytes), std::move(routing)});
+  const TensorView output = region_output ? pending->regions.output->view()
+                                          : TensorView(pending->out->data(), dtype, out_shape);
   auto done = [this, pending, dtype, out_shape, out_bytes, m, start, server_queue_us, route_us,
                answer = std::move(answer)](const absl::Status& status,
                                            const ForwardTimings& timings) {
     const std::string& id = pending->request.header.request_id();
-    if (!status.ok()) return answer(status, {}, 0, id);
+    absl::Status s = status;
+    if (s.ok() && pending->regions.output.has_value()) s = pending->regions.output->Flush();
+    pending->regions.Release();
+    if (!s.ok()) return answer(s, {}, 0, id);
     v1::ForwardResponse header;
     header.mutable_output()->set_dtype(DTypeToProto(dtype));
     for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
@@ -137,9 +170,13 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     if (pending->request.header.return_routing()) {
       RoutingToProto(pending->input, header.mutable_topk_ids(), header.mutable_topk_weights());
     }
-    void* out_data = pending->out->data();
-    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
-        header, v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out)));
+    // With an output region the answer is there already: the reply has dtype and shape only.
+    grpc::Slice data;
+    if (pending->out != nullptr) {
+      void* out_data = pending->out->data();
+      data = v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out));
+    }
+    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, data);
     if (!encoded.ok()) return answer(absl::InternalError(encoded.status().message()), {}, 0, id);
     answer(absl::OkStatus(), std::move(*encoded), m, id);
   };

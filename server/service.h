@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
+#include "core/memory_region.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/metrics.h"
 #include "server/security.h"
@@ -41,14 +42,24 @@ struct ServiceOptions {
   std::shared_ptr<const BearerTokens> auth;
   // GetExpertWeights / StreamExpertWeights hand out the model's weights: off unless set.
   bool enable_get_expert_weights = false;
+  // Shared-memory regions (the four *SharedMemory* RPCs, Tensor.region, output_region); off:
+  // they are refused with FAILED_PRECONDITION naming --enable_shared_memory.
+  bool enable_shared_memory = false;
+  int max_shared_memory_regions = 256;
 };
+
+// The shared-memory RPCs (server/shared_memory_service.cc).
+using MoeServiceSharedMemoryBase = v1::MoeService::WithCallbackMethod_RegisterSystemSharedMemory<
+    v1::MoeService::WithCallbackMethod_RegisterCudaSharedMemory<
+        v1::MoeService::WithCallbackMethod_UnregisterSharedMemory<
+            v1::MoeService::WithCallbackMethod_SharedMemoryStatus<v1::MoeService::Service>>>>;
 
 using MoeServiceBase = v1::MoeService::WithRawCallbackMethod_Forward<
     v1::MoeService::WithRawCallbackMethod_ForwardStream<
         v1::MoeService::WithCallbackMethod_GetModelInfo<
             v1::MoeService::WithCallbackMethod_GetExpertWeights<
                 v1::MoeService::WithCallbackMethod_StreamExpertWeights<
-                    v1::MoeService::Service>>>>>;
+                    MoeServiceSharedMemoryBase>>>>>;
 
 // Default and floor of StreamExpertWeights' chunk size, and the room left under
 // max_message_bytes for a message's framing.
@@ -88,6 +99,21 @@ class MoeServiceImpl final : public MoeServiceBase {
   // Forward requests up to this size are decoded and queued on gRPC's callback thread.
   static constexpr size_t kInlineRequestBytes = 256 << 10;
 
+  // Shared memory (server/shared_memory_service.cc): FAILED_PRECONDITION unless
+  // ServiceOptions::enable_shared_memory.
+  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(
+      grpc::CallbackServerContext* context, const v1::RegisterSystemSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(
+      grpc::CallbackServerContext* context, const v1::RegisterCudaSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+      v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* SharedMemoryStatus(grpc::CallbackServerContext* context,
+                                               const v1::SharedMemoryStatusRequest* request,
+                                               v1::SharedMemoryStatusResponse* response) override;
+
   // Runs every queued call and stops the workers; calls arriving later get UNAVAILABLE. Call
   // after grpc::Server::Shutdown (which waits for in-flight calls) and before destroying the
   // server. Idempotent.
@@ -112,10 +138,17 @@ class MoeServiceImpl final : public MoeServiceBase {
   // (FAILED_PRECONDITION naming it), then layer and expert (INVALID_ARGUMENT).
   absl::Status AdmitExpertWeights(const grpc::CallbackServerContext& context,
                                   absl::string_view method, int layer, int expert) const;
+  // Runs `fn` (returning the call's status) on a worker and finishes `context`'s call with it,
+  // recording `method` in the metrics.
+  grpc::ServerUnaryReactor* RunSharedMemoryCall(grpc::CallbackServerContext* context,
+                                                const char* method,
+                                                std::function<absl::Status()> fn);
 
   Engine* const engine_;
   Metrics* const metrics_;
   const ServiceOptions options_;
+  // Before the workers and the batcher: outlives every call that holds a region.
+  std::unique_ptr<RegionRegistry> regions_;  // null: shared memory off
   WorkQueue workers_;
   std::unique_ptr<ForwardBatcher> batcher_;
 };

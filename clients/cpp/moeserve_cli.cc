@@ -10,6 +10,9 @@
 // Every command takes --tls / --tls_ca / --tls_cert / --tls_key / --tls_server_name and
 // --auth_token_file for servers that require them (docs/security.md). forward --check needs a
 // server started with --enable_get_expert_weights; experts larger than a message are streamed.
+//   forward / load --shm: tensors and answers go through a POSIX shared-memory region this
+//   client creates and registers (the server must be on this host, run as the same user, with
+//   --enable_shared_memory); only region references travel over gRPC.
 //
 // Exit codes: 0 success; 1 the check failed / not SERVING / load errors; 2 usage or RPC error.
 //
@@ -19,8 +22,14 @@
 //   topk_ids      [M, K] int32, then
 //   topk_weights  [M, K] float32.
 // --output_file receives the output [M, H] as raw bytes in --dtype.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -95,6 +104,9 @@ ABSL_FLAG(bool, stream, false,
           "load: each worker sends its calls on one ForwardStream (one request, then its answer) "
           "instead of one unary Forward per call");
 ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled through");
+ABSL_FLAG(bool, shm, false,
+          "forward/load: pass tensors and answers through a POSIX shared-memory region (server on "
+          "this host, same user, --enable_shared_memory)");
 
 namespace moeserve::client {
 namespace {
@@ -264,6 +276,96 @@ ForwardArgs MakeArgs(const Inputs& in, int64_t hidden, int topk, v1::DType dtype
   return args;
 }
 
+// A POSIX shared-memory object this client creates, maps and registers with the server as one
+// region. The name is unlinked as soon as the server has mapped it, so nothing is left behind
+// if the client dies; Unregister() lets the server drop it.
+class ShmArena {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShmArena>> Create(MoeClient* client, int64_t bytes) {
+    auto arena = std::unique_ptr<ShmArena>(new ShmArena());
+    arena->client_ = client;
+    arena->bytes_ = std::max<int64_t>(bytes, 1);
+    static std::atomic<int> counter{0};
+    const std::string suffix = absl::StrCat(getpid(), "_", counter++);
+    const std::string key = absl::StrCat("/moeserve_cli_", suffix);
+    arena->name_ = absl::StrCat("moeserve-cli-", suffix);
+    const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      return absl::UnavailableError(absl::StrCat("shm_open(", key, "): ", std::strerror(errno)));
+    }
+    void* p = MAP_FAILED;
+    if (ftruncate(fd, arena->bytes_) == 0) {
+      p = mmap(nullptr, arena->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    const int err = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+      shm_unlink(key.c_str());
+      return absl::UnavailableError(absl::StrCat("sizing or mapping ", arena->bytes_, " bytes of ",
+                                                 key, ": ", std::strerror(err)));
+    }
+    arena->data_ = static_cast<char*>(p);
+    const absl::Status s = client->RegisterSystemSharedMemory(arena->name_, key, 0, arena->bytes_);
+    shm_unlink(key.c_str());
+    if (!s.ok()) return s;
+    arena->registered_ = true;
+    return arena;
+  }
+  ~ShmArena() {
+    Unregister().IgnoreError();
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  absl::Status Unregister() {
+    if (!registered_) return absl::OkStatus();
+    registered_ = false;
+    return client_->UnregisterSharedMemory(name_);
+  }
+  char* data() const { return data_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  ShmArena() = default;
+  MoeClient* client_ = nullptr;
+  std::string name_;
+  int64_t bytes_ = 0;
+  char* data_ = nullptr;
+  bool registered_ = false;
+};
+
+int64_t Align64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// Where one request's tensors sit in an arena: hidden, ids, weights, each 64-byte aligned.
+struct ShmLayout {
+  int64_t hidden_bytes = 0, routing_bytes = 0;
+  int64_t input_block() const { return Align64(hidden_bytes) + 2 * Align64(routing_bytes); }
+};
+
+// Copies `in` into `arena` at `base` (ShmLayout) and returns the Forward naming it, answered at
+// `out_offset`.
+ForwardRegionArgs PlaceInArena(const Inputs& in, const ShmArena& arena, int64_t base,
+                               int64_t out_offset, int64_t hidden, int topk, v1::DType dtype) {
+  ShmLayout layout;
+  layout.hidden_bytes = static_cast<int64_t>(in.hidden_bytes.size());
+  layout.routing_bytes = in.num_tokens * topk * 4;
+  const int64_t ids_at = base + Align64(layout.hidden_bytes);
+  const int64_t w_at = ids_at + Align64(layout.routing_bytes);
+  std::memcpy(arena.data() + base, in.hidden_bytes.data(), layout.hidden_bytes);
+  std::memcpy(arena.data() + ids_at, in.topk_ids.data(), layout.routing_bytes);
+  std::memcpy(arena.data() + w_at, in.topk_weights.data(), layout.routing_bytes);
+  ForwardRegionArgs args;
+  args.layer = absl::GetFlag(FLAGS_layer);
+  args.hidden_dtype = dtype;
+  args.num_tokens = in.num_tokens;
+  args.hidden = hidden;
+  args.topk = topk;
+  args.hidden_states = MakeRegionRef(arena.name(), base, layout.hidden_bytes);
+  args.topk_ids = MakeRegionRef(arena.name(), ids_at, layout.routing_bytes);
+  args.topk_weights = MakeRegionRef(arena.name(), w_at, layout.routing_bytes);
+  args.output = MakeRegionRef(arena.name(), out_offset, layout.hidden_bytes);
+  args.return_timings = absl::GetFlag(FLAGS_return_timings);
+  return args;
+}
+
 int RunHealth() {
   auto client = MakeClient();
   if (!client.ok()) return Fail(client.status(), "create client");
@@ -336,7 +438,25 @@ int RunForward() {
   ForwardArgs args = MakeArgs(*in, hidden, topk, *dtype);
   args.request_id = absl::GetFlag(FLAGS_request_id);
   if (args.request_id.empty()) args.request_id = absl::StrCat("cli-", absl::GetFlag(FLAGS_seed));
-  auto result = (*client)->Forward(args);
+  absl::StatusOr<ForwardResult> result;
+  if (absl::GetFlag(FLAGS_shm)) {
+    // Inputs, then the answer, in one region; the answer is copied out into result->output.
+    ShmLayout layout;
+    layout.hidden_bytes = static_cast<int64_t>(in->hidden_bytes.size());
+    layout.routing_bytes = in->num_tokens * topk * 4;
+    auto arena = ShmArena::Create(client->get(), layout.input_block() + layout.hidden_bytes);
+    if (!arena.ok()) return Fail(arena.status(), "shared memory");
+    ForwardRegionArgs region_args =
+        PlaceInArena(*in, **arena, 0, layout.input_block(), hidden, topk, *dtype);
+    region_args.request_id = args.request_id;
+    result = (*client)->Forward(region_args);
+    if (result.ok()) {
+      result->output.set_data((*arena)->data() + layout.input_block(), layout.hidden_bytes);
+    }
+    if (absl::Status s = (*arena)->Unregister(); !s.ok() && result.ok()) result = s;
+  } else {
+    result = (*client)->Forward(args);
+  }
   if (!result.ok()) return Fail(result.status(), "Forward");
   const v1::Tensor& out = result->output;
   std::printf("request_id: %s\n", result->request_id.c_str());
@@ -538,19 +658,52 @@ int RunLoad() {
   // A few distinct requests, built once and cycled, so that client-side encoding stays out of
   // the measured loop.
   const int distinct = std::max(1, absl::GetFlag(FLAGS_distinct_inputs));
-  std::vector<grpc::ByteBuffer> requests;
+  const bool shm = absl::GetFlag(FLAGS_shm);
+  // requests[w][i]: worker w's i-th request. Over gRPC every worker sends the same bytes; by
+  // shared memory the inputs are shared and each worker has its own output range.
+  std::vector<std::vector<grpc::ByteBuffer>> requests(shm ? concurrency : 1);
+  std::unique_ptr<ShmArena> arena;
+  ShmLayout layout;
+  layout.hidden_bytes = num_tokens * info->hidden() * DTypeSize(*dtype);
+  layout.routing_bytes = num_tokens * info->topk() * 4;
+  if (shm) {
+    auto created = ShmArena::Create(client->get(), distinct * layout.input_block() +
+                                                       concurrency * Align64(layout.hidden_bytes));
+    if (!created.ok()) return Fail(created.status(), "shared memory");
+    arena = std::move(*created);
+  }
   for (int i = 0; i < distinct; ++i) {
     auto in = RandomInputs(num_tokens, info->hidden(), info->topk(), info->num_experts(), *dtype,
                            absl::GetFlag(FLAGS_seed) + i);
     if (!in.ok()) return Fail(in.status(), "inputs");
-    ForwardArgs args = MakeArgs(*in, info->hidden(), info->topk(), *dtype);
-    args.request_id = absl::StrCat("load-", i);
-    auto request = MoeClient::EncodeForwardRequest(args);
-    if (!request.ok()) return Fail(request.status(), "build request");
-    requests.push_back(std::move(*request));
+    if (!shm) {
+      ForwardArgs args = MakeArgs(*in, info->hidden(), info->topk(), *dtype);
+      args.request_id = absl::StrCat("load-", i);
+      auto request = MoeClient::EncodeForwardRequest(args);
+      if (!request.ok()) return Fail(request.status(), "build request");
+      requests[0].push_back(std::move(*request));
+      continue;
+    }
+    for (int w = 0; w < concurrency; ++w) {
+      const int64_t out_at = distinct * layout.input_block() + w * Align64(layout.hidden_bytes);
+      ForwardRegionArgs args = PlaceInArena(*in, *arena, i * layout.input_block(), out_at,
+                                            info->hidden(), info->topk(), *dtype);
+      args.request_id = absl::StrCat("load-", i);
+      auto built = MoeClient::BuildForwardRequest(args);
+      if (!built.ok()) return Fail(built.status(), "build request");
+      auto request = MoeClient::EncodeForwardRequest(*built);
+      if (!request.ok()) return Fail(request.status(), "build request");
+      requests[w].push_back(std::move(*request));
+    }
   }
 
-  if (absl::GetFlag(FLAGS_rate) > 0) return RunOpenLoop(**client, requests, *dtype, num_tokens);
+  if (absl::GetFlag(FLAGS_rate) > 0) {
+    if (shm) {
+      return Fail(absl::InvalidArgumentError("--rate (open loop) works over gRPC bytes, not --shm"),
+                  "flags");
+    }
+    return RunOpenLoop(**client, requests[0], *dtype, num_tokens);
+  }
 
   std::atomic<int64_t> next{0};
   std::mutex mu;
@@ -563,7 +716,8 @@ int RunLoad() {
   std::vector<std::thread> workers;
   const bool use_stream = absl::GetFlag(FLAGS_stream);
   for (int w = 0; w < concurrency; ++w) {
-    workers.emplace_back([&] {
+    workers.emplace_back([&, w] {
+      const std::vector<grpc::ByteBuffer>& mine = requests[shm ? w : 0];
       std::vector<double> local_ms, local_server_us;
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
@@ -590,7 +744,7 @@ int RunLoad() {
       for (;;) {
         const int64_t i = next.fetch_add(1);
         if (i >= num_requests || absl::Now() >= stop_at) break;
-        auto result = call(requests[static_cast<size_t>(i) % requests.size()]);
+        auto result = call(mine[static_cast<size_t>(i) % mine.size()]);
         if (result.ok()) {
           local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
           local_server_us.push_back(result->timings.total_us());
@@ -621,10 +775,14 @@ int RunLoad() {
   for (const auto& [code, n] : errors) num_errors += n;
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
   const int64_t not_sent = num_requests - ok - num_errors;
-  std::printf("load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d rpc=%s\n",
-              static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
-              DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer),
-              use_stream ? "ForwardStream" : "Forward");
+  if (arena != nullptr) {
+    if (absl::Status s = arena->Unregister(); !s.ok()) return Fail(s, "UnregisterSharedMemory");
+  }
+  std::printf(
+      "load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d transport=%s rpc=%s\n",
+      static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
+      DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer), shm ? "shm" : "grpc",
+      use_stream ? "ForwardStream" : "Forward");
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {

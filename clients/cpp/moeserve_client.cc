@@ -304,6 +304,115 @@ absl::StatusOr<grpc::ByteBuffer> MoeClient::EncodeForwardRequest(
                                       data(request.topk_ids()), data(request.topk_weights()));
 }
 
+v1::RegionRef MakeRegionRef(const std::string& name, int64_t offset, int64_t byte_size) {
+  v1::RegionRef ref;
+  ref.set_name(name);
+  ref.set_offset(offset);
+  ref.set_byte_size(byte_size);
+  return ref;
+}
+
+absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardRegionArgs& args) {
+  if (args.hidden_dtype != v1::DTYPE_BF16 && args.hidden_dtype != v1::DTYPE_FP16 &&
+      args.hidden_dtype != v1::DTYPE_FP32) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden_dtype is ", DTypeName(args.hidden_dtype),
+                                                   "; expected bf16, fp16 or fp32"));
+  }
+  if (args.topk_ids_dtype != v1::DTYPE_INT32 && args.topk_ids_dtype != v1::DTYPE_INT64) {
+    return absl::InvalidArgumentError("topk_ids_dtype: expected int32 or int64");
+  }
+  if (args.num_tokens < 0 || args.hidden <= 0 || args.topk <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bad shape: num_tokens=", args.num_tokens,
+                                                   " hidden=", args.hidden, " topk=", args.topk));
+  }
+  const int64_t hidden_bytes = args.num_tokens * args.hidden * DTypeSize(args.hidden_dtype);
+  const int64_t routes = args.num_tokens * args.topk;
+  const int64_t ids_bytes = routes * (args.topk_ids_dtype == v1::DTYPE_INT64 ? 8 : 4);
+  const auto check = [](const char* what, const v1::RegionRef& ref, int64_t want) {
+    if (ref.name().empty() || ref.byte_size() != want) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": region '", ref.name(), "' of ",
+                                                     ref.byte_size(), " bytes; expected a named ",
+                                                     "region range of ", want, " bytes"));
+    }
+    return absl::OkStatus();
+  };
+  for (absl::Status s : {check("hidden_states", args.hidden_states, hidden_bytes),
+                         check("topk_ids", args.topk_ids, ids_bytes),
+                         check("topk_weights", args.topk_weights, routes * 4),
+                         check("output", args.output, hidden_bytes)}) {
+    if (!s.ok()) return s;
+  }
+  v1::ForwardRequest request;
+  request.set_layer(args.layer);
+  request.set_request_id(args.request_id);
+  request.set_return_timings(args.return_timings);
+  const auto set = [&args](v1::DType dtype, int64_t cols, const v1::RegionRef& ref, v1::Tensor* t) {
+    t->set_dtype(dtype);
+    t->add_shape(args.num_tokens);
+    t->add_shape(cols);
+    *t->mutable_region() = ref;
+  };
+  set(args.hidden_dtype, args.hidden, args.hidden_states, request.mutable_hidden_states());
+  set(args.topk_ids_dtype, args.topk, args.topk_ids, request.mutable_topk_ids());
+  set(v1::DTYPE_FP32, args.topk, args.topk_weights, request.mutable_topk_weights());
+  *request.mutable_output_region() = args.output;
+  return request;
+}
+
+absl::StatusOr<ForwardResult> MoeClient::Forward(const ForwardRegionArgs& args) {
+  absl::StatusOr<v1::ForwardRequest> request = BuildForwardRequest(args);
+  if (!request.ok()) return request.status();
+  return Forward(*request);
+}
+
+absl::Status MoeClient::RegisterSystemSharedMemory(const std::string& name, const std::string& key,
+                                                   int64_t offset, int64_t byte_size) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::RegisterSystemSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterSystemSharedMemory(&context, request, &response));
+}
+
+absl::Status MoeClient::RegisterCudaSharedMemory(const std::string& name,
+                                                 absl::string_view raw_handle, int device_id,
+                                                 int64_t byte_size) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::RegisterCudaSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle.data(), raw_handle.size());
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterCudaSharedMemory(&context, request, &response));
+}
+
+absl::Status MoeClient::UnregisterSharedMemory(const std::string& name) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->UnregisterSharedMemory(&context, request, &response));
+}
+
+absl::StatusOr<v1::SharedMemoryStatusResponse> MoeClient::SharedMemoryStatus(
+    const std::string& name) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::SharedMemoryStatusRequest request;
+  request.set_name(name);
+  v1::SharedMemoryStatusResponse response;
+  grpc::Status status = stub_->SharedMemoryStatus(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<ForwardResult> MoeClient::Forward(const ForwardArgs& args) {
   absl::StatusOr<grpc::ByteBuffer> request = EncodeForwardRequest(args);
   if (!request.ok()) return request.status();

@@ -63,6 +63,30 @@ struct ForwardArgs {
   bool return_timings = false;
 };
 
+// A Forward whose tensors live in registered shared-memory regions (the server must run with
+// --enable_shared_memory and have the regions registered): each RegionRef names a region and a
+// byte range of exactly shape x itemsize bytes. The answer goes into `output`; the result's output
+// then carries dtype and shape only. Shapes: hidden [num_tokens, hidden] in hidden_dtype,
+// topk_ids [num_tokens, topk] in topk_ids_dtype (INT32/INT64), topk_weights [num_tokens, topk]
+// FP32, output [num_tokens, hidden] in hidden_dtype.
+struct ForwardRegionArgs {
+  int layer = 0;
+  v1::DType hidden_dtype = v1::DTYPE_BF16;
+  v1::DType topk_ids_dtype = v1::DTYPE_INT32;
+  int64_t num_tokens = 0;
+  int64_t hidden = 0;
+  int64_t topk = 0;
+  v1::RegionRef hidden_states;
+  v1::RegionRef topk_ids;
+  v1::RegionRef topk_weights;
+  v1::RegionRef output;
+  std::string request_id;
+  bool return_timings = false;
+};
+
+// A RegionRef from its parts.
+v1::RegionRef MakeRegionRef(const std::string& name, int64_t offset, int64_t byte_size);
+
 struct ForwardResult {
   // [num_tokens, hidden], the request's hidden dtype. Its data is filled (one copy out of the
   // received slices) unless the call asked for no copy; `raw` always has it in place.
@@ -110,6 +134,22 @@ class MoeClient {
   // order). The stream has no deadline of its own; the client options' deadline is not applied.
   absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream();
 
+  // Tensors by region: see ForwardRegionArgs. Checks the byte sizes against the shapes locally.
+  absl::StatusOr<ForwardResult> Forward(const ForwardRegionArgs& args);
+
+  // Shared-memory regions (the server's --enable_shared_memory). A system region is bytes
+  // [offset, offset + byte_size) of the POSIX shared-memory object `key` ("/name", made with
+  // shm_open by the caller on the server's host); a CUDA region is the cudaIpcMemHandle_t
+  // (64 bytes) of an allocation's base on `device_id` (the server's ordinal). Region names are
+  // unique; Unregister ("" = all) is refused (FAILED_PRECONDITION) while a call uses the region,
+  // and once it succeeds the server no longer touches the memory.
+  absl::Status RegisterSystemSharedMemory(const std::string& name, const std::string& key,
+                                          int64_t offset, int64_t byte_size);
+  absl::Status RegisterCudaSharedMemory(const std::string& name, absl::string_view raw_handle,
+                                        int device_id, int64_t byte_size);
+  absl::Status UnregisterSharedMemory(const std::string& name = "");
+  absl::StatusOr<v1::SharedMemoryStatusResponse> SharedMemoryStatus(const std::string& name = "");
+
   // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]): the
   // unary GetExpertWeights when the expert fits in one message (the server's and this
   // client's max_message_bytes; sizes from GetModelInfo, asked once), else StreamExpertWeights.
@@ -128,6 +168,8 @@ class MoeClient {
   // are copied once into slices the buffer owns, so `args` need not outlive it.
   static absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const ForwardArgs& args);
   static absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const v1::ForwardRequest& request);
+  // The request of a Forward by regions (no tensor bytes: a few hundred bytes on the wire).
+  static absl::StatusOr<v1::ForwardRequest> BuildForwardRequest(const ForwardRegionArgs& args);
 
   const std::string& target() const { return target_; }
   const MoeClientOptions& options() const { return options_; }

@@ -27,6 +27,7 @@ PrepareFinalizeProvider NoEp(ActivationFormat format) {
   p.backend = Backend::kCuda;
   p.format = format;
   p.supports_ep = false;
+  p.device_tensors = true;
   p.create = [format](
                  const EnginePlan& plan,
                  const RankResources& rank) -> absl::StatusOr<std::unique_ptr<PrepareAndFinalize>> {
@@ -41,6 +42,7 @@ PrepareFinalizeProvider NcclAllToAll(ActivationFormat format) {
   p.backend = Backend::kCuda;
   p.format = format;
   p.supports_ep = true;
+  p.device_tensors = true;
   p.supports = [name = p.name](const EnginePlan&) -> absl::Status {
 #ifdef MOESERVE_HAVE_NCCL
     return absl::OkStatus();

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/comm/nccl_communicator.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_memory_region.h"
 #include "core/status_macros.h"
 #include "core/weight_loader.h"
 #ifdef MOESERVE_HAVE_NCCL
@@ -185,6 +186,9 @@ void RegisterCudaBackend(ProviderRegistry& registry) {
   cuda.backend = Backend::kCuda;
   cuda.visible_devices = CudaDeviceCount;
   cuda.create_rank_group = CreateCudaRankGroup;
+  cuda.register_host_memory = CudaRegisterHostMemory;
+  cuda.unregister_host_memory = CudaUnregisterHostMemory;
+  cuda.open_ipc_region = OpenCudaIpcRegion;
 #ifdef MOESERVE_HAVE_NCCL
   cuda.new_collective_id = NcclCommGroup::NewUniqueId;
 #endif

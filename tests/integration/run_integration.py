@@ -532,12 +532,80 @@ def case_python(server, cli, workdir, source_dir):
         log(f"forward_example.py {dtype}: relative_l2_error={err:.3g}")
 
 
+def case_shm(server, cli, workdir, source_dir):
+    """--enable_shared_memory: tensors and answers through POSIX shared memory, from the CLI
+    (forward --shm --check, load --shm) and from the Python client's shared_memory module."""
+    for dtype in ("bf16", "fp32"):
+        r = cli.run("forward", "--shm", "--tokens=20", f"--dtype={dtype}", "--check", "--seed=9")
+        check("check passed" in r.stdout, f"cli forward --shm ({dtype}) failed:\n{r.stdout}")
+        log(f"cli forward --shm, {dtype}: " + r.stdout.strip().splitlines()[-2])
+    r = cli.run("load", "--shm", "--requests=48", "--concurrency=4", "--tokens=8")
+    check(re.search(r"^ok=48 errors=0 not_sent=0 ", r.stdout, re.M) is not None,
+          f"load --shm:\n{r.stdout}")
+    check("transport=shm" in r.stdout, f"load --shm did not say so:\n{r.stdout}")
+
+    import grpc
+    import numpy as np
+    mc, _ = import_python_client(source_dir)
+    from moeserve_client import shared_memory as shm
+    with mc.MoeClient(server.target) as client:
+        info = client.info()
+        layer = info.num_layers - 1
+        m, h, k = 10, info.hidden, info.topk
+        x, ids, w = mc.random_inputs(m, h, info.num_experts, k, seed=17)
+        experts = {int(e): client.expert_weights(layer, int(e)) for e in np.unique(ids)}
+        region = shm.SystemRegion.create(1 << 20)
+        try:
+            shm.register_system(client, "py0", region)
+            for name, hidden_in, ids_dtype in (("bf16", mc.bf16_encode(x), np.int32),
+                                               ("fp32", x, np.int64)):
+                hx = region.ndarray(0, (m, h), name)
+                hx[:] = hidden_in
+                ti = region.ndarray(64 << 10, (m, k), ids_dtype)
+                ti[:] = ids
+                tw = region.ndarray(128 << 10, (m, k), np.float32)
+                tw[:] = w
+                out = region.ndarray(256 << 10, (m, h), name)
+                out[:] = 0
+                res = shm.forward(client, region, hx, ti, tw, out, layer=layer, dtype=name,
+                                  return_timings=True)
+                check(res.shape == (m, h) and res.dtype == name, f"python shm answer {res}")
+                got = mc.bf16_decode(out) if name == "bf16" else np.array(out)
+                x_sent = mc.bf16_decode(hidden_in) if name == "bf16" else x
+                err = mc.relative_l2_error(got, mc.reference_forward(x_sent, ids, w, experts))
+                log(f"python shm forward {name}: relative_l2_error={err:.3g}")
+                check(err < TOL[name], f"python shm {name} relative_l2_error {err}")
+                del hx, ti, tw, out
+            regions = shm.status(client)
+            check(len(regions) == 1 and regions[0]["name"] == "py0" and
+                  regions[0]["kind"] == "system" and regions[0]["key"] == region.key and
+                  regions[0]["byte_size"] == region.size and
+                  regions[0]["calls_in_flight"] == 0, f"status {regions}")
+            try:
+                shm.register_system(client, "py0", region)
+                raise Failure("a duplicate region name was accepted")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.ALREADY_EXISTS, f"duplicate gave {e.code()}")
+            shm.unregister(client, "py0")
+            check(shm.status(client) == [], "region still listed after unregister")
+            try:
+                shm.forward_refs(client, layer, ("py0", 0, m * h * 4), "fp32", m, h,
+                                 ("py0", 64 << 10, m * k * 4), k, ("py0", 128 << 10, m * k * 4),
+                                 ("py0", 256 << 10, m * h * 4))
+                raise Failure("a call naming an unregistered region was accepted")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "py0" in e.details(),
+                      f"unregistered region gave {e.code()}: {e.details()}")
+        finally:
+            region.close()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--server", required=True)
     p.add_argument("--cli", required=True)
     p.add_argument("--source-dir", required=True)
-    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "unix", "checkpoint",
+    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "unix", "shm", "checkpoint",
                                       "closed", "stream", "secure", "all"],
                    default="all")
     p.add_argument("--checkpoints", default="",
@@ -551,7 +619,7 @@ def main():
             print(f"[integration] FAIL: {path} is missing or not executable (build it first)",
                   file=sys.stderr)
             return 1
-    cases = (["cli", "python", "load", "ep16", "unix", "closed", "stream", "secure"]
+    cases = (["cli", "python", "load", "ep16", "unix", "shm", "closed", "stream", "secure"]
              if args.case == "all" else [args.case])
     runs = []  # (case, extra server args)
     for case in cases:
@@ -569,14 +637,15 @@ def main():
         elif case == "stream":
             runs.append((case, ["--enable_get_expert_weights", "--max_message_bytes=65536"]))
         else:
-            runs.append((case, EP16_ARGS if case == "ep16" else []))
+            runs.append((case, EP16_ARGS if case == "ep16" else
+                         ["--enable_shared_memory"] if case == "shm" else []))
     for case, extra in runs:
         with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
             cli = Cli(args.cli)
             certs = None
             try:
-                listen = ("unix:" + os.path.join(workdir, "moeserve.sock") if case == "unix"
-                          else "127.0.0.1:0")
+                listen = ("unix:" + os.path.join(workdir, "moeserve.sock")
+                          if case in ("unix", "shm") else "127.0.0.1:0")
                 server_args = list(extra)
                 if case not in ("closed", "stream", "secure"):
                     server_args.append("--enable_get_expert_weights")  # --check needs it
@@ -604,6 +673,8 @@ def main():
                         case_stream(server, cli, workdir, args.source_dir)
                     elif case == "secure":
                         case_secure(server, cli, workdir, args.source_dir, certs)
+                    elif case == "shm":
+                        case_shm(server, cli, workdir, args.source_dir)
                     else:
                         case_python(server, cli, workdir, args.source_dir)
                     server.terminate_and_check(args.shutdown_timeout)

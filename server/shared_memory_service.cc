@@ -1,0 +1,83 @@
+// MoeServiceImpl's shared-memory RPCs (after Triton's shared-memory extension): register, list
+// and unregister regions in the service's RegionRegistry (core/memory_region.h). Opening a
+// region maps and may page-lock it, which can take milliseconds for large ones: the calls run on
+// the service's workers, never on gRPC's callback threads.
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/convert.h"
+#include "server/service.h"
+#include "server/status.h"
+
+namespace moeserve {
+
+grpc::ServerUnaryReactor* MoeServiceImpl::RunSharedMemoryCall(grpc::CallbackServerContext* context,
+                                                              const char* method,
+                                                              std::function<absl::Status()> fn) {
+  const auto start = std::chrono::steady_clock::now();
+  if (metrics_) metrics_->IncrementInflight();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto finish = [this, reactor, start, method](const absl::Status& status) {
+    const grpc::Status grpc_status = ToGrpcStatus(status);
+    if (metrics_) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      metrics_->RecordRequest(method, grpc_status.error_code(), seconds);
+      metrics_->DecrementInflight();
+    }
+    reactor->Finish(grpc_status);
+  };
+  if (absl::Status s = Authorize(*context, method); !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  if (regions_ == nullptr) {
+    finish(SharedMemoryDisabledError(method));
+    return reactor;
+  }
+  if (!workers_.Submit([fn = std::move(fn), finish] { finish(fn()); })) {
+    finish(absl::UnavailableError(absl::StrCat(method, ": the server is shutting down")));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::RegisterSystemSharedMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterSystemSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse* response) {
+  return RunSharedMemoryCall(context, "RegisterSystemSharedMemory", [this, request] {
+    return regions_->RegisterSystem(request->name(), request->key(), request->offset(),
+                                    request->byte_size());
+  });
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::RegisterCudaSharedMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterCudaSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse* response) {
+  return RunSharedMemoryCall(context, "RegisterCudaSharedMemory", [this, request] {
+    return regions_->RegisterCuda(request->name(), request->raw_handle(), request->device_id(),
+                                  request->byte_size());
+  });
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+    v1::UnregisterSharedMemoryResponse* response) {
+  return RunSharedMemoryCall(context, "UnregisterSharedMemory",
+                             [this, request] { return regions_->Unregister(request->name()); });
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::SharedMemoryStatus(
+    grpc::CallbackServerContext* context, const v1::SharedMemoryStatusRequest* request,
+    v1::SharedMemoryStatusResponse* response) {
+  return RunSharedMemoryCall(context, "SharedMemoryStatus", [this, request, response] {
+    absl::StatusOr<std::vector<RegionInfo>> regions = regions_->Status(request->name());
+    if (!regions.ok()) return regions.status();
+    for (const RegionInfo& info : *regions) RegionInfoToProto(info, response->add_regions());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace moeserve
