@@ -1,5 +1,9 @@
 // CUDA Experts (Standard and BatchedExperts) + the CUDA no-EP PrepareAndFinalize, run through
-// core's ModularKernel, against ReferenceExperts (FP32 loops) on the same BF16 inputs.
+// core's ModularKernel, against ReferenceExperts (FP32 loops) on the same BF16 inputs. Three
+// Standard implementations: the decode kernels (CreateCudaExperts), the grouped GEMM at every
+// size (CreateCudaGroupedExperts, kGrouped: "_grouped", Hopper only; MXFP8 through its exactly
+// dequantized BF16 copy) and the crossover between the two ("_auto"); the grouped path's BF16
+// W13 output, intermediate and W2 output keep it under the same tolerance.
 // Tolerance: relative L2 < 1e-2 (BF16 activations and a BF16 intermediate on the GPU; the
 // reference computes in FP32 from the same BF16 / exactly dequantized MXFP8 weights).
 // Outputs are NaN-poisoned before every run; every element must be finite.
@@ -16,6 +20,7 @@
 #include "core/cpu/cpu_experts.h"
 #include "core/cpu/no_ep_prepare_finalize.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_grouped_experts.h"
 #include "core/modular_kernel.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "kernels/cpu/mxfp8.h"
@@ -24,6 +29,7 @@ namespace moeserve {
 namespace {
 
 enum class Routing { kUniform, kBalanced, kHot };
+enum class Impl { kDecode, kGrouped, kCrossover };
 const char* RoutingName(Routing r) {
   return r == Routing::kUniform ? "uniform" : r == Routing::kBalanced ? "balanced" : "hot";
 }
@@ -34,13 +40,17 @@ struct Case {
   Routing routing;
   ActivationFormat act = ActivationFormat::kStandard;
   bool expert_map = false;  // half of 2E global experts live here
+  Impl impl = Impl::kDecode;
 };
 
 std::string CaseName(const Case& c) {
   return "M" + std::to_string(c.m) + "_E" + std::to_string(c.e) + "_k" + std::to_string(c.topk) +
          "_H" + std::to_string(c.hidden) + "_I" + std::to_string(c.inter) + "_" +
          (c.format == WeightFormat::kBF16 ? "bf16" : "mxfp8") + "_" + RoutingName(c.routing) +
-         (c.act == ActivationFormat::kStandard ? "" : "_batched") + (c.expert_map ? "_ep" : "");
+         (c.act == ActivationFormat::kStandard ? "" : "_batched") + (c.expert_map ? "_ep" : "") +
+         (c.impl == Impl::kGrouped     ? "_grouped"
+          : c.impl == Impl::kCrossover ? "_auto"
+                                       : "");
 }
 
 // So that gtest (and CTest's listing) print a case by name, not as a byte blob.
@@ -159,8 +169,21 @@ TEST_P(CudaExpertsTest, MatchesReferenceExperts) {
   ASSERT_TRUE(ctx.ok()) << ctx.status();
   auto dev = DeviceWeightStore::CreateFromLayers({&layer.w}, **ctx);
   ASSERT_TRUE(dev.ok()) << dev.status();
+  if (c.impl != Impl::kDecode) {
+    const absl::Status s = CudaGroupedSm90Supported((*ctx)->device());
+    if (!s.ok()) GTEST_SKIP() << s;
+  }
   auto pf = CreateCudaNoEpPrepareAndFinalize(*ctx, 1 << 20, c.act);
-  auto ex = CreateCudaExperts(*ctx, *dev, c.act);
+  absl::StatusOr<std::unique_ptr<Experts>> ex;
+  if (c.impl == Impl::kDecode) {
+    ex = CreateCudaExperts(*ctx, *dev, c.act);
+  } else {
+    CudaGroupedExpertsOptions options;
+    options.path = c.impl == Impl::kGrouped ? CudaGroupedExpertsOptions::Path::kGrouped
+                                            : CudaGroupedExpertsOptions::Path::kCrossover;
+    ex = CreateCudaGroupedExperts(*ctx, *dev, options);
+  }
+  ASSERT_TRUE(ex.ok()) << ex.status();
   auto workspaces = CreateCudaWorkspaceAllocator(*ctx);
   ASSERT_TRUE(pf.ok() && ex.ok() && workspaces.ok());
   auto gpu = ModularKernel::Create(std::move(*pf), std::move(*ex), std::move(*workspaces));
@@ -347,6 +370,31 @@ std::vector<Case> Cases() {
     }
     cs.push_back({4096, 8, 8, 128, 64, f, Routing::kHot, ActivationFormat::kBatchedExperts});
     cs.push_back({2048, 64, 1, 512, 256, f, Routing::kUniform});
+  }
+  // The grouped GEMM on every Standard case above, and shapes of its own: a
+  // hot expert holding > 4 M tiles next to empty experts, K not a multiple of its 64-wide K tile
+  // (hidden 392, intermediate 136), N not a multiple of 256 (2 Ip = 384, hidden 200).
+  const size_t n = cs.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (cs[i].act != ActivationFormat::kStandard) continue;
+    Case g = cs[i];
+    g.impl = Impl::kGrouped;
+    cs.push_back(g);
+  }
+  for (Routing r : {Routing::kUniform, Routing::kHot}) {
+    cs.push_back({1000, 24, 6, 392, 136, WeightFormat::kBF16, r, ActivationFormat::kStandard, false,
+                  Impl::kGrouped});
+    cs.push_back({517, 40, 8, 200, 72, WeightFormat::kBF16, r, ActivationFormat::kStandard, true,
+                  Impl::kGrouped});
+  }
+  // The crossover: both formats, sizes on each side of it.
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
+    for (int64_t m : {0, 5, 64, 1500}) {
+      cs.push_back({m, 16, 4, 256, 128, f, Routing::kUniform, ActivationFormat::kStandard, false,
+                    Impl::kCrossover});
+    }
+    cs.push_back({800, 8, 4, 264, 96, f, Routing::kHot, ActivationFormat::kStandard, true,
+                  Impl::kCrossover});
   }
   return cs;
 }
