@@ -27,25 +27,28 @@ absl::Status CudaGroupedSm90Supported(int device) {
 }
 
 int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightFormat format) {
-  // Average routes per expert at and above which the grouped path won, per (hidden,
-  // intermediate), measured on an H200 (tests/benchmarks/cuda/RESULTS.md, "crossover").
+  // Average routes per expert from which the grouped path won, per (hidden, intermediate) and
+  // weight format, measured on an H200 with 32 experts, top-8 (tests/benchmarks/cuda/RESULTS.md,
+  // 2026-12-01): BF16 decode won at 16 routes per expert (64 tokens, the decode kernels at
+  // 95-97% of the HBM floor) and lost from 32; MXFP8 decode (half the weight bytes of the
+  // grouped path's BF16 copy) won up to 32 and lost from 64.
   struct Row {
-    int64_t hidden, intermediate, routes;
+    int64_t hidden, intermediate, bf16_routes, mxfp8_routes;
   };
   static constexpr Row kTable[] = {
-      {3072, 5120, 48},  // seed layer
-      {7168, 2048, 48},  // DeepSeek-V3
+      {3072, 5120, 32, 64},  // seed layer
+      {7168, 2048, 32, 64},  // DeepSeek-V3
   };
   // Nearest measured shape by weight elements per expert.
-  const double want = static_cast<double>(hidden) * intermediate;
+  auto distance = [&](const Row& r) {
+    return std::abs(std::log(static_cast<double>(r.hidden) * r.intermediate /
+                             (static_cast<double>(hidden) * intermediate)));
+  };
   const Row* best = &kTable[0];
   for (const Row& r : kTable) {
-    const double d = std::abs(std::log(static_cast<double>(r.hidden) * r.intermediate / want));
-    if (d < std::abs(std::log(static_cast<double>(best->hidden) * best->intermediate / want))) {
-      best = &r;
-    }
+    if (distance(r) < distance(*best)) best = &r;
   }
-  return best->routes;
+  return format == WeightFormat::kMXFP8 ? best->mxfp8_routes : best->bf16_routes;
 }
 
 namespace {
@@ -274,6 +277,7 @@ absl::Status CudaGroupedExperts::RunGrouped(const ExpertsApplyArgs& args,
   g1.b_expert_stride = kernels::PlainW13ElemsPerExpert(l);
   g1.d = d1;
   g1.ldd = 2 * ip;
+  g1.total_rows_hint = rows;
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedSm90Gemm(
       g1, gemm_ws, gemm_ws_bytes, ctx_->device(), ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeSiluMul(d1, served, rows, ip, a2, stream));

@@ -10,6 +10,7 @@
 #include "core/cuda/cuda_rank_group.h"
 #include "core/cuda/nccl_all_to_all.h"
 #include "core/provider_registry.h"
+#include "core/status_macros.h"
 
 namespace moeserve {
 namespace {

@@ -1,7 +1,8 @@
 // Prefill-sized MoE expert GEMMs on Hopper (sm_90a): CUTLASS's ptr-array grouped GEMM
-// (KernelPtrArrayTmaWarpSpecializedCooperative: TMA loads, warp-specialized producer and two
-// consumer warpgroups issuing wgmma, persistent grid; GroupProblemShape with the per-expert row
-// counts read on the device, no host synchronization), plus the small kernels around it.
+// (KernelPtrArrayTmaWarpSpecializedCooperative 128x256x64 tiles, or ...Pingpong 64x256x64 for
+// small groups: TMA loads, a warp-specialized producer and two consumer warpgroups issuing
+// wgmma, persistent grid; GroupProblemShape with the per-expert row counts read on the device,
+// no host synchronization), plus the small kernels around it.
 //
 // One MLP on the grouped path (R = routes served, rows grouped by expert as LaunchMoeAlign
 // orders them):
@@ -73,7 +74,11 @@ struct MoeGroupedSm90Gemm {
   int64_t b_expert_stride = 0;
   uint16_t* d = nullptr;
   int64_t ldd = 0;
+  // Host-side hint (no device read): the rows over all experts (M * topk). It picks the tile:
+  // 64-row tiles while it is at most kMoeGroupedSm90SmallTileRows per expert, 128-row above.
+  int64_t total_rows_hint = 0;
 };
+inline constexpr int kMoeGroupedSm90SmallTileRows = 64;
 
 // Device scratch the launcher needs (argument arrays and CUTLASS's workspace), 256-byte aligned.
 size_t MoeGroupedSm90WorkspaceBytes(int num_experts, int num_sms);

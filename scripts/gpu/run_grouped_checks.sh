@@ -27,6 +27,10 @@ if [ "$WHAT" != bench ]; then
   done
   timeout "$T" "$B/engine_cuda_test" --gtest_brief=1 > "$OUT/engine.log" 2>&1 &
   timeout "$T" "$B/cuda_kernels_test" --gtest_brief=1 > "$OUT/kernels.log" 2>&1 &
+  if [ -x "$B/engine_mk_combinations_test" ]; then
+    timeout "$T" "$B/engine_mk_combinations_test" --gtest_brief=1 --gtest_filter='*Cuda*' \
+      > "$OUT/combinations.log" 2>&1 &
+  fi
   SAN_FILTER='*M300_E16_k4_H256_I128_bf16_hot_grouped:*M33_E5*mxfp8_uniform_grouped:*M517*uniform_ep_grouped:*M1500*bf16_uniform_auto:*M0_E16*bf16_uniform_grouped'
   timeout "${T_SAN:-200}" compute-sanitizer --tool memcheck "$B/cuda_experts_test" \
     --gtest_brief=1 --gtest_filter="$SAN_FILTER" > "$OUT/memcheck.log" 2>&1 &
@@ -34,14 +38,16 @@ if [ "$WHAT" != bench ]; then
     --gtest_brief=1 --gtest_filter='*M300_E16_k4_H256_I128_bf16_hot_grouped' \
     > "$OUT/racecheck.log" 2>&1 &
   wait
-  for f in experts_0 experts_1 experts_2 experts_3 engine kernels; do
+  for f in experts_0 experts_1 experts_2 experts_3 engine kernels combinations; do
+    [ -f "$OUT/$f.log" ] || continue
     summary+=("$f: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$f.log" | tr -s ' ' | tr '\n' ' ')")
     grep -E "Failure|FAILED|rror" "$OUT/$f.log" | head -8
   done
   summary+=("memcheck: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck.log" | tr '\n' ' ')")
   summary+=("racecheck: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')")
   # The device tool returns at most 8 files: one log of the checks.
-  for f in experts_0 experts_1 experts_2 experts_3 engine kernels memcheck racecheck; do
+  for f in experts_0 experts_1 experts_2 experts_3 engine kernels combinations memcheck racecheck; do
+    [ -f "$OUT/$f.log" ] || continue
     echo "=== $f"; cat "$OUT/$f.log"; rm -f "$OUT/$f.log"
   done > "$OUT/checks.log"
 fi

@@ -225,6 +225,7 @@ int main(int argc, char** argv) {
           q1.b_expert_stride = PlainW13ElemsPerExpert(l);
           q1.d = d1;
           q1.ldd = 2 * l.intermediate_padded;
+          q1.total_rows_hint = R;
           MoeGroupedSm90Gemm q2 = q1;
           q2.n = s.h;
           q2.k = l.intermediate_padded;
