@@ -31,11 +31,11 @@ if [ "$WHAT" != bench ]; then
     timeout "$T" "$B/engine_mk_combinations_test" --gtest_brief=1 --gtest_filter='*Cuda*' \
       > "$OUT/combinations.log" 2>&1 &
   fi
-  SAN_FILTER='*M300_E16_k4_H256_I128_bf16_hot_grouped:*M33_E5*mxfp8_uniform_grouped:*M517*uniform_ep_grouped:*M1500*bf16_uniform_auto:*M0_E16*bf16_uniform_grouped'
+  SAN_FILTER='*M300_E16_k4_H256_I128_bf16_hot_grouped:*M160_E16_k4_H256_I128_bf16_hot_grouped:*M33_E5*mxfp8_uniform_grouped:*M517*uniform_ep_grouped:*M1500*bf16_uniform_auto:*M0_E16*bf16_uniform_grouped'
   timeout "${T_SAN:-200}" compute-sanitizer --tool memcheck "$B/cuda_experts_test" \
     --gtest_brief=1 --gtest_filter="$SAN_FILTER" > "$OUT/memcheck.log" 2>&1 &
   timeout "${T_SAN:-200}" compute-sanitizer --tool racecheck "$B/cuda_experts_test" \
-    --gtest_brief=1 --gtest_filter='*M300_E16_k4_H256_I128_bf16_hot_grouped' \
+    --gtest_brief=1 --gtest_filter='*M300_E16_k4_H256_I128_bf16_hot_grouped:*M160_E16_k4_H256_I128_bf16_hot_grouped' \
     > "$OUT/racecheck.log" 2>&1 &
   wait
   for f in experts_0 experts_1 experts_2 experts_3 engine kernels combinations; do
