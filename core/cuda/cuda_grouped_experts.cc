@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
-#include <map>
+#include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -69,16 +69,86 @@ struct PlainLayer {
   }
 };
 
+// Every layer's copy for one DeviceWeightStore, shared by all the Experts made over that store
+// (an engine's lanes share their rank's weights, so they share this copy too).
+struct PlainStore {
+  int device = 0;
+  std::vector<std::unique_ptr<PlainLayer>> layers;  // per layer; null: no experts there
+  ~PlainStore() {
+    cudaSetDevice(device);
+    layers.clear();
+  }
+};
+
+// The copy of `weights`, made on ctx's stream the first time it is asked for and kept while any
+// Experts holds it. Null (OK) when it would take more than 3/4 of the free device memory and
+// `must` is false; RESOURCE_EXHAUSTED naming the sizes when `must`.
+absl::StatusOr<std::shared_ptr<const PlainStore>> SharedPlainStore(
+    const std::shared_ptr<const DeviceWeightStore>& weights, const CudaContext& ctx,
+    absl::string_view who, bool must) {
+  static std::mutex mu;
+  static auto* cache = new std::vector<
+      std::pair<std::weak_ptr<const DeviceWeightStore>, std::weak_ptr<const PlainStore>>>();
+  std::lock_guard<std::mutex> lock(mu);
+  std::shared_ptr<const PlainStore> found;
+  for (auto it = cache->begin(); it != cache->end();) {
+    std::shared_ptr<const DeviceWeightStore> w = it->first.lock();
+    std::shared_ptr<const PlainStore> p = it->second.lock();
+    if (w == nullptr || p == nullptr) {
+      it = cache->erase(it);
+      continue;
+    }
+    if (w == weights) found = p;
+    ++it;
+  }
+  if (found != nullptr) return found;
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx.device()));
+  int64_t need = 0;
+  for (int i = 0; i < weights->num_layers(); ++i) {
+    const DevicePackedLayer* l = weights->layer(i);
+    if (l == nullptr) continue;
+    need +=
+        l->num_local_experts *
+        (kernels::PlainW13ElemsPerExpert(l->layout) + kernels::PlainW2ElemsPerExpert(l->layout)) *
+        2;
+  }
+  size_t free_bytes = 0, total_bytes = 0;
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (need > static_cast<int64_t>(free_bytes) / 4 * 3) {
+    if (!must) return std::shared_ptr<const PlainStore>();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        who, ": the grouped GEMM's BF16 weight copy needs ", need, " bytes on ",
+        DeviceName(ctx.tensor_device()), ", more than 3/4 of the ", free_bytes, " free"));
+  }
+  auto store = std::make_shared<PlainStore>();
+  store->device = ctx.device();
+  store->layers.resize(weights->num_layers());
+  const cudaStream_t stream = StreamOf(ctx);
+  for (int i = 0; i < weights->num_layers(); ++i) {
+    const DevicePackedLayer* l = weights->layer(i);
+    if (l == nullptr) continue;
+    auto p = std::make_unique<PlainLayer>();
+    const int64_t e = l->num_local_experts;
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMalloc(&p->w13, e * kernels::PlainW13ElemsPerExpert(l->layout) * 2));
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMalloc(&p->w2, e * kernels::PlainW2ElemsPerExpert(l->layout) * 2));
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchUnpackMoeWeightsPlain(
+        l->w13, l->w13_scale, l->w2, l->w2_scale, e, l->layout,
+        l->format == WeightFormat::kMXFP8 ? 1 : 2, p->w13, p->w2, stream));
+    store->layers[i] = std::move(p);
+  }
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  cache->emplace_back(weights, store);
+  return std::shared_ptr<const PlainStore>(std::move(store));
+}
+
 class CudaGroupedExperts final : public Experts {
  public:
   CudaGroupedExperts(std::shared_ptr<CudaContext> ctx,
                      std::shared_ptr<const DeviceWeightStore> weights,
                      CudaGroupedExpertsOptions options)
       : ctx_(std::move(ctx)), weights_(std::move(weights)), options_(std::move(options)) {}
-  ~CudaGroupedExperts() override {
-    cudaSetDevice(ctx_->device());
-    plain_.clear();
-  }
 
   absl::Status Init();
 
@@ -128,7 +198,7 @@ class CudaGroupedExperts final : public Experts {
   std::shared_ptr<const DeviceWeightStore> weights_;
   CudaGroupedExpertsOptions options_;
   bool grouped_available_ = false;
-  std::vector<std::unique_ptr<PlainLayer>> plain_;  // per layer; null: decode path only
+  std::shared_ptr<const PlainStore> plain_;  // null: the decode path only
 };
 
 absl::Status CudaGroupedExperts::Init() {
@@ -138,45 +208,8 @@ absl::Status CudaGroupedExperts::Init() {
     if (must) return supported;
     return absl::OkStatus();  // crossover: the decode kernels serve every call
   }
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
-  int64_t need = 0;
-  for (int i = 0; i < weights_->num_layers(); ++i) {
-    const DevicePackedLayer* l = weights_->layer(i);
-    if (l == nullptr) continue;
-    need +=
-        l->num_local_experts *
-        (kernels::PlainW13ElemsPerExpert(l->layout) + kernels::PlainW2ElemsPerExpert(l->layout)) *
-        2;
-  }
-  size_t free_bytes = 0, total_bytes = 0;
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const int64_t budget = static_cast<int64_t>(free_bytes) / 4 * 3;
-  if (need > budget) {
-    if (must) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          name(), ": the grouped GEMM's plain weight copy needs ", need, " bytes on ",
-          DeviceName(ctx_->tensor_device()), ", more than 3/4 of the ", free_bytes, " free"));
-    }
-    return absl::OkStatus();
-  }
-  plain_.resize(weights_->num_layers());
-  const cudaStream_t stream = StreamOf(*ctx_);
-  for (int i = 0; i < weights_->num_layers(); ++i) {
-    const DevicePackedLayer* l = weights_->layer(i);
-    if (l == nullptr) continue;
-    auto p = std::make_unique<PlainLayer>();
-    const int64_t e = l->num_local_experts;
-    MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMalloc(&p->w13, e * kernels::PlainW13ElemsPerExpert(l->layout) * 2));
-    MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMalloc(&p->w2, e * kernels::PlainW2ElemsPerExpert(l->layout) * 2));
-    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchUnpackMoeWeightsPlain(
-        l->w13, l->w13_scale, l->w2, l->w2_scale, e, l->layout,
-        l->format == WeightFormat::kMXFP8 ? 1 : 2, p->w13, p->w2, stream));
-    plain_[i] = std::move(p);
-  }
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  grouped_available_ = true;
+  MOESERVE_ASSIGN_OR_RETURN(plain_, SharedPlainStore(weights_, *ctx_, name(), must));
+  grouped_available_ = plain_ != nullptr;
   return absl::OkStatus();
 }
 
@@ -218,7 +251,9 @@ absl::Status CudaGroupedExperts::Apply(const ExpertsApplyArgs& args) {
                      " do not fit GetWorkspaceShapes() on ", DeviceName(gpu)));
   }
   const PlainLayer* plain =
-      args.layer < static_cast<int>(plain_.size()) ? plain_[args.layer].get() : nullptr;
+      plain_ != nullptr && args.layer < static_cast<int>(plain_->layers.size())
+          ? plain_->layers[args.layer].get()
+          : nullptr;
   const bool must = options_.path == CudaGroupedExpertsOptions::Path::kGrouped;
   if (must && plain == nullptr) {
     return absl::FailedPreconditionError(

@@ -15,7 +15,8 @@
 // tests/benchmarks/cuda/RESULTS.md), else the decode kernels.
 //
 // The grouped GEMM reads plain row-major BF16 weights (kernels::PlainW13ElemsPerExpert...), a
-// second copy of each layer made on the device at Create from DeviceWeightStore's packed layout;
+// second copy of each layer made on the device at the first Create over a DeviceWeightStore
+// from its packed layout, and shared by every Experts over that store (an engine's lanes);
 // MXFP8 layers are dequantized into it once, exactly (the same BF16 values the decode kernels
 // dequantize in registers). Device memory: BF16 weights take twice their size, MXFP8 weights
 // three times. Kind kCrossover makes the copy only when it takes at most 3/4 of the device's

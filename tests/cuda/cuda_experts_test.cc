@@ -7,6 +7,7 @@
 // Tolerance: relative L2 < 1e-2 (BF16 activations and a BF16 intermediate on the GPU; the
 // reference computes in FP32 from the same BF16 / exactly dequantized MXFP8 weights).
 // Outputs are NaN-poisoned before every run; every element must be finite.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -397,6 +398,57 @@ std::vector<Case> Cases() {
                   Impl::kCrossover});
   }
   return cs;
+}
+
+// Experts over the same DeviceWeightStore (an engine's lanes) share one BF16 copy: a second
+// instance takes no second copy's worth of device memory, and both compute.
+TEST(CudaGroupedExpertsTest, InstancesShareTheBf16Copy) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!CudaGroupedSm90Supported(0).ok()) GTEST_SKIP() << CudaGroupedSm90Supported(0);
+  auto ctx = CudaContext::Create(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  std::mt19937 rng(9);
+  const Case c{64, 8, 2, 1024, 2048, WeightFormat::kBF16, Routing::kUniform};
+  Layer layer = MakeLayer(c, rng);  // a 100 MB BF16 copy
+  auto dev = DeviceWeightStore::CreateFromLayers({&layer.w}, **ctx);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  CudaGroupedExpertsOptions options;
+  options.path = CudaGroupedExpertsOptions::Path::kGrouped;
+  size_t free0 = 0, free1 = 0, free2 = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free0, &total), cudaSuccess);
+  auto a = CreateCudaGroupedExperts(*ctx, *dev, options);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(cudaMemGetInfo(&free1, &total), cudaSuccess);
+  auto b = CreateCudaGroupedExperts(*ctx, *dev, options);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(cudaMemGetInfo(&free2, &total), cudaSuccess);
+  const int64_t copy = int64_t{c.e} * (2 * c.inter * c.hidden + c.hidden * c.inter) * 2;
+  EXPECT_GE(static_cast<int64_t>(free0) - static_cast<int64_t>(free1), copy);
+  EXPECT_LT(static_cast<int64_t>(free1) - static_cast<int64_t>(free2), copy / 2);
+  for (auto* ex : {&a, &b}) {
+    auto mk = ModularKernel::Create(*CreateCudaNoEpPrepareAndFinalize(*ctx, 1024, c.act),
+                                    std::move(**ex), *CreateCudaWorkspaceAllocator(*ctx));
+    ASSERT_TRUE(mk.ok()) << mk.status();
+    auto cpu = ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(1024),
+                                     std::make_unique<ReferenceExperts>());
+    ASSERT_TRUE(cpu.ok());
+    Tensor x = Tensor::Empty(DType::kBF16, {c.m, c.hidden});
+    std::normal_distribution<float> nd;
+    for (int64_t i = 0; i < x.numel(); ++i) x.data<uint16_t>()[i] = kernels::FloatToBf16(nd(rng));
+    std::vector<int32_t> ids = MakeIds(c, c.e, rng);
+    std::vector<float> tw(c.m * c.topk, 0.5f), got(c.m * c.hidden), ref(c.m * c.hidden);
+    ModularKernelArgs args;
+    args.hidden_states = x.view();
+    args.topk_ids = TensorView(ids.data(), DType::kINT32, {c.m, c.topk});
+    args.topk_weights = TensorView(tw.data(), DType::kFP32, {c.m, c.topk});
+    args.weights = &layer.w;
+    args.num_experts = c.e;
+    ASSERT_TRUE((*mk)->Forward(args, TensorView(got.data(), DType::kFP32, {c.m, c.hidden})).ok());
+    ASSERT_TRUE((*cpu)->Forward(args, TensorView(ref.data(), DType::kFP32, {c.m, c.hidden})).ok());
+    int64_t bad = 0;
+    EXPECT_LT(RelL2(got, ref, &bad), 1e-2);
+    EXPECT_EQ(bad, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, CudaExpertsTest, ::testing::ValuesIn(Cases()),
