@@ -38,4 +38,14 @@ if ((${#py_missing[@]})); then
   "$PYTHON" -m pip install -q "${py_missing[@]}" 2>/dev/null || \
     "$PYTHON" -m pip install -q --break-system-packages "${py_missing[@]}"
 fi
+# CUTLASS C++ headers for the sm_90a grouped GEMM (kernels/cuda/moe_grouped_sm90.cu, found by
+# cmake/FindCutlass.cmake): the headers alone are needed, so no dependencies (the package's
+# Python side wants cuda-python, scipy, ...). A 6 MB wheel; -DMOESERVE_CUTLASS_DIR overrides.
+CUTLASS_VERSION=4.2.0.0
+if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('cutlass_library') is None)" \
+    >/dev/null 2>&1; then
+  echo "setup: installing nvidia-cutlass==$CUTLASS_VERSION (headers)"
+  "$PYTHON" -m pip install -q --no-deps "nvidia-cutlass==$CUTLASS_VERSION" 2>/dev/null || \
+    "$PYTHON" -m pip install -q --no-deps --break-system-packages "nvidia-cutlass==$CUTLASS_VERSION"
+fi
 echo "setup: dependencies present"

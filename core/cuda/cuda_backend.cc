@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/answer_copy.h"
+#include "core/cuda/device_packed_layer.h"
 #include "core/cuda/grow_only_buffer.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/dtype_convert.cuh"
@@ -30,20 +31,11 @@ constexpr int kStagingCopyThreads = 4;
 
 }  // namespace
 
-struct DevicePackedLayer {
-  WeightFormat format = WeightFormat::kBF16;
-  int64_t num_local_experts = 0;
-  kernels::MoePackedLayout layout;
-  void* w13 = nullptr;
-  void* w2 = nullptr;
-  uint8_t* w13_scale = nullptr;
-  uint8_t* w2_scale = nullptr;
-  ~DevicePackedLayer() {
-    for (void* p : {w13, w2, static_cast<void*>(w13_scale), static_cast<void*>(w2_scale)}) {
-      if (p != nullptr) cudaFree(p);
-    }
+DevicePackedLayer::~DevicePackedLayer() {
+  for (void* p : {w13, w2, static_cast<void*>(w13_scale), static_cast<void*>(w2_scale)}) {
+    if (p != nullptr) cudaFree(p);
   }
-};
+}
 
 int CudaDeviceCount() {
   int n = 0;

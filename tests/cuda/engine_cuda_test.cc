@@ -8,7 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_grouped_experts.h"
 #include "core/engine.h"
+#include "core/provider_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
@@ -61,14 +63,21 @@ TEST(EngineCuda, MatchesCpuReference) {
   for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
     auto reference = Engine::Create(Small("cpu", "reference", wf));
     ASSERT_TRUE(reference.ok()) << reference.status();
-    for (const std::string experts : {"blas", "batched_blas"}) {
+    std::vector<std::string> names = {"blas", "batched_blas"};
+    // Hopper: the grouped GEMM at every size too.
+    if (CudaGroupedSm90Supported(0).ok()) {
+      names.push_back("cuda_grouped_sm90");
+    }
+    for (const std::string& experts : names) {
       EngineOptions o = Small("cuda", experts, wf);
       o.num_ranks = 1;
       auto engine = Engine::Create(o);
       ASSERT_TRUE(engine.ok()) << engine.status();
       const EngineInfo& info = (*engine)->info();
       EXPECT_EQ(info.backend, "cuda");
-      EXPECT_EQ(info.experts, experts == "blas" ? "CudaExperts" : "CudaBatchedExperts");
+      EXPECT_EQ(info.experts, experts == "blas"           ? "CudaExperts"
+                              : experts == "batched_blas" ? "CudaBatchedExperts"
+                                                          : "CudaGroupedSm90Experts");
       EXPECT_TRUE((*engine)->healthy());
       const ModelConfig& model = info.model;
       std::mt19937 rng(5);
@@ -159,6 +168,22 @@ TEST(EngineCuda, StepsInFlightMatchCpuReference) {
                   kBf16Tolerance);
       }
     }
+
+// The grouped GEMM's provider says why it cannot serve: no sm_90 device (or none at all; this
+// part runs in CI).
+TEST(EngineCuda, GroupedSm90ProviderRefusesWithReason) {
+  const ExpertsProvider* p = ProviderRegistry::Global().FindExperts("cuda_grouped_sm90");
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(p->name, "CudaGroupedSm90Experts");
+  EnginePlan plan;
+  plan.model = Small("cuda", "cuda_grouped_sm90", WeightFormat::kBF16).model;
+  plan.backend = Backend::kCuda;
+  const absl::Status s = p->Supports(plan);
+  if (CudaGroupedSm90Supported(0).ok()) {
+    EXPECT_TRUE(s.ok()) << s;
+  } else {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("unavailable on CUDA device 0"));
   }
 }
 
