@@ -105,8 +105,9 @@ class Engine {
   // the model has no router (info().no_router_reason); otherwise the refusals of
   // ValidateForwardShapes (layer, hidden_states, M over the limit). Thread-safe and independent
   // of forwards (it runs beside them, on the caller's thread and the router's own threads).
-  // Cost on the CPU: one FP32 GEMM of M x hidden x num_experts (for DeepSeek-V3 shapes about
-  // 2 ms at M=16, single-threaded BLAS per part).
+  // Cost: one FP32 GEMM of M x hidden x num_experts on the host, whatever the backend
+  // (tests/benchmarks/router/RESULTS.md: DeepSeek-V3's gate about 1-2 ms at M <= 16 on a busy
+  // 2-core machine, linear in M beyond).
   absl::Status Route(int layer, const TensorView& hidden_states, const TensorView& topk_ids,
                      const TensorView& topk_weights) const;
   bool has_router() const { return router_ != nullptr; }

@@ -10,7 +10,7 @@ DEB_PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libopenblas-dev nlohmann-json3-dev curl libssl-dev openssl
 )
-PY_PACKAGES=(grpcio grpcio-tools protobuf numpy safetensors ml_dtypes)
+PY_PACKAGES=(grpcio grpcio-tools protobuf numpy safetensors ml_dtypes wheel)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
@@ -28,7 +28,14 @@ fi
 PYTHON=${PYTHON:-python3}
 # pip name -> import name
 declare -A PY_IMPORT=([grpcio]=grpc [grpcio-tools]=grpc_tools [protobuf]=google.protobuf
-                      [numpy]=numpy [safetensors]=safetensors [ml_dtypes]=ml_dtypes)
+                      [numpy]=numpy [safetensors]=safetensors [ml_dtypes]=ml_dtypes
+                      [wheel]=wheel [torch]=torch)
+# torch (the torch client's tests, tests/python/torch_client_test.py) is opt-in: PyPI's Linux
+# wheels pull about 3 GB of CUDA libraries (several minutes), too much for every CI run; the
+# test is skipped without it. MOESERVE_WITH_TORCH=1 installs it.
+if [[ "${MOESERVE_WITH_TORCH:-0}" == 1 ]]; then
+  PY_PACKAGES+=(torch)
+fi
 py_missing=()
 for p in "${PY_PACKAGES[@]}"; do
   "$PYTHON" -c "import ${PY_IMPORT[$p]}" >/dev/null 2>&1 || py_missing+=("$p")

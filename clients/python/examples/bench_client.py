@@ -7,6 +7,8 @@ For each M it times, one call at a time (closed loop, concurrency 1), median of 
           floor (what no Python client can go below)
   torch   TorchMoeClient.forward (moeserve_client.torch_client): tensors in, tensor out
   numpy   MoeClient.forward (protobuf messages): numpy in, numpy out
+  routed  (--server-routing) TorchMoeClient.forward(hidden) without ids and weights: the server
+          runs the layer's gate; routed - torch is what server-side routing costs per call
 and prints the medians and torch - cli (the torch client's added cost per call; issue 11's
 target: <= 30 us). Rounds alternate between the clients so that drift hits all of them alike.
 
@@ -116,6 +118,8 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shared-memory", default="off", choices=["off", "auto", "cuda"])
     p.add_argument("--no-numpy", action="store_true", help="skip the numpy client")
+    p.add_argument("--server-routing", action="store_true",
+                   help="also time calls that leave the routing to the server")
     a = p.parse_args()
     proc = None
     if a.server:
@@ -134,7 +138,8 @@ def main():
               "which a busy machine disturbs far less")
         print(f"{'M':>6} {'cli_ms':>8} {'raw_ms':>8} {'torch_ms':>8} {'numpy_ms':>8} "
               f"{'torch-cli_us':>12} {'torch-raw_us':>12} {'cli_cpu':>8} {'raw_cpu':>8} "
-              f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}")
+              f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}"
+              + (f" {'routed_ms':>9}" if a.server_routing else ""))
         for m in (int(t) for t in a.tokens.split(",")):
             calls = a.calls if m < 256 else max(30, a.calls * 64 // m)
             g = torch.Generator().manual_seed(m)
@@ -149,7 +154,7 @@ def main():
                 client.forward(xd, idsd, wd, layer=a.layer, out=out)
                 npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
             per = max(1, calls // a.rounds)
-            t_cli, t_raw, t_torch, t_np = [], [], [], []
+            t_cli, t_raw, t_torch, t_np, t_routed = [], [], [], [], []
             c_cli, c_raw, c_torch, c_np = [], [], [], []
             prebuilt = client._prepare(x, ids, w, a.layer, "", False, False)[1]
             nan = float("nan")
@@ -164,6 +169,9 @@ def main():
                                   per)
                 t_torch += t
                 c_torch.append(c)
+                if a.server_routing:
+                    t_routed += time_calls(lambda: client.forward(xd, layer=a.layer, out=out),
+                                           per)[0]
                 if not a.no_numpy:
                     t, c = time_calls(lambda: npc.forward(xn, idn, wn, layer=a.layer,
                                                           dtype="bf16"), per)
@@ -174,7 +182,8 @@ def main():
             print(f"{m:>6} {cli_ms:>8.3f} {raw_ms:>8.3f} {torch_ms:>8.3f} {np_ms:>8.3f} "
                   f"{(torch_ms - cli_ms) * 1e3:>12.1f} {(torch_ms - raw_ms) * 1e3:>12.1f} "
                   f"{med(c_cli):>8.0f} {med(c_raw):>8.0f} {med(c_torch):>9.0f} "
-                  f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}", flush=True)
+                  f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}"
+                  + (f" {med(t_routed):>9.3f}" if a.server_routing else ""), flush=True)
         client.close()
         npc.close()
     finally:

@@ -111,13 +111,12 @@ class MoeFuture:
     (dict, with return_timings), topk_ids / topk_weights (with return_routing)."""
 
     __slots__ = ("_call", "_dtype", "_shape", "_device", "_region", "_region_out",
-                 "_keepalive", "_start", "request_id", "timings", "topk_ids", "topk_weights",
+                 "_start", "request_id", "timings", "topk_ids", "topk_weights",
                  "latency_s", "used_region")
 
     def __init__(self):
         self._region = None
         self._region_out = None
-        self._keepalive = None
         self.request_id = ""
         self.timings = None
         self.topk_ids = None
