@@ -168,6 +168,8 @@ TEST(EngineCuda, StepsInFlightMatchCpuReference) {
                   kBf16Tolerance);
       }
     }
+  }
+}
 
 // The grouped GEMM's provider says why it cannot serve: no sm_90 device (or none at all; this
 // part runs in CI).
