@@ -209,8 +209,10 @@ TEST(ForwardBatcherTest, ExpiredAndCancelledCallsAreDroppedBeforeRunning) {
 TEST(ForwardBatcherTest, QueueWaitBoundRefusesWhatWouldWaitTooLong) {
   auto engine = ReferenceEngine();
   const ModelConfig& m = engine->info().model;
+  // A long batch delay keeps the burst queued however slowly it is submitted (a loaded machine),
+  // so every call after the first finds work queued ahead of it.
   auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
-                                                        .max_batch_delay = absl::Milliseconds(30),
+                                                        .max_batch_delay = absl::Seconds(2),
                                                         .max_queue_wait = absl::Microseconds(1)});
   std::mt19937 rng(14);
   Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
