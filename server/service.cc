@@ -85,6 +85,13 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     };
     // A CUDA region's bytes are read and written in place where the engine takes device memory.
     const EngineInfo& info = engine_->info();
+    const bool names_regions =
+        request->header.has_output_region() || request->hidden_states.header.has_region() ||
+        request->topk_ids.header.has_region() || request->topk_weights.header.has_region();
+    // With shared memory off, the conversion names the field and the flag.
+    if (names_regions && regions_ != nullptr) {
+      if (absl::Status s = CheckSharedMemoryAllowed(*context, "Forward"); !s.ok()) return fail(s);
+    }
     absl::StatusOr<ForwardInput> input =
         ForwardInputFromWire(*request, &gathered, regions_.get(), info.device_tensors, &regions);
     if (!input.ok()) return fail(input.status());

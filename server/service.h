@@ -33,6 +33,11 @@ struct ServiceOptions {
   int max_shared_memory_regions = 256;
 };
 
+// Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
+// "ipv6:[::1]:5000", brackets possibly percent-encoded) is on this host: shared-memory regions
+// are served to those only (PERMISSION_DENIED otherwise), since they name this host's memory.
+bool IsSameHostPeer(absl::string_view peer);
+
 // The shared-memory RPCs (server/shared_memory_service.cc).
 using MoeServiceSharedMemoryBase = v1::MoeService::WithCallbackMethod_RegisterSystemSharedMemory<
     v1::MoeService::WithCallbackMethod_RegisterCudaSharedMemory<
@@ -89,6 +94,9 @@ class MoeServiceImpl final : public MoeServiceBase {
   grpc::ServerUnaryReactor* RunSharedMemoryCall(grpc::CallbackServerContext* context,
                                                 const char* method,
                                                 std::function<absl::Status()> fn);
+  // OK when shared memory is on and `context`'s peer is on this host.
+  absl::Status CheckSharedMemoryAllowed(const grpc::CallbackServerContext& context,
+                                        absl::string_view what) const;
 
   Engine* const engine_;
   Metrics* const metrics_;
