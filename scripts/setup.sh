@@ -8,7 +8,7 @@ DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config git python3 python3-pip
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
-  libopenblas-dev nlohmann-json3-dev curl
+  libopenblas-dev nlohmann-json3-dev curl libssl-dev openssl
 )
 PY_PACKAGES=(grpcio grpcio-tools protobuf numpy safetensors ml_dtypes)
 

@@ -1,6 +1,7 @@
 #include "server/convert.h"
 
 #include <cstddef>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -123,15 +124,19 @@ TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tens
 
 namespace {
 
-// The first missing tensor of a ForwardRequest, as INVALID_ARGUMENT; OK if all are present.
+// The first missing tensor of a ForwardRequest, as INVALID_ARGUMENT; OK if all are present,
+// or if hidden_states is and the routing is left to the server (neither topk tensor).
 absl::Status CheckForwardTensorsPresent(bool hidden_states, bool topk_ids, bool topk_weights) {
-  const auto missing = [](absl::string_view field, absl::string_view expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": missing; expected a ", expected, " tensor"));
-  };
-  if (!hidden_states) return missing("hidden_states", "[M, hidden]");
-  if (!topk_ids) return missing("topk_ids", "[M, topk] int32 or int64");
-  if (!topk_weights) return missing("topk_weights", "[M, topk] fp32");
+  if (!hidden_states) {
+    return absl::InvalidArgumentError("hidden_states: missing; expected a [M, hidden] tensor");
+  }
+  if (topk_ids != topk_weights) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        topk_ids ? "topk_weights" : "topk_ids", ": missing while ",
+        topk_ids ? "topk_ids" : "topk_weights",
+        " is given; send both topk_ids [M, topk] int32/int64 and topk_weights [M, topk] fp32 "
+        "(client-side routing) or neither (the server routes with the layer's gate)"));
+  }
   return absl::OkStatus();
 }
 
@@ -244,6 +249,7 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
   };
   MOESERVE_ASSIGN_OR_RETURN(input.hidden_states, view(request.hidden_states, "hidden_states",
                                                       RegionAccess::kRead, device_hidden_ok));
+  if (!request.topk_ids.present) return input;  // server-side routing
   // Expert ids index tables once validated: a private copy, which the client cannot change
   // between the check and the use. Weights are read on the host in place (a value changed after
   // the check only changes that token's answer).
@@ -283,6 +289,7 @@ absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& req
       request.has_hidden_states(), request.has_topk_ids(), request.has_topk_weights()));
   MOESERVE_ASSIGN_OR_RETURN(input.hidden_states,
                             TensorViewFromProto(request.hidden_states(), "hidden_states"));
+  if (!request.has_topk_ids()) return input;  // server-side routing
   MOESERVE_ASSIGN_OR_RETURN(input.topk_ids, TensorViewFromProto(request.topk_ids(), "topk_ids"));
   MOESERVE_ASSIGN_OR_RETURN(input.topk_weights,
                             TensorViewFromProto(request.topk_weights(), "topk_weights"));
@@ -322,6 +329,24 @@ void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::Mo
   } else {
     for (int l : m.moe_layers) out->add_moe_layers(l);
   }
+  out->set_router(info.router);
+  out->set_server_routing(!info.router.empty());
+}
+
+void RoutingToProto(const ForwardInput& input, v1::Tensor* topk_ids, v1::Tensor* topk_weights) {
+  const TensorView& ids = input.topk_ids;
+  const TensorView out_ids = AllocateProtoTensor(DType::kINT32, ids.shape(), topk_ids);
+  const int64_t n = ids.numel();
+  if (ids.dtype() == DType::kINT64) {
+    for (int64_t i = 0; i < n; ++i) {
+      out_ids.data<int32_t>()[i] = static_cast<int32_t>(ids.data<int64_t>()[i]);
+    }
+  } else if (n > 0) {
+    std::memcpy(out_ids.raw_data(), ids.raw_data(), n * 4);
+  }
+  const TensorView out_w =
+      AllocateProtoTensor(DType::kFP32, input.topk_weights.shape(), topk_weights);
+  if (n > 0) std::memcpy(out_w.raw_data(), input.topk_weights.raw_data(), n * 4);
 }
 
 void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us, double total_us,

@@ -46,6 +46,8 @@ absl::StatusOr<TensorView> TensorViewFromParts(int dtype, absl::Span<const int64
 TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tensor);
 
 // The request's layer and tensors as a ForwardInput viewing `request` (see the file comment).
+// A request with hidden_states but neither topk_ids nor topk_weights asks the server to route:
+// its topk_ids and topk_weights views are left empty. Only one of them is INVALID_ARGUMENT.
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request);
 
 // Storage for request tensors whose bytes had to be gathered; 16-byte aligned, recycled.
@@ -90,7 +92,12 @@ RegionRef RegionRefFromProto(const v1::RegionRef& ref);
 void RegionInfoToProto(const RegionInfo& info, v1::SharedMemoryRegionStatus* out);
 
 // Engine description -> ModelInfo. `max_message_bytes` is the server's gRPC message limit.
+// router / server_routing tell whether requests may leave the routing to the server.
 void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::ModelInfo* out);
+
+// The routing a forward was combined with, for ForwardResponse (return_routing): topk_ids as
+// INT32 [M, topk] (INT64 ids narrowed: they are < num_experts) and topk_weights FP32 [M, topk].
+void RoutingToProto(const ForwardInput& input, v1::Tensor* topk_ids, v1::Tensor* topk_weights);
 
 // Engine timings plus the server's own queueing and total time -> StageTimings.
 // queue_us = server_queue_us (waiting for a worker) + timings.queue_us (waiting for the engine).

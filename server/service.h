@@ -3,22 +3,33 @@
 // Forward is served raw: the request's tensors are read straight out of gRPC's slices and the
 // answer is written by the engine into a buffer that the reply's slice then owns, so tensor
 // bytes are never copied by protobuf (the wire format is still moeserve.v1's).
-// Forward and GetExpertWeights run on the service's own worker threads (a WorkQueue), never on
-// gRPC's callback threads; each reply is Finished from the worker. GetModelInfo answers inline.
+// A small Forward is decoded and handed to the batcher on gRPC's callback thread (nothing there
+// blocks: the batcher refuses at once when full); large ones and GetExpertWeights run on the
+// service's own worker threads (a WorkQueue). Answers are Finished from the batcher's thread.
+// GetModelInfo answers inline.
+//
+// Access (docs/security.md): every MoeService call passes Authorize() first (the bearer token,
+// when one is configured); the expert-weight RPCs also need ServiceOptions::
+// enable_get_expert_weights and are checked (layer, expert, size) before anything is allocated.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
+#include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
 #include "core/memory_region.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/metrics.h"
+#include "server/security.h"
 #include "server/work_queue.h"
 
 namespace moeserve {
@@ -27,6 +38,10 @@ struct ServiceOptions {
   int num_worker_threads = 2;
   // Reported in ModelInfo; the limit itself is set on the ServerBuilder.
   int64_t max_message_bytes = 64 << 20;
+  // Bearer tokens every MoeService call must carry; null: no token needed.
+  std::shared_ptr<const BearerTokens> auth;
+  // GetExpertWeights / StreamExpertWeights hand out the model's weights: off unless set.
+  bool enable_get_expert_weights = false;
   // Shared-memory regions (the four *SharedMemory* RPCs, Tensor.region, output_region); off:
   // they are refused with FAILED_PRECONDITION naming --enable_shared_memory.
   bool enable_shared_memory = false;
@@ -44,9 +59,17 @@ using MoeServiceSharedMemoryBase = v1::MoeService::WithCallbackMethod_RegisterSy
         v1::MoeService::WithCallbackMethod_UnregisterSharedMemory<
             v1::MoeService::WithCallbackMethod_SharedMemoryStatus<v1::MoeService::Service>>>>;
 
-using MoeServiceBase =
-    v1::MoeService::WithRawCallbackMethod_Forward<v1::MoeService::WithCallbackMethod_GetModelInfo<
-        v1::MoeService::WithCallbackMethod_GetExpertWeights<MoeServiceSharedMemoryBase>>>;
+using MoeServiceBase = v1::MoeService::WithRawCallbackMethod_Forward<
+    v1::MoeService::WithRawCallbackMethod_ForwardStream<
+        v1::MoeService::WithCallbackMethod_GetModelInfo<
+            v1::MoeService::WithCallbackMethod_GetExpertWeights<
+                v1::MoeService::WithCallbackMethod_StreamExpertWeights<
+                    MoeServiceSharedMemoryBase>>>>>;
+
+// Default and floor of StreamExpertWeights' chunk size, and the room left under
+// max_message_bytes for a message's framing.
+inline constexpr int64_t kDefaultExpertChunkBytes = int64_t{1} << 20;
+inline constexpr int64_t kExpertMessageFramingBytes = 1024;
 
 class MoeServiceImpl final : public MoeServiceBase {
  public:
@@ -61,12 +84,25 @@ class MoeServiceImpl final : public MoeServiceBase {
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
+  // Layer calls on one stream: each request message runs as Forward does (through the batcher,
+  // up to kMaxStreamCallsInFlight at once), answers are written in request order, and a failed
+  // call answers with error_code/error_message without ending the stream.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
   grpc::ServerUnaryReactor* GetExpertWeights(grpc::CallbackServerContext* context,
                                              const v1::GetExpertWeightsRequest* request,
                                              v1::GetExpertWeightsResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* StreamExpertWeights(
+      grpc::CallbackServerContext* context, const v1::StreamExpertWeightsRequest* request) override;
+
+  // Calls of one stream decoded, queued or answered but not yet written; the stream stops
+  // reading beyond it (flow control reaches the client).
+  static constexpr int kMaxStreamCallsInFlight = 64;
+  // Forward requests up to this size are decoded and queued on gRPC's callback thread.
+  static constexpr size_t kInlineRequestBytes = 256 << 10;
 
   // Shared memory (server/shared_memory_service.cc): FAILED_PRECONDITION unless
   // ServiceOptions::enable_shared_memory.
@@ -89,14 +125,33 @@ class MoeServiceImpl final : public MoeServiceBase {
   void Drain() { workers_.Drain(); }
 
  private:
+  class StreamReactor;
+  // The answer to one Forward: OK with the encoded ForwardResponse and its token count, or the
+  // failure; `request_id` as decoded (empty when the request could not be read). Runs once, on a
+  // worker or the batcher's thread.
+  using AnswerFn = std::function<void(const absl::Status& status, grpc::ByteBuffer encoded,
+                                      int64_t tokens, const std::string& request_id)>;
+  // Decodes, validates and submits one serialized ForwardRequest to the batcher. `raw_request`
+  // is read before this returns (the decoded call keeps its slices). Worker threads.
+  // `peer`: the client (ServerContext::peer()), for the shared-memory check.
+  void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
+                  std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
+                  const std::string& peer, AnswerFn answer);
+  // The one access check of every MoeService call (UNAUTHENTICATED naming `method`).
+  absl::Status Authorize(const grpc::CallbackServerContext& context,
+                         absl::string_view method) const;
+  // Authorize, then the expert-weight checks that come before any allocation: the flag
+  // (FAILED_PRECONDITION naming it), then layer and expert (INVALID_ARGUMENT).
+  absl::Status AdmitExpertWeights(const grpc::CallbackServerContext& context,
+                                  absl::string_view method, int layer, int expert) const;
   // Runs `fn` (returning the call's status) on a worker and finishes `context`'s call with it,
   // recording `method` in the metrics.
   grpc::ServerUnaryReactor* RunSharedMemoryCall(grpc::CallbackServerContext* context,
                                                 const char* method,
                                                 std::function<absl::Status()> fn);
-  // OK when shared memory is on and `context`'s peer is on this host.
-  absl::Status CheckSharedMemoryAllowed(const grpc::CallbackServerContext& context,
-                                        absl::string_view what) const;
+  // OK when `peer` (ServerContext::peer()) is on this host (IsSameHostPeer); PERMISSION_DENIED
+  // naming `what` and the peer otherwise.
+  static absl::Status CheckSharedMemoryPeer(const std::string& peer, absl::string_view what);
 
   Engine* const engine_;
   Metrics* const metrics_;

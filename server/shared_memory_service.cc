@@ -28,10 +28,8 @@ bool IsSameHostPeer(absl::string_view peer) {
   return false;
 }
 
-absl::Status MoeServiceImpl::CheckSharedMemoryAllowed(const grpc::CallbackServerContext& context,
-                                                      absl::string_view what) const {
-  if (regions_ == nullptr) return SharedMemoryDisabledError(what);
-  const std::string peer = context.peer();
+absl::Status MoeServiceImpl::CheckSharedMemoryPeer(const std::string& peer,
+                                                   absl::string_view what) {
   if (!IsSameHostPeer(peer)) {
     return absl::PermissionDeniedError(
         absl::StrCat(what,
@@ -58,7 +56,15 @@ grpc::ServerUnaryReactor* MoeServiceImpl::RunSharedMemoryCall(grpc::CallbackServ
     }
     reactor->Finish(grpc_status);
   };
-  if (absl::Status s = CheckSharedMemoryAllowed(*context, method); !s.ok()) {
+  if (absl::Status s = Authorize(*context, method); !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  if (regions_ == nullptr) {
+    finish(SharedMemoryDisabledError(method));
+    return reactor;
+  }
+  if (absl::Status s = CheckSharedMemoryPeer(context->peer(), method); !s.ok()) {
     finish(s);
     return reactor;
   }

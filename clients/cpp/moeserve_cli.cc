@@ -7,6 +7,9 @@
 //                        [--input_file F] [--output_file F] [--check --tolerance T]
 //   moeserve-cli load    --target HOST:PORT --requests N --concurrency C --tokens M
 //                        [--max_seconds S]
+// Every command takes --tls / --tls_ca / --tls_cert / --tls_key / --tls_server_name and
+// --auth_token_file for servers that require them (docs/security.md). forward --check needs a
+// server started with --enable_get_expert_weights; experts larger than a message are streamed.
 //   forward / load --shm: tensors and answers go through a POSIX shared-memory region this
 //   client creates and registers (the server must be on this host, run as the same user, with
 //   --enable_shared_memory); only region references travel over gRPC.
@@ -28,6 +31,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -60,6 +64,17 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server gRPC address, HOST:POR
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(30), "Per-call deadline");
 ABSL_FLAG(int64_t, max_message_bytes, 256ll << 20, "Max gRPC message size sent/received");
 ABSL_FLAG(bool, wait_for_ready, false, "Wait for the channel to connect instead of failing fast");
+ABSL_FLAG(bool, tls, false, "Connect over TLS (implied by --tls_ca / --tls_cert / --tls_key)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM roots that verify the server's certificate (empty with --tls: the system's)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM client certificate chain, for servers that require one (mutual TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name the server's certificate must carry when it is not --target's host");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File whose first token (line) is sent as 'authorization: Bearer <token>' (servers "
+          "started with --auth_token_file)");
 ABSL_FLAG(std::string, service, "", "health: service name to check ('' = whole server)");
 ABSL_FLAG(int32_t, layer, 0, "forward/load: MoE layer index");
 ABSL_FLAG(int64_t, tokens, 4, "forward/load: tokens per request (M)");
@@ -81,6 +96,13 @@ ABSL_FLAG(double, tolerance, 1e-2, "forward --check: max relative L2 error");
 ABSL_FLAG(int64_t, requests, 100, "load: total requests");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent closed-loop workers");
 ABSL_FLAG(double, max_seconds, 60.0, "load: stop issuing requests after this many seconds");
+ABSL_FLAG(double, rate, 0,
+          "load: open loop: send this many calls per second for --max_seconds, whatever the "
+          "answers do (0: closed loop with --concurrency workers); every OK answer is checked "
+          "against the same input's answer taken before the run");
+ABSL_FLAG(bool, stream, false,
+          "load: each worker sends its calls on one ForwardStream (one request, then its answer) "
+          "instead of one unary Forward per call");
 ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled through");
 ABSL_FLAG(bool, shm, false,
           "forward/load: pass tensors and answers through a POSIX shared-memory region (server on "
@@ -95,7 +117,30 @@ constexpr int kExitError = 2;
 
 int Fail(const absl::Status& status, absl::string_view what) {
   std::fprintf(stderr, "error: %s: %s\n", std::string(what).c_str(), status.ToString().c_str());
+  // What to do about the refusals a secured server gives (docs/security.md).
+  if (status.code() == absl::StatusCode::kUnauthenticated) {
+    std::fprintf(stderr,
+                 "hint: the server requires a bearer token: pass --auth_token_file with a token "
+                 "from its --auth_token_file\n");
+  } else if (status.code() == absl::StatusCode::kUnavailable &&
+             absl::GetFlag(FLAGS_tls_ca).empty() && !absl::GetFlag(FLAGS_tls)) {
+    std::fprintf(stderr,
+                 "hint: if the server serves TLS, pass --tls_ca (and --tls_cert/--tls_key if it "
+                 "requires a client certificate)\n");
+  }
   return kExitError;
+}
+
+// The first token of --auth_token_file (blank lines and '#' comments skipped).
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
+  for (std::string line; std::getline(f, line);) {
+    const size_t begin = line.find_first_not_of(" \t\r");
+    if (begin == std::string::npos || line[begin] == '#') continue;
+    return line.substr(begin, line.find_last_not_of(" \t\r") + 1 - begin);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--auth_token_file: '", path, "' holds no token"));
 }
 
 absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
@@ -103,6 +148,16 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  options.use_tls = absl::GetFlag(FLAGS_tls);
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = ReadToken(path);
+    if (!token.ok()) return token.status();
+    options.auth_token = *std::move(token);
+  }
   return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
 }
 
@@ -430,7 +485,17 @@ int RunForward() {
   for (int32_t id : std::set<int32_t>(in->topk_ids.begin(), in->topk_ids.end())) {
     if (id < 0) continue;
     auto reply = (*client)->GetExpertWeights(args.layer, id);
-    if (!reply.ok()) return Fail(reply.status(), absl::StrCat("GetExpertWeights expert ", id));
+    if (!reply.ok()) {
+      const int code = Fail(reply.status(), absl::StrCat("GetExpertWeights expert ", id));
+      if (reply.status().code() == absl::StatusCode::kFailedPrecondition ||
+          reply.status().code() == absl::StatusCode::kPermissionDenied) {
+        std::fprintf(stderr,
+                     "hint: --check compares against the experts' weights, which this server "
+                     "does not hand out: restart it with --enable_get_expert_weights, or run "
+                     "forward without --check\n");
+      }
+      return code;
+    }
     auto weights = ExpertWeightsFromProto(*reply);
     if (!weights.ok()) return Fail(weights.status(), absl::StrCat("expert ", id, " weights"));
     experts.emplace(id, std::move(*weights));
@@ -460,6 +525,114 @@ double Percentile(const std::vector<double>& sorted, double p) {
   size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(sorted.size())));
   rank = std::clamp<size_t>(rank, 1, sorted.size());
   return sorted[rank - 1];
+}
+
+// Relative L2 distance of two answers in `dtype` (as floats).
+double AnswerDistance(const ForwardResult& got, const std::string& want, v1::DType dtype) {
+  if (got.raw.output.data_size != want.size()) return 1e30;
+  v1::Tensor got_t, want_t;
+  got_t.set_dtype(dtype);
+  want_t.set_dtype(dtype);
+  got_t.add_shape(static_cast<int64_t>(want.size()) / DTypeSize(dtype));
+  want_t.add_shape(static_cast<int64_t>(want.size()) / DTypeSize(dtype));
+  got_t.mutable_data()->resize(want.size());
+  got.raw.output.CopyTo(got_t.mutable_data()->data());
+  *want_t.mutable_data() = want;
+  const auto a_or = DecodeFloats(got_t), b_or = DecodeFloats(want_t);
+  if (!a_or.ok() || !b_or.ok()) return 1e30;
+  const std::vector<float>& a = *a_or;
+  const std::vector<float>& b = *b_or;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Open loop: calls leave at a fixed rate, whatever the answers do (an overload run). Reports
+// answered / refused by code, the answered calls' latency, and wrong answers (relative L2 >
+// --tolerance against the same input's unloaded answer).
+int RunOpenLoop(MoeClient& client, const std::vector<grpc::ByteBuffer>& requests, v1::DType dtype,
+                int64_t num_tokens) {
+  const double rate = absl::GetFlag(FLAGS_rate);
+  const double seconds = absl::GetFlag(FLAGS_max_seconds);
+  const double tolerance = absl::GetFlag(FLAGS_tolerance);
+  std::vector<std::string> expected;
+  for (const grpc::ByteBuffer& r : requests) {
+    auto result = client.Forward(r, /*copy_output=*/true);
+    if (!result.ok()) return Fail(result.status(), "unloaded Forward");
+    expected.push_back(result->output.data());
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t outstanding = 0, sent = 0, wrong = 0;
+  std::vector<double> latencies_ms;
+  std::map<std::string, int64_t> codes;
+  std::string first_error;
+  const absl::Time start = absl::Now();
+  const absl::Duration interval = absl::Seconds(1.0 / rate);
+  for (absl::Time next = start; next < start + absl::Seconds(seconds); next += interval) {
+    absl::SleepFor(next - absl::Now());
+    const size_t which = static_cast<size_t>(sent) % requests.size();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++outstanding;
+      ++sent;
+    }
+    client.ForwardAsync(
+        requests[which],
+        [&, which](absl::StatusOr<ForwardResult> result) {
+          const bool bad =
+              result.ok() && AnswerDistance(*result, expected[which], dtype) > tolerance;
+          std::lock_guard<std::mutex> lock(mu);
+          ++codes[absl::StatusCodeToString(result.status().code())];
+          if (result.ok()) {
+            latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+            wrong += bad ? 1 : 0;
+          } else if (first_error.empty()) {
+            first_error = result.status().ToString();
+          }
+          --outstanding;
+          cv.notify_all();
+        },
+        /*copy_output=*/false);
+  }
+  const double send_s = absl::ToDoubleSeconds(absl::Now() - start);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return outstanding == 0; });
+  }
+  const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  std::sort(latencies_ms.begin(), latencies_ms.end());
+  const int64_t ok = static_cast<int64_t>(latencies_ms.size());
+  int64_t refused = 0, other = 0;
+  for (const auto& [code, n] : codes) {
+    if (code == "RESOURCE_EXHAUSTED") {
+      refused += n;
+    } else if (code != "OK") {
+      other += n;
+    }
+  }
+  std::printf("load: open loop rate=%.1f/s seconds=%.1f tokens=%lld dtype=%s layer=%d\n", rate,
+              seconds, static_cast<long long>(num_tokens), DTypeName(dtype).c_str(),
+              absl::GetFlag(FLAGS_layer));
+  std::printf(
+      "sent=%lld ok=%lld refused=%lld other_errors=%lld wrong_answers=%lld send_s=%.3f "
+      "wall_s=%.3f\n",
+      static_cast<long long>(sent), static_cast<long long>(ok), static_cast<long long>(refused),
+      static_cast<long long>(other), static_cast<long long>(wrong), send_s, wall_s);
+  for (const auto& [code, n] : codes) {
+    std::printf("  code %s: %lld\n", code.c_str(), static_cast<long long>(n));
+  }
+  if (!first_error.empty()) std::printf("  first error: %s\n", first_error.c_str());
+  std::printf("latency_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f\n", Percentile(latencies_ms, 50),
+              Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
+              latencies_ms.empty() ? 0.0 : latencies_ms.back());
+  std::printf("throughput: answered_per_s=%.1f tokens_per_s=%.1f\n", ok / wall_s,
+              static_cast<double>(ok * num_tokens) / wall_s);
+  // Overload may refuse; it must never answer wrongly or fail otherwise.
+  return (wrong == 0 && other == 0 && ok > 0) ? kExitOk : kExitFailed;
 }
 
 int RunLoad() {
@@ -524,6 +697,14 @@ int RunLoad() {
     }
   }
 
+  if (absl::GetFlag(FLAGS_rate) > 0) {
+    if (shm) {
+      return Fail(absl::InvalidArgumentError("--rate (open loop) works over gRPC bytes, not --shm"),
+                  "flags");
+    }
+    return RunOpenLoop(**client, requests[0], *dtype, num_tokens);
+  }
+
   std::atomic<int64_t> next{0};
   std::mutex mu;
   std::vector<double> latencies_ms;
@@ -533,23 +714,49 @@ int RunLoad() {
   const absl::Time start = absl::Now();
   const absl::Time stop_at = start + absl::Seconds(max_seconds);
   std::vector<std::thread> workers;
+  const bool use_stream = absl::GetFlag(FLAGS_stream);
   for (int w = 0; w < concurrency; ++w) {
     workers.emplace_back([&, w] {
       const std::vector<grpc::ByteBuffer>& mine = requests[shm ? w : 0];
       std::vector<double> local_ms, local_server_us;
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
+      std::unique_ptr<ForwardStream> stream;
+      if (use_stream) {
+        auto opened = (*client)->OpenForwardStream();
+        if (!opened.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          ++errors[absl::StatusCodeToString(opened.status().code())];
+          if (first_error.empty()) first_error = opened.status().ToString();
+          return;
+        }
+        stream = std::move(*opened);
+      }
+      // One call: unary, or a write and its answer on this worker's stream.
+      auto call = [&](const grpc::ByteBuffer& request) -> absl::StatusOr<ForwardResult> {
+        if (!stream) return (*client)->Forward(request, /*copy_output=*/false);
+        const absl::Time sent = absl::Now();
+        if (absl::Status s = stream->Write(request); !s.ok()) return s;
+        absl::StatusOr<ForwardResult> result = stream->Read(/*copy_output=*/false);
+        if (result.ok()) result->latency = absl::Now() - sent;
+        return result;
+      };
       for (;;) {
         const int64_t i = next.fetch_add(1);
         if (i >= num_requests || absl::Now() >= stop_at) break;
-        auto result = (*client)->Forward(mine[static_cast<size_t>(i) % mine.size()],
-                                         /*copy_output=*/false);
+        auto result = call(mine[static_cast<size_t>(i) % mine.size()]);
         if (result.ok()) {
           local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
           local_server_us.push_back(result->timings.total_us());
         } else {
           ++local_errors[absl::StatusCodeToString(result.status().code())];
           if (local_first_error.empty()) local_first_error = result.status().ToString();
+        }
+      }
+      if (stream) {
+        if (absl::Status s = stream->Finish(); !s.ok()) {
+          ++local_errors[absl::StatusCodeToString(s.code())];
+          if (local_first_error.empty()) local_first_error = s.ToString();
         }
       }
       std::lock_guard<std::mutex> lock(mu);
@@ -571,9 +778,11 @@ int RunLoad() {
   if (arena != nullptr) {
     if (absl::Status s = arena->Unregister(); !s.ok()) return Fail(s, "UnregisterSharedMemory");
   }
-  std::printf("load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d transport=%s\n",
-              static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
-              DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer), shm ? "shm" : "grpc");
+  std::printf(
+      "load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d transport=%s rpc=%s\n",
+      static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
+      DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer), shm ? "shm" : "grpc",
+      use_stream ? "ForwardStream" : "Forward");
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {
