@@ -83,8 +83,8 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
           "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
 ABSL_FLAG(bool, enable_shared_memory, false,
           "Accept shared-memory regions (Register*SharedMemory RPCs; Forward tensors and answers "
-          "by region): a frontend on this host. Off by default: a client may then name any shm "
-          "object the server's user can open");
+          "by region) from clients on this host (unix socket or loopback). Off by default: such "
+          "a client may name any shm object the server's user can open, and have it written");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
           "Most tokens (M) one Forward may carry; more fail with RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, metrics_address, moeserve::kDefaultMetricsAddress,

@@ -1,7 +1,7 @@
 #include "server/service.h"
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -63,7 +63,7 @@ MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
 void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                                 std::function<bool()> cancelled, Clock::time_point start,
-                                AnswerFn answer) {
+                                const std::string& peer, AnswerFn answer) {
   const double server_queue_us = MicrosSince(start);
   if (cancelled && cancelled()) {
     return answer(absl::CancelledError("Forward: cancelled by the client before it ran"), {}, 0,
@@ -83,6 +83,13 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     regions.Release();
     answer(status, {}, 0, request_id);
   };
+  // Regions name this host's memory: same-host clients only. (With shared memory off, the
+  // conversion refuses naming the field and the flag.)
+  if (regions_ != nullptr &&
+      (request->header.has_output_region() || request->hidden_states.header.has_region() ||
+       request->topk_ids.header.has_region() || request->topk_weights.header.has_region())) {
+    if (absl::Status s = CheckSharedMemoryPeer(peer, "Forward"); !s.ok()) return fail(s);
+  }
   // A CUDA region's bytes are read and written in place where the engine takes device memory.
   const EngineInfo& info = engine_->info();
   absl::StatusOr<ForwardInput> input =
@@ -163,8 +170,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     header.set_request_id(id);
     if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
     if (pending->request.header.return_timings()) {
-      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start),
-                            header.mutable_timings());
+      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start), header.mutable_timings());
       header.mutable_timings()->set_route_us(route_us);
     }
     if (pending->request.header.return_routing()) {
@@ -206,6 +212,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   auto task = [this, context, raw_request, response, start, finish]() {
     RunForward(
         *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
+        context->peer(),
         [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
                            const std::string&) {
           if (status.ok()) response->Swap(&encoded);
@@ -229,7 +236,7 @@ class MoeServiceImpl::StreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamReactor(MoeServiceImpl* service, grpc::CallbackServerContext* context)
-      : service_(service), deadline_(DeadlineOf(*context)) {
+      : service_(service), deadline_(DeadlineOf(*context)), peer_(context->peer()) {
     std::lock_guard<std::mutex> lock(mu_);
     StartReadingLocked();
   }
@@ -268,7 +275,7 @@ class MoeServiceImpl::StreamReactor final
     auto task = [this, request, start, answer]() {
       service_->RunForward(
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
-          answer);
+          peer_, answer);
     };
     if (!service_->workers_.Submit(task)) {
       answer(absl::UnavailableError("ForwardStream: the server is shutting down"), {}, 0, "");
@@ -360,6 +367,7 @@ class MoeServiceImpl::StreamReactor final
 
   MoeServiceImpl* const service_;
   const absl::Time deadline_;
+  const std::string peer_;         // the client, for the shared-memory check
   std::atomic<bool> stop_{false};  // finished or cancelled: queued calls are dropped
   std::mutex mu_;
   grpc::ByteBuffer read_buffer_;

@@ -48,6 +48,11 @@ struct ServiceOptions {
   int max_shared_memory_regions = 256;
 };
 
+// Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
+// "ipv6:[::1]:5000", brackets possibly percent-encoded) is on this host: shared-memory regions
+// are served to those only (PERMISSION_DENIED otherwise), since they name this host's memory.
+bool IsSameHostPeer(absl::string_view peer);
+
 // The shared-memory RPCs (server/shared_memory_service.cc).
 using MoeServiceSharedMemoryBase = v1::MoeService::WithCallbackMethod_RegisterSystemSharedMemory<
     v1::MoeService::WithCallbackMethod_RegisterCudaSharedMemory<
@@ -128,9 +133,10 @@ class MoeServiceImpl final : public MoeServiceBase {
                                       int64_t tokens, const std::string& request_id)>;
   // Decodes, validates and submits one serialized ForwardRequest to the batcher. `raw_request`
   // is read before this returns (the decoded call keeps its slices). Worker threads.
+  // `peer`: the client (ServerContext::peer()), for the shared-memory check.
   void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                   std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
-                  AnswerFn answer);
+                  const std::string& peer, AnswerFn answer);
   // The one access check of every MoeService call (UNAUTHENTICATED naming `method`).
   absl::Status Authorize(const grpc::CallbackServerContext& context,
                          absl::string_view method) const;
@@ -143,6 +149,9 @@ class MoeServiceImpl final : public MoeServiceBase {
   grpc::ServerUnaryReactor* RunSharedMemoryCall(grpc::CallbackServerContext* context,
                                                 const char* method,
                                                 std::function<absl::Status()> fn);
+  // OK when `peer` (ServerContext::peer()) is on this host (IsSameHostPeer); PERMISSION_DENIED
+  // naming `what` and the peer otherwise.
+  static absl::Status CheckSharedMemoryPeer(const std::string& peer, absl::string_view what);
 
   Engine* const engine_;
   Metrics* const metrics_;

@@ -7,12 +7,38 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "server/convert.h"
 #include "server/service.h"
 #include "server/status.h"
 
 namespace moeserve {
+
+bool IsSameHostPeer(absl::string_view peer) {
+  if (absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:")) return true;
+  if (absl::StartsWith(peer, "ipv4:")) return absl::StartsWith(peer, "ipv4:127.");
+  if (absl::StartsWith(peer, "ipv6:")) {
+    const std::string p = absl::AsciiStrToLower(absl::StrReplaceAll(
+        peer.substr(5), {{"%5b", "["}, {"%5d", "]"}, {"%5B", "["}, {"%5D", "]"}}));
+    return absl::StartsWith(p, "[::1]") || absl::StartsWith(p, "[::ffff:127.");
+  }
+  return false;
+}
+
+absl::Status MoeServiceImpl::CheckSharedMemoryPeer(const std::string& peer,
+                                                   absl::string_view what) {
+  if (!IsSameHostPeer(peer)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what,
+                     ": shared-memory regions are served to clients on the server's host "
+                     "only (a unix socket or loopback); this call came from ",
+                     peer));
+  }
+  return absl::OkStatus();
+}
 
 grpc::ServerUnaryReactor* MoeServiceImpl::RunSharedMemoryCall(grpc::CallbackServerContext* context,
                                                               const char* method,
@@ -36,6 +62,10 @@ grpc::ServerUnaryReactor* MoeServiceImpl::RunSharedMemoryCall(grpc::CallbackServ
   }
   if (regions_ == nullptr) {
     finish(SharedMemoryDisabledError(method));
+    return reactor;
+  }
+  if (absl::Status s = CheckSharedMemoryPeer(context->peer(), method); !s.ok()) {
+    finish(s);
     return reactor;
   }
   if (!workers_.Submit([fn = std::move(fn), finish] { finish(fn()); })) {

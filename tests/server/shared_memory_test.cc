@@ -20,6 +20,7 @@
 #include "core/model_config.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/server.h"
+#include "server/service.h"
 #include "tests/server/test_util.h"
 #include "tests/testing/shm_util.h"
 
@@ -541,6 +542,18 @@ TEST_F(SharedMemoryTest, DisabledServerRefusesEverythingNamingTheFlag) {
   EXPECT_THAT(s.error_message(), HasSubstr("output_region"));
   // Plain calls are served.
   ASSERT_TRUE(Call(Random(2), &resp, stub.get()).ok());
+}
+
+TEST(IsSameHostPeer, LoopbackAndUnixOnly) {
+  for (const char* peer : {"unix:/run/moeserve.sock", "unix:", "unix-abstract:x",
+                           "ipv4:127.0.0.1:50051", "ipv4:127.1.2.3:1", "ipv6:[::1]:50051",
+                           "ipv6:%5B::1%5D:50051", "ipv6:[::ffff:127.0.0.1]:80"}) {
+    EXPECT_TRUE(IsSameHostPeer(peer)) << peer;
+  }
+  for (const char* peer : {"ipv4:10.0.0.5:50051", "ipv4:128.0.0.1:1", "ipv6:[2001:db8::1]:5",
+                           "ipv6:[::2]:1", "ipv6:%5B::ffff:10.0.0.1%5D:1", "", "127.0.0.1:5"}) {
+    EXPECT_FALSE(IsSameHostPeer(peer)) << peer;
+  }
 }
 
 // A region a queued call holds cannot be unregistered (FAILED_PRECONDITION, nothing removed); once
