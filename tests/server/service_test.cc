@@ -68,6 +68,7 @@ class ServiceTest : public ::testing::Test {
     server_options.server_threads = 2;
     server_options.max_message_bytes = kMaxMessageBytes;
     server_options.metrics_address = "127.0.0.1:0";
+    server_options.enable_get_expert_weights = true;  // off by default: expert_weights_test.cc
     server_ = MoeServer::Start(engine_, server_options).value().release();
 
     grpc::ChannelArguments args;
