@@ -50,6 +50,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   service_options.auth = options.auth;
   service_options.enable_get_expert_weights = options.enable_get_expert_weights;
   service_options.enable_shared_memory = options.enable_shared_memory;
+  service_options.max_expert_weight_calls = options.max_expert_weight_calls;
   ForwardBatcherOptions batcher_options = options.batcher;
   batcher_options.observer = server->metrics_.get();
   MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,

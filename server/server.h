@@ -51,6 +51,8 @@ struct ServerOptions {
   std::shared_ptr<const BearerTokens> auth;
   bool enable_reflection = false;          // grpc.reflection.v1alpha.ServerReflection
   bool enable_get_expert_weights = false;  // GetExpertWeights, StreamExpertWeights
+  // Expert-weight calls in flight at once (ServiceOptions::max_expert_weight_calls).
+  int max_expert_weight_calls = 4;
   // The engine's health is polled this often; health reports NOT_SERVING while it is unhealthy
   // (e.g. an NCCL collective timed out or a rank failed). <= 0: no polling.
   std::chrono::milliseconds health_poll{500};

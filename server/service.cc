@@ -422,7 +422,8 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
   const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [this, reactor, start](const absl::Status& status) {
+  auto slot = std::make_shared<bool>(false);  // whether this call holds an expert-call slot
+  auto finish = [this, reactor, start, slot](const absl::Status& status) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
     if (metrics_) {
       metrics_->RecordRequest("GetExpertWeights", grpc_status.error_code(),
@@ -430,6 +431,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
       metrics_->DecrementInflight();
     }
     reactor->Finish(grpc_status);
+    if (*slot) expert_calls_.fetch_sub(1);
   };
   // Every refusal comes before the answer's buffers exist.
   if (absl::Status s =
@@ -448,6 +450,11 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
         "so by themselves)")));
     return reactor;
   }
+  if (absl::Status s = TakeExpertCallSlot("GetExpertWeights"); !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  *slot = true;
   // Dequantizing one expert of a large model takes milliseconds: keep it off gRPC's threads.
   auto task = [this, request, response, finish]() {
     const ModelConfig& model = engine_->info().model;
@@ -487,6 +494,17 @@ absl::Status MoeServiceImpl::AdmitExpertWeights(const grpc::CallbackServerContex
   return absl::OkStatus();
 }
 
+absl::Status MoeServiceImpl::TakeExpertCallSlot(absl::string_view method) {
+  if (expert_calls_.fetch_add(1) >= std::max(1, options_.max_expert_weight_calls)) {
+    expert_calls_.fetch_sub(1);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        method, ": ", std::max(1, options_.max_expert_weight_calls),
+        " expert-weight calls are in flight, the most this server runs at once; retry when one "
+        "has finished"));
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 // StreamExpertWeights' reactor: the expert is computed once on a worker (Begin), then written
@@ -514,11 +532,15 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
     NextWrite();
   }
 
+  // The call holds one of `slots` until it is done.
+  void HoldSlot(std::atomic<int>* slots) { slots_ = slots; }
+
   void OnDone() override {
     if (metrics_) {
       metrics_->RecordRequest("StreamExpertWeights", code_, MicrosSince(start_) * 1e-6);
       metrics_->DecrementInflight();
     }
+    if (slots_ != nullptr) slots_->fetch_sub(1);
     delete this;
   }
 
@@ -565,6 +587,7 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
   bool sent_any_ = false;
   v1::ExpertWeightsChunk chunk_;
   grpc::StatusCode code_ = grpc::StatusCode::UNKNOWN;
+  std::atomic<int>* slots_ = nullptr;
 };
 
 }  // namespace
@@ -584,6 +607,11 @@ grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* MoeServiceImpl::StreamExpertWe
                      ", expected >= 0 (0: ", kDefaultExpertChunkBytes, ")")));
     return stream;
   }
+  if (absl::Status s = TakeExpertCallSlot("StreamExpertWeights"); !s.ok()) {
+    stream->Fail(s);
+    return stream;
+  }
+  stream->HoldSlot(&expert_calls_);
   int64_t chunk = request->chunk_bytes() == 0 ? kDefaultExpertChunkBytes : request->chunk_bytes();
   chunk = std::max<int64_t>(
       1, std::min(chunk, options_.max_message_bytes - kExpertMessageFramingBytes));

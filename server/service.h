@@ -16,6 +16,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -46,6 +47,9 @@ struct ServiceOptions {
   // they are refused with FAILED_PRECONDITION naming --enable_shared_memory.
   bool enable_shared_memory = false;
   int max_shared_memory_regions = 256;
+  // Expert-weight calls in flight at once (each holds a whole expert, 88 MiB for DeepSeek-V3,
+  // until its client has read it); more are RESOURCE_EXHAUSTED.
+  int max_expert_weight_calls = 4;
 };
 
 // Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
@@ -152,6 +156,9 @@ class MoeServiceImpl final : public MoeServiceBase {
   // OK when `peer` (ServerContext::peer()) is on this host (IsSameHostPeer); PERMISSION_DENIED
   // naming `what` and the peer otherwise.
   static absl::Status CheckSharedMemoryPeer(const std::string& peer, absl::string_view what);
+  // Takes one of max_expert_weight_calls slots (RESOURCE_EXHAUSTED when none is free); the
+  // caller gives it back with expert_calls_.fetch_sub(1) once its answer is gone.
+  absl::Status TakeExpertCallSlot(absl::string_view method);
 
   Engine* const engine_;
   Metrics* const metrics_;
@@ -160,6 +167,7 @@ class MoeServiceImpl final : public MoeServiceBase {
   std::unique_ptr<RegionRegistry> regions_;  // null: shared memory off
   WorkQueue workers_;
   std::unique_ptr<ForwardBatcher> batcher_;
+  std::atomic<int> expert_calls_{0};  // expert-weight calls holding a slot
 };
 
 }  // namespace moeserve

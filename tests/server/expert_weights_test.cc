@@ -40,8 +40,10 @@ std::unique_ptr<Engine> MakeEngine(int layers, int experts, int topk, int64_t hi
   return Engine::Create(options).value();
 }
 
-std::unique_ptr<MoeServer> StartServer(Engine* engine, bool enable, int64_t max_message_bytes) {
+std::unique_ptr<MoeServer> StartServer(Engine* engine, bool enable, int64_t max_message_bytes,
+                                       int max_calls = 4) {
   ServerOptions o;
+  o.max_expert_weight_calls = max_calls;
   o.listen_addresses = {"127.0.0.1:0"};
   o.metrics_address = "127.0.0.1:0";
   o.server_threads = 2;
@@ -305,6 +307,32 @@ TEST(ExpertWeightsDeepSeekTest, RefusedBadCallsAreCheapAndTheExpertStreams) {
       "allocating the answer's buffers: %.1f ms\n",
       stream_ms, st.chunks, ms[ms.size() / 2], alloc_ms);
   EXPECT_LT(ms[ms.size() / 2], alloc_ms / 2);
+
+  // A client that stops reading keeps its expert (88 MiB) in the server: such calls are
+  // bounded (here to one), the next is RESOURCE_EXHAUSTED at once, and the slot comes back
+  // when the first call ends.
+  auto bounded = StartServer(engine.get(), /*enable=*/true, ServerOptions().max_message_bytes,
+                             /*max_calls=*/1);
+  auto bstub = Stub(*bounded);
+  grpc::ClientContext held_ctx;
+  v1::StreamExpertWeightsRequest req;
+  req.set_expert(1);
+  auto held = bstub->StreamExpertWeights(&held_ctx, req);
+  v1::ExpertWeightsChunk chunk;
+  ASSERT_TRUE(held->Read(&chunk));
+  Streamed second = Stream(*bstub, 0, 0);
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(second.status.error_message(), HasSubstr("in flight"));
+  held_ctx.TryCancel();
+  while (held->Read(&chunk)) {
+  }
+  EXPECT_EQ(held->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  bool freed = false;
+  for (int i = 0; i < 100 && !freed; ++i) {
+    freed = Stream(*bstub, 0, 0, int64_t{32} << 20).status.ok();
+    if (!freed) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(freed);
 }
 
 }  // namespace
