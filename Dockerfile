@@ -7,7 +7,8 @@
 #   docker build -t moeserve --build-arg MOESERVE_GIT_DESCRIBE="$(git describe --always --dirty)" .
 #   docker run --rm -p 50051:50051 -p 9464:9464 moeserve --model tiny
 # The entrypoint listens on 0.0.0.0:50051 (gRPC: moeserve.v1, KServe v2, health) and serves
-# Prometheus metrics on 0.0.0.0:9464; arguments are appended (later flags win).
+# Prometheus metrics on 0.0.0.0:9464; arguments are appended (later flags win). Reflection and
+# GetExpertWeights stay off unless flags turn them on; TLS and tokens: docs/security.md.
 FROM debian:bookworm AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # .git is not in the build context (.dockerignore): the commit comes in as an argument.

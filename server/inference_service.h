@@ -5,9 +5,14 @@
 //
 // ModelInfer is served raw, like Forward: raw_input_contents are viewed in gRPC's slices (or
 // gathered once when split or misaligned), the call goes through the same ServingState (worker
-// threads, the per-layer batcher, the engine) as Forward, and the answer buffer the engine
-// writes becomes raw_output_contents' slice. Request parameter `return_timings` (bool) adds
-// the stage times (double_param, microseconds) to the response's parameters.
+// threads, the message-size check, the per-layer batcher, the engine, the metrics) as Forward,
+// and the answer buffer the engine writes becomes raw_output_contents' slice. A request with
+// hidden_states only is routed by the server (RouteOnServer), as Forward is. Request parameter
+// `return_timings` (bool) adds the stage times (double_param, microseconds) to the response's
+// parameters.
+//
+// Access: every call but ServerLive and ServerReady (which, like grpc.health.v1, stay open for
+// probes) passes ServingState::Authorize, the same bearer-token check as moeserve.v1.
 #ifndef MOESERVE_SERVER_INFERENCE_SERVICE_H_
 #define MOESERVE_SERVER_INFERENCE_SERVICE_H_
 

@@ -52,12 +52,6 @@ absl::StatusOr<MessageLimits> ResolveMessageLimits(const ModelConfig& model,
         absl::StrCat("--max_message_bytes: got ", requested_max_message_bytes,
                      ", expected at most ", kGrpcMaxMessageBytes, " (gRPC's limit)"));
   }
-  if (weights_bytes > cap) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max_message_bytes: ", cap, " bytes cannot carry one expert's weights (",
-                     weights_bytes, " bytes for hidden ", model.hidden, ", intermediate ",
-                     model.intermediate, ", BF16); expected at least that, or 0 to derive it"));
-  }
   const int64_t fit = (cap - kMessageOverheadBytes) / TokenBytes(model);
   if (fit < 1) {
     return absl::InvalidArgumentError(

@@ -37,8 +37,9 @@ struct MessageLimits {
 
 // `requested_max_message_bytes` 0: derived (the largest valid request and the expert weights
 // answer). Otherwise it is kept and the token limit lowered, if needed, so the largest valid
-// request fits. INVALID_ARGUMENT (naming the flag) for non-positive tokens, a negative size, or
-// a size too small for a single token or one expert's weights.
+// request fits (a given size may be below one expert's weights: GetExpertWeights then refuses
+// and points to StreamExpertWeights, which sends them in chunks). INVALID_ARGUMENT (naming the
+// flag) for non-positive tokens, a negative size, or a size too small for a single token.
 absl::StatusOr<MessageLimits> ResolveMessageLimits(const ModelConfig& model,
                                                    int64_t requested_max_tokens,
                                                    int64_t requested_max_message_bytes);

@@ -29,9 +29,11 @@ namespace moeserve {
 class Metrics : public ForwardBatcherObserver {
  public:
   // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
-  // empty, an HTTP endpoint (GET /metrics) bound to it. UNAVAILABLE if the address cannot be bound.
+  // empty, an HTTP endpoint (GET /metrics) bound to it, over TLS when `tls` is set.
+  // UNAVAILABLE if the address cannot be bound; INVALID_ARGUMENT for unusable TLS files.
   // moeserve_build_info{version,commit,build_type,backend} = 1 from the start.
-  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& address);
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& address,
+                                                         const TlsFiles& tls = {});
   ~Metrics();
 
   // moeserve_model_info{model,backend,weight_format,num_ranks,experts,prepare_finalize} = 1,

@@ -19,17 +19,6 @@ namespace {
 constexpr int kPollMs = 100;
 constexpr size_t kMaxRequestBytes = 16 << 10;
 
-bool SendAll(int fd, const std::string& data) {
-  size_t sent = 0;
-  while (sent < data.size()) {
-    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    sent += static_cast<size_t>(n);
-  }
-  return true;
-}
-
 std::string Response(absl::string_view status, absl::string_view type, const std::string& body) {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
                       "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
@@ -38,7 +27,14 @@ std::string Response(absl::string_view status, absl::string_view type, const std
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& address, std::function<std::string()> render) {
+    const std::string& address, std::function<std::string()> render, const TlsFiles& tls) {
+  std::unique_ptr<TlsServerContext> tls_context;
+  if (tls.enabled()) {
+    absl::StatusOr<std::unique_ptr<TlsServerContext>> created =
+        TlsServerContext::Create(tls, "--metrics_tls_");
+    if (!created.ok()) return created.status();
+    tls_context = std::move(*created);
+  }
   const size_t colon = address.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(
@@ -85,6 +81,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
                       ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
                       : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   server->render_ = std::move(render);
+  server->tls_ = std::move(tls_context);
   server->thread_ = std::thread([s = server.get()] { s->Serve(); });
   return server;
 }
@@ -111,11 +108,18 @@ void MetricsHttpServer::Handle(int fd) {
   timeval timeout{2, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  std::unique_ptr<StreamConnection> conn;
+  if (tls_ == nullptr) {
+    conn = PlainConnection(fd);
+  } else {
+    absl::StatusOr<std::unique_ptr<StreamConnection>> accepted = tls_->Accept(fd);
+    if (!accepted.ok()) return;  // no TLS, no client certificate, untrusted: nothing to answer
+    conn = std::move(*accepted);
+  }
   std::string request;
   char buf[4096];
   while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR) continue;
+    const ssize_t n = conn->Read(buf, sizeof(buf));
     if (n <= 0) return;
     request.append(buf, static_cast<size_t>(n));
   }
@@ -123,11 +127,11 @@ void MetricsHttpServer::Handle(int fd) {
   const bool metrics = absl::StartsWith(line, "GET /metrics ") ||
                        absl::StartsWith(line, "GET /metrics?") || line == "GET /metrics";
   if (metrics) {
-    SendAll(fd, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_()));
+    conn->WriteAll(Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_()));
   } else if (absl::StartsWith(line, "GET ")) {
-    SendAll(fd, Response("404 Not Found", "text/plain", "moeserve serves /metrics\n"));
+    conn->WriteAll(Response("404 Not Found", "text/plain", "moeserve serves /metrics\n"));
   } else {
-    SendAll(fd, Response("405 Method Not Allowed", "text/plain", "GET /metrics only\n"));
+    conn->WriteAll(Response("405 Method Not Allowed", "text/plain", "GET /metrics only\n"));
   }
 }
 

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "server/tls.h"
 
 namespace moeserve {
 
@@ -21,9 +22,12 @@ class MetricsHttpServer {
  public:
   // Binds "host:port" (port 0: a free port; host may be a name, an IPv4 address or [IPv6]) and
   // starts serving. `render` is called on the server thread for every GET /metrics; it must be
-  // thread-safe. UNAVAILABLE naming the address if it cannot be bound.
+  // thread-safe. UNAVAILABLE naming the address if it cannot be bound. With `tls` set, every
+  // connection is HTTPS (TLS 1.2+; with tls.ca_file a client certificate signed by it is
+  // required; the files are re-read when they change); INVALID_ARGUMENT naming the
+  // --metrics_tls_* flag when they are unusable.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
-      const std::string& address, std::function<std::string()> render);
+      const std::string& address, std::function<std::string()> render, const TlsFiles& tls = {});
   // Stops accepting and joins the thread (within about 100 ms).
   ~MetricsHttpServer();
 
@@ -35,6 +39,7 @@ class MetricsHttpServer {
   void Handle(int fd);
 
   std::function<std::string()> render_;
+  std::unique_ptr<TlsServerContext> tls_;  // null: plain HTTP
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stop_{false};

@@ -1,6 +1,5 @@
 #include "server/server.h"
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
@@ -48,17 +47,25 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   }
   auto server = std::unique_ptr<MoeServer>(new MoeServer());
   server->options_ = options;
-  MOESERVE_ASSIGN_OR_RETURN(server->metrics_, Metrics::Create(options.metrics_address));
-  server->state_ =
-      std::make_unique<ServingState>(server->metrics_.get(), std::max(1, options.server_threads),
-                                     options.max_message_bytes, std::move(describe_startup));
-  server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get());
+  // Credentials first: bad certificate files fail before anything listens.
+  MOESERVE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                            MakeServerCredentials(options.tls, "--tls_", options.tls_refresh_s));
+  MOESERVE_ASSIGN_OR_RETURN(server->metrics_,
+                            Metrics::Create(options.metrics_address, options.metrics_tls));
+  server->state_ = std::make_unique<ServingState>(
+      server->metrics_.get(), std::max(1, options.server_threads), options.max_message_bytes,
+      options.auth, std::move(describe_startup));
+  ServiceOptions service_options;
+  service_options.enable_get_expert_weights = options.enable_get_expert_weights;
+  service_options.enable_shared_memory = options.enable_shared_memory;
+  service_options.max_expert_weight_calls = options.max_expert_weight_calls;
+  server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get(), service_options);
   server->inference_service_ = std::make_unique<InferenceServiceImpl>(
       server->state_.get(), [s = server.get()] { return s->serving(); });
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  SetReflection(&builder, options.enable_reflection);
   const int64_t grpc_limit =
       options.grpc_limit_bytes > 0 ? options.grpc_limit_bytes : options.max_message_bytes;
   const int limit = static_cast<int>(std::min<int64_t>(grpc_limit, INT_MAX));
@@ -68,8 +75,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   server->bound_ports_.assign(options.listen_addresses.size(), 0);
   for (size_t i = 0; i < options.listen_addresses.size(); ++i) {
-    builder.AddListeningPort(options.listen_addresses[i], grpc::InsecureServerCredentials(),
-                             &server->bound_ports_[i]);
+    builder.AddListeningPort(options.listen_addresses[i], credentials, &server->bound_ports_[i]);
   }
   builder.RegisterService(server->service_.get());
   builder.RegisterService(server->inference_service_.get());
@@ -106,6 +112,7 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
                             ForwardBatcher::Create(engine, batcher_options));
   engine_ = engine;
   metrics_->SetModelInfo(engine->info());
+  service_->PrepareForEngine(*engine);  // before the engine is published to the calls
   state_->Attach(engine, std::move(batcher));
   SetServing(engine->healthy());
   if (options_.health_poll.count() > 0) {
@@ -163,7 +170,12 @@ void MoeServer::WatchHealth(ServerOptions options) {
   }
 }
 
-MoeServer::~MoeServer() { Shutdown(); }
+MoeServer::~MoeServer() {
+  Shutdown();
+  // The batcher and workers go before the services: a call still held would use the service
+  // (and the shared-memory regions it owns).
+  state_.reset();
+}
 
 void MoeServer::Shutdown(std::chrono::milliseconds deadline) {
   if (shut_down_) return;

@@ -1,11 +1,19 @@
 #include "server/service.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "moeserve/v1/forward_wire.h"
 #include "server/convert.h"
 #include "server/status.h"
@@ -16,108 +24,391 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Bytes of one expert's BF16 w13 [2I, H] and w2 [H, I] (sizes are bounded by
+// ModelConfig::kMaxHidden, so this cannot overflow).
+int64_t ExpertWeightsBytes(const ModelConfig& model) {
+  return 3 * model.intermediate * model.hidden * static_cast<int64_t>(sizeof(uint16_t));
+}
+
+// The call's deadline; none (gRPC's infinite future) maps to absl::InfiniteFuture().
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  return CallDeadline(context.deadline());
+}
+
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
 }
 
 }  // namespace
 
+MoeServiceImpl::MoeServiceImpl(ServingState* state, const ServiceOptions& options)
+    : state_(state), metrics_(state->metrics()), options_(options) {}
+
+MoeServiceImpl::~MoeServiceImpl() = default;
+
+void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
+  if (options_.enable_shared_memory && regions_ == nullptr) {
+    RegionRegistryOptions regions;
+    regions.backend = engine.info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;
+    regions.max_regions = options_.max_shared_memory_regions;
+    regions_ = std::make_unique<RegionRegistry>(regions);
+  }
+}
+
+void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
+                                std::function<bool()> cancelled, Clock::time_point start,
+                                const std::string& peer, AnswerFn answer) {
+  const double server_queue_us = MicrosSince(start);
+  if (cancelled && cancelled()) {
+    return answer(absl::CancelledError("Forward: cancelled by the client before it ran"), {}, 0,
+                  "");
+  }
+  Engine* const engine = state_->engine();  // acquire: regions_ is set before it
+  if (engine == nullptr) return answer(state_->NotReady("Forward"), {}, 0, "");
+  const int64_t message_bytes = static_cast<int64_t>(raw_request.Length());
+  absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(raw_request);
+  if (!request.ok()) {
+    return answer(absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())),
+                  {}, 0, "");
+  }
+  std::string request_id = request->header.request_id();
+  GatheredBytes gathered;
+  // Tensors in shared-memory regions hold their regions until the answer is ready; released
+  // before the call is answered, so the client may unregister as soon as it has the answer.
+  ForwardRegions regions;
+  auto fail = [&regions, &answer, &request_id](const absl::Status& status) {
+    regions.Release();
+    answer(status, {}, 0, request_id);
+  };
+  // Regions name this host's memory: same-host clients only. (With shared memory off, the
+  // conversion refuses naming the field and the flag.)
+  if (regions_ != nullptr &&
+      (request->header.has_output_region() || request->hidden_states.header.has_region() ||
+       request->topk_ids.header.has_region() || request->topk_weights.header.has_region())) {
+    if (absl::Status s = CheckSharedMemoryPeer(peer, "Forward"); !s.ok()) return fail(s);
+  }
+  // A CUDA region's bytes are read and written in place where the engine takes device memory.
+  const EngineInfo& info = engine->info();
+  absl::StatusOr<ForwardInput> input =
+      ForwardInputFromWire(*request, &gathered, regions_.get(), info.device_tensors, &regions);
+  if (!input.ok()) return fail(input.status());
+  // No topk tensors: the server routes with the layer's gate, into a recycled buffer that
+  // lives as long as the call (ids INT32 [M, topk], then weights FP32 [M, topk]).
+  std::unique_ptr<PooledBuffer> routing;
+  double route_us = 0;
+  if (input->topk_ids.empty()) {
+    const Clock::time_point route_start = Clock::now();
+    if (absl::Status s = RouteOnServer(*engine, &*input, &routing); !s.ok()) return fail(s);
+    route_us = MicrosSince(route_start);
+  }
+  // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
+  if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
+      !s.ok()) {
+    return fail(s);
+  }
+  const int64_t m = input->hidden_states.dim(0);
+  const DType dtype = input->hidden_states.dtype();
+  const Shape out_shape = {m, info.model.hidden};
+  if (absl::Status s = ResolveOutputRegion(request->header, regions_.get(), dtype, out_shape,
+                                           info.device_tensors, &regions);
+      !s.ok()) {
+    return fail(s);
+  }
+  // What the call needs until the batcher answers it: the request's slices (its tensors may
+  // be views into them), the gathered bytes, the regions and the routing buffer. The answer
+  // buffer (ServingState::SubmitForward) is written by the engine and the reply's slice then
+  // owns it (no copy) -- or the engine writes the output region.
+  struct Pending {
+    v1wire::ForwardRequestView request;
+    GatheredBytes gathered;
+    ForwardRegions regions;
+    ForwardInput input;
+    std::unique_ptr<PooledBuffer> routing;  // server-side routing only
+  };
+  auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered),
+                                                   std::move(regions), *input, std::move(routing)});
+  std::optional<TensorView> region_output;
+  if (pending->regions.output.has_value()) region_output = pending->regions.output->view();
+  Metrics* const metrics = metrics_;
+  auto done = [pending, metrics, start, server_queue_us, route_us, answer = std::move(answer)](
+                  absl::Status status, ServingState::ForwardAnswer result) {
+    const std::string& id = pending->request.header.request_id();
+    if (status.ok() && pending->regions.output.has_value()) {
+      status = pending->regions.output->Flush();
+    }
+    pending->regions.Release();
+    if (!status.ok()) return answer(status, {}, 0, id);
+    v1::ForwardResponse header;
+    header.mutable_output()->set_dtype(DTypeToProto(result.dtype));
+    for (int64_t d : result.shape) header.mutable_output()->add_shape(d);
+    header.set_request_id(id);
+    if (metrics) {
+      metrics->RecordStages(server_queue_us + result.timings.queue_us, result.timings.stages);
+    }
+    if (pending->request.header.return_timings()) {
+      ForwardTimingsToProto(result.timings, server_queue_us, MicrosSince(start),
+                            header.mutable_timings());
+      header.mutable_timings()->set_route_us(route_us);
+    }
+    if (pending->request.header.return_routing()) {
+      RoutingToProto(pending->input, header.mutable_topk_ids(), header.mutable_topk_weights());
+    }
+    // With an output region the answer is there already: the reply has dtype and shape only.
+    grpc::Slice data;
+    if (result.output != nullptr) {
+      void* out_data = result.output->data();
+      data = v1wire::SliceOwning(out_data, result.bytes, std::move(result.output));
+    }
+    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, data);
+    if (!encoded.ok()) return answer(absl::InternalError(encoded.status().message()), {}, 0, id);
+    answer(absl::OkStatus(), std::move(*encoded), result.shape[0], id);
+  };
+  // The same admission as ModelInfer: shapes, the message size, routing counts, the batcher.
+  state_->SubmitForward("Forward", pending->input, message_bytes, deadline, std::move(cancelled),
+                        std::move(done), region_output);
+}
+
 grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* raw_request,
                                                   grpc::ByteBuffer* response) {
   const Clock::time_point start = Clock::now();
-  Metrics* const metrics = state_->metrics();
-  if (metrics) metrics->IncrementInflight();
+  if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const int64_t received = static_cast<int64_t>(raw_request->Length());
   // Records metrics and answers; `tokens` counts only on success.
-  auto finish = [metrics, reactor, start, received, response](const absl::Status& status,
-                                                              int64_t tokens) {
+  auto finish = [this, reactor, start, received, response](const absl::Status& status,
+                                                           int64_t tokens) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
-    if (metrics) {
-      if (status.ok()) metrics->AddTokens(tokens);
-      metrics->RecordRequest("Forward", grpc_status.error_code(), MicrosSince(start) * 1e-6);
-      metrics->AddBytes("Forward", received,
-                        status.ok() ? static_cast<int64_t>(response->Length()) : 0);
-      metrics->DecrementInflight();
+    if (metrics_) {
+      if (status.ok()) metrics_->AddTokens(tokens);
+      metrics_->RecordRequest("Forward", grpc_status.error_code(), MicrosSince(start) * 1e-6);
+      metrics_->AddBytes("Forward", received,
+                         status.ok() ? static_cast<int64_t>(response->Length()) : 0);
+      metrics_->DecrementInflight();
     }
     reactor->Finish(grpc_status);
   };
-  auto task = [this, context, raw_request, response, start, received, finish]() {
-    const double server_queue_us = MicrosSince(start);
-    if (context->IsCancelled()) {
-      finish(absl::CancelledError("Forward: cancelled by the client before it ran"), 0);
-      return;
-    }
-    if (state_->engine() == nullptr) return finish(state_->NotReady("Forward"), 0);
-    absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(*raw_request);
-    if (!request.ok()) {
-      return finish(
-          absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())), 0);
-    }
-    GatheredBytes gathered;
-    absl::StatusOr<ForwardInput> input = ForwardInputFromWire(*request, &gathered);
-    if (!input.ok()) return finish(input.status(), 0);
-    // The request's slices (the tensors may be views into them) and the gathered bytes live
-    // until the batcher answers.
-    struct Pending {
-      v1wire::ForwardRequestView request;
-      GatheredBytes gathered;
-    };
-    auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered)});
-    Metrics* const metrics = state_->metrics();
-    auto done = [pending, response, start, server_queue_us, metrics, finish](
-                    absl::Status status, ServingState::ForwardAnswer answer) {
-      if (!status.ok()) return finish(status, 0);
-      v1::ForwardResponse header;
-      header.mutable_output()->set_dtype(DTypeToProto(answer.dtype));
-      for (int64_t d : answer.shape) header.mutable_output()->add_shape(d);
-      header.set_request_id(pending->request.header.request_id());
-      if (metrics)
-        metrics->RecordStages(server_queue_us + answer.timings.queue_us, answer.timings.stages);
-      if (pending->request.header.return_timings()) {
-        ForwardTimingsToProto(answer.timings, server_queue_us, MicrosSince(start),
-                              header.mutable_timings());
-      }
-      void* out_data = answer.output->data();
-      // The answer buffer, written by the engine, becomes the reply's slice (no copy).
-      absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(
-          header, v1wire::SliceOwning(out_data, answer.bytes, std::move(answer.output)));
-      if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
-      response->Swap(&*encoded);
-      finish(absl::OkStatus(), answer.shape[0]);
-    };
-    state_->SubmitForward(
-        "Forward", *input, received, CallDeadline(context->deadline()),
-        [context] { return context->IsCancelled(); }, std::move(done));
+  if (absl::Status s = Authorize(*context, "Forward"); !s.ok()) {
+    finish(s, 0);
+    return reactor;
+  }
+  auto task = [this, context, raw_request, response, start, finish]() {
+    RunForward(
+        *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
+        context->peer(),
+        [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
+                           const std::string&) {
+          if (status.ok()) response->Swap(&encoded);
+          finish(status, tokens);
+        });
   };
-  if (!state_->SubmitWork(task)) {
+  // A small request is decoded and queued right here (a thread hop costs more than the work);
+  // a large one, whose pieces may need gathering, on a worker.
+  if (raw_request->Length() <= kInlineRequestBytes) {
+    task();
+  } else if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
   }
   return reactor;
+}
+
+// One ForwardStream. Lives until gRPC is done with it (OnDone) and every call it submitted
+// has answered: refs_ counts both. Calls never touch the CallbackServerContext (it dies at
+// OnDone); they poll stop_ instead.
+class MoeServiceImpl::StreamReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  StreamReactor(MoeServiceImpl* service, grpc::CallbackServerContext* context)
+      : service_(service), deadline_(DeadlineOf(*context)), peer_(context->peer()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    StartReadingLocked();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    reading_ = false;
+    if (!ok || finished_) {  // the client half-closed (or the stream broke or was finished)
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    auto request = std::make_shared<grpc::ByteBuffer>();
+    request->Swap(&read_buffer_);
+    const uint64_t seq = front_seq_ + slots_.size();
+    slots_.emplace_back();
+    ++refs_;
+    if (static_cast<int>(slots_.size()) < kMaxStreamCallsInFlight) StartReadingLocked();
+    lock.unlock();
+
+    const Clock::time_point start = Clock::now();
+    Metrics* metrics = service_->metrics_;
+    if (metrics) metrics->IncrementInflight();
+    const int64_t received = static_cast<int64_t>(request->Length());
+    auto answer = [this, seq, start, metrics, received](const absl::Status& status,
+                                                        grpc::ByteBuffer encoded, int64_t tokens,
+                                                        const std::string& request_id) {
+      const grpc::Status grpc_status = ToGrpcStatus(status);
+      if (metrics) {
+        if (status.ok()) metrics->AddTokens(tokens);
+        metrics->RecordRequest("ForwardStream", grpc_status.error_code(),
+                               MicrosSince(start) * 1e-6);
+        metrics->AddBytes("ForwardStream", received,
+                          status.ok() ? static_cast<int64_t>(encoded.Length()) : 0);
+        metrics->DecrementInflight();
+      }
+      if (!status.ok()) encoded = ErrorAnswer(grpc_status, request_id);
+      Answer(seq, std::move(encoded));
+    };
+    auto task = [this, request, start, answer]() {
+      service_->RunForward(
+          *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
+          peer_, answer);
+    };
+    if (!service_->state_->SubmitWork(task)) {
+      answer(absl::UnavailableError("ForwardStream: the server is shutting down"), {}, 0, "");
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    if (!ok) {  // the stream broke: nothing more can be written
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "ForwardStream: write failed"));
+      return;
+    }
+    slots_.pop_front();
+    ++front_seq_;
+    if (!reading_ && !reads_done_ && !finished_) StartReadingLocked();
+    MaybeWriteLocked();
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "ForwardStream: cancelled"));
+  }
+
+  void OnDone() override { Unref(); }
+
+ private:
+  struct Slot {
+    bool ready = false;
+    grpc::ByteBuffer answer;
+  };
+
+  static grpc::ByteBuffer ErrorAnswer(const grpc::Status& status, const std::string& request_id) {
+    v1::ForwardResponse header;
+    header.set_request_id(request_id);
+    header.set_error_code(static_cast<int32_t>(status.error_code()));
+    header.set_error_message(status.error_message());
+    absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, {});
+    return encoded.ok() ? std::move(*encoded) : grpc::ByteBuffer();
+  }
+
+  // A call's answer (any thread): parks it in its slot and writes whatever is next in order.
+  void Answer(uint64_t seq, grpc::ByteBuffer encoded) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!finished_) {
+        Slot& slot = slots_[seq - front_seq_];
+        slot.answer.Swap(&encoded);
+        slot.ready = true;
+        MaybeWriteLocked();
+      }
+    }
+    Unref();
+  }
+
+  void StartReadingLocked() {
+    reading_ = true;
+    StartRead(&read_buffer_);
+  }
+
+  // Writes the oldest answer if it is ready (deque elements keep their address while the write
+  // is in flight: only the front is popped, after it completes).
+  void MaybeWriteLocked() {
+    if (writing_ || finished_ || slots_.empty() || !slots_.front().ready) return;
+    writing_ = true;
+    StartWrite(&slots_.front().answer);
+  }
+
+  void MaybeFinishLocked() {
+    if (reads_done_ && slots_.empty() && !writing_) FinishLocked(grpc::Status::OK);
+  }
+
+  void FinishLocked(const grpc::Status& status) {
+    if (finished_) return;
+    finished_ = true;
+    stop_.store(true, std::memory_order_relaxed);
+    Finish(status);
+  }
+
+  void Unref() {
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = --refs_ == 0;
+    }
+    if (last) delete this;
+  }
+
+  MoeServiceImpl* const service_;
+  const absl::Time deadline_;
+  const std::string peer_;         // the client, for the shared-memory check
+  std::atomic<bool> stop_{false};  // finished or cancelled: queued calls are dropped
+  std::mutex mu_;
+  grpc::ByteBuffer read_buffer_;
+  std::deque<Slot> slots_;  // calls in request order, from front_seq_
+  uint64_t front_seq_ = 0;
+  bool reading_ = false;
+  bool reads_done_ = false;
+  bool writing_ = false;
+  bool finished_ = false;
+  int refs_ = 1;  // gRPC's (released at OnDone) + one per call not yet answered
+};
+
+namespace {
+
+// Ends a stream at once with `status` (a refused ForwardStream).
+class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* MoeServiceImpl::ForwardStream(
+    grpc::CallbackServerContext* context) {
+  if (absl::Status s = Authorize(*context, "ForwardStream"); !s.ok()) {
+    if (metrics_) metrics_->RecordRequest("ForwardStream", ToGrpcStatus(s).error_code(), 0);
+    return new RefusedStream(ToGrpcStatus(s));
+  }
+  return new StreamReactor(this, context);
 }
 
 grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
                                                        const v1::GetModelInfoRequest* request,
                                                        v1::ModelInfo* response) {
   const Clock::time_point start = Clock::now();
-  Metrics* const metrics = state_->metrics();
-  if (metrics) metrics->IncrementInflight();
-  absl::Status status;
-  if (Engine* engine = state_->engine()) {
-    EngineInfoToProto(engine->info(), state_->max_message_bytes(), response);
-  } else {
-    status = state_->NotReady("GetModelInfo");
+  if (metrics_) metrics_->IncrementInflight();
+  absl::Status s = Authorize(*context, "GetModelInfo");
+  if (s.ok()) {
+    if (Engine* engine = state_->engine()) {
+      EngineInfoToProto(engine->info(), state_->max_message_bytes(), response);
+    } else {
+      s = state_->NotReady("GetModelInfo");
+    }
   }
-  const grpc::Status grpc_status = ToGrpcStatus(status);
-  if (metrics) {
-    metrics->RecordRequest("GetModelInfo", grpc_status.error_code(), MicrosSince(start) * 1e-6);
-    metrics->AddBytes("GetModelInfo", static_cast<int64_t>(request->ByteSizeLong()),
-                      status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
-    metrics->DecrementInflight();
+  const grpc::Status status = ToGrpcStatus(s);
+  if (metrics_) {
+    metrics_->RecordRequest("GetModelInfo", status.error_code(), MicrosSince(start) * 1e-6);
+    metrics_->AddBytes("GetModelInfo", static_cast<int64_t>(request->ByteSizeLong()),
+                       status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
+    metrics_->DecrementInflight();
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc_status);
+  reactor->Finish(status);
   return reactor;
 }
 
@@ -125,24 +416,47 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     grpc::CallbackServerContext* context, const v1::GetExpertWeightsRequest* request,
     v1::GetExpertWeightsResponse* response) {
   const Clock::time_point start = Clock::now();
-  Metrics* const metrics = state_->metrics();
-  if (metrics) metrics->IncrementInflight();
+  if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [metrics, reactor, start, request, response](const absl::Status& status) {
+  auto slot = std::make_shared<bool>(false);  // whether this call holds an expert-call slot
+  auto finish = [this, reactor, start, slot, request, response](const absl::Status& status) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
-    if (metrics) {
-      metrics->RecordRequest("GetExpertWeights", grpc_status.error_code(),
-                             MicrosSince(start) * 1e-6);
-      metrics->AddBytes("GetExpertWeights", static_cast<int64_t>(request->ByteSizeLong()),
-                        status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
-      metrics->DecrementInflight();
+    if (metrics_) {
+      metrics_->RecordRequest("GetExpertWeights", grpc_status.error_code(),
+                              MicrosSince(start) * 1e-6);
+      metrics_->AddBytes("GetExpertWeights", static_cast<int64_t>(request->ByteSizeLong()),
+                         status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
+      metrics_->DecrementInflight();
     }
     reactor->Finish(grpc_status);
+    if (*slot) expert_calls_.fetch_sub(1);
   };
+  // Every refusal comes before the answer's buffers exist.
+  if (absl::Status s =
+          AdmitExpertWeights(*context, "GetExpertWeights", request->layer(), request->expert());
+      !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  // AdmitExpertWeights saw the engine attached: it stays so.
+  const ModelConfig& model = state_->engine()->info().model;
+  const int64_t bytes = ExpertWeightsBytes(model);
+  if (bytes + kExpertMessageFramingBytes > state_->max_message_bytes()) {
+    finish(absl::ResourceExhaustedError(absl::StrCat(
+        "GetExpertWeights: one expert of this model is ", bytes,
+        " bytes, more than fits in a message (max_message_bytes ", state_->max_message_bytes(),
+        "); use StreamExpertWeights, which sends it in chunks (moeserve-cli and the clients do "
+        "so by themselves)")));
+    return reactor;
+  }
+  if (absl::Status s = TakeExpertCallSlot("GetExpertWeights"); !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  *slot = true;
   // Dequantizing one expert of a large model takes milliseconds: keep it off gRPC's threads.
   auto task = [this, request, response, finish]() {
-    Engine* engine = state_->engine();
-    if (engine == nullptr) return finish(state_->NotReady("GetExpertWeights"));
+    Engine* const engine = state_->engine();
     const ModelConfig& model = engine->info().model;
     const int64_t k = model.hidden, n = model.intermediate;
     const TensorView w13 = AllocateProtoTensor(DType::kBF16, {2 * n, k}, response->mutable_w13());
@@ -156,6 +470,163 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     finish(absl::UnavailableError("GetExpertWeights: the server is shutting down"));
   }
   return reactor;
+}
+
+absl::Status MoeServiceImpl::AdmitExpertWeights(const grpc::CallbackServerContext& context,
+                                                absl::string_view method, int layer,
+                                                int expert) const {
+  MOESERVE_RETURN_IF_ERROR(Authorize(context, method));
+  if (!options_.enable_get_expert_weights) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        method,
+        ": this server does not hand out expert weights; start moeserve with "
+        "--enable_get_expert_weights to allow GetExpertWeights and StreamExpertWeights (anyone "
+        "who can call them can copy the model)"));
+  }
+  Engine* const engine = state_->engine();
+  if (engine == nullptr) return state_->NotReady(method);
+  absl::Status s = engine->ValidateExpertRef(layer, expert);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(method, ": ", s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status MoeServiceImpl::TakeExpertCallSlot(absl::string_view method) {
+  if (expert_calls_.fetch_add(1) >= std::max(1, options_.max_expert_weight_calls)) {
+    expert_calls_.fetch_sub(1);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        method, ": ", std::max(1, options_.max_expert_weight_calls),
+        " expert-weight calls are in flight, the most this server runs at once; retry when one "
+        "has finished"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// StreamExpertWeights' reactor: the expert is computed once on a worker (Begin), then written
+// chunk by chunk, each write started when the previous one is done. Deletes itself in OnDone.
+class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeightsChunk> {
+ public:
+  ExpertWeightsStream(Metrics* metrics, Clock::time_point start)
+      : metrics_(metrics), start_(start) {
+    if (metrics_) metrics_->IncrementInflight();
+  }
+
+  // The weights are ready: w13 then w2 go out in chunks of at most `chunk_bytes`.
+  void Begin(std::string w13, Shape w13_shape, std::string w2, Shape w2_shape,
+             int64_t chunk_bytes) {
+    tensors_[0] = {"w13", std::move(w13), std::move(w13_shape)};
+    tensors_[1] = {"w2", std::move(w2), std::move(w2_shape)};
+    chunk_bytes_ = static_cast<size_t>(chunk_bytes);
+    NextWrite();
+  }
+
+  void Fail(const absl::Status& status) { End(status); }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return End(absl::CancelledError("StreamExpertWeights: the client went away"));
+    NextWrite();
+  }
+
+  // The call holds one of `slots` until it is done.
+  void HoldSlot(std::atomic<int>* slots) { slots_ = slots; }
+
+  void OnDone() override {
+    if (metrics_) {
+      metrics_->RecordRequest("StreamExpertWeights", code_, MicrosSince(start_) * 1e-6);
+      metrics_->DecrementInflight();
+    }
+    if (slots_ != nullptr) slots_->fetch_sub(1);
+    delete this;
+  }
+
+ private:
+  struct Part {
+    const char* name = "";
+    std::string bytes;
+    Shape shape;
+  };
+
+  void NextWrite() {
+    // Each tensor sends at least one chunk (so that its shape arrives even when empty).
+    while (current_ < 2 && offset_ >= tensors_[current_].bytes.size() && sent_any_) {
+      ++current_;
+      offset_ = 0;
+      sent_any_ = false;
+    }
+    if (current_ >= 2) return End(absl::OkStatus());
+    const Part& part = tensors_[current_];
+    const size_t n = std::min(chunk_bytes_, part.bytes.size() - offset_);
+    chunk_.Clear();
+    chunk_.set_tensor(part.name);
+    chunk_.set_dtype(v1::DTYPE_BF16);
+    for (int64_t d : part.shape) chunk_.add_shape(d);
+    chunk_.set_offset(static_cast<int64_t>(offset_));
+    chunk_.set_data(part.bytes.data() + offset_, n);
+    offset_ += n;
+    sent_any_ = true;
+    StartWrite(&chunk_);
+  }
+
+  void End(const absl::Status& status) {
+    const grpc::Status grpc_status = ToGrpcStatus(status);
+    code_ = grpc_status.error_code();
+    Finish(grpc_status);
+  }
+
+  Metrics* const metrics_;
+  const Clock::time_point start_;
+  Part tensors_[2];
+  size_t chunk_bytes_ = 0;
+  int current_ = 0;
+  size_t offset_ = 0;
+  bool sent_any_ = false;
+  v1::ExpertWeightsChunk chunk_;
+  grpc::StatusCode code_ = grpc::StatusCode::UNKNOWN;
+  std::atomic<int>* slots_ = nullptr;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* MoeServiceImpl::StreamExpertWeights(
+    grpc::CallbackServerContext* context, const v1::StreamExpertWeightsRequest* request) {
+  auto* stream = new ExpertWeightsStream(metrics_, Clock::now());
+  const int layer = request->layer(), expert = request->expert();
+  if (absl::Status s = AdmitExpertWeights(*context, "StreamExpertWeights", layer, expert);
+      !s.ok()) {
+    stream->Fail(s);
+    return stream;
+  }
+  if (request->chunk_bytes() < 0) {
+    stream->Fail(absl::InvalidArgumentError(
+        absl::StrCat("StreamExpertWeights: chunk_bytes: got ", request->chunk_bytes(),
+                     ", expected >= 0 (0: ", kDefaultExpertChunkBytes, ")")));
+    return stream;
+  }
+  if (absl::Status s = TakeExpertCallSlot("StreamExpertWeights"); !s.ok()) {
+    stream->Fail(s);
+    return stream;
+  }
+  stream->HoldSlot(&expert_calls_);
+  int64_t chunk = request->chunk_bytes() == 0 ? kDefaultExpertChunkBytes : request->chunk_bytes();
+  chunk = std::max<int64_t>(
+      1, std::min(chunk, state_->max_message_bytes() - kExpertMessageFramingBytes));
+  auto task = [this, stream, layer, expert, chunk]() {
+    Engine* const engine = state_->engine();  // attached: AdmitExpertWeights saw it
+    const ModelConfig& model = engine->info().model;
+    const int64_t k = model.hidden, n = model.intermediate;
+    std::string w13(static_cast<size_t>(2 * n * k) * sizeof(uint16_t), '\0');
+    std::string w2(static_cast<size_t>(k * n) * sizeof(uint16_t), '\0');
+    absl::Status s =
+        engine->GetExpertWeightsBf16(layer, expert, reinterpret_cast<uint16_t*>(w13.data()),
+                                     reinterpret_cast<uint16_t*>(w2.data()));
+    if (!s.ok()) return stream->Fail(s);
+    stream->Begin(std::move(w13), {2 * n, k}, std::move(w2), {k, n}, chunk);
+  };
+  if (!state_->SubmitWork(task)) {
+    stream->Fail(absl::UnavailableError("StreamExpertWeights: the server is shutting down"));
+  }
+  return stream;
 }
 
 }  // namespace moeserve

@@ -7,9 +7,11 @@
 namespace moeserve {
 
 ServingState::ServingState(Metrics* metrics, int num_worker_threads, int64_t max_message_bytes,
+                           std::shared_ptr<const BearerTokens> auth,
                            std::function<std::string()> describe_startup)
     : metrics_(metrics),
       max_message_bytes_(max_message_bytes),
+      auth_(std::move(auth)),
       describe_startup_(std::move(describe_startup)),
       workers_(num_worker_threads) {}
 
@@ -24,6 +26,12 @@ void ServingState::Attach(Engine* engine, std::unique_ptr<ForwardBatcher> batche
   ready_.store(true, std::memory_order_release);
 }
 
+absl::Status ServingState::Authorize(const grpc::ServerContextBase& context,
+                                     absl::string_view method) const {
+  if (auth_ == nullptr) return absl::OkStatus();
+  return auth_->Check(context.client_metadata(), method);
+}
+
 absl::Status ServingState::NotReady(absl::string_view method) const {
   const std::string what = describe_startup_ ? describe_startup_() : "starting";
   return absl::UnavailableError(absl::StrCat(
@@ -33,7 +41,8 @@ absl::Status ServingState::NotReady(absl::string_view method) const {
 
 void ServingState::SubmitForward(absl::string_view method, const ForwardInput& input,
                                  int64_t message_bytes, absl::Time deadline,
-                                 std::function<bool()> cancelled, ForwardDone done) {
+                                 std::function<bool()> cancelled, ForwardDone done,
+                                 std::optional<TensorView> region_output) {
   Engine* engine = this->engine();
   if (engine == nullptr) return done(NotReady(method), ForwardAnswer());
   // Shapes before sizing the output (it comes from hidden_states); the batcher checks values.
@@ -56,11 +65,20 @@ void ServingState::SubmitForward(absl::string_view method, const ForwardInput& i
   answer->dtype = input.hidden_states.dtype();
   answer->shape = {m, info.model.hidden};
   answer->bytes = static_cast<size_t>(NumElements(answer->shape)) * DTypeSize(answer->dtype);
-  answer->output = PooledBuffer::Acquire(answer->bytes);  // recycled: no page faults per call
-  const TensorView output(answer->output->data(), answer->dtype, answer->shape);
-  // Counted here, on a worker, so the batcher's thread only adds them up.
+  TensorView output;
+  if (region_output.has_value()) {
+    answer->bytes = 0;
+    output = *region_output;
+  } else {
+    answer->output = PooledBuffer::Acquire(answer->bytes);  // recycled: no page faults per call
+    output = TensorView(answer->output->data(), answer->dtype, answer->shape);
+  }
+  // Counted here, before the batcher, so its thread only adds them up (ids in a CUDA region
+  // are not read on the host: those calls count toward the layer only).
   std::vector<int64_t> rank_tokens;
-  if (metrics_ != nullptr) rank_tokens = metrics_->RankTokens(input.topk_ids);
+  if (metrics_ != nullptr && input.topk_ids.device().is_host()) {
+    rank_tokens = metrics_->RankTokens(input.topk_ids);
+  }
   const int layer = input.layer;
   batcher_->Submit(
       input, output, deadline, std::move(cancelled),
@@ -71,6 +89,29 @@ void ServingState::SubmitForward(absl::string_view method, const ForwardInput& i
         answer->timings = timings;
         done(absl::OkStatus(), std::move(*answer));
       });
+}
+
+absl::Status RouteOnServer(Engine& engine, ForwardInput* input,
+                           std::unique_ptr<PooledBuffer>* routing) {
+  const EngineInfo& info = engine.info();
+  const TensorView& x = input->hidden_states;
+  if (!x.device().is_host()) {
+    return absl::InvalidArgumentError(
+        "hidden_states: server-side routing reads host memory, but hidden_states is in a CUDA "
+        "region; send topk_ids and topk_weights, or the hidden states in a system region");
+  }
+  // Sized only for a hidden_states that Route will accept; anything else is refused there
+  // (before the routing buffers are touched).
+  const int64_t rows =
+      x.rank() == 2 && x.dim(1) == info.model.hidden && x.dim(0) <= info.max_tokens_per_request
+          ? x.dim(0)
+          : 0;
+  const int64_t routes = rows * info.model.topk;
+  *routing = PooledBuffer::Acquire(static_cast<size_t>(routes) * 8);
+  char* base = static_cast<char*>((*routing)->data());
+  input->topk_ids = TensorView(base, DType::kINT32, {rows, info.model.topk});
+  input->topk_weights = TensorView(base + routes * 4, DType::kFP32, {rows, info.model.topk});
+  return engine.Route(input->layer, x, input->topk_ids, input->topk_weights);
 }
 
 absl::Time CallDeadline(std::chrono::system_clock::time_point deadline) {

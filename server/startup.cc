@@ -22,6 +22,8 @@
 #include "server/limits.h"
 #include "server/load_progress.h"
 #include "server/metrics.h"
+#include "server/security.h"
+#include "server/tls.h"
 
 namespace moeserve {
 namespace {
@@ -106,8 +108,12 @@ void Log(const std::string& line) {
 // The background load: multi-process bootstrap, then the engine. Posts kLoadDone when finished.
 class Loader {
  public:
-  Loader(EngineOptions options, MultiProcessConfig mp, absl::Duration bootstrap_timeout)
-      : options_(std::move(options)), mp_(std::move(mp)), bootstrap_timeout_(bootstrap_timeout) {}
+  Loader(EngineOptions options, MultiProcessConfig mp, absl::Duration bootstrap_timeout,
+         BootstrapOptions bootstrap)
+      : options_(std::move(options)),
+        mp_(std::move(mp)),
+        bootstrap_timeout_(bootstrap_timeout),
+        bootstrap_(std::move(bootstrap)) {}
   ~Loader() {
     if (thread_.joinable()) thread_.join();
   }
@@ -129,7 +135,7 @@ class Loader {
  private:
   absl::StatusOr<std::unique_ptr<Engine>> Load() {
     absl::StatusOr<std::unique_ptr<BootstrapServer>> bootstrap =
-        PrepareMultiProcess(mp_, &options_, bootstrap_timeout_);
+        PrepareMultiProcess(mp_, &options_, bootstrap_timeout_, bootstrap_);
     if (!bootstrap.ok()) {
       return absl::Status(
           bootstrap.status().code(),
@@ -143,9 +149,26 @@ class Loader {
   EngineOptions options_;
   const MultiProcessConfig mp_;
   const absl::Duration bootstrap_timeout_;
+  const BootstrapOptions bootstrap_;
   std::thread thread_;
   absl::StatusOr<std::unique_ptr<Engine>> result_ = absl::UnknownError("not loaded");
 };
+
+// What an operator should know about an address that others can reach.
+void WarnIfExposed(const ServerOptions& server) {
+  for (const std::string& address : server.listen_addresses) {
+    if (IsLocalAddress(address)) continue;
+    if (!server.tls.enabled() && server.auth != nullptr) {
+      Log(absl::StrCat("warning: ", address,
+                       " serves without TLS: the bearer token crosses the network in the clear "
+                       "(--tls_cert/--tls_key)"));
+    } else if (!server.tls.enabled() && server.auth == nullptr) {
+      Log(absl::StrCat("note: ", address,
+                       " serves without TLS or a token: whoever reaches it can call the API "
+                       "(docs/security.md)"));
+    }
+  }
+}
 
 std::string Describe(const EngineInfo& info) {
   const ModelConfig& m = info.model;
@@ -201,11 +224,17 @@ int RunMoeserveProcess(ProcessOptions options) {
   std::unique_ptr<MoeServer> server;
   std::unique_ptr<FollowerProcess> follower_process;
   std::string grpc_addresses, metrics_address;
+  WarnIfExposed(options.server);
   if (follower) {
+    // The follower's health server is secured as the leader's public API is.
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+        MakeServerCredentials(options.server.tls, "--tls_", options.server.tls_refresh_s);
     absl::StatusOr<std::unique_ptr<Metrics>> metrics =
-        Metrics::Create(options.server.metrics_address);
+        credentials.ok()
+            ? Metrics::Create(options.server.metrics_address, options.server.metrics_tls)
+            : absl::StatusOr<std::unique_ptr<Metrics>>(credentials.status());
     absl::StatusOr<std::unique_ptr<FollowerProcess>> f =
-        metrics.ok() ? FollowerProcess::Bind(options.server.listen_addresses)
+        metrics.ok() ? FollowerProcess::Bind(options.server.listen_addresses, *credentials)
                      : absl::StatusOr<std::unique_ptr<FollowerProcess>>(metrics.status());
     if (!f.ok()) {
       Log(absl::StrCat("cannot start serving: ", f.status().ToString()));
@@ -237,7 +266,7 @@ int RunMoeserveProcess(ProcessOptions options) {
 
   // 3. The load, in the background.
   options.engine.load_observer = progress.get();
-  Loader loader(options.engine, *mp, options.bootstrap_timeout);
+  Loader loader(options.engine, *mp, options.bootstrap_timeout, options.bootstrap);
   loader.Start();
   std::optional<char> event = WaitForEvent();
   if (event.has_value() && IsSignal(*event)) {

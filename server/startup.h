@@ -3,7 +3,8 @@
 //  1. Resolve the model (a checkpoint's config.json is read here) and the message limits
 //     (server/limits.h), so the largest valid request fits in a gRPC message.
 //  2. Bind: the leader (or a single process) binds gRPC (moeserve.v1, KServe v2, health,
-//     reflection) and /metrics with health NOT_SERVING; a follower binds its health server.
+//     reflection when asked; TLS and tokens as ServerOptions say) and /metrics with health
+//     NOT_SERVING; a follower binds its health server (the same TLS) and /metrics.
 //  3. Load on a background thread: multi-process bootstrap, then Engine::Create, with progress
 //     on stderr and /metrics (server/load_progress.h). Calls meanwhile get UNAVAILABLE saying how
 //     far the load is.
@@ -30,6 +31,8 @@ struct ProcessOptions {
   int64_t max_message_bytes = 0;
   ServerOptions server;             // its message limits are filled in from the resolved ones
   MultiProcessFlags multi_process;  // local_ranks is taken from engine.num_ranks
+  // The multi-process bootstrap's listen address, TLS and token (server/internal_bootstrap.h).
+  BootstrapOptions bootstrap;
   absl::Duration bootstrap_timeout = absl::Seconds(300);
   // If set, once serving: "HOST:PORT" (first listen address, bound port) and, with metrics on,
   // "metrics HOST:PORT", written atomically.

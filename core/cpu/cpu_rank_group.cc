@@ -37,12 +37,18 @@ class CpuRankGroup final : public RankGroup {
                                           plan_.placement->rank_experts(plan_.first_rank + r),
                                           plan_.first_rank + r));
       rank.expert_map = plan_.placement->ExpertMap(r);
-      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> prepare_finalize,
-                                pf->create(plan_, resources));
-      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> expert_impl,
-                                experts->create(plan_, resources));
-      MOESERVE_ASSIGN_OR_RETURN(
-          rank.kernel, ModularKernel::Create(std::move(prepare_finalize), std::move(expert_impl)));
+      // Lanes (plan_.lanes > 1 only without collectives): a kernel each, same weights.
+      for (int lane = 0; lane < plan_.lanes; ++lane) {
+        MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> prepare_finalize,
+                                  pf->create(plan_, resources));
+        MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> expert_impl,
+                                  experts->create(plan_, resources));
+        MOESERVE_ASSIGN_OR_RETURN(
+            std::unique_ptr<ModularKernel> kernel,
+            ModularKernel::Create(std::move(prepare_finalize), std::move(expert_impl)));
+        rank.kernels.push_back(std::move(kernel));
+      }
+      rank.timings.resize(plan_.lanes);
     }
     StartThreads();
     return absl::OkStatus();

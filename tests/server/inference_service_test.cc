@@ -287,6 +287,46 @@ TEST_F(InferenceServiceTest, ModelInferMatchesReference) {
   }
 }
 
+// hidden_states alone: the server routes with the layer's gate, as Forward does. Checked against
+// the reference engine (same seed, so the same gate) routing and combining independently.
+TEST_F(InferenceServiceTest, HiddenStatesOnlyIsRoutedByTheServer) {
+  ASSERT_TRUE(engine_->has_router());
+  for (int layer : {0, model().num_layers - 1}) {
+    const int64_t m = 13;
+    const v1::ForwardRequest r = Random(m, v1::DTYPE_FP32, v1::DTYPE_INT32, layer);
+    inference::ModelInferRequest req = ToInfer(r, "moe_layer_" + std::to_string(layer));
+    req.mutable_inputs()->DeleteSubrange(1, 2);  // topk_ids, topk_weights
+    req.mutable_raw_input_contents()->DeleteSubrange(1, 2);
+    inference::ModelInferResponse resp;
+    grpc::Status s = Infer(req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.raw_output_contents_size(), 1);
+    const std::vector<float> got = DecodeFloats(resp.raw_output_contents(0), v1::DTYPE_FP32);
+
+    const TensorView x(static_cast<const void*>(r.hidden_states().data().data()), DType::kFP32,
+                       {m, model().hidden});
+    Tensor ids = Tensor::Empty(DType::kINT32, {m, model().topk});
+    Tensor weights = Tensor::Empty(DType::kFP32, {m, model().topk});
+    ASSERT_TRUE(reference_->Route(layer, x, ids.view(), weights.view()).ok());
+    ForwardInput in;
+    in.layer = layer;
+    in.hidden_states = x;
+    in.topk_ids = ids.view();
+    in.topk_weights = weights.view();
+    Tensor out = Tensor::Empty(DType::kFP32, {m, model().hidden});
+    ASSERT_TRUE(reference_->Forward(in, out.view()).ok());
+    const std::vector<float> expected(out.data<float>(), out.data<float>() + m * model().hidden);
+    ASSERT_EQ(got.size(), expected.size());
+    EXPECT_LT(RelativeL2(got, expected), 1e-5) << "layer " << layer;
+  }
+  // Only one of the two topk inputs is still refused, naming the missing one.
+  const v1::ForwardRequest r = Random(2, v1::DTYPE_FP32, v1::DTYPE_INT32, 0);
+  inference::ModelInferRequest req = ToInfer(r, "moe_layer_0");
+  req.mutable_inputs()->DeleteSubrange(2, 1);
+  req.mutable_raw_input_contents()->DeleteSubrange(2, 1);
+  ExpectRefused(req, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights: missing");
+}
+
 TEST_F(InferenceServiceTest, LayerParameterInputOrderAndTimings) {
   const v1::ForwardRequest r = Random(9, v1::DTYPE_FP32, v1::DTYPE_INT32, 1);
   inference::ModelInferRequest req = ToInfer(r, "moeserve");

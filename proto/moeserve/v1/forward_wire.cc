@@ -177,7 +177,7 @@ absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireT
       continue;
     }
     if (absl::Status s = SkipValue(r, c, end, tag, depth, message); !s.ok()) return s;
-    if (number == 1 || number == 2 || number == 3) r.AppendTo(field, c->pos - field.pos, rest);
+    if (number >= 1 && number <= 4) r.AppendTo(field, c->pos - field.pos, rest);
   }
   return absl::OkStatus();
 }
@@ -370,7 +370,7 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {2, 3, 4};
   WireTensor* const tensors[] = {&view.hidden_states, &view.topk_ids, &view.topk_weights};
-  if (absl::Status s = WalkTop(reader, numbers, tensors, 6, &rest, &tensor_rests, kMessage);
+  if (absl::Status s = WalkTop(reader, numbers, tensors, 8, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }
@@ -396,7 +396,7 @@ absl::StatusOr<ForwardResponseView> DecodeForwardResponse(std::vector<grpc::Slic
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {1};
   WireTensor* const tensors[] = {&view.output};
-  if (absl::Status s = WalkTop(reader, numbers, tensors, 3, &rest, &tensor_rests, kMessage);
+  if (absl::Status s = WalkTop(reader, numbers, tensors, 7, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }
