@@ -137,9 +137,9 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       return call->done(refused, no_timings);
     }
     if (options_.inline_max_tokens > 0 && m <= options_.inline_max_tokens &&
-        options_.max_batch_delay == absl::ZeroDuration() && queue_.empty() && running_ < runners_) {
-      // Nothing to merge with and a slot free: run here. A scheduling thread takes calls
-      // arriving meanwhile; running_ keeps the steps in flight within runners_.
+        options_.max_batch_delay == absl::ZeroDuration() && queue_.empty() && running_ == 0) {
+      // Nothing running and nothing to merge with: run here. Calls arriving meanwhile queue
+      // and merge as usual (a second step only with half a step of work, see Loop).
       ++running_;
       ++stats_.inline_steps;
     } else {

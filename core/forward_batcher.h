@@ -64,7 +64,7 @@ struct ForwardBatcherOptions {
   // engine's recent time per token (a call to an empty queue is always taken). Bounds the
   // latency of the answered calls under overload. 0: no bound but max_queued_tokens.
   absl::Duration max_queue_wait = absl::ZeroDuration();
-  // A call of at most this many tokens that finds the queue empty, a step slot free and
+  // A call of at most this many tokens that finds the queue empty, no step running and
   // max_batch_delay == 0 runs its step on the submitting thread: no hand-off to a scheduling
   // thread (a wake-up costs more than a decode step's own host work). 0: never.
   int64_t inline_max_tokens = 64;
