@@ -59,6 +59,14 @@ ABSL_FLAG(int32_t, steps_in_flight, 0,
           "Engine steps run at once, each on its own GPU stream and buffers so that one step's "
           "copies overlap another's experts; 0: auto (2 on a single GPU without expert "
           "parallelism, else 1)");
+ABSL_FLAG(int64_t, inline_max_tokens, 64,
+          "A call of at most this many tokens that finds the server idle (and "
+          "--max_batch_delay_us 0) runs on the thread that received it, without a hand-off to a "
+          "scheduling thread; 0: always hand off");
+ABSL_FLAG(int64_t, cuda_graph_max_tokens, -1,
+          "Engine steps of at most this many tokens per rank replay CUDA graphs (captured per "
+          "layer and padded size on first use); -1: auto (256 on a GPU where the kernels can be "
+          "captured), 0: off");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, health_poll_ms, 500,
           "How often the server checks the engine's health (NOT_SERVING while unhealthy)");
@@ -225,6 +233,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   options.prepare_finalize = absl::GetFlag(FLAGS_prepare_finalize);
   options.max_tokens_per_rank = absl::GetFlag(FLAGS_max_tokens_per_rank);
   options.steps_in_flight = absl::GetFlag(FLAGS_steps_in_flight);
+  options.graph_max_tokens = absl::GetFlag(FLAGS_cuda_graph_max_tokens);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
@@ -382,6 +391,7 @@ int Run() {
   server_options.batcher.max_batch_delay =
       absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server_options.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
+  server_options.batcher.inline_max_tokens = absl::GetFlag(FLAGS_inline_max_tokens);
   if (absl::GetFlag(FLAGS_max_queue_wait_ms) < 0) {
     std::fprintf(stderr, "moeserve: --max_queue_wait_ms must be >= 0, got %g\n",
                  absl::GetFlag(FLAGS_max_queue_wait_ms));
@@ -410,15 +420,21 @@ int Run() {
   }
   const EngineInfo& info = (*engine)->info();
   const ModelConfig& m = info.model;
-  std::fprintf(stderr,
-               "moeserve serving model=%s (layers=%d experts=%d topk=%d hidden=%lld "
-               "intermediate=%lld) backend=%s experts=%s ranks=%d weights=%s grpc=%s metrics=%s\n",
-               m.name.c_str(), m.num_layers, m.num_experts, m.topk,
-               static_cast<long long>(m.hidden), static_cast<long long>(m.intermediate),
-               info.backend.c_str(), info.experts.c_str(), info.num_ranks,
-               std::string(WeightFormatName(info.weight_format)).c_str(),
-               absl::StrJoin((*server)->bound_addresses(), ",").c_str(),
-               (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address().c_str());
+  std::fprintf(
+      stderr,
+      "moeserve serving model=%s (layers=%d experts=%d topk=%d hidden=%lld "
+      "intermediate=%lld) backend=%s experts=%s ranks=%d steps_in_flight=%d "
+      "cuda_graphs=%s weights=%s grpc=%s metrics=%s\n",
+      m.name.c_str(), m.num_layers, m.num_experts, m.topk, static_cast<long long>(m.hidden),
+      static_cast<long long>(m.intermediate), info.backend.c_str(), info.experts.c_str(),
+      info.num_ranks, (*engine)->steps_in_flight(),
+      info.graph_max_tokens > 0 ? absl::StrCat("<=", info.graph_max_tokens, "_tokens").c_str()
+                                : (info.no_graphs_reason.empty()
+                                       ? "off"
+                                       : absl::StrCat("off(", info.no_graphs_reason, ")").c_str()),
+      std::string(WeightFormatName(info.weight_format)).c_str(),
+      absl::StrJoin((*server)->bound_addresses(), ",").c_str(),
+      (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address().c_str());
   std::fflush(stderr);
   if (const std::string path = absl::GetFlag(FLAGS_ready_file); !path.empty()) {
     if (absl::Status s =
