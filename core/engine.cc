@@ -159,11 +159,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   const PrepareFinalizeProvider* pf = registry.FindPrepareFinalize(plan.prepare_finalize);
   // Followers receive their slices over host collectives: device memory stays in one process.
   info.device_tensors = pf != nullptr && pf->device_tensors && !plan.multi_process;
+  info.graph_max_tokens = engine->ranks_->graph_max_tokens();
+  info.no_graphs_reason = engine->ranks_->no_graphs_reason();
   if (engine->multi_process_ != nullptr) engine->multi_process_->Start();
   return engine;
 }
 
 absl::Status Engine::health() const { return ranks_->health(); }
+
+GraphStats Engine::graph_stats() const { return ranks_->graph_stats(); }
 
 class Engine::LaneLease {
  public:

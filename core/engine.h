@@ -66,6 +66,10 @@ struct EngineInfo {
   // Forward takes hidden_states and writes the output in CUDA device memory too (a client's
   // CUDA region, read and written in place): single-process GPU engines.
   bool device_tensors = false;
+  // Steps of at most this many tokens per rank replay CUDA graphs (0: none; then
+  // no_graphs_reason says why, when graphs were wanted).
+  int64_t graph_max_tokens = 0;
+  std::string no_graphs_reason;
 };
 
 // Checks a forward against the model: INVALID_ARGUMENT naming the field, what came and what
@@ -121,6 +125,8 @@ class Engine {
   const EngineInfo& info() const { return info_; }
   // Steps that may run at once (Forward calls beyond it wait for a lane).
   int steps_in_flight() const { return plan_.lanes; }
+  // Graph replay counters of this process's ranks (all zero without graphs).
+  GraphStats graph_stats() const;
 
   // OK while the engine can serve; otherwise why not (e.g. the NCCL communicators were aborted
   // after a collective timed out or a rank failed mid-forward). While unhealthy, Forward

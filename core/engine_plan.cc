@@ -258,6 +258,19 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   plan.lanes =
       options.steps_in_flight > 0 ? options.steps_in_flight : (lanes_possible && cuda ? 2 : 1);
 
+  if (options.graph_max_tokens < -1) {
+    return Invalid(absl::StrCat("graph_max_tokens: got ", options.graph_max_tokens,
+                                ", expected -1 (auto), 0 (off) or a token count"));
+  }
+  if (options.graph_max_tokens > 0 && !cuda) {
+    return Invalid(absl::StrCat("graph_max_tokens: ", options.graph_max_tokens,
+                                " needs backend cuda (graphs replay device work); use 0 or -1"));
+  }
+  plan.graphs_required = options.graph_max_tokens > 0;
+  plan.graph_max_tokens =
+      std::min(plan.max_tokens_per_rank, options.graph_max_tokens >= 0 ? options.graph_max_tokens
+                                                                       : (cuda ? int64_t{256} : 0));
+
   plan.weights.checkpoint_dir = options.checkpoint_dir;
   plan.weights.seed = options.seed;
   plan.weights.format = options.weight_format;

@@ -96,6 +96,11 @@ struct EngineOptions {
   // 0: auto (2 with backend cuda and a single-rank PrepareAndFinalize, else 1). More than 1 is
   // refused where steps must run one at a time (collectives between ranks, multi-process).
   int steps_in_flight = 0;
+  // Graph replay (CUDA graphs) for engine steps of at most this many tokens per rank: each
+  // (layer, padded size) is captured on first use and replayed after (core/modular_kernel.h,
+  // GraphOptions). -1: auto (256 with backend cuda where the PrepareAndFinalize and Experts can
+  // be captured, else off); 0: off. A positive value the providers cannot honour is refused.
+  int64_t graph_max_tokens = -1;
   // Tests only: called on each rank's thread at the start of every forward; a non-OK status
   // fails that rank there (an injected fault), and a hook may also sleep (a late rank).
   std::function<absl::Status(int rank)> fault_injection_for_testing;
@@ -127,7 +132,11 @@ struct EnginePlan {
   absl::Duration collective_timeout = absl::Seconds(60);
   int64_t heartbeat_ms = 0;  // leader of a multi-process group; 0: off
   int lanes = 1;             // steps in flight (EngineOptions::steps_in_flight resolved)
-  WeightSource weights;      // where every rank loads its experts from
+  // EngineOptions::graph_max_tokens resolved (0: off); graphs_required: asked for explicitly,
+  // so providers that cannot capture fail the build instead of running eagerly.
+  int64_t graph_max_tokens = 0;
+  bool graphs_required = false;
+  WeightSource weights;  // where every rank loads its experts from
   std::function<absl::Status(int rank)> fault_injection_for_testing;
 };
 

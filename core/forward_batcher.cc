@@ -31,6 +31,10 @@ double MicrosBetween(absl::Time a, absl::Time b) { return absl::ToDoubleMicrosec
 absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
     Engine* engine, ForwardBatcherOptions options) {
   if (engine == nullptr) return absl::InvalidArgumentError("ForwardBatcher: no engine");
+  if (options.inline_max_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inline_max_tokens must be >= 0 (0: never run inline), got ", options.inline_max_tokens));
+  }
   if (options.max_batch_tokens <= 0 || options.max_queued_tokens <= 0 ||
       options.max_batch_delay < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -132,10 +136,39 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       }
       return call->done(refused, no_timings);
     }
-    stats_.queued_tokens += m;
-    queue_.push_back(std::move(call));
+    if (options_.inline_max_tokens > 0 && m <= options_.inline_max_tokens &&
+        options_.max_batch_delay == absl::ZeroDuration() && queue_.empty() && running_ == 0) {
+      // Nothing running and nothing to merge with: run here. Calls arriving meanwhile queue
+      // and merge as usual (a second step only with half a step of work, see Loop).
+      ++running_;
+      ++stats_.inline_steps;
+    } else {
+      stats_.queued_tokens += m;
+      queue_.push_back(std::move(call));
+      call = nullptr;
+    }
   }
-  cv_.notify_all();
+  if (call == nullptr) {
+    cv_.notify_all();
+    return;
+  }
+  Step step;
+  step.push_back(std::move(call));
+  RunTimedStep(std::move(step), m, nullptr);
+}
+
+void ForwardBatcher::RunTimedStep(Step step, int64_t tokens, StepBuffers* buffers) {
+  const absl::Time started = absl::Now();
+  RunStep(std::move(step), buffers);
+  const absl::Duration took = absl::Now() - started;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
+    // Per-token service time, for the queue-wait admission (a running average).
+    const double us_per_token = absl::ToDoubleMicroseconds(took) / static_cast<double>(tokens);
+    us_per_token_ = us_per_token_ == 0 ? us_per_token : 0.8 * us_per_token_ + 0.2 * us_per_token;
+  }
+  cv_.notify_all();  // a waiting scheduling thread may start its step now
 }
 
 void ForwardBatcher::Loop(StepBuffers* buffers) {
@@ -187,15 +220,8 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     stats_.queued_tokens -= tokens;
     ++running_;
     lock.unlock();
-    const absl::Time started = absl::Now();
-    RunStep(std::move(step), buffers);
-    const absl::Duration took = absl::Now() - started;
+    RunTimedStep(std::move(step), tokens, buffers);
     lock.lock();
-    --running_;
-    // Per-token service time, for the queue-wait admission (a running average).
-    const double us_per_token = absl::ToDoubleMicroseconds(took) / static_cast<double>(tokens);
-    us_per_token_ = us_per_token_ == 0 ? us_per_token : 0.8 * us_per_token_ + 0.2 * us_per_token;
-    cv_.notify_all();  // a waiting scheduling thread may start its step now
   }
   // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
   std::deque<std::unique_ptr<Call>> left;

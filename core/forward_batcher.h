@@ -64,6 +64,10 @@ struct ForwardBatcherOptions {
   // engine's recent time per token (a call to an empty queue is always taken). Bounds the
   // latency of the answered calls under overload. 0: no bound but max_queued_tokens.
   absl::Duration max_queue_wait = absl::ZeroDuration();
+  // A call of at most this many tokens that finds the queue empty, no step running and
+  // max_batch_delay == 0 runs its step on the submitting thread: no hand-off to a scheduling
+  // thread (a wake-up costs more than a decode step's own host work). 0: never.
+  int64_t inline_max_tokens = 64;
   ForwardBatcherObserver* observer = nullptr;  // optional
 };
 
@@ -77,6 +81,7 @@ struct ForwardBatcherStats {
   int64_t dropped_deadline = 0;
   int64_t dropped_cancelled = 0;
   int64_t queued_tokens = 0;  // now
+  int64_t inline_steps = 0;   // steps run on the submitting thread (inline_max_tokens)
 };
 
 class ForwardBatcher {
@@ -90,11 +95,11 @@ class ForwardBatcher {
   // is running finishes first).
   ~ForwardBatcher();
 
-  // Queues one call. `input` and `output` (as Engine::Forward: output [M, hidden] in the
-  // hidden dtype, host memory or, where the engine takes them, CUDA device memory; such calls
-  // run alone) must stay valid until `done` runs; `done` runs exactly once.
-  // `cancelled` (may be null) is polled before the call runs. timings.queue_us is the time from
-  // Submit to the start of its step.
+  // Queues one call (or runs it at once, see inline_max_tokens). `input` and `output` (as
+  // Engine::Forward: output [M, hidden] in the hidden dtype, host memory or, where the engine takes
+  // them, CUDA device memory; such calls run alone) must stay valid until `done` runs; `done` runs
+  // exactly once. `cancelled` (may be null) is polled before the call runs. timings.queue_us is the
+  // time from Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
               std::function<bool()> cancelled, Done done);
 
@@ -113,8 +118,12 @@ class ForwardBatcher {
   static bool Joins(const Call& head, const Call& c);
   // One scheduling thread: forms steps and runs them with `buffers`.
   void Loop(StepBuffers* buffers);
-  // Runs the calls of one step (same layer and dtype) and answers them.
+  // Runs the calls of one step (same layer and dtype) and answers them. `buffers` (for a
+  // merged step) may be null for a single call.
   void RunStep(Step calls, StepBuffers* buffers);
+  // RunStep, then (under mu_) ends the step begun with ++running_ and updates the time per
+  // token.
+  void RunTimedStep(Step calls, int64_t tokens, StepBuffers* buffers);
 
   Engine* const engine_;
   const ForwardBatcherOptions options_;

@@ -1,5 +1,7 @@
 #include "core/modular_kernel.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
@@ -13,6 +15,37 @@ absl::string_view ActivationFormatName(ActivationFormat format) {
 absl::StatusOr<PrepareAndFinalize::Receiver> PrepareAndFinalize::PrepareNoReceive(
     const PrepareArgs&) {
   return absl::UnimplementedError(absl::StrCat(name(), " has no PrepareNoReceive"));
+}
+
+absl::StatusOr<bool> PrepareAndFinalize::StageInputs(const PrepareArgs&, int64_t, int64_t) {
+  return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
+}
+absl::Status PrepareAndFinalize::PrepareStaged(const PrepareArgs&, int64_t, PreparedActivations*) {
+  return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
+}
+absl::Status PrepareAndFinalize::FinalizeStaged(DType, const TensorView&,
+                                                const PreparedActivations&,
+                                                const TopKWeightAndReduce&) {
+  return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
+}
+absl::Status PrepareAndFinalize::CollectOutput(const TensorView&) {
+  return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
+}
+
+std::vector<int64_t> DefaultGraphSizes(int64_t max_tokens) {
+  std::vector<int64_t> sizes;
+  for (int64_t s = 1; s <= max_tokens;) {
+    sizes.push_back(s);
+    if (s < 8) {
+      s *= 2;
+    } else {
+      int64_t pow2 = 8;
+      while (pow2 * 2 <= s) pow2 *= 2;
+      s += pow2 / 4;
+    }
+  }
+  if (max_tokens > 0 && (sizes.empty() || sizes.back() != max_tokens)) sizes.push_back(max_tokens);
+  return sizes;
 }
 
 absl::StatusOr<std::vector<int64_t>> PrepareAndFinalize::PlanChunks(const PrepareArgs& args) {
@@ -125,7 +158,15 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
                                                    DTypeName(out_dtype), " to device memory"));
   }
   const TensorView answer = convert ? output32_.Get(DType::kFP32, {m, k}) : output;
-  MOESERVE_RETURN_IF_ERROR(RunRounds(args, answer, bounds, timer));
+  bool graphed = false;
+  if (graph_options_.max_tokens > 0 && !convert && bounds.size() == 2 && m > 0 &&
+      m <= graph_options_.max_tokens && output.device().is_host()) {
+    MOESERVE_RETURN_IF_ERROR(RunGraphed(args, pargs, answer, timer, &graphed));
+  }
+  if (!graphed) {
+    if (graph_options_.max_tokens > 0) ++eager_;
+    MOESERVE_RETURN_IF_ERROR(RunRounds(args, answer, bounds, timer));
+  }
   if (convert) MOESERVE_RETURN_IF_ERROR(ConvertTensor(answer, output));
   if (timer) {
     MOESERVE_RETURN_IF_ERROR(timer->Stop());
@@ -144,6 +185,140 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
         stats1.combine_bytes_received - stats0.combine_bytes_received;
   }
   return absl::OkStatus();
+}
+
+absl::Status ModularKernel::EnableGraphs(const GraphOptions& options) {
+  if (options.max_tokens <= 0) {
+    graph_options_ = GraphOptions();
+    graph_max_tokens_ = 0;
+    graphs_.clear();
+    held_ = 0;
+    return absl::OkStatus();
+  }
+  if (!prepare_finalize_->supports_graphs()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(prepare_finalize_->name(), " cannot split its work for graphs"));
+  }
+  if (!experts_->supports_graphs()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(experts_->name(), " cannot be captured in a graph"));
+  }
+  if (allocator_->device().is_host()) {
+    return absl::FailedPreconditionError("graphs need device workspaces; these are host memory");
+  }
+  GraphOptions resolved = options;
+  if (resolved.sizes.empty()) resolved.sizes = DefaultGraphSizes(options.max_tokens);
+  if (!std::is_sorted(resolved.sizes.begin(), resolved.sizes.end()) ||
+      resolved.sizes.front() <= 0 || resolved.sizes.back() < resolved.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "graph sizes must ascend from >= 1 and reach max_tokens=", options.max_tokens));
+  }
+  graph_options_ = std::move(resolved);
+  graph_max_tokens_ = graph_options_.max_tokens;
+  graph_workspaces_reserved_ = false;
+  graphs_.clear();
+  held_ = 0;
+  return absl::OkStatus();
+}
+
+GraphStats ModularKernel::graph_stats() const {
+  GraphStats stats;
+  stats.replays = replays_;
+  stats.captures = captures_;
+  stats.eager = eager_;
+  stats.graphs = held_;
+  std::lock_guard<std::mutex> lock(graph_mu_);
+  stats.disabled_reason = graph_disabled_reason_;
+  return stats;
+}
+
+absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const PrepareArgs& pargs,
+                                       const TensorView& output, StageTimer* timer, bool* ran) {
+  const int64_t m = pargs.hidden_states.dim(0), k = pargs.hidden_states.dim(1);
+  const std::vector<int64_t>& sizes = graph_options_.sizes;
+  const int64_t padded = *std::lower_bound(sizes.begin(), sizes.end(), m);
+  MOESERVE_ASSIGN_OR_RETURN(*ran, prepare_finalize_->StageInputs(pargs, padded, sizes.back()));
+  if (!*ran) return absl::OkStatus();
+  MoeProblem problem;
+  problem.num_tokens = padded;
+  problem.hidden = k;
+  problem.intermediate = pargs.intermediate;
+  problem.topk = pargs.topk_ids.dim(1);
+  problem.num_experts = pargs.num_experts;
+  problem.num_local_experts = pargs.num_local_experts;
+  problem.max_num_tokens = padded;
+  if (!graph_workspaces_reserved_) {
+    // Once, for the largest padded size: growing the workspaces size by size would move them
+    // under every graph captured before.
+    MoeProblem largest = problem;
+    largest.num_tokens = largest.max_num_tokens = sizes.back();
+    const WorkspaceShapes most = experts_->GetWorkspaceShapes(largest);
+    MOESERVE_RETURN_IF_ERROR(
+        allocator_->Get(WorkspaceAllocator::kWorkspace13, most.workspace13_dtype, most.workspace13)
+            .status());
+    MOESERVE_RETURN_IF_ERROR(
+        allocator_->Get(WorkspaceAllocator::kWorkspace2, most.workspace2_dtype, most.workspace2)
+            .status());
+    MOESERVE_RETURN_IF_ERROR(
+        allocator_->Get(WorkspaceAllocator::kFusedOutput, DType::kFP32, most.output).status());
+    graph_workspaces_reserved_ = true;
+  }
+  const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(problem);
+  ExpertsApplyArgs apply;
+  apply.layer = args.layer;
+  apply.weights = args.weights;
+  MOESERVE_ASSIGN_OR_RETURN(
+      apply.workspace13, allocator_->Get(WorkspaceAllocator::kWorkspace13, shapes.workspace13_dtype,
+                                         shapes.workspace13));
+  MOESERVE_ASSIGN_OR_RETURN(
+      apply.workspace2,
+      allocator_->Get(WorkspaceAllocator::kWorkspace2, shapes.workspace2_dtype, shapes.workspace2));
+  MOESERVE_ASSIGN_OR_RETURN(
+      apply.output, allocator_->Get(WorkspaceAllocator::kFusedOutput, DType::kFP32, shapes.output));
+  const std::array<void*, 3> addresses = {apply.workspace13.raw_data(), apply.workspace2.raw_data(),
+                                          apply.output.raw_data()};
+  if (timer) MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kExperts));
+  const std::unique_ptr<TopKWeightAndReduce> weight_and_reduce =
+      experts_->FinalizeWeightAndReduceImpl();
+  const DType out_dtype = output.dtype();
+  // Only enqueues (see PrepareAndFinalize::supports_graphs): run eagerly, or captured.
+  auto device_step = [&]() -> absl::Status {
+    PreparedActivations prepared;
+    MOESERVE_RETURN_IF_ERROR(prepare_finalize_->PrepareStaged(pargs, padded, &prepared));
+    ExpertsApplyArgs a = apply;
+    a.prepared = &prepared;
+    MOESERVE_RETURN_IF_ERROR(experts_->Apply(a));
+    return prepare_finalize_->FinalizeStaged(out_dtype, a.output, prepared, *weight_and_reduce);
+  };
+  const GraphKey key{args.layer, padded, pargs.hidden_states.dtype(), out_dtype};
+  auto it = graphs_.find(key);
+  if (it != graphs_.end() && it->second.workspaces == addresses) {
+    MOESERVE_RETURN_IF_ERROR(it->second.graph->Launch());
+    ++replays_;
+  } else {
+    // First use (or the workspaces moved): this forward runs eagerly, which also loads every
+    // kernel the capture will record, then the same work is captured for the next ones.
+    MOESERVE_RETURN_IF_ERROR(device_step());
+    absl::StatusOr<std::unique_ptr<StepGraph>> graph = allocator_->Capture(device_step);
+    if (graph.ok()) {
+      graphs_[key] = GraphEntry{std::move(*graph), addresses};
+      held_ = static_cast<int64_t>(graphs_.size());
+      ++captures_;
+    } else {
+      // This forward's answer is on its way; later ones run eagerly.
+      {
+        std::lock_guard<std::mutex> lock(graph_mu_);
+        graph_disabled_reason_ = absl::StrCat("capturing layer ", args.layer, " at ", padded,
+                                              " tokens failed: ", graph.status().ToString());
+      }
+      graph_options_.max_tokens = 0;
+      graph_max_tokens_ = 0;
+      graphs_.clear();
+      held_ = 0;
+    }
+  }
+  if (timer) MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kFinalize));
+  return prepare_finalize_->CollectOutput(output);
 }
 
 absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const TensorView& output,

@@ -21,11 +21,16 @@
 #ifndef MOESERVE_CORE_MODULAR_KERNEL_H_
 #define MOESERVE_CORE_MODULAR_KERNEL_H_
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -181,6 +186,30 @@ class PrepareAndFinalize {
 
   // Bytes exchanged with other ranks since construction (zero for single-rank ones).
   virtual TransferStats transfer_stats() const { return {}; }
+
+  // Graphs (decode). An implementation that supports them splits one forward of M <= P rows,
+  // padded to P rows, into host work around device work that reads only fixed buffers, so that
+  // ModularKernel can capture the device work once per (layer, P, dtypes) and replay it:
+  //   StageInputs (host) -> [PrepareStaged -> Experts::Apply -> FinalizeStaged] (device,
+  //   captured) -> CollectOutput (host, waits).
+  // Padding routes go nowhere (local id -1, weight 0). Default: no graphs.
+  virtual bool supports_graphs() const { return false; }
+  // Host: copies this forward's inputs into the fixed staging of P = padded_tokens rows (buffers
+  // sized once for `capacity_tokens` rows, so their addresses never change after the first
+  // call). Returns false, having done nothing, when these tensors cannot be staged (e.g. device
+  // memory): ModularKernel then runs the forward eagerly.
+  virtual absl::StatusOr<bool> StageInputs(const PrepareArgs& args, int64_t padded_tokens,
+                                           int64_t capacity_tokens);
+  // Device: Prepare of the staged rows. `args` gives dtypes and sizes only (its data is not
+  // read); out->problem.num_tokens == padded_tokens.
+  virtual absl::Status PrepareStaged(const PrepareArgs& args, int64_t padded_tokens,
+                                     PreparedActivations* out);
+  // Device: Finalize of every staged row into fixed output staging in `dtype` (no wait).
+  virtual absl::Status FinalizeStaged(DType dtype, const TensorView& fused_expert_output,
+                                      const PreparedActivations& prepared,
+                                      const TopKWeightAndReduce& weight_and_reduce);
+  // Host: waits for the device, then copies the first output.dim(0) staged rows into `output`.
+  virtual absl::Status CollectOutput(const TensorView& output);
 };
 
 struct ActivationFormats {
@@ -221,6 +250,9 @@ class Experts {
   // NoOp if Apply itself applies the top-k weights and reduces.
   virtual std::unique_ptr<TopKWeightAndReduce> FinalizeWeightAndReduceImpl() const = 0;
   virtual absl::Status Apply(const ExpertsApplyArgs& args) = 0;
+  // Whether Apply only enqueues device work that reads its inputs' values on the device (no
+  // host waits, no allocations, sizes from the problem alone), so it can be captured in a graph.
+  virtual bool supports_graphs() const { return false; }
 };
 
 // Stage times: host wall clock for host kernels, device time (events) for device ones.
@@ -240,6 +272,28 @@ struct ModularKernelArgs {
   const LayerWeights* weights = nullptr;  // that layer's host weights
   int64_t num_experts = 0;
   TensorView expert_map;  // optional, see PrepareArgs
+};
+
+// Graph replay for small forwards (see PrepareAndFinalize::supports_graphs).
+struct GraphOptions {
+  // Forwards of at most this many tokens (one round) are padded to the next size in `sizes`
+  // and replayed from a graph captured on first use; 0 turns graphs off.
+  int64_t max_tokens = 0;
+  // Ascending padded sizes; empty: DefaultGraphSizes(max_tokens).
+  std::vector<int64_t> sizes;
+};
+// 1, 2, 4, 8, then steps of a quarter of the last power of two (8, 10, 12, 14, 16, 20, ...),
+// ending at max_tokens: at most 25% padding above 8 tokens.
+std::vector<int64_t> DefaultGraphSizes(int64_t max_tokens);
+
+// Counters of the graph path (one ModularKernel).
+struct GraphStats {
+  int64_t replays = 0;   // forwards answered by replaying a graph
+  int64_t captures = 0;  // graphs captured (a recapture after buffers moved counts again)
+  int64_t eager = 0;     // forwards that ran eagerly (too large, several rounds, or unstageable)
+  int64_t graphs = 0;    // graphs held now
+  // Set when a capture failed and graphs were turned off for this kernel.
+  std::string disabled_reason;
 };
 
 // Why a pair cannot be combined; OK if it can.
@@ -264,6 +318,17 @@ class ModularKernel {
   PrepareAndFinalize& prepare_finalize() { return *prepare_finalize_; }
   Experts& experts() { return *experts_; }
 
+  // Turns graph replay on for forwards of at most options.max_tokens tokens. FAILED_PRECONDITION
+  // naming the component when the PrepareAndFinalize, the Experts or the allocator cannot
+  // (CPU ones never can). Graphs are captured lazily, at a forward's first use of a (layer,
+  // padded size, input dtype, output dtype), and held until the kernel is destroyed; one
+  // captured after its buffers moved (a larger eager forward grew them) is captured again.
+  absl::Status EnableGraphs(const GraphOptions& options);
+  // Set before forwards start (EnableGraphs is not thread-safe); 0 after a failed capture.
+  int64_t graph_max_tokens() const { return graph_max_tokens_.load(); }
+  // Thread-safe.
+  GraphStats graph_stats() const;
+
  private:
   ModularKernel(std::unique_ptr<PrepareAndFinalize> pf, std::unique_ptr<Experts> experts,
                 std::unique_ptr<WorkspaceAllocator> allocator)
@@ -273,11 +338,35 @@ class ModularKernel {
         timer_(allocator_->MakeStageTimer()) {}
   absl::Status RunRounds(const ModularKernelArgs& args, const TensorView& output,
                          const std::vector<int64_t>& bounds, StageTimer* timer);
+  // One round of m <= graph_options_.max_tokens tokens through a graph. *ran = false (and
+  // nothing done) when the inputs cannot be staged.
+  absl::Status RunGraphed(const ModularKernelArgs& args, const PrepareArgs& pargs,
+                          const TensorView& output, StageTimer* timer, bool* ran);
+  struct GraphKey {
+    int layer;
+    int64_t tokens;
+    DType in, out;
+    bool operator<(const GraphKey& o) const {
+      return std::tie(layer, tokens, in, out) < std::tie(o.layer, o.tokens, o.in, o.out);
+    }
+  };
+  struct GraphEntry {
+    std::unique_ptr<StepGraph> graph;
+    std::array<void*, 3> workspaces{};  // the addresses it was captured with
+  };
   std::unique_ptr<PrepareAndFinalize> prepare_finalize_;
   std::unique_ptr<Experts> experts_;
   std::unique_ptr<WorkspaceAllocator> allocator_;
   std::unique_ptr<StageTimer> timer_;
   HostBuffer output32_;  // FP32 answer for a PrepareAndFinalize that writes only FP32
+  GraphOptions graph_options_;
+  std::atomic<int64_t> graph_max_tokens_{0};
+  bool graph_workspaces_reserved_ = false;
+  std::map<GraphKey, GraphEntry> graphs_;
+  // Counters, read by graph_stats() from other threads (metrics) while forwards run.
+  std::atomic<int64_t> replays_{0}, captures_{0}, eager_{0}, held_{0};
+  mutable std::mutex graph_mu_;  // guards graph_disabled_reason_
+  std::string graph_disabled_reason_;
 };
 
 }  // namespace moeserve

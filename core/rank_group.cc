@@ -1,5 +1,7 @@
 #include "core/rank_group.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
@@ -84,6 +86,29 @@ absl::Status RankGroup::RunRank(int local, const ForwardStep& step) {
   return ForwardSlice(local, step.layer, step.hidden_states.Slice(begin, end),
                       step.topk_ids.Slice(begin, end), step.topk_weights.Slice(begin, end),
                       step.output.Slice(begin, end), step.timed, step.lane);
+}
+
+GraphStats RankGroup::graph_stats() const {
+  GraphStats sum;
+  for (const Rank& rank : ranks_) {
+    for (const auto& kernel : rank.kernels) {
+      const GraphStats s = kernel->graph_stats();
+      sum.replays += s.replays;
+      sum.captures += s.captures;
+      sum.eager += s.eager;
+      sum.graphs += s.graphs;
+      if (sum.disabled_reason.empty()) sum.disabled_reason = s.disabled_reason;
+    }
+  }
+  return sum;
+}
+
+int64_t RankGroup::graph_max_tokens() const {
+  int64_t most = 0;
+  for (const Rank& rank : ranks_) {
+    for (const auto& kernel : rank.kernels) most = std::max(most, kernel->graph_max_tokens());
+  }
+  return most;
 }
 
 absl::Status RankGroup::health() const {

@@ -85,6 +85,11 @@ class RankGroup {
   absl::Status ForwardSlice(int local, int layer, const TensorView& hidden_states,
                             const TensorView& topk_ids, const TensorView& topk_weights,
                             const TensorView& out, bool timed = true, int lane = 0);
+  // Graph counters summed over every local rank and lane; graph_max_tokens() is what the
+  // kernels replay (0: graphs off, no_graphs_reason() says why when they were wanted).
+  GraphStats graph_stats() const;
+  int64_t graph_max_tokens() const;
+  const std::string& no_graphs_reason() const { return no_graphs_reason_; }
   // The stage times of the local rank's last timed ForwardSlice on `lane`.
   const StageTimings& timings(int local, int lane = 0) const { return ranks_[local].timings[lane]; }
   const ExpertWeightStore& weights(int local) const { return *ranks_[local].weights; }
@@ -126,6 +131,7 @@ class RankGroup {
 
   const EnginePlan plan_;
   std::vector<Rank> ranks_;
+  std::string no_graphs_reason_;  // set by a backend's Build when graphs were wanted but refused
 
  private:
   std::unique_ptr<RankThreads> threads_;  // null with one local rank

@@ -52,6 +52,11 @@ class HostWorkspaceAllocator final : public WorkspaceAllocator {
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<StepGraph>> WorkspaceAllocator::Capture(
+    const std::function<absl::Status()>&) {
+  return absl::UnimplementedError("graphs need a device allocator (CUDA); this one has none");
+}
+
 std::unique_ptr<WorkspaceAllocator> MakeHostWorkspaceAllocator() {
   return std::make_unique<HostWorkspaceAllocator>();
 }

@@ -8,6 +8,7 @@
 #define MOESERVE_CORE_WORKSPACE_H_
 
 #include <array>
+#include <functional>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -34,6 +35,14 @@ class StageTimer {
   virtual absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() = 0;
 };
 
+// Device work captured once and replayed (a CUDA graph): Launch enqueues all of it again, with
+// the same arguments and addresses, on the stream it was captured from. Not thread-safe.
+class StepGraph {
+ public:
+  virtual ~StepGraph() = default;
+  virtual absl::Status Launch() = 0;
+};
+
 class WorkspaceAllocator {
  public:
   enum Slot { kWorkspace13 = 0, kWorkspace2 = 1, kFusedOutput = 2, kNumSlots = 3 };
@@ -46,6 +55,11 @@ class WorkspaceAllocator {
   virtual absl::StatusOr<TensorView> Get(Slot slot, DType dtype, const Shape& shape) = 0;
   // A timer for work on this device (for a CUDA allocator: on its stream).
   virtual std::unique_ptr<StageTimer> MakeStageTimer() const = 0;
+  // Captures, without running it, the device work that `enqueue` puts on this allocator's
+  // stream. `enqueue` must only enqueue: no host waits, no allocation, no host reads of data
+  // that changes between replays. UNIMPLEMENTED where the device has no graphs (host memory).
+  virtual absl::StatusOr<std::unique_ptr<StepGraph>> Capture(
+      const std::function<absl::Status()>& enqueue);
 };
 
 // Host memory (64-byte aligned) and the host clock.

@@ -58,6 +58,14 @@ ABSL_FLAG(int32_t, steps_in_flight, 0,
           "Engine steps run at once, each on its own GPU stream and buffers so that one step's "
           "copies overlap another's experts; 0: auto (2 on a single GPU without expert "
           "parallelism, else 1)");
+ABSL_FLAG(int64_t, inline_max_tokens, 64,
+          "A call of at most this many tokens that finds the server idle (and "
+          "--max_batch_delay_us 0) runs on the thread that received it, without a hand-off to a "
+          "scheduling thread; 0: always hand off");
+ABSL_FLAG(int64_t, cuda_graph_max_tokens, -1,
+          "Engine steps of at most this many tokens per rank replay CUDA graphs (captured per "
+          "layer and padded size on first use); -1: auto (256 on a GPU where the kernels can be "
+          "captured), 0: off");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, health_poll_ms, 500,
           "How often the server checks the engine's health (NOT_SERVING while unhealthy)");
@@ -195,6 +203,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   options.prepare_finalize = absl::GetFlag(FLAGS_prepare_finalize);
   options.max_tokens_per_rank = absl::GetFlag(FLAGS_max_tokens_per_rank);
   options.steps_in_flight = absl::GetFlag(FLAGS_steps_in_flight);
+  options.graph_max_tokens = absl::GetFlag(FLAGS_cuda_graph_max_tokens);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
@@ -248,6 +257,7 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
+  server.batcher.inline_max_tokens = absl::GetFlag(FLAGS_inline_max_tokens);
   if (const double wait_ms = absl::GetFlag(FLAGS_max_queue_wait_ms); wait_ms < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_queue_wait_ms: got ", wait_ms, ", expected >= 0 (0: off)"));

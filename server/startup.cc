@@ -170,12 +170,20 @@ void WarnIfExposed(const ServerOptions& server) {
   }
 }
 
-std::string Describe(const EngineInfo& info) {
+std::string Describe(const Engine& engine) {
+  const EngineInfo& info = engine.info();
   const ModelConfig& m = info.model;
+  std::string graphs = "off";
+  if (info.graph_max_tokens > 0) {
+    graphs = absl::StrCat("<=", info.graph_max_tokens, "_tokens");
+  } else if (!info.no_graphs_reason.empty()) {
+    graphs = absl::StrCat("off(", info.no_graphs_reason, ")");
+  }
   return absl::StrCat("model=", m.name, " (layers=", m.num_layers, " experts=", m.num_experts,
                       " topk=", m.topk, " hidden=", m.hidden, " intermediate=", m.intermediate,
                       ") backend=", info.backend, " experts=", info.experts,
-                      " ranks=", info.num_ranks, " weights=", WeightFormatName(info.weight_format),
+                      " ranks=", info.num_ranks, " steps_in_flight=", engine.steps_in_flight(),
+                      " cuda_graphs=", graphs, " weights=", WeightFormatName(info.weight_format),
                       " max_tokens_per_request=", info.max_tokens_per_request);
 }
 
@@ -324,7 +332,7 @@ int RunMoeserveProcess(ProcessOptions options) {
     server->Shutdown(std::chrono::milliseconds(0));
     return 1;
   }
-  Log(absl::StrCat("serving ", Describe((*engine)->info()), " grpc=", grpc_addresses,
+  Log(absl::StrCat("serving ", Describe(**engine), " grpc=", grpc_addresses,
                    " metrics=", metrics_address.empty() ? "off" : metrics_address));
   if (!options.ready_file.empty()) {
     if (absl::Status s =

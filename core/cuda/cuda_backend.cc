@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/answer_copy.h"
@@ -134,11 +135,58 @@ class CudaWorkspaceAllocator final : public WorkspaceAllocator {
   std::unique_ptr<StageTimer> MakeStageTimer() const override {
     return std::make_unique<CudaStageTimer>(ctx_);
   }
+  absl::StatusOr<std::unique_ptr<StepGraph>> Capture(
+      const std::function<absl::Status()>& enqueue) override;
 
  private:
   std::shared_ptr<CudaContext> ctx_;
   DeviceBuffer buffers_[kNumSlots];
 };
+
+class CudaStepGraph final : public StepGraph {
+ public:
+  CudaStepGraph(std::shared_ptr<CudaContext> ctx, cudaGraph_t graph, cudaGraphExec_t exec)
+      : ctx_(std::move(ctx)), graph_(graph), exec_(exec) {}
+  ~CudaStepGraph() override {
+    cudaSetDevice(ctx_->device());
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  absl::Status Launch() override {
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec_, StreamOf(*ctx_)));
+    return absl::OkStatus();
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+};
+
+absl::StatusOr<std::unique_ptr<StepGraph>> CudaWorkspaceAllocator::Capture(
+    const std::function<absl::Status()>& enqueue) {
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  const cudaStream_t stream = StreamOf(*ctx_);
+  // Thread-local: other lanes' threads may allocate meanwhile; this thread may not.
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const absl::Status enqueued = enqueue();
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!enqueued.ok() || ended != cudaSuccess) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaGetLastError();  // a failed capture leaves no sticky error behind
+    if (!enqueued.ok()) return enqueued;
+    return absl::InternalError(absl::StrCat("cudaStreamEndCapture: ", cudaGetErrorString(ended)));
+  }
+  cudaGraphExec_t exec = nullptr;
+  if (const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0); e != cudaSuccess) {
+    cudaGraphDestroy(graph);
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(e)));
+  }
+  return std::make_unique<CudaStepGraph>(ctx_, graph, exec);
+}
 
 }  // namespace
 
@@ -281,12 +329,49 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
                         const PreparedActivations& prepared,
                         const TopKWeightAndReduce& weight_and_reduce) override;
 
+  // Graphs: the Standard format only (BatchedExperts sizes its buffers from the host's counts).
+  bool supports_graphs() const override { return format_ == ActivationFormat::kStandard; }
+  absl::StatusOr<bool> StageInputs(const PrepareArgs& args, int64_t padded_tokens,
+                                   int64_t capacity_tokens) override;
+  absl::Status PrepareStaged(const PrepareArgs& args, int64_t padded_tokens,
+                             PreparedActivations* out) override;
+  absl::Status FinalizeStaged(DType dtype, const TensorView& fused_expert_output,
+                              const PreparedActivations& prepared,
+                              const TopKWeightAndReduce& weight_and_reduce) override;
+  absl::Status CollectOutput(const TensorView& output) override;
+
  private:
+  // Where the staged block of `padded` rows keeps its parts: [x (wire dtype) | ids | weights].
+  struct StagedLayout {
+    size_t ids = 0, weights = 0, bytes = 0;
+  };
+  static StagedLayout LayoutOf(int64_t padded, int64_t k, int64_t topk, DType wire) {
+    StagedLayout l;
+    l.ids = (static_cast<size_t>(padded * k) * DTypeSize(wire) + 15) / 16 * 16;
+    l.weights = l.ids + (static_cast<size_t>(padded * topk) * 4 + 15) / 16 * 16;
+    l.bytes = l.weights + static_cast<size_t>(padded * topk) * 4;
+    return l;
+  }
+  // The global -> local id map of Prepare, into `local`; counts per local expert when given.
+  absl::Status MapIds(const PrepareArgs& args, int32_t* local, std::vector<int32_t>* counts);
+
   std::shared_ptr<CudaContext> ctx_;
   int64_t max_num_tokens_;
   ActivationFormat format_;
   QuantConfig quant_;
   std::vector<int32_t> host_counts_;
+  // Graph path: buffers sized once for graph_capacity_ rows of graph_hidden_ (4-byte elements)
+  // and graph_topk_, so their addresses never change under a captured graph.
+  int64_t graph_capacity_ = 0, graph_hidden_ = 0, graph_topk_ = 0;
+  int64_t graph_rows_ = 0;  // rows staged by the last StageInputs
+  void* g_pin_in_ = nullptr;
+  void* g_dev_in_ = nullptr;
+  void* g_dev_x_ = nullptr;
+  void* g_reduced_ = nullptr;
+  void* g_dev_out_ = nullptr;
+  void* g_pin_out_ = nullptr;
+  DeviceBuffer g_dev_in_buf_, g_dev_x_buf_, g_reduced_buf_, g_dev_out_buf_;
+  PinnedBuffer g_pin_in_buf_, g_pin_out_buf_;
   // Prepare's outputs (valid until the next Prepare) and Finalize's reduce target.
   DeviceBuffer hidden_, wire_, ids_, weights_, batched_a1q_, align_, reduced_;
   PinnedBuffer staging_;
@@ -294,6 +379,28 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   ParallelCopier copier_{kStagingCopyThreads};
   AnswerCopy answer_{&copier_};
 };
+
+absl::Status CudaNoEpPrepareAndFinalize::MapIds(const PrepareArgs& args, int32_t* local,
+                                                std::vector<int32_t>* counts) {
+  // Global -> local ids (the engine range-checked the ids; this guards the map lookup).
+  const int64_t n = args.topk_ids.numel(), e = args.num_local_experts;
+  const int32_t* g = args.topk_ids.data<int32_t>();
+  const bool has_map = !args.expert_map.empty();
+  if (counts != nullptr) counts->assign(e, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (g[i] < 0 || g[i] >= args.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat(name(), ": topk_ids[", i, "] = ", g[i],
+                                                     " not in [0, ", args.num_experts, ")"));
+    }
+    const int32_t l = has_map ? args.expert_map.data<int32_t>()[g[i]] : g[i];
+    if (l < -1 || l >= e) {
+      return absl::InternalError(absl::StrCat(name(), ": local expert ", l, " out of range"));
+    }
+    local[i] = l;
+    if (counts != nullptr && l >= 0) ++(*counts)[l];
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
                                                  PreparedActivations* out) {
@@ -340,22 +447,7 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
     MOESERVE_RETURN_IF_ERROR(
         ConvertTensor(x, TensorView(pin_x, DType::kBF16, {m, k}, Device::PinnedHost())));
   }
-  // Global -> local ids (the engine range-checked the ids; this guards the map lookup).
-  const int32_t* g = args.topk_ids.data<int32_t>();
-  const bool has_map = !args.expert_map.empty();
-  host_counts_.assign(e, 0);
-  for (int64_t i = 0; i < m * topk; ++i) {
-    if (g[i] < 0 || g[i] >= args.num_experts) {
-      return absl::InvalidArgumentError(absl::StrCat(name(), ": topk_ids[", i, "] = ", g[i],
-                                                     " not in [0, ", args.num_experts, ")"));
-    }
-    const int32_t l = has_map ? args.expert_map.data<int32_t>()[g[i]] : g[i];
-    if (l < -1 || l >= e) {
-      return absl::InternalError(absl::StrCat(name(), ": local expert ", l, " out of range"));
-    }
-    pin_ids[i] = l;
-    if (l >= 0) ++host_counts_[l];
-  }
+  MOESERVE_RETURN_IF_ERROR(MapIds(args, pin_ids, &host_counts_));
   std::memcpy(pin_w, args.topk_weights.raw_data(), w_bytes);
   MOESERVE_ASSIGN_OR_RETURN(void* d_x, hidden_.Get(x_bytes));
   MOESERVE_ASSIGN_OR_RETURN(void* d_ids, ids_.Get(id_bytes));
@@ -493,6 +585,160 @@ absl::Status CudaNoEpPrepareAndFinalize::Finalize(const TensorView& output,
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& args,
+                                                             int64_t padded_tokens,
+                                                             int64_t capacity_tokens) {
+  MOESERVE_RETURN_IF_ERROR(CheckPrepareArgsLayout(name(), args));
+  const TensorView& x = args.hidden_states;
+  const int64_t m = x.dim(0), k = x.dim(1), topk = args.topk_ids.dim(1);
+  // Device (CUDA region) or strided input: the eager path copies it as it is.
+  if (!x.device().is_host() || !x.is_contiguous()) return false;
+  const DType wire = x.dtype();
+  if (wire != DType::kBF16 && wire != DType::kFP16 && wire != DType::kFP32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": hidden_states must be bf16, fp16 or fp32, got ", DTypeName(wire)));
+  }
+  if (k % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": hidden must be a multiple of 8 on the CUDA path, got ", k));
+  }
+  if (m > padded_tokens || padded_tokens > capacity_tokens) {
+    return absl::InternalError(absl::StrCat(name(), ": staging ", m, " tokens as ", padded_tokens,
+                                            " of ", capacity_tokens));
+  }
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  if (graph_capacity_ == 0) {
+    // Once: every later size fits, so no captured address ever moves.
+    const size_t in = LayoutOf(capacity_tokens, k, topk, DType::kFP32).bytes;
+    const size_t rows = static_cast<size_t>(capacity_tokens * k);
+    MOESERVE_ASSIGN_OR_RETURN(g_pin_in_, g_pin_in_buf_.Get(in));
+    MOESERVE_ASSIGN_OR_RETURN(g_dev_in_, g_dev_in_buf_.Get(in));
+    MOESERVE_ASSIGN_OR_RETURN(g_dev_x_, g_dev_x_buf_.Get(rows * 2));
+    MOESERVE_ASSIGN_OR_RETURN(g_reduced_, g_reduced_buf_.Get(rows * 4));
+    MOESERVE_ASSIGN_OR_RETURN(g_dev_out_, g_dev_out_buf_.Get(rows * 4));
+    MOESERVE_ASSIGN_OR_RETURN(g_pin_out_, g_pin_out_buf_.Get(rows * 4));
+    graph_capacity_ = capacity_tokens;
+    graph_hidden_ = k;
+    graph_topk_ = topk;
+  } else if (capacity_tokens != graph_capacity_ || k != graph_hidden_ || topk != graph_topk_) {
+    return false;  // sized for another shape: eager
+  }
+  const StagedLayout l = LayoutOf(padded_tokens, k, topk, wire);
+  auto* base = static_cast<uint8_t*>(g_pin_in_);
+  copier_.Copy(base, x.raw_data(), static_cast<size_t>(m * k) * DTypeSize(wire));
+  auto* ids = reinterpret_cast<int32_t*>(base + l.ids);
+  auto* w = reinterpret_cast<float*>(base + l.weights);
+  MOESERVE_RETURN_IF_ERROR(MapIds(args, ids, nullptr));
+  std::memcpy(w, args.topk_weights.raw_data(), static_cast<size_t>(m * topk) * 4);
+  // Padding routes go nowhere and weigh nothing; padding rows of x are never read.
+  std::fill(ids + m * topk, ids + padded_tokens * topk, -1);
+  std::fill(w + m * topk, w + padded_tokens * topk, 0.0f);
+  graph_rows_ = m;
+  return true;
+}
+
+absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
+                                                       int64_t padded_tokens,
+                                                       PreparedActivations* out) {
+  const int64_t k = args.hidden_states.dim(1), topk = args.topk_ids.dim(1);
+  const DType wire = args.hidden_states.dtype();
+  if (graph_capacity_ == 0 || padded_tokens > graph_capacity_ || k != graph_hidden_ ||
+      topk != graph_topk_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name(), ": PrepareStaged before StageInputs"));
+  }
+  const cudaStream_t stream = StreamOf(*ctx_);
+  const Device gpu = ctx_->tensor_device();
+  const StagedLayout l = LayoutOf(padded_tokens, k, topk, wire);
+  MOESERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(g_dev_in_, g_pin_in_, l.bytes, cudaMemcpyHostToDevice, stream));
+  auto* d_in = static_cast<uint8_t*>(g_dev_in_);
+  void* d_x = d_in;
+  if (wire == DType::kFP32) {
+    d_x = g_dev_x_;
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        kernels::LaunchConvertFp32ToBf16(reinterpret_cast<const float*>(d_in),
+                                         static_cast<uint16_t*>(d_x), padded_tokens * k, stream));
+  } else if (wire == DType::kFP16) {
+    d_x = g_dev_x_;
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        kernels::LaunchConvertFp16ToBf16(reinterpret_cast<const uint16_t*>(d_in),
+                                         static_cast<uint16_t*>(d_x), padded_tokens * k, stream));
+  }
+  out->format = ActivationFormat::kStandard;
+  out->a1q = TensorView(d_x, DType::kBF16, {padded_tokens, k}, gpu);
+  out->a1q_scale = TensorView();
+  out->topk_ids = TensorView(d_in + l.ids, DType::kINT32, {padded_tokens, topk}, gpu);
+  out->topk_weights = TensorView(d_in + l.weights, DType::kFP32, {padded_tokens, topk}, gpu);
+  out->expert_num_tokens = TensorView();
+  out->problem = MoeProblem{.num_tokens = padded_tokens,
+                            .hidden = k,
+                            .intermediate = args.intermediate,
+                            .topk = topk,
+                            .num_experts = args.num_experts,
+                            .num_local_experts = args.num_local_experts,
+                            .max_num_tokens = padded_tokens};
+  return absl::OkStatus();
+}
+
+absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
+    DType dtype, const TensorView& fused_expert_output, const PreparedActivations& prepared,
+    const TopKWeightAndReduce& weight_and_reduce) {
+  const int64_t p = prepared.problem.num_tokens, k = prepared.problem.hidden;
+  const int64_t topk = prepared.problem.topk, e = prepared.problem.num_local_experts;
+  if (!writes_output_dtype(dtype) || p > graph_capacity_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": cannot stage ", p, " rows of ", DTypeName(dtype)));
+  }
+  const cudaStream_t stream = StreamOf(*ctx_);
+  const float* answer = fused_expert_output.data<float>();
+  switch (ResolveWeightAndReduce(weight_and_reduce.kind(), format_)) {
+    case TopKWeightAndReduce::Kind::kNoOp:
+      if (fused_expert_output.numel() != p * k) {
+        return absl::InvalidArgumentError(absl::StrCat(name(), ": NoOp reduce needs [", p, ", ", k,
+                                                       "] expert output, got ",
+                                                       fused_expert_output.DebugString()));
+      }
+      break;
+    case TopKWeightAndReduce::Kind::kContiguous:
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceContiguous(
+          answer, prepared.topk_weights.data<float>(), prepared.topk_ids.data<int32_t>(), p,
+          static_cast<int>(topk), k, static_cast<int>(e), static_cast<float*>(g_reduced_), stream));
+      answer = static_cast<const float*>(g_reduced_);
+      break;
+    default:
+      return absl::FailedPreconditionError(
+          absl::StrCat(name(), ": the graph path reduces Standard-format expert output only"));
+  }
+  const void* src = answer;
+  if (dtype == DType::kBF16) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(
+        answer, static_cast<uint16_t*>(g_dev_out_), p * k, stream));
+    src = g_dev_out_;
+  } else if (dtype == DType::kFP16) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToFp16(
+        answer, static_cast<uint16_t*>(g_dev_out_), p * k, stream));
+    src = g_dev_out_;
+  }
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g_pin_out_, src,
+                                                static_cast<size_t>(p * k) * DTypeSize(dtype),
+                                                cudaMemcpyDeviceToHost, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output) {
+  if (!output.device().is_host() || !output.is_contiguous() || output.rank() != 2 ||
+      output.dim(0) != graph_rows_ || output.dim(1) != graph_hidden_) {
+    return absl::InvalidArgumentError(absl::StrCat(name(), ": the staged answer has ", graph_rows_,
+                                                   " rows for contiguous host [", graph_rows_, ", ",
+                                                   graph_hidden_, "], got ", output.DebugString()));
+  }
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
+  copier_.Copy(output.raw_data(), g_pin_out_, output.nbytes());
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Experts.
 
@@ -531,6 +777,9 @@ class CudaExpertsImpl final : public Experts {
                                        : TopKWeightAndReduce::Kind::kNaiveBatched);
   }
   absl::Status Apply(const ExpertsApplyArgs& args) override;
+  // Standard: align, two GEMMs, all sized by the problem. Batched: its capacity comes from the
+  // host's counts.
+  bool supports_graphs() const override { return format_ == ActivationFormat::kStandard; }
 
  private:
   std::shared_ptr<CudaContext> ctx_;

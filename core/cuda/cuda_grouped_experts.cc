@@ -181,6 +181,8 @@ class CudaGroupedExperts final : public Experts {
     return MakeTopKWeightAndReduce(TopKWeightAndReduce::Kind::kNoOp);
   }
   absl::Status Apply(const ExpertsApplyArgs& args) override;
+  // Kernels only, sized by the problem (the grouped GEMM reads its counts on the device).
+  bool supports_graphs() const override { return true; }
 
  private:
   int64_t GemmWorkspaceBytes(int64_t e) const {

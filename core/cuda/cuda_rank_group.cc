@@ -88,6 +88,17 @@ class CudaRankGroup final : public RankGroup {
             std::unique_ptr<ModularKernel> kernel,
             ModularKernel::Create(std::move(prepare_finalize), std::move(expert_impl),
                                   std::move(workspaces)));
+        if (plan_.graph_max_tokens > 0) {
+          GraphOptions graphs;
+          graphs.max_tokens = plan_.graph_max_tokens;
+          if (absl::Status g = kernel->EnableGraphs(graphs); !g.ok()) {
+            if (plan_.graphs_required) {
+              return absl::InvalidArgumentError(
+                  absl::StrCat("graph_max_tokens: ", plan_.graph_max_tokens, ": ", g.message()));
+            }
+            no_graphs_reason_ = std::string(g.message());
+          }
+        }
         ranks_[r].kernels.push_back(std::move(kernel));
       }
       ranks_[r].timings.resize(lanes);

@@ -147,8 +147,8 @@ TEST(EngineCuda, StepsInFlightMatchCpuReference) {
         threads.emplace_back([&, t] {
           for (size_t i = t; i < cases.size(); i += 4) {
             const Case& c = cases[i];
-            statuses[i] = (*engine)->Forward({c.layer, c.x.view(), c.ids.view(), c.w.view()},
-                                             c.got.view());
+            statuses[i] =
+                (*engine)->Forward({c.layer, c.x.view(), c.ids.view(), c.w.view()}, c.got.view());
           }
         });
       }
@@ -157,9 +157,9 @@ TEST(EngineCuda, StepsInFlightMatchCpuReference) {
         SCOPED_TRACE(absl::StrCat(WeightFormatName(wf), " ", experts, " case ", i));
         ASSERT_TRUE(statuses[i].ok()) << statuses[i];
         const Case& c = cases[i];
-        ASSERT_TRUE(
-            (*reference)->Forward({c.layer, c.x.view(), c.ids.view(), c.w.view()}, c.want.view())
-                .ok());
+        ASSERT_TRUE((*reference)
+                        ->Forward({c.layer, c.x.view(), c.ids.view(), c.w.view()}, c.want.view())
+                        .ok());
         Tensor g = Tensor::Empty(DType::kFP32, c.got.shape());
         Tensor r = Tensor::Empty(DType::kFP32, c.want.shape());
         ASSERT_TRUE(ConvertTensor(c.got.view(), g.view()).ok());
@@ -169,6 +169,93 @@ TEST(EngineCuda, StepsInFlightMatchCpuReference) {
       }
     }
   }
+}
+
+// CUDA graphs: steps of up to graph_max_tokens tokens are padded to a captured size and replayed.
+// Every answer matches the CPU reference, over fresh inputs on every replay, every input dtype,
+// alternating layers and routing, and after a larger eager step has grown (moved) the workspaces
+// under the graphs captured before it.
+TEST(EngineCuda, GraphReplayMatchesCpuReference) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
+    auto reference = Engine::Create(Small("cpu", "reference", wf));
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    for (const std::string experts : {"cuda", "cuda_grouped_sm90"}) {
+      if (experts == "cuda_grouped_sm90" && !CudaGroupedSm90Supported(0).ok()) continue;
+      EngineOptions o = Small("cuda", experts, wf);
+      o.num_ranks = 1;
+      o.steps_in_flight = 1;
+      o.graph_max_tokens = 64;
+      auto engine = Engine::Create(o);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      ASSERT_EQ((*engine)->info().graph_max_tokens, 64);
+      const ModelConfig& model = (*engine)->info().model;
+      std::mt19937 rng(wf == WeightFormat::kBF16 ? 5 : 6);
+      const DType dtypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+      const int64_t sizes[] = {1, 3, 8, 9, 17, 64, 1, 3, 300, 3, 17, 64, 9, 1};
+      int i = 0;
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int64_t m : sizes) {
+          SCOPED_TRACE(absl::StrCat(WeightFormatName(wf), " ", experts, " pass ", pass, " m=", m));
+          const DType dtype = dtypes[i % 3];
+          const int layer = i % model.num_layers;
+          ++i;
+          Tensor f = ep_testing::RandomNormal({m, model.hidden}, rng);
+          Tensor x = Tensor::Empty(dtype, {m, model.hidden});
+          ASSERT_TRUE(ConvertTensor(f.view(), x.view()).ok());
+          Tensor ids = ep_testing::MakeRouting(i % 2 ? Routing::kHotExpert : Routing::kUniform, m,
+                                               model.topk, model.num_experts, {3, 4, 5, 6}, rng);
+          Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+          Tensor got = Tensor::Empty(dtype, {m, model.hidden});
+          Tensor want = Tensor::Empty(dtype, {m, model.hidden});
+          ASSERT_TRUE((*engine)->Forward({layer, x.view(), ids.view(), w.view()}, got.view()).ok());
+          ASSERT_TRUE(
+              (*reference)->Forward({layer, x.view(), ids.view(), w.view()}, want.view()).ok());
+          Tensor g = Tensor::Empty(DType::kFP32, got.shape());
+          Tensor r = Tensor::Empty(DType::kFP32, want.shape());
+          ASSERT_TRUE(ConvertTensor(got.view(), g.view()).ok());
+          ASSERT_TRUE(ConvertTensor(want.view(), r.view()).ok());
+          EXPECT_LT(ep_testing::RelativeL2Error(g.data<float>(), r.data<float>(), g.numel()),
+                    kBf16Tolerance);
+        }
+      }
+      const GraphStats stats = (*engine)->graph_stats();
+      EXPECT_TRUE(stats.disabled_reason.empty()) << stats.disabled_reason;
+      EXPECT_EQ(stats.eager, 2);  // the two 300-token steps
+      EXPECT_GT(stats.captures, 0);
+      EXPECT_GT(stats.replays, 0);
+      EXPECT_EQ(stats.replays + stats.captures + stats.eager, 2 * std::size(sizes));
+    }
+  }
+}
+
+// A token count the providers cannot capture is refused when asked for explicitly; auto on the
+// CPU means no graphs (this part runs in CI).
+TEST(EngineCuda, GraphOptionsRefusedWithReason) {
+  EngineOptions cpu = Small("cpu", "reference", WeightFormat::kBF16);
+  cpu.graph_max_tokens = 16;
+  auto refused = Engine::Create(cpu);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("graph_max_tokens"));
+  cpu.graph_max_tokens = -2;
+  EXPECT_EQ(Engine::Create(cpu).status().code(), absl::StatusCode::kInvalidArgument);
+  cpu.graph_max_tokens = -1;
+  auto auto_cpu = Engine::Create(cpu);
+  ASSERT_TRUE(auto_cpu.ok()) << auto_cpu.status();
+  EXPECT_EQ((*auto_cpu)->info().graph_max_tokens, 0);
+  if (CudaDeviceCount() == 0) return;
+  // The batched PrepareAndFinalize sizes its buffers from host counts: it cannot be captured.
+  EngineOptions batched = Small("cuda", "cuda_batched", WeightFormat::kBF16);
+  batched.num_ranks = 1;
+  batched.graph_max_tokens = 16;
+  auto b = Engine::Create(batched);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << b.status();
+  EXPECT_THAT(b.status().message(), HasSubstr("graph"));
+  batched.graph_max_tokens = -1;
+  auto b_auto = Engine::Create(batched);
+  ASSERT_TRUE(b_auto.ok()) << b_auto.status();
+  EXPECT_EQ((*b_auto)->info().graph_max_tokens, 0);
+  EXPECT_FALSE((*b_auto)->info().no_graphs_reason.empty());
 }
 
 // The grouped GEMM's provider says why it cannot serve: no sm_90 device (or none at all; this

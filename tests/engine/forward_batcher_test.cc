@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/engine/engine_test_util.h"
 
@@ -301,6 +302,45 @@ TEST(ForwardBatcherTest, TwoStepsInFlightKeepEveryCallsRows) {
         << "call " << i;
   }
   EXPECT_EQ(batcher->stats().calls, static_cast<int64_t>(calls.size()));
+}
+
+// An idle batcher without a batch delay runs a small call on the submitting thread (no
+// hand-off); a larger call, a batch delay, or inline_max_tokens = 0 go through a scheduling
+// thread. Both answer exactly what the engine alone answers.
+TEST(ForwardBatcherTest, IdleSmallCallsRunOnTheSubmittingThread) {
+  auto engine = ReferenceEngine();
+  auto oracle = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(14);
+  struct Case {
+    int64_t tokens;
+    ForwardBatcherOptions options;
+    bool inline_expected;
+  };
+  const Case cases[] = {
+      {4, {.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 8}, true},
+      {9, {.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 8}, false},
+      {4, {.max_batch_delay = absl::Microseconds(10), .inline_max_tokens = 8}, false},
+      {4, {.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 0}, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(c.tokens, " tokens, inline_max_tokens ", c.options.inline_max_tokens,
+                              ", delay ", absl::FormatDuration(c.options.max_batch_delay)));
+    auto batcher = *ForwardBatcher::Create(engine.get(), c.options);
+    Call call = MakeCall(m, c.tokens, 1, DType::kBF16, rng);
+    std::promise<std::thread::id> answered_on;
+    batcher->Submit(call.input(), call.out.view(), absl::InfiniteFuture(), nullptr,
+                    [&](absl::Status s, const ForwardTimings&) {
+                      EXPECT_TRUE(s.ok()) << s;
+                      answered_on.set_value(std::this_thread::get_id());
+                    });
+    const std::thread::id id = answered_on.get_future().get();
+    EXPECT_EQ(id == std::this_thread::get_id(), c.inline_expected);
+    EXPECT_EQ(batcher->stats().inline_steps, c.inline_expected ? 1 : 0);
+    Tensor alone = Tensor::Empty(call.out.dtype(), call.out.shape());
+    ASSERT_TRUE(oracle->Forward(call.input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), call.out.data<void>(), alone.nbytes()), 0);
+  }
 }
 
 // The engine's lanes: concurrent Forward calls beyond the lane count wait, none is lost, each

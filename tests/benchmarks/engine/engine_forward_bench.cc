@@ -7,6 +7,7 @@
 //
 //   engine_forward_bench [--backend auto] [--weight_format mxfp8] [--dtype bf16]
 //                        [--tokens 1,16,64,1024] [--iters 200] [--timed 1]
+//                        [--model seed|trivial] [--graph_max_tokens -1]
 // --timed 0 passes no ForwardTimings (the stage columns are then 0).
 #include <algorithm>
 #include <chrono>
@@ -33,7 +34,9 @@ double Percentile(std::vector<double> v, double p) {
 int Main(int argc, char** argv) {
   std::string backend = "auto", weight_format = "mxfp8", dtype_name = "bf16",
               tokens_arg = "1,16,64,1024";
+  std::string model_name = "seed";
   int iters = 200, timed = 1;
+  int64_t graph_max_tokens = -1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--backend")
@@ -48,6 +51,10 @@ int Main(int argc, char** argv) {
       continue;
     else if (flag == "--timed" && absl::SimpleAtoi(value, &timed))
       continue;
+    else if (flag == "--graph_max_tokens" && absl::SimpleAtoi(value, &graph_max_tokens))
+      continue;
+    else if (flag == "--model" && (value == "seed" || value == "trivial"))
+      model_name = value;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -58,6 +65,12 @@ int Main(int argc, char** argv) {
   ModelOverrides overrides;
   overrides.num_experts = 32;
   overrides.num_layers = 1;
+  if (model_name == "trivial") {  // the server's own cost: almost no expert work
+    overrides.hidden = 7168;
+    overrides.intermediate = 64;
+    overrides.num_experts = 16;
+    overrides.topk = 4;
+  }
   model = ApplyOverrides(*model, overrides);
   if (!model.ok()) return 1;
   EngineOptions options;
@@ -65,6 +78,7 @@ int Main(int argc, char** argv) {
   options.backend = backend;
   options.weight_format = weight_format == "mxfp8" ? WeightFormat::kMXFP8 : WeightFormat::kBF16;
   options.num_ranks = backend == "cpu" ? 1 : 0;
+  options.graph_max_tokens = graph_max_tokens;
   auto engine = Engine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "Engine::Create: %s\n", engine.status().ToString().c_str());
@@ -73,8 +87,10 @@ int Main(int argc, char** argv) {
   const auto dtype = ParseDType(dtype_name);
   if (!dtype.ok()) return 2;
   const ModelConfig& m = (*engine)->info().model;
-  std::printf("# backend=%s experts=%s weights=%s answer=%s\n", (*engine)->info().backend.c_str(),
-              (*engine)->info().experts.c_str(), weight_format.c_str(), dtype_name.c_str());
+  std::printf("# model=%s backend=%s experts=%s weights=%s answer=%s cuda_graphs<=%lld\n",
+              model_name.c_str(), (*engine)->info().backend.c_str(),
+              (*engine)->info().experts.c_str(), weight_format.c_str(), dtype_name.c_str(),
+              static_cast<long long>((*engine)->info().graph_max_tokens));
   std::printf("tokens,wall_p50_us,wall_p90_us,prepare_p50_us,experts_p50_us,finalize_p50_us\n");
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
