@@ -43,6 +43,8 @@ TEST(StartupTest, BoundBeforeTheEngineThenServing) {
   ServerOptions options;
   options.listen_addresses = {"127.0.0.1:0"};
   options.metrics_address = "127.0.0.1:0";
+  options.enable_get_expert_weights = true;  // refused while loading all the same
+  options.enable_shared_memory = true;
   std::string phase = "loading weights: layer 3 of 8";
   absl::StatusOr<std::unique_ptr<MoeServer>> server =
       MoeServer::Bind(options, [&phase] { return phase; });
@@ -77,6 +79,38 @@ TEST(StartupTest, BoundBeforeTheEngineThenServing) {
     v1::ModelInfo info;
     EXPECT_EQ(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).error_code(),
               grpc::StatusCode::UNAVAILABLE);
+  }
+  {  // ForwardStream: the stream stays open, the message answers UNAVAILABLE.
+    grpc::ClientContext ctx;
+    auto stream = stub->ForwardStream(&ctx);
+    ASSERT_TRUE(stream->Write(request));
+    v1::ForwardResponse answer;
+    ASSERT_TRUE(stream->Read(&answer));
+    EXPECT_EQ(answer.error_code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+    EXPECT_THAT(answer.error_message(), HasSubstr("layer 3 of 8"));
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetExpertWeightsRequest req;
+    v1::GetExpertWeightsResponse resp;
+    grpc::Status s = stub->GetExpertWeights(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub->StreamExpertWeights(&ctx, v1::StreamExpertWeightsRequest());
+    v1::ExpertWeightsChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::SharedMemoryStatusResponse resp;
+    grpc::Status s = stub->SharedMemoryStatus(&ctx, v1::SharedMemoryStatusRequest(), &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("SharedMemoryStatus"));
   }
   auto kserve = inference::GRPCInferenceService::NewStub(channel);
   {
