@@ -177,6 +177,10 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   plan.collective_timeout = absl::Milliseconds(options.collective_timeout_ms);
   plan.heartbeat_ms = options.heartbeat_ms;
   plan.max_tokens_per_request = options.max_tokens_per_request;
+  // A token limit whose step buffers cannot fit is refused now, not at the first large call.
+  MOESERVE_RETURN_IF_ERROR(CheckActivationBudget(
+      plan.model, plan.max_tokens_per_request,
+      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : AvailableHostMemoryBytes()));
 
   // Providers: the names pick providers of this backend, or CPU ones whose format picks this
   // backend's.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace moeserve {
 
@@ -170,24 +171,35 @@ void ForwardBatcher::Loop() {
   }
 }
 
+namespace {
+
+// Whether `c`'s caller gave up by `now`: DEADLINE_EXCEEDED or CANCELLED (`when` says at what
+// point), else OK.
+absl::Status GaveUp(const ForwardBatcher::Call& c, absl::Time now, absl::string_view when) {
+  if (c.deadline <= now) {
+    return absl::DeadlineExceededError(absl::StrCat("Forward: the deadline passed after ",
+                                                    MicrosBetween(c.enqueued, now), " us ", when));
+  }
+  if (c.cancelled && c.cancelled()) {
+    return absl::CancelledError(absl::StrCat("Forward: cancelled by the client ", when));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
   const absl::Time start = absl::Now();
   std::vector<std::unique_ptr<Call>> live;
   int64_t deadline_drops = 0, cancel_drops = 0;
   for (auto& c : calls) {
-    if (c->deadline <= start) {
-      ++deadline_drops;
-      c->done(absl::DeadlineExceededError(absl::StrCat("Forward: the deadline passed after ",
-                                                       MicrosBetween(c->enqueued, start),
-                                                       " us in the queue, before the call ran")),
-              ForwardTimings());
-    } else if (c->cancelled && c->cancelled()) {
-      ++cancel_drops;
-      c->done(absl::CancelledError("Forward: cancelled by the client before it ran"),
-              ForwardTimings());
-    } else {
+    absl::Status gave_up = GaveUp(*c, start, "in the queue, before the call ran");
+    if (gave_up.ok()) {
       live.push_back(std::move(c));
+      continue;
     }
+    ++(gave_up.code() == absl::StatusCode::kDeadlineExceeded ? deadline_drops : cancel_drops);
+    c->done(std::move(gave_up), ForwardTimings());
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -204,51 +216,30 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
   }
   if (live.empty()) return;
 
+  // The step stops between stages once every caller in it has given up (a merged step still
+  // serves the others).
+  StopCheck stop = [&live]() -> absl::Status {
+    const absl::Time now = absl::Now();
+    absl::Status first;
+    for (const auto& c : live) {
+      absl::Status s = GaveUp(*c, now, "while the call ran");
+      if (s.ok()) return s;
+      if (first.ok()) first = std::move(s);
+    }
+    if (live.size() == 1) return first;
+    return absl::Status(first.code(), absl::StrCat("Forward: all ", live.size(),
+                                                   " calls of a merged step gave up"));
+  };
   ForwardTimings timings;
   absl::Status status;
   if (live.size() == 1) {
     // Alone: straight from and into the caller's buffers.
-    status = engine_->ForwardValidated(live[0]->input, live[0]->output, &timings);
+    status = engine_->ForwardValidated(live[0]->input, live[0]->output, &timings, stop);
   } else {
-    const ForwardInput& first = live[0]->input;
-    const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
-    const DType dtype = first.hidden_states.dtype();
-    const size_t row = static_cast<size_t>(hidden) * DTypeSize(dtype);
-    int64_t m = 0;
-    for (const auto& c : live) m += c->tokens;
-    ForwardInput merged;
-    merged.layer = first.layer;
-    merged.hidden_states = hidden_.Get(dtype, {m, hidden});
-    merged.topk_ids = ids_.Get(DType::kINT32, {m, topk});
-    merged.topk_weights = weights_.Get(DType::kFP32, {m, topk});
-    const TensorView output = output_.Get(dtype, {m, hidden});
-    int64_t at = 0;
-    for (const auto& c : live) {
-      const ForwardInput& in = c->input;
-      const int64_t n = c->tokens;
-      std::memcpy(merged.hidden_states.data<std::byte>() + at * row, in.hidden_states.raw_data(),
-                  n * row);
-      int32_t* ids = merged.topk_ids.data<int32_t>() + at * topk;
-      if (in.topk_ids.dtype() == DType::kINT32) {
-        std::memcpy(ids, in.topk_ids.raw_data(), n * topk * sizeof(int32_t));
-      } else {  // INT64, range-checked by ValidateForwardInput
-        for (int64_t i = 0; i < n * topk; ++i) {
-          ids[i] = static_cast<int32_t>(in.topk_ids.data<int64_t>()[i]);
-        }
-      }
-      std::memcpy(merged.topk_weights.data<float>() + at * topk, in.topk_weights.raw_data(),
-                  n * topk * sizeof(float));
-      at += n;
-    }
-    status = engine_->ForwardValidated(merged, output, &timings);
-    at = 0;
-    for (const auto& c : live) {
-      if (status.ok()) {
-        std::memcpy(c->output.raw_data(), output.data<std::byte>() + at * row, c->tokens * row);
-      }
-      at += c->tokens;
-    }
+    status = MergeAndRun(live, &timings, stop);
   }
+  const bool stopped = status.code() == absl::StatusCode::kDeadlineExceeded ||
+                       status.code() == absl::StatusCode::kCancelled;
   int64_t step_tokens = 0, queued_tokens = 0;
   for (const auto& c : live) step_tokens += c->tokens;
   {
@@ -257,16 +248,68 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
     stats_.calls += static_cast<int64_t>(live.size());
     if (live.size() > 1) stats_.merged_calls += static_cast<int64_t>(live.size());
     stats_.max_step_calls = std::max<int64_t>(stats_.max_step_calls, live.size());
+    if (stopped) stats_.stopped += static_cast<int64_t>(live.size());
     queued_tokens = stats_.queued_tokens;
   }
   if (options_.observer) {
     options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }
+  const absl::Time end = absl::Now();
   for (auto& c : live) {
     ForwardTimings mine = timings;
     mine.queue_us += MicrosBetween(c->enqueued, start);
-    c->done(status, mine);
+    absl::Status mine_status = status;
+    if (stopped && live.size() > 1) {
+      // Each caller hears its own reason (deadline or cancellation), and where the step stopped.
+      absl::Status own = GaveUp(*c, end, "while the call ran");
+      if (!own.ok()) {
+        mine_status = absl::Status(own.code(), absl::StrCat(own.message(), "; ", status.message()));
+      }
+    }
+    if (stopped && options_.observer) options_.observer->OnRefused(mine_status.code());
+    c->done(mine_status, mine);
   }
+}
+
+absl::Status ForwardBatcher::MergeAndRun(const std::vector<std::unique_ptr<Call>>& live,
+                                         ForwardTimings* timings, const StopCheck& stop) {
+  const ForwardInput& first = live[0]->input;
+  const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
+  const DType dtype = first.hidden_states.dtype();
+  const size_t row = static_cast<size_t>(hidden) * DTypeSize(dtype);
+  int64_t m = 0;
+  for (const auto& c : live) m += c->tokens;  // at most step_tokens_
+  ForwardInput merged;
+  merged.layer = first.layer;
+  MOESERVE_ASSIGN_OR_RETURN(merged.hidden_states, hidden_.TryGet(dtype, {m, hidden}));
+  MOESERVE_ASSIGN_OR_RETURN(merged.topk_ids, ids_.TryGet(DType::kINT32, {m, topk}));
+  MOESERVE_ASSIGN_OR_RETURN(merged.topk_weights, weights_.TryGet(DType::kFP32, {m, topk}));
+  MOESERVE_ASSIGN_OR_RETURN(const TensorView output, output_.TryGet(dtype, {m, hidden}));
+  int64_t at = 0;
+  for (const auto& c : live) {
+    const ForwardInput& in = c->input;
+    const int64_t n = c->tokens;
+    std::memcpy(merged.hidden_states.data<std::byte>() + at * row, in.hidden_states.raw_data(),
+                n * row);
+    int32_t* ids = merged.topk_ids.data<int32_t>() + at * topk;
+    if (in.topk_ids.dtype() == DType::kINT32) {
+      std::memcpy(ids, in.topk_ids.raw_data(), n * topk * sizeof(int32_t));
+    } else {  // INT64, range-checked by ValidateForwardInput
+      for (int64_t i = 0; i < n * topk; ++i) {
+        ids[i] = static_cast<int32_t>(in.topk_ids.data<int64_t>()[i]);
+      }
+    }
+    std::memcpy(merged.topk_weights.data<float>() + at * topk, in.topk_weights.raw_data(),
+                n * topk * sizeof(float));
+    at += n;
+  }
+  MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop));
+  at = 0;
+  for (const auto& c : live) {
+    std::memcpy(c->output.raw_data(), output.data<std::byte>() + at * row, c->tokens * row);
+    at += c->tokens;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace moeserve

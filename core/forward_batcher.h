@@ -6,7 +6,9 @@
 // layer starves), then every queued call of the same layer and hidden dtype in arrival order
 // while the step stays within max_batch_tokens, waiting up to max_batch_delay after the oldest
 // call's arrival for more to come. Calls whose deadline passed or that were cancelled are
-// answered (DEADLINE_EXCEEDED / CANCELLED) without running. The queue is bounded in tokens:
+// answered (DEADLINE_EXCEEDED / CANCELLED) without running; a running step stops between its
+// stages once every call in it has given up (Engine::Forward's `stop`), and each of its calls
+// gets its own DEADLINE_EXCEEDED or CANCELLED. The queue is bounded in tokens:
 // beyond max_queued_tokens a call is refused at once with RESOURCE_EXHAUSTED naming the limit.
 //
 // Submitted inputs are validated first (ValidateForwardInput), so a bad call is refused alone
@@ -40,8 +42,8 @@ class ForwardBatcherObserver {
   // A step ran `calls` calls of `tokens` tokens in all; `queued_tokens` are still waiting.
   // Scheduling thread.
   virtual void OnStep(int64_t calls, int64_t tokens, int64_t queued_tokens) = 0;
-  // A call was answered without running: RESOURCE_EXHAUSTED (queue full, on the submitting
-  // thread), DEADLINE_EXCEEDED or CANCELLED (scheduling thread).
+  // A call was answered without running, or its step stopped part-way: RESOURCE_EXHAUSTED
+  // (queue full, on the submitting thread), DEADLINE_EXCEEDED or CANCELLED (scheduling thread).
   virtual void OnRefused(absl::StatusCode reason) = 0;
 };
 
@@ -66,11 +68,13 @@ struct ForwardBatcherStats {
   int64_t refused_queue_full = 0;
   int64_t dropped_deadline = 0;
   int64_t dropped_cancelled = 0;
+  int64_t stopped = 0;        // calls of steps stopped between stages (every caller gave up)
   int64_t queued_tokens = 0;  // now
 };
 
 class ForwardBatcher {
  public:
+  struct Call;  // one queued call (forward_batcher.cc)
   using Done = std::function<void(absl::Status status, const ForwardTimings& timings)>;
 
   // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits.
@@ -81,8 +85,8 @@ class ForwardBatcher {
 
   // Queues one call. `input` and `output` (as Engine::Forward: output [M, hidden] in the
   // hidden dtype, host memory) must stay valid until `done` runs; `done` runs exactly once.
-  // `cancelled` (may be null) is polled before the call runs. timings.queue_us is the time from
-  // Submit to the start of its step.
+  // `cancelled` (may be null) is polled before the call runs and between the stages of its step.
+  // timings.queue_us is the time from Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
               std::function<bool()> cancelled, Done done);
 
@@ -90,11 +94,13 @@ class ForwardBatcher {
   const ForwardBatcherOptions& options() const { return options_; }
 
  private:
-  struct Call;
   ForwardBatcher(Engine* engine, ForwardBatcherOptions options);
   void Loop();
   // Runs the calls of one step (same layer and dtype) and answers them.
   void RunStep(std::vector<std::unique_ptr<Call>> calls);
+  // Several calls as one engine step through the merged buffers.
+  absl::Status MergeAndRun(const std::vector<std::unique_ptr<Call>>& live, ForwardTimings* timings,
+                           const StopCheck& stop);
 
   Engine* const engine_;
   const ForwardBatcherOptions options_;

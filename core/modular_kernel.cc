@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/cancellation.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -113,7 +114,10 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   }
   // A PrepareAndFinalize that writes only FP32 gets an FP32 answer, converted here once.
   const bool convert = !prepare_finalize_->writes_output_dtype(out_dtype);
-  const TensorView answer = convert ? output32_.Get(DType::kFP32, {m, k}) : output;
+  TensorView answer = output;
+  if (convert) {
+    MOESERVE_ASSIGN_OR_RETURN(answer, output32_.TryGet(DType::kFP32, {m, k}));
+  }
   MOESERVE_RETURN_IF_ERROR(RunRounds(args, answer, bounds, timer));
   if (convert) MOESERVE_RETURN_IF_ERROR(ConvertTensor(answer, output));
   if (timer) {
@@ -147,6 +151,14 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
   pargs.expert_map = args.expert_map;
   const std::unique_ptr<TopKWeightAndReduce> weight_and_reduce =
       experts_->FinalizeWeightAndReduceImpl();
+  const size_t rounds = bounds.size() - 1;
+  // Every rank passes the same checkpoints (the same rounds, PlanChunks), so the verdicts agree.
+  auto check = [&](size_t round, StageTimer::Stage stage) {
+    if (args.stop == nullptr) return absl::OkStatus();
+    static constexpr const char* kStageName[] = {"prepare", "experts", "finalize"};
+    return args.stop->Check(static_cast<int64_t>(round) * 3 + stage,
+                            absl::StrCat(kStageName[stage], " of round ", round + 1, "/", rounds));
+  };
   for (size_t round = 0; round + 1 < bounds.size(); ++round) {
     const int64_t begin = bounds[round], end = bounds[round + 1];
     if (begin > end) return absl::InternalError("PlanChunks: boundaries must ascend");
@@ -154,6 +166,7 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
     pargs.topk_ids = args.topk_ids.Slice(begin, end);
     pargs.topk_weights = args.topk_weights.Slice(begin, end);
 
+    MOESERVE_RETURN_IF_ERROR(check(round, StageTimer::kPrepare));
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kPrepare));
     PreparedActivations prepared;
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
@@ -164,6 +177,7 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
           "; create it with an allocator for that device"));
     }
 
+    MOESERVE_RETURN_IF_ERROR(check(round, StageTimer::kExperts));
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kExperts));
     const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(prepared.problem);
     ExpertsApplyArgs apply;
@@ -180,6 +194,7 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
                                                             DType::kFP32, shapes.output));
     MOESERVE_RETURN_IF_ERROR(experts_->Apply(apply));
 
+    MOESERVE_RETURN_IF_ERROR(check(round, StageTimer::kFinalize));
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kFinalize));
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Finalize(output.Slice(begin, end), apply.output,
                                                          prepared, *weight_and_reduce));
