@@ -205,10 +205,10 @@ absl::Status CheckActivationBudget(const ModelConfig& config, int64_t max_tokens
     return absl::OkStatus();
   }
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-  const std::string size =
-      needed < 0 ? std::string("more than 2^63 bytes") : absl::StrFormat("%.2f GiB", needed / kGiB);
+  const std::string size = needed < 0 ? std::string("more than 2^63 bytes")
+                                      : absl::StrFormat("about %.2f GiB", needed / kGiB);
   return absl::ResourceExhaustedError(absl::StrFormat(
-      "model %s: max_tokens_per_request=%d needs about %s of activation buffers per step "
+      "model %s: max_tokens_per_request=%d needs %s of activation buffers per step "
       "(tokens x topk x hidden x 4 bytes and more) but only %.2f GiB of memory is available "
       "(%.0f%% usable); lower --max_tokens_per_request",
       config.DebugString(), max_tokens, size, available_bytes / kGiB, kUsableFraction * 100));

@@ -7,8 +7,11 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <list>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -16,19 +19,10 @@
 namespace moeserve {
 namespace {
 
-constexpr int kPollMs = 100;
-constexpr size_t kMaxRequestBytes = 16 << 10;
+using Clock = std::chrono::steady_clock;
 
-bool SendAll(int fd, const std::string& data) {
-  size_t sent = 0;
-  while (sent < data.size()) {
-    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    sent += static_cast<size_t>(n);
-  }
-  return true;
-}
+constexpr int kPollMs = 100;  // how soon the loop notices stop_
+constexpr size_t kMaxRequestBytes = 16 << 10;
 
 std::string Response(absl::string_view status, absl::string_view type, const std::string& body) {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
@@ -37,8 +31,25 @@ std::string Response(absl::string_view status, absl::string_view type, const std
 
 }  // namespace
 
+struct MetricsHttpServer::Connection {
+  int fd = -1;
+  Clock::time_point deadline;
+  bool writing = false;  // the request is in; `out` is being sent
+  std::string in;
+  std::string out;
+  size_t sent = 0;
+};
+
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& address, std::function<std::string()> render) {
+    const std::string& address, std::function<std::string()> render,
+    const MetricsHttpOptions& options) {
+  if (options.max_connections <= 0 || options.request_timeout.count() <= 0 ||
+      options.write_timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics: max_connections (", options.max_connections, "), request_timeout (",
+                     options.request_timeout.count(), " ms) and write_timeout (",
+                     options.write_timeout.count(), " ms) must be > 0"));
+  }
   const size_t colon = address.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(
@@ -62,11 +73,12 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   auto server = std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer());
   std::string last_error = "no address";
   for (addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
-    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    const int fd =
+        ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 16) == 0) {
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
       server->listen_fd_ = fd;
       break;
     }
@@ -85,6 +97,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
                       ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
                       : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   server->render_ = std::move(render);
+  server->options_ = options;
   server->thread_ = std::thread([s = server.get()] { s->Serve(); });
   return server;
 }
@@ -95,40 +108,127 @@ MetricsHttpServer::~MetricsHttpServer() {
   if (listen_fd_ >= 0) ::close(listen_fd_);
 }
 
-void MetricsHttpServer::Serve() {
-  while (!stop_) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (::poll(&p, 1, kPollMs) <= 0) continue;
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Handle(fd);
-    ::close(fd);
-  }
+MetricsHttpStats MetricsHttpServer::stats() const {
+  MetricsHttpStats s;
+  s.accepted = accepted_;
+  s.served = served_;
+  s.timed_out = timed_out_;
+  s.evicted = evicted_;
+  s.open_connections = open_;
+  return s;
 }
 
-// One request per connection; a slow or silent client is dropped after 2 s.
-void MetricsHttpServer::Handle(int fd) {
-  timeval timeout{2, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  std::string request;
-  char buf[4096];
-  while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    request.append(buf, static_cast<size_t>(n));
-  }
+namespace {
+
+// The answer to one request (its bytes so far hold the whole header block).
+std::string Answer(const std::string& request, const std::function<std::string()>& render) {
   const std::string line = request.substr(0, request.find("\r\n"));
   const bool metrics = absl::StartsWith(line, "GET /metrics ") ||
                        absl::StartsWith(line, "GET /metrics?") || line == "GET /metrics";
-  if (metrics) {
-    SendAll(fd, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_()));
-  } else if (absl::StartsWith(line, "GET ")) {
-    SendAll(fd, Response("404 Not Found", "text/plain", "moeserve serves /metrics\n"));
-  } else {
-    SendAll(fd, Response("405 Method Not Allowed", "text/plain", "GET /metrics only\n"));
+  if (metrics) return Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render());
+  if (absl::StartsWith(line, "GET ")) {
+    return Response("404 Not Found", "text/plain", "moeserve serves /metrics\n");
   }
+  return Response("405 Method Not Allowed", "text/plain", "GET /metrics only\n");
+}
+
+}  // namespace
+
+void MetricsHttpServer::Serve() {
+  std::list<Connection> conns;  // in accept order: the front has waited longest
+  auto close_conn = [&](std::list<Connection>::iterator it) {
+    ::close(it->fd);
+    --open_;
+    return conns.erase(it);
+  };
+  std::vector<pollfd> fds;
+  std::vector<std::list<Connection>::iterator> polled;
+  while (!stop_) {
+    // Wake for the nearest deadline, or kPollMs to notice stop_.
+    Clock::time_point now = Clock::now();
+    Clock::time_point wake = now + std::chrono::milliseconds(kPollMs);
+    fds.clear();
+    polled.clear();
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (auto it = conns.begin(); it != conns.end(); ++it) {
+      fds.push_back({it->fd, static_cast<short>(it->writing ? POLLOUT : POLLIN), 0});
+      polled.push_back(it);
+      wake = std::min(wake, it->deadline);
+    }
+    const int timeout_ms = static_cast<int>(std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count() + 1));
+    if (::poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) continue;
+    now = Clock::now();
+    for (size_t i = 0; i < polled.size(); ++i) {
+      auto it = polled[i];
+      const short ev = fds[i + 1].revents;
+      if (ev == 0) continue;
+      Connection& c = *it;
+      if (!c.writing) {
+        char buf[4096];
+        const ssize_t n = ::recv(c.fd, buf, sizeof(buf), 0);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        if (n <= 0) {  // closed by the client, or an error
+          close_conn(it);
+          continue;
+        }
+        c.in.append(buf, static_cast<size_t>(n));
+        if (c.in.find("\r\n\r\n") != std::string::npos) {
+          c.out = Answer(c.in, render_);
+        } else if (c.in.size() >= kMaxRequestBytes) {
+          c.out = Response("431 Request Header Fields Too Large", "text/plain",
+                           "request headers over 16 KiB\n");
+        } else {
+          continue;
+        }
+        c.writing = true;
+        c.in.clear();
+        c.deadline = now + options_.write_timeout;
+      }
+      // Writing (possibly right after the request completed).
+      const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (n <= 0) {
+        close_conn(it);
+        continue;
+      }
+      c.sent += static_cast<size_t>(n);
+      if (c.sent == c.out.size()) {
+        ++served_;
+        close_conn(it);
+      }
+    }
+    // Deadlines.
+    for (auto it = conns.begin(); it != conns.end();) {
+      if (it->deadline <= now) {
+        ++timed_out_;
+        it = close_conn(it);
+      } else {
+        ++it;
+      }
+    }
+    // New connections; at the limit the one waiting longest for its request makes room.
+    if (fds[0].revents & POLLIN) {
+      while (true) {
+        const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;  // EAGAIN: none left (or an error: retry on the next wake)
+        ++accepted_;
+        if (static_cast<int>(conns.size()) >= options_.max_connections) {
+          auto victim = std::find_if(conns.begin(), conns.end(),
+                                     [](const Connection& c) { return !c.writing; });
+          if (victim == conns.end()) victim = conns.begin();
+          ++evicted_;
+          close_conn(victim);
+        }
+        Connection c;
+        c.fd = fd;
+        c.deadline = now + options_.request_timeout;
+        conns.push_back(std::move(c));
+        ++open_;
+      }
+    }
+  }
+  for (auto it = conns.begin(); it != conns.end();) it = close_conn(it);
 }
 
 }  // namespace moeserve

@@ -36,6 +36,11 @@ MoeServiceImpl::MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> b
     : engine_(engine),
       metrics_(metrics),
       options_(options),
+      held_bytes_(options.max_held_bytes),
+      answer_watch_(options.max_answer_hold,
+                    [metrics] {
+                      if (metrics) metrics->OnAnswerCancelled();
+                    }),
       workers_(options.num_worker_threads),
       batcher_(std::move(batcher)) {}
 
@@ -46,19 +51,43 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
                                                   grpc::ByteBuffer* response) {
   const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Records metrics and answers; `tokens` counts only on success.
-  auto finish = [this, reactor, start](const absl::Status& status, int64_t tokens) {
-    const grpc::Status grpc_status = ToGrpcStatus(status);
+  // Holds the call's bytes until gRPC is done with it, and watches its answer being taken.
+  auto* reactor = new HeldUnaryReactor(context, &answer_watch_, &held_bytes_, [this] {
+    if (metrics_) metrics_->SetHeldBytes(held_bytes_.used());
+  });
+  // Answers; `tokens` counts only on success.
+  auto finish = [this, reactor](const absl::Status& status, int64_t tokens) {
     if (metrics_) {
       if (status.ok()) metrics_->AddTokens(tokens);
-      metrics_->RecordRequest("Forward", grpc_status.error_code(), MicrosSince(start) * 1e-6);
       metrics_->DecrementInflight();
     }
-    reactor->Finish(grpc_status);
+    reactor->FinishAndHold(ToGrpcStatus(status));
   };
-  auto task = [this, context, raw_request, response, start, finish]() {
+  // Admission: refused at once when the bytes calls hold would pass the limit.
+  auto hold = [this, reactor](int64_t bytes, absl::string_view what) {
+    if (reactor->Hold(bytes)) {
+      if (metrics_) metrics_->SetHeldBytes(held_bytes_.used());
+      return absl::OkStatus();
+    }
+    if (metrics_) metrics_->OnRefusedForMemory();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Forward: the server holds ", held_bytes_.used(), " bytes of requests and answers; ", what,
+        " of ", bytes, " bytes would pass max_queued_bytes=", held_bytes_.limit(),
+        "; retry later or elsewhere"));
+  };
+  if (absl::Status s = hold(static_cast<int64_t>(raw_request->Length()), "this request"); !s.ok()) {
+    finish(s, 0);
+    return reactor;
+  }
+  auto task = [this, context, raw_request, response, start, finish, hold]() {
     const double server_queue_us = MicrosSince(start);
+    if (DeadlineOf(*context) <= absl::Now()) {
+      finish(absl::DeadlineExceededError(absl::StrCat("Forward: the deadline passed after ",
+                                                      server_queue_us,
+                                                      " us waiting for a worker, before it ran")),
+             0);
+      return;
+    }
     if (context->IsCancelled()) {
       finish(absl::CancelledError("Forward: cancelled by the client before it ran"), 0);
       return;
@@ -81,6 +110,9 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     const DType dtype = input->hidden_states.dtype();
     const Shape out_shape = {m, info.model.hidden};
     const size_t out_bytes = static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
+    if (absl::Status s = hold(static_cast<int64_t>(out_bytes), "its answer"); !s.ok()) {
+      return finish(s, 0);
+    }
     // What the call needs until the batcher answers it: the request's slices (its tensors may
     // be views into them), the gathered bytes and the answer buffer, which the engine writes
     // and the reply's slice then owns (no copy).
@@ -125,13 +157,9 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
                                                        const v1::GetModelInfoRequest* request,
                                                        v1::ModelInfo* response) {
-  const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
   EngineInfoToProto(engine_->info(), options_.max_message_bytes, response);
-  if (metrics_) {
-    metrics_->RecordRequest("GetModelInfo", grpc::StatusCode::OK, MicrosSince(start) * 1e-6);
-    metrics_->DecrementInflight();
-  }
+  if (metrics_) metrics_->DecrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -140,17 +168,11 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     grpc::CallbackServerContext* context, const v1::GetExpertWeightsRequest* request,
     v1::GetExpertWeightsResponse* response) {
-  const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [this, reactor, start](const absl::Status& status) {
-    const grpc::Status grpc_status = ToGrpcStatus(status);
-    if (metrics_) {
-      metrics_->RecordRequest("GetExpertWeights", grpc_status.error_code(),
-                              MicrosSince(start) * 1e-6);
-      metrics_->DecrementInflight();
-    }
-    reactor->Finish(grpc_status);
+  auto finish = [this, reactor](const absl::Status& status) {
+    if (metrics_) metrics_->DecrementInflight();
+    reactor->Finish(ToGrpcStatus(status));
   };
   // Dequantizing one expert of a large model takes milliseconds: keep it off gRPC's threads.
   auto task = [this, request, response, finish]() {

@@ -5,17 +5,25 @@
 // bytes are never copied by protobuf (the wire format is still moeserve.v1's).
 // Forward and GetExpertWeights run on the service's own worker threads (a WorkQueue), never on
 // gRPC's callback threads; each reply is Finished from the worker. GetModelInfo answers inline.
+//
+// Bounds (server/call_limits.h): a Forward call holds its request's bytes from arrival and its
+// answer's from decoding until gRPC is done with the call; beyond max_held_bytes in all a call
+// is refused at once with RESOURCE_EXHAUSTED. An answer the client does not take within
+// max_answer_hold is cancelled (the client sees CANCELLED), releasing what it held.
+// Calls are counted by the server's interceptor (server/call_accounting.h), not here.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 
 #include "core/engine.h"
 #include "core/forward_batcher.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
+#include "server/call_limits.h"
 #include "server/metrics.h"
 #include "server/work_queue.h"
 
@@ -25,6 +33,10 @@ struct ServiceOptions {
   int num_worker_threads = 2;
   // Reported in ModelInfo; the limit itself is set on the ServerBuilder.
   int64_t max_message_bytes = 64 << 20;
+  // Request + answer bytes all Forward calls in progress may hold; <= 0: unbounded.
+  int64_t max_held_bytes = int64_t{512} << 20;
+  // How long a finished answer may wait for the client to take it; <= 0: forever.
+  std::chrono::milliseconds max_answer_hold{10000};
 };
 
 using MoeServiceBase =
@@ -56,10 +68,16 @@ class MoeServiceImpl final : public MoeServiceBase {
   // server. Idempotent.
   void Drain() { workers_.Drain(); }
 
+  // Bytes Forward calls hold now; answers cancelled so far for not being taken.
+  int64_t held_bytes() const { return held_bytes_.used(); }
+  int64_t answers_cancelled() const { return answer_watch_.cancelled(); }
+
  private:
   Engine* const engine_;
   Metrics* const metrics_;
   const ServiceOptions options_;
+  ByteBudget held_bytes_;
+  AnswerHoldWatch answer_watch_;
   WorkQueue workers_;
   std::unique_ptr<ForwardBatcher> batcher_;
 };
