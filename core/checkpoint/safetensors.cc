@@ -176,7 +176,9 @@ absl::Status SafetensorsFile::Parse() {
       }
       continue;
     }
-    auto bad = [&](auto&&... parts) { return corrupt("tensor '", name, "': ", parts...); };
+    // (A copy: clang 14 cannot capture a structured binding.)
+    const std::string tensor_name = name;
+    auto bad = [&](auto&&... parts) { return corrupt("tensor '", tensor_name, "': ", parts...); };
     if (!entry.is_object()) return bad("entry is not an object");
     const auto dt = entry.find("dtype");
     if (dt == entry.end() || !dt->is_string()) return bad("missing string field 'dtype'");

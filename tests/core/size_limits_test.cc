@@ -77,7 +77,7 @@ TEST(SizeLimitsTest, AllocationsThatCannotBeHadAreErrorsNamingTheSize) {
   HostBuffer buffer;
   absl::StatusOr<TensorView> view = buffer.TryGet(DType::kFP32, {kBig, kBig});
   EXPECT_EQ(view.status().code(), absl::StatusCode::kResourceExhausted);
-  view = buffer.TryGet(DType::kFP32, {1 << 20, 1 << 20});  // 4 TiB: over the limit
+  view = buffer.TryGet(DType::kFP32, {1 << 20, (1 << 20) + 1});  // over the 4 TiB limit
   EXPECT_EQ(view.status().code(), absl::StatusCode::kResourceExhausted);
   view = buffer.TryGet(DType::kFP32, {4, 4});
   ASSERT_TRUE(view.ok());

@@ -24,6 +24,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/call_accounting.h"
+#include "server/call_limits.h"
 #include "server/server.h"
 #include "tests/server/test_util.h"
 
@@ -281,6 +282,22 @@ TEST_F(LimitsTest, CallsRefusedBeforeTheHandlerAreCountedWithTheirCode) {
   EXPECT_EQ(after.find("NoSuchMethod"), std::string::npos);
 }
 
+TEST(ByteBudgetTest, AdmitsUpToTheLimitAndReleases) {
+  ByteBudget budget(100);
+  EXPECT_TRUE(budget.TryAcquire(60));
+  EXPECT_FALSE(budget.TryAcquire(41));  // nothing taken
+  EXPECT_EQ(budget.used(), 60);
+  EXPECT_TRUE(budget.TryAcquire(40));
+  EXPECT_FALSE(budget.TryAcquire(1));
+  budget.Release(60);
+  EXPECT_FALSE(budget.TryAcquire(int64_t{1} << 62));  // no overflow past the limit
+  EXPECT_TRUE(budget.TryAcquire(60));
+  EXPECT_EQ(budget.used(), 100);
+  ByteBudget unbounded(0);
+  EXPECT_TRUE(unbounded.TryAcquire(int64_t{1} << 62));
+  EXPECT_EQ(unbounded.used(), int64_t{1} << 62);
+}
+
 TEST(MethodLabelTest, IsBounded) {
   EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/Forward"), "Forward");
   EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/GetExpertWeights"), "GetExpertWeights");
@@ -376,6 +393,21 @@ TEST_F(LimitsTest, MisreadFieldsAreRefused) {
   s = RawCall(channel.get(), "/moeserve.v1.MoeService/Forward", valid + layer_2_40);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("1099511627776"));
+  // Issue 14 item 4: UBSan found signed overflow reachable from the wire with hidden_states of
+  // shape [0, 2^62, 2^62] (empty, so the byte length 0 matches). Refused, nothing overflows
+  // (this suite runs under UBSan in CI).
+  {
+    v1::ForwardRequest r = Random(2);
+    r.mutable_hidden_states()->clear_shape();
+    for (int64_t d : {int64_t{0}, int64_t{1} << 62, int64_t{1} << 62}) {
+      r.mutable_hidden_states()->add_shape(d);
+    }
+    r.mutable_hidden_states()->clear_data();
+    v1::ForwardResponse response;
+    s = Forward(channel.get(), r, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("hidden_states"));
+  }
   // A finite but huge router weight.
   v1::ForwardRequest request = Random(2);
   const float huge = 3e38f;
