@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "core/provider_registry.h"
@@ -111,10 +112,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
 
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->plan_ = plan;
+  for (int lane = 0; lane < plan.lanes; ++lane) {
+    engine->lane_mu_.push_back(std::make_unique<std::mutex>());
+  }
+  engine->lane_busy_.assign(plan.lanes, false);
+  engine->ids32_.resize(plan.lanes);
   MOESERVE_ASSIGN_OR_RETURN(engine->ranks_, backend->create_rank_group(plan, registry));
   if (plan.multi_process) {
     engine->multi_process_ =
-        std::make_unique<MultiProcessDriver>(engine->ranks_.get(), &engine->mu_);
+        std::make_unique<MultiProcessDriver>(engine->ranks_.get(), engine->lane_mu_[0].get());
   }
 
   EngineInfo& info = engine->info_;
@@ -132,14 +138,66 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   info.max_tokens_per_request = plan.max_tokens_per_request;
   info.max_tokens_per_rank = plan.max_tokens_per_rank;
   info.threads_per_rank = plan.threads_per_rank;
+  // Only the leader process takes requests, so only it routes.
+  if (plan.node_rank == 0) {
+    const int router_threads =
+        std::max(1, std::min(8, static_cast<int>(std::thread::hardware_concurrency())));
+    MOESERVE_RETURN_IF_ERROR(LoadRouter(plan.weights, plan.model, router_threads, &engine->router_,
+                                        &info.no_router_reason));
+    if (engine->router_ != nullptr) info.router = engine->router_->config().Describe();
+  } else {
+    info.no_router_reason = "a follower process does not route";
+  }
+  const PrepareFinalizeProvider* pf = registry.FindPrepareFinalize(plan.prepare_finalize);
+  // Followers receive their slices over host collectives: device memory stays in one process.
+  info.device_tensors = pf != nullptr && pf->device_tensors && !plan.multi_process;
   if (engine->multi_process_ != nullptr) engine->multi_process_->Start();
   return engine;
 }
 
 absl::Status Engine::health() const { return ranks_->health(); }
 
+class Engine::LaneLease {
+ public:
+  explicit LaneLease(Engine* engine)
+      : engine_(engine), lane_(engine->AcquireLane()), lock_(*engine->lane_mu_[lane_]) {}
+  ~LaneLease() {
+    lock_.unlock();
+    engine_->ReleaseLane(lane_);
+  }
+  int lane() const { return lane_; }
+
+ private:
+  Engine* const engine_;
+  const int lane_;
+  std::unique_lock<std::mutex> lock_;
+};
+
+int Engine::AcquireLane() {
+  std::unique_lock<std::mutex> lock(pool_mu_);
+  for (;;) {
+    for (size_t i = 0; i < lane_busy_.size(); ++i) {
+      if (!lane_busy_[i]) {
+        lane_busy_[i] = true;
+        return static_cast<int>(i);
+      }
+    }
+    pool_cv_.wait(lock);
+  }
+}
+
+void Engine::ReleaseLane(int lane) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    lane_busy_[lane] = false;
+  }
+  pool_cv_.notify_all();
+}
+
 absl::Status Engine::Recover() {
-  std::lock_guard<std::mutex> lock(mu_);
+  // Every lane: no step runs while the communicators are rebuilt.
+  std::vector<std::unique_ptr<LaneLease>> leases;
+  for (size_t i = 0; i < lane_mu_.size(); ++i) leases.push_back(std::make_unique<LaneLease>(this));
   return ranks_->Recover();
 }
 
@@ -176,8 +234,19 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
                                                    DTypeName(input.hidden_states.dtype()), "[", m,
                                                    ", ", k, "], got ", output.DebugString()));
   }
+  if ((!input.hidden_states.device().is_host() || !output.device().is_host()) &&
+      !info_.device_tensors) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this engine (backend ", info_.backend, ", prepare_finalize ",
+                     info_.prepare_finalize, ") takes host tensors only; got hidden_states ",
+                     input.hidden_states.DebugString(), " and output ", output.DebugString()));
+  }
+  if (!input.topk_ids.device().is_host() || !input.topk_weights.device().is_host()) {
+    return absl::InvalidArgumentError("topk_ids and topk_weights must be host memory");
+  }
   const auto t_queue = std::chrono::steady_clock::now();
-  std::lock_guard<std::mutex> lock(mu_);
+  const LaneLease lease(this);
+  const int lane = lease.lane();
   if (absl::Status h = health(); !h.ok()) return h;
   if (timings) {
     *timings = ForwardTimings();
@@ -195,11 +264,12 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
 
   ForwardStep step;
   step.layer = input.layer;
+  step.lane = lane;
   step.timed = timings != nullptr;
   step.hidden_states = input.hidden_states;
   step.topk_ids = input.topk_ids;
   if (step.topk_ids.dtype() == DType::kINT64) {
-    MOESERVE_ASSIGN_OR_RETURN(step.topk_ids, ids32_.TryGet(DType::kINT32, {m, topk}));
+    MOESERVE_ASSIGN_OR_RETURN(step.topk_ids, ids32_[lane].TryGet(DType::kINT32, {m, topk}));
     for (int64_t i = 0; i < m * topk; ++i) {
       step.topk_ids.data<int32_t>()[i] = static_cast<int32_t>(input.topk_ids.data<int64_t>()[i]);
     }
@@ -227,7 +297,7 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
   if (!s.ok()) return ClientStatusForFailedStep(s);
   if (timings) {
     for (int r = 0; r < ranks_->num_local_ranks(); ++r) {
-      timings->rank_stages.push_back(ranks_->timings(r));
+      timings->rank_stages.push_back(ranks_->timings(r, lane));
     }
     if (multi_process_ != nullptr) {
       timings->stages = ranks_->timings(0);  // this process's leader rank
@@ -249,8 +319,27 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
   return absl::OkStatus();
 }
 
-absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
-                                          uint16_t* w2) const {
+absl::Status Engine::Route(int layer, const TensorView& hidden_states, const TensorView& topk_ids,
+                           const TensorView& topk_weights) const {
+  if (router_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "server-side routing (a request without topk_ids and topk_weights) is not available: ",
+        info_.no_router_reason, "; send topk_ids and topk_weights"));
+  }
+  ForwardInput in;
+  in.layer = layer;
+  in.hidden_states = hidden_states;
+  in.topk_ids = topk_ids;
+  in.topk_weights = topk_weights;
+  MOESERVE_RETURN_IF_ERROR(ValidateForwardShapes(plan_.model, plan_.max_tokens_per_request, in));
+  if (topk_ids.dtype() != DType::kINT32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Route: topk_ids must be int32, got ", DTypeName(topk_ids.dtype())));
+  }
+  return router_->Route(layer, hidden_states, topk_ids, topk_weights);
+}
+
+absl::Status Engine::ValidateExpertRef(int layer, int expert) const {
   if (layer < 0 || ranks_->num_local_ranks() == 0 || ranks_->weights(0).layer(layer) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " has no experts"));
   }
@@ -258,6 +347,12 @@ absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
     return absl::InvalidArgumentError(
         absl::StrCat("expert: got ", expert, ", expected [0, ", plan_.model.num_experts, ")"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::GetExpertWeightsBf16(int layer, int expert, uint16_t* w13,
+                                          uint16_t* w2) const {
+  MOESERVE_RETURN_IF_ERROR(ValidateExpertRef(layer, expert));
   const int owner = plan_.placement->owner(expert);
   const int first = ranks_->first_rank();
   const LayerWeights* lw = nullptr;

@@ -6,6 +6,7 @@
 #ifndef MOESERVE_CORE_ENGINE_H_
 #define MOESERVE_CORE_ENGINE_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include "core/modular_kernel.h"
 #include "core/multi_process_driver.h"
 #include "core/rank_group.h"
+#include "core/router.h"
 #include "core/tensor.h"
 #include "core/weights.h"
 
@@ -63,6 +65,13 @@ struct EngineInfo {
   int threads_per_rank = 1;         // experts' threads on each rank
   std::vector<DType> hidden_dtypes = {DType::kBF16, DType::kFP16, DType::kFP32};
   std::vector<DType> topk_ids_dtypes = {DType::kINT32, DType::kINT64};
+  // Server-side routing (Engine::Route): the router as RouterConfig::Describe() says, or empty
+  // when there is none, with the reason in no_router_reason.
+  std::string router;
+  std::string no_router_reason;
+  // Forward takes hidden_states and writes the output in CUDA device memory too (a client's
+  // CUDA region, read and written in place): single-process GPU engines.
+  bool device_tensors = false;
 };
 
 // Checks a forward against the model: INVALID_ARGUMENT naming the field, what came and what
@@ -80,14 +89,16 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
   ~Engine();
 
-  // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (host,
-  // caller-owned). Thread-safe: concurrent calls queue and run one at a time.
-  // With R ranks the M tokens are split evenly (rank r is the source of its slice), every rank
-  // runs the modular kernel (its collectives in the same order) and rank 0, the leader, gathers
-  // the output slices. A failure on one rank aborts the collectives of all; the first root
-  // cause is returned and the engine stays usable.
+  // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (caller-owned;
+  // host memory, or CUDA device memory as hidden_states may be where info().device_tensors --
+  // elsewhere FAILED_PRECONDITION). topk ids and weights are host memory. Thread-safe:
+  // concurrent calls run up to steps_in_flight() at once (each on its own lane: stream, buffers,
+  // workspaces), the rest wait. With R ranks the M tokens are split evenly (rank r is the source
+  // of its slice), every rank runs the modular kernel (its collectives in the same order) and
+  // rank 0, the leader, gathers the output slices. A failure on one rank aborts the collectives
+  // of all; the first root cause is returned and the engine stays usable.
   //
-  // `stop` (may be null) says whether the caller gave up: it is checked once the engine is free
+  // `stop` (may be null) says whether the caller gave up: it is checked once a lane is free
   // and then between the stages of every round on every rank (in a single process; a
   // multi-process group checks only before the step), and its DEADLINE_EXCEEDED or CANCELLED
   // is returned as it is, naming where it stopped; the output is then unspecified and the
@@ -100,10 +111,28 @@ class Engine {
   absl::Status ForwardValidated(const ForwardInput& input, const TensorView& output,
                                 ForwardTimings* timings = nullptr, StopCheck stop = nullptr);
 
+  // Server-side routing: the layer's gate on hidden_states -> topk_ids and topk_weights
+  // (core/router.h for the semantics). hidden [M, hidden] BF16/FP16/FP32, topk_ids INT32
+  // [M, topk] and topk_weights FP32 [M, topk] written; host memory. FAILED_PRECONDITION when
+  // the model has no router (info().no_router_reason); otherwise the refusals of
+  // ValidateForwardShapes (layer, hidden_states, M over the limit). Thread-safe and independent
+  // of forwards (it runs beside them, on the caller's thread and the router's own threads).
+  // Cost: one FP32 GEMM of M x hidden x num_experts on the host, whatever the backend
+  // (tests/benchmarks/router/RESULTS.md: DeepSeek-V3's gate about 1-2 ms at M <= 16 on a busy
+  // 2-core machine, linear in M beyond).
+  absl::Status Route(int layer, const TensorView& hidden_states, const TensorView& topk_ids,
+                     const TensorView& topk_weights) const;
+  bool has_router() const { return router_ != nullptr; }
+
   // One expert's weights as computed with, rounded to BF16: w13 [2I, H], w2 [H, I].
   absl::Status GetExpertWeightsBf16(int layer, int expert, uint16_t* w13, uint16_t* w2) const;
+  // What GetExpertWeightsBf16 checks first, cheaply (callers check before allocating):
+  // INVALID_ARGUMENT unless `layer` has experts and `expert` is in [0, num_experts).
+  absl::Status ValidateExpertRef(int layer, int expert) const;
 
   const EngineInfo& info() const { return info_; }
+  // Steps that may run at once (Forward calls beyond it wait for a lane).
+  int steps_in_flight() const { return plan_.lanes; }
 
   // OK while the engine can serve; otherwise why not (e.g. the NCCL communicators were aborted
   // after a collective timed out or a rank failed mid-forward). While unhealthy, Forward
@@ -134,12 +163,24 @@ class Engine {
   // A failed step as clients see it (UNAVAILABLE for a collective's timeout or abort).
   static absl::Status ClientStatusForFailedStep(absl::Status cause);
 
+  // Takes a free lane (waiting for one) and holds its mutex until destroyed.
+  class LaneLease;
+  int AcquireLane();
+  void ReleaseLane(int lane);
+
   EnginePlan plan_;
   EngineInfo info_;
-  std::mutex mu_;  // one step at a time (forwards, heartbeats, Recover)
+  // Steps run on lanes (plan_.lanes; 1 on the CPU and with collectives): a step holds one
+  // lane's mutex while it runs; Recover holds them all; the multi-process driver's heartbeats
+  // take lane 0's.
+  std::vector<std::unique_ptr<std::mutex>> lane_mu_;
+  std::mutex pool_mu_;
+  std::condition_variable pool_cv_;
+  std::vector<bool> lane_busy_;  // guarded by pool_mu_
   std::unique_ptr<RankGroup> ranks_;
   std::unique_ptr<MultiProcessDriver> multi_process_;  // null in a single process
-  HostBuffer ids32_;
+  std::unique_ptr<Router> router_;                     // null: no server-side routing
+  std::vector<HostBuffer> ids32_;                      // per lane
 };
 
 }  // namespace moeserve

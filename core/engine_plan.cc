@@ -177,10 +177,6 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   plan.collective_timeout = absl::Milliseconds(options.collective_timeout_ms);
   plan.heartbeat_ms = options.heartbeat_ms;
   plan.max_tokens_per_request = options.max_tokens_per_request;
-  // A token limit whose step buffers cannot fit is refused now, not at the first large call.
-  MOESERVE_RETURN_IF_ERROR(CheckActivationBudget(
-      plan.model, plan.max_tokens_per_request,
-      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : AvailableHostMemoryBytes()));
 
   // Providers: the names pick providers of this backend, or CPU ones whose format picks this
   // backend's.
@@ -244,6 +240,29 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
     }
   }
   plan.max_tokens_per_rank = pf->supports_ep ? tokens_per_rank : options.max_tokens_per_request;
+
+  // Steps in flight: independent lanes need a PrepareAndFinalize without collectives (every rank
+  // must issue those in one order). They pay on a GPU (copies overlap compute), so only there are
+  // they the default; on the CPU they are allowed (e.g. to test the pipelined batcher).
+  const bool lanes_possible = !pf->supports_ep && !plan.multi_process;
+  if (options.steps_in_flight < 0 || options.steps_in_flight > kMaxStepsInFlight) {
+    return Invalid(absl::StrCat("steps_in_flight: got ", options.steps_in_flight,
+                                ", expected 0 (auto) to ", kMaxStepsInFlight));
+  }
+  if (options.steps_in_flight > 1 && !lanes_possible) {
+    return Invalid(absl::StrCat(
+        "steps_in_flight: ", options.steps_in_flight,
+        " steps in flight need a single-rank PrepareAndFinalize (no_ep) in one process; got ",
+        pf->name, "; use 0 (auto) or 1"));
+  }
+  plan.lanes =
+      options.steps_in_flight > 0 ? options.steps_in_flight : (lanes_possible && cuda ? 2 : 1);
+  // A token limit whose step buffers (one set per lane) cannot fit is refused now, not at the
+  // first large call.
+  MOESERVE_RETURN_IF_ERROR(CheckActivationBudget(
+      plan.model, plan.max_tokens_per_request,
+      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : AvailableHostMemoryBytes(),
+      plan.lanes));
 
   plan.weights.checkpoint_dir = options.checkpoint_dir;
   plan.weights.seed = options.seed;

@@ -29,6 +29,8 @@ absl::string_view BackendName(Backend backend);  // "cpu" | "cuda"
 
 // The multi-process command carries the token bounds of every rank (MultiProcessDriver).
 constexpr int kMaxMultiProcessWorld = 256;
+// Most engine steps in flight at once (EngineOptions::steps_in_flight).
+constexpr int kMaxStepsInFlight = 8;
 
 struct EngineOptions {
   ModelConfig model;
@@ -86,6 +88,11 @@ struct EngineOptions {
   // collective_timeout_ms: a follower's wait for the next command is bounded by it), which also
   // finds a dead follower without a Forward. 0: off.
   int64_t heartbeat_ms = 1000;
+  // Engine steps that may run at once, each on its own lane (a stream, its own buffers and
+  // workspaces; the weights are shared), so that one step's copies overlap another's experts.
+  // 0: auto (2 with backend cuda and a single-rank PrepareAndFinalize, else 1). More than 1 is
+  // refused where steps must run one at a time (collectives between ranks, multi-process).
+  int steps_in_flight = 0;
   // Tests only: called on each rank's thread at the start of every forward; a non-OK status
   // fails that rank there (an injected fault), and a hook may also sleep (a late rank).
   std::function<absl::Status(int rank)> fault_injection_for_testing;
@@ -116,6 +123,7 @@ struct EnginePlan {
   int64_t max_tokens_per_rank = 0;
   absl::Duration collective_timeout = absl::Seconds(60);
   int64_t heartbeat_ms = 0;  // leader of a multi-process group; 0: off
+  int lanes = 1;             // steps in flight (EngineOptions::steps_in_flight resolved)
   WeightSource weights;      // where every rank loads its experts from
   std::function<absl::Status(int rank)> fault_injection_for_testing;
 };

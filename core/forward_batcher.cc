@@ -46,8 +46,12 @@ ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
     : engine_(engine),
       options_(options),
       // A merged step is one engine call: it must respect the engine's per-call limit too.
-      step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)) {
-  thread_ = std::thread([this] { Loop(); });
+      step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)),
+      runners_(std::max(1, engine->steps_in_flight())) {
+  for (int i = 0; i < runners_; ++i) buffers_.push_back(std::make_unique<StepBuffers>());
+  for (int i = 0; i < runners_; ++i) {
+    threads_.emplace_back([this, buffers = buffers_[i].get()] { Loop(buffers); });
+  }
 }
 
 ForwardBatcher::~ForwardBatcher() {
@@ -56,12 +60,17 @@ ForwardBatcher::~ForwardBatcher() {
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  for (std::thread& t : threads_) t.join();
 }
 
 ForwardBatcherStats ForwardBatcher::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
+}
+
+bool ForwardBatcher::Joins(const Call& head, const Call& c) {
+  return c.mergeable && head.mergeable && c.input.layer == head.input.layer &&
+         c.input.hidden_states.dtype() == head.input.hidden_states.dtype();
 }
 
 void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
@@ -77,7 +86,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   const int64_t m = input.hidden_states.dim(0);
   if (output.dtype() != input.hidden_states.dtype() ||
       output.shape() != input.hidden_states.shape() || !output.is_contiguous() ||
-      !output.device().is_host()) {
+      (!output.device().is_host() && !info.device_tensors)) {
     return done(absl::InvalidArgumentError(absl::StrCat(
                     "output must be contiguous host ", DTypeName(input.hidden_states.dtype()),
                     ShapeToString(input.hidden_states.shape()), ", got ", output.DebugString())),
@@ -92,8 +101,10 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   call->done = std::move(done);
   call->enqueued = absl::Now();
   call->tokens = m;
+  // Device tensors (a CUDA region) run alone: the merged buffers are host memory.
   call->mergeable = input.hidden_states.is_contiguous() && input.topk_ids.is_contiguous() &&
-                    input.topk_weights.is_contiguous();
+                    input.topk_weights.is_contiguous() && input.hidden_states.device().is_host() &&
+                    output.device().is_host();
   {
     std::unique_lock<std::mutex> lock(mu_);
     absl::Status refused;
@@ -104,6 +115,16 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       refused = absl::ResourceExhaustedError(absl::StrCat(
           "Forward: the queue is full (", stats_.queued_tokens, " tokens queued + ", m,
           " > max_queued_tokens=", options_.max_queued_tokens, "); retry later or elsewhere"));
+    } else if (options_.max_queue_wait > absl::ZeroDuration() && stats_.queued_tokens > 0 &&
+               us_per_token_ * static_cast<double>(stats_.queued_tokens + m) / runners_ >
+                   absl::ToDoubleMicroseconds(options_.max_queue_wait)) {
+      ++stats_.refused_queue_full;
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "Forward: the queue holds about ",
+          static_cast<int64_t>(us_per_token_ * static_cast<double>(stats_.queued_tokens + m) /
+                               runners_ / 1000),
+          " ms of work (", stats_.queued_tokens, " tokens) > max_queue_wait=",
+          absl::FormatDuration(options_.max_queue_wait), "; retry later or elsewhere"));
     }
     if (!refused.ok()) {
       lock.unlock();
@@ -118,37 +139,45 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   cv_.notify_all();
 }
 
-void ForwardBatcher::Loop() {
+void ForwardBatcher::Loop(StepBuffers* buffers) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (stop_) break;
-    const Call& head = *queue_.front();
-    const int layer = head.input.layer;
-    const DType dtype = head.input.hidden_states.dtype();
-    auto joins = [&](const Call& c) {
-      return c.mergeable && head.mergeable && c.input.layer == layer &&
-             c.input.hidden_states.dtype() == dtype;
-    };
-    // Wait for company until the head's delay is spent or its step is full.
-    const absl::Time ready_at = head.enqueued + options_.max_batch_delay;
-    while (!stop_ && absl::Now() < ready_at) {
+    // Wait for company until the head's delay is spent or its step is full. Another scheduling
+    // thread may take the head meanwhile: look again after every wait.
+    bool take = false;
+    while (!stop_ && !queue_.empty()) {
+      const Call& head = *queue_.front();
+      const absl::Time ready_at = head.enqueued + options_.max_batch_delay;
       int64_t tokens = 0;
       for (const auto& c : queue_) {
-        if (c.get() == &head || joins(*c)) tokens += c->tokens;
+        if (c.get() == &head || Joins(head, *c)) tokens += c->tokens;
       }
-      if (tokens >= step_tokens_) break;
-      cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
-                             1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
+      // While another step runs, a second one starts only with at least half a step of work:
+      // decode steps are bound by reading the weights, so one merged step beats two small
+      // concurrent ones; large calls still overlap one another's copies.
+      const bool lane_worth_it = running_ == 0 || tokens * 2 >= step_tokens_;
+      if (lane_worth_it && (tokens >= step_tokens_ || absl::Now() >= ready_at)) {
+        take = true;
+        break;
+      }
+      if (!lane_worth_it && absl::Now() >= ready_at) {
+        cv_.wait(lock);  // until a step ends or more calls come
+      } else {
+        cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
+                               1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
+      }
     }
     if (stop_) break;
+    if (!take) continue;
     // The head, then every call that joins it in arrival order while the step fits.
-    std::vector<std::unique_ptr<Call>> step;
+    Step step;
     int64_t tokens = 0;
     for (auto it = queue_.begin(); it != queue_.end();) {
       Call& c = **it;
       const bool first = step.empty();
-      if (first || (joins(c) && tokens + c.tokens <= step_tokens_)) {
+      if (first || (Joins(*step.front(), c) && tokens + c.tokens <= step_tokens_)) {
         tokens += c.tokens;
         step.push_back(std::move(*it));
         it = queue_.erase(it);
@@ -157,11 +186,19 @@ void ForwardBatcher::Loop() {
       }
     }
     stats_.queued_tokens -= tokens;
+    ++running_;
     lock.unlock();
-    RunStep(std::move(step));
+    const absl::Time started = absl::Now();
+    RunStep(std::move(step), buffers);
+    const absl::Duration took = absl::Now() - started;
     lock.lock();
+    --running_;
+    // Per-token service time, for the queue-wait admission (a running average).
+    const double us_per_token = absl::ToDoubleMicroseconds(took) / static_cast<double>(tokens);
+    us_per_token_ = us_per_token_ == 0 ? us_per_token : 0.8 * us_per_token_ + 0.2 * us_per_token;
+    cv_.notify_all();  // a waiting scheduling thread may start its step now
   }
-  // Shutting down: whatever is still queued is answered, not dropped.
+  // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
   std::deque<std::unique_ptr<Call>> left;
   left.swap(queue_);
   stats_.queued_tokens = 0;
@@ -188,9 +225,10 @@ absl::Status GaveUp(const ForwardBatcher::Call& c, absl::Time now, absl::string_
 
 }  // namespace
 
-void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
+void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
   const absl::Time start = absl::Now();
   std::vector<std::unique_ptr<Call>> live;
+  std::vector<std::pair<std::unique_ptr<Call>, absl::Status>> dropped;
   int64_t deadline_drops = 0, cancel_drops = 0;
   for (auto& c : calls) {
     absl::Status gave_up = GaveUp(*c, start, "in the queue, before the call ran");
@@ -199,20 +237,17 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
       continue;
     }
     ++(gave_up.code() == absl::StatusCode::kDeadlineExceeded ? deadline_drops : cancel_drops);
-    c->done(std::move(gave_up), ForwardTimings());
+    dropped.emplace_back(std::move(c), std::move(gave_up));
   }
+  // Counted before they are answered: a caller that reads the stats then sees its own call.
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.dropped_deadline += deadline_drops;
     stats_.dropped_cancelled += cancel_drops;
   }
-  if (options_.observer) {
-    for (int64_t i = 0; i < deadline_drops; ++i) {
-      options_.observer->OnRefused(absl::StatusCode::kDeadlineExceeded);
-    }
-    for (int64_t i = 0; i < cancel_drops; ++i) {
-      options_.observer->OnRefused(absl::StatusCode::kCancelled);
-    }
+  for (auto& [c, status] : dropped) {
+    if (options_.observer) options_.observer->OnRefused(status.code());
+    c->done(std::move(status), ForwardTimings());
   }
   if (live.empty()) return;
 
@@ -236,7 +271,7 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
     // Alone: straight from and into the caller's buffers.
     status = engine_->ForwardValidated(live[0]->input, live[0]->output, &timings, stop);
   } else {
-    status = MergeAndRun(live, &timings, stop);
+    status = MergeAndRun(live, buffers, &timings, stop);
   }
   const bool stopped = status.code() == absl::StatusCode::kDeadlineExceeded ||
                        status.code() == absl::StatusCode::kCancelled;
@@ -271,7 +306,7 @@ void ForwardBatcher::RunStep(std::vector<std::unique_ptr<Call>> calls) {
   }
 }
 
-absl::Status ForwardBatcher::MergeAndRun(const std::vector<std::unique_ptr<Call>>& live,
+absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
                                          ForwardTimings* timings, const StopCheck& stop) {
   const ForwardInput& first = live[0]->input;
   const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
@@ -281,10 +316,10 @@ absl::Status ForwardBatcher::MergeAndRun(const std::vector<std::unique_ptr<Call>
   for (const auto& c : live) m += c->tokens;  // at most step_tokens_
   ForwardInput merged;
   merged.layer = first.layer;
-  MOESERVE_ASSIGN_OR_RETURN(merged.hidden_states, hidden_.TryGet(dtype, {m, hidden}));
-  MOESERVE_ASSIGN_OR_RETURN(merged.topk_ids, ids_.TryGet(DType::kINT32, {m, topk}));
-  MOESERVE_ASSIGN_OR_RETURN(merged.topk_weights, weights_.TryGet(DType::kFP32, {m, topk}));
-  MOESERVE_ASSIGN_OR_RETURN(const TensorView output, output_.TryGet(dtype, {m, hidden}));
+  MOESERVE_ASSIGN_OR_RETURN(merged.hidden_states, buffers->hidden.TryGet(dtype, {m, hidden}));
+  MOESERVE_ASSIGN_OR_RETURN(merged.topk_ids, buffers->ids.TryGet(DType::kINT32, {m, topk}));
+  MOESERVE_ASSIGN_OR_RETURN(merged.topk_weights, buffers->weights.TryGet(DType::kFP32, {m, topk}));
+  MOESERVE_ASSIGN_OR_RETURN(const TensorView output, buffers->output.TryGet(dtype, {m, hidden}));
   int64_t at = 0;
   for (const auto& c : live) {
     const ForwardInput& in = c->input;

@@ -2,20 +2,26 @@
 // data-parallel ranks, micro-batches) become one engine step, and each caller gets exactly its
 // rows back.
 //
-// One scheduling thread. It takes the oldest queued call (arrival order across layers, so no
+// A scheduling thread takes the oldest queued call (arrival order across layers, so no
 // layer starves), then every queued call of the same layer and hidden dtype in arrival order
 // while the step stays within max_batch_tokens, waiting up to max_batch_delay after the oldest
 // call's arrival for more to come. Calls whose deadline passed or that were cancelled are
 // answered (DEADLINE_EXCEEDED / CANCELLED) without running; a running step stops between its
 // stages once every call in it has given up (Engine::Forward's `stop`), and each of its calls
 // gets its own DEADLINE_EXCEEDED or CANCELLED. The queue is bounded in tokens:
-// beyond max_queued_tokens a call is refused at once with RESOURCE_EXHAUSTED naming the limit.
+// beyond max_queued_tokens (or, when set, beyond max_queue_wait of estimated work) a call is
+// refused at once with RESOURCE_EXHAUSTED naming the limit.
 //
 // Submitted inputs are validated first (ValidateForwardInput), so a bad call is refused alone
 // and never fails the step it would have joined; a failed step fails every call in it.
 //
-// Thread-safety: Submit from any thread. The callback runs on the scheduling thread (or on the
-// submitting thread for an immediate answer) and must not block for long.
+// With an engine that runs several steps at once (Engine::steps_in_flight(), e.g. two lanes on a
+// GPU) there are that many scheduling threads, each forming a step and running it, so that one
+// step's copies overlap another's experts. A thread forms its step only when it is free to run
+// it, so the step merges everything that arrived meanwhile, and no thread hop is added.
+//
+// Thread-safety: Submit from any thread. The callback runs on the scheduling or a runner thread
+// (or on the submitting thread for an immediate answer) and must not block for long.
 #ifndef MOESERVE_CORE_FORWARD_BATCHER_H_
 #define MOESERVE_CORE_FORWARD_BATCHER_H_
 
@@ -56,6 +62,10 @@ struct ForwardBatcherOptions {
   absl::Duration max_batch_delay = absl::Microseconds(200);
   // Most tokens queued and not yet running; beyond it calls are refused.
   int64_t max_queued_tokens = 16384;
+  // Refuse a call when the queue (with it) holds more than this much work, estimated from the
+  // engine's recent time per token (a call to an empty queue is always taken). Bounds the
+  // latency of the answered calls under overload. 0: no bound but max_queued_tokens.
+  absl::Duration max_queue_wait = absl::ZeroDuration();
   ForwardBatcherObserver* observer = nullptr;  // optional
 };
 
@@ -80,11 +90,13 @@ class ForwardBatcher {
   // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits.
   static absl::StatusOr<std::unique_ptr<ForwardBatcher>> Create(Engine* engine,
                                                                 ForwardBatcherOptions options);
-  // Answers every queued call with UNAVAILABLE, then joins the scheduling thread.
+  // Answers every queued call with UNAVAILABLE, then joins the scheduling threads (a step that
+  // is running finishes first).
   ~ForwardBatcher();
 
   // Queues one call. `input` and `output` (as Engine::Forward: output [M, hidden] in the
-  // hidden dtype, host memory) must stay valid until `done` runs; `done` runs exactly once.
+  // hidden dtype, host memory or, where the engine takes them, CUDA device memory; such calls
+  // run alone) must stay valid until `done` runs; `done` runs exactly once.
   // `cancelled` (may be null) is polled before the call runs and between the stages of its step.
   // timings.queue_us is the time from Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
@@ -94,12 +106,20 @@ class ForwardBatcher {
   const ForwardBatcherOptions& options() const { return options_; }
 
  private:
+  // A merged step's buffers, reused across steps by one thread.
+  struct StepBuffers {
+    HostBuffer hidden, ids, weights, output;
+  };
+  using Step = std::vector<std::unique_ptr<Call>>;
   ForwardBatcher(Engine* engine, ForwardBatcherOptions options);
-  void Loop();
+  // Whether `c` may share `head`'s step.
+  static bool Joins(const Call& head, const Call& c);
+  // One scheduling thread: forms steps and runs them with `buffers`.
+  void Loop(StepBuffers* buffers);
   // Runs the calls of one step (same layer and dtype) and answers them.
-  void RunStep(std::vector<std::unique_ptr<Call>> calls);
-  // Several calls as one engine step through the merged buffers.
-  absl::Status MergeAndRun(const std::vector<std::unique_ptr<Call>>& live, ForwardTimings* timings,
+  void RunStep(Step calls, StepBuffers* buffers);
+  // Several calls as one engine step through `buffers` (the merged input and output).
+  absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
                            const StopCheck& stop);
 
   Engine* const engine_;
@@ -110,9 +130,11 @@ class ForwardBatcher {
   std::deque<std::unique_ptr<Call>> queue_;
   bool stop_ = false;
   ForwardBatcherStats stats_;
-  // The merged step's buffers (scheduling thread only).
-  HostBuffer hidden_, ids_, weights_, output_;
-  std::thread thread_;
+  const int runners_;        // scheduling threads = engine steps in flight
+  int running_ = 0;          // steps running now (guarded by mu_)
+  double us_per_token_ = 0;  // running average of step time per token (guarded by mu_)
+  std::vector<std::unique_ptr<StepBuffers>> buffers_;  // one per scheduling thread
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace moeserve

@@ -95,6 +95,9 @@ absl::Status ModelConfig::Validate() const {
       return bad("moe_layers must be ascending and within [0, num_layers)");
     }
   }
+  if (router.has_value()) {
+    if (absl::Status s = router->Validate(num_experts, topk); !s.ok()) return bad(s.message());
+  }
   return absl::OkStatus();
 }
 
@@ -122,6 +125,16 @@ absl::StatusOr<ModelConfig> ModelPreset(absl::string_view name) {
                      "'; expected one of tiny, qwen3-30b-a3b, deepseek-v3, "
                      "seed-megamoe"));
   }
+  RouterConfig router;
+  router.renormalize = true;
+  if (name == "deepseek-v3") {
+    router.scoring = RouterScoring::kSigmoid;
+    router.correction_bias = true;
+    router.n_group = 8;
+    router.topk_group = 4;
+    router.routed_scaling_factor = 2.5f;
+  }
+  c.router = router;
   return c;
 }
 
@@ -135,6 +148,10 @@ absl::StatusOr<ModelConfig> ApplyOverrides(ModelConfig c, const ModelOverrides& 
   if (o.topk) c.topk = *o.topk;
   if (o.hidden) c.hidden = *o.hidden;
   if (o.intermediate) c.intermediate = *o.intermediate;
+  if (c.router.has_value() && !c.router->Validate(c.num_experts, c.topk).ok()) {
+    c.router->n_group = 1;
+    c.router->topk_group = 1;
+  }
   if (auto s = c.Validate(); !s.ok()) return s;
   return c;
 }
@@ -195,11 +212,13 @@ absl::Status CheckMemoryBudget(const ModelConfig& config, int64_t needed_bytes,
 }
 
 absl::Status CheckActivationBudget(const ModelConfig& config, int64_t max_tokens,
-                                   int64_t available_bytes) {
+                                   int64_t available_bytes, int steps_in_flight) {
   // Weights take up to 85% (CheckMemoryBudget); one step's buffers must fit in what is left of
   // the rest, or the first large request would fail (or the machine swap) instead of startup.
   const double kUsableFraction = 0.5;
-  const int64_t needed = config.ActivationBytes(max_tokens);
+  const int64_t per_step = config.ActivationBytes(max_tokens);
+  const int64_t needed =
+      per_step < 0 ? -1 : CheckedMul(per_step, int64_t{std::max(steps_in_flight, 1)}).value_or(-1);
   if (needed >= 0 &&
       static_cast<double>(needed) <= kUsableFraction * static_cast<double>(available_bytes)) {
     return absl::OkStatus();
@@ -208,10 +227,11 @@ absl::Status CheckActivationBudget(const ModelConfig& config, int64_t max_tokens
   const std::string size = needed < 0 ? std::string("more than 2^63 bytes")
                                       : absl::StrFormat("about %.2f GiB", needed / kGiB);
   return absl::ResourceExhaustedError(absl::StrFormat(
-      "model %s: max_tokens_per_request=%d needs %s of activation buffers per step "
-      "(tokens x topk x hidden x 4 bytes and more) but only %.2f GiB of memory is available "
-      "(%.0f%% usable); lower --max_tokens_per_request",
-      config.DebugString(), max_tokens, size, available_bytes / kGiB, kUsableFraction * 100));
+      "model %s: max_tokens_per_request=%d needs %s of activation buffers for %d step(s) in "
+      "flight (tokens x topk x hidden x 4 bytes and more, per step) but only %.2f GiB of memory "
+      "is available (%.0f%% usable); lower --max_tokens_per_request or --steps_in_flight",
+      config.DebugString(), max_tokens, size, std::max(steps_in_flight, 1), available_bytes / kGiB,
+      kUsableFraction * 100));
 }
 
 }  // namespace moeserve

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "core/router.h"
 
 namespace moeserve {
 
@@ -39,6 +40,10 @@ struct ModelConfig {
   // Layer indices that carry experts, ascending. Empty means all of [0, num_layers).
   // Checkpoints with dense layers (e.g. DeepSeek's first_k_dense_replace) list theirs here.
   std::vector<int> moe_layers;
+  // How the model routes tokens (its gate), for server-side routing. Unset when the model's
+  // routing is not one moeserve implements; no_router_reason then says why.
+  std::optional<RouterConfig> router;
+  std::string no_router_reason;
 
   bool IsMoeLayer(int layer) const;
   int num_moe_layers() const;
@@ -62,8 +67,12 @@ struct ModelOverrides {
 };
 
 // Presets: "tiny" (default, fast on 2 cores), "qwen3-30b-a3b", "deepseek-v3", "seed-megamoe".
+// Their routers (synthetic gates, core/router.h): softmax top-k with renormalization, except
+// deepseek-v3: sigmoid, e_score_correction_bias, 8 groups keeping 4, renormalized, times 2.5.
 absl::StatusOr<ModelConfig> ModelPreset(absl::string_view name);
 std::vector<std::string> ModelPresetNames();
+// Overridden sizes that no longer allow the preset's expert groups (n_group must divide
+// num_experts, the kept groups must hold topk experts) fall back to ungrouped top-k.
 absl::StatusOr<ModelConfig> ApplyOverrides(ModelConfig config, const ModelOverrides& overrides);
 
 // Bytes of memory currently available to this process (MemAvailable, bounded by the cgroup
@@ -75,9 +84,10 @@ int64_t AvailableHostMemoryBytes();
 absl::Status CheckMemoryBudget(const ModelConfig& config, int64_t needed_bytes,
                                int64_t available_bytes);
 // Refuses (RESOURCE_EXHAUSTED, naming the estimate and --max_tokens_per_request) a token limit
-// whose step buffers (ModelConfig::ActivationBytes) exceed half of `available_bytes`.
+// whose step buffers (ModelConfig::ActivationBytes, once per step in flight: each engine lane
+// has its own) exceed half of `available_bytes`.
 absl::Status CheckActivationBudget(const ModelConfig& config, int64_t max_tokens,
-                                   int64_t available_bytes);
+                                   int64_t available_bytes, int steps_in_flight = 1);
 
 }  // namespace moeserve
 

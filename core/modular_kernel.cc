@@ -85,11 +85,18 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   const int64_t m = args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0;
   const int64_t k = args.hidden_states.rank() == 2 ? args.hidden_states.dim(1) : 0;
   const DType out_dtype = output.dtype();
-  if (!output.device().is_host() || output.shape() != Shape{m, k} || !output.is_contiguous() ||
+  const bool device_io = prepare_finalize_->accepts_device_tensors();
+  if ((!output.device().is_host() && !device_io) || output.shape() != Shape{m, k} ||
+      !output.is_contiguous() ||
       (out_dtype != DType::kFP32 && out_dtype != DType::kBF16 && out_dtype != DType::kFP16)) {
     return absl::InvalidArgumentError(
         absl::StrCat("ModularKernel: output must be a contiguous host [", m, ", ", k,
                      "] tensor of fp32, bf16 or fp16, got ", output.DebugString()));
+  }
+  if (!args.hidden_states.device().is_host() && !device_io) {
+    return absl::InvalidArgumentError(absl::StrCat(prepare_finalize_->name(),
+                                                   " reads host hidden_states only, got ",
+                                                   args.hidden_states.DebugString()));
   }
   PrepareArgs pargs;
   pargs.hidden_states = args.hidden_states;
@@ -114,6 +121,10 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   }
   // A PrepareAndFinalize that writes only FP32 gets an FP32 answer, converted here once.
   const bool convert = !prepare_finalize_->writes_output_dtype(out_dtype);
+  if (convert && !output.device().is_host()) {
+    return absl::InvalidArgumentError(absl::StrCat(prepare_finalize_->name(), " cannot write ",
+                                                   DTypeName(out_dtype), " to device memory"));
+  }
   TensorView answer = output;
   if (convert) {
     MOESERVE_ASSIGN_OR_RETURN(answer, output32_.TryGet(DType::kFP32, {m, k}));

@@ -176,6 +176,10 @@ class PrepareAndFinalize {
   // Whether Finalize writes `dtype` itself (converting on its device); ModularKernel converts
   // from FP32 on the host for the others.
   virtual bool writes_output_dtype(DType dtype) const { return dtype == DType::kFP32; }
+  // Whether Prepare may also read hidden_states, and Finalize write the output, in CUDA device
+  // memory (contiguous; any device of this process, e.g. a client's CUDA IPC allocation).
+  // topk ids and weights stay on the host. Others take host memory only.
+  virtual bool accepts_device_tensors() const { return false; }
 
   // Bytes exchanged with other ranks since construction (zero for single-rank ones).
   virtual TransferStats transfer_stats() const { return {}; }

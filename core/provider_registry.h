@@ -32,6 +32,7 @@
 namespace moeserve {
 
 class CudaContext;        // core/cuda/cuda_backend.h (opaque here)
+class MemoryRegion;       // core/memory_region.h
 class DeviceWeightStore;  // core/cuda/cuda_backend.h
 class RankGroup;          // core/rank_group.h
 
@@ -52,6 +53,8 @@ struct PrepareFinalizeProvider {
   Backend backend = Backend::kCpu;
   ActivationFormat format = ActivationFormat::kStandard;  // what Prepare produces
   bool supports_ep = false;                               // serves more than one rank
+  // Reads hidden_states / writes the output in CUDA device memory too (accepts_device_tensors).
+  bool device_tensors = false;
   std::function<absl::StatusOr<std::unique_ptr<PrepareAndFinalize>>(const EnginePlan&,
                                                                     const RankResources&)>
       create;
@@ -88,6 +91,14 @@ struct BackendProvider {
       create_rank_group;
   // A fresh multi-process collective id (leader); null: multi-process unsupported.
   std::function<absl::StatusOr<std::string>()> new_collective_id;
+  // Shared-memory regions (core/memory_region.h); null: unsupported. Page-locks host memory for
+  // DMA (cudaHostRegister) and undoes it.
+  std::function<absl::Status(void* data, size_t bytes)> register_host_memory;
+  std::function<void(void* data)> unregister_host_memory;
+  // Opens a CUDA IPC handle (kCudaIpcHandleBytes) of `byte_size` bytes on `device_id`.
+  std::function<absl::StatusOr<std::unique_ptr<MemoryRegion>>(absl::string_view raw_handle,
+                                                              int device_id, int64_t byte_size)>
+      open_ipc_region;
 };
 
 class ProviderRegistry {

@@ -51,7 +51,7 @@ absl::Status RankGroup::RunOnEveryRank(const std::function<absl::Status(int loca
 
 absl::Status RankGroup::ForwardSlice(int local, int layer, const TensorView& hidden_states,
                                      const TensorView& topk_ids, const TensorView& topk_weights,
-                                     const TensorView& out, bool timed, StopLatch* stop) {
+                                     const TensorView& out, bool timed, int lane, StopLatch* stop) {
   Rank& rank = ranks_[local];
   ModularKernelArgs args;
   args.hidden_states = hidden_states;
@@ -67,7 +67,11 @@ absl::Status RankGroup::ForwardSlice(int local, int layer, const TensorView& hid
     return absl::InternalError(
         absl::StrCat("rank ", first_rank() + local, " has no weights for layer ", layer));
   }
-  return rank.kernel->Forward(args, out, timed ? &rank.timings : nullptr);
+  if (lane < 0 || lane >= static_cast<int>(rank.kernels.size())) {
+    return absl::InternalError(absl::StrCat("lane ", lane, " of ", rank.kernels.size()));
+  }
+  if (rank.timings.size() != rank.kernels.size()) rank.timings.resize(rank.kernels.size());
+  return rank.kernels[lane]->Forward(args, out, timed ? &rank.timings[lane] : nullptr);
 }
 
 TensorView RankGroup::OutputBuffer(int local, int64_t rows, DType dtype) {
@@ -82,7 +86,7 @@ absl::Status RankGroup::RunRank(int local, const ForwardStep& step) {
   const int64_t begin = step.bounds[r], end = step.bounds[r + 1];
   return ForwardSlice(local, step.layer, step.hidden_states.Slice(begin, end),
                       step.topk_ids.Slice(begin, end), step.topk_weights.Slice(begin, end),
-                      step.output.Slice(begin, end), step.timed, step.stop);
+                      step.output.Slice(begin, end), step.timed, step.lane, step.stop);
 }
 
 absl::Status RankGroup::health() const {

@@ -25,6 +25,7 @@ class StopLatch;  // core/cancellation.h
 // One forward over every rank, in host memory. Views stay valid for the call.
 struct ForwardStep {
   int layer = 0;
+  int lane = 0;              // which of the plan's lanes runs it (see EnginePlan::lanes)
   bool timed = true;         // collect stage timings (RankGroup::timings)
   TensorView hidden_states;  // [M, hidden] BF16, FP16 or FP32
   TensorView topk_ids;       // [M, topk] INT32, validated
@@ -63,7 +64,8 @@ class HostTransfer {
                                  absl::Span<const int64_t> recv_displs) = 0;
 };
 
-// Thread-safety: Run/RunOnEveryRank/Recover one at a time (the Engine serializes them);
+// Thread-safety: Run/RunOnEveryRank/Recover one at a time (the Engine serializes them), except
+// that Runs on different lanes may overlap (plan().lanes > 1: one local rank, no collectives);
 // health/MarkUnhealthy/Abort from any thread.
 class RankGroup {
  public:
@@ -72,6 +74,7 @@ class RankGroup {
   virtual int num_local_ranks() const = 0;
   int first_rank() const { return plan_.first_rank; }  // global rank of local rank 0
   const EnginePlan& plan() const { return plan_; }
+  int num_lanes() const { return plan_.lanes; }
 
   // Single process: every rank runs its slice of `step` through its modular kernel (the
   // collectives between ranks included) and the leader's `step.output` receives every slice.
@@ -89,12 +92,14 @@ class RankGroup {
   // The local rank's modular kernel over one slice: host views, `out` [rows, hidden] FP32.
   // Runs the kernel's collectives: every rank must call it in the same step.
   // timed: collect stage timings (device timers record events; skipped when nobody reads them).
+  // `lane`: whose kernel (buffers, stream) runs it.
   // stop: checked between stages (null: none); every rank of the step must get the same one.
   absl::Status ForwardSlice(int local, int layer, const TensorView& hidden_states,
                             const TensorView& topk_ids, const TensorView& topk_weights,
-                            const TensorView& out, bool timed = true, StopLatch* stop = nullptr);
-  // The stage times of the local rank's last timed ForwardSlice.
-  const StageTimings& timings(int local) const { return ranks_[local].timings; }
+                            const TensorView& out, bool timed = true, int lane = 0,
+                            StopLatch* stop = nullptr);
+  // The stage times of the local rank's last timed ForwardSlice on `lane`.
+  const StageTimings& timings(int local, int lane = 0) const { return ranks_[local].timings[lane]; }
   const ExpertWeightStore& weights(int local) const { return *ranks_[local].weights; }
   // A per-rank buffer for an output slice that is sent on, reused across steps.
   TensorView OutputBuffer(int local, int64_t rows, DType dtype);
@@ -113,9 +118,10 @@ class RankGroup {
  protected:
   struct Rank {
     std::unique_ptr<ExpertWeightStore> weights;
-    std::unique_ptr<ModularKernel> kernel;
-    std::vector<int32_t> expert_map;  // global -> local on this rank
-    StageTimings timings;
+    // One modular kernel per lane (plan_.lanes), over the same weights.
+    std::vector<std::unique_ptr<ModularKernel>> kernels;
+    std::vector<int32_t> expert_map;    // global -> local on this rank
+    std::vector<StageTimings> timings;  // per lane
     HostBuffer out;
   };
 

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/expert_loader.h"
+#include "core/checkpoint/gate_loader.h"
 #include "core/checkpoint/hf_checkpoint.h"
 #include "core/mxfp8_weights.h"
 
@@ -36,6 +37,33 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(const Weigh
   }
   return ExpertWeightStore::CreateSynthetic(model, std::move(expert_ids), source.seed,
                                             source.num_threads, source.memory_budget_bytes);
+}
+
+absl::Status LoadRouter(const WeightSource& source, const ModelConfig& model, int num_threads,
+                        std::unique_ptr<Router>* router, std::string* no_router_reason) {
+  router->reset();
+  no_router_reason->clear();
+  if (!model.router.has_value()) {
+    *no_router_reason = model.no_router_reason.empty()
+                            ? absl::StrCat("model '", model.name, "' has no router configuration")
+                            : model.no_router_reason;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<Router>> loaded;
+  if (source.checkpoint_dir.empty()) {
+    loaded = CreateSyntheticRouter(model, source.seed, num_threads);
+  } else {
+    auto ckpt = checkpoint::HfCheckpoint::Open(source.checkpoint_dir);
+    if (!ckpt.ok()) return ckpt.status();
+    loaded = checkpoint::LoadCheckpointRouter(**ckpt, model, num_threads);
+    if (loaded.status().code() == absl::StatusCode::kNotFound) {
+      *no_router_reason = std::string(loaded.status().message());
+      return absl::OkStatus();
+    }
+  }
+  if (!loaded.ok()) return loaded.status();
+  *router = *std::move(loaded);
+  return absl::OkStatus();
 }
 
 }  // namespace moeserve

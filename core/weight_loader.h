@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/model_config.h"
+#include "core/router.h"
 #include "core/weights.h"
 
 namespace moeserve {
@@ -33,6 +34,14 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const WeightSource& source,
 absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadExpertWeights(const WeightSource& source,
                                                                      const ModelConfig& model,
                                                                      std::vector<int> expert_ids);
+
+// The router (gates) of `model` for server-side routing, from the same source: synthetic gates
+// from `seed` (CreateSyntheticRouter) or the checkpoint's (checkpoint::LoadCheckpointRouter).
+// Sets *router, or leaves it null and sets *no_router_reason when the model has no router
+// moeserve implements or the checkpoint has no gates. Errors only for a broken checkpoint
+// (gates missing for some layers, wrong shapes or dtypes, non-finite values).
+absl::Status LoadRouter(const WeightSource& source, const ModelConfig& model, int num_threads,
+                        std::unique_ptr<Router>* router, std::string* no_router_reason);
 
 }  // namespace moeserve
 

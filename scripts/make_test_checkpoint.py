@@ -10,6 +10,8 @@ moeserve's layout, computed here with numpy (independently of the C++ loader):
   reference/layer{L}_w2.bf16.bin   BF16 [E, H, I]   down
   reference/layer{L}_{w13,w2}.{q,scale}.bin  (pre-quantized MXFP8 only) the E4M3 codes and E8M0
                                    scale codes, [E, rows, K] and [E, rows, ceil(K/32)]
+  reference/layer{L}_gate.f32.bin  the router gate [E, H] as float32 (the stored values widened)
+  reference/layer{L}_gate_bias.f32.bin  (--correction-bias) e_score_correction_bias [E]
   reference/info.json              sizes, MoE layers, scheme, dtype, corruption
 
 BF16 reference values are what the checkpoint holds, rounded to BF16 (round to nearest even)
@@ -27,6 +29,10 @@ Usage:
                           [--seed 0] [--layers 4] [--experts 8] [--topk 2] [--hidden 80]
                           [--intermediate 48] [--dense 1] [--corrupt KIND]
   make_test_checkpoint.py --suite OUT   # every checkpoint tests/checkpoint uses, in OUT/<name>
+
+Router options (--gate-std, --no-gates, --norm-topk-prob, --n-group, --topk-group,
+--routed-scaling-factor, --scoring-func, --correction-bias) shape the gates and config.json's
+routing keys for the server-side routing tests; the defaults write what they always did.
 
 Corruptions (--corrupt), each applied to expert 1's up weight of the first MoE layer:
   truncated          the file holding it loses its last bytes
@@ -87,17 +93,25 @@ def make_config(a, moe):
         return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
                     num_local_experts=a.experts, intermediate_size=a.intermediate,
                     num_attention_heads=4, num_key_value_heads=2)
+    routing = {}
+    if a.norm_topk_prob is not None:
+        routing["norm_topk_prob"] = a.norm_topk_prob == "true"
     if a.scheme == "deepseek-v3":
+        if a.routed_scaling_factor is not None:
+            routing["routed_scaling_factor"] = a.routed_scaling_factor
+        if a.scoring_func is not None:
+            routing["scoring_func"] = a.scoring_func
         return dict(common, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                     n_routed_experts=a.experts, n_shared_experts=1,
                     moe_intermediate_size=a.intermediate, intermediate_size=3 * a.intermediate,
-                    first_k_dense_replace=a.dense, moe_layer_freq=1, n_group=1, topk_group=1,
-                    num_attention_heads=4)
+                    first_k_dense_replace=a.dense, moe_layer_freq=1, n_group=a.n_group,
+                    topk_group=a.topk_group, topk_method="noaux_tc", num_attention_heads=4,
+                    **routing)
     dense = [l for l in range(a.layers) if l not in moe]
     return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                 num_experts=a.experts, moe_intermediate_size=a.intermediate,
                 intermediate_size=3 * a.intermediate, decoder_sparse_step=1,
-                mlp_only_layers=dense, num_attention_heads=4, num_key_value_heads=2)
+                mlp_only_layers=dense, num_attention_heads=4, num_key_value_heads=2, **routing)
 
 
 def mxfp8_quantize(x):
@@ -169,7 +183,21 @@ def build(a):
                 tensors[p + f"mlp.{n}.weight"] = small(*shape)
             continue
         router = "block_sparse_moe.gate.weight" if a.scheme == "mixtral" else "mlp.gate.weight"
-        tensors[p + router] = small(E, H)
+        # The same draw as small() (so the other tensors do not change), at the gate's scale.
+        gate = (rng.standard_normal((E, H)) * a.gate_std).astype(np.float32).astype(dt)
+        refdir = os.path.join(a.out, "reference")
+        first_moe = l == moe[0]
+        if a.gate_corrupt == "nan" and first_moe:
+            gate = gate.copy()
+            gate[1, 2] = np.nan
+        if not a.no_gates and not (a.gate_corrupt == "missing" and first_moe):
+            tensors[p + router] = gate
+            gate.astype(np.float32).tofile(os.path.join(refdir, f"layer{l}_gate.f32.bin"))
+        if a.correction_bias:  # DeepSeek-V3's e_score_correction_bias, F32 as released
+            brng = np.random.default_rng(a.seed + 7919 + l)
+            bias = (brng.standard_normal(E) * 0.1).astype(np.float32)
+            tensors[p + "mlp.gate.e_score_correction_bias"] = bias
+            bias.tofile(os.path.join(refdir, f"layer{l}_gate_bias.f32.bin"))
         if a.scheme == "deepseek-v3":
             for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 tensors[p + f"mlp.shared_experts.{n}.weight"] = small(*shape)
@@ -308,6 +336,22 @@ def parser():
                    help="dense layers (deepseek-v3: first_k_dense_replace; qwen3-moe: the last "
                         "ones, in mlp_only_layers; mixtral: ignored)")
     p.add_argument("--corrupt", choices=CORRUPTIONS)
+    # The router (mlp.gate), for server-side routing tests.
+    p.add_argument("--gate-std", type=float, default=0.02,
+                   help="standard deviation of the gate weights (1/sqrt(hidden) gives logits of "
+                        "std about 1 for N(0, 1) hidden states)")
+    p.add_argument("--no-gates", action="store_true", help="write no router gate tensors")
+    p.add_argument("--norm-topk-prob", choices=("true", "false"),
+                   help="config.json norm_topk_prob (qwen3-moe, deepseek-v3); default: absent")
+    p.add_argument("--n-group", type=int, default=1, help="deepseek-v3 n_group")
+    p.add_argument("--topk-group", type=int, default=1, help="deepseek-v3 topk_group")
+    p.add_argument("--routed-scaling-factor", type=float,
+                   help="deepseek-v3 routed_scaling_factor; default: absent")
+    p.add_argument("--scoring-func", help="deepseek-v3 scoring_func; default: absent (sigmoid)")
+    p.add_argument("--correction-bias", action="store_true",
+                   help="write mlp.gate.e_score_correction_bias (F32 [experts]) per MoE layer")
+    p.add_argument("--gate-corrupt", choices=("nan", "missing"),
+                   help="the first MoE layer's gate has a NaN at [1, 2] / is not written")
     return p
 
 
@@ -326,6 +370,15 @@ SUITE = {
                                "--seed", "8"],
     **{f"corrupt_{c}": ["--scheme", "qwen3-moe", "--shards", "2", "--seed", "9", "--corrupt", c]
        for c in CORRUPTIONS},
+    # Routers: DeepSeek-V3 with groups and the correction bias; broken gates.
+    "deepseek_router": ["--scheme", "deepseek-v3", "--experts", "16", "--topk", "4",
+                        "--n-group", "4", "--topk-group", "2", "--routed-scaling-factor", "2.5",
+                        "--correction-bias", "--gate-std", "0.1", "--seed", "11"],
+    "router_nan_gate": ["--scheme", "mixtral", "--layers", "2", "--gate-corrupt", "nan",
+                        "--seed", "12"],
+    "router_missing_gate": ["--scheme", "qwen3-moe", "--gate-corrupt", "missing",
+                            "--seed", "13"],
+    "router_no_gates": ["--scheme", "qwen3-moe", "--no-gates", "--seed", "14"],
 }
 
 

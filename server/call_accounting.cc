@@ -15,11 +15,20 @@ using grpc::experimental::InterceptionHookPoints;
 constexpr absl::string_view kMoeServicePrefix = "/moeserve.v1.MoeService/";
 // Methods the server registers, by full path (the label of the others is "unknown", so a
 // client cannot grow the metrics with made-up names).
-constexpr absl::string_view kMoeMethods[] = {"Forward", "GetModelInfo", "GetExpertWeights"};
+constexpr absl::string_view kMoeMethods[] = {"Forward",
+                                             "ForwardStream",
+                                             "GetModelInfo",
+                                             "GetExpertWeights",
+                                             "StreamExpertWeights",
+                                             "RegisterSystemSharedMemory",
+                                             "RegisterCudaSharedMemory",
+                                             "UnregisterSharedMemory",
+                                             "SharedMemoryStatus"};
 constexpr absl::string_view kOtherMethods[] = {
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
 };
 
 class CallAccountingInterceptor final : public grpc::experimental::Interceptor {
@@ -97,8 +106,11 @@ class UnknownMethodReactor final : public grpc::ServerGenericBidiReactor {
     Finish(grpc::Status(
         grpc::StatusCode::UNIMPLEMENTED,
         absl::StrCat("unknown method '", shown,
-                     "'; moeserve serves /moeserve.v1.MoeService/{Forward,GetModelInfo,"
-                     "GetExpertWeights}, grpc.health.v1.Health and server reflection")));
+                     "'; moeserve serves /moeserve.v1.MoeService/{Forward,ForwardStream,"
+                     "GetModelInfo,GetExpertWeights,StreamExpertWeights,"
+                     "RegisterSystemSharedMemory,RegisterCudaSharedMemory,"
+                     "UnregisterSharedMemory,SharedMemoryStatus}, grpc.health.v1.Health and "
+                     "(when enabled) server reflection")));
   }
   void OnDone() override { delete this; }
 };

@@ -1,6 +1,7 @@
 #include "server/convert.h"
 
 #include <cstddef>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -56,12 +57,12 @@ absl::StatusOr<TensorView> TensorViewFromProto(const v1::Tensor& tensor, absl::s
                              tensor.data().size(), field);
 }
 
-absl::StatusOr<TensorView> TensorViewFromParts(int dtype_value, absl::Span<const int64_t> dims,
-                                               const void* data, size_t size,
-                                               absl::string_view field) {
-  MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(dtype_value, field));
+namespace {
+
+// product(shape) * itemsize(dtype), checked: non-negative dims, no overflow (INVALID_ARGUMENT
+// naming `field`).
+absl::StatusOr<int64_t> TensorBytes(DType dtype, const Shape& shape, absl::string_view field) {
   const int64_t itemsize = static_cast<int64_t>(DTypeSize(dtype));
-  Shape shape(dims.begin(), dims.end());
   // Bytes needed, checked for overflow at every step; the data can never exceed int64 anyway.
   int64_t bytes = itemsize;
   for (int i = 0; i < static_cast<int>(shape.size()); ++i) {
@@ -86,6 +87,18 @@ absl::StatusOr<TensorView> TensorViewFromParts(int dtype_value, absl::Span<const
       }
     }
   }
+  return bytes;
+}
+
+}  // namespace
+
+absl::StatusOr<TensorView> TensorViewFromParts(int dtype_value, absl::Span<const int64_t> dims,
+                                               const void* data, size_t size,
+                                               absl::string_view field) {
+  MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(dtype_value, field));
+  const int64_t itemsize = static_cast<int64_t>(DTypeSize(dtype));
+  Shape shape(dims.begin(), dims.end());
+  MOESERVE_ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(dtype, shape, field));
   if (static_cast<int64_t>(size) != bytes) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", size, " bytes, expected ",
                                                    bytes, " (shape ", ShapeToString(shape), " x ",
@@ -111,15 +124,19 @@ TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tens
 
 namespace {
 
-// The first missing tensor of a ForwardRequest, as INVALID_ARGUMENT; OK if all are present.
+// The first missing tensor of a ForwardRequest, as INVALID_ARGUMENT; OK if all are present,
+// or if hidden_states is and the routing is left to the server (neither topk tensor).
 absl::Status CheckForwardTensorsPresent(bool hidden_states, bool topk_ids, bool topk_weights) {
-  const auto missing = [](absl::string_view field, absl::string_view expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": missing; expected a ", expected, " tensor"));
-  };
-  if (!hidden_states) return missing("hidden_states", "[M, hidden]");
-  if (!topk_ids) return missing("topk_ids", "[M, topk] int32 or int64");
-  if (!topk_weights) return missing("topk_weights", "[M, topk] fp32");
+  if (!hidden_states) {
+    return absl::InvalidArgumentError("hidden_states: missing; expected a [M, hidden] tensor");
+  }
+  if (topk_ids != topk_weights) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        topk_ids ? "topk_weights" : "topk_ids", ": missing while ",
+        topk_ids ? "topk_ids" : "topk_weights",
+        " is given; send both topk_ids [M, topk] int32/int64 and topk_weights [M, topk] fp32 "
+        "(client-side routing) or neither (the server routes with the layer's gate)"));
+  }
   return absl::OkStatus();
 }
 
@@ -151,19 +168,118 @@ absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
 
 }  // namespace
 
+absl::Status SharedMemoryDisabledError(absl::string_view what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, ": shared memory is off on this server; start it with ",
+                   "--enable_shared_memory to use shared-memory regions"));
+}
+
+RegionRef RegionRefFromProto(const v1::RegionRef& ref) {
+  RegionRef out;
+  out.name = ref.name();
+  out.offset = ref.offset();
+  out.byte_size = ref.byte_size();
+  return out;
+}
+
+void RegionInfoToProto(const RegionInfo& info, v1::SharedMemoryRegionStatus* out) {
+  out->set_name(info.name);
+  out->set_kind(std::string(RegionKindName(info.kind)));
+  out->set_key(info.key);
+  out->set_offset(info.offset);
+  out->set_byte_size(info.byte_size);
+  out->set_device_id(info.device_id);
+  out->set_calls_in_flight(info.calls_in_flight);
+}
+
+void ForwardRegions::Release() {
+  for (RegionTensor& t : inputs) t.Release();
+  if (output.has_value()) output->Release();
+  leases.Clear();
+}
+
+namespace {
+
+// A wire tensor that names a region: dtype and shape checked as for data, then resolved in
+// `regions` (into held->inputs).
+absl::StatusOr<TensorView> TensorViewFromRegion(const v1wire::WireTensor& tensor,
+                                                absl::string_view field,
+                                                const RegionRegistry* regions, RegionAccess access,
+                                                bool device_ok, ForwardRegions* held) {
+  if (tensor.data_size > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": both data (", tensor.data_size,
+                     " bytes) and region are set; expected one of them"));
+  }
+  if (regions == nullptr || held == nullptr) {
+    return SharedMemoryDisabledError(absl::StrCat(field, ".region"));
+  }
+  MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(tensor.header.dtype(), field));
+  const Shape shape(tensor.header.shape().begin(), tensor.header.shape().end());
+  MOESERVE_RETURN_IF_ERROR(TensorBytes(dtype, shape, field).status());
+  MOESERVE_ASSIGN_OR_RETURN(
+      RegionTensor t,
+      RegionTensor::Resolve(*regions, RegionRefFromProto(tensor.header.region()), dtype, shape,
+                            access, device_ok, absl::StrCat(field, ".region"), &held->leases));
+  held->inputs.push_back(std::move(t));
+  return held->inputs.back().view();
+}
+
+}  // namespace
+
 absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
                                                   GatheredBytes* gathered) {
+  return ForwardInputFromWire(request, gathered, nullptr, false, nullptr);
+}
+
+absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
+                                                  GatheredBytes* gathered,
+                                                  const RegionRegistry* regions,
+                                                  bool device_hidden_ok, ForwardRegions* held) {
   ForwardInput input;
   input.layer = request.header.layer();
   MOESERVE_RETURN_IF_ERROR(CheckForwardTensorsPresent(
       request.hidden_states.present, request.topk_ids.present, request.topk_weights.present));
-  MOESERVE_ASSIGN_OR_RETURN(input.hidden_states,
-                            TensorViewFromWire(request.hidden_states, "hidden_states", gathered));
+  const auto view = [&](const v1wire::WireTensor& tensor, absl::string_view field,
+                        RegionAccess access, bool device_ok) -> absl::StatusOr<TensorView> {
+    if (tensor.header.has_region()) {
+      return TensorViewFromRegion(tensor, field, regions, access, device_ok, held);
+    }
+    return TensorViewFromWire(tensor, field, gathered);
+  };
+  MOESERVE_ASSIGN_OR_RETURN(input.hidden_states, view(request.hidden_states, "hidden_states",
+                                                      RegionAccess::kRead, device_hidden_ok));
+  if (!request.topk_ids.present) return input;  // server-side routing
+  // Expert ids index tables once validated: a private copy, which the client cannot change
+  // between the check and the use. Weights are read on the host in place (a value changed after
+  // the check only changes that token's answer).
   MOESERVE_ASSIGN_OR_RETURN(input.topk_ids,
-                            TensorViewFromWire(request.topk_ids, "topk_ids", gathered));
+                            view(request.topk_ids, "topk_ids", RegionAccess::kSnapshot, false));
   MOESERVE_ASSIGN_OR_RETURN(input.topk_weights,
-                            TensorViewFromWire(request.topk_weights, "topk_weights", gathered));
+                            view(request.topk_weights, "topk_weights", RegionAccess::kRead, false));
   return input;
+}
+
+absl::Status ResolveOutputRegion(const v1::ForwardRequest& header, const RegionRegistry* regions,
+                                 DType dtype, const Shape& shape, bool device_ok,
+                                 ForwardRegions* held) {
+  if (!header.has_output_region()) return absl::OkStatus();
+  if (regions == nullptr) return SharedMemoryDisabledError("output_region");
+  MOESERVE_ASSIGN_OR_RETURN(
+      RegionTensor out,
+      RegionTensor::Resolve(*regions, RegionRefFromProto(header.output_region()), dtype, shape,
+                            RegionAccess::kWrite, device_ok, "output_region", &held->leases));
+  for (const RegionTensor& in : held->inputs) {
+    if (out.Overlaps(in)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "output_region: bytes [", out.ref().offset, ", ", out.ref().offset + out.ref().byte_size,
+          ") of region '", out.ref().name, "' overlap ", in.field(), " (bytes [", in.ref().offset,
+          ", ", in.ref().offset + in.ref().byte_size, ") of region '", in.ref().name,
+          "'); the answer needs bytes of its own"));
+    }
+  }
+  held->output = std::move(out);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request) {
@@ -173,6 +289,7 @@ absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& req
       request.has_hidden_states(), request.has_topk_ids(), request.has_topk_weights()));
   MOESERVE_ASSIGN_OR_RETURN(input.hidden_states,
                             TensorViewFromProto(request.hidden_states(), "hidden_states"));
+  if (!request.has_topk_ids()) return input;  // server-side routing
   MOESERVE_ASSIGN_OR_RETURN(input.topk_ids, TensorViewFromProto(request.topk_ids(), "topk_ids"));
   MOESERVE_ASSIGN_OR_RETURN(input.topk_weights,
                             TensorViewFromProto(request.topk_weights(), "topk_weights"));
@@ -212,6 +329,24 @@ void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::Mo
   } else {
     for (int l : m.moe_layers) out->add_moe_layers(l);
   }
+  out->set_router(info.router);
+  out->set_server_routing(!info.router.empty());
+}
+
+void RoutingToProto(const ForwardInput& input, v1::Tensor* topk_ids, v1::Tensor* topk_weights) {
+  const TensorView& ids = input.topk_ids;
+  const TensorView out_ids = AllocateProtoTensor(DType::kINT32, ids.shape(), topk_ids);
+  const int64_t n = ids.numel();
+  if (ids.dtype() == DType::kINT64) {
+    for (int64_t i = 0; i < n; ++i) {
+      out_ids.data<int32_t>()[i] = static_cast<int32_t>(ids.data<int64_t>()[i]);
+    }
+  } else if (n > 0) {
+    std::memcpy(out_ids.raw_data(), ids.raw_data(), n * 4);
+  }
+  const TensorView out_w =
+      AllocateProtoTensor(DType::kFP32, input.topk_weights.shape(), topk_weights);
+  if (n > 0) std::memcpy(out_w.raw_data(), input.topk_weights.raw_data(), n * 4);
 }
 
 void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us, double total_us,

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -15,6 +16,7 @@
 #include "absl/types/span.h"
 #include "core/dtype.h"
 #include "core/engine.h"
+#include "core/memory_region.h"
 #include "core/tensor.h"
 #include "moeserve/v1/forward_wire.h"
 #include "moeserve/v1/moeserve.pb.h"
@@ -44,6 +46,8 @@ absl::StatusOr<TensorView> TensorViewFromParts(int dtype, absl::Span<const int64
 TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tensor);
 
 // The request's layer and tensors as a ForwardInput viewing `request` (see the file comment).
+// A request with hidden_states but neither topk_ids nor topk_weights asks the server to route:
+// its topk_ids and topk_weights views are left empty. Only one of them is INVALID_ARGUMENT.
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request);
 
 // Storage for request tensors whose bytes had to be gathered; 16-byte aligned, recycled.
@@ -54,8 +58,46 @@ using GatheredBytes = std::vector<std::unique_ptr<PooledBuffer>>;
 absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
                                                   GatheredBytes* gathered);
 
+// The tensors of one Forward call that live in shared-memory regions, each holding its region
+// (a lease) until Release() or destruction. Release before answering the call, so that a client
+// unregistering a region right after the answer is not refused.
+struct ForwardRegions {
+  CallLeases leases;  // one per region, shared by the call's tensors in it
+  std::vector<RegionTensor> inputs;
+  std::optional<RegionTensor> output;
+  void Release();
+};
+
+// As above, for a request whose tensors may name a region (Tensor.region instead of data):
+// resolved in `regions` into `held` (viewed in place where possible, see RegionTensor). A tensor
+// with both data and a region is refused (INVALID_ARGUMENT); so is any region when `regions` is
+// null (FAILED_PRECONDITION naming --enable_shared_memory). `device_hidden_ok`: the engine reads
+// hidden_states in device memory (a CUDA region's bytes in place).
+absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
+                                                  GatheredBytes* gathered,
+                                                  const RegionRegistry* regions,
+                                                  bool device_hidden_ok, ForwardRegions* held);
+
+// The request's output_region, when it names one, resolved for writing `dtype` `shape` (the
+// answer) into held->output; INVALID_ARGUMENT if it overlaps one of the call's input regions,
+// FAILED_PRECONDITION when `regions` is null. `device_ok`: the engine writes device memory.
+absl::Status ResolveOutputRegion(const v1::ForwardRequest& header, const RegionRegistry* regions,
+                                 DType dtype, const Shape& shape, bool device_ok,
+                                 ForwardRegions* held);
+
+// The refusal for a shared-memory request to a server that has it off.
+absl::Status SharedMemoryDisabledError(absl::string_view what);
+
+RegionRef RegionRefFromProto(const v1::RegionRef& ref);
+void RegionInfoToProto(const RegionInfo& info, v1::SharedMemoryRegionStatus* out);
+
 // Engine description -> ModelInfo. `max_message_bytes` is the server's gRPC message limit.
+// router / server_routing tell whether requests may leave the routing to the server.
 void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::ModelInfo* out);
+
+// The routing a forward was combined with, for ForwardResponse (return_routing): topk_ids as
+// INT32 [M, topk] (INT64 ids narrowed: they are < num_experts) and topk_weights FP32 [M, topk].
+void RoutingToProto(const ForwardInput& input, v1::Tensor* topk_ids, v1::Tensor* topk_weights);
 
 // Engine timings plus the server's own queueing and total time -> StageTimings.
 // queue_us = server_queue_us (waiting for a worker) + timings.queue_us (waiting for the engine).

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 
 #include "absl/strings/numbers.h"
@@ -131,11 +132,22 @@ std::string EngineFingerprint(const EngineOptions& o) {
 
 class BootstrapServer::Impl final : public v1::InternalService::Service {
  public:
-  Impl(const MultiProcessConfig& config, std::string id, std::string fingerprint)
-      : config_(config), id_(std::move(id)), fingerprint_(std::move(fingerprint)) {}
+  Impl(const MultiProcessConfig& config, std::string id, std::string fingerprint,
+       std::shared_ptr<const BearerTokens> token)
+      : config_(config),
+        id_(std::move(id)),
+        fingerprint_(std::move(fingerprint)),
+        token_(std::move(token)) {}
 
-  grpc::Status GetBootstrap(grpc::ServerContext*, const v1::GetBootstrapRequest* req,
+  grpc::Status GetBootstrap(grpc::ServerContext* context, const v1::GetBootstrapRequest* req,
                             v1::Bootstrap* reply) override {
+    if (token_ != nullptr) {
+      if (absl::Status s = token_->Check(context->client_metadata(), "GetBootstrap"); !s.ok()) {
+        std::fprintf(stderr, "moeserve: bootstrap: refused %s: %s\n", context->peer().c_str(),
+                     std::string(s.message()).c_str());
+        return ToGrpcStatus(s);
+      }
+    }
     const int nodes = config_.world_size / config_.local_ranks;
     if (req->world_size() != config_.world_size || req->local_ranks() != config_.local_ranks) {
       return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
@@ -148,9 +160,16 @@ class BootstrapServer::Impl final : public v1::InternalService::Service {
           "GetBootstrap: node_rank: got ", req->node_rank(), ", expected [1, ", nodes, ")")));
     }
     if (req->config_fingerprint() != fingerprint_) {
+      // The caller may be anyone: the details go to the leader's log only.
+      std::fprintf(stderr,
+                   "moeserve: bootstrap: refused node %d (%s): its engine options '%s' differ "
+                   "from the leader's '%s'\n",
+                   req->node_rank(), context->peer().c_str(), req->config_fingerprint().c_str(),
+                   fingerprint_.c_str());
       return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-          "GetBootstrap: node ", req->node_rank(), " was started with other options: '",
-          req->config_fingerprint(), "', the leader has '", fingerprint_, "'")));
+          "GetBootstrap: node ", req->node_rank(),
+          " was started with engine options (model, weights, placement, ...) other than the "
+          "leader's; the leader's log names both")));
     }
     reply->set_nccl_unique_id(id_);
     reply->set_world_size(config_.world_size);
@@ -162,21 +181,32 @@ class BootstrapServer::Impl final : public v1::InternalService::Service {
   const MultiProcessConfig config_;
   const std::string id_;
   const std::string fingerprint_;
+  const std::shared_ptr<const BearerTokens> token_;
 };
 
 absl::StatusOr<std::unique_ptr<BootstrapServer>> BootstrapServer::Start(
     const std::string& address, const MultiProcessConfig& config, std::string collective_id,
-    std::string fingerprint) {
+    std::string fingerprint, const InternalSecurity& security) {
+  if (absl::Status st = CheckTlsFiles(security.tls, "--internal_tls_", TlsRole::kMutual);
+      !st.ok()) {
+    return st;
+  }
+  MOESERVE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                            MakeServerCredentials(security.tls, "--internal_tls_"));
   auto s = std::unique_ptr<BootstrapServer>(new BootstrapServer());
-  s->impl_ = std::make_unique<Impl>(config, std::move(collective_id), std::move(fingerprint));
+  s->impl_ = std::make_unique<Impl>(config, std::move(collective_id), std::move(fingerprint),
+                                    security.token);
   grpc::ServerBuilder builder;
+  SetReflection(&builder, false);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(address, credentials, &s->port_);
   builder.RegisterService(s->impl_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("--leader_address: cannot serve the bootstrap service on ", address));
+    return absl::UnavailableError(absl::StrCat(
+        "--bootstrap_listen: cannot serve the bootstrap service on ", address,
+        " (without --bootstrap_listen it listens on --leader_address, whose host must be an "
+        "address of this machine; in a pod, e.g. --bootstrap_listen=0.0.0.0:50052)"));
   }
   return s;
 }
@@ -195,9 +225,21 @@ void BootstrapServer::Shutdown() {
 
 absl::StatusOr<std::string> FetchCollectiveId(const MultiProcessConfig& config,
                                               const std::string& fingerprint,
-                                              absl::Duration timeout) {
-  auto channel = grpc::CreateChannel(config.leader_address, grpc::InsecureChannelCredentials());
+                                              absl::Duration timeout,
+                                              const InternalSecurity& security) {
+  if (absl::Status st = CheckTlsFiles(security.tls, "--internal_tls_", TlsRole::kMutual);
+      !st.ok()) {
+    return st;
+  }
+  MOESERVE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                            MakeChannelCredentials(security.tls, "--internal_tls_"));
+  grpc::ChannelArguments args;
+  if (!security.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(security.tls_server_name);
+  }
+  auto channel = grpc::CreateCustomChannel(config.leader_address, credentials, args);
   auto stub = v1::InternalService::NewStub(channel);
+  const std::string token = security.token != nullptr ? security.token->first() : "";
   const absl::Time deadline = absl::Now() + timeout;
   v1::GetBootstrapRequest req;
   req.set_node_rank(config.node_rank);
@@ -211,6 +253,7 @@ absl::StatusOr<std::string> FetchCollectiveId(const MultiProcessConfig& config,
     const absl::Time call_deadline = std::min(deadline, absl::Now() + absl::Seconds(5));
     ctx.set_deadline(absl::ToChronoTime(call_deadline));
     ctx.set_wait_for_ready(true);  // the leader may not listen yet: wait, within the deadline
+    if (!token.empty()) ctx.AddMetadata(kAuthorizationKey, BearerHeader(token));
     v1::Bootstrap reply;
     last = stub->GetBootstrap(&ctx, req, &reply);
     if (last.ok()) {
@@ -218,6 +261,12 @@ absl::StatusOr<std::string> FetchCollectiveId(const MultiProcessConfig& config,
         return absl::FailedPreconditionError("GetBootstrap: the leader's answer does not fit");
       }
       return reply.nccl_unique_id();
+    }
+    if (last.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+      // A refusal: retrying will not help. What this process has, for comparison with the
+      // leader's log (which names both).
+      return absl::FailedPreconditionError(
+          absl::StrCat(last.error_message(), " (this process: '", fingerprint, "')"));
     }
     if (last.error_code() != grpc::StatusCode::UNAVAILABLE &&
         last.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
@@ -231,8 +280,14 @@ absl::StatusOr<std::string> FetchCollectiveId(const MultiProcessConfig& config,
       absl::FormatDuration(timeout), " (last: ", last.error_message(), ")"));
 }
 
+std::string BootstrapListenAddress(const MultiProcessConfig& config,
+                                   const BootstrapOptions& bootstrap) {
+  return bootstrap.listen.empty() ? config.leader_address : bootstrap.listen;
+}
+
 absl::StatusOr<std::unique_ptr<BootstrapServer>> PrepareMultiProcess(
-    const MultiProcessConfig& config, EngineOptions* options, absl::Duration timeout) {
+    const MultiProcessConfig& config, EngineOptions* options, absl::Duration timeout,
+    const BootstrapOptions& bootstrap) {
   if (!config.enabled) return std::unique_ptr<BootstrapServer>();
   options->world_size = config.world_size;
   options->node_rank = config.node_rank;
@@ -240,13 +295,24 @@ absl::StatusOr<std::unique_ptr<BootstrapServer>> PrepareMultiProcess(
   const std::string fingerprint = EngineFingerprint(*options);
   if (!config.leader()) {
     MOESERVE_ASSIGN_OR_RETURN(options->collective_id,
-                              FetchCollectiveId(config, fingerprint, timeout));
+                              FetchCollectiveId(config, fingerprint, timeout, bootstrap.security));
     return std::unique_ptr<BootstrapServer>();
   }
+  if (absl::Status s = CheckTlsFiles(bootstrap.security.tls, "--internal_tls_", TlsRole::kMutual);
+      !s.ok()) {
+    return s;
+  }
   MOESERVE_ASSIGN_OR_RETURN(options->collective_id, Engine::NewCollectiveId());
-  const std::string& a = config.leader_address;
-  const std::string listen = absl::StrCat("0.0.0.0", a.substr(a.rfind(':')));
-  return BootstrapServer::Start(listen, config, options->collective_id, fingerprint);
+  const std::string listen = BootstrapListenAddress(config, bootstrap);
+  if (!bootstrap.security.tls.enabled() && bootstrap.security.token == nullptr) {
+    std::fprintf(stderr,
+                 "moeserve: warning: the bootstrap service on %s is open: whoever reaches it "
+                 "while the group forms can obtain the NCCL id; set --bootstrap_token_file or "
+                 "--internal_tls_cert/key/ca (docs/security.md)\n",
+                 listen.c_str());
+  }
+  return BootstrapServer::Start(listen, config, options->collective_id, fingerprint,
+                                bootstrap.security);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -274,16 +340,19 @@ void SetHealth(grpc::Server* server, bool loop_running) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FollowerProcess>> FollowerProcess::Start(
-    Engine* engine, const std::vector<std::string>& listen, std::function<void()> on_exit) {
+    Engine* engine, const std::vector<std::string>& listen, std::function<void()> on_exit,
+    std::shared_ptr<grpc::ServerCredentials> credentials) {
+  if (credentials == nullptr) credentials = grpc::InsecureServerCredentials();
   auto f = std::unique_ptr<FollowerProcess>(new FollowerProcess());
   f->engine_ = engine;
   f->service_ = std::make_unique<NotLeaderService>();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  SetReflection(&builder, false);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   std::vector<int> ports(listen.size(), 0);
   for (size_t i = 0; i < listen.size(); ++i) {
-    builder.AddListeningPort(listen[i], grpc::InsecureServerCredentials(), &ports[i]);
+    builder.AddListeningPort(listen[i], credentials, &ports[i]);
   }
   builder.RegisterService(f->service_.get());
   f->server_ = builder.BuildAndStart();

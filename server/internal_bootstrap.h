@@ -10,6 +10,12 @@
 // Multi-process mode is on when world_size > --ranks; it needs --ranks > 0 (GPUs per process)
 // and a leader address.
 //
+// Security (docs/security.md): the bootstrap service hands out the NCCL unique id, with which a
+// process can join the group. It listens only where asked (--bootstrap_listen, else the leader
+// address itself), only while the group forms, and can require mutual TLS (--internal_tls_*)
+// and a shared bearer token (--bootstrap_token_file). Refusals never reveal the leader's
+// options or the id.
+//
 // Health: the leader serves the public API and the standard health service as a single
 // process does. A follower serves only health: "" and kInternalServiceName SERVING while its
 // follower loop runs (NOT_SERVING once it ended), kMoeServiceName always NOT_SERVING (it does
@@ -30,6 +36,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
+#include "server/security.h"
+#include "server/tls.h"
 
 namespace moeserve {
 
@@ -64,14 +72,24 @@ absl::StatusOr<MultiProcessConfig> ResolveMultiProcess(const MultiProcessFlags& 
 // What must be equal on every process of a group (model, weights, engine layout).
 std::string EngineFingerprint(const EngineOptions& options);
 
+// Who may take part in the bootstrap. Default: anyone who reaches the address.
+struct InternalSecurity {
+  // Mutual TLS between the processes: cert + key + ca, the same flags on every process (the
+  // leader requires a client certificate signed by ca; a follower verifies the leader's).
+  TlsFiles tls;
+  // Follower: the name the leader's certificate must carry (empty: the leader address's host).
+  std::string tls_server_name;
+  // Leader: GetBootstrap needs "authorization: Bearer <token>"; follower: sends the first.
+  std::shared_ptr<const BearerTokens> token;
+};
+
 // The leader's InternalService: answers GetBootstrap with the id while the group forms.
 class BootstrapServer {
  public:
   // Listens on `address` (host:port; port 0: a free port).
-  static absl::StatusOr<std::unique_ptr<BootstrapServer>> Start(const std::string& address,
-                                                                const MultiProcessConfig& config,
-                                                                std::string collective_id,
-                                                                std::string fingerprint);
+  static absl::StatusOr<std::unique_ptr<BootstrapServer>> Start(
+      const std::string& address, const MultiProcessConfig& config, std::string collective_id,
+      std::string fingerprint, const InternalSecurity& security = {});
   ~BootstrapServer();
   int port() const { return port_; }
   void Shutdown();
@@ -87,22 +105,39 @@ class BootstrapServer {
 // Follower: asks the leader for the collective id, retrying (the leader may not be up yet)
 // until `timeout`: DEADLINE_EXCEEDED naming the address when it never answers; the leader's
 // refusal (FAILED_PRECONDITION / INVALID_ARGUMENT: another group, other options) at once.
+// UNAUTHENTICATED (no or a wrong token) is a refusal too; a TLS handshake that fails is
+// retried like an absent leader.
 absl::StatusOr<std::string> FetchCollectiveId(const MultiProcessConfig& config,
                                               const std::string& fingerprint,
-                                              absl::Duration timeout);
+                                              absl::Duration timeout,
+                                              const InternalSecurity& security = {});
+
+struct BootstrapOptions {
+  // Where the leader's bootstrap service listens (host:port); empty: the leader address itself,
+  // whose host must then be an address of this machine.
+  std::string listen;
+  InternalSecurity security;
+};
+
+// Where the leader's bootstrap service listens: bootstrap.listen, else the leader address.
+std::string BootstrapListenAddress(const MultiProcessConfig& config,
+                                   const BootstrapOptions& bootstrap);
 
 // Sets options' world_size / node_rank / collective_id. Leader: creates the id and starts the
-// bootstrap service on the leader address's port (all interfaces), returned to be shut down
-// once the engine exists. Follower: fetches the id (returns null).
+// bootstrap service on `bootstrap.listen`, returned to be shut down once the engine exists.
+// Follower: fetches the id (returns null). INVALID_ARGUMENT for unusable TLS files.
 absl::StatusOr<std::unique_ptr<BootstrapServer>> PrepareMultiProcess(
-    const MultiProcessConfig& config, EngineOptions* options, absl::Duration timeout);
+    const MultiProcessConfig& config, EngineOptions* options, absl::Duration timeout,
+    const BootstrapOptions& bootstrap = {});
 
 // A follower process: the health-only gRPC server and the follower loop on its own thread.
 class FollowerProcess {
  public:
-  // `on_exit` runs on the loop's thread when the loop ends (e.g. to wake main).
+  // `on_exit` runs on the loop's thread when the loop ends (e.g. to wake main). `credentials`
+  // (null: insecure) secure the health server as the leader's public API is secured.
   static absl::StatusOr<std::unique_ptr<FollowerProcess>> Start(
-      Engine* engine, const std::vector<std::string>& listen, std::function<void()> on_exit);
+      Engine* engine, const std::vector<std::string>& listen, std::function<void()> on_exit,
+      std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
   ~FollowerProcess();
   const std::vector<std::string>& bound_addresses() const { return bound_; }
   // Aborts the loop if still running, waits for it, stops the server; the loop's result.

@@ -22,11 +22,14 @@
 #include "core/model_config.h"
 #include "core/status_macros.h"
 #include "server/internal_bootstrap.h"
+#include "server/security.h"
 #include "server/server.h"
+#include "server/tls.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
-          "Comma-separated addresses to serve gRPC on: host:port (port 0 binds a free port) or "
-          "unix:/path/to.sock for frontends on the same host (no TCP stack)");
+ABSL_FLAG(std::string, listen, moeserve::kDefaultListenAddress,
+          "Comma-separated addresses to serve gRPC on: host:port (port 0 binds a free port; "
+          "0.0.0.0 for every interface) or unix:/path/to.sock for frontends on the same host "
+          "(no TCP stack). The default is reachable from this host only");
 ABSL_FLAG(std::string, model, "tiny",
           "Model preset: tiny, qwen3-30b-a3b, deepseek-v3, seed-megamoe");
 ABSL_FLAG(int32_t, num_layers, 0, "Override the preset's number of layers (0: preset value)");
@@ -53,6 +56,10 @@ ABSL_FLAG(std::string, prepare_finalize, "auto",
 ABSL_FLAG(int64_t, max_tokens_per_rank, 0,
           "Tokens one rank submits per dispatch round (0: engine default); larger batches run "
           "in several rounds");
+ABSL_FLAG(int32_t, steps_in_flight, 0,
+          "Engine steps run at once, each on its own GPU stream and buffers so that one step's "
+          "copies overlap another's experts; 0: auto (2 on a single GPU without expert "
+          "parallelism, else 1)");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, health_poll_ms, 500,
           "How often the server checks the engine's health (NOT_SERVING while unhealthy)");
@@ -68,8 +75,17 @@ ABSL_FLAG(int64_t, max_batch_delay_us, 0,
 ABSL_FLAG(int64_t, max_queued_tokens, 32768,
           "Most tokens queued for the engine; calls beyond it are refused at once with "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, max_queue_wait_ms, 0,
+          "Refuse a Forward with RESOURCE_EXHAUSTED when the queue would hold more than this "
+          "many milliseconds of work (estimated from recent steps; an empty queue always takes "
+          "a call), which bounds the latency of answered calls under overload; 0: off "
+          "(--max_queued_tokens only)");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
           "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
+ABSL_FLAG(bool, enable_shared_memory, false,
+          "Accept shared-memory regions (Register*SharedMemory RPCs; Forward tensors and answers "
+          "by region) from clients on this host (unix socket or loopback). Off by default: such "
+          "a client may name any shm object the server's user can open, and have it written");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
           "Most tokens (M) one Forward may carry; more fail with RESOURCE_EXHAUSTED");
 // Limits on what clients can make the server hold (README "Limits"; server/server.h).
@@ -89,8 +105,34 @@ ABSL_FLAG(int32_t, max_metadata_bytes, 64 << 10,
           "Largest metadata (headers) one call may send; an oversized header fails its call and "
           "may fail the other calls of its connection (gRPC behaviour), so keep this well above "
           "what clients send (GRPC_ARG_MAX_METADATA_SIZE)");
-ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
-          "host:port of the Prometheus /metrics endpoint (empty: off; port 0: a free port)");
+ABSL_FLAG(std::string, metrics_address, moeserve::kDefaultMetricsAddress,
+          "host:port of the Prometheus /metrics endpoint (empty: off; port 0: a free port; "
+          "0.0.0.0 for every interface)");
+// Security (docs/security.md).
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain for the gRPC API: with --tls_key, every --listen address "
+          "serves TLS only");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: clients must present a certificate signed by it (mutual TLS)");
+ABSL_FLAG(int32_t, tls_refresh_s, moeserve::kDefaultTlsRefreshSeconds,
+          "How often the TLS files (--tls_*, --metrics_tls_*) are re-read, in seconds: "
+          "certificates rotate without a restart");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File of bearer tokens (one per line, >= 16 characters; '#' comments): every "
+          "moeserve.v1.MoeService call must send 'authorization: Bearer <token>' "
+          "(UNAUTHENTICATED otherwise); health and reflection stay open. Re-read on change");
+ABSL_FLAG(bool, enable_reflection, false,
+          "Serve gRPC server reflection (grpcurl without .proto files)");
+ABSL_FLAG(bool, enable_get_expert_weights, false,
+          "Serve GetExpertWeights and StreamExpertWeights (moeserve-cli forward --check needs "
+          "them); anyone who can call them can copy the model's weights");
+ABSL_FLAG(std::string, metrics_tls_cert, "",
+          "PEM certificate chain for the metrics endpoint: with --metrics_tls_key it serves "
+          "HTTPS only");
+ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key of --metrics_tls_cert");
+ABSL_FLAG(std::string, metrics_tls_client_ca, "",
+          "PEM CA bundle: scrapers must present a certificate signed by it (mutual TLS)");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving write 'HOST:PORT' (first listen address, bound port) and, with "
           "metrics on, 'metrics HOST:PORT' to this file (atomically)");
@@ -106,6 +148,21 @@ ABSL_FLAG(std::string, leader_address, "",
           "with --leader_port); the leader listens on its port");
 ABSL_FLAG(int32_t, leader_port, moeserve::kDefaultLeaderPort,
           "Port of the bootstrap service when the leader address comes from LWS_LEADER_ADDRESS");
+ABSL_FLAG(std::string, bootstrap_listen, "",
+          "Leader: host:port its bootstrap service listens on while the group forms (empty: "
+          "the leader address itself, whose host must be an address of this machine)");
+ABSL_FLAG(std::string, bootstrap_token_file, "",
+          "File of bearer tokens (as --auth_token_file) guarding the bootstrap: the leader "
+          "requires one, a follower sends the first; give every process the same file");
+ABSL_FLAG(std::string, internal_tls_cert, "",
+          "PEM certificate chain of this process for the multi-process bootstrap (mutual TLS, "
+          "with --internal_tls_key and --internal_tls_ca on every process)");
+ABSL_FLAG(std::string, internal_tls_key, "", "PEM private key of --internal_tls_cert");
+ABSL_FLAG(std::string, internal_tls_ca, "",
+          "PEM CA bundle that signs every process's --internal_tls_cert");
+ABSL_FLAG(std::string, internal_tls_server_name, "",
+          "Follower: name the leader's certificate must carry (empty: the leader address's "
+          "host)");
 ABSL_FLAG(int32_t, bootstrap_timeout_s, 300,
           "Follower: how long to keep asking the leader for the group's id");
 ABSL_FLAG(int64_t, collective_timeout_ms, 60000,
@@ -185,12 +242,67 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   options.placement = absl::GetFlag(FLAGS_placement);
   options.prepare_finalize = absl::GetFlag(FLAGS_prepare_finalize);
   options.max_tokens_per_rank = absl::GetFlag(FLAGS_max_tokens_per_rank);
+  options.steps_in_flight = absl::GetFlag(FLAGS_steps_in_flight);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
   options.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
   options.heartbeat_ms = absl::GetFlag(FLAGS_heartbeat_ms);
   return options;
+}
+
+struct SecurityFlags {
+  TlsFiles tls;
+  TlsFiles metrics_tls;
+  std::shared_ptr<const BearerTokens> auth;
+  BootstrapOptions bootstrap;
+};
+
+absl::StatusOr<SecurityFlags> SecurityFromFlags() {
+  SecurityFlags f;
+  f.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+           absl::GetFlag(FLAGS_tls_client_ca)};
+  MOESERVE_RETURN_IF_ERROR(CheckTlsFiles(f.tls, "--tls_", TlsRole::kServer));
+  f.metrics_tls = {absl::GetFlag(FLAGS_metrics_tls_cert), absl::GetFlag(FLAGS_metrics_tls_key),
+                   absl::GetFlag(FLAGS_metrics_tls_client_ca)};
+  MOESERVE_RETURN_IF_ERROR(CheckTlsFiles(f.metrics_tls, "--metrics_tls_", TlsRole::kServer));
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    MOESERVE_ASSIGN_OR_RETURN(f.auth, BearerTokens::FromFile(path, "--auth_token_file"));
+  }
+  f.bootstrap.listen = absl::GetFlag(FLAGS_bootstrap_listen);
+  f.bootstrap.security.tls = {absl::GetFlag(FLAGS_internal_tls_cert),
+                              absl::GetFlag(FLAGS_internal_tls_key),
+                              absl::GetFlag(FLAGS_internal_tls_ca)};
+  MOESERVE_RETURN_IF_ERROR(
+      CheckTlsFiles(f.bootstrap.security.tls, "--internal_tls_", TlsRole::kMutual));
+  f.bootstrap.security.tls_server_name = absl::GetFlag(FLAGS_internal_tls_server_name);
+  if (const std::string path = absl::GetFlag(FLAGS_bootstrap_token_file); !path.empty()) {
+    MOESERVE_ASSIGN_OR_RETURN(f.bootstrap.security.token,
+                              BearerTokens::FromFile(path, "--bootstrap_token_file"));
+  }
+  if (absl::GetFlag(FLAGS_tls_refresh_s) <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_refresh_s: got ", absl::GetFlag(FLAGS_tls_refresh_s), ", expected > 0"));
+  }
+  return f;
+}
+
+// What an operator should know about an address that others can reach.
+void WarnIfExposed(const std::vector<std::string>& listen, const SecurityFlags& security) {
+  for (const std::string& address : listen) {
+    if (IsLocalAddress(address)) continue;
+    if (!security.tls.enabled() && security.auth != nullptr) {
+      std::fprintf(stderr,
+                   "moeserve: warning: %s serves without TLS: the bearer token crosses the "
+                   "network in the clear (--tls_cert/--tls_key)\n",
+                   address.c_str());
+    } else if (!security.tls.enabled() && security.auth == nullptr) {
+      std::fprintf(stderr,
+                   "moeserve: note: %s serves without TLS or a token: whoever reaches it can "
+                   "call the API (docs/security.md)\n",
+                   address.c_str());
+    }
+  }
 }
 
 absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_address,
@@ -232,8 +344,13 @@ int Run() {
     std::fprintf(stderr, "moeserve: bad flags: %s\n", mp.status().ToString().c_str());
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<BootstrapServer>> bootstrap =
-      PrepareMultiProcess(*mp, &*options, absl::Seconds(absl::GetFlag(FLAGS_bootstrap_timeout_s)));
+  absl::StatusOr<SecurityFlags> security = SecurityFromFlags();
+  if (!security.ok()) {
+    std::fprintf(stderr, "moeserve: bad flags: %s\n", security.status().ToString().c_str());
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<BootstrapServer>> bootstrap = PrepareMultiProcess(
+      *mp, &*options, absl::Seconds(absl::GetFlag(FLAGS_bootstrap_timeout_s)), security->bootstrap);
   if (!bootstrap.ok()) {
     std::fprintf(stderr, "moeserve: multi-process bootstrap failed: %s\n",
                  bootstrap.status().ToString().c_str());
@@ -249,9 +366,15 @@ int Run() {
   }
   if ((*engine)->is_follower()) {
     // Followers serve only health and run the leader's commands until it shuts them down.
-    absl::StatusOr<std::unique_ptr<FollowerProcess>> follower =
-        FollowerProcess::Start(engine->get(), SplitListenAddresses(absl::GetFlag(FLAGS_listen)),
-                               [] { (void)!write(g_signal_pipe[1], "x", 1); });
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+        MakeServerCredentials(security->tls, "--tls_", absl::GetFlag(FLAGS_tls_refresh_s));
+    if (!credentials.ok()) {
+      std::fprintf(stderr, "moeserve: %s\n", credentials.status().ToString().c_str());
+      return 1;
+    }
+    absl::StatusOr<std::unique_ptr<FollowerProcess>> follower = FollowerProcess::Start(
+        engine->get(), SplitListenAddresses(absl::GetFlag(FLAGS_listen)),
+        [] { (void)!write(g_signal_pipe[1], "x", 1); }, *credentials);
     if (!follower.ok()) {
       std::fprintf(stderr, "moeserve: %s\n", follower.status().ToString().c_str());
       return 1;
@@ -277,6 +400,13 @@ int Run() {
   server_options.batcher.max_batch_delay =
       absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server_options.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
+  if (absl::GetFlag(FLAGS_max_queue_wait_ms) < 0) {
+    std::fprintf(stderr, "moeserve: --max_queue_wait_ms must be >= 0, got %g\n",
+                 absl::GetFlag(FLAGS_max_queue_wait_ms));
+    return 2;
+  }
+  server_options.batcher.max_queue_wait =
+      absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_ms) * 1000.0);
   server_options.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
   server_options.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -304,6 +434,14 @@ int Run() {
     }
   }
   server_options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  server_options.tls = security->tls;
+  server_options.tls_refresh_s = absl::GetFlag(FLAGS_tls_refresh_s);
+  server_options.metrics_tls = security->metrics_tls;
+  server_options.auth = security->auth;
+  server_options.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
+  server_options.enable_get_expert_weights = absl::GetFlag(FLAGS_enable_get_expert_weights);
+  WarnIfExposed(server_options.listen_addresses, *security);
+  server_options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   absl::StatusOr<std::unique_ptr<MoeServer>> server =
       MoeServer::Start(engine->get(), server_options);
   if (!server.ok()) {
@@ -347,7 +485,9 @@ int Run() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Serves the expert layers of a Mixture-of-Experts model over gRPC.\n"
-      "  moeserve --model=tiny --listen=127.0.0.1:50051 --metrics_address=127.0.0.1:9090");
+      "  moeserve --model=tiny --listen=127.0.0.1:50051 --metrics_address=127.0.0.1:9464\n"
+      "Listens on 127.0.0.1 unless told otherwise; TLS, tokens and the debug RPCs: "
+      "docs/security.md");
   absl::ParseCommandLine(argc, argv);
   return moeserve::Run();
 }

@@ -68,7 +68,8 @@ absl::string_view GrpcCodeName(grpc::StatusCode code) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& address) {
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& address,
+                                                         const TlsFiles& tls) {
   auto m = std::unique_ptr<Metrics>(new Metrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Registry& r = *m->registry_;
@@ -146,11 +147,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
   if (address.empty()) return m;
 
   std::weak_ptr<prometheus::Registry> registry = m->registry_;
-  MOESERVE_ASSIGN_OR_RETURN(m->http_, MetricsHttpServer::Start(address, [registry] {
-                              auto r = registry.lock();
-                              return r ? prometheus::TextSerializer().Serialize(r->Collect())
-                                       : std::string();
-                            }));
+  auto render = [registry] {
+    auto r = registry.lock();
+    return r ? prometheus::TextSerializer().Serialize(r->Collect()) : std::string();
+  };
+  MOESERVE_ASSIGN_OR_RETURN(m->http_, MetricsHttpServer::Start(address, render, tls));
   m->port_ = m->http_->port();
   const size_t colon = address.rfind(':');
   const std::string host = colon == std::string::npos ? "0.0.0.0" : address.substr(0, colon);

@@ -28,8 +28,10 @@ namespace moeserve {
 class Metrics : public ForwardBatcherObserver {
  public:
   // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
-  // empty, an HTTP endpoint (GET /metrics) bound to it. UNAVAILABLE if the address cannot be bound.
-  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& address);
+  // empty, an HTTP endpoint (GET /metrics) bound to it, over TLS when `tls` is set.
+  // UNAVAILABLE if the address cannot be bound; INVALID_ARGUMENT for unusable TLS files.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& address,
+                                                         const TlsFiles& tls = {});
   ~Metrics();
 
   // moeserve_model_info{model,backend,weight_format,num_ranks,experts,prepare_finalize} = 1.

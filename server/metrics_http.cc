@@ -33,15 +33,18 @@ std::string Response(absl::string_view status, absl::string_view type, const std
 
 struct MetricsHttpServer::Connection {
   int fd = -1;
+  std::unique_ptr<NonBlockingConnection> io;  // plain or TLS, over fd
   Clock::time_point deadline;
-  bool writing = false;  // the request is in; `out` is being sent
+  bool handshaking = true;  // TLS handshake not done yet (plain: done at the first event)
+  bool writing = false;     // the request is in; `out` is being sent
+  short events = POLLIN;    // what the last step waits for
   std::string in;
   std::string out;
   size_t sent = 0;
 };
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& address, std::function<std::string()> render,
+    const std::string& address, std::function<std::string()> render, const TlsFiles& tls,
     const MetricsHttpOptions& options) {
   if (options.max_connections <= 0 || options.request_timeout.count() <= 0 ||
       options.write_timeout.count() <= 0) {
@@ -49,6 +52,13 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
         absl::StrCat("metrics: max_connections (", options.max_connections, "), request_timeout (",
                      options.request_timeout.count(), " ms) and write_timeout (",
                      options.write_timeout.count(), " ms) must be > 0"));
+  }
+  std::unique_ptr<TlsServerContext> tls_context;
+  if (tls.enabled()) {
+    absl::StatusOr<std::unique_ptr<TlsServerContext>> created =
+        TlsServerContext::Create(tls, "--metrics_tls_");
+    if (!created.ok()) return created.status();
+    tls_context = std::move(*created);
   }
   const size_t colon = address.rfind(':');
   if (colon == std::string::npos) {
@@ -98,6 +108,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
                       : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   server->render_ = std::move(render);
   server->options_ = options;
+  server->tls_ = std::move(tls_context);
   server->thread_ = std::thread([s = server.get()] { s->Serve(); });
   return server;
 }
@@ -137,9 +148,16 @@ std::string Answer(const std::string& request, const std::function<std::string()
 void MetricsHttpServer::Serve() {
   std::list<Connection> conns;  // in accept order: the front has waited longest
   auto close_conn = [&](std::list<Connection>::iterator it) {
+    it->io.reset();  // TLS close_notify before the socket goes
     ::close(it->fd);
     --open_;
     return conns.erase(it);
+  };
+  // Which poll event a step that did not complete waits for; false: close the connection.
+  auto wait_for = [](Connection& c, IoResult r) {
+    if (r == IoResult::kWantRead) c.events = POLLIN;
+    if (r == IoResult::kWantWrite) c.events = POLLOUT;
+    return r == IoResult::kWantRead || r == IoResult::kWantWrite;
   };
   std::vector<pollfd> fds;
   std::vector<std::list<Connection>::iterator> polled;
@@ -151,7 +169,7 @@ void MetricsHttpServer::Serve() {
     polled.clear();
     fds.push_back({listen_fd_, POLLIN, 0});
     for (auto it = conns.begin(); it != conns.end(); ++it) {
-      fds.push_back({it->fd, static_cast<short>(it->writing ? POLLOUT : POLLIN), 0});
+      fds.push_back({it->fd, it->events, 0});
       polled.push_back(it);
       wake = std::min(wake, it->deadline);
     }
@@ -164,37 +182,49 @@ void MetricsHttpServer::Serve() {
       const short ev = fds[i + 1].revents;
       if (ev == 0) continue;
       Connection& c = *it;
-      if (!c.writing) {
-        char buf[4096];
-        const ssize_t n = ::recv(c.fd, buf, sizeof(buf), 0);
-        if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-        if (n <= 0) {  // closed by the client, or an error
-          close_conn(it);
+      if (c.handshaking) {
+        const IoResult r = c.io->Handshake();
+        if (r != IoResult::kDone) {
+          // A failed handshake (not TLS, no or an untrusted client certificate): nothing to say.
+          if (!wait_for(c, r)) close_conn(it);
           continue;
         }
-        c.in.append(buf, static_cast<size_t>(n));
+        c.handshaking = false;
+        c.events = POLLIN;
+      }
+      if (!c.writing) {
+        IoResult r = IoResult::kDone;
+        // Read what is there (TLS may hold decrypted bytes that poll does not see).
+        while (c.in.find("\r\n\r\n") == std::string::npos && c.in.size() < kMaxRequestBytes) {
+          r = c.io->Read(&c.in, kMaxRequestBytes - c.in.size());
+          if (r != IoResult::kDone) break;
+        }
         if (c.in.find("\r\n\r\n") != std::string::npos) {
           c.out = Answer(c.in, render_);
         } else if (c.in.size() >= kMaxRequestBytes) {
           c.out = Response("431 Request Header Fields Too Large", "text/plain",
                            "request headers over 16 KiB\n");
         } else {
+          if (!wait_for(c, r)) close_conn(it);  // closed by the client, or an error
           continue;
         }
         c.writing = true;
+        c.events = POLLOUT;
         c.in.clear();
         c.deadline = now + options_.write_timeout;
       }
       // Writing (possibly right after the request completed).
-      const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-      if (n <= 0) {
-        close_conn(it);
-        continue;
+      IoResult r = IoResult::kDone;
+      while (c.sent < c.out.size()) {
+        size_t n = 0;
+        r = c.io->Write(absl::string_view(c.out).substr(c.sent), &n);
+        if (r != IoResult::kDone) break;
+        c.sent += n;
       }
-      c.sent += static_cast<size_t>(n);
       if (c.sent == c.out.size()) {
         ++served_;
+        close_conn(it);
+      } else if (!wait_for(c, r)) {
         close_conn(it);
       }
     }
@@ -213,6 +243,18 @@ void MetricsHttpServer::Serve() {
         const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) break;  // EAGAIN: none left (or an error: retry on the next wake)
         ++accepted_;
+        Connection c;
+        c.fd = fd;
+        if (tls_ == nullptr) {
+          c.io = PlainNonBlockingConnection(fd);
+        } else {
+          absl::StatusOr<std::unique_ptr<NonBlockingConnection>> io = tls_->AcceptNonBlocking(fd);
+          if (!io.ok()) {
+            ::close(fd);
+            continue;
+          }
+          c.io = std::move(*io);
+        }
         if (static_cast<int>(conns.size()) >= options_.max_connections) {
           auto victim = std::find_if(conns.begin(), conns.end(),
                                      [](const Connection& c) { return !c.writing; });
@@ -220,8 +262,6 @@ void MetricsHttpServer::Serve() {
           ++evicted_;
           close_conn(victim);
         }
-        Connection c;
-        c.fd = fd;
         c.deadline = now + options_.request_timeout;
         conns.push_back(std::move(c));
         ++open_;

@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "server/tls.h"
 
 namespace moeserve {
 
@@ -49,9 +50,12 @@ class MetricsHttpServer {
   // Binds "host:port" (port 0: a free port; host may be a name, an IPv4 address or [IPv6]) and
   // starts serving. `render` is called on the server thread for every GET /metrics; it must be
   // thread-safe. UNAVAILABLE naming the address if it cannot be bound; INVALID_ARGUMENT for
-  // non-positive limits.
+  // non-positive limits. With `tls` set, every connection is HTTPS (TLS 1.2+; with tls.ca_file
+  // a client certificate signed by it is required; the files are re-read when they change);
+  // INVALID_ARGUMENT naming the --metrics_tls_* flag when they are unusable. The TLS handshake
+  // runs in the poll loop too and counts against request_timeout.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
-      const std::string& address, std::function<std::string()> render,
+      const std::string& address, std::function<std::string()> render, const TlsFiles& tls = {},
       const MetricsHttpOptions& options = MetricsHttpOptions());
   // Stops accepting, closes every connection and joins the thread (within about 100 ms).
   ~MetricsHttpServer();
@@ -66,6 +70,7 @@ class MetricsHttpServer {
 
   std::function<std::string()> render_;
   MetricsHttpOptions options_;
+  std::unique_ptr<TlsServerContext> tls_;  // null: plain HTTP
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stop_{false};

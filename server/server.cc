@@ -1,6 +1,5 @@
 #include "server/server.h"
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
@@ -49,7 +48,11 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   }
   auto server = std::unique_ptr<MoeServer>(new MoeServer());
   server->engine_ = engine;
-  MOESERVE_ASSIGN_OR_RETURN(server->metrics_, Metrics::Create(options.metrics_address));
+  // Credentials first: bad certificate files fail before anything listens.
+  MOESERVE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                            MakeServerCredentials(options.tls, "--tls_", options.tls_refresh_s));
+  MOESERVE_ASSIGN_OR_RETURN(server->metrics_,
+                            Metrics::Create(options.metrics_address, options.metrics_tls));
   server->metrics_->SetModelInfo(engine->info());
 
   ServiceOptions service_options;
@@ -57,6 +60,10 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   service_options.max_message_bytes = options.max_message_bytes;
   service_options.max_held_bytes = options.max_queued_bytes;
   service_options.max_answer_hold = options.max_answer_hold;
+  service_options.auth = options.auth;
+  service_options.enable_get_expert_weights = options.enable_get_expert_weights;
+  service_options.enable_shared_memory = options.enable_shared_memory;
+  service_options.max_expert_weight_calls = options.max_expert_weight_calls;
   ForwardBatcherOptions batcher_options = options.batcher;
   batcher_options.observer = server->metrics_.get();
   MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
@@ -65,8 +72,8 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
                                                       server->metrics_.get(), service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  SetReflection(&builder, options.enable_reflection);
   const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
@@ -92,8 +99,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
   builder.RegisterCallbackGenericService(server->unknown_methods_.get());
   server->bound_ports_.assign(options.listen_addresses.size(), 0);
   for (size_t i = 0; i < options.listen_addresses.size(); ++i) {
-    builder.AddListeningPort(options.listen_addresses[i], grpc::InsecureServerCredentials(),
-                             &server->bound_ports_[i]);
+    builder.AddListeningPort(options.listen_addresses[i], credentials, &server->bound_ports_[i]);
   }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();

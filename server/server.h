@@ -1,5 +1,7 @@
-// A running moeserve gRPC server: MoeService, the standard health service, reflection and the
-// Prometheus endpoint, around an Engine that is ready (weights loaded) before it starts.
+// A running moeserve gRPC server: MoeService, the standard health service, reflection (when
+// asked) and the Prometheus endpoint, around an Engine that is ready (weights loaded) before it
+// starts. Closed by default: loopback addresses, no reflection, no expert weights; TLS, mutual
+// TLS and a bearer token are options (docs/security.md).
 #ifndef MOESERVE_SERVER_SERVER_H_
 #define MOESERVE_SERVER_SERVER_H_
 
@@ -18,15 +20,21 @@
 #include "core/engine.h"
 #include "core/forward_batcher.h"
 #include "server/metrics.h"
+#include "server/security.h"
 #include "server/service.h"
+#include "server/tls.h"
 
 namespace moeserve {
 
 inline constexpr char kMoeServiceName[] = "moeserve.v1.MoeService";
 
+inline constexpr char kDefaultListenAddress[] = "127.0.0.1:50051";
+// 9464 rather than Prometheus's own 9090 (the port OpenTelemetry's Prometheus exporters use).
+inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
+
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
-  std::vector<std::string> listen_addresses = {"0.0.0.0:50051"};
+  std::vector<std::string> listen_addresses = {kDefaultListenAddress};
   int server_threads = 2;                // Forward worker threads
   int64_t max_message_bytes = 64 << 20;  // receive and send limit per message
   // Bounds on what clients can make the server hold (server/call_limits.h, README "Limits"):
@@ -50,12 +58,27 @@ struct ServerOptions {
   std::chrono::milliseconds keepalive_timeout{20000};
   // Concurrent Forward calls for one layer share engine steps (core/forward_batcher.h).
   ForwardBatcherOptions batcher;
-  std::string metrics_address = "0.0.0.0:9090";  // empty: no metrics endpoint
+  std::string metrics_address = kDefaultMetricsAddress;  // empty: no metrics endpoint
+  // TLS of every listen address (all empty: plaintext); with tls.ca_file, mutual TLS. gRPC
+  // re-reads the files every tls_refresh_s seconds.
+  TlsFiles tls;
+  int tls_refresh_s = kDefaultTlsRefreshSeconds;
+  // TLS of the metrics endpoint (all empty: plain HTTP); with ca_file, mutual TLS.
+  TlsFiles metrics_tls;
+  // Bearer tokens every MoeService call must carry (health and reflection stay open); null:
+  // none.
+  std::shared_ptr<const BearerTokens> auth;
+  bool enable_reflection = false;          // grpc.reflection.v1alpha.ServerReflection
+  bool enable_get_expert_weights = false;  // GetExpertWeights, StreamExpertWeights
+  // Expert-weight calls in flight at once (ServiceOptions::max_expert_weight_calls).
+  int max_expert_weight_calls = 4;
   // The engine's health is polled this often; health reports NOT_SERVING while it is unhealthy
   // (e.g. an NCCL collective timed out or a rank failed). <= 0: no polling.
   std::chrono::milliseconds health_poll{500};
   // While unhealthy, Engine::Recover() is tried this often; <= 0: never.
   std::chrono::milliseconds recover_after{5000};
+  // Shared-memory regions for a frontend on the same host (ServiceOptions).
+  bool enable_shared_memory = false;
 };
 
 // Splits "a:1,b:2" into addresses, dropping empty items and surrounding spaces.

@@ -3,28 +3,45 @@
 // Forward is served raw: the request's tensors are read straight out of gRPC's slices and the
 // answer is written by the engine into a buffer that the reply's slice then owns, so tensor
 // bytes are never copied by protobuf (the wire format is still moeserve.v1's).
-// Forward and GetExpertWeights run on the service's own worker threads (a WorkQueue), never on
-// gRPC's callback threads; each reply is Finished from the worker. GetModelInfo answers inline.
+// A small Forward is decoded and handed to the batcher on gRPC's callback thread (nothing there
+// blocks: the batcher refuses at once when full); large ones and GetExpertWeights run on the
+// service's own worker threads (a WorkQueue). Answers are Finished from the batcher's thread.
+// GetModelInfo answers inline.
 //
-// Bounds (server/call_limits.h): a Forward call holds its request's bytes from arrival and its
-// answer's from decoding until gRPC is done with the call; beyond max_held_bytes in all a call
-// is refused at once with RESOURCE_EXHAUSTED. An answer the client does not take within
-// max_answer_hold is cancelled (the client sees CANCELLED), releasing what it held.
-// Calls are counted by the server's interceptor (server/call_accounting.h), not here.
+// Access (docs/security.md): every MoeService call passes Authorize() first (the bearer token,
+// when one is configured); the expert-weight RPCs also need ServiceOptions::
+// enable_get_expert_weights and are checked (layer, expert, size) before anything is allocated.
+//
+// Bounds (server/call_limits.h): a Forward call -- unary, or one message of a ForwardStream --
+// holds its request's bytes from arrival and its answer's from decoding until gRPC is done with
+// it (unary: the call is over; stream: its answer is written); beyond max_held_bytes in all it
+// is refused at once with RESOURCE_EXHAUSTED (a stream message as its per-message error). An
+// answer the client does not take within max_answer_hold is cancelled (the client sees
+// CANCELLED; a stream is cancelled as a whole), releasing what it held.
+// Calls are counted by the server's interceptor (server/call_accounting.h), not here, except
+// each message of a ForwardStream: method "ForwardStream.call", with its own code.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
+#include "core/memory_region.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/call_limits.h"
 #include "server/metrics.h"
+#include "server/security.h"
 #include "server/work_queue.h"
 
 namespace moeserve {
@@ -37,11 +54,41 @@ struct ServiceOptions {
   int64_t max_held_bytes = int64_t{512} << 20;
   // How long a finished answer may wait for the client to take it; <= 0: forever.
   std::chrono::milliseconds max_answer_hold{10000};
+  // Bearer tokens every MoeService call must carry; null: no token needed.
+  std::shared_ptr<const BearerTokens> auth;
+  // GetExpertWeights / StreamExpertWeights hand out the model's weights: off unless set.
+  bool enable_get_expert_weights = false;
+  // Shared-memory regions (the four *SharedMemory* RPCs, Tensor.region, output_region); off:
+  // they are refused with FAILED_PRECONDITION naming --enable_shared_memory.
+  bool enable_shared_memory = false;
+  int max_shared_memory_regions = 256;
+  // Expert-weight calls in flight at once (each holds a whole expert, 88 MiB for DeepSeek-V3,
+  // until its client has read it); more are RESOURCE_EXHAUSTED.
+  int max_expert_weight_calls = 4;
 };
 
-using MoeServiceBase =
-    v1::MoeService::WithRawCallbackMethod_Forward<v1::MoeService::WithCallbackMethod_GetModelInfo<
-        v1::MoeService::WithCallbackMethod_GetExpertWeights<v1::MoeService::Service>>>;
+// Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
+// "ipv6:[::1]:5000", brackets possibly percent-encoded) is on this host: shared-memory regions
+// are served to those only (PERMISSION_DENIED otherwise), since they name this host's memory.
+bool IsSameHostPeer(absl::string_view peer);
+
+// The shared-memory RPCs (server/shared_memory_service.cc).
+using MoeServiceSharedMemoryBase = v1::MoeService::WithCallbackMethod_RegisterSystemSharedMemory<
+    v1::MoeService::WithCallbackMethod_RegisterCudaSharedMemory<
+        v1::MoeService::WithCallbackMethod_UnregisterSharedMemory<
+            v1::MoeService::WithCallbackMethod_SharedMemoryStatus<v1::MoeService::Service>>>>;
+
+using MoeServiceBase = v1::MoeService::WithRawCallbackMethod_Forward<
+    v1::MoeService::WithRawCallbackMethod_ForwardStream<
+        v1::MoeService::WithCallbackMethod_GetModelInfo<
+            v1::MoeService::WithCallbackMethod_GetExpertWeights<
+                v1::MoeService::WithCallbackMethod_StreamExpertWeights<
+                    MoeServiceSharedMemoryBase>>>>>;
+
+// Default and floor of StreamExpertWeights' chunk size, and the room left under
+// max_message_bytes for a message's framing.
+inline constexpr int64_t kDefaultExpertChunkBytes = int64_t{1} << 20;
+inline constexpr int64_t kExpertMessageFramingBytes = 1024;
 
 class MoeServiceImpl final : public MoeServiceBase {
  public:
@@ -56,12 +103,40 @@ class MoeServiceImpl final : public MoeServiceBase {
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
+  // Layer calls on one stream: each request message runs as Forward does (through the batcher,
+  // up to kMaxStreamCallsInFlight at once), answers are written in request order, and a failed
+  // call answers with error_code/error_message without ending the stream.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
   grpc::ServerUnaryReactor* GetExpertWeights(grpc::CallbackServerContext* context,
                                              const v1::GetExpertWeightsRequest* request,
                                              v1::GetExpertWeightsResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* StreamExpertWeights(
+      grpc::CallbackServerContext* context, const v1::StreamExpertWeightsRequest* request) override;
+
+  // Calls of one stream decoded, queued or answered but not yet written; the stream stops
+  // reading beyond it (flow control reaches the client).
+  static constexpr int kMaxStreamCallsInFlight = 64;
+  // Forward requests up to this size are decoded and queued on gRPC's callback thread.
+  static constexpr size_t kInlineRequestBytes = 256 << 10;
+
+  // Shared memory (server/shared_memory_service.cc): FAILED_PRECONDITION unless
+  // ServiceOptions::enable_shared_memory.
+  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(
+      grpc::CallbackServerContext* context, const v1::RegisterSystemSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(
+      grpc::CallbackServerContext* context, const v1::RegisterCudaSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+      v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* SharedMemoryStatus(grpc::CallbackServerContext* context,
+                                               const v1::SharedMemoryStatusRequest* request,
+                                               v1::SharedMemoryStatusResponse* response) override;
 
   // Runs every queued call and stops the workers; calls arriving later get UNAVAILABLE. Call
   // after grpc::Server::Shutdown (which waits for in-flight calls) and before destroying the
@@ -73,13 +148,53 @@ class MoeServiceImpl final : public MoeServiceBase {
   int64_t answers_cancelled() const { return answer_watch_.cancelled(); }
 
  private:
+  class StreamReactor;
+  // The answer to one Forward: OK with the encoded ForwardResponse and its token count, or the
+  // failure; `request_id` as decoded (empty when the request could not be read). Runs once, on a
+  // worker or the batcher's thread.
+  using AnswerFn = std::function<void(const absl::Status& status, grpc::ByteBuffer encoded,
+                                      int64_t tokens, const std::string& request_id)>;
+  // Decodes, validates and submits one serialized ForwardRequest to the batcher. `raw_request`
+  // is read before this returns (the decoded call keeps its slices). Worker threads.
+  // `peer`: the client (ServerContext::peer()), for the shared-memory check.
+  // `hold` (may be null: unbounded) takes the answer's bytes once its size is known, or refuses
+  // (RESOURCE_EXHAUSTED, see HoldRefused), which is then the call's answer.
+  using HoldFn = std::function<absl::Status(int64_t bytes, absl::string_view what)>;
+  void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
+                  std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
+                  const std::string& peer, const HoldFn& hold, AnswerFn answer);
+  // The refusal of `bytes` more (`what`: "this request", "its answer") by `method` at
+  // max_held_bytes; counts it in the metrics.
+  absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what);
+  // The one access check of every MoeService call (UNAUTHENTICATED naming `method`).
+  absl::Status Authorize(const grpc::CallbackServerContext& context,
+                         absl::string_view method) const;
+  // Authorize, then the expert-weight checks that come before any allocation: the flag
+  // (FAILED_PRECONDITION naming it), then layer and expert (INVALID_ARGUMENT).
+  absl::Status AdmitExpertWeights(const grpc::CallbackServerContext& context,
+                                  absl::string_view method, int layer, int expert) const;
+  // Runs `fn` (returning the call's status) on a worker and finishes `context`'s call with it,
+  // recording `method` in the metrics.
+  grpc::ServerUnaryReactor* RunSharedMemoryCall(grpc::CallbackServerContext* context,
+                                                const char* method,
+                                                std::function<absl::Status()> fn);
+  // OK when `peer` (ServerContext::peer()) is on this host (IsSameHostPeer); PERMISSION_DENIED
+  // naming `what` and the peer otherwise.
+  static absl::Status CheckSharedMemoryPeer(const std::string& peer, absl::string_view what);
+  // Takes one of max_expert_weight_calls slots (RESOURCE_EXHAUSTED when none is free); the
+  // caller gives it back with expert_calls_.fetch_sub(1) once its answer is gone.
+  absl::Status TakeExpertCallSlot(absl::string_view method);
+
   Engine* const engine_;
   Metrics* const metrics_;
   const ServiceOptions options_;
   ByteBudget held_bytes_;
   AnswerHoldWatch answer_watch_;
+  // Before the workers and the batcher: outlives every call that holds a region.
+  std::unique_ptr<RegionRegistry> regions_;  // null: shared memory off
   WorkQueue workers_;
   std::unique_ptr<ForwardBatcher> batcher_;
+  std::atomic<int> expert_calls_{0};  // expert-weight calls holding a slot
 };
 
 }  // namespace moeserve

@@ -7,6 +7,12 @@
 //                        [--input_file F] [--output_file F] [--check --tolerance T]
 //   moeserve-cli load    --target HOST:PORT --requests N --concurrency C --tokens M
 //                        [--max_seconds S]
+// Every command takes --tls / --tls_ca / --tls_cert / --tls_key / --tls_server_name and
+// --auth_token_file for servers that require them (docs/security.md). forward --check needs a
+// server started with --enable_get_expert_weights; experts larger than a message are streamed.
+//   forward / load --shm: tensors and answers go through a POSIX shared-memory region this
+//   client creates and registers (the server must be on this host, run as the same user, with
+//   --enable_shared_memory); only region references travel over gRPC.
 //
 // Exit codes: 0 success; 1 the check failed / not SERVING / load errors; 2 usage or RPC error.
 //
@@ -16,9 +22,16 @@
 //   topk_ids      [M, K] int32, then
 //   topk_weights  [M, K] float32.
 // --output_file receives the output [M, H] as raw bytes in --dtype.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -51,6 +64,17 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server gRPC address, HOST:POR
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(30), "Per-call deadline");
 ABSL_FLAG(int64_t, max_message_bytes, 256ll << 20, "Max gRPC message size sent/received");
 ABSL_FLAG(bool, wait_for_ready, false, "Wait for the channel to connect instead of failing fast");
+ABSL_FLAG(bool, tls, false, "Connect over TLS (implied by --tls_ca / --tls_cert / --tls_key)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM roots that verify the server's certificate (empty with --tls: the system's)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM client certificate chain, for servers that require one (mutual TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name the server's certificate must carry when it is not --target's host");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File whose first token (line) is sent as 'authorization: Bearer <token>' (servers "
+          "started with --auth_token_file)");
 ABSL_FLAG(std::string, service, "", "health: service name to check ('' = whole server)");
 ABSL_FLAG(int32_t, layer, 0, "forward/load: MoE layer index");
 ABSL_FLAG(int64_t, tokens, 4, "forward/load: tokens per request (M)");
@@ -72,7 +96,17 @@ ABSL_FLAG(double, tolerance, 1e-2, "forward --check: max relative L2 error");
 ABSL_FLAG(int64_t, requests, 100, "load: total requests");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent closed-loop workers");
 ABSL_FLAG(double, max_seconds, 60.0, "load: stop issuing requests after this many seconds");
+ABSL_FLAG(double, rate, 0,
+          "load: open loop: send this many calls per second for --max_seconds, whatever the "
+          "answers do (0: closed loop with --concurrency workers); every OK answer is checked "
+          "against the same input's answer taken before the run");
+ABSL_FLAG(bool, stream, false,
+          "load: each worker sends its calls on one ForwardStream (one request, then its answer) "
+          "instead of one unary Forward per call");
 ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled through");
+ABSL_FLAG(bool, shm, false,
+          "forward/load: pass tensors and answers through a POSIX shared-memory region (server on "
+          "this host, same user, --enable_shared_memory)");
 
 namespace moeserve::client {
 namespace {
@@ -83,7 +117,30 @@ constexpr int kExitError = 2;
 
 int Fail(const absl::Status& status, absl::string_view what) {
   std::fprintf(stderr, "error: %s: %s\n", std::string(what).c_str(), status.ToString().c_str());
+  // What to do about the refusals a secured server gives (docs/security.md).
+  if (status.code() == absl::StatusCode::kUnauthenticated) {
+    std::fprintf(stderr,
+                 "hint: the server requires a bearer token: pass --auth_token_file with a token "
+                 "from its --auth_token_file\n");
+  } else if (status.code() == absl::StatusCode::kUnavailable &&
+             absl::GetFlag(FLAGS_tls_ca).empty() && !absl::GetFlag(FLAGS_tls)) {
+    std::fprintf(stderr,
+                 "hint: if the server serves TLS, pass --tls_ca (and --tls_cert/--tls_key if it "
+                 "requires a client certificate)\n");
+  }
   return kExitError;
+}
+
+// The first token of --auth_token_file (blank lines and '#' comments skipped).
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
+  for (std::string line; std::getline(f, line);) {
+    const size_t begin = line.find_first_not_of(" \t\r");
+    if (begin == std::string::npos || line[begin] == '#') continue;
+    return line.substr(begin, line.find_last_not_of(" \t\r") + 1 - begin);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--auth_token_file: '", path, "' holds no token"));
 }
 
 absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
@@ -91,6 +148,16 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  options.use_tls = absl::GetFlag(FLAGS_tls);
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = ReadToken(path);
+    if (!token.ok()) return token.status();
+    options.auth_token = *std::move(token);
+  }
   return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
 }
 
@@ -209,6 +276,96 @@ ForwardArgs MakeArgs(const Inputs& in, int64_t hidden, int topk, v1::DType dtype
   return args;
 }
 
+// A POSIX shared-memory object this client creates, maps and registers with the server as one
+// region. The name is unlinked as soon as the server has mapped it, so nothing is left behind
+// if the client dies; Unregister() lets the server drop it.
+class ShmArena {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShmArena>> Create(MoeClient* client, int64_t bytes) {
+    auto arena = std::unique_ptr<ShmArena>(new ShmArena());
+    arena->client_ = client;
+    arena->bytes_ = std::max<int64_t>(bytes, 1);
+    static std::atomic<int> counter{0};
+    const std::string suffix = absl::StrCat(getpid(), "_", counter++);
+    const std::string key = absl::StrCat("/moeserve_cli_", suffix);
+    arena->name_ = absl::StrCat("moeserve-cli-", suffix);
+    const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      return absl::UnavailableError(absl::StrCat("shm_open(", key, "): ", std::strerror(errno)));
+    }
+    void* p = MAP_FAILED;
+    if (ftruncate(fd, arena->bytes_) == 0) {
+      p = mmap(nullptr, arena->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    const int err = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+      shm_unlink(key.c_str());
+      return absl::UnavailableError(absl::StrCat("sizing or mapping ", arena->bytes_, " bytes of ",
+                                                 key, ": ", std::strerror(err)));
+    }
+    arena->data_ = static_cast<char*>(p);
+    const absl::Status s = client->RegisterSystemSharedMemory(arena->name_, key, 0, arena->bytes_);
+    shm_unlink(key.c_str());
+    if (!s.ok()) return s;
+    arena->registered_ = true;
+    return arena;
+  }
+  ~ShmArena() {
+    Unregister().IgnoreError();
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  absl::Status Unregister() {
+    if (!registered_) return absl::OkStatus();
+    registered_ = false;
+    return client_->UnregisterSharedMemory(name_);
+  }
+  char* data() const { return data_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  ShmArena() = default;
+  MoeClient* client_ = nullptr;
+  std::string name_;
+  int64_t bytes_ = 0;
+  char* data_ = nullptr;
+  bool registered_ = false;
+};
+
+int64_t Align64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// Where one request's tensors sit in an arena: hidden, ids, weights, each 64-byte aligned.
+struct ShmLayout {
+  int64_t hidden_bytes = 0, routing_bytes = 0;
+  int64_t input_block() const { return Align64(hidden_bytes) + 2 * Align64(routing_bytes); }
+};
+
+// Copies `in` into `arena` at `base` (ShmLayout) and returns the Forward naming it, answered at
+// `out_offset`.
+ForwardRegionArgs PlaceInArena(const Inputs& in, const ShmArena& arena, int64_t base,
+                               int64_t out_offset, int64_t hidden, int topk, v1::DType dtype) {
+  ShmLayout layout;
+  layout.hidden_bytes = static_cast<int64_t>(in.hidden_bytes.size());
+  layout.routing_bytes = in.num_tokens * topk * 4;
+  const int64_t ids_at = base + Align64(layout.hidden_bytes);
+  const int64_t w_at = ids_at + Align64(layout.routing_bytes);
+  std::memcpy(arena.data() + base, in.hidden_bytes.data(), layout.hidden_bytes);
+  std::memcpy(arena.data() + ids_at, in.topk_ids.data(), layout.routing_bytes);
+  std::memcpy(arena.data() + w_at, in.topk_weights.data(), layout.routing_bytes);
+  ForwardRegionArgs args;
+  args.layer = absl::GetFlag(FLAGS_layer);
+  args.hidden_dtype = dtype;
+  args.num_tokens = in.num_tokens;
+  args.hidden = hidden;
+  args.topk = topk;
+  args.hidden_states = MakeRegionRef(arena.name(), base, layout.hidden_bytes);
+  args.topk_ids = MakeRegionRef(arena.name(), ids_at, layout.routing_bytes);
+  args.topk_weights = MakeRegionRef(arena.name(), w_at, layout.routing_bytes);
+  args.output = MakeRegionRef(arena.name(), out_offset, layout.hidden_bytes);
+  args.return_timings = absl::GetFlag(FLAGS_return_timings);
+  return args;
+}
+
 int RunHealth() {
   auto client = MakeClient();
   if (!client.ok()) return Fail(client.status(), "create client");
@@ -281,7 +438,25 @@ int RunForward() {
   ForwardArgs args = MakeArgs(*in, hidden, topk, *dtype);
   args.request_id = absl::GetFlag(FLAGS_request_id);
   if (args.request_id.empty()) args.request_id = absl::StrCat("cli-", absl::GetFlag(FLAGS_seed));
-  auto result = (*client)->Forward(args);
+  absl::StatusOr<ForwardResult> result;
+  if (absl::GetFlag(FLAGS_shm)) {
+    // Inputs, then the answer, in one region; the answer is copied out into result->output.
+    ShmLayout layout;
+    layout.hidden_bytes = static_cast<int64_t>(in->hidden_bytes.size());
+    layout.routing_bytes = in->num_tokens * topk * 4;
+    auto arena = ShmArena::Create(client->get(), layout.input_block() + layout.hidden_bytes);
+    if (!arena.ok()) return Fail(arena.status(), "shared memory");
+    ForwardRegionArgs region_args =
+        PlaceInArena(*in, **arena, 0, layout.input_block(), hidden, topk, *dtype);
+    region_args.request_id = args.request_id;
+    result = (*client)->Forward(region_args);
+    if (result.ok()) {
+      result->output.set_data((*arena)->data() + layout.input_block(), layout.hidden_bytes);
+    }
+    if (absl::Status s = (*arena)->Unregister(); !s.ok() && result.ok()) result = s;
+  } else {
+    result = (*client)->Forward(args);
+  }
   if (!result.ok()) return Fail(result.status(), "Forward");
   const v1::Tensor& out = result->output;
   std::printf("request_id: %s\n", result->request_id.c_str());
@@ -310,7 +485,17 @@ int RunForward() {
   for (int32_t id : std::set<int32_t>(in->topk_ids.begin(), in->topk_ids.end())) {
     if (id < 0) continue;
     auto reply = (*client)->GetExpertWeights(args.layer, id);
-    if (!reply.ok()) return Fail(reply.status(), absl::StrCat("GetExpertWeights expert ", id));
+    if (!reply.ok()) {
+      const int code = Fail(reply.status(), absl::StrCat("GetExpertWeights expert ", id));
+      if (reply.status().code() == absl::StatusCode::kFailedPrecondition ||
+          reply.status().code() == absl::StatusCode::kPermissionDenied) {
+        std::fprintf(stderr,
+                     "hint: --check compares against the experts' weights, which this server "
+                     "does not hand out: restart it with --enable_get_expert_weights, or run "
+                     "forward without --check\n");
+      }
+      return code;
+    }
     auto weights = ExpertWeightsFromProto(*reply);
     if (!weights.ok()) return Fail(weights.status(), absl::StrCat("expert ", id, " weights"));
     experts.emplace(id, std::move(*weights));
@@ -342,6 +527,114 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[rank - 1];
 }
 
+// Relative L2 distance of two answers in `dtype` (as floats).
+double AnswerDistance(const ForwardResult& got, const std::string& want, v1::DType dtype) {
+  if (got.raw.output.data_size != want.size()) return 1e30;
+  v1::Tensor got_t, want_t;
+  got_t.set_dtype(dtype);
+  want_t.set_dtype(dtype);
+  got_t.add_shape(static_cast<int64_t>(want.size()) / DTypeSize(dtype));
+  want_t.add_shape(static_cast<int64_t>(want.size()) / DTypeSize(dtype));
+  got_t.mutable_data()->resize(want.size());
+  got.raw.output.CopyTo(got_t.mutable_data()->data());
+  *want_t.mutable_data() = want;
+  const auto a_or = DecodeFloats(got_t), b_or = DecodeFloats(want_t);
+  if (!a_or.ok() || !b_or.ok()) return 1e30;
+  const std::vector<float>& a = *a_or;
+  const std::vector<float>& b = *b_or;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Open loop: calls leave at a fixed rate, whatever the answers do (an overload run). Reports
+// answered / refused by code, the answered calls' latency, and wrong answers (relative L2 >
+// --tolerance against the same input's unloaded answer).
+int RunOpenLoop(MoeClient& client, const std::vector<grpc::ByteBuffer>& requests, v1::DType dtype,
+                int64_t num_tokens) {
+  const double rate = absl::GetFlag(FLAGS_rate);
+  const double seconds = absl::GetFlag(FLAGS_max_seconds);
+  const double tolerance = absl::GetFlag(FLAGS_tolerance);
+  std::vector<std::string> expected;
+  for (const grpc::ByteBuffer& r : requests) {
+    auto result = client.Forward(r, /*copy_output=*/true);
+    if (!result.ok()) return Fail(result.status(), "unloaded Forward");
+    expected.push_back(result->output.data());
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t outstanding = 0, sent = 0, wrong = 0;
+  std::vector<double> latencies_ms;
+  std::map<std::string, int64_t> codes;
+  std::string first_error;
+  const absl::Time start = absl::Now();
+  const absl::Duration interval = absl::Seconds(1.0 / rate);
+  for (absl::Time next = start; next < start + absl::Seconds(seconds); next += interval) {
+    absl::SleepFor(next - absl::Now());
+    const size_t which = static_cast<size_t>(sent) % requests.size();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++outstanding;
+      ++sent;
+    }
+    client.ForwardAsync(
+        requests[which],
+        [&, which](absl::StatusOr<ForwardResult> result) {
+          const bool bad =
+              result.ok() && AnswerDistance(*result, expected[which], dtype) > tolerance;
+          std::lock_guard<std::mutex> lock(mu);
+          ++codes[absl::StatusCodeToString(result.status().code())];
+          if (result.ok()) {
+            latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+            wrong += bad ? 1 : 0;
+          } else if (first_error.empty()) {
+            first_error = result.status().ToString();
+          }
+          --outstanding;
+          cv.notify_all();
+        },
+        /*copy_output=*/false);
+  }
+  const double send_s = absl::ToDoubleSeconds(absl::Now() - start);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return outstanding == 0; });
+  }
+  const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  std::sort(latencies_ms.begin(), latencies_ms.end());
+  const int64_t ok = static_cast<int64_t>(latencies_ms.size());
+  int64_t refused = 0, other = 0;
+  for (const auto& [code, n] : codes) {
+    if (code == "RESOURCE_EXHAUSTED") {
+      refused += n;
+    } else if (code != "OK") {
+      other += n;
+    }
+  }
+  std::printf("load: open loop rate=%.1f/s seconds=%.1f tokens=%lld dtype=%s layer=%d\n", rate,
+              seconds, static_cast<long long>(num_tokens), DTypeName(dtype).c_str(),
+              absl::GetFlag(FLAGS_layer));
+  std::printf(
+      "sent=%lld ok=%lld refused=%lld other_errors=%lld wrong_answers=%lld send_s=%.3f "
+      "wall_s=%.3f\n",
+      static_cast<long long>(sent), static_cast<long long>(ok), static_cast<long long>(refused),
+      static_cast<long long>(other), static_cast<long long>(wrong), send_s, wall_s);
+  for (const auto& [code, n] : codes) {
+    std::printf("  code %s: %lld\n", code.c_str(), static_cast<long long>(n));
+  }
+  if (!first_error.empty()) std::printf("  first error: %s\n", first_error.c_str());
+  std::printf("latency_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f\n", Percentile(latencies_ms, 50),
+              Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
+              latencies_ms.empty() ? 0.0 : latencies_ms.back());
+  std::printf("throughput: answered_per_s=%.1f tokens_per_s=%.1f\n", ok / wall_s,
+              static_cast<double>(ok * num_tokens) / wall_s);
+  // Overload may refuse; it must never answer wrongly or fail otherwise.
+  return (wrong == 0 && other == 0 && ok > 0) ? kExitOk : kExitFailed;
+}
+
 int RunLoad() {
   auto dtype = ParseFloatDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Fail(dtype.status(), "--dtype");
@@ -365,16 +658,51 @@ int RunLoad() {
   // A few distinct requests, built once and cycled, so that client-side encoding stays out of
   // the measured loop.
   const int distinct = std::max(1, absl::GetFlag(FLAGS_distinct_inputs));
-  std::vector<grpc::ByteBuffer> requests;
+  const bool shm = absl::GetFlag(FLAGS_shm);
+  // requests[w][i]: worker w's i-th request. Over gRPC every worker sends the same bytes; by
+  // shared memory the inputs are shared and each worker has its own output range.
+  std::vector<std::vector<grpc::ByteBuffer>> requests(shm ? concurrency : 1);
+  std::unique_ptr<ShmArena> arena;
+  ShmLayout layout;
+  layout.hidden_bytes = num_tokens * info->hidden() * DTypeSize(*dtype);
+  layout.routing_bytes = num_tokens * info->topk() * 4;
+  if (shm) {
+    auto created = ShmArena::Create(client->get(), distinct * layout.input_block() +
+                                                       concurrency * Align64(layout.hidden_bytes));
+    if (!created.ok()) return Fail(created.status(), "shared memory");
+    arena = std::move(*created);
+  }
   for (int i = 0; i < distinct; ++i) {
     auto in = RandomInputs(num_tokens, info->hidden(), info->topk(), info->num_experts(), *dtype,
                            absl::GetFlag(FLAGS_seed) + i);
     if (!in.ok()) return Fail(in.status(), "inputs");
-    ForwardArgs args = MakeArgs(*in, info->hidden(), info->topk(), *dtype);
-    args.request_id = absl::StrCat("load-", i);
-    auto request = MoeClient::EncodeForwardRequest(args);
-    if (!request.ok()) return Fail(request.status(), "build request");
-    requests.push_back(std::move(*request));
+    if (!shm) {
+      ForwardArgs args = MakeArgs(*in, info->hidden(), info->topk(), *dtype);
+      args.request_id = absl::StrCat("load-", i);
+      auto request = MoeClient::EncodeForwardRequest(args);
+      if (!request.ok()) return Fail(request.status(), "build request");
+      requests[0].push_back(std::move(*request));
+      continue;
+    }
+    for (int w = 0; w < concurrency; ++w) {
+      const int64_t out_at = distinct * layout.input_block() + w * Align64(layout.hidden_bytes);
+      ForwardRegionArgs args = PlaceInArena(*in, *arena, i * layout.input_block(), out_at,
+                                            info->hidden(), info->topk(), *dtype);
+      args.request_id = absl::StrCat("load-", i);
+      auto built = MoeClient::BuildForwardRequest(args);
+      if (!built.ok()) return Fail(built.status(), "build request");
+      auto request = MoeClient::EncodeForwardRequest(*built);
+      if (!request.ok()) return Fail(request.status(), "build request");
+      requests[w].push_back(std::move(*request));
+    }
+  }
+
+  if (absl::GetFlag(FLAGS_rate) > 0) {
+    if (shm) {
+      return Fail(absl::InvalidArgumentError("--rate (open loop) works over gRPC bytes, not --shm"),
+                  "flags");
+    }
+    return RunOpenLoop(**client, requests[0], *dtype, num_tokens);
   }
 
   std::atomic<int64_t> next{0};
@@ -386,22 +714,49 @@ int RunLoad() {
   const absl::Time start = absl::Now();
   const absl::Time stop_at = start + absl::Seconds(max_seconds);
   std::vector<std::thread> workers;
+  const bool use_stream = absl::GetFlag(FLAGS_stream);
   for (int w = 0; w < concurrency; ++w) {
-    workers.emplace_back([&] {
+    workers.emplace_back([&, w] {
+      const std::vector<grpc::ByteBuffer>& mine = requests[shm ? w : 0];
       std::vector<double> local_ms, local_server_us;
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
+      std::unique_ptr<ForwardStream> stream;
+      if (use_stream) {
+        auto opened = (*client)->OpenForwardStream();
+        if (!opened.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          ++errors[absl::StatusCodeToString(opened.status().code())];
+          if (first_error.empty()) first_error = opened.status().ToString();
+          return;
+        }
+        stream = std::move(*opened);
+      }
+      // One call: unary, or a write and its answer on this worker's stream.
+      auto call = [&](const grpc::ByteBuffer& request) -> absl::StatusOr<ForwardResult> {
+        if (!stream) return (*client)->Forward(request, /*copy_output=*/false);
+        const absl::Time sent = absl::Now();
+        if (absl::Status s = stream->Write(request); !s.ok()) return s;
+        absl::StatusOr<ForwardResult> result = stream->Read(/*copy_output=*/false);
+        if (result.ok()) result->latency = absl::Now() - sent;
+        return result;
+      };
       for (;;) {
         const int64_t i = next.fetch_add(1);
         if (i >= num_requests || absl::Now() >= stop_at) break;
-        auto result = (*client)->Forward(requests[static_cast<size_t>(i) % requests.size()],
-                                         /*copy_output=*/false);
+        auto result = call(mine[static_cast<size_t>(i) % mine.size()]);
         if (result.ok()) {
           local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
           local_server_us.push_back(result->timings.total_us());
         } else {
           ++local_errors[absl::StatusCodeToString(result.status().code())];
           if (local_first_error.empty()) local_first_error = result.status().ToString();
+        }
+      }
+      if (stream) {
+        if (absl::Status s = stream->Finish(); !s.ok()) {
+          ++local_errors[absl::StatusCodeToString(s.code())];
+          if (local_first_error.empty()) local_first_error = s.ToString();
         }
       }
       std::lock_guard<std::mutex> lock(mu);
@@ -420,9 +775,14 @@ int RunLoad() {
   for (const auto& [code, n] : errors) num_errors += n;
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
   const int64_t not_sent = num_requests - ok - num_errors;
-  std::printf("load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d\n",
-              static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
-              DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer));
+  if (arena != nullptr) {
+    if (absl::Status s = arena->Unregister(); !s.ok()) return Fail(s, "UnregisterSharedMemory");
+  }
+  std::printf(
+      "load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d transport=%s rpc=%s\n",
+      static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
+      DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer), shm ? "shm" : "grpc",
+      use_stream ? "ForwardStream" : "Forward");
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {

@@ -1,17 +1,31 @@
 #include "clients/cpp/moeserve_client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <utility>
 
+#include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "clients/cpp/dtype_convert.h"
 
 namespace moeserve::client {
 
 using grpc::health::v1::HealthCheckResponse;
+
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -45,7 +59,26 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.use_tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
+      !options.tls_key_file.empty()) {
+    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_cert_file and tls_key_file go together: give both or neither");
+    }
+    grpc::SslCredentialsOptions ssl;
+    for (auto [path, out] : {std::pair{&options.tls_ca_file, &ssl.pem_root_certs},
+                             {&options.tls_cert_file, &ssl.pem_cert_chain},
+                             {&options.tls_key_file, &ssl.pem_private_key}}) {
+      if (path->empty()) continue;
+      absl::StatusOr<std::string> data = ReadFile(*path);
+      if (!data.ok()) return data.status();
+      *out = std::move(*data);
+    }
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  auto channel = grpc::CreateCustomChannel(target, credentials, args);
   if (channel == nullptr) return absl::InternalError("could not create a gRPC channel");
   return std::unique_ptr<MoeClient>(new MoeClient(target, options, std::move(channel)));
 }
@@ -53,6 +86,9 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
 void MoeClient::PrepareContext(grpc::ClientContext* context) const {
   context->set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
   context->set_wait_for_ready(options_.wait_for_ready);
+  if (!options_.auth_token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
+  }
 }
 
 absl::StatusOr<HealthCheckResponse::ServingStatus> MoeClient::Health(const std::string& service) {
@@ -76,6 +112,92 @@ absl::StatusOr<v1::ModelInfo> MoeClient::GetModelInfo() {
 }
 
 absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::GetExpertWeights(int layer, int expert) {
+  int64_t server_limit = 0, bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(info_mu_);
+    if (!info_.has_value()) {
+      absl::StatusOr<v1::ModelInfo> info = GetModelInfo();
+      if (!info.ok()) return info.status();
+      info_ = *std::move(info);
+    }
+    server_limit = info_->max_message_bytes();
+    bytes = 3 * static_cast<int64_t>(info_->hidden()) * info_->intermediate() * 2;
+  }
+  // The unary reply carries both tensors plus a little framing.
+  constexpr int64_t kFraming = 1024;
+  const int64_t limit = server_limit > 0 ? std::min(server_limit, options_.max_message_bytes)
+                                         : options_.max_message_bytes;
+  if (bytes + kFraming <= limit) return GetExpertWeightsUnary(layer, expert);
+  return StreamExpertWeights(layer, expert, std::min<int64_t>(limit - kFraming, 1 << 20));
+}
+
+absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::StreamExpertWeights(int layer, int expert,
+                                                                            int64_t chunk_bytes) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::StreamExpertWeightsRequest request;
+  request.set_layer(layer);
+  request.set_expert(expert);
+  request.set_chunk_bytes(chunk_bytes);
+  std::unique_ptr<grpc::ClientReader<v1::ExpertWeightsChunk>> reader =
+      stub_->StreamExpertWeights(&context, request);
+  v1::GetExpertWeightsResponse response;
+  std::string error;
+  int current = -1;  // 0: w13, 1: w2
+  int64_t expected_bytes = 0;
+  v1::ExpertWeightsChunk chunk;
+  while (error.empty() && reader->Read(&chunk)) {
+    const int index = chunk.tensor() == "w13" ? 0 : chunk.tensor() == "w2" ? 1 : -1;
+    v1::Tensor* t = index == 0 ? response.mutable_w13() : response.mutable_w2();
+    if (index < 0 || index < current) {
+      error = absl::StrCat("unexpected chunk of tensor '", chunk.tensor(), "'");
+      break;
+    }
+    if (index != current) {  // the first chunk of a tensor: its dtype and shape
+      if (current == 0 && static_cast<int64_t>(response.w13().data().size()) != expected_bytes) {
+        error = "w13 ended early";
+        break;
+      }
+      current = index;
+      // Two dims of at most 2^20 each (the server's sizes are far smaller): no overflow.
+      bool usable = chunk.dtype() == v1::DTYPE_BF16 && chunk.shape_size() == 2;
+      expected_bytes = 2;
+      for (int64_t d : chunk.shape()) {
+        usable = usable && d >= 0 && d <= (int64_t{1} << 20);
+        if (usable) expected_bytes *= d;
+      }
+      if (!usable) {
+        error = absl::StrCat(chunk.tensor(), " has an unusable dtype or shape");
+        break;
+      }
+      t->set_dtype(chunk.dtype());
+      *t->mutable_shape() = chunk.shape();
+      t->mutable_data()->reserve(static_cast<size_t>(expected_bytes));
+    }
+    if (chunk.offset() != static_cast<int64_t>(t->data().size()) ||
+        static_cast<int64_t>(t->data().size() + chunk.data().size()) > expected_bytes) {
+      error = absl::StrCat(chunk.tensor(), ": chunk at byte ", chunk.offset(), " of ",
+                           chunk.data().size(), " bytes; expected byte ", t->data().size(), " of ",
+                           expected_bytes);
+      break;
+    }
+    t->mutable_data()->append(chunk.data());
+  }
+  if (!error.empty()) {
+    context.TryCancel();
+    reader->Finish();
+    return absl::DataLossError(absl::StrCat("StreamExpertWeights: ", error));
+  }
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (current != 1 || static_cast<int64_t>(response.w2().data().size()) != expected_bytes) {
+    return absl::DataLossError("StreamExpertWeights: the stream ended before w2 was complete");
+  }
+  return response;
+}
+
+absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::GetExpertWeightsUnary(int layer,
+                                                                              int expert) {
   grpc::ClientContext context;
   PrepareContext(&context);
   v1::GetExpertWeightsRequest request;
@@ -182,6 +304,115 @@ absl::StatusOr<grpc::ByteBuffer> MoeClient::EncodeForwardRequest(
                                       data(request.topk_ids()), data(request.topk_weights()));
 }
 
+v1::RegionRef MakeRegionRef(const std::string& name, int64_t offset, int64_t byte_size) {
+  v1::RegionRef ref;
+  ref.set_name(name);
+  ref.set_offset(offset);
+  ref.set_byte_size(byte_size);
+  return ref;
+}
+
+absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardRegionArgs& args) {
+  if (args.hidden_dtype != v1::DTYPE_BF16 && args.hidden_dtype != v1::DTYPE_FP16 &&
+      args.hidden_dtype != v1::DTYPE_FP32) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden_dtype is ", DTypeName(args.hidden_dtype),
+                                                   "; expected bf16, fp16 or fp32"));
+  }
+  if (args.topk_ids_dtype != v1::DTYPE_INT32 && args.topk_ids_dtype != v1::DTYPE_INT64) {
+    return absl::InvalidArgumentError("topk_ids_dtype: expected int32 or int64");
+  }
+  if (args.num_tokens < 0 || args.hidden <= 0 || args.topk <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bad shape: num_tokens=", args.num_tokens,
+                                                   " hidden=", args.hidden, " topk=", args.topk));
+  }
+  const int64_t hidden_bytes = args.num_tokens * args.hidden * DTypeSize(args.hidden_dtype);
+  const int64_t routes = args.num_tokens * args.topk;
+  const int64_t ids_bytes = routes * (args.topk_ids_dtype == v1::DTYPE_INT64 ? 8 : 4);
+  const auto check = [](const char* what, const v1::RegionRef& ref, int64_t want) {
+    if (ref.name().empty() || ref.byte_size() != want) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": region '", ref.name(), "' of ",
+                                                     ref.byte_size(), " bytes; expected a named ",
+                                                     "region range of ", want, " bytes"));
+    }
+    return absl::OkStatus();
+  };
+  for (absl::Status s : {check("hidden_states", args.hidden_states, hidden_bytes),
+                         check("topk_ids", args.topk_ids, ids_bytes),
+                         check("topk_weights", args.topk_weights, routes * 4),
+                         check("output", args.output, hidden_bytes)}) {
+    if (!s.ok()) return s;
+  }
+  v1::ForwardRequest request;
+  request.set_layer(args.layer);
+  request.set_request_id(args.request_id);
+  request.set_return_timings(args.return_timings);
+  const auto set = [&args](v1::DType dtype, int64_t cols, const v1::RegionRef& ref, v1::Tensor* t) {
+    t->set_dtype(dtype);
+    t->add_shape(args.num_tokens);
+    t->add_shape(cols);
+    *t->mutable_region() = ref;
+  };
+  set(args.hidden_dtype, args.hidden, args.hidden_states, request.mutable_hidden_states());
+  set(args.topk_ids_dtype, args.topk, args.topk_ids, request.mutable_topk_ids());
+  set(v1::DTYPE_FP32, args.topk, args.topk_weights, request.mutable_topk_weights());
+  *request.mutable_output_region() = args.output;
+  return request;
+}
+
+absl::StatusOr<ForwardResult> MoeClient::Forward(const ForwardRegionArgs& args) {
+  absl::StatusOr<v1::ForwardRequest> request = BuildForwardRequest(args);
+  if (!request.ok()) return request.status();
+  return Forward(*request);
+}
+
+absl::Status MoeClient::RegisterSystemSharedMemory(const std::string& name, const std::string& key,
+                                                   int64_t offset, int64_t byte_size) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::RegisterSystemSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterSystemSharedMemory(&context, request, &response));
+}
+
+absl::Status MoeClient::RegisterCudaSharedMemory(const std::string& name,
+                                                 absl::string_view raw_handle, int device_id,
+                                                 int64_t byte_size) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::RegisterCudaSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle.data(), raw_handle.size());
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterCudaSharedMemory(&context, request, &response));
+}
+
+absl::Status MoeClient::UnregisterSharedMemory(const std::string& name) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->UnregisterSharedMemory(&context, request, &response));
+}
+
+absl::StatusOr<v1::SharedMemoryStatusResponse> MoeClient::SharedMemoryStatus(
+    const std::string& name) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::SharedMemoryStatusRequest request;
+  request.set_name(name);
+  v1::SharedMemoryStatusResponse response;
+  grpc::Status status = stub_->SharedMemoryStatus(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<ForwardResult> MoeClient::Forward(const ForwardArgs& args) {
   absl::StatusOr<grpc::ByteBuffer> request = EncodeForwardRequest(args);
   if (!request.ok()) return request.status();
@@ -218,8 +449,39 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
   }
   const absl::Duration latency = absl::Now() - start;
   if (!status.ok()) return FromGrpcStatus(status);
+  return DecodeForwardResult(response, copy_output, latency);
+}
+
+void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
+                             std::function<void(absl::StatusOr<ForwardResult>)> done,
+                             bool copy_output) {
+  struct InFlight {
+    grpc::ClientContext context;
+    grpc::ByteBuffer request;
+    grpc::ByteBuffer response;
+    absl::Time start;
+  };
+  auto call = std::make_shared<InFlight>();
+  PrepareContext(&call->context);
+  call->request = request;  // shares the slices
+  call->start = absl::Now();
+  generic_stub_->UnaryCall(&call->context, "/moeserve.v1.MoeService/Forward", grpc::StubOptions(),
+                           &call->request, &call->response,
+                           [call, done = std::move(done), copy_output](grpc::Status s) {
+                             const absl::Duration latency = absl::Now() - call->start;
+                             if (!s.ok()) return done(FromGrpcStatus(s));
+                             done(DecodeForwardResult(call->response, copy_output, latency));
+                           });
+}
+
+absl::StatusOr<ForwardResult> DecodeForwardResult(const grpc::ByteBuffer& response,
+                                                  bool copy_output, absl::Duration latency) {
   absl::StatusOr<v1wire::ForwardResponseView> decoded = v1wire::DecodeForwardResponse(response);
   if (!decoded.ok()) return absl::InternalError(decoded.status().message());
+  if (decoded->header.error_code() != 0) {  // a ForwardStream call that failed
+    return absl::Status(static_cast<absl::StatusCode>(decoded->header.error_code()),
+                        decoded->header.error_message());
+  }
   ForwardResult result;
   result.raw = *std::move(decoded);
   result.output = result.raw.output.header;
@@ -232,6 +494,154 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
   result.timings = result.raw.header.timings();
   result.latency = latency;
   return result;
+}
+
+// ForwardStream's client half: a callback reactor turned into blocking calls.
+class ForwardStream::Reactor final
+    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    write_ok_ = ok;
+    cv_.notify_all();
+  }
+  void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reading_ = false;
+    read_ok_ = ok;
+    cv_.notify_all();
+  }
+  void OnDone(const grpc::Status& status) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    status_ = status;
+    cv_.notify_all();
+  }
+
+  // Drops the hold taken at StartCall (once), so that OnDone can come. Call without mu_ held:
+  // OnDone may run on this thread.
+  void ReleaseHold() {
+    bool release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      release = held_;
+      held_ = false;
+    }
+    if (release) RemoveHold();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool held_ = false;
+  bool writing_ = false, write_ok_ = true;
+  bool reading_ = false, read_ok_ = true;
+  bool writes_done_ = false;
+  bool done_ = false;
+  grpc::Status status_;
+  grpc::ByteBuffer write_buffer_, read_buffer_;
+};
+
+ForwardStream::ForwardStream() : reactor_(std::make_unique<Reactor>()) {}
+
+ForwardStream::~ForwardStream() {
+  if (!started_) return;
+  {
+    std::lock_guard<std::mutex> lock(reactor_->mu_);
+    if (reactor_->done_) return;
+  }
+  context_.TryCancel();
+  reactor_->ReleaseHold();
+  std::unique_lock<std::mutex> lock(reactor_->mu_);
+  reactor_->cv_.wait(lock, [this] { return reactor_->done_ && !reactor_->reading_; });
+}
+
+absl::Status ForwardStream::Write(const grpc::ByteBuffer& request) {
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  r.cv_.wait(lock, [&r] { return !r.writing_; });
+  if (r.done_ || r.writes_done_ || !r.write_ok_) {
+    return absl::FailedPreconditionError("ForwardStream: the stream is closed for writing");
+  }
+  r.write_buffer_ = request;  // shares the slices (refcounted), no byte copy
+  r.writing_ = true;
+  r.StartWrite(&r.write_buffer_);
+  r.cv_.wait(lock, [&r] { return !r.writing_; });
+  if (!r.write_ok_) return absl::UnavailableError("ForwardStream: the stream broke while writing");
+  return absl::OkStatus();
+}
+
+absl::Status ForwardStream::Write(const ForwardArgs& args) {
+  absl::StatusOr<grpc::ByteBuffer> request = MoeClient::EncodeForwardRequest(args);
+  if (!request.ok()) return request.status();
+  return Write(*request);
+}
+
+absl::StatusOr<ForwardResult> ForwardStream::Read(bool copy_output) {
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  const absl::Time start = absl::Now();
+  if (!r.done_ && r.read_ok_) {
+    r.reading_ = true;
+    r.StartRead(&r.read_buffer_);
+    r.cv_.wait(lock, [&r] { return !r.reading_; });
+  }
+  if (r.done_ || !r.read_ok_) {
+    // No more answers: the stream ended; its status says why.
+    lock.unlock();
+    r.ReleaseHold();
+    lock.lock();
+    r.cv_.wait(lock, [&r] { return r.done_; });
+    if (!r.status_.ok()) return FromGrpcStatus(r.status_);
+    return absl::OutOfRangeError("ForwardStream: the server ended the stream (no more answers)");
+  }
+  grpc::ByteBuffer response;
+  response.Swap(&r.read_buffer_);
+  lock.unlock();
+  return DecodeForwardResult(response, copy_output, absl::Now() - start);
+}
+
+void ForwardStream::WritesDone() {
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  r.cv_.wait(lock, [&r] { return !r.writing_; });
+  if (r.writes_done_ || r.done_) return;
+  r.writes_done_ = true;
+  r.StartWritesDone();
+}
+
+absl::Status ForwardStream::Finish() {
+  WritesDone();
+  Reactor& r = *reactor_;
+  std::unique_lock<std::mutex> lock(r.mu_);
+  // Drain answers nobody read so that the server's Finish arrives.
+  while (!r.done_ && r.read_ok_) {
+    r.reading_ = true;
+    r.StartRead(&r.read_buffer_);
+    r.cv_.wait(lock, [&r] { return !r.reading_; });
+  }
+  lock.unlock();
+  r.ReleaseHold();
+  lock.lock();
+  r.cv_.wait(lock, [&r] { return r.done_; });
+  return FromGrpcStatus(r.status_);
+}
+
+absl::StatusOr<std::unique_ptr<ForwardStream>> MoeClient::OpenForwardStream() {
+  auto stream = absl::WrapUnique(new ForwardStream());
+  PrepareContext(&stream->context_);
+  // A stream outlives any one call: no per-call deadline.
+  stream->context_.set_deadline(std::chrono::system_clock::time_point::max());
+  generic_stub_->PrepareBidiStreamingCall(&stream->context_,
+                                          "/moeserve.v1.MoeService/ForwardStream",
+                                          grpc::StubOptions(), stream->reactor_.get());
+  // Reads and writes start from the caller's threads, outside the reactions: the hold keeps
+  // OnDone from coming before they do (released once the stream has ended).
+  stream->reactor_->held_ = true;
+  stream->reactor_->AddHold();
+  stream->reactor_->StartCall();
+  stream->started_ = true;
+  return stream;
 }
 
 }  // namespace moeserve::client

@@ -7,7 +7,10 @@
 #define MOESERVE_CLIENTS_CPP_MOESERVE_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +34,17 @@ struct MoeClientOptions {
   // If true, calls wait (up to the deadline) for the channel to connect instead of failing fast
   // with UNAVAILABLE while the server is not up yet.
   bool wait_for_ready = false;
+  // TLS (docs/security.md): on when use_tls or any tls_* file is set. tls_ca_file: PEM roots
+  // that verify the server (empty: the system's); tls_cert_file + tls_key_file: this client's
+  // certificate, for servers that require one (mutual TLS); tls_server_name: the name the
+  // server's certificate must carry when it is not the target's host.
+  bool use_tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;
+  // Sent as "authorization: Bearer <auth_token>" on every call when not empty.
+  std::string auth_token;
 };
 
 // Inputs of one Forward call. Shapes: hidden_states [num_tokens, hidden] in hidden_dtype
@@ -49,6 +63,30 @@ struct ForwardArgs {
   bool return_timings = false;
 };
 
+// A Forward whose tensors live in registered shared-memory regions (the server must run with
+// --enable_shared_memory and have the regions registered): each RegionRef names a region and a
+// byte range of exactly shape x itemsize bytes. The answer goes into `output`; the result's output
+// then carries dtype and shape only. Shapes: hidden [num_tokens, hidden] in hidden_dtype,
+// topk_ids [num_tokens, topk] in topk_ids_dtype (INT32/INT64), topk_weights [num_tokens, topk]
+// FP32, output [num_tokens, hidden] in hidden_dtype.
+struct ForwardRegionArgs {
+  int layer = 0;
+  v1::DType hidden_dtype = v1::DTYPE_BF16;
+  v1::DType topk_ids_dtype = v1::DTYPE_INT32;
+  int64_t num_tokens = 0;
+  int64_t hidden = 0;
+  int64_t topk = 0;
+  v1::RegionRef hidden_states;
+  v1::RegionRef topk_ids;
+  v1::RegionRef topk_weights;
+  v1::RegionRef output;
+  std::string request_id;
+  bool return_timings = false;
+};
+
+// A RegionRef from its parts.
+v1::RegionRef MakeRegionRef(const std::string& name, int64_t offset, int64_t byte_size);
+
 struct ForwardResult {
   // [num_tokens, hidden], the request's hidden dtype. Its data is filled (one copy out of the
   // received slices) unless the call asked for no copy; `raw` always has it in place.
@@ -60,9 +98,12 @@ struct ForwardResult {
   v1wire::ForwardResponseView raw;
 };
 
+class ForwardStream;
+
 class MoeClient {
  public:
-  // Creates a client for `target` ("host:port", or any gRPC target URI) over an insecure channel.
+  // Creates a client for `target` ("host:port", or any gRPC target URI); insecure unless the
+  // options ask for TLS (their files are read now: NOT_FOUND naming one that cannot be read).
   // Does not contact the server.
   static absl::StatusOr<std::unique_ptr<MoeClient>> Create(const std::string& target,
                                                            const MoeClientOptions& options = {});
@@ -82,8 +123,44 @@ class MoeClient {
   // ForwardResult::output gets dtype and shape only and the bytes stay in ForwardResult::raw.
   absl::StatusOr<ForwardResult> Forward(const grpc::ByteBuffer& request, bool copy_output = true);
 
-  // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]).
+  // Starts a Forward and returns at once; `done` runs exactly once, on a gRPC thread, with the
+  // result (keep it short). `request`'s slices are shared, not copied; ForwardResult::output gets
+  // the bytes copied out only with `copy_output`.
+  void ForwardAsync(const grpc::ByteBuffer& request,
+                    std::function<void(absl::StatusOr<ForwardResult>)> done,
+                    bool copy_output = true);
+
+  // Opens a ForwardStream: layer calls one after another on one HTTP/2 stream (answers in
+  // order). The stream has no deadline of its own; the client options' deadline is not applied.
+  absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream();
+
+  // Tensors by region: see ForwardRegionArgs. Checks the byte sizes against the shapes locally.
+  absl::StatusOr<ForwardResult> Forward(const ForwardRegionArgs& args);
+
+  // Shared-memory regions (the server's --enable_shared_memory). A system region is bytes
+  // [offset, offset + byte_size) of the POSIX shared-memory object `key` ("/name", made with
+  // shm_open by the caller on the server's host); a CUDA region is the cudaIpcMemHandle_t
+  // (64 bytes) of an allocation's base on `device_id` (the server's ordinal). Region names are
+  // unique; Unregister ("" = all) is refused (FAILED_PRECONDITION) while a call uses the region,
+  // and once it succeeds the server no longer touches the memory.
+  absl::Status RegisterSystemSharedMemory(const std::string& name, const std::string& key,
+                                          int64_t offset, int64_t byte_size);
+  absl::Status RegisterCudaSharedMemory(const std::string& name, absl::string_view raw_handle,
+                                        int device_id, int64_t byte_size);
+  absl::Status UnregisterSharedMemory(const std::string& name = "");
+  absl::StatusOr<v1::SharedMemoryStatusResponse> SharedMemoryStatus(const std::string& name = "");
+
+  // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]): the
+  // unary GetExpertWeights when the expert fits in one message (the server's and this
+  // client's max_message_bytes; sizes from GetModelInfo, asked once), else StreamExpertWeights.
+  // The server must run with --enable_get_expert_weights (FAILED_PRECONDITION otherwise).
   absl::StatusOr<v1::GetExpertWeightsResponse> GetExpertWeights(int layer, int expert);
+  // Always the unary RPC.
+  absl::StatusOr<v1::GetExpertWeightsResponse> GetExpertWeightsUnary(int layer, int expert);
+  // Always the stream, reassembled and checked (order, offsets, shapes, completeness);
+  // chunk_bytes 0: the server's default.
+  absl::StatusOr<v1::GetExpertWeightsResponse> StreamExpertWeights(int layer, int expert,
+                                                                   int64_t chunk_bytes = 0);
 
   // Builds a ForwardRequest from `args`, validating the sizes.
   static absl::StatusOr<v1::ForwardRequest> BuildForwardRequest(const ForwardArgs& args);
@@ -91,6 +168,8 @@ class MoeClient {
   // are copied once into slices the buffer owns, so `args` need not outlive it.
   static absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const ForwardArgs& args);
   static absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const v1::ForwardRequest& request);
+  // The request of a Forward by regions (no tensor bytes: a few hundred bytes on the wire).
+  static absl::StatusOr<v1::ForwardRequest> BuildForwardRequest(const ForwardRegionArgs& args);
 
   const std::string& target() const { return target_; }
   const MoeClientOptions& options() const { return options_; }
@@ -105,7 +184,39 @@ class MoeClient {
   std::unique_ptr<v1::MoeService::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_stub_;  // Forward, as raw bytes
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+  std::mutex info_mu_;
+  std::optional<v1::ModelInfo> info_;  // guarded by info_mu_: sizes for GetExpertWeights
 };
+
+// One ForwardStream call. Write sends a request (blocking until gRPC has taken it), Read returns
+// the next answer in request order: the result, or that call's own failure (the stream goes
+// on), or, once the stream has ended, its final status (OUT_OF_RANGE after a clean end). Several
+// writes may precede the reads (pipelining). Thread-safety: one writer thread and one reader
+// thread may use it at once. The destructor cancels a stream that was not finished.
+class ForwardStream {
+ public:
+  ~ForwardStream();
+  absl::Status Write(const grpc::ByteBuffer& request);
+  absl::Status Write(const ForwardArgs& args);
+  absl::StatusOr<ForwardResult> Read(bool copy_output = true);
+  // Half-closes: no more writes. Idempotent.
+  void WritesDone();
+  // WritesDone, discards unread answers, and waits for the stream's status.
+  absl::Status Finish();
+
+ private:
+  friend class MoeClient;
+  class Reactor;
+  ForwardStream();
+  grpc::ClientContext context_;
+  std::unique_ptr<Reactor> reactor_;
+  bool started_ = false;
+};
+
+// Decodes a serialized ForwardResponse; a response carrying error_code (ForwardStream) becomes
+// that status.
+absl::StatusOr<ForwardResult> DecodeForwardResult(const grpc::ByteBuffer& response,
+                                                  bool copy_output, absl::Duration latency);
 
 // gRPC status -> absl::Status (the codes share numeric values).
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -22,6 +23,7 @@ namespace {
 constexpr char kConfigFile[] = "config.json";
 constexpr char kSingleFile[] = "model.safetensors";
 constexpr char kIndexFile[] = "model.safetensors.index.json";
+constexpr int64_t kMaxGroups = 1 << 20;
 
 bool IsFile(const std::string& path) {
   struct stat st;
@@ -75,6 +77,103 @@ absl::StatusOr<int64_t> GetInt(const nlohmann::json& j, absl::string_view path,
   }
   return absl::InvalidArgumentError(
       absl::StrCat(path, ": none of ", absl::StrJoin(keys, ", "), " is set"));
+}
+
+// The first of `keys` present (or `fallback`): a number, finite.
+absl::StatusOr<double> GetNumber(const nlohmann::json& j, absl::string_view path, const char* key,
+                                 double fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_number() || !std::isfinite(it->get<double>())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": '", key, "' is ", it->dump(), "; expected a finite number"));
+  }
+  return it->get<double>();
+}
+
+absl::StatusOr<bool> GetBool(const nlohmann::json& j, absl::string_view path, const char* key,
+                             bool fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_boolean()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": '", key, "' is ", it->dump(), "; expected true or false"));
+  }
+  return it->get<bool>();
+}
+
+absl::StatusOr<std::string> GetString(const nlohmann::json& j, absl::string_view path,
+                                      const char* key, absl::string_view fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::string(fallback);
+  if (!it->is_string()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": '", key, "' is ", it->dump(), "; expected a string"));
+  }
+  return it->get<std::string>();
+}
+
+// The router of `c` from config.json (see RouterConfigFromHfConfig in the header). Sets
+// c->router, or c->no_router_reason when the routing is not one moeserve implements; errors
+// only for keys of the wrong type.
+absl::Status ReadRouterConfig(const nlohmann::json& j, absl::string_view path, ModelConfig* c) {
+  MOESERVE_ASSIGN_OR_RETURN(const std::string model_type, GetString(j, path, "model_type", ""));
+  const bool v3 = model_type == "deepseek_v3";
+  const bool v2 = model_type == "deepseek_v2";
+  const bool mixtral = model_type == "mixtral";
+  const bool qwen = model_type == "qwen2_moe" || model_type == "qwen3_moe";
+  if (!v3 && !v2 && !mixtral && !qwen) {
+    c->no_router_reason =
+        absl::StrCat("model_type '", model_type,
+                     "' is not one whose routing moeserve implements (mixtral, qwen2_moe, "
+                     "qwen3_moe, deepseek_v2 with topk_method greedy, deepseek_v3)");
+    return absl::OkStatus();
+  }
+  // Defaults are the Hugging Face configuration classes' own.
+  MOESERVE_ASSIGN_OR_RETURN(const std::string scoring,
+                            GetString(j, path, "scoring_func", v3 ? "sigmoid" : "softmax"));
+  MOESERVE_ASSIGN_OR_RETURN(const std::string method,
+                            GetString(j, path, "topk_method", v3 ? "noaux_tc" : "greedy"));
+  MOESERVE_ASSIGN_OR_RETURN(const bool norm, GetBool(j, path, "norm_topk_prob", v3));
+  MOESERVE_ASSIGN_OR_RETURN(const double scale,
+                            GetNumber(j, path, "routed_scaling_factor", v3 ? 2.5 : 1.0));
+  RouterConfig r;
+  if (scoring == "softmax") {
+    r.scoring = RouterScoring::kSoftmax;
+  } else if (scoring == "sigmoid") {
+    r.scoring = RouterScoring::kSigmoid;
+  } else {
+    c->no_router_reason =
+        absl::StrCat(path, ": scoring_func '", scoring, "' is not implemented (softmax, sigmoid)");
+    return absl::OkStatus();
+  }
+  // Mixtral always renormalizes (softmax, top-k, divide by the sum); it has no key for it.
+  r.renormalize = mixtral ? true : norm;
+  if (v2 || v3) {
+    r.routed_scaling_factor = static_cast<float>(scale);
+    if (method == "noaux_tc") {
+      int64_t n_group = 8, topk_group = 4;  // DeepseekV3Config's defaults
+      if (j.contains("n_group") && !j["n_group"].is_null()) {
+        MOESERVE_ASSIGN_OR_RETURN(n_group, GetInt(j, path, {"n_group"}, 1, kMaxGroups));
+      }
+      if (j.contains("topk_group") && !j["topk_group"].is_null()) {
+        MOESERVE_ASSIGN_OR_RETURN(topk_group, GetInt(j, path, {"topk_group"}, 1, kMaxGroups));
+      }
+      r.n_group = static_cast<int>(n_group);
+      r.topk_group = static_cast<int>(topk_group);
+      r.correction_bias = true;  // the loader clears it when no layer has the tensor
+    } else if (method != "greedy") {
+      c->no_router_reason =
+          absl::StrCat(path, ": topk_method '", method, "' is not implemented (greedy, noaux_tc)");
+      return absl::OkStatus();
+    }
+  }
+  if (absl::Status s = r.Validate(c->num_experts, c->topk); !s.ok()) {
+    c->no_router_reason = absl::StrCat(path, ": ", s.message());
+    return absl::OkStatus();
+  }
+  c->router = r;
+  return absl::OkStatus();
 }
 
 std::string LastPathComponent(std::string dir) {
@@ -180,6 +279,7 @@ absl::StatusOr<ModelConfig> ModelConfigFromHfConfigJson(absl::string_view json_t
   if (absl::Status s = c.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
   }
+  MOESERVE_RETURN_IF_ERROR(ReadRouterConfig(j, path, &c));
   return c;
 }
 

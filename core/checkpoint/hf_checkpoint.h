@@ -51,6 +51,17 @@ std::string Mxfp8ScaleName(absl::string_view weight_name);
 //     (l + 1) % decoder_sparse_step == 0;
 //   otherwise (Mixtral) every layer.
 // moe_layers is left empty when every layer is MoE. `name` becomes ModelConfig::name.
+// The router (ModelConfig::router, core/router.h), by model_type, with the Hugging Face
+// configuration classes' defaults for absent keys:
+//   mixtral: softmax, renormalized (always);
+//   qwen2_moe, qwen3_moe: softmax, renormalize = norm_topk_prob (default false);
+//   deepseek_v3: scoring_func (default sigmoid), topk_method noaux_tc (n_group, topk_group,
+//     e_score_correction_bias), norm_topk_prob (default true), routed_scaling_factor (2.5);
+//   deepseek_v2: scoring_func (softmax), topk_method greedy only, norm_topk_prob (false),
+//     routed_scaling_factor (1.0).
+// Other model types, scoring functions or top-k methods, or group settings that do not fit
+// the experts, leave the router unset with no_router_reason saying why (the experts are
+// still served; only server-side routing is unavailable).
 absl::StatusOr<ModelConfig> ModelConfigFromHfConfigJson(absl::string_view json_text,
                                                         absl::string_view path,
                                                         absl::string_view name);

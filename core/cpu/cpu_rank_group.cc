@@ -35,12 +35,18 @@ class CpuRankGroup final : public RankGroup {
       MOESERVE_ASSIGN_OR_RETURN(rank.weights, LoadExpertWeights(plan_.weights, plan_.model,
                                                                 plan_.placement->rank_experts(r)));
       rank.expert_map = plan_.placement->ExpertMap(r);
-      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> prepare_finalize,
-                                pf->create(plan_, resources));
-      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> expert_impl,
-                                experts->create(plan_, resources));
-      MOESERVE_ASSIGN_OR_RETURN(
-          rank.kernel, ModularKernel::Create(std::move(prepare_finalize), std::move(expert_impl)));
+      // Lanes (plan_.lanes > 1 only without collectives): a kernel each, same weights.
+      for (int lane = 0; lane < plan_.lanes; ++lane) {
+        MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> prepare_finalize,
+                                  pf->create(plan_, resources));
+        MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> expert_impl,
+                                  experts->create(plan_, resources));
+        MOESERVE_ASSIGN_OR_RETURN(
+            std::unique_ptr<ModularKernel> kernel,
+            ModularKernel::Create(std::move(prepare_finalize), std::move(expert_impl)));
+        rank.kernels.push_back(std::move(kernel));
+      }
+      rank.timings.resize(plan_.lanes);
     }
     StartThreads();
     return absl::OkStatus();
@@ -60,7 +66,7 @@ class CpuRankGroup final : public RankGroup {
     const TensorView out = OutputBuffer(r, end - begin, step.output.dtype());
     MOESERVE_RETURN_IF_ERROR(ForwardSlice(
         r, step.layer, step.hidden_states.Slice(begin, end), step.topk_ids.Slice(begin, end),
-        step.topk_weights.Slice(begin, end), out, step.timed, step.stop));
+        step.topk_weights.Slice(begin, end), out, step.timed, step.lane, step.stop));
     return Gather(r, step, out);
   }
 

@@ -22,9 +22,9 @@ bool IsPinnedHostPointer(const void* p) {
 absl::Status AnswerCopy::Enqueue(const float* d_answer, const TensorView& output, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   pending_bytes_ = 0;
-  if (!output.device().is_host() || !output.is_contiguous()) {
+  if (!output.is_contiguous()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("the answer must go to contiguous host memory, got ", output.DebugString()));
+        absl::StrCat("the answer must go to contiguous memory, got ", output.DebugString()));
   }
   const int64_t n = output.numel();
   const size_t bytes = output.nbytes();
@@ -42,6 +42,12 @@ absl::Status AnswerCopy::Enqueue(const float* d_answer, const TensorView& output
           absl::StrCat("the answer can be fp32, bf16 or fp16, got ", DTypeName(output.dtype())));
     }
     src = d;
+  }
+  if (output.device().space == MemorySpace::kCuda) {
+    // A client's CUDA region: device to device (peer copy if it is another GPU).
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(output.raw_data(), src, bytes, cudaMemcpyDefault, s));
+    return absl::OkStatus();
   }
   if (output.device().space == MemorySpace::kPinnedHost || IsPinnedHostPointer(output.raw_data())) {
     MOESERVE_CUDA_RETURN_IF_ERROR(

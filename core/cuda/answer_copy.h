@@ -21,7 +21,8 @@ class AnswerCopy {
 
   // Enqueues on `stream` (a cudaStream_t of the current device): FP32 -> output.dtype() (FP32,
   // BF16 or FP16, bit-identical to the host conversion) of d_answer [rows, cols] (device,
-  // contiguous) and the device -> host copy into `output` (host, contiguous, same shape).
+  // contiguous) and the copy into `output` (contiguous, same shape: host memory, or device
+  // memory of any GPU, copied device to device).
   // The caller synchronizes the stream, then calls Finish().
   absl::Status Enqueue(const float* d_answer, const TensorView& output, void* stream);
   // After the stream synchronized: moves staged bytes into the output (nothing when direct).

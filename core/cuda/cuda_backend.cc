@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/answer_copy.h"
+#include "core/cuda/device_packed_layer.h"
 #include "core/cuda/grow_only_buffer.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/dtype_convert.cuh"
@@ -30,20 +31,11 @@ constexpr int kStagingCopyThreads = 4;
 
 }  // namespace
 
-struct DevicePackedLayer {
-  WeightFormat format = WeightFormat::kBF16;
-  int64_t num_local_experts = 0;
-  kernels::MoePackedLayout layout;
-  void* w13 = nullptr;
-  void* w2 = nullptr;
-  uint8_t* w13_scale = nullptr;
-  uint8_t* w2_scale = nullptr;
-  ~DevicePackedLayer() {
-    for (void* p : {w13, w2, static_cast<void*>(w13_scale), static_cast<void*>(w2_scale)}) {
-      if (p != nullptr) cudaFree(p);
-    }
+DevicePackedLayer::~DevicePackedLayer() {
+  for (void* p : {w13, w2, static_cast<void*>(w13_scale), static_cast<void*>(w2_scale)}) {
+    if (p != nullptr) cudaFree(p);
   }
-};
+}
 
 int CudaDeviceCount() {
   int n = 0;
@@ -282,6 +274,7 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   bool writes_output_dtype(DType dtype) const override {
     return dtype == DType::kFP32 || dtype == DType::kBF16 || dtype == DType::kFP16;
   }
+  bool accepts_device_tensors() const override { return true; }
 
   absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) override;
   absl::Status Finalize(const TensorView& output, const TensorView& fused_expert_output,
@@ -329,7 +322,19 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   auto* pin_x = static_cast<uint8_t*>(pin);
   auto* pin_ids = reinterpret_cast<int32_t*>(pin_x + (wire_bytes + 15) / 16 * 16);
   auto* pin_w = reinterpret_cast<float*>(pin_ids + m * topk);
-  if (x.is_contiguous()) {
+  // Input in device memory (a client's CUDA region) is copied device to device; page-locked
+  // input (a registered shared-memory region) straight from where it is, without staging.
+  const bool device_x = x.device().space == MemorySpace::kCuda;
+  if (device_x && !x.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": hidden_states in device memory must be contiguous"));
+  }
+  const bool direct_x = m > 0 && x.is_contiguous() &&
+                        (device_x || x.device().space == MemorySpace::kPinnedHost ||
+                         IsPinnedHostPointer(x.raw_data()));
+  if (direct_x) {
+    // Nothing to stage.
+  } else if (x.is_contiguous()) {
     copier_.Copy(pin_x, x.raw_data(), wire_bytes);
   } else {
     MOESERVE_RETURN_IF_ERROR(
@@ -356,13 +361,15 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   MOESERVE_ASSIGN_OR_RETURN(void* d_ids, ids_.Get(id_bytes));
   MOESERVE_ASSIGN_OR_RETURN(void* d_w, weights_.Get(w_bytes));
   if (m > 0) {
-    // One contiguous pinned block; three copies (then the conversion, for FP16 / FP32 input).
+    // One contiguous pinned block (or the input where it is); three copies (then the conversion,
+    // for FP16 / FP32 input).
     void* d_wire = d_x;
     if (wire != DType::kBF16) {
       MOESERVE_ASSIGN_OR_RETURN(d_wire, wire_.Get(wire_bytes));
     }
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_wire, pin_x, wire_bytes, cudaMemcpyHostToDevice, stream));
+        cudaMemcpyAsync(d_wire, direct_x ? x.raw_data() : pin_x, wire_bytes,
+                        device_x ? cudaMemcpyDefault : cudaMemcpyHostToDevice, stream));
     auto* d_bf16 = static_cast<uint16_t*>(d_x);
     if (wire == DType::kFP32) {
       MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(

@@ -80,6 +80,8 @@ class DeviceWeightStore {
 
   // Layer `index`'s resident experts, or null if it has none here.
   const DevicePackedLayer* layer(int index) const;
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  int device() const { return device_; }
   int64_t device_bytes() const { return device_bytes_; }
 
  private:

@@ -1,12 +1,16 @@
 // The CUDA providers: the no-EP copy to the GPU and the NCCL all-to-all PrepareAndFinalize
-// (each in the Standard and the BatchedExperts format), and the CUDA Experts.
+// (each in the Standard and the BatchedExperts format), and the CUDA Experts: "cuda" (decode
+// kernels, and on Hopper the grouped GEMM above the measured crossover), "cuda_batched", and
+// "cuda_grouped_sm90" (the grouped GEMM at every size, Hopper only).
 #include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_grouped_experts.h"
 #include "core/cuda/cuda_rank_group.h"
 #include "core/cuda/nccl_all_to_all.h"
 #include "core/provider_registry.h"
+#include "core/status_macros.h"
 
 namespace moeserve {
 namespace {
@@ -27,6 +31,7 @@ PrepareFinalizeProvider NoEp(ActivationFormat format) {
   p.backend = Backend::kCuda;
   p.format = format;
   p.supports_ep = false;
+  p.device_tensors = true;
   p.create = [format](
                  const EnginePlan& plan,
                  const RankResources& rank) -> absl::StatusOr<std::unique_ptr<PrepareAndFinalize>> {
@@ -41,6 +46,7 @@ PrepareFinalizeProvider NcclAllToAll(ActivationFormat format) {
   p.backend = Backend::kCuda;
   p.format = format;
   p.supports_ep = true;
+  p.device_tensors = true;
   p.supports = [name = p.name](const EnginePlan&) -> absl::Status {
 #ifdef MOESERVE_HAVE_NCCL
     return absl::OkStatus();
@@ -76,9 +82,46 @@ ExpertsProvider CudaExperts(ActivationFormat format) {
   p.format = format;
   p.supports_ep = true;
   p.supports = [name = p.name](const EnginePlan& plan) { return HiddenMultipleOf8(name, plan); };
-  p.create = [format](const EnginePlan&,
-                      const RankResources& rank) -> absl::StatusOr<std::unique_ptr<Experts>> {
+  p.create = [format, name = p.name](
+                 const EnginePlan&,
+                 const RankResources& rank) -> absl::StatusOr<std::unique_ptr<Experts>> {
+    // Standard format on a Hopper GPU: the decode kernels below the measured crossover, the
+    // grouped GEMM above it (core/cuda/cuda_grouped_experts.h); the same name either way.
+    if (format == ActivationFormat::kStandard && rank.cuda != nullptr &&
+        CudaGroupedSm90Supported(rank.cuda->device()).ok()) {
+      CudaGroupedExpertsOptions options;
+      options.path = CudaGroupedExpertsOptions::Path::kCrossover;
+      options.name = name;
+      return CreateCudaGroupedExperts(rank.cuda, rank.device_weights, options);
+    }
     return CreateCudaExperts(rank.cuda, rank.device_weights, format);
+  };
+  return p;
+}
+
+// The grouped GEMM at every batch size, on a compute capability 9.0 GPU (MXFP8 weights through
+// a BF16 copy dequantized once: core/cuda/cuda_grouped_experts.h).
+ExpertsProvider CudaGroupedSm90() {
+  ExpertsProvider p;
+  p.name = "CudaGroupedSm90Experts";
+  p.aliases = {"cuda_grouped_sm90"};
+  p.backend = Backend::kCuda;
+  p.format = ActivationFormat::kStandard;
+  p.supports_ep = true;
+  p.supports = [name = p.name](const EnginePlan& plan) -> absl::Status {
+    MOESERVE_RETURN_IF_ERROR(HiddenMultipleOf8(name, plan));
+    // Every rank's GPU is checked again when its Experts are made; device 0 speaks for them.
+    const absl::Status s = CudaGroupedSm90Supported(0);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
+    return absl::OkStatus();
+  };
+  p.create = [name = p.name](
+                 const EnginePlan&,
+                 const RankResources& rank) -> absl::StatusOr<std::unique_ptr<Experts>> {
+    CudaGroupedExpertsOptions options;
+    options.path = CudaGroupedExpertsOptions::Path::kGrouped;
+    options.name = name;
+    return CreateCudaGroupedExperts(rank.cuda, rank.device_weights, options);
   };
   return p;
 }
@@ -99,6 +142,7 @@ void RegisterCudaProviders(ProviderRegistry& registry) {
   (void)registry.Register(NcclAllToAll(ActivationFormat::kBatchedExperts));
   (void)registry.Register(CudaExperts(ActivationFormat::kStandard));
   (void)registry.Register(CudaExperts(ActivationFormat::kBatchedExperts));
+  (void)registry.Register(CudaGroupedSm90());
 }
 
 }  // namespace moeserve

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/comm/nccl_communicator.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_memory_region.h"
 #include "core/status_macros.h"
 #include "core/weight_loader.h"
 #ifdef MOESERVE_HAVE_NCCL
@@ -48,37 +49,48 @@ class CudaRankGroup final : public RankGroup {
       return absl::InternalError("the plan names providers the registry does not have");
     }
     const int n = plan_.local_ranks;
+    const int lanes = plan_.lanes;
     ranks_.resize(n);
     contexts_.resize(n);
     device_weights_.resize(n);
     for (int r = 0; r < n; ++r) {
       const int global = plan_.first_rank + r;
-      MOESERVE_ASSIGN_OR_RETURN(contexts_[r], CudaContext::Create(/*device=*/r));
+      // Lane 0's context is the rank's (NCCL's stream); other lanes get streams of their own.
+      for (int lane = 0; lane < lanes; ++lane) {
+        MOESERVE_ASSIGN_OR_RETURN(std::shared_ptr<CudaContext> ctx,
+                                  CudaContext::Create(/*device=*/r));
+        contexts_[r].push_back(std::move(ctx));
+      }
       MOESERVE_ASSIGN_OR_RETURN(
           ranks_[r].weights,
           LoadExpertWeights(plan_.weights, plan_.model, plan_.placement->rank_experts(global)));
       MOESERVE_ASSIGN_OR_RETURN(device_weights_[r],
-                                DeviceWeightStore::Create(*ranks_[r].weights, *contexts_[r]));
+                                DeviceWeightStore::Create(*ranks_[r].weights, *contexts_[r][0]));
       ranks_[r].expert_map = plan_.placement->ExpertMap(global);
     }
     if (pf->supports_ep) MOESERVE_RETURN_IF_ERROR(CreateCommunicators());
     for (int r = 0; r < n; ++r) {
-      RankResources resources;
-      resources.rank = plan_.first_rank + r;
-      resources.cuda = contexts_[r];
-      resources.device_weights = device_weights_[r];
+      for (int lane = 0; lane < lanes; ++lane) {
+        RankResources resources;
+        resources.rank = plan_.first_rank + r;
+        resources.cuda = contexts_[r][lane];
+        resources.device_weights = device_weights_[r];  // shared by the lanes
 #ifdef MOESERVE_HAVE_NCCL
-      if (nccl_ != nullptr) resources.comm = nccl_->communicator(r);
+        if (nccl_ != nullptr) resources.comm = nccl_->communicator(r);
 #endif
-      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> prepare_finalize,
-                                pf->create(plan_, resources));
-      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> expert_impl,
-                                experts->create(plan_, resources));
-      MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<WorkspaceAllocator> workspaces,
-                                CreateCudaWorkspaceAllocator(contexts_[r]));
-      MOESERVE_ASSIGN_OR_RETURN(
-          ranks_[r].kernel, ModularKernel::Create(std::move(prepare_finalize),
-                                                  std::move(expert_impl), std::move(workspaces)));
+        MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<PrepareAndFinalize> prepare_finalize,
+                                  pf->create(plan_, resources));
+        MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<Experts> expert_impl,
+                                  experts->create(plan_, resources));
+        MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<WorkspaceAllocator> workspaces,
+                                  CreateCudaWorkspaceAllocator(contexts_[r][lane]));
+        MOESERVE_ASSIGN_OR_RETURN(
+            std::unique_ptr<ModularKernel> kernel,
+            ModularKernel::Create(std::move(prepare_finalize), std::move(expert_impl),
+                                  std::move(workspaces)));
+        ranks_[r].kernels.push_back(std::move(kernel));
+      }
+      ranks_[r].timings.resize(lanes);
     }
     StartThreads();
     return absl::OkStatus();
@@ -133,7 +145,7 @@ class CudaRankGroup final : public RankGroup {
     std::vector<void*> streams;
     for (int r = 0; r < plan_.local_ranks; ++r) {
       devices.push_back(r);
-      streams.push_back(contexts_[r]->stream());
+      streams.push_back(contexts_[r][0]->stream());
     }
     if (plan_.multi_process) {
       MOESERVE_ASSIGN_OR_RETURN(nccl_, NcclCommGroup::CreateMultiProcess(
@@ -150,7 +162,7 @@ class CudaRankGroup final : public RankGroup {
 #endif
   }
 
-  std::vector<std::shared_ptr<CudaContext>> contexts_;
+  std::vector<std::vector<std::shared_ptr<CudaContext>>> contexts_;  // [rank][lane]
   std::vector<std::shared_ptr<DeviceWeightStore>> device_weights_;
   std::shared_ptr<NcclCommGroup> nccl_;              // with an all-to-all PrepareAndFinalize
   std::vector<std::unique_ptr<HostTransfer>> host_;  // multi-process only
@@ -174,6 +186,9 @@ void RegisterCudaBackend(ProviderRegistry& registry) {
   cuda.backend = Backend::kCuda;
   cuda.visible_devices = CudaDeviceCount;
   cuda.create_rank_group = CreateCudaRankGroup;
+  cuda.register_host_memory = CudaRegisterHostMemory;
+  cuda.unregister_host_memory = CudaUnregisterHostMemory;
+  cuda.open_ipc_region = OpenCudaIpcRegion;
 #ifdef MOESERVE_HAVE_NCCL
   cuda.new_collective_id = NcclCommGroup::NewUniqueId;
 #endif

@@ -71,6 +71,7 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
   bool writes_output_dtype(DType dtype) const override {
     return dtype == DType::kFP32 || dtype == DType::kBF16 || dtype == DType::kFP16;
   }
+  bool accepts_device_tensors() const override { return true; }
   TransferStats transfer_stats() const override { return stats_; }
 
   absl::StatusOr<std::vector<int64_t>> PlanChunks(const PrepareArgs& args) override;
@@ -243,9 +244,15 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   MOESERVE_ASSIGN_OR_RETURN(void* pin, pin_in_.Get(in_bytes));
   MOESERVE_ASSIGN_OR_RETURN(void* d_in, d_in_.Get(in_bytes));
   auto* pin_x = static_cast<uint8_t*>(pin);
-  // Pinned BF16 input goes to the device as it is; anything else through the staging buffer.
-  const bool direct_x =
-      m > 0 && wire == DType::kBF16 && x.is_contiguous() && IsPinnedHostPointer(x.raw_data());
+  // Input in device memory (a client's CUDA region) is copied device to device in its dtype;
+  // pinned BF16 input goes to the device as it is; anything else through the staging buffer.
+  const bool device_x = x.device().space == MemorySpace::kCuda;
+  if (device_x && !x.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name(), ": hidden_states in device memory must be contiguous"));
+  }
+  const bool direct_x = m > 0 && (device_x || (wire == DType::kBF16 && x.is_contiguous() &&
+                                               IsPinnedHostPointer(x.raw_data())));
   if (m > 0 && !direct_x) {
     if (x.is_contiguous()) {
       copier_.Copy(pin_x, x.raw_data(), wire_bytes);
@@ -261,7 +268,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   handle->recv_count = std::move(recv_count);
   if (direct_x) {
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_in, x.raw_data(), m * k * 2, cudaMemcpyHostToDevice, stream_));
+        cudaMemcpyAsync(d_in, x.raw_data(), wire_bytes,
+                        device_x ? cudaMemcpyDefault : cudaMemcpyHostToDevice, stream_));
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint8_t*>(d_in) + x_bytes,
                                                   pin_x + x_bytes, plan_elems * 4,
                                                   cudaMemcpyHostToDevice, stream_));

@@ -4,7 +4,13 @@ measures the device's ceilings, and prints one combined table (last), a markdown
 
 Usage (on the GPU machine): bench_moe.py BENCH_BINARY OUT_DIR [BASELINE_BENCH_BINARY]
 With a baseline binary (an earlier build of the same benchmark), its times are measured in the
-same run and shown as a "before us" column.
+same run and shown as a "before us" column (matched on layer, format, tokens, routing and path;
+a baseline without a path column is the decode path). Rows: one per path the binary measured
+(decode: the decode kernels; grouped: the sm_90a grouped GEMM, see moe_experts_bench.cu); the
+PyTorch peer is measured once per shape and shown on each. MOESERVE_BENCH_TOKENS /
+MOESERVE_BENCH_FORMATS (comma lists) restrict both. Last, the measured crossover: per layer,
+format and routing, the fewest tokens from which the grouped path was faster at every measured
+size.
 PyTorch peers, same routing and shapes, weights resident, tokens already grouped by expert
 (grouping padded to 16 rows per expert, as these kernels need):
   bf16:  torch._grouped_mm (W13) -> silu(gate)*up -> torch._grouped_mm (W2)
@@ -17,7 +23,7 @@ import torch
 
 E, TOPK = 32, 8
 SHAPES = {"seed": (3072, 5120), "dsv3": (7168, 2048)}
-TOKENS = [16, 32, 64, 256, 1024]
+TOKENS = [16, 32, 64, 128, 256, 1024]
 
 
 def timed(fn, sets, warm=5, iters=40):
@@ -111,43 +117,71 @@ def main():
     before = {}
     if len(sys.argv) > 3:
         for r in csv.DictReader(io.StringIO(subprocess.check_output([sys.argv[3]], text=True))):
-            before[(r["layer"], r["format"], r["tokens"], r["routing"])] = float(r["median_us"])
+            before[(r["layer"], r["format"], r["tokens"], r["routing"],
+                    r.get("path") or "decode")] = float(r["median_us"])
     ours = list(csv.DictReader(io.StringIO(subprocess.check_output([binary], text=True))))
     rows = []
+    torch_us = {}
     for r in ours:
         h, i = SHAPES[r["layer"]]
         tokens, hot = int(r["tokens"]), r["routing"] == "hot"
-        try:
-            tt = torch_mlp(h, i, r["format"], tokens, hot)
-        except Exception as ex:  # report, keep going
-            print("torch failed:", r, repr(ex)[:300], flush=True)
-            tt = float("nan")
+        path = r.get("path") or "decode"
+        key = (r["layer"], r["format"], tokens, hot)
+        if key not in torch_us:
+            try:
+                torch_us[key] = torch_mlp(h, i, r["format"], tokens, hot)
+            except Exception as ex:  # report, keep going
+                print("torch failed:", r, repr(ex)[:300], flush=True)
+                torch_us[key] = float("nan")
+        tt = torch_us[key]
         us = float(r["median_us"])
         wbytes, routes = int(r["weight_bytes"]), int(r["routes"])
         mem_floor = wbytes / 4.3e12 * 1e6
         flop_floor = 6 * routes * h * i / bf16_rate * 1e6
         floor = max(mem_floor, flop_floor)
         rows.append(dict(layer=r["layer"], fmt=r["format"], tokens=tokens, routing=r["routing"],
-                         before=before.get((r["layer"], r["format"], r["tokens"], r["routing"]),
-                                           float("nan")),
+                         path=path,
+                         before=before.get((r["layer"], r["format"], r["tokens"], r["routing"],
+                                            path), float("nan")),
                          us=us, tbs=wbytes / (us * 1e-6) / 1e12, floor=floor,
                          pct=100 * floor / us, bound="hbm" if mem_floor >= flop_floor else "mma",
                          torch=tt, ratio=tt / us))
         print(rows[-1], flush=True)
-    hdr = ("| layer | weights | tokens/rank | routing | before us | moeserve us | weight TB/s | "
-           "floor us | % of floor | bound | PyTorch us | PyTorch/moeserve |")
-    lines = [hdr, "|" + "---|" * 12]
+    hdr = ("| layer | weights | tokens/rank | routing | path | before us | moeserve us | "
+           "weight TB/s | floor us | % of floor | bound | PyTorch us | PyTorch/moeserve |")
+    lines = [hdr, "|" + "---|" * 13]
     for r in rows:
         lines.append(f"| {r['layer']} | {r['fmt']} | {r['tokens']} | {r['routing']} | "
-                     f"{r['before']:.1f} | {r['us']:.1f} | "
+                     f"{r['path']} | {r['before']:.1f} | {r['us']:.1f} | "
                      f"{r['tbs']:.2f} | {r['floor']:.1f} | {r['pct']:.0f}% | {r['bound']} | "
                      f"{r['torch']:.1f} | {r['ratio']:.2f}x |")
     head = (f"device: {dev}; measured copy {copy_bw/1e12:.2f} TB/s, BF16 matmul 8192^3 "
             f"{bf16_rate/1e12:.0f} TFLOP/s; floor = max(weight bytes / 4.3 TB/s, FLOPs / measured "
             f"BF16 rate). PyTorch peer: bf16 -> torch._grouped_mm MLP, mxfp8 -> "
             f"torch._scaled_grouped_mm FP8-rowwise MLP.")
+    # Crossover: the fewest tokens from which grouped beat decode at every measured size.
+    cross = []
+    for layer in SHAPES:
+        for fmt in ("bf16", "mxfp8"):
+            for routing in ("balanced", "hot"):
+                t = {}
+                for r in rows:
+                    if (r["layer"], r["fmt"], r["routing"]) == (layer, fmt, routing):
+                        t.setdefault(r["tokens"], {})[r["path"]] = r["us"]
+                both = sorted(k for k, v in t.items() if "decode" in v and "grouped" in v)
+                if not both:
+                    continue
+                win = None
+                for k in reversed(both):
+                    if t[k]["grouped"] < t[k]["decode"]:
+                        win = k
+                    else:
+                        break
+                cross.append(f"crossover {layer} {fmt} {routing}: grouped faster from "
+                             f"{win if win is not None else 'no measured size'} tokens/rank "
+                             f"(measured {both})")
     with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(head + "\n\n" + "\n".join(lines) + "\n")
+        f.write(head + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(cross) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -156,7 +190,7 @@ def main():
         for ax, layer in zip(axes, ["seed", "dsv3"]):
             for fmt, c in [("bf16", "tab:blue"), ("mxfp8", "tab:red")]:
                 sel = [r for r in rows if r["layer"] == layer and r["fmt"] == fmt
-                       and r["routing"] == "balanced"]
+                       and r["routing"] == "balanced" and r["path"] == "decode"]
                 x = [r["tokens"] for r in sel]
                 ax.plot(x, [r["us"] for r in sel], "o-", color=c, label=f"moeserve {fmt}")
                 ax.plot(x, [r["torch"] for r in sel], "s--", color=c, alpha=0.6,
@@ -175,6 +209,7 @@ def main():
         print("plot failed:", ex)
     print(head)
     print("\n".join(lines))
+    print("\n".join(cross))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ fi
 serve_check() {  # name, server flags...
   local name=$1; shift
   rm -f /tmp/ready_$name
-  $B/moeserve --listen 127.0.0.1:50071 --metrics_address 127.0.0.1:9171 --ready_file /tmp/ready_$name "$@" \
+  $B/moeserve --listen 127.0.0.1:50071 --metrics_address 127.0.0.1:9171 --enable_get_expert_weights --ready_file /tmp/ready_$name "$@" \
     > "$OUT/server_$name.log" 2>&1 &
   local pid=$!
   for i in $(seq 1 120); do [ -f /tmp/ready_$name ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.5; done

@@ -17,7 +17,7 @@ export LD_LIBRARY_PATH=$BUNDLE/lib:$NCCL_DIR
 echo "NCCL from $NCCL_DIR"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader; date -u
 ROWS=()
 row() { ROWS+=("$(printf '%-44s %s' "$1" "$2")"); echo "== $1: $2"; }
-COMMON="--backend cuda --ranks 1 --world_size 2 --leader_address 127.0.0.1:50090 --metrics_address= --collective_timeout_ms 5000 --heartbeat_ms 500 --bootstrap_timeout_s 60 --model tiny"
+COMMON="--backend cuda --ranks 1 --world_size 2 --leader_address 127.0.0.1:50090 --metrics_address= --enable_get_expert_weights --collective_timeout_ms 5000 --heartbeat_ms 500 --bootstrap_timeout_s 60 --model tiny"
 LP=; FP=
 start_group() {  # name, extra flags...
   local name=$1; shift

@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH=$BUNDLE/lib:$NCCL_DIR
 MODEL="--model tiny --num_experts 64 --topk 8 --hidden 512 --intermediate 256 --num_layers 2"
-COMMON="--backend cuda --ranks 1 --world_size 2 --leader_address 127.0.0.1:50190 --metrics_address= --collective_timeout_ms 20000 --bootstrap_timeout_s 60 $MODEL"
+COMMON="--backend cuda --ranks 1 --world_size 2 --leader_address 127.0.0.1:50190 --metrics_address= --enable_get_expert_weights --collective_timeout_ms 20000 --bootstrap_timeout_s 60 $MODEL"
 PASS=0; FAIL=0; ROWS=()
 for pf in all2all_contiguous all2all_batched; do
   for fmt in bf16 mxfp8; do

@@ -45,7 +45,7 @@ row "memcheck cuda_experts_test subset" "$(grep -E 'ERROR SUMMARY|PASSED|FAILED'
 
 # Correctness through the real server, every answer dtype, both weight formats.
 for wf in bf16 mxfp8; do
-  serve check_$wf $B/moeserve 50081 --weight_format $wf --model qwen3-30b-a3b --num_layers 1
+  serve check_$wf $B/moeserve 50081 --enable_get_expert_weights --weight_format $wf --model qwen3-30b-a3b --num_layers 1
   for dt in bf16 fp16 fp32; do
     res=$(timeout 60 $B/moeserve-cli forward --target 127.0.0.1:50081 --tokens 64 --dtype $dt \
       --routing hot --check 2>&1 | tee "$OUT/cli_${wf}_$dt.log" | grep -o "relative_l2_error=[0-9.e+-]*")

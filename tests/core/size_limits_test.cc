@@ -115,6 +115,12 @@ TEST(SizeLimitsTest, ModelSizesAreChecked) {
   s = CheckActivationBudget(d, int64_t{1} << 62, int64_t{64} << 30);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(s.message().find("more than 2^63"), absl::string_view::npos) << s;
+  // Each engine lane (steps in flight) has its own step buffers.
+  const int64_t three_steps = 3 * d.ActivationBytes(8192);  // half of it fits one step, not two
+  EXPECT_TRUE(CheckActivationBudget(d, 8192, three_steps, 1).ok());
+  s = CheckActivationBudget(d, 8192, three_steps, 2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("2 step(s) in flight"), absl::string_view::npos) << s;
 }
 
 // Issue 14 item 7: finite router weights like 3e38 overflowed the sums to Inf; weights are

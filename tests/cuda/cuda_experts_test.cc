@@ -1,8 +1,13 @@
 // CUDA Experts (Standard and BatchedExperts) + the CUDA no-EP PrepareAndFinalize, run through
-// core's ModularKernel, against ReferenceExperts (FP32 loops) on the same BF16 inputs.
+// core's ModularKernel, against ReferenceExperts (FP32 loops) on the same BF16 inputs. Three
+// Standard implementations: the decode kernels (CreateCudaExperts), the grouped GEMM at every
+// size (CreateCudaGroupedExperts, kGrouped: "_grouped", Hopper only; MXFP8 through its exactly
+// dequantized BF16 copy) and the crossover between the two ("_auto"); the grouped path's BF16
+// W13 output, intermediate and W2 output keep it under the same tolerance.
 // Tolerance: relative L2 < 1e-2 (BF16 activations and a BF16 intermediate on the GPU; the
 // reference computes in FP32 from the same BF16 / exactly dequantized MXFP8 weights).
 // Outputs are NaN-poisoned before every run; every element must be finite.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +21,7 @@
 #include "core/cpu/cpu_experts.h"
 #include "core/cpu/no_ep_prepare_finalize.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_grouped_experts.h"
 #include "core/modular_kernel.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "kernels/cpu/mxfp8.h"
@@ -24,6 +30,7 @@ namespace moeserve {
 namespace {
 
 enum class Routing { kUniform, kBalanced, kHot };
+enum class Impl { kDecode, kGrouped, kCrossover };
 const char* RoutingName(Routing r) {
   return r == Routing::kUniform ? "uniform" : r == Routing::kBalanced ? "balanced" : "hot";
 }
@@ -34,13 +41,17 @@ struct Case {
   Routing routing;
   ActivationFormat act = ActivationFormat::kStandard;
   bool expert_map = false;  // half of 2E global experts live here
+  Impl impl = Impl::kDecode;
 };
 
 std::string CaseName(const Case& c) {
   return "M" + std::to_string(c.m) + "_E" + std::to_string(c.e) + "_k" + std::to_string(c.topk) +
          "_H" + std::to_string(c.hidden) + "_I" + std::to_string(c.inter) + "_" +
          (c.format == WeightFormat::kBF16 ? "bf16" : "mxfp8") + "_" + RoutingName(c.routing) +
-         (c.act == ActivationFormat::kStandard ? "" : "_batched") + (c.expert_map ? "_ep" : "");
+         (c.act == ActivationFormat::kStandard ? "" : "_batched") + (c.expert_map ? "_ep" : "") +
+         (c.impl == Impl::kGrouped     ? "_grouped"
+          : c.impl == Impl::kCrossover ? "_auto"
+                                       : "");
 }
 
 // So that gtest (and CTest's listing) print a case by name, not as a byte blob.
@@ -159,8 +170,21 @@ TEST_P(CudaExpertsTest, MatchesReferenceExperts) {
   ASSERT_TRUE(ctx.ok()) << ctx.status();
   auto dev = DeviceWeightStore::CreateFromLayers({&layer.w}, **ctx);
   ASSERT_TRUE(dev.ok()) << dev.status();
+  if (c.impl != Impl::kDecode) {
+    const absl::Status s = CudaGroupedSm90Supported((*ctx)->device());
+    if (!s.ok()) GTEST_SKIP() << s;
+  }
   auto pf = CreateCudaNoEpPrepareAndFinalize(*ctx, 1 << 20, c.act);
-  auto ex = CreateCudaExperts(*ctx, *dev, c.act);
+  absl::StatusOr<std::unique_ptr<Experts>> ex;
+  if (c.impl == Impl::kDecode) {
+    ex = CreateCudaExperts(*ctx, *dev, c.act);
+  } else {
+    CudaGroupedExpertsOptions options;
+    options.path = c.impl == Impl::kGrouped ? CudaGroupedExpertsOptions::Path::kGrouped
+                                            : CudaGroupedExpertsOptions::Path::kCrossover;
+    ex = CreateCudaGroupedExperts(*ctx, *dev, options);
+  }
+  ASSERT_TRUE(ex.ok()) << ex.status();
   auto workspaces = CreateCudaWorkspaceAllocator(*ctx);
   ASSERT_TRUE(pf.ok() && ex.ok() && workspaces.ok());
   auto gpu = ModularKernel::Create(std::move(*pf), std::move(*ex), std::move(*workspaces));
@@ -348,7 +372,83 @@ std::vector<Case> Cases() {
     cs.push_back({4096, 8, 8, 128, 64, f, Routing::kHot, ActivationFormat::kBatchedExperts});
     cs.push_back({2048, 64, 1, 512, 256, f, Routing::kUniform});
   }
+  // The grouped GEMM on every Standard case above, and shapes of its own: a
+  // hot expert holding > 4 M tiles next to empty experts, K not a multiple of its 64-wide K tile
+  // (hidden 392, intermediate 136), N not a multiple of 256 (2 Ip = 384, hidden 200).
+  const size_t n = cs.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (cs[i].act != ActivationFormat::kStandard) continue;
+    Case g = cs[i];
+    g.impl = Impl::kGrouped;
+    cs.push_back(g);
+  }
+  for (Routing r : {Routing::kUniform, Routing::kHot}) {
+    cs.push_back({1000, 24, 6, 392, 136, WeightFormat::kBF16, r, ActivationFormat::kStandard, false,
+                  Impl::kGrouped});
+    cs.push_back({517, 40, 8, 200, 72, WeightFormat::kBF16, r, ActivationFormat::kStandard, true,
+                  Impl::kGrouped});
+  }
+  // The crossover: both formats, sizes on each side of it.
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
+    for (int64_t m : {0, 5, 64, 1500}) {
+      cs.push_back({m, 16, 4, 256, 128, f, Routing::kUniform, ActivationFormat::kStandard, false,
+                    Impl::kCrossover});
+    }
+    cs.push_back({800, 8, 4, 264, 96, f, Routing::kHot, ActivationFormat::kStandard, true,
+                  Impl::kCrossover});
+  }
   return cs;
+}
+
+// Experts over the same DeviceWeightStore (an engine's lanes) share one BF16 copy: a second
+// instance takes no second copy's worth of device memory, and both compute.
+TEST(CudaGroupedExpertsTest, InstancesShareTheBf16Copy) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!CudaGroupedSm90Supported(0).ok()) GTEST_SKIP() << CudaGroupedSm90Supported(0);
+  auto ctx = CudaContext::Create(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  std::mt19937 rng(9);
+  const Case c{64, 8, 2, 1024, 2048, WeightFormat::kBF16, Routing::kUniform};
+  Layer layer = MakeLayer(c, rng);  // a 100 MB BF16 copy
+  auto dev = DeviceWeightStore::CreateFromLayers({&layer.w}, **ctx);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  CudaGroupedExpertsOptions options;
+  options.path = CudaGroupedExpertsOptions::Path::kGrouped;
+  size_t free0 = 0, free1 = 0, free2 = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free0, &total), cudaSuccess);
+  auto a = CreateCudaGroupedExperts(*ctx, *dev, options);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(cudaMemGetInfo(&free1, &total), cudaSuccess);
+  auto b = CreateCudaGroupedExperts(*ctx, *dev, options);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(cudaMemGetInfo(&free2, &total), cudaSuccess);
+  const int64_t copy = int64_t{c.e} * (2 * c.inter * c.hidden + c.hidden * c.inter) * 2;
+  EXPECT_GE(static_cast<int64_t>(free0) - static_cast<int64_t>(free1), copy);
+  EXPECT_LT(static_cast<int64_t>(free1) - static_cast<int64_t>(free2), copy / 2);
+  for (auto* ex : {&a, &b}) {
+    auto mk = ModularKernel::Create(*CreateCudaNoEpPrepareAndFinalize(*ctx, 1024, c.act),
+                                    std::move(**ex), *CreateCudaWorkspaceAllocator(*ctx));
+    ASSERT_TRUE(mk.ok()) << mk.status();
+    auto cpu = ModularKernel::Create(std::make_unique<NoEpPrepareAndFinalize>(1024),
+                                     std::make_unique<ReferenceExperts>());
+    ASSERT_TRUE(cpu.ok());
+    Tensor x = Tensor::Empty(DType::kBF16, {c.m, c.hidden});
+    std::normal_distribution<float> nd;
+    for (int64_t i = 0; i < x.numel(); ++i) x.data<uint16_t>()[i] = kernels::FloatToBf16(nd(rng));
+    std::vector<int32_t> ids = MakeIds(c, c.e, rng);
+    std::vector<float> tw(c.m * c.topk, 0.5f), got(c.m * c.hidden), ref(c.m * c.hidden);
+    ModularKernelArgs args;
+    args.hidden_states = x.view();
+    args.topk_ids = TensorView(ids.data(), DType::kINT32, {c.m, c.topk});
+    args.topk_weights = TensorView(tw.data(), DType::kFP32, {c.m, c.topk});
+    args.weights = &layer.w;
+    args.num_experts = c.e;
+    ASSERT_TRUE((*mk)->Forward(args, TensorView(got.data(), DType::kFP32, {c.m, c.hidden})).ok());
+    ASSERT_TRUE((*cpu)->Forward(args, TensorView(ref.data(), DType::kFP32, {c.m, c.hidden})).ok());
+    int64_t bad = 0;
+    EXPECT_LT(RelL2(got, ref, &bad), 1e-2);
+    EXPECT_EQ(bad, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, CudaExpertsTest, ::testing::ValuesIn(Cases()),

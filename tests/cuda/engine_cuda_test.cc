@@ -3,10 +3,14 @@
 // relative L2 < 1e-2 on BF16 outputs, for BF16 and MXFP8 weights. Without a GPU the cuda
 // backend must be refused with FAILED_PRECONDITION and "auto" must pick cpu (those run in CI).
 #include <random>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_grouped_experts.h"
 #include "core/engine.h"
+#include "core/provider_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
@@ -59,14 +63,21 @@ TEST(EngineCuda, MatchesCpuReference) {
   for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
     auto reference = Engine::Create(Small("cpu", "reference", wf));
     ASSERT_TRUE(reference.ok()) << reference.status();
-    for (const std::string experts : {"blas", "batched_blas"}) {
+    std::vector<std::string> names = {"blas", "batched_blas"};
+    // Hopper: the grouped GEMM at every size too.
+    if (CudaGroupedSm90Supported(0).ok()) {
+      names.push_back("cuda_grouped_sm90");
+    }
+    for (const std::string& experts : names) {
       EngineOptions o = Small("cuda", experts, wf);
       o.num_ranks = 1;
       auto engine = Engine::Create(o);
       ASSERT_TRUE(engine.ok()) << engine.status();
       const EngineInfo& info = (*engine)->info();
       EXPECT_EQ(info.backend, "cuda");
-      EXPECT_EQ(info.experts, experts == "blas" ? "CudaExperts" : "CudaBatchedExperts");
+      EXPECT_EQ(info.experts, experts == "blas"           ? "CudaExperts"
+                              : experts == "batched_blas" ? "CudaBatchedExperts"
+                                                          : "CudaGroupedSm90Experts");
       EXPECT_TRUE((*engine)->healthy());
       const ModelConfig& model = info.model;
       std::mt19937 rng(5);
@@ -91,6 +102,90 @@ TEST(EngineCuda, MatchesCpuReference) {
         }
       }
     }
+  }
+}
+
+// Two steps in flight (the default on one GPU): concurrent forwards from several threads run on
+// two lanes (streams, buffers, workspaces) over shared weights; every answer matches the CPU
+// reference, in every answer dtype, for both weight formats and both activation formats.
+TEST(EngineCuda, StepsInFlightMatchCpuReference) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
+    auto reference = Engine::Create(Small("cpu", "reference", wf));
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    for (const std::string experts : {"blas", "batched_blas"}) {
+      EngineOptions o = Small("cuda", experts, wf);
+      o.num_ranks = 1;
+      auto engine = Engine::Create(o);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      ASSERT_EQ((*engine)->steps_in_flight(), 2);
+      const ModelConfig& model = (*engine)->info().model;
+      struct Case {
+        Tensor x, ids, w, got, want;
+        int layer;
+      };
+      std::vector<Case> cases;
+      std::mt19937 rng(21);
+      const DType dtypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+      for (int i = 0; i < 24; ++i) {
+        const int64_t m = (i % 4 == 0) ? 1024 : 1 + (i * 37) % 200;
+        Case c;
+        c.layer = i % model.num_layers;
+        Tensor f = ep_testing::RandomNormal({m, model.hidden}, rng);
+        c.x = Tensor::Empty(dtypes[i % 3], {m, model.hidden});
+        ASSERT_TRUE(ConvertTensor(f.view(), c.x.view()).ok());
+        c.ids = ep_testing::MakeRouting(i % 2 ? Routing::kHotExpert : Routing::kUniform, m,
+                                        model.topk, model.num_experts, {3, 4, 5, 6}, rng);
+        c.w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+        c.got = Tensor::Empty(dtypes[i % 3], {m, model.hidden});
+        c.want = Tensor::Empty(dtypes[i % 3], {m, model.hidden});
+        cases.push_back(std::move(c));
+      }
+      std::vector<std::thread> threads;
+      std::vector<absl::Status> statuses(cases.size());
+      for (int t = 0; t < 4; ++t) {
+        threads.emplace_back([&, t] {
+          for (size_t i = t; i < cases.size(); i += 4) {
+            const Case& c = cases[i];
+            statuses[i] = (*engine)->Forward({c.layer, c.x.view(), c.ids.view(), c.w.view()},
+                                             c.got.view());
+          }
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      for (size_t i = 0; i < cases.size(); ++i) {
+        SCOPED_TRACE(absl::StrCat(WeightFormatName(wf), " ", experts, " case ", i));
+        ASSERT_TRUE(statuses[i].ok()) << statuses[i];
+        const Case& c = cases[i];
+        ASSERT_TRUE(
+            (*reference)->Forward({c.layer, c.x.view(), c.ids.view(), c.w.view()}, c.want.view())
+                .ok());
+        Tensor g = Tensor::Empty(DType::kFP32, c.got.shape());
+        Tensor r = Tensor::Empty(DType::kFP32, c.want.shape());
+        ASSERT_TRUE(ConvertTensor(c.got.view(), g.view()).ok());
+        ASSERT_TRUE(ConvertTensor(c.want.view(), r.view()).ok());
+        EXPECT_LT(ep_testing::RelativeL2Error(g.data<float>(), r.data<float>(), g.numel()),
+                  kBf16Tolerance);
+      }
+    }
+  }
+}
+
+// The grouped GEMM's provider says why it cannot serve: no sm_90 device (or none at all; this
+// part runs in CI).
+TEST(EngineCuda, GroupedSm90ProviderRefusesWithReason) {
+  const ExpertsProvider* p = ProviderRegistry::Global().FindExperts("cuda_grouped_sm90");
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(p->name, "CudaGroupedSm90Experts");
+  EnginePlan plan;
+  plan.model = Small("cuda", "cuda_grouped_sm90", WeightFormat::kBF16).model;
+  plan.backend = Backend::kCuda;
+  const absl::Status s = p->Supports(plan);
+  if (CudaGroupedSm90Supported(0).ok()) {
+    EXPECT_TRUE(s.ok()) << s;
+  } else {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("unavailable on CUDA device 0"));
   }
 }
 

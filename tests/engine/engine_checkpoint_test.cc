@@ -2,12 +2,16 @@
 // inputs, what the plain-loop reference expert MLP computes from the weights the script wrote;
 // and refuses to start on a corrupted checkpoint.
 #include <cmath>
+#include <cstring>
 #include <ostream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/checkpoint/gate_loader.h"
+#include "core/checkpoint/hf_checkpoint.h"
 #include "core/engine.h"
+#include "core/router.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
@@ -143,6 +147,130 @@ INSTANTIATE_TEST_SUITE_P(Kinds, EngineCorruptCheckpointTest,
                          ::testing::Values("truncated", "header_past_end", "offsets_past_end",
                                            "unknown_dtype", "missing_expert", "shape_mismatch",
                                            "nan_weight", "f64_weight"));
+
+// ---- the router (server-side routing) on checkpoints ----
+
+// The gates (and biases) loaded for every MoE layer equal what the script wrote, widened to
+// FP32 exactly; the config comes from config.json.
+class CheckpointRouterTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CheckpointRouterTest, GatesEqualTheReference) {
+  const std::string name = GetParam();
+  const nlohmann::json info = CheckpointInfo(name);
+  auto ckpt = checkpoint::HfCheckpoint::Open(CheckpointDir(name));
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const ModelConfig& model = (*ckpt)->config();
+  ASSERT_TRUE(model.router.has_value()) << model.no_router_reason;
+  auto router = checkpoint::LoadCheckpointRouter(**ckpt, model, 1);
+  ASSERT_TRUE(router.ok()) << router.status();
+  const int64_t e = model.num_experts, h = model.hidden;
+  for (int layer : info["moe_layers"].get<std::vector<int>>()) {
+    const std::string l = std::to_string(layer);
+    const auto gate = ReadReference<float>(name, "layer" + l + "_gate.f32.bin", e * h);
+    const TensorView g = (*router)->gate(layer);
+    ASSERT_EQ(g.shape(), (Shape{e, h})) << layer;
+    EXPECT_EQ(0, std::memcmp(g.raw_data(), gate.data(), gate.size() * 4)) << name << " " << l;
+    if ((*router)->config().correction_bias) {
+      const auto bias = ReadReference<float>(name, "layer" + l + "_gate_bias.f32.bin", e);
+      EXPECT_EQ(0, std::memcmp((*router)->bias(layer).raw_data(), bias.data(), e * 4)) << l;
+    } else {
+      EXPECT_TRUE((*router)->bias(layer).empty());
+    }
+  }
+  // The suite's DeepSeek checkpoints other than deepseek_router have no bias tensor: the
+  // config's correction_bias is cleared (a zero bias), as Hugging Face loads them.
+  EXPECT_EQ((*router)->config().correction_bias, name == "deepseek_router");
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, CheckpointRouterTest,
+                         ::testing::Values("qwen3_bf16", "deepseek_bf16_sharded", "deepseek_f32",
+                                           "deepseek_f16", "mixtral_bf16", "mixtral_f32_sharded",
+                                           "qwen3_mxfp8", "deepseek_router"));
+
+// The engine routes each layer with that layer's gate: Engine::Route equals core's Route on
+// the reference gate and bias, with DeepSeek-V3's groups, bias and scaling from config.json.
+TEST(EngineRouterTest, RoutesWithTheCheckpointsGatePerLayer) {
+  const std::string name = "deepseek_router";
+  const nlohmann::json info = CheckpointInfo(name);
+  EngineOptions options;
+  options.checkpoint_dir = CheckpointDir(name);
+  options.num_threads = 2;
+  auto engine = Engine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ASSERT_TRUE((*engine)->has_router());
+  EXPECT_EQ((*engine)->info().router,
+            "sigmoid_grouped_topk(n_group=4, topk_group=2, e_score_correction_bias, "
+            "renormalize, routed_scaling_factor=2.5)");
+  const ModelConfig& model = (*engine)->info().model;
+  const int64_t e = model.num_experts, h = model.hidden, m = 37;
+  const int k = model.topk;
+  std::mt19937 rng(17);
+  Tensor x = testing::RandomNormal({m, h}, rng);
+  for (int layer : info["moe_layers"].get<std::vector<int>>()) {
+    const std::string l = std::to_string(layer);
+    auto gate = ReadReference<float>(name, "layer" + l + "_gate.f32.bin", e * h);
+    auto bias = ReadReference<float>(name, "layer" + l + "_gate_bias.f32.bin", e);
+    std::vector<int32_t> ids(m * k), want_ids(m * k);
+    std::vector<float> w(m * k), want_w(m * k);
+    ASSERT_TRUE((*engine)
+                    ->Route(layer, x.view(), TensorView(ids.data(), DType::kINT32, {m, k}),
+                            TensorView(w.data(), DType::kFP32, {m, k}))
+                    .ok());
+    ASSERT_TRUE(Route(*model.router, x.view(), TensorView(gate.data(), DType::kFP32, {e, h}),
+                      TensorView(bias.data(), DType::kFP32, {e}),
+                      TensorView(want_ids.data(), DType::kINT32, {m, k}),
+                      TensorView(want_w.data(), DType::kFP32, {m, k}))
+                    .ok());
+    EXPECT_EQ(ids, want_ids) << layer;
+    // The engine's router splits the gate GEMM over threads: only the summation order differs.
+    EXPECT_LT(testing::RelativeL2Error(w, want_w), 1e-6) << layer;
+    for (int t = 0; t < m; ++t) {  // renormalized, times 2.5
+      float sum = 0;
+      for (int j = 0; j < k; ++j) sum += w[t * k + j];
+      EXPECT_NEAR(sum, 2.5f, 1e-5f);
+    }
+  }
+  std::vector<int32_t> ids(k);
+  std::vector<float> w(k);
+  absl::Status dense =
+      (*engine)->Route(0, x.view().Slice(0, 1), TensorView(ids.data(), DType::kINT32, {1, k}),
+                       TensorView(w.data(), DType::kFP32, {1, k}));
+  EXPECT_EQ(dense.code(), absl::StatusCode::kInvalidArgument) << dense;
+  EXPECT_THAT(dense.message(), HasSubstr("dense"));
+}
+
+TEST(EngineRouterTest, BrokenGatesRefuseToStartAndMissingGatesServeWithoutARouter) {
+  EngineOptions options;
+  options.num_threads = 1;
+  options.checkpoint_dir = CheckpointDir("router_nan_gate");
+  auto nan_gate = Engine::Create(options);
+  ASSERT_FALSE(nan_gate.ok());
+  EXPECT_EQ(nan_gate.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(nan_gate.status().message(),
+              HasSubstr("model.layers.0.block_sparse_moe.gate.weight"));
+  EXPECT_THAT(nan_gate.status().message(), HasSubstr("non-finite"));
+
+  options.checkpoint_dir = CheckpointDir("router_missing_gate");
+  auto missing = Engine::Create(options);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.status().message(), HasSubstr("model.layers.0.mlp.gate.weight"));
+  EXPECT_THAT(missing.status().message(), HasSubstr("is missing"));
+
+  options.checkpoint_dir = CheckpointDir("router_no_gates");
+  auto none = Engine::Create(options);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE((*none)->has_router());
+  EXPECT_TRUE((*none)->info().router.empty());
+  EXPECT_THAT((*none)->info().no_router_reason, HasSubstr("no router gates"));
+  const int64_t h = (*none)->info().model.hidden;
+  const int k = (*none)->info().model.topk;
+  std::vector<float> x(h, 0.5f), w(k);
+  std::vector<int32_t> ids(k);
+  absl::Status s = (*none)->Route(0, TensorView(x.data(), DType::kFP32, {1, h}),
+                                  TensorView(ids.data(), DType::kINT32, {1, k}),
+                                  TensorView(w.data(), DType::kFP32, {1, k}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+}
 
 }  // namespace
 }  // namespace moeserve

@@ -203,6 +203,43 @@ TEST(ForwardBatcherTest, ExpiredAndCancelledCallsAreDroppedBeforeRunning) {
   EXPECT_EQ(stats.calls, 1);
 }
 
+// The queue-wait bound: once the batcher knows the engine's time per token, a call that would
+// wait longer than max_queue_wait behind the queue is refused at once (RESOURCE_EXHAUSTED naming
+// the bound); the others are answered correctly; a call to an empty queue is always taken.
+TEST(ForwardBatcherTest, QueueWaitBoundRefusesWhatWouldWaitTooLong) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  // A long batch delay keeps the burst queued however slowly it is submitted (a loaded machine),
+  // so every call after the first finds work queued ahead of it.
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
+                                                        .max_batch_delay = absl::Seconds(2),
+                                                        .max_queue_wait = absl::Microseconds(1)});
+  std::mt19937 rng(14);
+  Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
+  ASSERT_TRUE(SubmitAsync(*batcher, warm).get().first.ok());  // learns the time per token
+  std::vector<Call> calls;
+  for (int i = 0; i < 8; ++i) calls.push_back(MakeCall(m, 16, 1, DType::kFP32, rng));
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+  for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+  int refused = 0, answered = 0;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const absl::Status s = futures[i].get().first;
+    if (s.code() == absl::StatusCode::kResourceExhausted) {
+      EXPECT_NE(s.message().find("max_queue_wait"), std::string::npos) << s;
+      ++refused;
+      continue;
+    }
+    ASSERT_TRUE(s.ok()) << s;
+    ++answered;
+    Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
+    ASSERT_TRUE(engine->Forward(calls[i].input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0);
+  }
+  EXPECT_GE(answered, 1);  // the first of the burst found the queue empty
+  EXPECT_GE(refused, 1);
+  EXPECT_EQ(batcher->stats().refused_queue_full, refused);
+}
+
 // Destroying the batcher answers what is still queued (UNAVAILABLE), never drops it; M = 0 is
 // answered at once; bad limits are refused.
 TEST(ForwardBatcherTest, ShutdownAnswersQueuedCallsAndLimitsAreChecked) {
@@ -226,6 +263,84 @@ TEST(ForwardBatcherTest, ShutdownAnswersQueuedCallsAndLimitsAreChecked) {
   for (auto& f : futures) {
     EXPECT_EQ(f.get().first.code(), absl::StatusCode::kUnavailable);
   }
+}
+
+// Two steps in flight (an engine with two lanes): the scheduler hands steps to two runners while
+// it forms the next. Many concurrent callers, mixed layers, dtypes and sizes: every call gets
+// exactly its rows, and some steps ran at the same time.
+TEST(ForwardBatcherTest, TwoStepsInFlightKeepEveryCallsRows) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 512;
+  o.steps_in_flight = 2;
+  auto engine = *Engine::Create(o);
+  ASSERT_EQ(engine->steps_in_flight(), 2);
+  auto oracle = ReferenceEngine();  // one lane, same weights
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(), {.max_batch_tokens = 48, .max_batch_delay = absl::ZeroDuration()});
+  std::mt19937 rng(12);
+  const DType dtypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+  std::vector<Call> calls;
+  for (int i = 0; i < 60; ++i) {
+    calls.push_back(MakeCall(m, 1 + (i * 13) % 40, i % m.num_layers, dtypes[i % 3], rng));
+  }
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures(calls.size());
+  std::vector<std::thread> submitters;
+  for (int t = 0; t < 4; ++t) {
+    submitters.emplace_back([&, t] {
+      for (size_t i = t; i < calls.size(); i += 4) futures[i] = SubmitAsync(*batcher, calls[i]);
+    });
+  }
+  for (std::thread& t : submitters) t.join();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto [status, timings] = futures[i].get();
+    ASSERT_TRUE(status.ok()) << status;
+    Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
+    ASSERT_TRUE(oracle->Forward(calls[i].input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0)
+        << "call " << i;
+  }
+  EXPECT_EQ(batcher->stats().calls, static_cast<int64_t>(calls.size()));
+}
+
+// The engine's lanes: concurrent Forward calls beyond the lane count wait, none is lost, each
+// is correct; more lanes than the plan allows are refused with a reason.
+TEST(ForwardBatcherTest, EngineLanesRunConcurrentForwards) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.steps_in_flight = 3;
+  auto engine = *Engine::Create(o);
+  auto oracle = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(13);
+  std::vector<Call> calls;
+  for (int i = 0; i < 24; ++i)
+    calls.push_back(MakeCall(m, 3 + i, i % m.num_layers, DType::kBF16, rng));
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> statuses(calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    threads.emplace_back(
+        [&, i] { statuses[i] = engine->Forward(calls[i].input(), calls[i].out.view()); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i];
+    Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
+    ASSERT_TRUE(oracle->Forward(calls[i].input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0)
+        << "call " << i;
+  }
+  o.steps_in_flight = 9;
+  EXPECT_EQ(Engine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.steps_in_flight = -1;
+  EXPECT_EQ(Engine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  // Collectives between ranks must run in one order: one step at a time.
+  EngineOptions ep = engine_testing::SeedMegaMoe(2, "all2all_contiguous", "reference");
+  ep.steps_in_flight = 2;
+  absl::Status refused = Engine::Create(ep).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("steps_in_flight"), std::string::npos) << refused;
+  ep.steps_in_flight = 0;  // auto: one
+  EXPECT_EQ((*Engine::Create(ep))->steps_in_flight(), 1);
 }
 
 }  // namespace

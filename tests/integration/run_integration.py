@@ -3,7 +3,11 @@
 client, check answers against the clients' independent references, then SIGTERM it.
 
   run_integration.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli \
-      --source-dir REPO --case cli|python|load|all
+      --source-dir REPO --case cli|python|load|ep16|unix|closed|stream|secure|checkpoint|all
+
+closed: the default flags (no expert weights; --check names the flag). stream: experts larger
+than the server's message limit, streamed by both clients. secure: mutual TLS and a bearer
+token (certificates made with the openssl CLI), on the API and HTTPS metrics.
 
 Each case starts its own server (--model tiny, ports chosen by the kernel), waits (bounded) for
 the ready file and health SERVING, runs its checks, and finishes by sending SIGTERM and requiring
@@ -47,7 +51,7 @@ class Server:
     """The moeserve process; a context manager that always kills it on the way out."""
 
     def __init__(self, binary, workdir, extra_args=(), startup_timeout=60.0,
-                 listen="127.0.0.1:0"):
+                 listen="127.0.0.1:0", metrics_scheme="http"):
         self.binary = binary
         self.listen = listen
         self.workdir = workdir
@@ -58,6 +62,7 @@ class Server:
         self.proc = None
         self.target = None
         self.metrics = None
+        self.metrics_scheme = metrics_scheme
 
     def __enter__(self):
         cmd = [self.binary, "--listen", self.listen, "--metrics_address", "127.0.0.1:0",
@@ -136,12 +141,14 @@ class Server:
 
 
 class Cli:
-    def __init__(self, binary):
+    def __init__(self, binary, common_args=()):
         self.binary = binary
         self.target = None
+        self.common_args = list(common_args)  # e.g. TLS and token flags for every command
 
-    def run(self, command, *args, allow_fail=False, timeout=CMD_TIMEOUT_S):
-        cmd = [self.binary, command, f"--target={self.target}"] + list(args)
+    def run(self, command, *args, allow_fail=False, timeout=CMD_TIMEOUT_S, common=True):
+        cmd = ([self.binary, command, f"--target={self.target}"] +
+               (self.common_args if common else []) + list(args))
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if not allow_fail and r.returncode != 0:
             raise Failure(f"{' '.join(cmd)} exited {r.returncode}\nstdout:\n{r.stdout}\n"
@@ -216,7 +223,8 @@ def case_cli(server, cli, workdir):
     check(cli.run("health").stdout.strip() == "SERVING", "not SERVING after a bad request")
 
     # The metrics endpoint named in the ready file answers.
-    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(f"{server.metrics_scheme}://{server.metrics}/metrics",
+                                timeout=10) as resp:
         check(resp.status == 200, f"metrics answered HTTP {resp.status}")
         body = resp.read().decode(errors="replace")
     check(len(body) > 0, "empty metrics page")
@@ -297,6 +305,142 @@ def case_checkpoint(server, cli, workdir):
         check(r.returncode == 2 and "INVALID_ARGUMENT" in (r.stdout + r.stderr),
               f"dense layer {dense[0]}: exit {r.returncode}, {r.stdout} {r.stderr}")
         log(f"dense layer {dense[0]} refused with INVALID_ARGUMENT")
+
+
+def case_closed(server, cli, workdir, source_dir):
+    """Default flags (issue 14): the expert weights are not handed out; --check says which flag
+    the server needs, and plain forwards still work."""
+    r = cli.run("forward", "--tokens=4", "--check", allow_fail=True)
+    check(r.returncode == 2 and "FAILED_PRECONDITION" in r.stderr and
+          "--enable_get_expert_weights" in r.stderr,
+          f"--check against a closed server: exit {r.returncode}, stderr {r.stderr!r}")
+    log("closed server: forward --check refused, naming --enable_get_expert_weights")
+    r = cli.run("forward", "--tokens=4")
+    check("output: dtype=bf16" in r.stdout, f"plain forward:\n{r.stdout}")
+    import grpc
+    mc, _ = import_python_client(source_dir)
+    with mc.MoeClient(server.target) as client:
+        try:
+            client.expert_weights(0, 1)
+            raise Failure("expert_weights answered on a closed server")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.FAILED_PRECONDITION and
+                  "--enable_get_expert_weights" in e.details(), f"python: {e.code()} {e.details()}")
+
+
+def case_stream(server, cli, workdir, source_dir):
+    """An expert larger than the server's message limit (--max_message_bytes=65536; a tiny
+    expert is 192 KiB): the C++ and Python clients stream it, and --check passes."""
+    for dtype in ("bf16", "fp32"):
+        r = cli.run("forward", "--tokens=8", f"--dtype={dtype}", "--check", "--seed=3",
+                    f"--tolerance={TOL[dtype]}")
+        err = parse_error(r.stdout)
+        check(err < TOL[dtype], f"streamed experts, {dtype}: relative_l2_error {err}")
+        log(f"cli forward --check with streamed experts, {dtype}: relative_l2_error={err:.3g}")
+    import grpc
+    import numpy as np
+    mc, _ = import_python_client(source_dir)
+    with mc.MoeClient(server.target) as client:
+        w13, w2 = client.expert_weights(1, 3)  # chooses the stream by itself
+        s13, s2 = client.stream_expert_weights(1, 3, chunk_bytes=1000)
+        check(w13.shape == s13.shape and np.array_equal(w13, s13) and np.array_equal(w2, s2),
+              "python: streamed weights differ between chunk sizes")
+        check(float(np.abs(w13).sum()) > 0, "python: all-zero weights")
+        try:
+            client._call(client._stub.GetExpertWeights,
+                         mc.client.pb.GetExpertWeightsRequest(layer=1, expert=3), None)
+            raise Failure("the unary RPC answered an expert larger than the limit")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and
+                  "StreamExpertWeights" in e.details(), f"unary: {e.code()} {e.details()}")
+    log("python client: expert streamed, unary refused with RESOURCE_EXHAUSTED")
+
+
+TOKEN = "integration-token-0123456789abcdef"
+
+
+def make_certs(workdir):
+    """A CA, a server certificate (localhost, 127.0.0.1) and a client certificate, with the
+    openssl CLI; returns their paths."""
+    d = os.path.join(workdir, "certs")
+    os.makedirs(d)
+    p = {n: os.path.join(d, n) for n in ("ca.key", "ca.pem", "server.key", "server.pem",
+                                         "client.key", "client.pem", "ext.cnf", "tokens")}
+    with open(p["ext.cnf"], "w") as f:
+        f.write("basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
+                "subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    with open(p["tokens"], "w") as f:
+        f.write(f"# moeserve API tokens\n{TOKEN}\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+    openssl("req", "-x509", *ec, "-keyout", p["ca.key"], "-out", p["ca.pem"], "-days", "2",
+            "-subj", "/CN=moeserve integration CA")
+    for name, serial in (("server", "2"), ("client", "3")):
+        csr = os.path.join(d, name + ".csr")
+        openssl("req", *ec, "-keyout", p[name + ".key"], "-out", csr, "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", csr, "-CA", p["ca.pem"], "-CAkey", p["ca.key"],
+                "-set_serial", serial, "-days", "2", "-extfile", p["ext.cnf"],
+                "-out", p[name + ".pem"])
+    return p
+
+
+def secure_server_args(certs):
+    return ["--tls_cert", certs["server.pem"], "--tls_key", certs["server.key"],
+            "--tls_client_ca", certs["ca.pem"], "--auth_token_file", certs["tokens"],
+            "--metrics_tls_cert", certs["server.pem"], "--metrics_tls_key", certs["server.key"],
+            "--enable_get_expert_weights"]
+
+
+def secure_cli_args(certs):
+    return ["--tls_ca", certs["ca.pem"], "--tls_cert", certs["client.pem"],
+            "--tls_key", certs["client.key"], "--auth_token_file", certs["tokens"],
+            "--tls_server_name", "localhost"]
+
+
+def case_secure(server, cli, workdir, source_dir, certs):
+    """TLS with client certificates and a bearer token: the CLI and the Python client with the
+    right credentials get checked answers; without the token or the certificate, refusals."""
+    r = cli.run("forward", "--tokens=16", "--check", "--seed=9")
+    err = parse_error(r.stdout)
+    check(err < TOL["bf16"], f"secure forward: relative_l2_error {err}")
+    log(f"secure cli forward --check: relative_l2_error={err:.3g}")
+    no_token = [a for a in secure_cli_args(certs) if a not in ("--auth_token_file",
+                                                                certs["tokens"])]
+    r = cli.run("info", *no_token, allow_fail=True, common=False)
+    check(r.returncode == 2 and "UNAUTHENTICATED" in r.stderr and "--auth_token_file" in r.stderr,
+          f"no token: exit {r.returncode}, stderr {r.stderr!r}")
+    r = cli.run("health", *no_token, allow_fail=True, common=False)
+    check(r.returncode == 0 and r.stdout.strip() == "SERVING", "health needs no token")
+    no_cert = ["--tls_ca", certs["ca.pem"], "--auth_token_file", certs["tokens"],
+               "--tls_server_name", "localhost"]
+    r = cli.run("info", *no_cert, allow_fail=True, common=False)
+    check(r.returncode == 2 and "UNAVAILABLE" in r.stderr,
+          f"no client certificate: exit {r.returncode}, stderr {r.stderr!r}")
+    r = cli.run("info", allow_fail=True, common=False)
+    check(r.returncode == 2, "plaintext call to a TLS server answered")
+    log("secure: no token -> UNAUTHENTICATED, no client certificate / plaintext -> refused")
+
+    example = os.path.join(source_dir, "clients", "python", "examples", "forward_example.py")
+    import_python_client(source_dir)  # generates the stubs if needed
+    r = subprocess.run([sys.executable, example, f"--target={server.target}", "--dtype=fp32",
+                        "--tokens=5", f"--tls_ca={certs['ca.pem']}",
+                        f"--tls_cert={certs['client.pem']}", f"--tls_key={certs['client.key']}",
+                        f"--auth_token_file={certs['tokens']}"],
+                       capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    check(r.returncode == 0, f"python over mutual TLS exited {r.returncode}:\n{r.stdout}\n"
+                             f"{r.stderr}")
+    err = parse_error(r.stdout)
+    check(err < TOL["fp32"], f"python secure fp32: relative_l2_error {err}")
+    log(f"secure python forward fp32: relative_l2_error={err:.3g}")
+
+    import ssl
+    ctx = ssl.create_default_context(cafile=certs["ca.pem"])
+    url = f"https://localhost:{server.metrics.rsplit(':', 1)[1]}/metrics"
+    with urllib.request.urlopen(url, timeout=10, context=ctx) as resp:
+        check(resp.status == 200, f"HTTPS metrics answered {resp.status}")
+    log("secure: metrics over HTTPS answered 200")
 
 
 # (checkpoint folder under --checkpoints, served weight format)
@@ -388,12 +532,81 @@ def case_python(server, cli, workdir, source_dir):
         log(f"forward_example.py {dtype}: relative_l2_error={err:.3g}")
 
 
+def case_shm(server, cli, workdir, source_dir):
+    """--enable_shared_memory: tensors and answers through POSIX shared memory, from the CLI
+    (forward --shm --check, load --shm) and from the Python client's shared_memory module."""
+    for dtype in ("bf16", "fp32"):
+        r = cli.run("forward", "--shm", "--tokens=20", f"--dtype={dtype}", "--check", "--seed=9")
+        check("check passed" in r.stdout, f"cli forward --shm ({dtype}) failed:\n{r.stdout}")
+        log(f"cli forward --shm, {dtype}: " + r.stdout.strip().splitlines()[-2])
+    r = cli.run("load", "--shm", "--requests=48", "--concurrency=4", "--tokens=8")
+    check(re.search(r"^ok=48 errors=0 not_sent=0 ", r.stdout, re.M) is not None,
+          f"load --shm:\n{r.stdout}")
+    check("transport=shm" in r.stdout, f"load --shm did not say so:\n{r.stdout}")
+
+    import grpc
+    import numpy as np
+    mc, _ = import_python_client(source_dir)
+    from moeserve_client import shared_memory as shm
+    with mc.MoeClient(server.target) as client:
+        info = client.info()
+        layer = info.num_layers - 1
+        m, h, k = 10, info.hidden, info.topk
+        x, ids, w = mc.random_inputs(m, h, info.num_experts, k, seed=17)
+        experts = {int(e): client.expert_weights(layer, int(e)) for e in np.unique(ids)}
+        region = shm.SystemRegion.create(1 << 20)
+        try:
+            shm.register_system(client, "py0", region)
+            for name, hidden_in, ids_dtype in (("bf16", mc.bf16_encode(x), np.int32),
+                                               ("fp32", x, np.int64)):
+                hx = region.ndarray(0, (m, h), name)
+                hx[:] = hidden_in
+                ti = region.ndarray(64 << 10, (m, k), ids_dtype)
+                ti[:] = ids
+                tw = region.ndarray(128 << 10, (m, k), np.float32)
+                tw[:] = w
+                out = region.ndarray(256 << 10, (m, h), name)
+                out[:] = 0
+                res = shm.forward(client, region, hx, ti, tw, out, layer=layer, dtype=name,
+                                  return_timings=True)
+                check(res.shape == (m, h) and res.dtype == name, f"python shm answer {res}")
+                got = mc.bf16_decode(out) if name == "bf16" else np.array(out)
+                x_sent = mc.bf16_decode(hidden_in) if name == "bf16" else x
+                err = mc.relative_l2_error(got, mc.reference_forward(x_sent, ids, w, experts))
+                log(f"python shm forward {name}: relative_l2_error={err:.3g}")
+                check(err < TOL[name], f"python shm {name} relative_l2_error {err}")
+                del hx, ti, tw, out
+            regions = shm.status(client)
+            check(len(regions) == 1 and regions[0]["name"] == "py0" and
+                  regions[0]["kind"] == "system" and regions[0]["key"] == region.key and
+                  regions[0]["byte_size"] == region.size and
+                  regions[0]["calls_in_flight"] == 0, f"status {regions}")
+            try:
+                shm.register_system(client, "py0", region)
+                raise Failure("a duplicate region name was accepted")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.ALREADY_EXISTS, f"duplicate gave {e.code()}")
+            shm.unregister(client, "py0")
+            check(shm.status(client) == [], "region still listed after unregister")
+            try:
+                shm.forward_refs(client, layer, ("py0", 0, m * h * 4), "fp32", m, h,
+                                 ("py0", 64 << 10, m * k * 4), k, ("py0", 128 << 10, m * k * 4),
+                                 ("py0", 256 << 10, m * h * 4))
+                raise Failure("a call naming an unregistered region was accepted")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "py0" in e.details(),
+                      f"unregistered region gave {e.code()}: {e.details()}")
+        finally:
+            region.close()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--server", required=True)
     p.add_argument("--cli", required=True)
     p.add_argument("--source-dir", required=True)
-    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "unix", "checkpoint", "all"],
+    p.add_argument("--case", choices=["cli", "python", "load", "ep16", "unix", "shm", "checkpoint",
+                                      "closed", "stream", "secure", "all"],
                    default="all")
     p.add_argument("--checkpoints", default="",
                    help="folder of scripts/make_test_checkpoint.py --suite (checkpoint case)")
@@ -406,7 +619,8 @@ def main():
             print(f"[integration] FAIL: {path} is missing or not executable (build it first)",
                   file=sys.stderr)
             return 1
-    cases = ["cli", "python", "load", "ep16", "unix"] if args.case == "all" else [args.case]
+    cases = (["cli", "python", "load", "ep16", "unix", "shm", "closed", "stream", "secure"]
+             if args.case == "all" else [args.case])
     runs = []  # (case, extra server args)
     for case in cases:
         if case == "checkpoint":
@@ -418,16 +632,30 @@ def main():
             for name, fmt in CHECKPOINT_CASES:
                 runs.append((case, ["--checkpoint", os.path.join(args.checkpoints, name),
                                     "--weight_format", fmt]))
+        elif case == "closed":
+            runs.append((case, []))  # the defaults: no expert weights
+        elif case == "stream":
+            runs.append((case, ["--enable_get_expert_weights", "--max_message_bytes=65536"]))
         else:
-            runs.append((case, EP16_ARGS if case == "ep16" else []))
+            runs.append((case, EP16_ARGS if case == "ep16" else
+                         ["--enable_shared_memory"] if case == "shm" else []))
     for case, extra in runs:
         with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
             cli = Cli(args.cli)
+            certs = None
             try:
-                listen = ("unix:" + os.path.join(workdir, "moeserve.sock") if case == "unix"
-                          else "127.0.0.1:0")
-                with Server(args.server, workdir, extra_args=extra,
-                            startup_timeout=args.startup_timeout, listen=listen) as server:
+                listen = ("unix:" + os.path.join(workdir, "moeserve.sock")
+                          if case in ("unix", "shm") else "127.0.0.1:0")
+                server_args = list(extra)
+                if case not in ("closed", "stream", "secure"):
+                    server_args.append("--enable_get_expert_weights")  # --check needs it
+                if case == "secure":
+                    certs = make_certs(workdir)
+                    server_args += secure_server_args(certs)
+                    cli = Cli(args.cli, secure_cli_args(certs))
+                with Server(args.server, workdir, extra_args=server_args,
+                            startup_timeout=args.startup_timeout, listen=listen,
+                            metrics_scheme="https" if certs else "http") as server:
                     server.wait_ready(cli)
                     if case == "cli":
                         case_cli(server, cli, workdir)
@@ -439,6 +667,14 @@ def main():
                         case_unix(server, cli, workdir)
                     elif case == "checkpoint":
                         case_checkpoint(server, cli, workdir)
+                    elif case == "closed":
+                        case_closed(server, cli, workdir, args.source_dir)
+                    elif case == "stream":
+                        case_stream(server, cli, workdir, args.source_dir)
+                    elif case == "secure":
+                        case_secure(server, cli, workdir, args.source_dir, certs)
+                    elif case == "shm":
+                        case_shm(server, cli, workdir, args.source_dir)
                     else:
                         case_python(server, cli, workdir, args.source_dir)
                     server.terminate_and_check(args.shutdown_timeout)

@@ -468,6 +468,43 @@ TEST(ForwardWireTest, Utf8VerdictAgreesWithProtobuf) {
   EXPECT_GT(invalid, 1000);
 }
 
+// The other strings a client sends -- a RegionRef's name (output_region, a tensor's region) --
+// and the answer's error_message are checked the same way: no protobuf log line.
+TEST(ForwardWireTest, NestedAndErrorStringsCheckedWithoutProtobufLog) {
+  for (const bool valid : {true, false}) {
+    const std::string name = valid ? "region-\xc3\xa9" : "region-\xff";
+    const std::string region = Len(1, name) + Tag(2, 0) + Varint(0);
+    const std::vector<std::pair<std::string, std::string>> requests = {
+        {"output_region", Len(7, region)},
+        {"hidden_states.region", Len(2, Tag(1, 0) + Varint(1) + Len(4, region))}};
+    for (const auto& [what, bytes] : requests) {
+      g_protobuf_log_lines = 0;
+      google::protobuf::LogHandler* old = google::protobuf::SetLogHandler(&CountProtobufLog);
+      absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(Split(bytes, {}));
+      google::protobuf::SetLogHandler(old);
+      EXPECT_EQ(g_protobuf_log_lines, 0) << what;
+      ASSERT_EQ(v.ok(), valid) << what << ": " << v.status();
+      if (valid) {
+        const std::string got = what == "output_region" ? v->header.output_region().name()
+                                                        : v->hidden_states.header.region().name();
+        EXPECT_EQ(got, name) << what;
+      } else {
+        EXPECT_NE(v.status().message().find("not valid UTF-8"), std::string::npos) << v.status();
+      }
+    }
+    const std::string response = Tag(6, 0) + Varint(8) + Len(7, valid ? "fine" : "bad \xc0\x80");
+    g_protobuf_log_lines = 0;
+    google::protobuf::LogHandler* old = google::protobuf::SetLogHandler(&CountProtobufLog);
+    absl::StatusOr<ForwardResponseView> r = DecodeForwardResponse(Split(response, {}));
+    google::protobuf::SetLogHandler(old);
+    EXPECT_EQ(g_protobuf_log_lines, 0);
+    ASSERT_EQ(r.ok(), valid) << r.status();
+    if (valid) {
+      EXPECT_EQ(r->header.error_code(), 8);
+    }
+  }
+}
+
 TEST(ForwardWireTest, FuzzAgreesWithProtobuf) {
   std::mt19937_64 rng(20240611);
   int accepted = 0, rejected = 0;

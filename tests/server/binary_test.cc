@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -184,6 +185,79 @@ TEST(BinaryTest, LimitsBeyondMemoryExitOne) {
                                      "--intermediate=32", "--threads=1"};
     for (absl::string_view a : absl::StrSplit(bad, ' ')) args.emplace_back(a);
     Process p(args);
+    EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
+  }
+}
+
+// The default of `flag` as --helpfull prints it ("" if absent).
+std::string HelpDefault(const std::string& help, const std::string& flag) {
+  std::smatch m;
+  const std::regex re("--" + flag + " \\([\\s\\S]*?\\);\\s+default: (\"[^\"]*\"|\\w+);");
+  return std::regex_search(help, m, re) ? m[1].str() : "";
+}
+
+// Issue 14 item 1: the binary listened on 0.0.0.0:50051 and 0.0.0.0:9090 unless told
+// otherwise, with reflection and GetExpertWeights always on.
+TEST(BinaryTest, DefaultsAreLoopbackAndClosed) {
+  std::string help;
+  FILE* f = popen(MOESERVE_BINARY " --helpfull 2>&1", "r");
+  ASSERT_NE(f, nullptr);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) help.append(buf, n);
+  pclose(f);
+  EXPECT_EQ(HelpDefault(help, "listen"), "\"127.0.0.1:50051\"") << help.substr(0, 2000);
+  EXPECT_EQ(HelpDefault(help, "metrics_address"), "\"127.0.0.1:9464\"");
+  EXPECT_EQ(HelpDefault(help, "enable_reflection"), "false");
+  EXPECT_EQ(HelpDefault(help, "enable_get_expert_weights"), "false");
+  EXPECT_EQ(HelpDefault(help, "bootstrap_listen"), "\"\"");
+  EXPECT_EQ(HelpDefault(help, "auth_token_file"), "\"\"");
+}
+
+TEST(BinaryTest, ExpertWeightsOnlyWithTheFlag) {
+  for (const bool enable : {false, true}) {
+    const std::string ready = TempPath(enable ? "moeserve_ready_gew1" : "moeserve_ready_gew0");
+    std::remove(ready.c_str());
+    std::vector<std::string> args = {"--listen=127.0.0.1:0",
+                                     "--metrics_address=",
+                                     "--ready_file=" + ready,
+                                     "--hidden=64",
+                                     "--intermediate=32",
+                                     "--num_experts=4",
+                                     "--topk=2",
+                                     "--threads=1"};
+    if (enable) args.push_back("--enable_get_expert_weights");
+    Process p(args);
+    const std::vector<std::string> lines = WaitForReadyFile(p, ready);
+    ASSERT_EQ(lines.size(), 1u);
+    auto stub =
+        v1::MoeService::NewStub(grpc::CreateChannel(lines[0], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::GetExpertWeightsRequest req;
+    req.set_expert(1);
+    v1::GetExpertWeightsResponse resp;
+    grpc::Status s = stub->GetExpertWeights(&ctx, req, &resp);
+    if (enable) {
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(resp.w13().data().size(), 2u * 32 * 64 * 2);
+    } else {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+      EXPECT_THAT(s.error_message(), HasSubstr("--enable_get_expert_weights"));
+    }
+    p.Signal(SIGTERM);
+    EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
+    std::remove(ready.c_str());
+  }
+}
+
+TEST(BinaryTest, UnusableSecurityFlagsExitOne) {
+  for (const char* bad :
+       {"--tls_cert=/nonexistent/cert.pem", "--tls_key=/nonexistent/key.pem",
+        "--tls_client_ca=/nonexistent/ca.pem", "--auth_token_file=/nonexistent/tokens",
+        "--metrics_tls_cert=/nonexistent/cert.pem", "--internal_tls_cert=/nonexistent/c.pem",
+        "--bootstrap_token_file=/nonexistent/tokens", "--tls_refresh_s=0"}) {
+    Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
+               "--threads=1", bad});
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
   }
 }

@@ -282,6 +282,73 @@ TEST_F(LimitsTest, CallsRefusedBeforeTheHandlerAreCountedWithTheirCode) {
   EXPECT_EQ(after.find("NoSuchMethod"), std::string::npos);
 }
 
+// The same byte budget for the layer calls of a ForwardStream (which share RunForward with
+// Forward): a message over it is refused with its own RESOURCE_EXHAUSTED, the stream goes on,
+// and each layer call is counted as ForwardStream.call with its code, the stream once.
+TEST_F(LimitsTest, StreamMessagesShareTheByteBudget) {
+  const std::string before = Scrape();
+  auto channel = NewChannel();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = v1::MoeService::NewStub(channel)->ForwardStream(&ctx);
+  v1::ForwardRequest small = Random(8);
+  small.set_request_id("small");
+  v1::ForwardRequest huge = Random(8);
+  huge.set_request_id(std::string(kMaxQueuedBytes + 1, 'x'));
+  ASSERT_TRUE(stream->Write(small));
+  ASSERT_TRUE(stream->Write(huge));
+  ASSERT_TRUE(stream->Write(small));
+  ASSERT_TRUE(stream->WritesDone());
+  std::vector<v1::ForwardResponse> answers;
+  v1::ForwardResponse answer;
+  while (stream->Read(&answer)) answers.push_back(answer);
+  const grpc::Status status = stream->Finish();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answers.size(), 3u);
+  EXPECT_EQ(answers[0].error_code(), 0) << answers[0].error_message();
+  EXPECT_EQ(answers[0].request_id(), "small");
+  EXPECT_EQ(answers[1].error_code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_THAT(answers[1].error_message(), HasSubstr("ForwardStream"));
+  EXPECT_THAT(answers[1].error_message(), HasSubstr("max_queued_bytes=8388608"));
+  EXPECT_EQ(answers[2].error_code(), 0) << answers[2].error_message();
+  EXPECT_EQ(server_->service().held_bytes(), 0);
+  std::string after;
+  auto counted = [&](const std::string& method, const std::string& code) {
+    return Delta(after, before, "moeserve_requests_total",
+                 {"method=\"" + method + "\"", "code=\"" + code + "\""});
+  };
+  WaitFor([&] {
+    after = Scrape();
+    return counted("ForwardStream", "OK") >= 1;
+  });
+  EXPECT_EQ(counted("ForwardStream", "OK"), 1);
+  EXPECT_EQ(counted("ForwardStream.call", "OK"), 2);
+  EXPECT_EQ(counted("ForwardStream.call", "RESOURCE_EXHAUSTED"), 1);
+}
+
+// A ForwardStream whose client never reads its answers is cancelled after --max_answer_hold_ms,
+// as a unary call is, and what its calls held is released.
+TEST_F(LimitsTest, StreamThatNeverReadsIsCancelled) {
+  // No BDP probing and a 64 KiB stream window: an answer of 1 MiB cannot be taken unread.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  auto channel = NewChannel(args);
+  const int64_t cancelled_before = server_->service().answers_cancelled();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = v1::MoeService::NewStub(channel)->ForwardStream(&ctx);
+  const v1::ForwardRequest request = Random(2048);  // 1 MiB in, 1 MiB out (FP32, hidden 128)
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(stream->Write(request));
+  EXPECT_TRUE(WaitFor([&] { return server_->service().answers_cancelled() > cancelled_before; }));
+  EXPECT_TRUE(WaitFor([&] { return server_->service().held_bytes() == 0; }))
+      << server_->service().held_bytes();
+  stream->WritesDone();
+  v1::ForwardResponse answer;
+  while (stream->Read(&answer)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+}
+
 TEST(ByteBudgetTest, AdmitsUpToTheLimitAndReleases) {
   ByteBudget budget(100);
   EXPECT_TRUE(budget.TryAcquire(60));
@@ -301,6 +368,8 @@ TEST(ByteBudgetTest, AdmitsUpToTheLimitAndReleases) {
 TEST(MethodLabelTest, IsBounded) {
   EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/Forward"), "Forward");
   EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/GetExpertWeights"), "GetExpertWeights");
+  EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/ForwardStream"), "ForwardStream");
+  EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/SharedMemoryStatus"), "SharedMemoryStatus");
   EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/Forward2"), "unknown");
   EXPECT_EQ(MethodLabel("/grpc.health.v1.Health/Watch"), "grpc.health.v1.Health/Watch");
   EXPECT_EQ(MethodLabel("/x"), "unknown");

@@ -81,7 +81,7 @@ TEST(MetricsHttpServerTest, SlowAndIdleConnectionsDoNotDelayAScrape) {
   options.request_timeout = std::chrono::seconds(30);
   options.write_timeout = std::chrono::seconds(30);
   auto server = MetricsHttpServer::Start(
-      "127.0.0.1:0", [] { return "up 1\n"; }, options);
+      "127.0.0.1:0", [] { return "up 1\n"; }, /*tls=*/{}, options);
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   std::vector<int> idle;
@@ -127,7 +127,7 @@ TEST(MetricsHttpServerTest, IdleConnectionsAreDroppedAndBounded) {
   options.max_connections = 4;
   options.request_timeout = std::chrono::milliseconds(300);
   auto server = MetricsHttpServer::Start(
-      "127.0.0.1:0", [] { return "up 1\n"; }, options);
+      "127.0.0.1:0", [] { return "up 1\n"; }, /*tls=*/{}, options);
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   const int lone = Connect(port);
@@ -140,7 +140,7 @@ TEST(MetricsHttpServerTest, IdleConnectionsAreDroppedAndBounded) {
 
   options.request_timeout = std::chrono::seconds(30);
   server = MetricsHttpServer::Start(
-      "127.0.0.1:0", [] { return "up 1\n"; }, options);
+      "127.0.0.1:0", [] { return "up 1\n"; }, /*tls=*/{}, options);
   ASSERT_TRUE(server.ok()) << server.status();
   std::vector<int> idle;
   for (int i = 0; i < 10; ++i) idle.push_back(Connect((*server)->port()));
@@ -149,11 +149,12 @@ TEST(MetricsHttpServerTest, IdleConnectionsAreDroppedAndBounded) {
   EXPECT_GE(stats.evicted, 7);
   EXPECT_LE(stats.open_connections, 4);
   for (int fd : idle) ::close(fd);
-  EXPECT_EQ(MetricsHttpServer::Start(
-                "127.0.0.1:0", [] { return ""; }, MetricsHttpOptions{.max_connections = 0})
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      MetricsHttpServer::Start(
+          "127.0.0.1:0", [] { return ""; }, /*tls=*/{}, MetricsHttpOptions{.max_connections = 0})
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -68,6 +68,7 @@ class ServiceTest : public ::testing::Test {
     server_options.server_threads = 2;
     server_options.max_message_bytes = kMaxMessageBytes;
     server_options.metrics_address = "127.0.0.1:0";
+    server_options.enable_get_expert_weights = true;  // off by default: expert_weights_test.cc
     server_ = MoeServer::Start(engine_, server_options).value().release();
 
     grpc::ChannelArguments args;
@@ -507,6 +508,142 @@ TEST_F(ServiceTest, MissingTensorsRejected) {
                  "hidden_states: missing");
 }
 
+// ---- server-side routing (a request without topk_ids / topk_weights) ----
+
+TEST_F(ServiceTest, ServerRoutingUsesTheLayersGateAndReturnsItsChoice) {
+  for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP32}) {
+    v1::ForwardRequest r = Random(9, dtype);
+    r.clear_topk_ids();
+    r.clear_topk_weights();
+    r.set_return_routing(true);
+    r.set_return_timings(true);
+    v1::ForwardResponse resp;
+    grpc::Status s = Call(r, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.topk_ids().dtype(), v1::DTYPE_INT32);
+    ASSERT_EQ(resp.topk_weights().dtype(), v1::DTYPE_FP32);
+    ASSERT_THAT(resp.topk_ids().shape(), ::testing::ElementsAre(9, model().topk));
+    ASSERT_THAT(resp.topk_weights().shape(), ::testing::ElementsAre(9, model().topk));
+    EXPECT_GT(resp.timings().route_us(), 0);
+
+    // The choice is the router's on the same hidden states (the reference engine routes with
+    // the same synthetic gates, independently of the serving engine).
+    const Shape shape = {9, model().hidden};
+    const TensorView hidden(static_cast<const void*>(r.hidden_states().data().data()),
+                            dtype == v1::DTYPE_BF16 ? DType::kBF16 : DType::kFP32, shape);
+    std::vector<int32_t> ids(9 * model().topk);
+    std::vector<float> weights(ids.size());
+    ASSERT_TRUE(reference_
+                    ->Route(1, hidden, TensorView(ids.data(), DType::kINT32, {9, model().topk}),
+                            TensorView(weights.data(), DType::kFP32, {9, model().topk}))
+                    .ok());
+    EXPECT_EQ(resp.topk_ids().data(),
+              std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4));
+    EXPECT_EQ(resp.topk_weights().data(),
+              std::string(reinterpret_cast<const char*>(weights.data()), weights.size() * 4));
+    // Softmax top-k, renormalized (the preset's router): every token's weights sum to 1.
+    for (int t = 0; t < 9; ++t) {
+      float sum = 0;
+      for (int k = 0; k < model().topk; ++k) sum += weights[t * model().topk + k];
+      EXPECT_NEAR(sum, 1.0f, 1e-5f);
+    }
+
+    // The answer is the experts combined with that routing: the reference engine agrees, and
+    // the same call routed by the client answers the same bytes.
+    v1::ForwardRequest routed = r;
+    *routed.mutable_topk_ids() = resp.topk_ids();
+    *routed.mutable_topk_weights() = resp.topk_weights();
+    routed.set_return_routing(false);
+    EXPECT_LT(RelativeL2(DecodeFloats(resp.output().data(), dtype), Expected(routed)),
+              dtype == v1::DTYPE_BF16 ? 1e-2 : 1e-5);
+    v1::ForwardResponse again;
+    ASSERT_TRUE(Call(routed, &again).ok());
+    EXPECT_EQ(again.output().data(), resp.output().data());
+    EXPECT_FALSE(again.has_topk_ids());  // not asked for
+  }
+}
+
+TEST_F(ServiceTest, ReturnRoutingEchoesTheClientsRoutingAsInt32) {
+  v1::ForwardRequest r = Random(4, v1::DTYPE_BF16, v1::DTYPE_INT64);
+  r.set_return_routing(true);
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(Call(r, &resp).ok());
+  ASSERT_EQ(resp.topk_ids().dtype(), v1::DTYPE_INT32);
+  const auto* sent = reinterpret_cast<const int64_t*>(r.topk_ids().data().data());
+  const auto* got = reinterpret_cast<const int32_t*>(resp.topk_ids().data().data());
+  ASSERT_EQ(resp.topk_ids().data().size(), 4u * 3 * 4);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(got[i], sent[i]);
+  EXPECT_EQ(resp.topk_weights().data(), r.topk_weights().data());
+}
+
+TEST_F(ServiceTest, ServerRoutingRefusals) {
+  v1::ForwardRequest only_ids = Random(2);
+  only_ids.clear_topk_weights();
+  ExpectRejected(only_ids, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights: missing while");
+  v1::ForwardRequest only_weights = Random(2);
+  only_weights.clear_topk_ids();
+  ExpectRejected(only_weights, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids: missing while");
+
+  auto unrouted = [&](int64_t m, int layer = 1) {
+    v1::ForwardRequest r = Random(m, v1::DTYPE_BF16, v1::DTYPE_INT32, layer);
+    r.clear_topk_ids();
+    r.clear_topk_weights();
+    return r;
+  };
+  ExpectRejected(unrouted(2, 7), grpc::StatusCode::INVALID_ARGUMENT, "layer");
+  ExpectRejected(unrouted(kMaxTokens + 1), grpc::StatusCode::RESOURCE_EXHAUSTED, "hidden_states");
+  v1::ForwardRequest wrong_hidden = unrouted(2);
+  wrong_hidden.mutable_hidden_states()->set_shape(1, model().hidden / 2);
+  wrong_hidden.mutable_hidden_states()->set_shape(0, 4);
+  ExpectRejected(wrong_hidden, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  // A hostile shape with no bytes ([2^40, 0]) is refused before anything is sized from it.
+  v1::ForwardRequest empty_rows = unrouted(1);
+  empty_rows.mutable_hidden_states()->set_shape(0, int64_t{1} << 40);
+  empty_rows.mutable_hidden_states()->set_shape(1, 0);
+  empty_rows.mutable_hidden_states()->clear_data();
+  ExpectRejected(empty_rows, grpc::StatusCode::INVALID_ARGUMENT, "hidden_states");
+  // M = 0 is valid, as with client-side routing.
+  v1::ForwardRequest zero = unrouted(0);
+  zero.set_return_routing(true);
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(Call(zero, &resp).ok());
+  EXPECT_THAT(resp.topk_ids().shape(), ::testing::ElementsAre(0, model().topk));
+}
+
+TEST(ServiceNoRouterTest, ServerRoutingIsFailedPreconditionWithoutAGate) {
+  EngineOptions options;
+  options.model = TestModel();
+  options.model.router.reset();
+  options.model.no_router_reason = "no gate in this test";
+  options.num_threads = 1;
+  std::unique_ptr<Engine> engine = Engine::Create(options).value();
+  EXPECT_FALSE(engine->has_router());
+  ServerOptions server_options;
+  server_options.listen_addresses = {"127.0.0.1:0"};
+  server_options.metrics_address = "";
+  std::unique_ptr<MoeServer> server = MoeServer::Start(engine.get(), server_options).value();
+  auto stub = v1::MoeService::NewStub(
+      grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));
+  v1::ModelInfo info;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  }
+  EXPECT_FALSE(info.server_routing());
+  EXPECT_EQ(info.router(), "");
+  std::mt19937_64 rng(5);
+  v1::ForwardRequest r = RandomRequest(rng, 0, 3, options.model.hidden, options.model.num_experts,
+                                       options.model.topk, v1::DTYPE_BF16, v1::DTYPE_INT32);
+  r.clear_topk_ids();
+  r.clear_topk_weights();
+  v1::ForwardResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status s = stub->Forward(&ctx, r, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("no gate in this test"));
+  EXPECT_THAT(s.error_message(), HasSubstr("send topk_ids and topk_weights"));
+}
+
 // ---- the other RPCs ----
 
 TEST_F(ServiceTest, HealthIsServing) {
@@ -551,6 +688,8 @@ TEST_F(ServiceTest, GetModelInfo) {
   EXPECT_THAT(info.expert_placement(0).expert_ids(),
               ::testing::ElementsAre(0, 1, 2, 3, 4, 5, 6, 7));
   EXPECT_EQ(info.moe_layers_size(), m.num_layers);
+  EXPECT_TRUE(info.server_routing());
+  EXPECT_EQ(info.router(), "softmax_topk(renormalize)");
 }
 
 TEST_F(ServiceTest, GetExpertWeights) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Calls a running moeserve, then checks its answer with a numpy reference built from the
-experts' weights (GetExpertWeights). Prints relative_l2_error=<value>; exits 1 above tolerance.
+experts' weights (GetExpertWeights: the server needs --enable_get_expert_weights). Prints
+relative_l2_error=<value>; exits 1 above tolerance.
 
   python3 clients/python/examples/forward_example.py --target 127.0.0.1:50051 --dtype bf16
 """
@@ -29,10 +30,20 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative L2 error (default: 1e-2 bf16/fp16, 1e-5 fp32)")
+    p.add_argument("--tls_ca", default=None, help="PEM roots: connect over TLS")
+    p.add_argument("--tls_cert", default=None, help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls_key", default=None, help="PEM key of --tls_cert")
+    p.add_argument("--auth_token_file", default=None,
+                   help="file whose first line is the server's bearer token")
     args = p.parse_args()
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
 
-    with mc.MoeClient(args.target) as client:
+    token = None
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = next(l.strip() for l in f if l.strip() and not l.startswith("#"))
+    with mc.MoeClient(args.target, tls_ca_file=args.tls_ca, tls_cert_file=args.tls_cert,
+                      tls_key_file=args.tls_key, auth_token=token) as client:
         print("health:", client.health())
         info = client.info()
         print(f"model {info.model_name}: experts={info.num_experts} topk={info.topk} "

@@ -8,6 +8,10 @@ Tensors are numpy arrays. Hidden-state dtypes:
     without dtype="bf16" is refused rather than guessed.
   * ml_dtypes.bfloat16 arrays (if you use ml_dtypes) -> BF16, answer bfloat16.
 topk_ids: int32 or int64 [M, K] (sent as given); topk_weights: [M, K], sent as float32.
+Both None: the server routes with the layer's own gate (ModelInfo.server_routing); with
+return_routing=True the answer carries the ids (int32) and weights (float32) it chose.
+
+For torch tensors, CUDA memory and asynchronous calls see moeserve_client.torch_client.
 """
 
 import collections
@@ -31,7 +35,8 @@ _WIRE = {"bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16, "fp32": pb.DTYPE_FP32}
 _FROM_WIRE = {v: k for k, v in _WIRE.items()}
 
 ForwardResult = collections.namedtuple(
-    "ForwardResult", ["output", "request_id", "timings", "latency_s"])
+    "ForwardResult", ["output", "request_id", "timings", "latency_s", "topk_ids", "topk_weights"],
+    defaults=(None, None))
 
 
 def _hidden_dtype(hidden, dtype):
@@ -70,21 +75,51 @@ def _array(tensor, storage):
     return a.reshape(tuple(tensor.shape)).copy()
 
 
+_FRAMING = 1024  # bytes of a message beyond its tensors
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 class MoeClient:
     """A channel to one moeserve server. Thread-safe; close() (or `with`) when done.
 
     timeout: per-call deadline in seconds. max_message_bytes: largest message either way.
     wait_for_ready: calls wait for the channel to connect (up to the timeout) instead of failing
     fast with UNAVAILABLE.
+
+    Secured servers (docs/security.md): tls=True (implied by any of the file arguments) connects
+    over TLS; tls_ca_file verifies the server (default: the system's roots); tls_cert_file and
+    tls_key_file present a client certificate (mutual TLS); tls_server_name is the name the
+    server's certificate carries when it is not the target's host. auth_token is sent as
+    "authorization: Bearer <token>" on every call.
     """
 
-    def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, wait_for_ready=False):
+    def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, wait_for_ready=False,
+                 tls=False, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
+                 tls_server_name=None, auth_token=None):
         self.target = target
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
+        self.max_message_bytes = max_message_bytes
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._info = None
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        if tls or tls_ca_file or tls_cert_file or tls_key_file:
+            if bool(tls_cert_file) != bool(tls_key_file):
+                raise ValueError("tls_cert_file and tls_key_file go together")
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca_file) if tls_ca_file else None,
+                private_key=_read(tls_key_file) if tls_key_file else None,
+                certificate_chain=_read(tls_cert_file) if tls_cert_file else None)
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.MoeServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -99,7 +134,7 @@ class MoeClient:
 
     def _call(self, method, request, timeout):
         return method(request, timeout=self.timeout if timeout is None else timeout,
-                      wait_for_ready=self.wait_for_ready)
+                      wait_for_ready=self.wait_for_ready, metadata=self._metadata)
 
     def health(self, service="", timeout=None):
         """Serving status name: 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN' or 'UNKNOWN'."""
@@ -113,46 +148,96 @@ class MoeClient:
 
     def expert_weights(self, layer, expert, timeout=None):
         """(w13 [2I, H], w2 [H, I]) of one expert as float32, decoded exactly from the served
-        BF16. w13's rows [0, I) are the gate projection, [I, 2I) the up projection."""
+        BF16. w13's rows [0, I) are the gate projection, [I, 2I) the up projection.
+
+        Uses GetExpertWeights when the expert fits in one message, else StreamExpertWeights.
+        The server must run with --enable_get_expert_weights (FAILED_PRECONDITION otherwise)."""
+        if self._info is None:
+            self._info = self.info(timeout=timeout)
+        limit = self.max_message_bytes
+        if self._info.max_message_bytes > 0:
+            limit = min(limit, self._info.max_message_bytes)
+        if 6 * self._info.hidden * self._info.intermediate + _FRAMING > limit:
+            return self.stream_expert_weights(layer, expert, min(limit - _FRAMING, 1 << 20),
+                                              timeout=timeout)
         reply = self._call(self._stub.GetExpertWeights,
                            pb.GetExpertWeightsRequest(layer=layer, expert=expert), timeout)
+        return tuple(self._decode_weights(t) for t in (reply.w13, reply.w2))
+
+    def stream_expert_weights(self, layer, expert, chunk_bytes=0, timeout=None):
+        """expert_weights() through StreamExpertWeights (chunks of at most chunk_bytes; 0: the
+        server's default), checked for order, offsets and completeness."""
+        request = pb.StreamExpertWeightsRequest(layer=layer, expert=expert,
+                                                chunk_bytes=chunk_bytes)
+        parts = {}  # name -> (dtype, shape, bytearray)
+        for chunk in self._call(self._stub.StreamExpertWeights, request, timeout):
+            if chunk.tensor not in ("w13", "w2") or (chunk.tensor == "w13" and "w2" in parts):
+                raise ValueError(f"StreamExpertWeights: unexpected chunk of {chunk.tensor!r}")
+            if chunk.tensor not in parts:
+                parts[chunk.tensor] = (chunk.dtype, tuple(chunk.shape), bytearray())
+            _, _, data = parts[chunk.tensor]
+            if chunk.offset != len(data):
+                raise ValueError(f"StreamExpertWeights: {chunk.tensor} chunk at byte "
+                                 f"{chunk.offset}, expected {len(data)}")
+            data += chunk.data
         out = []
-        for t in (reply.w13, reply.w2):
-            name = _FROM_WIRE.get(t.dtype)
-            if name is None:
-                raise ValueError(f"expert weights came as dtype {t.dtype}; expected a float")
-            out.append(_dt.to_float32(_array(t, _dt.STORAGE[name]), name))
+        for name in ("w13", "w2"):
+            if name not in parts:
+                raise ValueError(f"StreamExpertWeights: no {name} in the stream")
+            dtype, shape, data = parts[name]
+            t = pb.Tensor(dtype=dtype, shape=list(shape), data=bytes(data))
+            if len(t.data) != int(np.prod(shape)) * 2:
+                raise ValueError(f"StreamExpertWeights: {name} has {len(t.data)} bytes for "
+                                 f"shape {list(shape)}")
+            out.append(self._decode_weights(t))
         return tuple(out)
 
-    def forward_full(self, hidden, topk_ids, topk_weights, layer=0, dtype=None, request_id="",
-                     return_timings=True, timeout=None):
-        """Like forward(), returning ForwardResult(output, request_id, timings dict, latency_s)."""
+    @staticmethod
+    def _decode_weights(t):
+        name = _FROM_WIRE.get(t.dtype)
+        if name is None:
+            raise ValueError(f"expert weights came as dtype {t.dtype}; expected a float")
+        return _dt.to_float32(_array(t, _dt.STORAGE[name]), name)
+
+    def forward_full(self, hidden, topk_ids=None, topk_weights=None, layer=0, dtype=None,
+                     request_id="", return_timings=True, timeout=None, return_routing=False):
+        """Like forward(), returning ForwardResult(output, request_id, timings dict, latency_s,
+        topk_ids, topk_weights); the last two only with return_routing (else None)."""
         hidden = np.asarray(hidden)
-        topk_ids = np.asarray(topk_ids)
-        topk_weights = np.asarray(topk_weights)
-        if hidden.ndim != 2 or topk_ids.ndim != 2 or topk_weights.shape != topk_ids.shape:
-            raise ValueError(f"expected hidden [M, H] and topk ids/weights [M, K]; got "
-                             f"{hidden.shape}, {topk_ids.shape}, {topk_weights.shape}")
-        if topk_ids.shape[0] != hidden.shape[0]:
-            raise ValueError(f"hidden has {hidden.shape[0]} tokens, topk_ids {topk_ids.shape[0]}")
+        if (topk_ids is None) != (topk_weights is None):
+            raise ValueError("pass both topk_ids and topk_weights, or neither (server routing)")
+        if hidden.ndim != 2:
+            raise ValueError(f"expected hidden [M, H]; got {hidden.shape}")
+        ids = weights = None
+        if topk_ids is not None:
+            topk_ids = np.asarray(topk_ids)
+            topk_weights = np.asarray(topk_weights)
+            if topk_ids.ndim != 2 or topk_weights.shape != topk_ids.shape:
+                raise ValueError(f"expected topk ids/weights [M, K]; got {topk_ids.shape}, "
+                                 f"{topk_weights.shape}")
+            if topk_ids.shape[0] != hidden.shape[0]:
+                raise ValueError(
+                    f"hidden has {hidden.shape[0]} tokens, topk_ids {topk_ids.shape[0]}")
+            if topk_ids.dtype == np.int64:
+                ids = _tensor(topk_ids, pb.DTYPE_INT64, np.dtype("<i8"))
+            elif np.issubdtype(topk_ids.dtype, np.integer):
+                ids = _tensor(topk_ids, pb.DTYPE_INT32, np.dtype("<i4"))
+            else:
+                raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer type")
+            weights = _tensor(topk_weights, pb.DTYPE_FP32, np.dtype("<f4"))
         name = _hidden_dtype(hidden, dtype)
         if hidden.dtype.name == "bfloat16":
             hidden_bits = hidden.view(np.uint16)
         else:
             hidden_bits = hidden
-        if topk_ids.dtype == np.int64:
-            ids = _tensor(topk_ids, pb.DTYPE_INT64, np.dtype("<i8"))
-        elif np.issubdtype(topk_ids.dtype, np.integer):
-            ids = _tensor(topk_ids, pb.DTYPE_INT32, np.dtype("<i4"))
-        else:
-            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer type")
         request = pb.ForwardRequest(
             layer=layer,
             hidden_states=_tensor(hidden_bits, _WIRE[name], _dt.STORAGE[name]),
             topk_ids=ids,
-            topk_weights=_tensor(topk_weights, pb.DTYPE_FP32, np.dtype("<f4")),
+            topk_weights=weights,
             request_id=request_id,
-            return_timings=return_timings)
+            return_timings=return_timings,
+            return_routing=return_routing)
         start = time.perf_counter()
         reply = self._call(self._stub.Forward, request, timeout)
         latency = time.perf_counter() - start
@@ -165,15 +250,21 @@ class MoeClient:
         t = reply.timings
         timings = {"queue_us": t.queue_us, "prepare_us": t.prepare_us,
                    "experts_us": t.experts_us, "finalize_us": t.finalize_us,
-                   "total_us": t.total_us}
-        return ForwardResult(output, reply.request_id, timings, latency)
+                   "total_us": t.total_us, "route_us": t.route_us}
+        routed_ids = routed_weights = None
+        if return_routing:
+            routed_ids = _array(reply.topk_ids, np.dtype("<i4"))
+            routed_weights = _array(reply.topk_weights, np.dtype("<f4"))
+        return ForwardResult(output, reply.request_id, timings, latency, routed_ids,
+                             routed_weights)
 
-    def forward(self, hidden, topk_ids, topk_weights, layer=0, dtype=None, request_id="",
-                timeout=None):
+    def forward(self, hidden, topk_ids=None, topk_weights=None, layer=0, dtype=None,
+                request_id="", timeout=None):
         """One MoE layer: [M, H] hidden states -> [M, H] output in the same dtype.
 
         See the module docstring for the accepted dtypes; BF16 needs dtype='bf16' with uint16
-        bit patterns. Raises grpc.RpcError on server errors (e.g. INVALID_ARGUMENT)."""
+        bit patterns. topk_ids/topk_weights None: the server routes. Raises grpc.RpcError on
+        server errors (e.g. INVALID_ARGUMENT)."""
         return self.forward_full(hidden, topk_ids, topk_weights, layer=layer, dtype=dtype,
                                  request_id=request_id, return_timings=False,
                                  timeout=timeout).output

@@ -1,11 +1,13 @@
 """BF16 / FP16 helpers on numpy arrays.
 
-numpy has no bfloat16, so BF16 tensors are carried as ``uint16`` arrays of bit patterns.
-``bf16_encode`` rounds float32 to nearest, ties to even (NaN stays a quiet NaN, Inf and signed
-zeros are kept); ``bf16_decode`` is exact. FP16 uses numpy's float16, whose float32 -> float16
-cast also rounds to nearest even.
+numpy has no bfloat16 of its own, so BF16 tensors are carried as ``uint16`` arrays of bit
+patterns (or ``ml_dtypes.bfloat16`` arrays). The conversions are ml_dtypes': ``bf16_encode``
+rounds float32 to nearest, ties to even (NaN stays NaN, Inf and signed zeros are kept);
+``bf16_decode`` is exact. FP16 uses numpy's float16, whose float32 -> float16 cast also rounds
+to nearest even.
 """
 
+import ml_dtypes
 import numpy as np
 
 # Wire dtype names accepted by this package, with their numpy storage dtype (little-endian).
@@ -32,17 +34,14 @@ def normalize_dtype(name):
 
 
 def bf16_encode(x):
-    """float array -> uint16 BF16 bit patterns, round to nearest, ties to even."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return np.where(is_nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
+    """float array -> uint16 BF16 bit patterns, round to nearest, ties to even (ml_dtypes)."""
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16)
+                                ).view(np.uint16)
 
 
 def bf16_decode(bits):
     """uint16 BF16 bit patterns -> float32, exact."""
-    b = np.ascontiguousarray(bits, dtype=np.uint16)
-    return (b.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(bits, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def to_float32(array, dtype):

@@ -228,6 +228,27 @@ absl::Status CheckField(const Reader& r, Cursor c, size_t end, uint32_t tag,
   return absl::OkStatus();
 }
 
+// Checks a RegionRef submessage (field `tag` just read, the cursor at its length): its name (1)
+// must be UTF-8, as CheckField checks top-level strings. Anything malformed is left to SkipValue
+// and protobuf's parser.
+absl::Status CheckRegionRef(const Reader& r, Cursor c, size_t end, uint32_t tag,
+                            absl::string_view field_prefix, absl::string_view message) {
+  if ((tag & 7) != kLen) return absl::OkStatus();
+  size_t len;
+  if (!r.ReadLength(&c, end, &len) || len > end - c.pos) return absl::OkStatus();
+  const size_t sub_end = c.pos + len;
+  const std::string prefix = absl::StrCat(field_prefix, "region field ", tag >> 3, ": ");
+  while (c.pos < sub_end) {
+    uint32_t sub_tag;
+    if (!ReadTag(r, &c, sub_end, &sub_tag) || (sub_tag >> 3) == 0) return absl::OkStatus();
+    if (absl::Status s = CheckField(r, c, sub_end, sub_tag, {}, {1}, prefix, message); !s.ok()) {
+      return s;
+    }
+    if (!SkipValue(r, &c, sub_end, sub_tag, kMaxDepth - 2, message).ok()) return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
 // Walks one Tensor submessage in [c, end): data pieces replace `out`'s (last one wins); dtype
 // and shape fields are appended raw to `rest` for protobuf to parse; unknown fields are checked
 // and skipped.
@@ -246,6 +267,9 @@ absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireT
     if (absl::Status s = CheckField(r, *c, end, tag, {1}, {}, "tensor ", message); !s.ok()) {
       return s;
     }
+    if (number == 4) {  // region: a RegionRef
+      if (absl::Status s = CheckRegionRef(r, *c, end, tag, "tensor ", message); !s.ok()) return s;
+    }
     if (number == 3 && (tag & 7) == kLen) {
       const size_t len_at = c->pos;
       size_t len;
@@ -257,17 +281,20 @@ absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireT
       continue;
     }
     if (absl::Status s = SkipValue(r, c, end, tag, depth, message); !s.ok()) return s;
-    if (number == 1 || number == 2 || number == 3) r.AppendTo(field, c->pos - field.pos, rest);
+    if (number >= 1 && number <= 4) r.AppendTo(field, c->pos - field.pos, rest);
   }
   return absl::OkStatus();
 }
 
 // Walks a top-level message: LEN fields numbered in `tensor_numbers` are tensors (walked into
 // `tensors`), fields numbered up to `max_known` are appended raw to `rest`, others skipped.
+// int32_fields / string_fields / region_fields (RegionRef submessages) are checked as
+// CheckField and CheckRegionRef say.
 absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
                      absl::Span<WireTensor* const> tensors, uint32_t max_known,
                      absl::Span<const uint32_t> int32_fields,
-                     absl::Span<const uint32_t> string_fields, std::string* rest,
+                     absl::Span<const uint32_t> string_fields,
+                     absl::Span<const uint32_t> region_fields, std::string* rest,
                      std::vector<std::string>* tensor_rests, absl::string_view message) {
   Cursor c;
   const size_t end = r.size();
@@ -283,6 +310,9 @@ absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
     if (absl::Status s = CheckField(r, c, end, tag, int32_fields, string_fields, "", message);
         !s.ok()) {
       return s;
+    }
+    if (std::find(region_fields.begin(), region_fields.end(), number) != region_fields.end()) {
+      if (absl::Status s = CheckRegionRef(r, c, end, tag, "", message); !s.ok()) return s;
     }
     if ((tag & 7) == kLen) {
       auto it = std::find(tensor_numbers.begin(), tensor_numbers.end(), number);
@@ -390,9 +420,9 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {2, 3, 4};
   WireTensor* const tensors[] = {&view.hidden_states, &view.topk_ids, &view.topk_weights};
-  // layer (1) is an int32; request_id (5) a string.
+  // layer (1) is an int32; request_id (5) a string; output_region (7) a RegionRef.
   if (absl::Status s =
-          WalkTop(reader, numbers, tensors, 6, {1}, {5}, &rest, &tensor_rests, kMessage);
+          WalkTop(reader, numbers, tensors, 8, {1}, {5}, {7}, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }
@@ -418,9 +448,9 @@ absl::StatusOr<ForwardResponseView> DecodeForwardResponse(std::vector<grpc::Slic
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {1};
   WireTensor* const tensors[] = {&view.output};
-  // request_id (2) is a string.
+  // error_code (6) is an int32; request_id (2) and error_message (7) are strings.
   if (absl::Status s =
-          WalkTop(reader, numbers, tensors, 3, {}, {2}, &rest, &tensor_rests, kMessage);
+          WalkTop(reader, numbers, tensors, 7, {6}, {2, 7}, {}, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }

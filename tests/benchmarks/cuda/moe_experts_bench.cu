@@ -1,8 +1,16 @@
-// Times moeserve's CUDA expert MLP for one rank (align + W13 GEMM with fused SiLU-and-mul + W2
-// GEMM), device work only, with CUDA events: 5 warm-ups, then the median of 40 runs, rotating 4
-// input sets (the weights, 1-3 GB, are far larger than the 60 MB L2 anyway). Weights are random
-// values written straight into the packed layout. Prints CSV lines:
-//   layer,format,tokens,routing,median_us,weight_bytes,routes
+// Times moeserve's CUDA expert MLP for one rank, device work only, with CUDA events: 5 warm-ups,
+// then the median of 40 runs, rotating 4 input sets (the weights, 1-3 GB, are far larger than the
+// 60 MB L2 anyway). Weights are random values written straight into the packed layout.
+//   path decode:  align + W13 GEMM with fused SiLU-and-mul + W2 GEMM with the fused unpermute
+//                 (the top-k reduce, in Finalize, is not timed)
+//   path grouped: align + row gather + grouped W13 GEMM + SiLU-and-mul + grouped W2 GEMM +
+//                 unpermute with the top-k weighting and reduction (sm_90a;
+//                 kernels/cuda/moe_grouped_sm90.cuh), everything up to the reduced FP32 output;
+//                 MXFP8 weights through their BF16 copy (dequantized once, before timing)
+// Prints CSV lines:
+//   layer,format,tokens,routing,median_us,weight_bytes,routes,path
+// Environment (optional): MOESERVE_BENCH_TOKENS=16,64,... (default 16,32,64,128,256,1024),
+// MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,6 +21,7 @@
 #include <vector>
 
 #include "kernels/cuda/moe_gemm.cuh"
+#include "kernels/cuda/moe_grouped_sm90.cuh"
 #include "kernels/cuda/moe_routing.cuh"
 
 using namespace moeserve::kernels;
@@ -56,6 +65,24 @@ void Fill(void* p, int64_t n, int kind, uint64_t seed) {
   CK(cudaGetLastError());
 }
 
+// Comma-separated list from the environment, or `fallback`.
+std::vector<std::string> EnvList(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  std::string s = v != nullptr && *v != 0 ? v : fallback;
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t end = s.find(',', start);
+    out.push_back(s.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  return out;
+}
+bool Has(const std::vector<std::string>& list, const std::string& x) {
+  return std::find(list.begin(), list.end(), x) != list.end();
+}
+
 int main(int argc, char** argv) {
   int num_sms = 0;
   CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
@@ -67,11 +94,23 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{"seed", 3072, 5120}, {"dsv3", 7168, 2048}};
   const int E = 32, topk = 8, kSets = 4, kWarm = 5, kIters = 40;
-  const int token_list[] = {16, 32, 64, 256, 1024};
-  std::printf("layer,format,tokens,routing,median_us,weight_bytes,routes\n");
+  std::vector<int> token_list;
+  for (const std::string& t : EnvList("MOESERVE_BENCH_TOKENS", "16,32,64,128,256,1024")) {
+    token_list.push_back(std::atoi(t.c_str()));
+  }
+  const std::vector<std::string> formats = EnvList("MOESERVE_BENCH_FORMATS", "bf16,mxfp8");
+  std::vector<std::string> paths = EnvList("MOESERVE_BENCH_PATHS", "decode,grouped");
+  int device = 0;
+  CK(cudaGetDevice(&device));
+  if (Has(paths, "grouped") && MoeGroupedSm90Unsupported(device) != nullptr) {
+    std::fprintf(stderr, "grouped path skipped: %s\n", MoeGroupedSm90Unsupported(device));
+    paths.erase(std::find(paths.begin(), paths.end(), "grouped"));
+  }
+  std::printf("layer,format,tokens,routing,median_us,weight_bytes,routes,path\n");
   for (const Shape& s : shapes) {
     const MoePackedLayout l = MakeMoePackedLayout(s.h, s.i);
     for (int fp8 = 0; fp8 < 2; ++fp8) {
+      if (!Has(formats, fp8 ? "mxfp8" : "bf16")) continue;
       const int es = fp8 ? 1 : 2;
       void *w13, *w2;
       uint8_t *s13 = nullptr, *s2 = nullptr;
@@ -87,6 +126,16 @@ int main(int argc, char** argv) {
         Fill(s13, n13 / 32, 2, 3);
         Fill(s2, n2 / 32, 2, 4);
         bytes += (n13 + n2) / 32;
+      }
+      // The grouped path's plain copy, made from the packed weights as CudaGroupedExperts does.
+      const bool grouped = Has(paths, "grouped");
+      void *p13 = nullptr, *p2 = nullptr, *gws = nullptr;
+      const size_t gws_bytes = grouped ? MoeGroupedSm90WorkspaceBytes(E, num_sms) : 0;
+      if (grouped) {
+        CK(cudaMalloc(&p13, E * PlainW13ElemsPerExpert(l) * 2));
+        CK(cudaMalloc(&p2, E * PlainW2ElemsPerExpert(l) * 2));
+        CK(cudaMalloc(&gws, gws_bytes));
+        CK(LaunchUnpackMoeWeightsPlain(w13, s13, w2, s2, E, l, es, p13, p2, stream));
       }
       for (int tokens : token_list) {
         for (int hot = 0; hot < 2; ++hot) {
@@ -150,30 +199,83 @@ int main(int argc, char** argv) {
           g2.scatter = sorted;
           g2.out = out;
           g2.out_stride = s.h;
-          std::vector<float> times;
+          // Grouped path buffers: [R, H] gathered rows / W2 output, [R, 2 Ip], [R, Ip], the
+          // reduced FP32 [tokens, H] and router weights.
+          uint16_t *xr = nullptr, *d1 = nullptr, *a2 = nullptr;
+          float *reduced = nullptr, *tw = nullptr;
+          if (grouped) {
+            CK(cudaMalloc(&xr, R * s.h * 2));
+            CK(cudaMalloc(&d1, R * 2 * l.intermediate_padded * 2));
+            CK(cudaMalloc(&a2, R * l.intermediate_padded * 2));
+            CK(cudaMalloc(&reduced, int64_t{tokens} * s.h * 4));
+            std::vector<float> w(R, 1.0f / topk);
+            CK(cudaMalloc(&tw, R * 4));
+            CK(cudaMemcpy(tw, w.data(), R * 4, cudaMemcpyHostToDevice));
+          }
+          MoeGroupedSm90Gemm q1;
+          q1.num_experts = E;
+          q1.expert_counts = counts;
+          q1.expert_offsets = offsets;
+          q1.n = 2 * l.intermediate_padded;
+          q1.k = s.h;
+          q1.a = xr;
+          q1.lda = s.h;
+          q1.b = static_cast<const uint16_t*>(p13);
+          q1.ldb = l.hidden_padded;
+          q1.b_expert_stride = PlainW13ElemsPerExpert(l);
+          q1.d = d1;
+          q1.ldd = 2 * l.intermediate_padded;
+          q1.total_rows_hint = R;
+          MoeGroupedSm90Gemm q2 = q1;
+          q2.n = s.h;
+          q2.k = l.intermediate_padded;
+          q2.a = a2;
+          q2.lda = l.intermediate_padded;
+          q2.b = static_cast<const uint16_t*>(p2);
+          q2.ldb = l.intermediate_padded;
+          q2.b_expert_stride = PlainW2ElemsPerExpert(l);
+          q2.d = xr;
+          q2.ldd = s.h;
           cudaEvent_t e0, e1;
           CK(cudaEventCreate(&e0));
           CK(cudaEventCreate(&e1));
-          for (int it = 0; it < kWarm + kIters; ++it) {
-            const int k = it % kSets;
-            g1.act = xs[k];
-            CK(cudaEventRecord(e0, stream));
-            CK(LaunchMoeAlign(idss[k], R, E, counts, offsets, sorted, slot, stream));
-            CK(LaunchMoeGroupedGemm(g1, num_sms, stream));
-            CK(LaunchMoeGroupedGemm(g2, num_sms, stream));
-            CK(cudaEventRecord(e1, stream));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (it >= kWarm) times.push_back(ms * 1000.f);
+          for (const std::string& path : paths) {
+            if (path == "grouped" && !grouped) continue;
+            std::vector<float> times;
+            for (int it = 0; it < kWarm + kIters; ++it) {
+              const int k = it % kSets;
+              g1.act = xs[k];
+              CK(cudaEventRecord(e0, stream));
+              CK(LaunchMoeAlign(idss[k], R, E, counts, offsets, sorted, slot, stream));
+              if (path == "decode") {
+                CK(LaunchMoeGroupedGemm(g1, num_sms, stream));
+                CK(LaunchMoeGroupedGemm(g2, num_sms, stream));
+              } else {
+                CK(LaunchMoeGatherRows(xs[k], sorted, offsets + E, R, topk, s.h, xr, stream));
+                CK(LaunchMoeGroupedSm90Gemm(q1, gws, gws_bytes, device, num_sms, stream));
+                CK(LaunchMoeSiluMul(d1, offsets + E, R, l.intermediate_padded, a2, stream));
+                CK(LaunchMoeGroupedSm90Gemm(q2, gws, gws_bytes, device, num_sms, stream));
+                CK(LaunchMoeUnpermuteReduce(xr, idss[k], tw, offsets, slot, tokens, topk, s.h, E,
+                                            reduced, stream));
+              }
+              CK(cudaEventRecord(e1, stream));
+              CK(cudaEventSynchronize(e1));
+              float ms;
+              CK(cudaEventElapsedTime(&ms, e0, e1));
+              if (it >= kWarm) times.push_back(ms * 1000.f);
+            }
+            std::sort(times.begin(), times.end());
+            std::printf("%s,%s,%d,%s,%.2f,%lld,%lld,%s\n", s.name, fp8 ? "mxfp8" : "bf16", tokens,
+                        hot ? "hot" : "balanced", times[times.size() / 2], (long long)bytes,
+                        (long long)R, path.c_str());
+            std::fflush(stdout);
           }
-          std::sort(times.begin(), times.end());
-          std::printf("%s,%s,%d,%s,%.2f,%lld,%lld\n", s.name, fp8 ? "mxfp8" : "bf16", tokens,
-                      hot ? "hot" : "balanced", times[times.size() / 2], (long long)bytes,
-                      (long long)R);
-          std::fflush(stdout);
           CK(cudaEventDestroy(e0));
           CK(cudaEventDestroy(e1));
+          for (void* p : {static_cast<void*>(xr), static_cast<void*>(d1), static_cast<void*>(a2),
+                          static_cast<void*>(reduced), static_cast<void*>(tw)}) {
+            if (p != nullptr) CK(cudaFree(p));
+          }
           for (int k = 0; k < kSets; ++k) {
             CK(cudaFree(xs[k]));
             CK(cudaFree(idss[k]));
@@ -185,6 +287,9 @@ int main(int argc, char** argv) {
       }
       CK(cudaFree(w13));
       CK(cudaFree(w2));
+      for (void* p : {p13, p2, gws}) {
+        if (p != nullptr) CK(cudaFree(p));
+      }
       if (fp8) {
         CK(cudaFree(s13));
         CK(cudaFree(s2));

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Per-call cost of the Python clients against the C++ client, on the same server and path.
+
+For each M it times, one call at a time (closed loop, concurrency 1), median of --calls calls:
+  cli     moeserve-cli load (C++: requests prebuilt, answer not copied): the floor
+  raw     grpcio's own blocking call with a prebuilt request, answer not decoded: the Python
+          floor (what no Python client can go below)
+  torch   TorchMoeClient.forward (moeserve_client.torch_client): tensors in, tensor out
+  numpy   MoeClient.forward (protobuf messages): numpy in, numpy out
+  routed  (--server-routing) TorchMoeClient.forward(hidden) without ids and weights: the server
+          runs the layer's gate; routed - torch is what server-side routing costs per call
+and prints the medians and torch - cli (the torch client's added cost per call; issue 11's
+target: <= 30 us). Rounds alternate between the clients so that drift hits all of them alike.
+
+  # a server of trivial experts at the issue's hidden size (the CPU backend works too):
+  build/bin/moeserve --model tiny --hidden 7168 --intermediate 64 --listen 127.0.0.1:50051 &
+  clients/python/examples/bench_client.py --target 127.0.0.1:50051 --cli build/bin/moeserve-cli
+  # or let the script start one (--server BIN, extra flags after --server-args):
+  clients/python/examples/bench_client.py --server build/bin/moeserve --cli build/bin/moeserve-cli
+
+--device cuda sends CUDA tensors (bytes path, or the CUDA-region path with --shared-memory auto
+and a server started with --enable_shared_memory on the same host).
+"""
+
+import argparse
+import os
+import re
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+try:
+    import moeserve_client  # noqa: F401
+except ImportError:  # not pip-installed: use the source tree next to this script
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np
+import torch
+
+import moeserve_client as mc
+from moeserve_client.torch_client import TorchMoeClient
+
+
+def start_server(binary, extra):
+    tmp = tempfile.mkdtemp(prefix="moeserve_bench_")
+    ready = os.path.join(tmp, "ready")
+    cmd = [binary, "--listen", "127.0.0.1:0", "--metrics_address", "127.0.0.1:0",
+           "--ready_file", ready] + extra
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            with open(ready) as f:
+                lines = f.read().splitlines()
+            if len(lines) >= 2:
+                target = lines[0].strip()
+                with mc.MoeClient(target) as c:
+                    if c.health() == "SERVING":
+                        return proc, target
+        except (OSError, Exception):  # not ready yet
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server not ready after 120 s")
+
+
+def cli_run(cli, target, m, calls, dtype, layer):
+    """(p50 latency ms, CPU seconds the process used) of one moeserve-cli load run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([cli, "load", f"--target={target}", f"--requests={calls}",
+                          "--concurrency=1", f"--tokens={m}", f"--dtype={dtype}",
+                          f"--layer={layer}", "--return_timings=false", "--distinct_inputs=1"],
+                         capture_output=True, text=True, check=True).stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return float(re.search(r"latency_ms: p50=([0-9.]+)", out).group(1)), cpu
+
+
+def cli_cpu_us_per_call(cli, target, m, calls, dtype, layer):
+    """The C++ client's CPU per call: two runs of different lengths, so that process start,
+    GetModelInfo and building the request cancel out."""
+    short = max(5, calls // 5)
+    _, cpu_short = cli_run(cli, target, m, short, dtype, layer)
+    _, cpu_long = cli_run(cli, target, m, calls, dtype, layer)
+    return (cpu_long - cpu_short) / (calls - short) * 1e6
+
+
+def time_calls(fn, calls):
+    """Wall ms per call, and the process's CPU us per call (all its threads: gRPC's too)."""
+    samples = []
+    cpu0 = time.process_time()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples, (time.process_time() - cpu0) / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target")
+    p.add_argument("--server", help="start this moeserve binary (trivial experts, H=7168)")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER,
+                   default=["--model", "tiny", "--hidden", "7168", "--intermediate", "64"])
+    p.add_argument("--cli", help="moeserve-cli, for the C++ floor (omit to skip it)")
+    p.add_argument("--tokens", default="1,16,64,256,1024")
+    p.add_argument("--calls", type=int, default=200, help="calls per client and M (fewer at "
+                   "M >= 256: calls * 64 / M, at least 30)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shared-memory", default="off", choices=["off", "auto", "cuda"])
+    p.add_argument("--no-numpy", action="store_true", help="skip the numpy client")
+    p.add_argument("--server-routing", action="store_true",
+                   help="also time calls that leave the routing to the server")
+    a = p.parse_args()
+    proc = None
+    if a.server:
+        proc, a.target = start_server(a.server, a.server_args)
+    if not a.target:
+        p.error("give --target or --server")
+    try:
+        client = TorchMoeClient(a.target, shared_memory=a.shared_memory)
+        npc = mc.MoeClient(a.target)
+        info = client.info()
+        h, e, k = info.hidden, info.num_experts, info.topk
+        print(f"# server {a.target}: {info.model_name} hidden={h} experts={e} topk={k} "
+              f"intermediate={info.intermediate} backend={info.backend}; device={a.device} "
+              f"shared_memory={a.shared_memory}; torch {torch.__version__}")
+        print("# wall: per-call medians (ms); cpu: the client process's CPU per call (us), "
+              "which a busy machine disturbs far less")
+        print(f"{'M':>6} {'cli_ms':>8} {'raw_ms':>8} {'torch_ms':>8} {'numpy_ms':>8} "
+              f"{'torch-cli_us':>12} {'torch-raw_us':>12} {'cli_cpu':>8} {'raw_cpu':>8} "
+              f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}"
+              + (f" {'routed_ms':>9}" if a.server_routing else ""))
+        for m in (int(t) for t in a.tokens.split(",")):
+            calls = a.calls if m < 256 else max(30, a.calls * 64 // m)
+            g = torch.Generator().manual_seed(m)
+            x = torch.randn(m, h, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+            w = torch.softmax(torch.randn(m, k, generator=g), dim=1)
+            xd, idsd, wd = x.to(a.device), ids.to(a.device), w.to(a.device)
+            out = torch.empty_like(xd)
+            xn = mc.from_float32(x.float().numpy(), "bf16")
+            idn, wn = ids.numpy(), w.numpy()
+            for _ in range(5):  # warm up both Python paths
+                client.forward(xd, idsd, wd, layer=a.layer, out=out)
+                npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
+            per = max(1, calls // a.rounds)
+            t_cli, t_raw, t_torch, t_np, t_routed = [], [], [], [], []
+            c_cli, c_raw, c_torch, c_np = [], [], [], []
+            prebuilt = client._prepare(x, ids, w, a.layer, "", False, False)[1]
+            nan = float("nan")
+            for _ in range(a.rounds):
+                if a.cli:
+                    t_cli.append(cli_run(a.cli, a.target, m, per, "bf16", a.layer)[0])
+                    c_cli.append(cli_cpu_us_per_call(a.cli, a.target, m, per, "bf16", a.layer))
+                t, c = time_calls(lambda: client._forward(prebuilt), per)
+                t_raw += t
+                c_raw.append(c)
+                t, c = time_calls(lambda: client.forward(xd, idsd, wd, layer=a.layer, out=out),
+                                  per)
+                t_torch += t
+                c_torch.append(c)
+                if a.server_routing:
+                    t_routed += time_calls(lambda: client.forward(xd, layer=a.layer, out=out),
+                                           per)[0]
+                if not a.no_numpy:
+                    t, c = time_calls(lambda: npc.forward(xn, idn, wn, layer=a.layer,
+                                                          dtype="bf16"), per)
+                    t_np += t
+                    c_np.append(c)
+            med = lambda v: statistics.median(v) if v else nan  # noqa: E731
+            cli_ms, raw_ms, torch_ms, np_ms = med(t_cli), med(t_raw), med(t_torch), med(t_np)
+            print(f"{m:>6} {cli_ms:>8.3f} {raw_ms:>8.3f} {torch_ms:>8.3f} {np_ms:>8.3f} "
+                  f"{(torch_ms - cli_ms) * 1e3:>12.1f} {(torch_ms - raw_ms) * 1e3:>12.1f} "
+                  f"{med(c_cli):>8.0f} {med(c_raw):>8.0f} {med(c_torch):>9.0f} "
+                  f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}"
+                  + (f" {med(t_routed):>9.3f}" if a.server_routing else ""), flush=True)
+        client.close()
+        npc.close()
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+// One layer's resident experts in the decode kernels' packed layout (kernels/cuda/moe_gemm.cuh),
+// owned by DeviceWeightStore (core/cuda/cuda_backend.h). Internal to core/cuda: the CUDA Experts
+// read it (this header includes the CUDA runtime's through moe_gemm.cuh: core/cuda only).
+#ifndef MOESERVE_CORE_CUDA_DEVICE_PACKED_LAYER_H_
+#define MOESERVE_CORE_CUDA_DEVICE_PACKED_LAYER_H_
+
+#include <cstdint>
+
+#include "core/weights.h"
+#include "kernels/cuda/moe_gemm.cuh"
+
+namespace moeserve {
+
+struct DevicePackedLayer {
+  WeightFormat format = WeightFormat::kBF16;
+  int64_t num_local_experts = 0;
+  kernels::MoePackedLayout layout;
+  void* w13 = nullptr;  // device memory, owned (cudaFree on destruction)
+  void* w2 = nullptr;
+  uint8_t* w13_scale = nullptr;
+  uint8_t* w2_scale = nullptr;
+  ~DevicePackedLayer();
+};
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_CUDA_DEVICE_PACKED_LAYER_H_

@@ -1,0 +1,112 @@
+// Prefill-sized MoE expert GEMMs on Hopper (sm_90a): CUTLASS's ptr-array grouped GEMM
+// (KernelPtrArrayTmaWarpSpecializedCooperative 128x256x64 tiles, or ...Pingpong 64x256x64 for
+// small groups: TMA loads, a warp-specialized producer and two consumer warpgroups issuing
+// wgmma, persistent grid; GroupProblemShape with the per-expert row counts read on the device,
+// no host synchronization), plus the small kernels around it.
+//
+// One MLP on the grouped path (R = routes served, rows grouped by expert as LaunchMoeAlign
+// orders them):
+//   LaunchMoeGatherRows        x [M, H] -> a1 [R, H]                       (permute)
+//   LaunchMoeGroupedSm90Gemm   a1 x W13_e^T -> d1 [R, 2 Ip] (gate | up), BF16
+//   LaunchMoeSiluMul           d1 -> a2 [R, Ip] = silu(gate) * up          (BF16)
+//   LaunchMoeGroupedSm90Gemm   a2 x W2_e^T -> d2 [R, H], BF16
+//   LaunchMoeUnpermuteReduce   out[t] = sum_k w[t, k] * d2[row(t, k)]      (FP32 [M, H])
+// SiLU-and-mul is a separate kernel: CUTLASS's epilogue writes every accumulator element it
+// computes (an EVT node cannot combine two output columns into one), so a fused version needs
+// an epilogue of our own. The top-k weighting and the unpermute are one kernel with the
+// reduction over top-k (the epilogue's TMA store cannot scatter rows or add across routes; a
+// per-row scale there would save nothing, as the reduction reads every row anyway).
+//
+// Weights for this path are plain row-major per expert (MoePlainLayout), made on the device from
+// the decode kernels' packed layout by LaunchUnpackMoeWeightsPlain.
+//
+// Built for sm_90a only (kernels/cuda/CMakeLists.txt). In a build without CUTLASS or without the
+// 90a target, and on any device that is not compute capability 9.0, the GEMM launcher returns
+// cudaErrorNotSupported and MoeGroupedSm90Unsupported() says why. The other launchers here run
+// on any architecture.
+#ifndef MOESERVE_KERNELS_CUDA_MOE_GROUPED_SM90_CUH_
+#define MOESERVE_KERNELS_CUDA_MOE_GROUPED_SM90_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/moe_gemm.cuh"
+
+namespace moeserve::kernels {
+
+// Why the grouped GEMM cannot run on `device` (a static string), or null when it can.
+const char* MoeGroupedSm90Unsupported(int device);
+
+// Plain per-expert layout of the grouped path, in the padded sizes of MoePackedLayout:
+//   w13 [E, 2 Ip, Hp]: rows [0, Ip) gate, [Ip, 2 Ip) up (rows >= I of each half are zero),
+//   w2  [E, H, Ip]; K padding is zero. Row-major, K contiguous (CUTLASS "B column-major").
+inline int64_t PlainW13ElemsPerExpert(const MoePackedLayout& l) {
+  return 2 * l.intermediate_padded * l.hidden_padded;
+}
+inline int64_t PlainW2ElemsPerExpert(const MoePackedLayout& l) {
+  return l.hidden * l.intermediate_padded;
+}
+
+// Packed weights (LaunchPackMoeW13 / W2 layout) -> the plain BF16 layout above. elem_bytes 2
+// (BF16; scales null) or 1 (MXFP8: E4M3 values and their packed E8M0 scales, dequantized exactly
+// to BF16 here, once, so the grouped GEMM runs on BF16 weights).
+cudaError_t LaunchUnpackMoeWeightsPlain(const void* packed_w13, const uint8_t* packed_w13_scale,
+                                        const void* packed_w2, const uint8_t* packed_w2_scale,
+                                        int64_t num_experts, const MoePackedLayout& layout,
+                                        int elem_bytes, void* plain_w13, void* plain_w2,
+                                        cudaStream_t stream);
+
+// One grouped GEMM: for each expert e with c = min(counts[e], count_cap) rows starting at row
+// o = offsets[e]:  d[o + i, j] = sum_k a[o + i, k] * b[e][j, k]  (i < c, j < n), BF16 in,
+// FP32 accumulation, BF16 out. b[e] = b + e * b_expert_stride, rows ldb apart. Device pointers;
+// a, b, d 16-byte aligned, lda / ldb / ldd multiples of 8 elements, k % 8 == 0.
+struct MoeGroupedSm90Gemm {
+  int num_experts = 0;
+  const int32_t* expert_counts = nullptr;   // [E]
+  const int32_t* expert_offsets = nullptr;  // [E]
+  int64_t n = 0, k = 0;
+  const uint16_t* a = nullptr;
+  int64_t lda = 0;
+  const uint16_t* b = nullptr;
+  int64_t ldb = 0;
+  int64_t b_expert_stride = 0;
+  uint16_t* d = nullptr;
+  int64_t ldd = 0;
+  // Host-side hint (no device read): the rows over all experts (M * topk). It picks the tile:
+  // 64-row tiles while it is at most kMoeGroupedSm90SmallTileRows per expert, 128-row above.
+  int64_t total_rows_hint = 0;
+};
+inline constexpr int kMoeGroupedSm90SmallTileRows = 64;
+
+// Device scratch the launcher needs (argument arrays and CUTLASS's workspace), 256-byte aligned.
+size_t MoeGroupedSm90WorkspaceBytes(int num_experts, int num_sms);
+
+// Asynchronous on `stream`; `device` is the current device (its capability is checked once).
+cudaError_t LaunchMoeGroupedSm90Gemm(const MoeGroupedSm90Gemm& g, void* workspace,
+                                     size_t workspace_bytes, int device, int num_sms,
+                                     cudaStream_t stream);
+
+// a1[p, :] = x[sorted_routes[p] / topk, :] for p < offsets[num_experts] (read on the device);
+// x [M, h] BF16, rows `h` apart. max_rows: an upper bound of the rows (M * topk) for the grid.
+cudaError_t LaunchMoeGatherRows(const uint16_t* x, const int32_t* sorted_routes,
+                                const int32_t* served_rows, int64_t max_rows, int topk, int64_t h,
+                                uint16_t* a1, cudaStream_t stream);
+
+// a2[r, j] = silu(d1[r, j]) * d1[r, ip + j] for r < *served_rows, j < ip; d1 [R, 2 ip], a2
+// [R, ip], BF16, computed in FP32. ip % 8 == 0.
+cudaError_t LaunchMoeSiluMul(const uint16_t* d1, const int32_t* served_rows, int64_t max_rows,
+                             int64_t ip, uint16_t* a2, cudaStream_t stream);
+
+// out[t, :] = sum over k with 0 <= ids[t, k] < num_experts of
+//             w[t, k] * d2[offsets[ids[t, k]] + route_slot[t * topk + k], :]
+// FP32 [M, h] (zero for a token with no local route). d2 BF16 [R, h]. h % 8 == 0.
+cudaError_t LaunchMoeUnpermuteReduce(const uint16_t* d2, const int32_t* topk_ids,
+                                     const float* topk_weights, const int32_t* expert_offsets,
+                                     const int32_t* route_slot, int64_t num_tokens, int topk,
+                                     int64_t h, int num_experts, float* out, cudaStream_t stream);
+
+}  // namespace moeserve::kernels
+
+#endif  // MOESERVE_KERNELS_CUDA_MOE_GROUPED_SM90_CUH_

@@ -1,0 +1,107 @@
+// MoeServiceImpl's shared-memory RPCs (after Triton's shared-memory extension): register, list
+// and unregister regions in the service's RegionRegistry (core/memory_region.h). Opening a
+// region maps and may page-lock it, which can take milliseconds for large ones: the calls run on
+// the service's workers, never on gRPC's callback threads.
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "server/convert.h"
+#include "server/service.h"
+#include "server/status.h"
+
+namespace moeserve {
+
+bool IsSameHostPeer(absl::string_view peer) {
+  if (absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:")) return true;
+  if (absl::StartsWith(peer, "ipv4:")) return absl::StartsWith(peer, "ipv4:127.");
+  if (absl::StartsWith(peer, "ipv6:")) {
+    const std::string p = absl::AsciiStrToLower(absl::StrReplaceAll(
+        peer.substr(5), {{"%5b", "["}, {"%5d", "]"}, {"%5B", "["}, {"%5D", "]"}}));
+    return absl::StartsWith(p, "[::1]") || absl::StartsWith(p, "[::ffff:127.");
+  }
+  return false;
+}
+
+absl::Status MoeServiceImpl::CheckSharedMemoryPeer(const std::string& peer,
+                                                   absl::string_view what) {
+  if (!IsSameHostPeer(peer)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what,
+                     ": shared-memory regions are served to clients on the server's host "
+                     "only (a unix socket or loopback); this call came from ",
+                     peer));
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::RunSharedMemoryCall(grpc::CallbackServerContext* context,
+                                                              const char* method,
+                                                              std::function<absl::Status()> fn) {
+  if (metrics_) metrics_->IncrementInflight();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Counted by the server's interceptor (server/call_accounting.h).
+  auto finish = [this, reactor](const absl::Status& status) {
+    if (metrics_) metrics_->DecrementInflight();
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  if (absl::Status s = Authorize(*context, method); !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  if (regions_ == nullptr) {
+    finish(SharedMemoryDisabledError(method));
+    return reactor;
+  }
+  if (absl::Status s = CheckSharedMemoryPeer(context->peer(), method); !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+  if (!workers_.Submit([fn = std::move(fn), finish] { finish(fn()); })) {
+    finish(absl::UnavailableError(absl::StrCat(method, ": the server is shutting down")));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::RegisterSystemSharedMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterSystemSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse* response) {
+  return RunSharedMemoryCall(context, "RegisterSystemSharedMemory", [this, request] {
+    return regions_->RegisterSystem(request->name(), request->key(), request->offset(),
+                                    request->byte_size());
+  });
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::RegisterCudaSharedMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterCudaSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse* response) {
+  return RunSharedMemoryCall(context, "RegisterCudaSharedMemory", [this, request] {
+    return regions_->RegisterCuda(request->name(), request->raw_handle(), request->device_id(),
+                                  request->byte_size());
+  });
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+    v1::UnregisterSharedMemoryResponse* response) {
+  return RunSharedMemoryCall(context, "UnregisterSharedMemory",
+                             [this, request] { return regions_->Unregister(request->name()); });
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::SharedMemoryStatus(
+    grpc::CallbackServerContext* context, const v1::SharedMemoryStatusRequest* request,
+    v1::SharedMemoryStatusResponse* response) {
+  return RunSharedMemoryCall(context, "SharedMemoryStatus", [this, request, response] {
+    absl::StatusOr<std::vector<RegionInfo>> regions = regions_->Status(request->name());
+    if (!regions.ok()) return regions.status();
+    for (const RegionInfo& info : *regions) RegionInfoToProto(info, response->add_regions());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace moeserve

@@ -1,0 +1,106 @@
+#!/bin/bash
+# The serving benchmark (issue 12), one device call on one H200: what callers see through the C++
+# client (moeserve-cli load) when several of them share a server.
+#   - seed per-rank layer (32 experts, top-8, H3072 I5120), MXFP8 and BF16 weights:
+#     1 caller vs 8 concurrent callers at M=16 (unary and ForwardStream), 1 vs 2 callers at
+#     M=1024 with 2 steps in flight (the default on a GPU) and with 1 (no overlap);
+#   - trivial experts (I=64, H7168): the server's own cost of a 1-token call;
+#   - an open-loop overload run at 2x the capacity (32 closed-loop callers at M=16) for 10 s on a
+#     server with --max_queue_wait_ms 3: every call must answer correctly (checked against its
+#     unloaded answer) or be refused RESOURCE_EXHAUSTED; answered p99 against the unloaded p99;
+#     server RSS sampled throughout.
+# Usage: run_serving_bench.sh [BIN_DIR]   (moeserve, moeserve-cli; LD_LIBRARY_PATH set)
+set -uo pipefail
+B=${1:-build/bin}
+OUT=${OUT:-/tmp/serving}; mkdir -p "$OUT"
+PORT=50151
+SEED="--model seed-megamoe --num_experts 32 --num_layers 1"
+TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 --num_layers 1"
+declare -a ROWS
+row() { ROWS+=("$(printf '%-46s %s' "$1" "$2")"); echo "== $1: $2"; }
+serve() {  # name flags...
+  local name=$1; shift
+  rm -f "$OUT/ready_$name"
+  "$B/moeserve" --listen 127.0.0.1:$PORT --metrics_address 127.0.0.1:$((PORT + 1)) \
+    --ready_file "$OUT/ready_$name" "$@" > "$OUT/server_$name.log" 2>&1 &
+  SERVER_PID=$!
+  for _ in $(seq 1 600); do
+    [ -s "$OUT/ready_$name" ] && break
+    kill -0 $SERVER_PID 2>/dev/null || break
+    sleep 0.5
+  done
+}
+stop() { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
+# load tag tokens concurrency requests [extra flags] -> "$OUT/load_tag.log"; prints a row.
+load() {
+  local tag=$1 m=$2 c=$3 n=$4; shift 4
+  timeout 180 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens "$m" --concurrency "$c" \
+    --requests "$n" --routing balanced --max_seconds 60 "$@" > "$OUT/load_$tag.log" 2>&1
+  row "$tag" "$(grep -E 'latency_ms|server_total|requests_per_s' "$OUT/load_$tag.log" |
+    sed 's/tokens_per_s=.*//' | tr '\n' ' ')"
+}
+val() { grep -o "$2=[0-9.]*" "$OUT/load_$1.log" | head -1 | cut -d= -f2; }  # tag key
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; date -u
+for wf in mxfp8 bf16; do
+  serve seed_$wf $SEED --weight_format $wf
+  load "${wf}_M16_c1" 16 1 400
+  load "${wf}_M16_c8" 16 8 3200
+  load "${wf}_M16_c8_stream" 16 8 3200 --stream
+  load "${wf}_M1024_c1" 1024 1 80
+  load "${wf}_M1024_c2" 1024 2 160
+  stop
+  if [ $wf = mxfp8 ]; then
+    serve seed_${wf}_bounded $SEED --weight_format $wf --max_queue_wait_ms 3
+    load "${wf}_M16_c32" 16 32 8000
+    # Overload: 2x the 32-caller capacity, open loop, 10 s; RSS sampled every 0.25 s.
+    cap=$(val mxfp8_M16_c32 requests_per_s)
+    rate=$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')
+    rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
+    ( while kill -0 $SERVER_PID 2>/dev/null; do
+        awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss.txt" &
+    RSS_PID=$!
+    timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+      --max_seconds 10 --routing balanced --distinct_inputs 8 > "$OUT/load_overload.log" 2>&1
+    echo "exit=$?" >> "$OUT/load_overload.log"
+    kill $RSS_PID 2>/dev/null
+    rss_peak=$(sort -n "$OUT/rss.txt" | tail -1)
+    rss_end=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
+    row "overload rate=${rate}/s (2x ${cap}/s)" "$(grep -E '^sent=|latency_ms' "$OUT/load_overload.log" | tr '\n' ' ')"
+    row "overload server RSS kB" "before=$rss0 peak=$rss_peak after=$rss_end"
+    stop
+  fi
+  serve seed_${wf}_1lane $SEED --weight_format $wf --steps_in_flight 1
+  load "${wf}_M16_c8_1lane" 16 8 3200
+  load "${wf}_M1024_c1_1lane" 1024 1 80
+  load "${wf}_M1024_c2_1lane" 1024 2 160
+  stop
+done
+serve trivial $TRIVIAL
+for dt in bf16 fp32; do
+  timeout 30 "$B/moeserve-cli" forward --target 127.0.0.1:$PORT --tokens 1 --dtype $dt \
+    > "$OUT/forward_trivial_$dt.log" 2>&1
+  row "trivial M=1 $dt one call" "$(grep -E 'server_timings|latency' "$OUT/forward_trivial_$dt.log" | tr '\n' ' ')"
+done
+load trivial_M1_c1 1 1 2000
+load trivial_M1_c1_stream 1 1 2000 --stream
+stop
+
+echo "=================== summary ==================="
+printf '%s\n' "${ROWS[@]}"
+echo "------------------- targets -------------------"
+for wf in mxfp8 bf16; do
+  t1=$(val ${wf}_M16_c1 requests_per_s); t8=$(val ${wf}_M16_c8 requests_per_s)
+  t8s=$(val ${wf}_M16_c8_stream requests_per_s); t8l=$(val ${wf}_M16_c8_1lane requests_per_s)
+  p1=$(val ${wf}_M16_c1 p50); p8=$(val ${wf}_M16_c8 p50); p8s=$(val ${wf}_M16_c8_stream p50)
+  echo "$wf 8 callers M=16: throughput x$(ratio $t8 $t1) (stream x$(ratio $t8s $t1), 1 step in flight x$(ratio $t8l $t1)) [>= 5]," \
+    "p50 x$(ratio $p8 $p1) (stream x$(ratio $p8s $p1)) [<= 2]"
+  a=$(val ${wf}_M1024_c1 requests_per_s); b=$(val ${wf}_M1024_c2 requests_per_s)
+  a1=$(val ${wf}_M1024_c1_1lane requests_per_s); b1=$(val ${wf}_M1024_c2_1lane requests_per_s)
+  echo "$wf 2 callers M=1024: throughput x$(ratio $b $a) [>= 1.6]; with 1 step in flight x$(ratio $b1 $a1)"
+done
+echo "trivial M=1 server total p50 us: $(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_trivial_M1_c1.log" | cut -d= -f2) [<= 40]"
+p99u=$(val mxfp8_M16_c1 p99); p99o=$(grep -o 'p99=[0-9.]*' "$OUT/load_overload.log" | head -1 | cut -d= -f2)
+echo "overload: answered p99 ${p99o} ms vs unloaded p99 ${p99u} ms: x$(ratio "$p99o" "$p99u") [< 5];" \
+  "$(grep -E '^sent=' "$OUT/load_overload.log")"
