@@ -188,14 +188,9 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     stats_.queued_tokens -= tokens;
     ++running_;
     lock.unlock();
-    const absl::Time started = absl::Now();
     RunStep(std::move(step), buffers);
-    const absl::Duration took = absl::Now() - started;
     lock.lock();
     --running_;
-    // Per-token service time, for the queue-wait admission (a running average).
-    const double us_per_token = absl::ToDoubleMicroseconds(took) / static_cast<double>(tokens);
-    us_per_token_ = us_per_token_ == 0 ? us_per_token : 0.8 * us_per_token_ + 0.2 * us_per_token;
     cv_.notify_all();  // a waiting scheduling thread may start its step now
   }
   // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
@@ -273,12 +268,19 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
   } else {
     status = MergeAndRun(live, buffers, &timings, stop);
   }
+  const absl::Duration took = absl::Now() - start;
   const bool stopped = status.code() == absl::StatusCode::kDeadlineExceeded ||
                        status.code() == absl::StatusCode::kCancelled;
   int64_t step_tokens = 0, queued_tokens = 0;
   for (const auto& c : live) step_tokens += c->tokens;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Per-token service time, for the queue-wait admission (a running average), learned before
+    // the step's callers hear back (a stopped step ran only part of its work: not learned).
+    if (!stopped && step_tokens > 0) {
+      const double us = absl::ToDoubleMicroseconds(took) / static_cast<double>(step_tokens);
+      us_per_token_ = us_per_token_ == 0 ? us : 0.8 * us_per_token_ + 0.2 * us;
+    }
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());
     if (live.size() > 1) stats_.merged_calls += static_cast<int64_t>(live.size());
