@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -95,6 +96,23 @@ ABSL_FLAG(bool, enable_shared_memory, false,
           "a client may name any shm object the server's user can open, and have it written");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
           "Most tokens (M) one Forward may carry; more fail with RESOURCE_EXHAUSTED");
+// Limits on what clients can make the server hold (README "Limits"; server/server.h).
+ABSL_FLAG(int64_t, max_queued_bytes, int64_t{512} << 20,
+          "Most request + answer bytes all Forward calls in progress may hold (from arrival "
+          "until the client has the answer); calls beyond it are refused at once with "
+          "RESOURCE_EXHAUSTED (0: no limit)");
+ABSL_FLAG(int64_t, max_answer_hold_ms, 10000,
+          "A finished answer the client does not take within this long is cancelled, releasing "
+          "its memory (the client sees CANCELLED; 0: wait as long as the connection lives)");
+ABSL_FLAG(int32_t, max_concurrent_streams, 128,
+          "Most concurrent calls on one HTTP/2 connection (GRPC_ARG_MAX_CONCURRENT_STREAMS)");
+ABSL_FLAG(int64_t, grpc_memory_bytes, int64_t{1} << 30,
+          "Memory gRPC itself may use for connections and buffers (its ResourceQuota)");
+ABSL_FLAG(int32_t, grpc_max_threads, 64, "Most threads gRPC may start (its ResourceQuota)");
+ABSL_FLAG(int32_t, max_metadata_bytes, 64 << 10,
+          "Largest metadata (headers) one call may send; an oversized header fails its call and "
+          "may fail the other calls of its connection (gRPC behaviour), so keep this well above "
+          "what clients send (GRPC_ARG_MAX_METADATA_SIZE)");
 ABSL_FLAG(std::string, metrics_address, moeserve::kDefaultMetricsAddress,
           "host:port of the Prometheus /metrics endpoint (empty: off; port 0: a free port; "
           "0.0.0.0 for every interface)");
@@ -402,6 +420,29 @@ int Run() {
   server_options.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
   server_options.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  {  // Limits on what clients can make the server hold.
+    server_options.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
+    server_options.max_answer_hold =
+        std::chrono::milliseconds(absl::GetFlag(FLAGS_max_answer_hold_ms));
+    server_options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+    server_options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+    server_options.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
+    server_options.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);
+    // Byte limits beyond the memory there is would only defer the failure to an overload.
+    const int64_t available = AvailableHostMemoryBytes();
+    for (auto [name, value] :
+         {std::pair<const char*, int64_t>{"max_queued_bytes", server_options.max_queued_bytes},
+          {"grpc_memory_bytes", server_options.grpc_memory_bytes},
+          {"max_message_bytes", server_options.max_message_bytes}}) {
+      if (value < 0 || (available > 0 && value > available)) {
+        std::fprintf(stderr,
+                     "moeserve: bad flags: --%s=%lld: expected a size in [0, %lld] (the memory "
+                     "available now)\n",
+                     name, static_cast<long long>(value), static_cast<long long>(available));
+        return 1;
+      }
+    }
+  }
   server_options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   server_options.tls = security->tls;
   server_options.tls_refresh_s = absl::GetFlag(FLAGS_tls_refresh_s);

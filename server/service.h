@@ -11,6 +11,15 @@
 // Access (docs/security.md): every MoeService call passes Authorize() first (the bearer token,
 // when one is configured); the expert-weight RPCs also need ServiceOptions::
 // enable_get_expert_weights and are checked (layer, expert, size) before anything is allocated.
+//
+// Bounds (server/call_limits.h): a Forward call -- unary, or one message of a ForwardStream --
+// holds its request's bytes from arrival and its answer's from decoding until gRPC is done with
+// it (unary: the call is over; stream: its answer is written); beyond max_held_bytes in all it
+// is refused at once with RESOURCE_EXHAUSTED (a stream message as its per-message error). An
+// answer the client does not take within max_answer_hold is cancelled (the client sees
+// CANCELLED; a stream is cancelled as a whole), releasing what it held.
+// Calls are counted by the server's interceptor (server/call_accounting.h), not here, except
+// each message of a ForwardStream: method "ForwardStream.call", with its own code.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
@@ -24,11 +33,13 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
 #include "core/memory_region.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
+#include "server/call_limits.h"
 #include "server/metrics.h"
 #include "server/security.h"
 #include "server/work_queue.h"
@@ -39,6 +50,10 @@ struct ServiceOptions {
   int num_worker_threads = 2;
   // Reported in ModelInfo; the limit itself is set on the ServerBuilder.
   int64_t max_message_bytes = 64 << 20;
+  // Request + answer bytes all Forward calls in progress may hold; <= 0: unbounded.
+  int64_t max_held_bytes = int64_t{512} << 20;
+  // How long a finished answer may wait for the client to take it; <= 0: forever.
+  std::chrono::milliseconds max_answer_hold{10000};
   // Bearer tokens every MoeService call must carry; null: no token needed.
   std::shared_ptr<const BearerTokens> auth;
   // GetExpertWeights / StreamExpertWeights hand out the model's weights: off unless set.
@@ -128,6 +143,10 @@ class MoeServiceImpl final : public MoeServiceBase {
   // server. Idempotent.
   void Drain() { workers_.Drain(); }
 
+  // Bytes Forward calls hold now; answers cancelled so far for not being taken.
+  int64_t held_bytes() const { return held_bytes_.used(); }
+  int64_t answers_cancelled() const { return answer_watch_.cancelled(); }
+
  private:
   class StreamReactor;
   // The answer to one Forward: OK with the encoded ForwardResponse and its token count, or the
@@ -138,9 +157,15 @@ class MoeServiceImpl final : public MoeServiceBase {
   // Decodes, validates and submits one serialized ForwardRequest to the batcher. `raw_request`
   // is read before this returns (the decoded call keeps its slices). Worker threads.
   // `peer`: the client (ServerContext::peer()), for the shared-memory check.
+  // `hold` (may be null: unbounded) takes the answer's bytes once its size is known, or refuses
+  // (RESOURCE_EXHAUSTED, see HoldRefused), which is then the call's answer.
+  using HoldFn = std::function<absl::Status(int64_t bytes, absl::string_view what)>;
   void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                   std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
-                  const std::string& peer, AnswerFn answer);
+                  const std::string& peer, const HoldFn& hold, AnswerFn answer);
+  // The refusal of `bytes` more (`what`: "this request", "its answer") by `method` at
+  // max_held_bytes; counts it in the metrics.
+  absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what);
   // The one access check of every MoeService call (UNAUTHENTICATED naming `method`).
   absl::Status Authorize(const grpc::CallbackServerContext& context,
                          absl::string_view method) const;
@@ -163,6 +188,8 @@ class MoeServiceImpl final : public MoeServiceBase {
   Engine* const engine_;
   Metrics* const metrics_;
   const ServiceOptions options_;
+  ByteBudget held_bytes_;
+  AnswerHoldWatch answer_watch_;
   // Before the workers and the batcher: outlives every call that holds a region.
   std::unique_ptr<RegionRegistry> regions_;  // null: shared memory off
   WorkQueue workers_;
