@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -77,6 +78,11 @@ absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
     if (!std::isfinite(w)) {
       return bad("topk_weights: value ", w, " at [", i / model.topk, ", ", i % model.topk,
                  "] is not finite; expected finite router weights");
+    }
+    if (std::fabs(w) > kMaxAbsTopkWeight) {
+      return bad("topk_weights: value ", w, " at [", i / model.topk, ", ", i % model.topk,
+                 "] is outside [-", kMaxAbsTopkWeight, ", ", kMaxAbsTopkWeight,
+                 "]; expected router weights (probabilities, possibly scaled)");
     }
   }
   return absl::OkStatus();
@@ -230,13 +236,13 @@ absl::Status Engine::ClientStatusForFailedStep(absl::Status cause) {
 }
 
 absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output,
-                             ForwardTimings* timings) {
+                             ForwardTimings* timings, StopCheck stop) {
   MOESERVE_RETURN_IF_ERROR(ValidateForwardInput(plan_.model, plan_.max_tokens_per_request, input));
-  return ForwardValidated(input, output, timings);
+  return ForwardValidated(input, output, timings, std::move(stop));
 }
 
 absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorView& output,
-                                      ForwardTimings* timings) {
+                                      ForwardTimings* timings, StopCheck stop) {
   const ModelConfig& model = plan_.model;
   MOESERVE_RETURN_IF_ERROR(ValidateForwardShapes(model, plan_.max_tokens_per_request, input));
   const int64_t m = input.hidden_states.dim(0), k = model.hidden;
@@ -267,6 +273,12 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
             .count();
   }
   if (m == 0) return absl::OkStatus();
+  // The caller may have given up while this call waited for the engine.
+  if (stop) {
+    if (absl::Status s = stop(); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(s.message(), " (before the engine ran it)"));
+    }
+  }
 
   ForwardStep step;
   step.layer = input.layer;
@@ -275,7 +287,7 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
   step.hidden_states = input.hidden_states;
   step.topk_ids = input.topk_ids;
   if (step.topk_ids.dtype() == DType::kINT64) {
-    step.topk_ids = ids32_[lane].Get(DType::kINT32, {m, topk});
+    MOESERVE_ASSIGN_OR_RETURN(step.topk_ids, ids32_[lane].TryGet(DType::kINT32, {m, topk}));
     for (int64_t i = 0; i < m * topk; ++i) {
       step.topk_ids.data<int32_t>()[i] = static_cast<int32_t>(input.topk_ids.data<int64_t>()[i]);
     }
@@ -291,8 +303,15 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
     step.bounds[r + 1] = step.bounds[r] + m / world + (r < m % world ? 1 : 0);
   }
 
+  // Between stages too, where the ranks share this process (followers would not see it).
+  std::optional<StopLatch> latch;
+  if (stop && multi_process_ == nullptr) {
+    latch.emplace(std::move(stop));
+    step.stop = &*latch;
+  }
   const absl::Status s =
       multi_process_ != nullptr ? multi_process_->Forward(step) : ranks_->Run(step);
+  if (latch && !latch->stopped().ok()) return latch->stopped();  // the caller's own code
   if (!s.ok()) return ClientStatusForFailedStep(s);
   if (timings) {
     for (int r = 0; r < ranks_->num_local_ranks(); ++r) {

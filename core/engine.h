@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/cancellation.h"
 #include "core/engine_plan.h"
 #include "core/model_config.h"
 #include "core/modular_kernel.h"
@@ -26,12 +27,17 @@
 
 namespace moeserve {
 
+// Largest |router weight| accepted. Router weights are probabilities, at most scaled by a
+// routed scaling factor (DeepSeek-V3: 2.5); a finite weight like 3e38 only serves to overflow
+// the weighted sums to Inf, so it is refused like NaN and Inf are.
+inline constexpr float kMaxAbsTopkWeight = 1e4f;
+
 // One layer call. Views are read-only and must stay valid for the call.
 struct ForwardInput {
   int layer = 0;
   TensorView hidden_states;  // [M, hidden] BF16, FP16 or FP32
   TensorView topk_ids;       // [M, topk] INT32 or INT64, each in [0, num_experts)
-  TensorView topk_weights;   // [M, topk] FP32, finite
+  TensorView topk_weights;   // [M, topk] FP32, finite, |w| <= kMaxAbsTopkWeight
 };
 
 struct ForwardTimings {
@@ -95,13 +101,19 @@ class Engine {
   // of its slice), every rank runs the modular kernel (its collectives in the same order) and
   // rank 0, the leader, gathers the output slices. A failure on one rank aborts the collectives
   // of all; the first root cause is returned and the engine stays usable.
+  //
+  // `stop` (may be null) says whether the caller gave up: it is checked once a lane is free
+  // and then between the stages of every round on every rank (in a single process; a
+  // multi-process group checks only before the step), and its DEADLINE_EXCEEDED or CANCELLED
+  // is returned as it is, naming where it stopped; the output is then unspecified and the
+  // engine stays healthy.
   absl::Status Forward(const ForwardInput& input, const TensorView& output,
-                       ForwardTimings* timings = nullptr);
+                       ForwardTimings* timings = nullptr, StopCheck stop = nullptr);
   // Forward for a caller that has already run ValidateForwardInput on `input` (with this
   // engine's model and max_tokens_per_request), e.g. the batcher: the O(M * topk) value scan is
   // not repeated. Shapes and the output are still checked.
   absl::Status ForwardValidated(const ForwardInput& input, const TensorView& output,
-                                ForwardTimings* timings = nullptr);
+                                ForwardTimings* timings = nullptr, StopCheck stop = nullptr);
 
   // Server-side routing: the layer's gate on hidden_states -> topk_ids and topk_weights
   // (core/router.h for the semantics). hidden [M, hidden] BF16/FP16/FP32, topk_ids INT32

@@ -257,6 +257,12 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   }
   plan.lanes =
       options.steps_in_flight > 0 ? options.steps_in_flight : (lanes_possible && cuda ? 2 : 1);
+  // A token limit whose step buffers (one set per lane) cannot fit is refused now, not at the
+  // first large call.
+  MOESERVE_RETURN_IF_ERROR(CheckActivationBudget(
+      plan.model, plan.max_tokens_per_request,
+      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : AvailableHostMemoryBytes(),
+      plan.lanes));
 
   if (options.graph_max_tokens < -1) {
     return Invalid(absl::StrCat("graph_max_tokens: got ", options.graph_max_tokens,

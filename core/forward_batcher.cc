@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace moeserve {
 
@@ -154,19 +155,14 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   }
   Step step;
   step.push_back(std::move(call));
-  RunTimedStep(std::move(step), m, nullptr);
+  RunTimedStep(std::move(step), nullptr);
 }
 
-void ForwardBatcher::RunTimedStep(Step step, int64_t tokens, StepBuffers* buffers) {
-  const absl::Time started = absl::Now();
-  RunStep(std::move(step), buffers);
-  const absl::Duration took = absl::Now() - started;
+void ForwardBatcher::RunTimedStep(Step step, StepBuffers* buffers) {
+  RunStep(std::move(step), buffers);  // learns the time per token before answering
   {
     std::lock_guard<std::mutex> lock(mu_);
     --running_;
-    // Per-token service time, for the queue-wait admission (a running average).
-    const double us_per_token = absl::ToDoubleMicroseconds(took) / static_cast<double>(tokens);
-    us_per_token_ = us_per_token_ == 0 ? us_per_token : 0.8 * us_per_token_ + 0.2 * us_per_token;
   }
   cv_.notify_all();  // a waiting scheduling thread may start its step now
 }
@@ -220,7 +216,7 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     stats_.queued_tokens -= tokens;
     ++running_;
     lock.unlock();
-    RunTimedStep(std::move(step), tokens, buffers);
+    RunTimedStep(std::move(step), buffers);
     lock.lock();
   }
   // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
@@ -233,103 +229,150 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
   }
 }
 
+namespace {
+
+// Whether `c`'s caller gave up by `now`: DEADLINE_EXCEEDED or CANCELLED (`when` says at what
+// point), else OK.
+absl::Status GaveUp(const ForwardBatcher::Call& c, absl::Time now, absl::string_view when) {
+  if (c.deadline <= now) {
+    return absl::DeadlineExceededError(absl::StrCat("Forward: the deadline passed after ",
+                                                    MicrosBetween(c.enqueued, now), " us ", when));
+  }
+  if (c.cancelled && c.cancelled()) {
+    return absl::CancelledError(absl::StrCat("Forward: cancelled by the client ", when));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
   const absl::Time start = absl::Now();
   std::vector<std::unique_ptr<Call>> live;
+  std::vector<std::pair<std::unique_ptr<Call>, absl::Status>> dropped;
   int64_t deadline_drops = 0, cancel_drops = 0;
   for (auto& c : calls) {
-    if (c->deadline <= start) {
-      ++deadline_drops;
-      c->done(absl::DeadlineExceededError(absl::StrCat("Forward: the deadline passed after ",
-                                                       MicrosBetween(c->enqueued, start),
-                                                       " us in the queue, before the call ran")),
-              ForwardTimings());
-    } else if (c->cancelled && c->cancelled()) {
-      ++cancel_drops;
-      c->done(absl::CancelledError("Forward: cancelled by the client before it ran"),
-              ForwardTimings());
-    } else {
+    absl::Status gave_up = GaveUp(*c, start, "in the queue, before the call ran");
+    if (gave_up.ok()) {
       live.push_back(std::move(c));
+      continue;
     }
+    ++(gave_up.code() == absl::StatusCode::kDeadlineExceeded ? deadline_drops : cancel_drops);
+    dropped.emplace_back(std::move(c), std::move(gave_up));
   }
+  // Counted before they are answered: a caller that reads the stats then sees its own call.
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.dropped_deadline += deadline_drops;
     stats_.dropped_cancelled += cancel_drops;
   }
-  if (options_.observer) {
-    for (int64_t i = 0; i < deadline_drops; ++i) {
-      options_.observer->OnRefused(absl::StatusCode::kDeadlineExceeded);
-    }
-    for (int64_t i = 0; i < cancel_drops; ++i) {
-      options_.observer->OnRefused(absl::StatusCode::kCancelled);
-    }
+  for (auto& [c, status] : dropped) {
+    if (options_.observer) options_.observer->OnRefused(status.code());
+    c->done(std::move(status), ForwardTimings());
   }
   if (live.empty()) return;
 
+  // The step stops between stages once every caller in it has given up (a merged step still
+  // serves the others).
+  StopCheck stop = [&live]() -> absl::Status {
+    const absl::Time now = absl::Now();
+    absl::Status first;
+    for (const auto& c : live) {
+      absl::Status s = GaveUp(*c, now, "while the call ran");
+      if (s.ok()) return s;
+      if (first.ok()) first = std::move(s);
+    }
+    if (live.size() == 1) return first;
+    return absl::Status(first.code(), absl::StrCat("Forward: all ", live.size(),
+                                                   " calls of a merged step gave up"));
+  };
   ForwardTimings timings;
   absl::Status status;
   if (live.size() == 1) {
     // Alone: straight from and into the caller's buffers.
-    status = engine_->ForwardValidated(live[0]->input, live[0]->output, &timings);
+    status = engine_->ForwardValidated(live[0]->input, live[0]->output, &timings, stop);
   } else {
-    const ForwardInput& first = live[0]->input;
-    const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
-    const DType dtype = first.hidden_states.dtype();
-    const size_t row = static_cast<size_t>(hidden) * DTypeSize(dtype);
-    int64_t m = 0;
-    for (const auto& c : live) m += c->tokens;
-    ForwardInput merged;
-    merged.layer = first.layer;
-    merged.hidden_states = buffers->hidden.Get(dtype, {m, hidden});
-    merged.topk_ids = buffers->ids.Get(DType::kINT32, {m, topk});
-    merged.topk_weights = buffers->weights.Get(DType::kFP32, {m, topk});
-    const TensorView output = buffers->output.Get(dtype, {m, hidden});
-    int64_t at = 0;
-    for (const auto& c : live) {
-      const ForwardInput& in = c->input;
-      const int64_t n = c->tokens;
-      std::memcpy(merged.hidden_states.data<std::byte>() + at * row, in.hidden_states.raw_data(),
-                  n * row);
-      int32_t* ids = merged.topk_ids.data<int32_t>() + at * topk;
-      if (in.topk_ids.dtype() == DType::kINT32) {
-        std::memcpy(ids, in.topk_ids.raw_data(), n * topk * sizeof(int32_t));
-      } else {  // INT64, range-checked by ValidateForwardInput
-        for (int64_t i = 0; i < n * topk; ++i) {
-          ids[i] = static_cast<int32_t>(in.topk_ids.data<int64_t>()[i]);
-        }
-      }
-      std::memcpy(merged.topk_weights.data<float>() + at * topk, in.topk_weights.raw_data(),
-                  n * topk * sizeof(float));
-      at += n;
-    }
-    status = engine_->ForwardValidated(merged, output, &timings);
-    at = 0;
-    for (const auto& c : live) {
-      if (status.ok()) {
-        std::memcpy(c->output.raw_data(), output.data<std::byte>() + at * row, c->tokens * row);
-      }
-      at += c->tokens;
-    }
+    status = MergeAndRun(live, buffers, &timings, stop);
   }
+  const absl::Duration took = absl::Now() - start;
+  const bool stopped = status.code() == absl::StatusCode::kDeadlineExceeded ||
+                       status.code() == absl::StatusCode::kCancelled;
   int64_t step_tokens = 0, queued_tokens = 0;
   for (const auto& c : live) step_tokens += c->tokens;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Per-token service time, for the queue-wait admission (a running average), learned before
+    // the step's callers hear back (a stopped step ran only part of its work: not learned).
+    if (!stopped && step_tokens > 0) {
+      const double us = absl::ToDoubleMicroseconds(took) / static_cast<double>(step_tokens);
+      us_per_token_ = us_per_token_ == 0 ? us : 0.8 * us_per_token_ + 0.2 * us;
+    }
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());
     if (live.size() > 1) stats_.merged_calls += static_cast<int64_t>(live.size());
     stats_.max_step_calls = std::max<int64_t>(stats_.max_step_calls, live.size());
+    if (stopped) stats_.stopped += static_cast<int64_t>(live.size());
     queued_tokens = stats_.queued_tokens;
   }
   if (options_.observer) {
     options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }
+  const absl::Time end = absl::Now();
   for (auto& c : live) {
     ForwardTimings mine = timings;
     mine.queue_us += MicrosBetween(c->enqueued, start);
-    c->done(status, mine);
+    absl::Status mine_status = status;
+    if (stopped && live.size() > 1) {
+      // Each caller hears its own reason (deadline or cancellation), and where the step stopped.
+      absl::Status own = GaveUp(*c, end, "while the call ran");
+      if (!own.ok()) {
+        mine_status = absl::Status(own.code(), absl::StrCat(own.message(), "; ", status.message()));
+      }
+    }
+    if (stopped && options_.observer) options_.observer->OnRefused(mine_status.code());
+    c->done(mine_status, mine);
   }
+}
+
+absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
+                                         ForwardTimings* timings, const StopCheck& stop) {
+  const ForwardInput& first = live[0]->input;
+  const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
+  const DType dtype = first.hidden_states.dtype();
+  const size_t row = static_cast<size_t>(hidden) * DTypeSize(dtype);
+  int64_t m = 0;
+  for (const auto& c : live) m += c->tokens;  // at most step_tokens_
+  ForwardInput merged;
+  merged.layer = first.layer;
+  MOESERVE_ASSIGN_OR_RETURN(merged.hidden_states, buffers->hidden.TryGet(dtype, {m, hidden}));
+  MOESERVE_ASSIGN_OR_RETURN(merged.topk_ids, buffers->ids.TryGet(DType::kINT32, {m, topk}));
+  MOESERVE_ASSIGN_OR_RETURN(merged.topk_weights, buffers->weights.TryGet(DType::kFP32, {m, topk}));
+  MOESERVE_ASSIGN_OR_RETURN(const TensorView output, buffers->output.TryGet(dtype, {m, hidden}));
+  int64_t at = 0;
+  for (const auto& c : live) {
+    const ForwardInput& in = c->input;
+    const int64_t n = c->tokens;
+    std::memcpy(merged.hidden_states.data<std::byte>() + at * row, in.hidden_states.raw_data(),
+                n * row);
+    int32_t* ids = merged.topk_ids.data<int32_t>() + at * topk;
+    if (in.topk_ids.dtype() == DType::kINT32) {
+      std::memcpy(ids, in.topk_ids.raw_data(), n * topk * sizeof(int32_t));
+    } else {  // INT64, range-checked by ValidateForwardInput
+      for (int64_t i = 0; i < n * topk; ++i) {
+        ids[i] = static_cast<int32_t>(in.topk_ids.data<int64_t>()[i]);
+      }
+    }
+    std::memcpy(merged.topk_weights.data<float>() + at * topk, in.topk_weights.raw_data(),
+                n * topk * sizeof(float));
+    at += n;
+  }
+  MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop));
+  at = 0;
+  for (const auto& c : live) {
+    std::memcpy(c->output.raw_data(), output.data<std::byte>() + at * row, c->tokens * row);
+    at += c->tokens;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace moeserve

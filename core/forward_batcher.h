@@ -6,7 +6,9 @@
 // layer starves), then every queued call of the same layer and hidden dtype in arrival order
 // while the step stays within max_batch_tokens, waiting up to max_batch_delay after the oldest
 // call's arrival for more to come. Calls whose deadline passed or that were cancelled are
-// answered (DEADLINE_EXCEEDED / CANCELLED) without running. The queue is bounded in tokens:
+// answered (DEADLINE_EXCEEDED / CANCELLED) without running; a running step stops between its
+// stages once every call in it has given up (Engine::Forward's `stop`), and each of its calls
+// gets its own DEADLINE_EXCEEDED or CANCELLED. The queue is bounded in tokens:
 // beyond max_queued_tokens (or, when set, beyond max_queue_wait of estimated work) a call is
 // refused at once with RESOURCE_EXHAUSTED naming the limit.
 //
@@ -46,8 +48,8 @@ class ForwardBatcherObserver {
   // A step ran `calls` calls of `tokens` tokens in all; `queued_tokens` are still waiting.
   // Scheduling thread.
   virtual void OnStep(int64_t calls, int64_t tokens, int64_t queued_tokens) = 0;
-  // A call was answered without running: RESOURCE_EXHAUSTED (queue full, on the submitting
-  // thread), DEADLINE_EXCEEDED or CANCELLED (scheduling thread).
+  // A call was answered without running, or its step stopped part-way: RESOURCE_EXHAUSTED
+  // (queue full, on the submitting thread), DEADLINE_EXCEEDED or CANCELLED (scheduling thread).
   virtual void OnRefused(absl::StatusCode reason) = 0;
 };
 
@@ -80,12 +82,14 @@ struct ForwardBatcherStats {
   int64_t refused_queue_full = 0;
   int64_t dropped_deadline = 0;
   int64_t dropped_cancelled = 0;
+  int64_t stopped = 0;        // calls of steps stopped between stages (every caller gave up)
   int64_t queued_tokens = 0;  // now
   int64_t inline_steps = 0;   // steps run on the submitting thread (inline_max_tokens)
 };
 
 class ForwardBatcher {
  public:
+  struct Call;  // one queued call (forward_batcher.cc)
   using Done = std::function<void(absl::Status status, const ForwardTimings& timings)>;
 
   // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits.
@@ -95,11 +99,11 @@ class ForwardBatcher {
   // is running finishes first).
   ~ForwardBatcher();
 
-  // Queues one call (or runs it at once, see inline_max_tokens). `input` and `output` (as
-  // Engine::Forward: output [M, hidden] in the hidden dtype, host memory or, where the engine takes
-  // them, CUDA device memory; such calls run alone) must stay valid until `done` runs; `done` runs
-  // exactly once. `cancelled` (may be null) is polled before the call runs. timings.queue_us is the
-  // time from Submit to the start of its step.
+  // Queues one call (or runs it at once, see inline_max_tokens). `input` and `output` (as Engine::Forward: output [M, hidden] in the
+  // hidden dtype, host memory or, where the engine takes them, CUDA device memory; such calls
+  // run alone) must stay valid until `done` runs; `done` runs exactly once.
+  // `cancelled` (may be null) is polled before the call runs and between the stages of its step.
+  // timings.queue_us is the time from Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
               std::function<bool()> cancelled, Done done);
 
@@ -107,7 +111,6 @@ class ForwardBatcher {
   const ForwardBatcherOptions& options() const { return options_; }
 
  private:
-  struct Call;
   // A merged step's buffers, reused across steps by one thread.
   struct StepBuffers {
     HostBuffer hidden, ids, weights, output;
@@ -121,9 +124,11 @@ class ForwardBatcher {
   // Runs the calls of one step (same layer and dtype) and answers them. `buffers` (for a
   // merged step) may be null for a single call.
   void RunStep(Step calls, StepBuffers* buffers);
-  // RunStep, then (under mu_) ends the step begun with ++running_ and updates the time per
-  // token.
-  void RunTimedStep(Step calls, int64_t tokens, StepBuffers* buffers);
+  // RunStep, then (under mu_) ends the step begun with ++running_.
+  void RunTimedStep(Step calls, StepBuffers* buffers);
+  // Several calls as one engine step through `buffers` (the merged input and output).
+  absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
+                           const StopCheck& stop);
 
   Engine* const engine_;
   const ForwardBatcherOptions options_;

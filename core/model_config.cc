@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "core/checked_math.h"
 
 namespace moeserve {
 
@@ -34,12 +35,32 @@ int ModelConfig::num_moe_layers() const {
 }
 
 int64_t ModelConfig::LayerWeightBytes(int num_experts_on_rank, WeightFormat format) const {
-  const int64_t values = int64_t{num_experts_on_rank} * 3 * hidden * intermediate;
-  if (format == WeightFormat::kBF16) return values * 2;
+  // Validate()'s bounds keep these far inside int64; checked anyway for a config that skipped
+  // it (-1: overflow or a negative size).
+  const std::optional<int64_t> values =
+      CheckedProduct({num_experts_on_rank, 3, hidden, intermediate});
+  if (!values) return -1;
+  if (format == WeightFormat::kBF16) return CheckedMul(*values, 2).value_or(-1);
   // One byte per E4M3 value plus one E8M0 byte per 32 along K (rounded up per row).
-  const int64_t w13_scales = int64_t{num_experts_on_rank} * 2 * intermediate * ((hidden + 31) / 32);
-  const int64_t w2_scales = int64_t{num_experts_on_rank} * hidden * ((intermediate + 31) / 32);
-  return values + w13_scales + w2_scales;
+  const std::optional<int64_t> w13_scales =
+      CheckedProduct({num_experts_on_rank, 2, intermediate, (hidden + 31) / 32});
+  const std::optional<int64_t> w2_scales =
+      CheckedProduct({num_experts_on_rank, hidden, (intermediate + 31) / 32});
+  if (!w13_scales || !w2_scales) return -1;
+  const std::optional<int64_t> scales = CheckedAdd(*w13_scales, *w2_scales);
+  if (!scales) return -1;
+  return CheckedAdd(*values, *scales).value_or(-1);
+}
+
+int64_t ModelConfig::ActivationBytes(int64_t max_tokens) const {
+  // FP32: the fused expert output [M, topk, hidden], the per-route ids and weights, and about
+  // four [M, hidden] copies (input conversion, gathered batch, FP32 answer, output).
+  const std::optional<int64_t> routes = CheckedProduct({max_tokens, topk, hidden, 4});
+  const std::optional<int64_t> ids = CheckedProduct({max_tokens, topk, 8});
+  const std::optional<int64_t> rows = CheckedProduct({max_tokens, hidden, 4 * 4});
+  if (!routes || !ids || !rows) return -1;
+  const std::optional<int64_t> sum = CheckedAdd(*routes, *ids);
+  return sum ? CheckedAdd(*sum, *rows).value_or(-1) : -1;
 }
 
 absl::Status ModelConfig::Validate() const {
@@ -174,15 +195,43 @@ absl::Status CheckMemoryBudget(const ModelConfig& config, int64_t needed_bytes,
                                int64_t available_bytes) {
   // Leave room for activations, workspaces and the rest of the process.
   const double kUsableFraction = 0.85;
-  if (static_cast<double>(needed_bytes) <= kUsableFraction * static_cast<double>(available_bytes)) {
+  if (needed_bytes >= 0 &&
+      static_cast<double>(needed_bytes) <= kUsableFraction * static_cast<double>(available_bytes)) {
     return absl::OkStatus();
   }
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  if (needed_bytes < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "model ", config.DebugString(), ": its expert weights' byte size overflows 64 bits"));
+  }
   return absl::ResourceExhaustedError(absl::StrFormat(
       "model %s needs %.2f GiB of expert weights but only %.2f GiB of memory is available "
       "(%.0f%% usable); serve fewer layers (--num_layers), smaller sizes (--hidden, "
       "--intermediate, --num_experts), more ranks, or a machine with more memory",
       config.DebugString(), needed_bytes / kGiB, available_bytes / kGiB, kUsableFraction * 100));
+}
+
+absl::Status CheckActivationBudget(const ModelConfig& config, int64_t max_tokens,
+                                   int64_t available_bytes, int steps_in_flight) {
+  // Weights take up to 85% (CheckMemoryBudget); one step's buffers must fit in what is left of
+  // the rest, or the first large request would fail (or the machine swap) instead of startup.
+  const double kUsableFraction = 0.5;
+  const int64_t per_step = config.ActivationBytes(max_tokens);
+  const int64_t needed =
+      per_step < 0 ? -1 : CheckedMul(per_step, int64_t{std::max(steps_in_flight, 1)}).value_or(-1);
+  if (needed >= 0 &&
+      static_cast<double>(needed) <= kUsableFraction * static_cast<double>(available_bytes)) {
+    return absl::OkStatus();
+  }
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  const std::string size = needed < 0 ? std::string("more than 2^63 bytes")
+                                      : absl::StrFormat("about %.2f GiB", needed / kGiB);
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "model %s: max_tokens_per_request=%d needs %s of activation buffers for %d step(s) in "
+      "flight (tokens x topk x hidden x 4 bytes and more, per step) but only %.2f GiB of memory "
+      "is available (%.0f%% usable); lower --max_tokens_per_request or --steps_in_flight",
+      config.DebugString(), max_tokens, size, std::max(steps_in_flight, 1), available_bytes / kGiB,
+      kUsableFraction * 100));
 }
 
 }  // namespace moeserve

@@ -49,7 +49,11 @@ struct ModelConfig {
   int num_moe_layers() const;
   // Bytes of expert weights for one layer's `num_experts_on_rank` experts in `format`
   // (MXFP8 counts the E8M0 scales).
+  // -1 if the size overflows int64 (never for a config that passed Validate()).
   int64_t LayerWeightBytes(int num_experts_on_rank, WeightFormat format) const;
+  // Estimated host bytes of one engine step's buffers at `max_tokens` tokens (the largest are
+  // FP32 [tokens, topk, hidden]); -1 on overflow.
+  int64_t ActivationBytes(int64_t max_tokens) const;
   absl::Status Validate() const;
   std::string DebugString() const;
 };
@@ -79,6 +83,11 @@ int64_t AvailableHostMemoryBytes();
 // fraction, with a message naming what was asked and how to shrink it.
 absl::Status CheckMemoryBudget(const ModelConfig& config, int64_t needed_bytes,
                                int64_t available_bytes);
+// Refuses (RESOURCE_EXHAUSTED, naming the estimate and --max_tokens_per_request) a token limit
+// whose step buffers (ModelConfig::ActivationBytes, once per step in flight: each engine lane
+// has its own) exceed half of `available_bytes`.
+absl::Status CheckActivationBudget(const ModelConfig& config, int64_t max_tokens,
+                                   int64_t available_bytes, int steps_in_flight = 1);
 
 }  // namespace moeserve
 

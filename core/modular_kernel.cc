@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/cancellation.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -157,10 +158,17 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
     return absl::InvalidArgumentError(absl::StrCat(prepare_finalize_->name(), " cannot write ",
                                                    DTypeName(out_dtype), " to device memory"));
   }
-  const TensorView answer = convert ? output32_.Get(DType::kFP32, {m, k}) : output;
+  TensorView answer = output;
+  if (convert) {
+    MOESERVE_ASSIGN_OR_RETURN(answer, output32_.TryGet(DType::kFP32, {m, k}));
+  }
   bool graphed = false;
   if (graph_options_.max_tokens > 0 && !convert && bounds.size() == 2 && m > 0 &&
       m <= graph_options_.max_tokens && output.device().is_host()) {
+    // One check for the whole replayed step (a graph runs to its end once launched).
+    if (args.stop != nullptr) {
+      MOESERVE_RETURN_IF_ERROR(args.stop->Check(0, "prepare of round 1/1"));
+    }
     MOESERVE_RETURN_IF_ERROR(RunGraphed(args, pargs, answer, timer, &graphed));
   }
   if (!graphed) {
@@ -333,6 +341,14 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
   pargs.expert_map = args.expert_map;
   const std::unique_ptr<TopKWeightAndReduce> weight_and_reduce =
       experts_->FinalizeWeightAndReduceImpl();
+  const size_t rounds = bounds.size() - 1;
+  // Every rank passes the same checkpoints (the same rounds, PlanChunks), so the verdicts agree.
+  auto check = [&](size_t round, StageTimer::Stage stage) {
+    if (args.stop == nullptr) return absl::OkStatus();
+    static constexpr const char* kStageName[] = {"prepare", "experts", "finalize"};
+    return args.stop->Check(static_cast<int64_t>(round) * 3 + stage,
+                            absl::StrCat(kStageName[stage], " of round ", round + 1, "/", rounds));
+  };
   for (size_t round = 0; round + 1 < bounds.size(); ++round) {
     const int64_t begin = bounds[round], end = bounds[round + 1];
     if (begin > end) return absl::InternalError("PlanChunks: boundaries must ascend");
@@ -340,6 +356,7 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
     pargs.topk_ids = args.topk_ids.Slice(begin, end);
     pargs.topk_weights = args.topk_weights.Slice(begin, end);
 
+    MOESERVE_RETURN_IF_ERROR(check(round, StageTimer::kPrepare));
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kPrepare));
     PreparedActivations prepared;
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
@@ -350,6 +367,7 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
           "; create it with an allocator for that device"));
     }
 
+    MOESERVE_RETURN_IF_ERROR(check(round, StageTimer::kExperts));
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kExperts));
     const WorkspaceShapes shapes = experts_->GetWorkspaceShapes(prepared.problem);
     ExpertsApplyArgs apply;
@@ -366,6 +384,7 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
                                                             DType::kFP32, shapes.output));
     MOESERVE_RETURN_IF_ERROR(experts_->Apply(apply));
 
+    MOESERVE_RETURN_IF_ERROR(check(round, StageTimer::kFinalize));
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kFinalize));
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Finalize(output.Slice(begin, end), apply.output,
                                                          prepared, *weight_and_reduce));

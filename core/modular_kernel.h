@@ -43,6 +43,8 @@
 
 namespace moeserve {
 
+class StopLatch;  // core/cancellation.h
+
 enum class ActivationFormat {
   kStandard,        // contiguous [M, K] + topk_ids/topk_weights [M, topk]
   kBatchedExperts,  // [E, max_tokens, K] + expert_num_tokens [E]
@@ -272,6 +274,9 @@ struct ModularKernelArgs {
   const LayerWeights* weights = nullptr;  // that layer's host weights
   int64_t num_experts = 0;
   TensorView expert_map;  // optional, see PrepareArgs
+  // Checked before every stage of every round (checkpoint 3 * round + stage); a stop verdict
+  // ends the forward with it, the output left unspecified. Null: run to the end.
+  StopLatch* stop = nullptr;
 };
 
 // Graph replay for small forwards (see PrepareAndFinalize::supports_graphs).
@@ -308,10 +313,10 @@ class ModularKernel {
       std::unique_ptr<WorkspaceAllocator> allocator = nullptr);
 
   // Runs prepare -> apply -> finalize once per round of PrepareAndFinalize::PlanChunks (stage
-  // times are summed over rounds). output: [M, K] host memory, FP32, BF16 or FP16.
-  // Workspaces come from Experts::GetWorkspaceShapes() through the allocator, reused across
-  // calls; FAILED_PRECONDITION if Prepare put a1q on another device than the allocator's.
-  // Returns when the output is written. Not thread-safe.
+  // times are summed over rounds), checking args.stop before each stage. output: [M, K] host
+  // memory, FP32, BF16 or FP16. Workspaces come from Experts::GetWorkspaceShapes() through the
+  // allocator, reused across calls; FAILED_PRECONDITION if Prepare put a1q on another device than
+  // the allocator's. Returns when the output is written. Not thread-safe.
   absl::Status Forward(const ModularKernelArgs& args, const TensorView& output,
                        StageTimings* timings = nullptr);
 

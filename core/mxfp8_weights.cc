@@ -56,10 +56,12 @@ absl::StatusOr<QuantizedLayer> QuantizeLayerToMxfp8(const LayerWeights& bf16, in
   }
   const int64_t w13_blocks = kernels::Mxfp8ScaleBlocks(h), w2_blocks = kernels::Mxfp8ScaleBlocks(n);
   QuantizedLayer out;
-  Tensor w13 = Tensor::Empty(DType::kFP8E4M3, {num_local, 2 * n, h});
-  Tensor w2 = Tensor::Empty(DType::kFP8E4M3, {num_local, h, n});
-  Tensor w13_scale = Tensor::Empty(DType::kUINT8, {num_local, 2 * n, w13_blocks});
-  Tensor w2_scale = Tensor::Empty(DType::kUINT8, {num_local, h, w2_blocks});
+  MOESERVE_ASSIGN_OR_RETURN(Tensor w13, Tensor::Allocate(DType::kFP8E4M3, {num_local, 2 * n, h}));
+  MOESERVE_ASSIGN_OR_RETURN(Tensor w2, Tensor::Allocate(DType::kFP8E4M3, {num_local, h, n}));
+  MOESERVE_ASSIGN_OR_RETURN(Tensor w13_scale,
+                            Tensor::Allocate(DType::kUINT8, {num_local, 2 * n, w13_blocks}));
+  MOESERVE_ASSIGN_OR_RETURN(Tensor w2_scale,
+                            Tensor::Allocate(DType::kUINT8, {num_local, h, w2_blocks}));
 
   // One status per expert so that the error reported does not depend on thread timing.
   std::vector<absl::Status> status(num_local);

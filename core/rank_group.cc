@@ -18,7 +18,9 @@ absl::Status RankGroup::Run(const ForwardStep& step) {
 absl::Status RankGroup::RunOnEveryRank(const std::function<absl::Status(int local)>& fn) {
   auto rank_step = [&](int local) {
     absl::Status s = fn(local);
-    if (!s.ok()) AbortPeers(s);  // peers blocked in a collective waiting for this rank give up
+    // Peers blocked in a collective waiting for this rank give up; an agreed failure (every
+    // rank stopped at the same point) leaves no collective waiting.
+    if (!s.ok() && !IsAgreedStepFailure(s)) AbortPeers(s);
     return s;
   };
   std::vector<absl::Status> statuses;
@@ -51,7 +53,7 @@ absl::Status RankGroup::RunOnEveryRank(const std::function<absl::Status(int loca
 
 absl::Status RankGroup::ForwardSlice(int local, int layer, const TensorView& hidden_states,
                                      const TensorView& topk_ids, const TensorView& topk_weights,
-                                     const TensorView& out, bool timed, int lane) {
+                                     const TensorView& out, bool timed, int lane, StopLatch* stop) {
   Rank& rank = ranks_[local];
   ModularKernelArgs args;
   args.hidden_states = hidden_states;
@@ -59,6 +61,7 @@ absl::Status RankGroup::ForwardSlice(int local, int layer, const TensorView& hid
   args.topk_weights = topk_weights;
   args.layer = layer;
   args.weights = rank.weights->layer(layer);
+  args.stop = stop;
   args.num_experts = plan_.model.num_experts;
   args.expert_map = TensorView(rank.expert_map.data(), DType::kINT32,
                                {static_cast<int64_t>(rank.expert_map.size())});
@@ -85,7 +88,7 @@ absl::Status RankGroup::RunRank(int local, const ForwardStep& step) {
   const int64_t begin = step.bounds[r], end = step.bounds[r + 1];
   return ForwardSlice(local, step.layer, step.hidden_states.Slice(begin, end),
                       step.topk_ids.Slice(begin, end), step.topk_weights.Slice(begin, end),
-                      step.output.Slice(begin, end), step.timed, step.lane);
+                      step.output.Slice(begin, end), step.timed, step.lane, step.stop);
 }
 
 GraphStats RankGroup::graph_stats() const {

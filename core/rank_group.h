@@ -20,6 +20,8 @@
 
 namespace moeserve {
 
+class StopLatch;  // core/cancellation.h
+
 // One forward over every rank, in host memory. Views stay valid for the call.
 struct ForwardStep {
   int layer = 0;
@@ -31,6 +33,9 @@ struct ForwardStep {
   TensorView output;  // [M, hidden] the request's dtype, written on the leader (global rank 0)
   // world_size + 1 entries: global rank r is the source of tokens [bounds[r], bounds[r+1]).
   std::vector<int64_t> bounds;
+  // Checked by every rank between stages (the caller gave up: see core/cancellation.h); null:
+  // run to the end. Single process only (followers do not see the caller).
+  StopLatch* stop = nullptr;
 };
 
 // A step failure every rank agreed on (a refusal found in a collective, e.g. NCCL PlanChunks):
@@ -38,6 +43,11 @@ struct ForwardStep {
 // core/cuda/nccl_all_to_all.cc sets; RunOnEveryRank keeps it on the root cause.
 inline bool IsAgreedStepFailure(const absl::Status& status) {
   return !status.ok() && status.GetPayload("moeserve/agreed_failure").has_value();
+}
+// `status` marked as a failure every rank agreed on (e.g. a StopLatch verdict).
+inline absl::Status MarkAgreedStepFailure(absl::Status status) {
+  if (!status.ok()) status.SetPayload("moeserve/agreed_failure", absl::Cord("1"));
+  return status;
 }
 
 // Host-memory collectives with the ranks of every process (multi-process: commands, token and
@@ -72,19 +82,22 @@ class RankGroup {
   absl::Status Run(const ForwardStep& step);
 
   // Runs fn(local_rank) on every local rank at once (a rank's own thread where there are
-  // several). A failing rank aborts its peers' collectives at once. Returns OK or the root
-  // cause: a failure other than a peer's ABORTED echo where there is one, as
-  // "rank <global>: <message>" (with the cause's payloads) when there is more than one rank.
-  // After a failure the group is ready for the next step, or unhealthy (health()).
+  // several). A failing rank aborts its peers' collectives at once, unless the failure is one
+  // every rank agreed on (IsAgreedStepFailure: no collective is left waiting). Returns OK or the
+  // root cause: a failure other than a peer's ABORTED echo where there is one, as "rank <global>:
+  // <message>" (with the cause's payloads) when there is more than one rank. After a failure the
+  // group is ready for the next step, or unhealthy (health()).
   absl::Status RunOnEveryRank(const std::function<absl::Status(int local)>& fn);
 
   // The local rank's modular kernel over one slice: host views, `out` [rows, hidden] FP32.
   // Runs the kernel's collectives: every rank must call it in the same step.
   // timed: collect stage timings (device timers record events; skipped when nobody reads them).
   // `lane`: whose kernel (buffers, stream) runs it.
+  // stop: checked between stages (null: none); every rank of the step must get the same one.
   absl::Status ForwardSlice(int local, int layer, const TensorView& hidden_states,
                             const TensorView& topk_ids, const TensorView& topk_weights,
-                            const TensorView& out, bool timed = true, int lane = 0);
+                            const TensorView& out, bool timed = true, int lane = 0,
+                            StopLatch* stop = nullptr);
   // Graph counters summed over every local rank and lane; graph_max_tokens() is what the
   // kernels replay (0: graphs off, no_graphs_reason() says why when they were wanted).
   GraphStats graph_stats() const;

@@ -1,11 +1,14 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/checked_math.h"
 #include "kernels/cpu/dtype_convert.h"
 
 namespace moeserve {
@@ -24,21 +27,29 @@ int64_t NumElements(absl::Span<const int64_t> shape) {
   }
   int64_t n = 1;
   for (int64_t d : shape) {
-    if (__builtin_mul_overflow(n, d, &n)) return -1;
+    const std::optional<int64_t> next = CheckedMul(n, d);
+    if (!next) return -1;
+    n = *next;
   }
   return n;
 }
 
 namespace {
+
+// a * b, saturating at INT64_MAX: the strides of a view with no elements (e.g. [0, 2^62, 2^62],
+// which a request may carry) are never used to address memory but must not overflow either.
+int64_t SaturatingMul(int64_t a, int64_t b) { return CheckedMul(a, b).value_or(INT64_MAX); }
+
 Shape ContiguousStrides(const Shape& shape) {
   Shape strides(shape.size());
   int64_t s = 1;
   for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
     strides[i] = s;
-    s *= shape[i];
+    s = SaturatingMul(s, shape[i]);
   }
   return strides;
 }
+
 }  // namespace
 
 std::string DeviceName(const Device& device) {
@@ -69,7 +80,7 @@ bool TensorView::is_contiguous() const {
   int64_t expected = 1;
   for (int i = rank() - 1; i >= 0; --i) {
     if (shape_[i] != 1 && strides_[i] != expected) return false;
-    expected *= shape_[i];
+    expected = SaturatingMul(expected, shape_[i]);
   }
   return true;
 }
@@ -98,28 +109,43 @@ std::string TensorView::DebugString() const {
 
 void Tensor::Free::operator()(std::byte* p) const { std::free(p); }
 
-Tensor Tensor::Empty(DType dtype, Shape shape) {
+absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = std::move(shape);
   const int64_t numel = t.numel();
-  size_t bytes = 0;
-  if (numel < 0 || __builtin_mul_overflow(static_cast<size_t>(numel), DTypeSize(dtype), &bytes) ||
-      bytes > (size_t{1} << 62)) {
-    // Shapes reaching here were validated; an impossible one is a bug, not a request to serve.
-    std::fprintf(stderr, "moeserve: Tensor::Empty(%s) has no valid byte size\n",
-                 ShapeToString(t.shape_).c_str());
-    std::abort();
+  const std::optional<int64_t> bytes =
+      numel < 0 ? std::nullopt : CheckedMul(numel, static_cast<int64_t>(DTypeSize(dtype)));
+  if (!bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", DTypeName(dtype), ShapeToString(t.shape_),
+                     ": a negative dim, or its byte size overflows 64 bits"));
   }
-  bytes = (bytes + 63) / 64 * 64;
-  if (bytes == 0) bytes = 64;
-  t.buffer_.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
+  if (*bytes > kMaxAllocationBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate ", DTypeName(dtype), ShapeToString(t.shape_), ": its byte size ", *bytes,
+        " exceeds the limit of ", kMaxAllocationBytes, " bytes for one allocation"));
+  }
+  // aligned_alloc wants a multiple of the alignment; rounding up cannot overflow below the limit.
+  const size_t rounded = std::max<size_t>(64, (static_cast<size_t>(*bytes) + 63) / 64 * 64);
+  t.buffer_.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
   if (t.buffer_ == nullptr) {
-    std::fprintf(stderr, "moeserve: out of memory allocating %zu bytes for %s %s\n", bytes,
-                 DTypeName(dtype).data(), ShapeToString(t.shape_).c_str());
-    std::abort();
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "out of memory: cannot allocate %d bytes (%.2f GiB) for %s%s", rounded,
+        static_cast<double>(rounded) / (1 << 30), DTypeName(dtype), ShapeToString(t.shape_)));
   }
   return t;
+}
+
+Tensor Tensor::Empty(DType dtype, Shape shape) {
+  absl::StatusOr<Tensor> t = Allocate(dtype, std::move(shape));
+  if (!t.ok()) {
+    // Callers of Empty allocate sizes that were bounded already; failing here is not a request
+    // to serve but a machine out of memory.
+    std::fprintf(stderr, "moeserve: %s\n", std::string(t.status().message()).c_str());
+    std::abort();
+  }
+  return *std::move(t);
 }
 
 Tensor Tensor::Zeros(DType dtype, Shape shape) {
@@ -128,13 +154,34 @@ Tensor Tensor::Zeros(DType dtype, Shape shape) {
   return t;
 }
 
-TensorView HostBuffer::Get(DType dtype, const Shape& shape) {
-  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
-  if (bytes > capacity_) {
-    storage_ = Tensor::Empty(DType::kUINT8, {static_cast<int64_t>(bytes)});
-    capacity_ = bytes;
+absl::StatusOr<TensorView> HostBuffer::TryGet(DType dtype, const Shape& shape) {
+  const int64_t numel = NumElements(shape);
+  const std::optional<int64_t> bytes =
+      numel < 0 ? std::nullopt : CheckedMul(numel, static_cast<int64_t>(DTypeSize(dtype)));
+  if (!bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", DTypeName(dtype),
+                                                     ShapeToString(shape),
+                                                     ": a negative dim, or its byte size "
+                                                     "overflows 64 bits"));
+  }
+  if (static_cast<size_t>(*bytes) > capacity_) {
+    storage_ = Tensor();  // the old block goes back first: the peak is the new size, not both
+    capacity_ = 0;
+    absl::StatusOr<Tensor> t = Tensor::Allocate(DType::kUINT8, {*bytes});
+    if (!t.ok()) return t.status();
+    storage_ = *std::move(t);
+    capacity_ = static_cast<size_t>(*bytes);
   }
   return TensorView(storage_.data<void>(), dtype, shape);
+}
+
+TensorView HostBuffer::Get(DType dtype, const Shape& shape) {
+  absl::StatusOr<TensorView> view = TryGet(dtype, shape);
+  if (!view.ok()) {
+    std::fprintf(stderr, "moeserve: %s\n", std::string(view.status().message()).c_str());
+    std::abort();
+  }
+  return *view;
 }
 
 absl::Status ConvertTensor(const TensorView& src, const TensorView& dst) {

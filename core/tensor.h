@@ -96,7 +96,15 @@ class TensorView {
 class Tensor {
  public:
   Tensor() = default;
-  // Uninitialized storage.
+  // Largest single allocation (4 TiB): far above any real buffer, far below where byte counts
+  // and pointer arithmetic could wrap.
+  static constexpr int64_t kMaxAllocationBytes = int64_t{1} << 42;
+  // Uninitialized storage, or RESOURCE_EXHAUSTED naming the dtype, shape and byte size when
+  // the size overflows, exceeds kMaxAllocationBytes or the memory cannot be had. For sizes that
+  // come from outside (configs, checkpoints, requests).
+  static absl::StatusOr<Tensor> Allocate(DType dtype, Shape shape);
+  // Allocate for sizes already bounded (tests, small fixed buffers): a failure prints the same
+  // message and aborts.
   static Tensor Empty(DType dtype, Shape shape);
   static Tensor Zeros(DType dtype, Shape shape);
 
@@ -122,7 +130,10 @@ class Tensor {
 // A reusable host buffer that grows to the largest size asked of it; for workspaces.
 class HostBuffer {
  public:
-  // Returns a contiguous view of `shape` backed by this buffer (contents unspecified).
+  // Returns a contiguous view of `shape` backed by this buffer (contents unspecified), or
+  // RESOURCE_EXHAUSTED naming the size when it cannot grow (the buffer is then empty).
+  absl::StatusOr<TensorView> TryGet(DType dtype, const Shape& shape);
+  // TryGet for sizes already bounded; aborts with TryGet's message on failure.
   TensorView Get(DType dtype, const Shape& shape);
   size_t capacity() const { return capacity_; }
 

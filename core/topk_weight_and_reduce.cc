@@ -75,7 +75,7 @@ class NaiveBatched final : public TopKWeightAndReduce {
     const int64_t num_experts = in.dim(0), max_tokens = in.dim(1);
     std::vector<int64_t> next_row(num_experts, 0);
     float* out = output.data<float>();
-    std::memset(out, 0, output.nbytes());
+    if (output.nbytes() > 0) std::memset(out, 0, output.nbytes());
     const int32_t* ids = topk_ids.data<int32_t>();
     const float* w = topk_weights.data<float>();
     for (int64_t t = 0; t < m; ++t) {

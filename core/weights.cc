@@ -87,8 +87,8 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> ExpertWeightStore::CreateSynt
   }
   num_threads = std::max(1, num_threads);
   for (int layer : moe_layers) {
-    Tensor w13 = Tensor::Empty(DType::kBF16, {num_local, 2 * n, h});
-    Tensor w2 = Tensor::Empty(DType::kBF16, {num_local, h, n});
+    MOESERVE_ASSIGN_OR_RETURN(Tensor w13, Tensor::Allocate(DType::kBF16, {num_local, 2 * n, h}));
+    MOESERVE_ASSIGN_OR_RETURN(Tensor w2, Tensor::Allocate(DType::kBF16, {num_local, h, n}));
     auto fill = [&](int begin, int end) {
       for (int e = begin; e < end; ++e) {
         const int g = expert_ids[e];

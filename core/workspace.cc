@@ -42,7 +42,7 @@ class HostWorkspaceAllocator final : public WorkspaceAllocator {
  public:
   Device device() const override { return Device::Host(); }
   absl::StatusOr<TensorView> Get(Slot slot, DType dtype, const Shape& shape) override {
-    return buffers_[slot].Get(dtype, shape);
+    return buffers_[slot].TryGet(dtype, shape);
   }
   std::unique_ptr<StageTimer> MakeStageTimer() const override { return MakeHostStageTimer(); }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what moeserve needs to build and test on Debian 12 / Ubuntu 24.04, idempotently:
 # Debian packages that are missing, then the Python packages the clients and tests use.
-# Safe to re-run; does nothing when everything is present.
+# Safe to re-run; does nothing when everything is present. --sanitizers adds clang and its
+# sanitizer runtimes (for scripts/fuzz.sh and scripts/sanitize.sh).
 set -euo pipefail
 
 DEB_PACKAGES=(
@@ -10,6 +11,11 @@ DEB_PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libopenblas-dev nlohmann-json3-dev curl libssl-dev openssl
 )
+# scripts/setup.sh --sanitizers (scripts/fuzz.sh, scripts/sanitize.sh): clang with its
+# sanitizer and libFuzzer runtimes.
+if [[ "${1:-}" == "--sanitizers" ]]; then
+  DEB_PACKAGES+=(clang libclang-rt-dev)
+fi
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do

@@ -35,7 +35,6 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::Answer(grpc::CallbackServerConte
                                                        int64_t sent) {
   const grpc::Status grpc_status = ToGrpcStatus(status);
   if (Metrics* metrics = state_->metrics()) {
-    metrics->RecordRequest(method, grpc_status.error_code(), 0);
     metrics->AddBytes(method, received, status.ok() ? sent : 0);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -116,12 +115,10 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
   if (metrics) metrics->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const int64_t received = static_cast<int64_t>(raw_request->Length());
-  auto finish = [metrics, reactor, start, received, response](const absl::Status& status,
-                                                              int64_t tokens) {
+  auto finish = [metrics, reactor, received, response](const absl::Status& status, int64_t tokens) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
     if (metrics) {
       if (status.ok()) metrics->AddTokens(tokens);
-      metrics->RecordRequest("ModelInfer", grpc_status.error_code(), MicrosSince(start) * 1e-6);
       metrics->AddBytes("ModelInfer", received,
                         status.ok() ? static_cast<int64_t>(response->Length()) : 0);
       metrics->DecrementInflight();

@@ -1,6 +1,7 @@
 // moeserve: serves the expert layers of a Mixture-of-Experts model over gRPC.
 // This file only turns flags into ProcessOptions; the process itself (ports first, weights in
 // the background, serving, shutdown) is server/startup.h.
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -98,6 +99,23 @@ ABSL_FLAG(bool, enable_shared_memory, false,
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
           "Most tokens (M) one Forward / ModelInfer may carry; more fail with "
           "RESOURCE_EXHAUSTED naming hidden_states' M");
+// Limits on what clients can make the server hold (README "Limits"; server/server.h).
+ABSL_FLAG(int64_t, max_queued_bytes, int64_t{512} << 20,
+          "Most request + answer bytes all Forward calls in progress may hold (from arrival "
+          "until the client has the answer); calls beyond it are refused at once with "
+          "RESOURCE_EXHAUSTED (0: no limit)");
+ABSL_FLAG(int64_t, max_answer_hold_ms, 10000,
+          "A finished answer the client does not take within this long is cancelled, releasing "
+          "its memory (the client sees CANCELLED; 0: wait as long as the connection lives)");
+ABSL_FLAG(int32_t, max_concurrent_streams, 128,
+          "Most concurrent calls on one HTTP/2 connection (GRPC_ARG_MAX_CONCURRENT_STREAMS)");
+ABSL_FLAG(int64_t, grpc_memory_bytes, int64_t{1} << 30,
+          "Memory gRPC itself may use for connections and buffers (its ResourceQuota)");
+ABSL_FLAG(int32_t, grpc_max_threads, 64, "Most threads gRPC may start (its ResourceQuota)");
+ABSL_FLAG(int32_t, max_metadata_bytes, 64 << 10,
+          "Largest metadata (headers) one call may send; an oversized header fails its call and "
+          "may fail the other calls of its connection (gRPC behaviour), so keep this well above "
+          "what clients send (GRPC_ARG_MAX_METADATA_SIZE)");
 ABSL_FLAG(std::string, metrics_address, moeserve::kDefaultMetricsAddress,
           "host:port of the Prometheus /metrics endpoint (empty: off; port 0: a free port; "
           "0.0.0.0 for every interface)");
@@ -268,6 +286,14 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
   server.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  // Limits on what clients can make the server hold (the byte limits are checked against the
+  // memory there is in startup.cc, once max_message_bytes is resolved).
+  server.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
+  server.max_answer_hold = std::chrono::milliseconds(absl::GetFlag(FLAGS_max_answer_hold_ms));
+  server.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  server.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  server.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
+  server.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);
   MOESERVE_RETURN_IF_ERROR(SecurityFromFlags(&options));
   options.multi_process.world_size = absl::GetFlag(FLAGS_world_size);
   options.multi_process.node_rank = absl::GetFlag(FLAGS_node_rank);

@@ -80,7 +80,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                       .Register(r);
   m->latency_ = &prometheus::BuildHistogram()
                      .Name("moeserve_request_latency_seconds")
-                     .Help("Server-side RPC latency, from handler entry to reply, by method")
+                     .Help(
+                         "Server-side RPC latency, from the call's arrival to its status, by "
+                         "method")
                      .Register(r);
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("moeserve_tokens_total")
@@ -102,6 +104,20 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                       .Help("RPCs received and not yet answered")
                       .Register(r)
                       .Add({});
+  m->held_bytes_ = &prometheus::BuildGauge()
+                        .Name("moeserve_held_bytes")
+                        .Help(
+                            "Request and answer bytes held by Forward calls, from arrival until "
+                            "gRPC is done with them (bounded by --max_queued_bytes)")
+                        .Register(r)
+                        .Add({});
+  m->answers_cancelled_ = &prometheus::BuildCounter()
+                               .Name("moeserve_unread_answers_cancelled_total")
+                               .Help(
+                                   "Calls cancelled because the client did not take the answer "
+                                   "within --max_answer_hold_ms")
+                               .Register(r)
+                               .Add({});
   prometheus::Histogram::BucketBoundaries powers_of_two;
   for (double v = 1; v <= 16384; v *= 2) powers_of_two.push_back(v);
   m->batch_calls_ = &prometheus::BuildHistogram()
@@ -122,8 +138,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
   m->refused_ = &prometheus::BuildCounter()
                      .Name("moeserve_forward_refused_total")
                      .Help(
-                         "Forward calls answered without running, by reason: queue_full, "
-                         "deadline, cancelled")
+                         "Forward calls answered without running (or stopped between stages), "
+                         "by reason: queue_full, memory, deadline, cancelled")
                      .Register(r);
   m->model_info_ = &prometheus::BuildGauge()
                         .Name("moeserve_model_info")

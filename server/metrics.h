@@ -57,8 +57,9 @@ class Metrics : public ForwardBatcherObserver {
   // moeserve_rank_tokens_total{rank} (expert balance) from RankTokens' counts.
   void RecordRouting(int layer, int64_t tokens, const std::vector<int64_t>& rank_tokens);
 
-  // One finished RPC: moeserve_requests_total{method,code} and
-  // moeserve_request_latency_seconds{method}.
+  // One answered RPC: moeserve_requests_total{method,code} and
+  // moeserve_request_latency_seconds{method}. The server's interceptor records every call
+  // (server/call_accounting.h); handlers do not.
   void RecordRequest(absl::string_view method, grpc::StatusCode code, double seconds);
   // Tokens answered by successful Forwards: moeserve_tokens_total.
   void AddTokens(int64_t tokens);
@@ -70,6 +71,13 @@ class Metrics : public ForwardBatcherObserver {
   // moeserve_inflight_requests.
   void IncrementInflight() { inflight_->Increment(); }
   void DecrementInflight() { inflight_->Decrement(); }
+  // moeserve_held_bytes: request and answer bytes held by Forward calls (--max_queued_bytes).
+  void SetHeldBytes(int64_t bytes) { held_bytes_->Set(static_cast<double>(bytes)); }
+  // moeserve_forward_refused_total{reason="memory"}: refused at --max_queued_bytes.
+  void OnRefusedForMemory() { refused_->Add({{"reason", "memory"}}).Increment(); }
+  // moeserve_unread_answers_cancelled_total: answers the client did not take within
+  // --max_answer_hold_ms.
+  void OnAnswerCancelled() { answers_cancelled_->Increment(); }
 
   // Bound HTTP port, 0 when metrics are off.
   int port() const { return port_; }
@@ -93,6 +101,8 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Histogram* stage_experts_ = nullptr;
   prometheus::Histogram* stage_finalize_ = nullptr;
   prometheus::Gauge* inflight_ = nullptr;
+  prometheus::Gauge* held_bytes_ = nullptr;
+  prometheus::Counter* answers_cancelled_ = nullptr;
   prometheus::Histogram* batch_calls_ = nullptr;
   prometheus::Histogram* batch_tokens_ = nullptr;
   prometheus::Gauge* queued_tokens_ = nullptr;

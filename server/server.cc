@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
+#include "server/call_accounting.h"
 
 namespace moeserve {
 
@@ -45,6 +46,16 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes: got ", options.max_message_bytes, ", expected a positive size"));
   }
+  for (auto [name, value] :
+       {std::pair<const char*, int64_t>{"max_concurrent_streams", options.max_concurrent_streams},
+        {"grpc_memory_bytes", options.grpc_memory_bytes},
+        {"grpc_max_threads", options.grpc_max_threads},
+        {"max_metadata_bytes", options.max_metadata_bytes}}) {
+    if (value <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": got ", value, ", expected a positive value"));
+    }
+  }
   auto server = std::unique_ptr<MoeServer>(new MoeServer());
   server->options_ = options;
   // Credentials first: bad certificate files fail before anything listens.
@@ -56,6 +67,8 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
       server->metrics_.get(), std::max(1, options.server_threads), options.max_message_bytes,
       options.auth, std::move(describe_startup));
   ServiceOptions service_options;
+  service_options.max_held_bytes = options.max_queued_bytes;
+  service_options.max_answer_hold = options.max_answer_hold;
   service_options.enable_get_expert_weights = options.enable_get_expert_weights;
   service_options.enable_shared_memory = options.enable_shared_memory;
   service_options.max_expert_weight_calls = options.max_expert_weight_calls;
@@ -73,6 +86,24 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   builder.SetMaxSendMessageSize(limit);
   // A port another process holds must fail loudly, not be silently shared (SO_REUSEPORT).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // What clients can make gRPC itself hold (see ServerOptions).
+  grpc::ResourceQuota quota("moeserve");
+  quota.Resize(static_cast<size_t>(options.grpc_memory_bytes));
+  quota.SetMaxThreads(options.grpc_max_threads);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, options.max_metadata_bytes);
+  builder.AddChannelArgument(
+      GRPC_ARG_KEEPALIVE_TIME_MS,
+      static_cast<int>(std::min<int64_t>(options.keepalive_time.count(), INT_MAX)));
+  builder.AddChannelArgument(
+      GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+      static_cast<int>(std::min<int64_t>(options.keepalive_timeout.count(), INT_MAX)));
+  // Every call counted once with the code its client gets, unknown methods answered by name.
+  builder.experimental().SetInterceptorCreators(
+      MakeCallAccountingInterceptors(server->metrics_.get()));
+  server->unknown_methods_ = std::make_unique<UnknownMethodService>();
+  builder.RegisterCallbackGenericService(server->unknown_methods_.get());
   server->bound_ports_.assign(options.listen_addresses.size(), 0);
   for (size_t i = 0; i < options.listen_addresses.size(); ++i) {
     builder.AddListeningPort(options.listen_addresses[i], credentials, &server->bound_ports_[i]);

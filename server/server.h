@@ -47,6 +47,25 @@ struct ServerOptions {
   int64_t max_message_bytes = 64 << 20;  // the logical limit (ModelInfo; checked per request)
   // What gRPC refuses by itself, receive and send (server/limits.h); 0: max_message_bytes.
   int64_t grpc_limit_bytes = 0;
+  // Bounds on what clients can make the server hold (server/call_limits.h, README "Limits"):
+  // request + answer bytes of Forward calls in progress (RESOURCE_EXHAUSTED beyond; <= 0 off),
+  int64_t max_queued_bytes = int64_t{512} << 20;
+  // how long an answer may wait for the client to take it before the call is cancelled (<= 0:
+  // forever),
+  std::chrono::milliseconds max_answer_hold{10000};
+  // concurrent streams per HTTP/2 connection (GRPC_ARG_MAX_CONCURRENT_STREAMS),
+  int max_concurrent_streams = 128;
+  // gRPC's own memory (transport buffers; grpc::ResourceQuota) and its threads,
+  int64_t grpc_memory_bytes = int64_t{1} << 30;
+  int grpc_max_threads = 64;
+  // the metadata (headers) one call may send (GRPC_ARG_MAX_METADATA_SIZE). An oversized header
+  // fails its call, and gRPC may then fail the connection's other calls too: keep it well above
+  // what clients send.
+  int max_metadata_bytes = 64 << 10;
+  // Idle connections are pinged this often and closed when a ping goes unanswered for
+  // keepalive_timeout (a vanished client's calls are cancelled).
+  std::chrono::milliseconds keepalive_time{60000};
+  std::chrono::milliseconds keepalive_timeout{20000};
   // Concurrent Forward calls for one layer share engine steps (core/forward_batcher.h).
   ForwardBatcherOptions batcher;
   std::string metrics_address = kDefaultMetricsAddress;  // empty: no metrics endpoint
@@ -104,6 +123,7 @@ class MoeServer {
   const std::vector<std::string>& bound_addresses() const { return bound_addresses_; }
   int port() const { return bound_ports_.empty() ? 0 : bound_ports_[0]; }
   Metrics& metrics() { return *metrics_; }
+  MoeServiceImpl& service() { return *service_; }
   // "host:port" of the metrics endpoint, empty when off.
   const std::string& metrics_address() const { return metrics_->address(); }
 
@@ -118,6 +138,7 @@ class MoeServer {
   std::unique_ptr<ServingState> state_;
   std::unique_ptr<MoeServiceImpl> service_;
   std::unique_ptr<InferenceServiceImpl> inference_service_;
+  std::unique_ptr<grpc::CallbackGenericService> unknown_methods_;
   std::unique_ptr<grpc::Server> server_;
   std::vector<int> bound_ports_;
   std::vector<std::string> bound_addresses_;

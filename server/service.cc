@@ -42,7 +42,13 @@ double MicrosSince(Clock::time_point start) {
 }  // namespace
 
 MoeServiceImpl::MoeServiceImpl(ServingState* state, const ServiceOptions& options)
-    : state_(state), metrics_(state->metrics()), options_(options) {}
+    : state_(state),
+      metrics_(state->metrics()),
+      options_(options),
+      held_bytes_(options.max_held_bytes),
+      answer_watch_(options.max_answer_hold, [metrics = state->metrics()] {
+        if (metrics) metrics->OnAnswerCancelled();
+      }) {}
 
 MoeServiceImpl::~MoeServiceImpl() = default;
 
@@ -57,8 +63,14 @@ void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
 
 void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                                 std::function<bool()> cancelled, Clock::time_point start,
-                                const std::string& peer, AnswerFn answer) {
+                                const std::string& peer, const HoldFn& hold, AnswerFn answer) {
   const double server_queue_us = MicrosSince(start);
+  if (deadline <= absl::Now()) {
+    return answer(absl::DeadlineExceededError(
+                      absl::StrCat("Forward: the deadline passed after ", server_queue_us,
+                                   " us waiting for a worker, before it ran")),
+                  {}, 0, "");
+  }
   if (cancelled && cancelled()) {
     return answer(absl::CancelledError("Forward: cancelled by the client before it ran"), {}, 0,
                   "");
@@ -114,6 +126,13 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
       !s.ok()) {
     return fail(s);
   }
+  // The answer's bytes count against max_queued_bytes from here (an output region: none).
+  if (hold && !regions.output.has_value()) {
+    const int64_t out_bytes = NumElements(out_shape) * static_cast<int64_t>(DTypeSize(dtype));
+    if (out_bytes > 0) {
+      if (absl::Status s = hold(out_bytes, "its answer"); !s.ok()) return fail(s);
+    }
+  }
   // What the call needs until the batcher answers it: the request's slices (its tensors may
   // be views into them), the gathered bytes, the regions and the routing buffer. The answer
   // buffer (ServingState::SubmitForward) is written by the engine and the reply's slice then
@@ -168,34 +187,53 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
                         std::move(done), region_output);
 }
 
+absl::Status MoeServiceImpl::HoldRefused(absl::string_view method, int64_t bytes,
+                                         absl::string_view what) {
+  if (metrics_) metrics_->OnRefusedForMemory();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      method, ": the server holds ", held_bytes_.used(), " bytes of requests and answers; ", what,
+      " of ", bytes, " bytes would pass max_queued_bytes=", held_bytes_.limit(),
+      "; retry later or elsewhere"));
+}
+
 grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* raw_request,
                                                   grpc::ByteBuffer* response) {
   const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Holds the call's bytes until gRPC is done with it, and watches its answer being taken.
+  auto* reactor = new HeldUnaryReactor(context, &answer_watch_, &held_bytes_, [this] {
+    if (metrics_) metrics_->SetHeldBytes(held_bytes_.used());
+  });
   const int64_t received = static_cast<int64_t>(raw_request->Length());
-  // Records metrics and answers; `tokens` counts only on success.
-  auto finish = [this, reactor, start, received, response](const absl::Status& status,
-                                                           int64_t tokens) {
-    const grpc::Status grpc_status = ToGrpcStatus(status);
+  // Answers; `tokens` counts only on success (the call itself is counted by the interceptor).
+  auto finish = [this, reactor, received, response](const absl::Status& status, int64_t tokens) {
     if (metrics_) {
       if (status.ok()) metrics_->AddTokens(tokens);
-      metrics_->RecordRequest("Forward", grpc_status.error_code(), MicrosSince(start) * 1e-6);
       metrics_->AddBytes("Forward", received,
                          status.ok() ? static_cast<int64_t>(response->Length()) : 0);
       metrics_->DecrementInflight();
     }
-    reactor->Finish(grpc_status);
+    reactor->FinishAndHold(ToGrpcStatus(status));
+  };
+  // Admission: refused at once when the bytes calls hold would pass the limit.
+  auto hold = [this, reactor](int64_t bytes, absl::string_view what) {
+    if (!reactor->Hold(bytes)) return HoldRefused("Forward", bytes, what);
+    if (metrics_) metrics_->SetHeldBytes(held_bytes_.used());
+    return absl::OkStatus();
   };
   if (absl::Status s = Authorize(*context, "Forward"); !s.ok()) {
     finish(s, 0);
     return reactor;
   }
-  auto task = [this, context, raw_request, response, start, finish]() {
+  if (absl::Status s = hold(static_cast<int64_t>(raw_request->Length()), "this request"); !s.ok()) {
+    finish(s, 0);
+    return reactor;
+  }
+  auto task = [this, context, raw_request, response, start, finish, hold]() {
     RunForward(
         *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
-        context->peer(),
+        context->peer(), hold,
         [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
                            const std::string&) {
           if (status.ok()) response->Swap(&encoded);
@@ -219,9 +257,19 @@ class MoeServiceImpl::StreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamReactor(MoeServiceImpl* service, grpc::CallbackServerContext* context)
-      : service_(service), deadline_(DeadlineOf(*context)), peer_(context->peer()) {
+      : service_(service),
+        context_(context),
+        deadline_(DeadlineOf(*context)),
+        peer_(context->peer()) {
     std::lock_guard<std::mutex> lock(mu_);
     StartReadingLocked();
+  }
+
+  ~StreamReactor() override {
+    // What calls that were never written still hold (the stream ended first).
+    int64_t held = 0;
+    for (const Slot& slot : slots_) held += slot.held;
+    Release(held);
   }
 
   void OnReadDone(bool ok) override {
@@ -234,6 +282,7 @@ class MoeServiceImpl::StreamReactor final
     }
     auto request = std::make_shared<grpc::ByteBuffer>();
     request->Swap(&read_buffer_);
+    const int64_t request_bytes = static_cast<int64_t>(request->Length());
     const uint64_t seq = front_seq_ + slots_.size();
     slots_.emplace_back();
     ++refs_;
@@ -250,7 +299,8 @@ class MoeServiceImpl::StreamReactor final
       const grpc::Status grpc_status = ToGrpcStatus(status);
       if (metrics) {
         if (status.ok()) metrics->AddTokens(tokens);
-        metrics->RecordRequest("ForwardStream", grpc_status.error_code(),
+        // Each layer call of the stream (the stream itself is counted by the interceptor).
+        metrics->RecordRequest("ForwardStream.call", grpc_status.error_code(),
                                MicrosSince(start) * 1e-6);
         metrics->AddBytes("ForwardStream", received,
                           status.ok() ? static_cast<int64_t>(encoded.Length()) : 0);
@@ -259,10 +309,19 @@ class MoeServiceImpl::StreamReactor final
       if (!status.ok()) encoded = ErrorAnswer(grpc_status, request_id);
       Answer(seq, std::move(encoded));
     };
-    auto task = [this, request, start, answer]() {
+    // Admission by bytes, as for Forward: this message's request now, its answer once decoded;
+    // held until its answer is written (a refusal is this message's error).
+    auto hold = [this, seq](int64_t bytes, absl::string_view what) {
+      return Hold(seq, bytes, what);
+    };
+    if (absl::Status s = hold(request_bytes, "this request"); !s.ok()) {
+      answer(s, {}, 0, "");
+      return;
+    }
+    auto task = [this, request, start, hold, answer]() {
       service_->RunForward(
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
-          peer_, answer);
+          peer_, hold, answer);
     };
     if (!service_->state_->SubmitWork(task)) {
       answer(absl::UnavailableError("ForwardStream: the server is shutting down"), {}, 0, "");
@@ -270,12 +329,14 @@ class MoeServiceImpl::StreamReactor final
   }
 
   void OnWriteDone(bool ok) override {
+    UnwatchWrite();
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
     if (!ok) {  // the stream broke: nothing more can be written
       FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "ForwardStream: write failed"));
       return;
     }
+    Release(slots_.front().held);
     slots_.pop_front();
     ++front_seq_;
     if (!reading_ && !reads_done_ && !finished_) StartReadingLocked();
@@ -288,13 +349,48 @@ class MoeServiceImpl::StreamReactor final
     FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "ForwardStream: cancelled"));
   }
 
-  void OnDone() override { Unref(); }
+  void OnDone() override {
+    UnwatchWrite();  // the context goes away now
+    Unref();
+  }
 
  private:
   struct Slot {
     bool ready = false;
     grpc::ByteBuffer answer;
+    int64_t held = 0;  // bytes of the service's budget this call holds (request + answer)
   };
+
+  // Takes `bytes` of the service's budget for call `seq` (whose slot stays until its answer is
+  // written), or the call's RESOURCE_EXHAUSTED.
+  absl::Status Hold(uint64_t seq, int64_t bytes, absl::string_view what) {
+    if (!service_->held_bytes_.TryAcquire(bytes)) {
+      return service_->HoldRefused("ForwardStream", bytes, what);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      slots_[seq - front_seq_].held += bytes;
+    }
+    if (service_->metrics_) service_->metrics_->SetHeldBytes(service_->held_bytes_.used());
+    return absl::OkStatus();
+  }
+
+  void Release(int64_t bytes) {
+    if (bytes <= 0) return;
+    service_->held_bytes_.Release(bytes);
+    if (service_->metrics_) service_->metrics_->SetHeldBytes(service_->held_bytes_.used());
+  }
+
+  // The write in flight is over (or the call is): stop watching it. Not under mu_ (the watch
+  // may cancel the call, and so run OnCancel, while it holds its own lock).
+  void UnwatchWrite() {
+    std::shared_ptr<AnswerHoldWatch::Held> watched;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      watched.swap(write_watch_);
+    }
+    if (watched != nullptr) service_->answer_watch_.Done(watched);
+  }
 
   static grpc::ByteBuffer ErrorAnswer(const grpc::Status& status, const std::string& request_id) {
     v1::ForwardResponse header;
@@ -329,6 +425,8 @@ class MoeServiceImpl::StreamReactor final
   void MaybeWriteLocked() {
     if (writing_ || finished_ || slots_.empty() || !slots_.front().ready) return;
     writing_ = true;
+    // An answer the client does not take within max_answer_hold cancels the stream.
+    write_watch_ = service_->answer_watch_.Register(context_);
     StartWrite(&slots_.front().answer);
   }
 
@@ -353,6 +451,7 @@ class MoeServiceImpl::StreamReactor final
   }
 
   MoeServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;  // valid until OnDone: for the answer watch only
   const absl::Time deadline_;
   const std::string peer_;         // the client, for the shared-memory check
   std::atomic<bool> stop_{false};  // finished or cancelled: queued calls are dropped
@@ -365,6 +464,7 @@ class MoeServiceImpl::StreamReactor final
   bool writing_ = false;
   bool finished_ = false;
   int refs_ = 1;  // gRPC's (released at OnDone) + one per call not yet answered
+  std::shared_ptr<AnswerHoldWatch::Held> write_watch_;  // the write in flight, watched
 };
 
 namespace {
@@ -381,8 +481,7 @@ class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* MoeServiceImpl::ForwardStream(
     grpc::CallbackServerContext* context) {
   if (absl::Status s = Authorize(*context, "ForwardStream"); !s.ok()) {
-    if (metrics_) metrics_->RecordRequest("ForwardStream", ToGrpcStatus(s).error_code(), 0);
-    return new RefusedStream(ToGrpcStatus(s));
+    return new RefusedStream(ToGrpcStatus(s));  // counted by the interceptor
   }
   return new StreamReactor(this, context);
 }
@@ -390,7 +489,6 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* MoeServiceImpl::For
 grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
                                                        const v1::GetModelInfoRequest* request,
                                                        v1::ModelInfo* response) {
-  const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
   absl::Status s = Authorize(*context, "GetModelInfo");
   if (s.ok()) {
@@ -402,7 +500,6 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerConte
   }
   const grpc::Status status = ToGrpcStatus(s);
   if (metrics_) {
-    metrics_->RecordRequest("GetModelInfo", status.error_code(), MicrosSince(start) * 1e-6);
     metrics_->AddBytes("GetModelInfo", static_cast<int64_t>(request->ByteSizeLong()),
                        status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
     metrics_->DecrementInflight();
@@ -415,15 +512,12 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     grpc::CallbackServerContext* context, const v1::GetExpertWeightsRequest* request,
     v1::GetExpertWeightsResponse* response) {
-  const Clock::time_point start = Clock::now();
   if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto slot = std::make_shared<bool>(false);  // whether this call holds an expert-call slot
-  auto finish = [this, reactor, start, slot, request, response](const absl::Status& status) {
+  auto finish = [this, reactor, slot, request, response](const absl::Status& status) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
     if (metrics_) {
-      metrics_->RecordRequest("GetExpertWeights", grpc_status.error_code(),
-                              MicrosSince(start) * 1e-6);
       metrics_->AddBytes("GetExpertWeights", static_cast<int64_t>(request->ByteSizeLong()),
                          status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
       metrics_->DecrementInflight();
@@ -507,8 +601,7 @@ namespace {
 // chunk by chunk, each write started when the previous one is done. Deletes itself in OnDone.
 class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeightsChunk> {
  public:
-  ExpertWeightsStream(Metrics* metrics, Clock::time_point start)
-      : metrics_(metrics), start_(start) {
+  explicit ExpertWeightsStream(Metrics* metrics) : metrics_(metrics) {
     if (metrics_) metrics_->IncrementInflight();
   }
 
@@ -532,10 +625,7 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
   void HoldSlot(std::atomic<int>* slots) { slots_ = slots; }
 
   void OnDone() override {
-    if (metrics_) {
-      metrics_->RecordRequest("StreamExpertWeights", code_, MicrosSince(start_) * 1e-6);
-      metrics_->DecrementInflight();
-    }
+    if (metrics_) metrics_->DecrementInflight();  // counted by the interceptor
     if (slots_ != nullptr) slots_->fetch_sub(1);
     delete this;
   }
@@ -570,19 +660,16 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
 
   void End(const absl::Status& status) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
-    code_ = grpc_status.error_code();
     Finish(grpc_status);
   }
 
   Metrics* const metrics_;
-  const Clock::time_point start_;
   Part tensors_[2];
   size_t chunk_bytes_ = 0;
   int current_ = 0;
   size_t offset_ = 0;
   bool sent_any_ = false;
   v1::ExpertWeightsChunk chunk_;
-  grpc::StatusCode code_ = grpc::StatusCode::UNKNOWN;
   std::atomic<int>* slots_ = nullptr;
 };
 
@@ -590,7 +677,7 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
 
 grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* MoeServiceImpl::StreamExpertWeights(
     grpc::CallbackServerContext* context, const v1::StreamExpertWeightsRequest* request) {
-  auto* stream = new ExpertWeightsStream(metrics_, Clock::now());
+  auto* stream = new ExpertWeightsStream(metrics_);
   const int layer = request->layer(), expert = request->expert();
   if (absl::Status s = AdmitExpertWeights(*context, "StreamExpertWeights", layer, expert);
       !s.ok()) {

@@ -13,6 +13,15 @@
 // Access (docs/security.md): every MoeService call passes ServingState::Authorize() first (the
 // bearer token, when one is configured); the expert-weight RPCs also need ServiceOptions::
 // enable_get_expert_weights and are checked (layer, expert, size) before anything is allocated.
+//
+// Bounds (server/call_limits.h): a Forward call -- unary, or one message of a ForwardStream --
+// holds its request's bytes from arrival and its answer's from decoding until gRPC is done with
+// it (unary: the call is over; stream: its answer is written); beyond max_held_bytes in all it
+// is refused at once with RESOURCE_EXHAUSTED (a stream message as its per-message error). An
+// answer the client does not take within max_answer_hold is cancelled (the client sees
+// CANCELLED; a stream is cancelled as a whole), releasing what it held.
+// Calls are counted by the server's interceptor (server/call_accounting.h), not here, except
+// each message of a ForwardStream: method "ForwardStream.call", with its own code.
 #ifndef MOESERVE_SERVER_SERVICE_H_
 #define MOESERVE_SERVER_SERVICE_H_
 
@@ -26,10 +35,12 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/memory_region.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
+#include "server/call_limits.h"
 #include "server/metrics.h"
 #include "server/serving_state.h"
 
@@ -37,6 +48,10 @@ namespace moeserve {
 
 // Worker threads, the message limit and the bearer tokens are the ServingState's.
 struct ServiceOptions {
+  // Request + answer bytes all Forward calls in progress may hold; <= 0: unbounded.
+  int64_t max_held_bytes = int64_t{512} << 20;
+  // How long a finished answer may wait for the client to take it; <= 0: forever.
+  std::chrono::milliseconds max_answer_hold{10000};
   // GetExpertWeights / StreamExpertWeights hand out the model's weights: off unless set.
   bool enable_get_expert_weights = false;
   // Shared-memory regions (the four *SharedMemory* RPCs, Tensor.region, output_region); off:
@@ -121,6 +136,10 @@ class MoeServiceImpl final : public MoeServiceBase {
                                                const v1::SharedMemoryStatusRequest* request,
                                                v1::SharedMemoryStatusResponse* response) override;
 
+  // Bytes Forward calls hold now; answers cancelled so far for not being taken.
+  int64_t held_bytes() const { return held_bytes_.used(); }
+  int64_t answers_cancelled() const { return answer_watch_.cancelled(); }
+
  private:
   class StreamReactor;
   // The answer to one Forward: OK with the encoded ForwardResponse and its token count, or the
@@ -131,9 +150,15 @@ class MoeServiceImpl final : public MoeServiceBase {
   // Decodes, validates and submits one serialized ForwardRequest to the batcher. `raw_request`
   // is read before this returns (the decoded call keeps its slices). Worker threads.
   // `peer`: the client (ServerContext::peer()), for the shared-memory check.
+  // `hold` (may be null: unbounded) takes the answer's bytes once its size is known, or refuses
+  // (RESOURCE_EXHAUSTED, see HoldRefused), which is then the call's answer.
+  using HoldFn = std::function<absl::Status(int64_t bytes, absl::string_view what)>;
   void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                   std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
-                  const std::string& peer, AnswerFn answer);
+                  const std::string& peer, const HoldFn& hold, AnswerFn answer);
+  // The refusal of `bytes` more (`what`: "this request", "its answer") by `method` at
+  // max_held_bytes; counts it in the metrics.
+  absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what);
   // The one access check of every MoeService call (ServingState::Authorize: UNAUTHENTICATED
   // naming `method`).
   absl::Status Authorize(const grpc::CallbackServerContext& context,
@@ -160,6 +185,8 @@ class MoeServiceImpl final : public MoeServiceBase {
   ServingState* const state_;
   Metrics* const metrics_;  // state_->metrics(), may be null
   const ServiceOptions options_;
+  ByteBudget held_bytes_;
+  AnswerHoldWatch answer_watch_;
   // Set by PrepareForEngine; read only after ServingState::engine() is non-null (the release /
   // acquire there orders it). MoeServer drains the state before destroying the service, so it
   // outlives every call that holds a region.

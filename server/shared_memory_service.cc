@@ -43,18 +43,12 @@ absl::Status MoeServiceImpl::CheckSharedMemoryPeer(const std::string& peer,
 grpc::ServerUnaryReactor* MoeServiceImpl::RunSharedMemoryCall(grpc::CallbackServerContext* context,
                                                               const char* method,
                                                               std::function<absl::Status()> fn) {
-  const auto start = std::chrono::steady_clock::now();
   if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [this, reactor, start, method](const absl::Status& status) {
-    const grpc::Status grpc_status = ToGrpcStatus(status);
-    if (metrics_) {
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      metrics_->RecordRequest(method, grpc_status.error_code(), seconds);
-      metrics_->DecrementInflight();
-    }
-    reactor->Finish(grpc_status);
+  // Counted by the server's interceptor (server/call_accounting.h).
+  auto finish = [this, reactor](const absl::Status& status) {
+    if (metrics_) metrics_->DecrementInflight();
+    reactor->Finish(ToGrpcStatus(status));
   };
   if (absl::Status s = Authorize(*context, method); !s.ok()) {
     finish(s);

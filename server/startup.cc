@@ -222,6 +222,20 @@ int RunMoeserveProcess(ProcessOptions options) {
   options.engine.max_tokens_per_request = limits->max_tokens_per_request;
   options.server.max_message_bytes = limits->max_message_bytes;
   options.server.grpc_limit_bytes = limits->grpc_limit_bytes;
+  {
+    // Byte limits beyond the memory there is would only defer the failure to an overload.
+    const int64_t available = AvailableHostMemoryBytes();
+    for (auto [name, value] :
+         {std::pair<const char*, int64_t>{"max_queued_bytes", options.server.max_queued_bytes},
+          {"grpc_memory_bytes", options.server.grpc_memory_bytes},
+          {"max_message_bytes", options.server.max_message_bytes}}) {
+      if (value < 0 || (available > 0 && value > available)) {
+        Log(absl::StrCat("bad flags: --", name, "=", value, ": expected a size in [0, ", available,
+                         "] (the memory available now)"));
+        return 1;
+      }
+    }
+  }
   const bool follower = mp->enabled && !mp->leader();
 
   // 2. Ports first: health NOT_SERVING until the engine exists.

@@ -98,6 +98,19 @@ int SocketRead(BIO* bio, char* data, int size) {
   }
 }
 
+// The same for non-blocking sockets: EAGAIN becomes OpenSSL's retry (SSL_ERROR_WANT_*).
+int SocketWriteNonBlocking(BIO* bio, const char* data, int size) {
+  const int n = SocketWrite(bio, data, size);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) BIO_set_retry_write(bio);
+  return n;
+}
+
+int SocketReadNonBlocking(BIO* bio, char* data, int size) {
+  const int n = SocketRead(bio, data, size);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) BIO_set_retry_read(bio);
+  return n;
+}
+
 long SocketCtrl(BIO*, int cmd, long, void*) { return cmd == BIO_CTRL_FLUSH ? 1 : 0; }
 
 int SocketCreate(BIO* bio) {
@@ -105,7 +118,7 @@ int SocketCreate(BIO* bio) {
   return 1;
 }
 
-BIO_METHOD* SocketMethod() {
+BIO_METHOD* SocketMethod(bool non_blocking = false) {
   static BIO_METHOD* method = [] {
     BIO_METHOD* m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "moeserve socket");
     BIO_meth_set_write(m, SocketWrite);
@@ -114,7 +127,16 @@ BIO_METHOD* SocketMethod() {
     BIO_meth_set_create(m, SocketCreate);
     return m;
   }();
-  return method;
+  static BIO_METHOD* non_blocking_method = [] {
+    BIO_METHOD* m =
+        BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "moeserve non-blocking socket");
+    BIO_meth_set_write(m, SocketWriteNonBlocking);
+    BIO_meth_set_read(m, SocketReadNonBlocking);
+    BIO_meth_set_ctrl(m, SocketCtrl);
+    BIO_meth_set_create(m, SocketCreate);
+    return m;
+  }();
+  return non_blocking ? non_blocking_method : method;
 }
 
 class PlainStream final : public StreamConnection {
@@ -175,7 +197,103 @@ class TlsStream final : public StreamConnection {
   SSL* const ssl_;
 };
 
+class PlainNonBlocking final : public NonBlockingConnection {
+ public:
+  explicit PlainNonBlocking(int fd) : fd_(fd) {}
+  IoResult Handshake() override { return IoResult::kDone; }
+  IoResult Read(std::string* out, size_t max) override {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd_, buf, std::min(sizeof(buf), max), 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n > 0) {
+        out->append(buf, static_cast<size_t>(n));
+        return IoResult::kDone;
+      }
+      if (n == 0) return IoResult::kClosed;
+      return errno == EAGAIN || errno == EWOULDBLOCK ? IoResult::kWantRead : IoResult::kError;
+    }
+  }
+  IoResult Write(absl::string_view data, size_t* written) override {
+    *written = 0;
+    for (;;) {
+      const ssize_t n = ::send(fd_, data.data(), data.size(), MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n > 0) {
+        *written = static_cast<size_t>(n);
+        return IoResult::kDone;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return IoResult::kWantWrite;
+      return IoResult::kError;
+    }
+  }
+
+ private:
+  const int fd_;
+};
+
+class TlsNonBlocking final : public NonBlockingConnection {
+ public:
+  explicit TlsNonBlocking(SSL* ssl) : ssl_(ssl) {}
+  ~TlsNonBlocking() override {
+    if (handshake_done_) SSL_shutdown(ssl_);  // close_notify, best effort
+    SSL_free(ssl_);
+    ERR_clear_error();
+  }
+  IoResult Handshake() override {
+    if (handshake_done_) return IoResult::kDone;
+    const int rc = SSL_accept(ssl_);
+    if (rc == 1) {
+      handshake_done_ = true;
+      return IoResult::kDone;
+    }
+    return Failed(rc);
+  }
+  IoResult Read(std::string* out, size_t max) override {
+    char buf[4096];
+    const int n = SSL_read(ssl_, buf, static_cast<int>(std::min(sizeof(buf), max)));
+    if (n > 0) {
+      out->append(buf, static_cast<size_t>(n));
+      return IoResult::kDone;
+    }
+    return Failed(n);
+  }
+  IoResult Write(absl::string_view data, size_t* written) override {
+    *written = 0;
+    const int n =
+        SSL_write(ssl_, data.data(), static_cast<int>(std::min<size_t>(data.size(), INT_MAX)));
+    if (n > 0) {
+      *written = static_cast<size_t>(n);
+      return IoResult::kDone;
+    }
+    return Failed(n);
+  }
+
+ private:
+  IoResult Failed(int rc) {
+    const int err = SSL_get_error(ssl_, rc);
+    ERR_clear_error();
+    switch (err) {
+      case SSL_ERROR_WANT_READ:
+        return IoResult::kWantRead;
+      case SSL_ERROR_WANT_WRITE:
+        return IoResult::kWantWrite;
+      case SSL_ERROR_ZERO_RETURN:
+        return IoResult::kClosed;
+      default:
+        return IoResult::kError;
+    }
+  }
+
+  SSL* const ssl_;
+  bool handshake_done_ = false;
+};
+
 }  // namespace
+
+std::unique_ptr<NonBlockingConnection> PlainNonBlockingConnection(int fd) {
+  return std::make_unique<PlainNonBlocking>(fd);
+}
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, absl::string_view what) {
   std::ifstream f(path, std::ios::binary);
@@ -368,6 +486,24 @@ absl::StatusOr<std::unique_ptr<StreamConnection>> TlsServerContext::Accept(int f
     return absl::UnavailableError(absl::StrCat("TLS handshake: ", why));
   }
   return absl::UnauthenticatedError(absl::StrCat("TLS handshake: ", why));
+}
+
+absl::StatusOr<std::unique_ptr<NonBlockingConnection>> TlsServerContext::AcceptNonBlocking(int fd) {
+  std::shared_ptr<Loaded> loaded = Current();
+  ERR_clear_error();
+  SSL* ssl = SSL_new(loaded->ctx.get());
+  if (ssl == nullptr) return absl::InternalError(OpenSslError("SSL_new failed"));
+  BIO* bio = BIO_new(SocketMethod(/*non_blocking=*/true));
+  if (bio == nullptr) {
+    SSL_free(ssl);
+    return absl::InternalError(OpenSslError("BIO_new failed"));
+  }
+  BIO_set_data(bio, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
+  SSL_set_bio(ssl, bio, bio);  // one reference, owned by ssl
+  // A write retried after WANT_* may come from a later offset of the same answer.
+  SSL_set_mode(ssl, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  SSL_set_accept_state(ssl);
+  return std::unique_ptr<NonBlockingConnection>(new TlsNonBlocking(ssl));
 }
 
 }  // namespace moeserve

@@ -57,6 +57,31 @@ class StreamConnection {
 
 std::unique_ptr<StreamConnection> PlainConnection(int fd);
 
+// What one step of non-blocking I/O came to.
+enum class IoResult {
+  kDone,       // the step completed (bytes moved, or the handshake finished)
+  kWantRead,   // poll for POLLIN, then repeat the step
+  kWantWrite,  // poll for POLLOUT, then repeat the step
+  kClosed,     // the peer closed the connection
+  kError,      // a socket error, or a failed handshake (untrusted or missing certificate, ...)
+};
+
+// A byte stream over an accepted O_NONBLOCK socket, plain or TLS, for a poll loop: every call
+// returns at once. Does not own (close) the socket. One thread at a time.
+class NonBlockingConnection {
+ public:
+  virtual ~NonBlockingConnection() = default;
+  // Advances the TLS handshake (plain: kDone at once). Repeat until kDone before Read/Write.
+  virtual IoResult Handshake() = 0;
+  // Appends up to `max` bytes to `*out` (kDone when at least one was read).
+  virtual IoResult Read(std::string* out, size_t max) = 0;
+  // Sends a prefix of `data` (kDone with *written > 0). After kWantRead / kWantWrite, repeat
+  // with the same data (TLS requires it).
+  virtual IoResult Write(absl::string_view data, size_t* written) = 0;
+};
+
+std::unique_ptr<NonBlockingConnection> PlainNonBlockingConnection(int fd);
+
 // Server-side TLS for accepted sockets. The files are re-read when their modification time
 // changes (checked at most once per `reload_check`), so certificates rotate without a restart;
 // a rotation that does not load is logged and the previous certificate stays in use.
@@ -72,6 +97,9 @@ class TlsServerContext {
   // client certificate where one is required, an untrusted or expired one, not TLS at all),
   // UNAVAILABLE on a socket error or timeout.
   absl::StatusOr<std::unique_ptr<StreamConnection>> Accept(int fd);
+  // The same over a non-blocking socket: the handshake runs in NonBlockingConnection::Handshake.
+  // (The certificate in use when this is called serves the connection.)
+  absl::StatusOr<std::unique_ptr<NonBlockingConnection>> AcceptNonBlocking(int fd);
 
  private:
   struct Loaded;

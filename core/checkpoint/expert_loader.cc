@@ -236,12 +236,15 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadCheckpointExperts(
           Resolve(ckpt, names.down, layer, expert_ids[e], kDown, h, n, &sources[3 * e + 2]));
     }
     const DType value_dtype = mx ? DType::kFP8E4M3 : DType::kBF16;
-    Tensor w13 = Tensor::Empty(value_dtype, {num_local, 2 * n, h});
-    Tensor w2 = Tensor::Empty(value_dtype, {num_local, h, n});
+    MOESERVE_ASSIGN_OR_RETURN(Tensor w13, Tensor::Allocate(value_dtype, {num_local, 2 * n, h}));
+    MOESERVE_ASSIGN_OR_RETURN(Tensor w2, Tensor::Allocate(value_dtype, {num_local, h, n}));
     Tensor w13_scale, w2_scale;
     if (mx) {
-      w13_scale = Tensor::Empty(DType::kUINT8, {num_local, 2 * n, kernels::Mxfp8ScaleBlocks(h)});
-      w2_scale = Tensor::Empty(DType::kUINT8, {num_local, h, kernels::Mxfp8ScaleBlocks(n)});
+      MOESERVE_ASSIGN_OR_RETURN(
+          w13_scale,
+          Tensor::Allocate(DType::kUINT8, {num_local, 2 * n, kernels::Mxfp8ScaleBlocks(h)}));
+      MOESERVE_ASSIGN_OR_RETURN(
+          w2_scale, Tensor::Allocate(DType::kUINT8, {num_local, h, kernels::Mxfp8ScaleBlocks(n)}));
     }
     std::vector<absl::Status> status(sources.size());
     pool.ParallelFor(static_cast<int64_t>(sources.size()), [&](int64_t i, int thread) {

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -318,7 +319,13 @@ absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::stri
             absl::StrCat(index_path, ": weight_map['", tensor, "'] is not a file name"));
       }
       const std::string f = file.get<std::string>();
-      // Shards live in the checkpoint directory; refuse paths that leave it.
+      // Shards live in the checkpoint directory; refuse paths that leave it, and a NUL, which
+      // the file system would take as the end of the name (another file would be opened).
+      if (f.find('\0') != std::string::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, ": weight_map['", absl::CHexEscape(tensor), "'] = '",
+                         absl::CHexEscape(f), "' contains a NUL byte; expected a file name"));
+      }
       if (f.empty() || f[0] == '/' || absl::StrContains(f, "..")) {
         return absl::InvalidArgumentError(absl::StrCat(
             index_path, ": weight_map['", tensor, "'] = '", f, "' is not a file in the directory"));

@@ -12,6 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/checked_math.h"
+#include "core/tensor.h"
 #include "nlohmann/json.hpp"
 
 namespace moeserve::checkpoint {
@@ -97,9 +99,8 @@ absl::StatusOr<DType> ToDType(StDType dtype) {
 }
 
 int64_t SafetensorsTensor::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+  // Open() checked shape x itemsize == the byte span, so this fits; -1 for a hand-made shape.
+  return NumElements(shape);
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
@@ -175,7 +176,9 @@ absl::Status SafetensorsFile::Parse() {
       }
       continue;
     }
-    auto bad = [&](auto&&... parts) { return corrupt("tensor '", name, "': ", parts...); };
+    // (A copy: clang 14 cannot capture a structured binding.)
+    const std::string tensor_name = name;
+    auto bad = [&](auto&&... parts) { return corrupt("tensor '", tensor_name, "': ", parts...); };
     if (!entry.is_object()) return bad("entry is not an object");
     const auto dt = entry.find("dtype");
     if (dt == entry.end() || !dt->is_string()) return bad("missing string field 'dtype'");
@@ -186,15 +189,13 @@ absl::Status SafetensorsFile::Parse() {
     SafetensorsTensor t;
     t.name = name;
     t.dtype = *dtype;
-    uint64_t numel = 1;
     for (const auto& d : *sh) {
       const int64_t dim = NonNegativeInt(d);
       if (dim < 0) return bad("shape ", sh->dump(), " has a dim that is not a non-negative int");
-      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dim), &numel)) {
-        return bad("shape ", sh->dump(), " overflows");
-      }
       t.shape.push_back(dim);
     }
+    const int64_t numel = NumElements(t.shape);
+    if (numel < 0) return bad("shape ", sh->dump(), " overflows 64-bit sizes");
     const auto off = entry.find("data_offsets");
     if (off == entry.end() || !off->is_array() || off->size() != 2) {
       return bad("missing field 'data_offsets' ([begin, end])");
@@ -207,12 +208,12 @@ absl::Status SafetensorsFile::Parse() {
       return bad("data_offsets ", off->dump(), " run past the end of the data section (", data_size,
                  " bytes; truncated file?)");
     }
-    uint64_t expected_bytes = 0;
-    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(StDTypeSize(t.dtype)),
-                               &expected_bytes) ||
-        expected_bytes != static_cast<uint64_t>(end - begin)) {
+    const std::optional<int64_t> expected_bytes =
+        CheckedMul(numel, static_cast<int64_t>(StDTypeSize(t.dtype)));
+    if (!expected_bytes || *expected_bytes != end - begin) {
       return bad("shape ", ShapeStr(t.shape), " x ", StDTypeName(t.dtype), " (",
-                 StDTypeSize(t.dtype), " bytes) needs ", numel * StDTypeSize(t.dtype),
+                 StDTypeSize(t.dtype), " bytes) needs ",
+                 expected_bytes ? absl::StrCat(*expected_bytes) : std::string("more than 2^63"),
                  " bytes but data_offsets ", off->dump(), " span ", end - begin);
     }
     t.file = path_;

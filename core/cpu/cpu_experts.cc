@@ -169,7 +169,7 @@ absl::Status ReferenceExperts::Apply(const ExpertsApplyArgs& args) {
   const LayerWeights& w = *args.weights;
   const int64_t m = p.a1q.dim(0), k = w.hidden, n = w.intermediate, topk = p.topk_ids.dim(1);
   float* out = args.output.data<float>();
-  std::memset(out, 0, sizeof(float) * m * k);
+  if (m > 0) std::memset(out, 0, sizeof(float) * m * k);  // (no memset of a null empty buffer)
   float* scratch = args.workspace13.data<float>();
   float* y = scratch + 3 * n;
   float* w13 = args.workspace2.data<float>();

@@ -66,9 +66,9 @@ class CpuRankGroup final : public RankGroup {
     }
     const int64_t begin = step.bounds[r], end = step.bounds[r + 1];
     const TensorView out = OutputBuffer(r, end - begin, step.output.dtype());
-    MOESERVE_RETURN_IF_ERROR(ForwardSlice(r, step.layer, step.hidden_states.Slice(begin, end),
-                                          step.topk_ids.Slice(begin, end),
-                                          step.topk_weights.Slice(begin, end), out, step.timed));
+    MOESERVE_RETURN_IF_ERROR(ForwardSlice(
+        r, step.layer, step.hidden_states.Slice(begin, end), step.topk_ids.Slice(begin, end),
+        step.topk_weights.Slice(begin, end), out, step.timed, step.lane, step.stop));
     return Gather(r, step, out);
   }
 

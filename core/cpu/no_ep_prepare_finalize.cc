@@ -17,11 +17,11 @@ absl::Status NoEpPrepareAndFinalize::Prepare(const PrepareArgs& args, PreparedAc
   if (x.dtype() == quant_.activation_dtype && x.is_contiguous()) {
     out->a1q = x;
   } else {
-    out->a1q = a1q_.Get(quant_.activation_dtype, {m, k});
+    MOESERVE_ASSIGN_OR_RETURN(out->a1q, a1q_.TryGet(quant_.activation_dtype, {m, k}));
     MOESERVE_RETURN_IF_ERROR(ConvertTensor(x, out->a1q));
   }
   // Global -> local ids.
-  TensorView ids = local_ids_.Get(DType::kINT32, {m, topk});
+  MOESERVE_ASSIGN_OR_RETURN(const TensorView ids, local_ids_.TryGet(DType::kINT32, {m, topk}));
   const int32_t* g = args.topk_ids.data<int32_t>();
   int32_t* l = ids.data<int32_t>();
   const bool has_map = !args.expert_map.empty();

@@ -3,6 +3,7 @@
 // every corruption refused with an error naming the file and the tensor.
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <string>
@@ -127,6 +128,28 @@ TEST(HfCheckpoint, MissingDirectoryAndFiles) {
   EXPECT_TRUE(absl::IsNotFound(open.status()));
   EXPECT_THAT(open.status().message(),
               AllOf(HasSubstr(dir), HasSubstr("model.safetensors.index.json")));
+}
+
+// Issue 14 item 7: a NUL inside a weight_map value was cut by the file system call, so
+// "<shard>\0anything" opened (and served) <shard>. It is refused, naming the entry.
+TEST(HfCheckpoint, NulInAWeightMapFileNameIsRefused) {
+  const std::string src = CheckpointDir("qwen3_bf16_sharded");
+  const std::string dir = ::testing::TempDir() + "/nul_weight_map_checkpoint";
+  ASSERT_EQ(system(("rm -rf " + dir + " && cp -r " + src + " " + dir).c_str()), 0);
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  std::ifstream in(index_path);
+  nlohmann::json index = nlohmann::json::parse(in);
+  in.close();
+  ASSERT_TRUE(index["weight_map"].is_object());
+  auto& first = *index["weight_map"].begin();
+  first = first.get<std::string>() + std::string("\0.evil", 6);
+  std::ofstream(index_path) << index.dump();
+  auto open = checkpoint::HfCheckpoint::Open(dir);
+  ASSERT_FALSE(open.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(open.status())) << open.status();
+  EXPECT_THAT(open.status().message(),
+              AllOf(HasSubstr(index_path), HasSubstr("NUL"), HasSubstr(".evil")))
+      << open.status();
 }
 
 // ---- Loading the generated checkpoints ----

@@ -5,6 +5,8 @@
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/stubs/common.h>
+#include <google/protobuf/unknown_field_set.h>
 #include <google/protobuf/util/message_differencer.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 
 namespace moeserve::v1wire {
 namespace {
@@ -341,6 +344,167 @@ std::string Extras(std::mt19937_64& rng) {
   }
 }
 
+// Whether every int32 varint of a message protobuf accepts fits int32 (protobuf keeps the low
+// 32 bits; the decoder refuses): ForwardRequest.layer and every Tensor.dtype.
+bool Int32FieldsFit(const std::string& bytes, bool request) {
+  google::protobuf::UnknownFieldSet top;
+  if (!top.ParseFromString(bytes)) return true;
+  auto fits = [](const google::protobuf::UnknownField& f) {
+    const int64_t v = static_cast<int64_t>(f.varint());
+    return v >= INT32_MIN && v <= INT32_MAX;
+  };
+  for (int i = 0; i < top.field_count(); ++i) {
+    const google::protobuf::UnknownField& f = top.field(i);
+    if (request && f.number() == 1 && f.type() == google::protobuf::UnknownField::TYPE_VARINT &&
+        !fits(f)) {
+      return false;
+    }
+    const bool tensor = request ? (f.number() >= 2 && f.number() <= 4) : f.number() == 1;
+    if (tensor && f.type() == google::protobuf::UnknownField::TYPE_LENGTH_DELIMITED) {
+      google::protobuf::UnknownFieldSet inner;
+      if (!inner.ParseFromString(f.length_delimited())) continue;
+      for (int j = 0; j < inner.field_count(); ++j) {
+        const google::protobuf::UnknownField& g = inner.field(j);
+        if (g.number() == 1 && g.type() == google::protobuf::UnknownField::TYPE_VARINT &&
+            !fits(g)) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// Issue 14 item 7: a layer given as a 2^40 varint was read as 0 (protobuf's int32 truncation).
+TEST(ForwardWireTest, Int32FieldsOutOfRangeAreRefusedNotTruncated) {
+  const std::string tensor = Len(2, Tag(1, 0) + Varint(3) + Len(3, "abcd"));
+  for (uint64_t layer : {uint64_t{1} << 40, uint64_t{1} << 31, uint64_t{INT32_MAX} + 1}) {
+    const std::string b = Tag(1, 0) + Varint(layer) + tensor;
+    v1::ForwardRequest pb;
+    ASSERT_TRUE(pb.ParseFromString(b));  // protobuf accepts it, truncated
+    absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(OneByteSlices(b));
+    ASSERT_FALSE(v.ok()) << layer;
+    EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(v.status().message().find("does not fit its type int32"), std::string::npos)
+        << v.status();
+    EXPECT_NE(v.status().message().find(absl::StrCat(static_cast<int64_t>(layer))),
+              std::string::npos)
+        << v.status();
+  }
+  // Negative int32s come sign-extended to 10 bytes and are fine (the engine refuses them).
+  for (int32_t layer : {-1, INT32_MIN, INT32_MAX, 0, 7}) {
+    const std::string b = Tag(1, 0) + Varint(static_cast<uint64_t>(int64_t{layer})) + tensor;
+    absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(Split(b, {}));
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ(v->header.layer(), layer);
+  }
+  // A dtype of 2^32 + 3 would read as 3 (DTYPE_FP32).
+  const std::string b = Len(2, Tag(1, 0) + Varint((uint64_t{1} << 32) + 3) + Len(3, "abcd"));
+  absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(Split(b, {}));
+  ASSERT_FALSE(v.ok());
+  EXPECT_NE(v.status().message().find("tensor field 1"), std::string::npos) << v.status();
+  absl::StatusOr<ForwardResponseView> r = DecodeForwardResponse(Split(b, {}));
+  ASSERT_FALSE(r.ok());
+}
+
+int g_protobuf_log_lines = 0;
+void CountProtobufLog(google::protobuf::LogLevel, const char*, int, const std::string&) {
+  ++g_protobuf_log_lines;
+}
+
+// Invalid UTF-8 in request_id is refused by the decoder itself, agreeing with protobuf's
+// verdict, so that protobuf's parser (which logs an error line per occurrence) never sees it
+// (issue 14 item 5: a log line per such call).
+TEST(ForwardWireTest, Utf8VerdictAgreesWithProtobuf) {
+  std::vector<std::string> cases = {"",
+                                    "plain",
+                                    "\xc3\xa9",
+                                    "\xc0\x80",
+                                    "\xc1\xbf",
+                                    "\xe0\x80\x80",
+                                    "\xe0\xa0\x80",
+                                    "\xed\x9f\xbf",
+                                    "\xed\xa0\x80",
+                                    "\xef\xbf\xbf",
+                                    "\xf0\x8f\xbf\xbf",
+                                    "\xf0\x90\x80\x80",
+                                    "\xf4\x8f\xbf\xbf",
+                                    "\xf4\x90\x80\x80",
+                                    "\xf5\x80\x80\x80",
+                                    "\xff",
+                                    "\x80",
+                                    "a\xe2\x82",
+                                    "\xe2\x82\xac",
+                                    std::string("\0", 1)};
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 20000; ++i) {
+    std::string t(std::uniform_int_distribution<size_t>(1, 6)(rng), '\0');
+    // Mostly bytes near the interesting boundaries.
+    for (char& c : t) {
+      const uint8_t picks[] = {0x41, 0x7f, 0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, 0xc0,
+                               0xc2, 0xdf, 0xe0, 0xed, 0xef, 0xf0, 0xf4, 0xf5, 0xff};
+      c = static_cast<char>(rng() % 3 ? picks[rng() % sizeof(picks)] : rng());
+    }
+    cases.push_back(t);
+  }
+  int valid = 0, invalid = 0;
+  for (const std::string& id : cases) {
+    const bool pb_valid = google::protobuf::internal::IsStructurallyValidUTF8(id);
+    const std::string b = Len(5, id);
+    g_protobuf_log_lines = 0;
+    google::protobuf::LogHandler* old = google::protobuf::SetLogHandler(&CountProtobufLog);
+    absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(RandomSplit(b, rng));
+    google::protobuf::SetLogHandler(old);
+    ASSERT_EQ(g_protobuf_log_lines, 0) << absl::BytesToHexString(id);
+    ASSERT_EQ(v.ok(), pb_valid) << absl::BytesToHexString(id) << ": " << v.status();
+    if (pb_valid) {
+      EXPECT_EQ(v->header.request_id(), id);
+    } else {
+      EXPECT_NE(v.status().message().find("not valid UTF-8"), std::string::npos) << v.status();
+    }
+    ++(pb_valid ? valid : invalid);
+  }
+  EXPECT_GT(valid, 1000);
+  EXPECT_GT(invalid, 1000);
+}
+
+// The other strings a client sends -- a RegionRef's name (output_region, a tensor's region) --
+// and the answer's error_message are checked the same way: no protobuf log line.
+TEST(ForwardWireTest, NestedAndErrorStringsCheckedWithoutProtobufLog) {
+  for (const bool valid : {true, false}) {
+    const std::string name = valid ? "region-\xc3\xa9" : "region-\xff";
+    const std::string region = Len(1, name) + Tag(2, 0) + Varint(0);
+    const std::vector<std::pair<std::string, std::string>> requests = {
+        {"output_region", Len(7, region)},
+        {"hidden_states.region", Len(2, Tag(1, 0) + Varint(1) + Len(4, region))}};
+    for (const auto& [what, bytes] : requests) {
+      g_protobuf_log_lines = 0;
+      google::protobuf::LogHandler* old = google::protobuf::SetLogHandler(&CountProtobufLog);
+      absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(Split(bytes, {}));
+      google::protobuf::SetLogHandler(old);
+      EXPECT_EQ(g_protobuf_log_lines, 0) << what;
+      ASSERT_EQ(v.ok(), valid) << what << ": " << v.status();
+      if (valid) {
+        const std::string got = what == "output_region" ? v->header.output_region().name()
+                                                        : v->hidden_states.header.region().name();
+        EXPECT_EQ(got, name) << what;
+      } else {
+        EXPECT_NE(v.status().message().find("not valid UTF-8"), std::string::npos) << v.status();
+      }
+    }
+    const std::string response = Tag(6, 0) + Varint(8) + Len(7, valid ? "fine" : "bad \xc0\x80");
+    g_protobuf_log_lines = 0;
+    google::protobuf::LogHandler* old = google::protobuf::SetLogHandler(&CountProtobufLog);
+    absl::StatusOr<ForwardResponseView> r = DecodeForwardResponse(Split(response, {}));
+    google::protobuf::SetLogHandler(old);
+    EXPECT_EQ(g_protobuf_log_lines, 0);
+    ASSERT_EQ(r.ok(), valid) << r.status();
+    if (valid) {
+      EXPECT_EQ(r->header.error_code(), 8);
+    }
+  }
+}
+
 TEST(ForwardWireTest, FuzzAgreesWithProtobuf) {
   std::mt19937_64 rng(20240611);
   int accepted = 0, rejected = 0;
@@ -353,7 +517,8 @@ TEST(ForwardWireTest, FuzzAgreesWithProtobuf) {
     const std::vector<grpc::Slice> slices = RandomSplit(bytes, rng);
     if (request) {
       v1::ForwardRequest pb;
-      const bool pb_ok = pb.ParseFromString(bytes);
+      // Protobuf's verdict, less the int32 truncation it allows and the decoder refuses.
+      const bool pb_ok = pb.ParseFromString(bytes) && Int32FieldsFit(bytes, true);
       absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(slices);
       ASSERT_EQ(pb_ok, v.ok()) << "iteration " << i << ": " << v.status() << " bytes "
                                << absl::BytesToHexString(bytes);
@@ -365,7 +530,7 @@ TEST(ForwardWireTest, FuzzAgreesWithProtobuf) {
       (pb_ok ? accepted : rejected)++;
     } else {
       v1::ForwardResponse pb;
-      const bool pb_ok = pb.ParseFromString(bytes);
+      const bool pb_ok = pb.ParseFromString(bytes) && Int32FieldsFit(bytes, false);
       absl::StatusOr<ForwardResponseView> v = DecodeForwardResponse(slices);
       ASSERT_EQ(pb_ok, v.ok()) << "iteration " << i << ": " << v.status() << " bytes "
                                << absl::BytesToHexString(bytes);

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
@@ -189,6 +190,23 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         "--num_experts=100000"}) {
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad});
+    EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
+  }
+}
+
+// Limits that cannot hold (issue 14 items 2 and 4): non-positive, beyond the memory there is, or
+// a token limit whose step buffers cannot fit.
+TEST(BinaryTest, LimitsBeyondMemoryExitOne) {
+  for (const char* bad :
+       {"--max_queued_bytes=-1", "--max_queued_bytes=9223372036854775807", "--grpc_memory_bytes=0",
+        "--grpc_memory_bytes=9223372036854775807", "--max_concurrent_streams=0",
+        "--grpc_max_threads=0", "--max_metadata_bytes=0", "--max_message_bytes=9223372036854775807",
+        "--max_tokens_per_request=4611686018427387904",
+        "--model=deepseek-v3 --num_layers=1 --max_tokens_per_request=2147483647"}) {
+    std::vector<std::string> args = {"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64",
+                                     "--intermediate=32", "--threads=1"};
+    for (absl::string_view a : absl::StrSplit(bad, ' ')) args.emplace_back(a);
+    Process p(args);
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
   }
 }

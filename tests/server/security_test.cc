@@ -6,6 +6,7 @@
 // server that asked), TLS and mutual TLS on the metrics endpoint.
 #include "server/security.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -13,12 +14,16 @@
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/engine.h"
@@ -502,7 +507,22 @@ TEST_F(SecurityTest, MetricsEndpointServesHttpsAndMutualTls) {
         "127.0.0.1:0", [] { return "moeserve_up 1\n"; }, ServerTls(/*mutual=*/false));
     ASSERT_TRUE(http.ok()) << http.status();
     const int port = (*http)->port();
+    // Clients that connect and never start their handshake hold only their own connections
+    // (the handshake runs in the endpoint's poll loop: a blocking accept would wait out its
+    // 2 s read timeout on each of them first).
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    std::vector<int> stalled;
+    for (int i = 0; i < 3; ++i) {
+      stalled.push_back(::socket(AF_INET, SOCK_STREAM, 0));
+      ASSERT_EQ(::connect(stalled.back(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    }
+    const auto start = std::chrono::steady_clock::now();
     EXPECT_THAT(HttpsGetMetrics(port, ca), HasSubstr("moeserve_up 1"));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+    for (int fd : stalled) ::close(fd);
     EXPECT_EQ(HttpsGetMetrics(port, certs_->other_ca.cert_pem()), "");          // untrusted
     EXPECT_THAT(testing::HttpGetMetrics(port), Not(HasSubstr("moeserve_up")));  // plain HTTP
     EXPECT_THAT(HttpsGetMetrics(port, ca), HasSubstr("200 OK"));                // still serving

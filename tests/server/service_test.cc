@@ -254,7 +254,10 @@ TEST_F(ServiceTest, UnusualButValidEncodingIsAnsweredAsProtobufReadsIt) {
 
 TEST_F(ServiceTest, UnparseableRequestRejected) {
   for (const std::string& bytes :
-       {std::string("\x0a\x05ab", 4), std::string("\x12\x03\x08\x80\x80", 5),
+       {std::string("\x0a\x05"
+                    "ab",
+                    4),
+        std::string("\x12\x03\x08\x80\x80", 5),
         std::string("\x08\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", 12)}) {
     std::string response_bytes;
     grpc::Status s = RawCall(bytes, &response_bytes);

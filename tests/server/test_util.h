@@ -28,6 +28,7 @@ namespace moeserve::testing {
 // Values -> little-endian bytes of `dtype` (BF16/FP16 rounded to nearest even).
 inline std::string EncodeFloats(const std::vector<float>& v, v1::DType dtype) {
   std::string out;
+  if (v.empty()) return out;  // (memcpy from an empty vector's null data is undefined)
   if (dtype == v1::DTYPE_FP32) {
     out.resize(v.size() * 4);
     std::memcpy(out.data(), v.data(), out.size());
@@ -46,6 +47,7 @@ inline std::string EncodeFloats(const std::vector<float>& v, v1::DType dtype) {
 
 inline std::vector<float> DecodeFloats(const std::string& bytes, v1::DType dtype) {
   std::vector<float> out;
+  if (bytes.size() < 2) return out;
   if (dtype == v1::DTYPE_FP32) {
     out.resize(bytes.size() / 4);
     std::memcpy(out.data(), bytes.data(), out.size() * 4);

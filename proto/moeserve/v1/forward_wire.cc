@@ -152,6 +152,103 @@ absl::Status SkipValue(const Reader& r, Cursor* c, size_t end, uint32_t tag, int
   }
 }
 
+// RFC 3629 UTF-8 (no overlong forms, surrogates or code points past U+10FFFF), as protobuf
+// checks proto3 strings; the index of the first bad byte, or -1.
+int64_t FirstInvalidUtf8(absl::string_view s) {
+  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    const uint8_t b = p[i];
+    if (b < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint8_t lo = 0x80, hi = 0xbf;  // the allowed range of the second byte
+    if (b >= 0xc2 && b <= 0xdf) {
+      len = 2;
+    } else if (b >= 0xe0 && b <= 0xef) {
+      len = 3;
+      if (b == 0xe0) lo = 0xa0;  // overlong
+      if (b == 0xed) hi = 0x9f;  // surrogates
+    } else if (b >= 0xf0 && b <= 0xf4) {
+      len = 4;
+      if (b == 0xf0) lo = 0x90;  // overlong
+      if (b == 0xf4) hi = 0x8f;  // past U+10FFFF
+    } else {
+      return static_cast<int64_t>(i);
+    }
+    if (n - i < len || p[i + 1] < lo || p[i + 1] > hi) return static_cast<int64_t>(i);
+    for (size_t k = 2; k < len; ++k) {
+      if (p[i + k] < 0x80 || p[i + k] > 0xbf) return static_cast<int64_t>(i);
+    }
+    i += len;
+  }
+  return -1;
+}
+
+// Checks the value of field `number` whose tag was just read (the cursor is at the value)
+// beyond what protobuf's parser checks: an int32 field (`int32_fields`) given as a varint must
+// fit int32 (protobuf would keep the low 32 bits: a layer of 2^40 would read as 0), and a
+// string field (`string_fields`) must be UTF-8, checked here so that protobuf does not log an
+// error line for every such call. A value that is malformed otherwise is left to SkipValue.
+absl::Status CheckField(const Reader& r, Cursor c, size_t end, uint32_t tag,
+                        absl::Span<const uint32_t> int32_fields,
+                        absl::Span<const uint32_t> string_fields, absl::string_view field_prefix,
+                        absl::string_view message) {
+  const uint32_t number = tag >> 3;
+  const auto has = [number](absl::Span<const uint32_t> list) {
+    return std::find(list.begin(), list.end(), number) != list.end();
+  };
+  if ((tag & 7) == kVarint && has(int32_fields)) {
+    const size_t at = c.pos;
+    uint64_t v;
+    if (!r.ReadVarint(&c, end, 10, &v)) return absl::OkStatus();
+    const int64_t value = static_cast<int64_t>(v);  // negative int32s come sign-extended
+    if (value < INT32_MIN || value > INT32_MAX) {
+      return Malformed(message,
+                       absl::StrCat(field_prefix, "field ", number, " is ", value,
+                                    ", which does not fit its type int32"),
+                       at);
+    }
+  } else if ((tag & 7) == kLen && has(string_fields)) {
+    const size_t at = c.pos;
+    size_t len;
+    if (!r.ReadLength(&c, end, &len) || len > end - c.pos) return absl::OkStatus();
+    std::string text;
+    r.AppendTo(c, len, &text);
+    if (const int64_t bad = FirstInvalidUtf8(text); bad >= 0) {
+      return Malformed(message,
+                       absl::StrCat(field_prefix, "string field ", number,
+                                    " is not valid UTF-8 (byte ", bad, " of ", len, ")"),
+                       at);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Checks a RegionRef submessage (field `tag` just read, the cursor at its length): its name (1)
+// must be UTF-8, as CheckField checks top-level strings. Anything malformed is left to SkipValue
+// and protobuf's parser.
+absl::Status CheckRegionRef(const Reader& r, Cursor c, size_t end, uint32_t tag,
+                            absl::string_view field_prefix, absl::string_view message) {
+  if ((tag & 7) != kLen) return absl::OkStatus();
+  size_t len;
+  if (!r.ReadLength(&c, end, &len) || len > end - c.pos) return absl::OkStatus();
+  const size_t sub_end = c.pos + len;
+  const std::string prefix = absl::StrCat(field_prefix, "region field ", tag >> 3, ": ");
+  while (c.pos < sub_end) {
+    uint32_t sub_tag;
+    if (!ReadTag(r, &c, sub_end, &sub_tag) || (sub_tag >> 3) == 0) return absl::OkStatus();
+    if (absl::Status s = CheckField(r, c, sub_end, sub_tag, {}, {1}, prefix, message); !s.ok()) {
+      return s;
+    }
+    if (!SkipValue(r, &c, sub_end, sub_tag, kMaxDepth - 2, message).ok()) return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
 // Walks one Tensor submessage in [c, end): data pieces replace `out`'s (last one wins); dtype
 // and shape fields are appended raw to `rest` for protobuf to parse; unknown fields are checked
 // and skipped.
@@ -166,6 +263,13 @@ absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireT
       return Malformed(message, "field number 0 or unmatched end-group", field.pos);
     }
     const uint32_t number = tag >> 3;
+    // Tensor.dtype is an enum, an int32 on the wire.
+    if (absl::Status s = CheckField(r, *c, end, tag, {1}, {}, "tensor ", message); !s.ok()) {
+      return s;
+    }
+    if (number == 4) {  // region: a RegionRef
+      if (absl::Status s = CheckRegionRef(r, *c, end, tag, "tensor ", message); !s.ok()) return s;
+    }
     if (number == 3 && (tag & 7) == kLen) {
       const size_t len_at = c->pos;
       size_t len;
@@ -184,8 +288,13 @@ absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireT
 
 // Walks a top-level message: LEN fields numbered in `tensor_numbers` are tensors (walked into
 // `tensors`), fields numbered up to `max_known` are appended raw to `rest`, others skipped.
+// int32_fields / string_fields / region_fields (RegionRef submessages) are checked as
+// CheckField and CheckRegionRef say.
 absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
-                     absl::Span<WireTensor* const> tensors, uint32_t max_known, std::string* rest,
+                     absl::Span<WireTensor* const> tensors, uint32_t max_known,
+                     absl::Span<const uint32_t> int32_fields,
+                     absl::Span<const uint32_t> string_fields,
+                     absl::Span<const uint32_t> region_fields, std::string* rest,
                      std::vector<std::string>* tensor_rests, absl::string_view message) {
   Cursor c;
   const size_t end = r.size();
@@ -198,6 +307,13 @@ absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
       return Malformed(message, "field number 0 or unmatched end-group", field.pos);
     }
     const uint32_t number = tag >> 3;
+    if (absl::Status s = CheckField(r, c, end, tag, int32_fields, string_fields, "", message);
+        !s.ok()) {
+      return s;
+    }
+    if (std::find(region_fields.begin(), region_fields.end(), number) != region_fields.end()) {
+      if (absl::Status s = CheckRegionRef(r, c, end, tag, "", message); !s.ok()) return s;
+    }
     if ((tag & 7) == kLen) {
       auto it = std::find(tensor_numbers.begin(), tensor_numbers.end(), number);
       if (it != tensor_numbers.end()) {
@@ -370,7 +486,9 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {2, 3, 4};
   WireTensor* const tensors[] = {&view.hidden_states, &view.topk_ids, &view.topk_weights};
-  if (absl::Status s = WalkTop(reader, numbers, tensors, 8, &rest, &tensor_rests, kMessage);
+  // layer (1) is an int32; request_id (5) a string; output_region (7) a RegionRef.
+  if (absl::Status s =
+          WalkTop(reader, numbers, tensors, 8, {1}, {5}, {7}, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }
@@ -396,7 +514,9 @@ absl::StatusOr<ForwardResponseView> DecodeForwardResponse(std::vector<grpc::Slic
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {1};
   WireTensor* const tensors[] = {&view.output};
-  if (absl::Status s = WalkTop(reader, numbers, tensors, 7, &rest, &tensor_rests, kMessage);
+  // error_code (6) is an int32; request_id (2) and error_message (7) are strings.
+  if (absl::Status s =
+          WalkTop(reader, numbers, tensors, 7, {6}, {2, 7}, {}, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }
