@@ -58,6 +58,15 @@ absl::StatusOr<MessageLimits> ResolveMessageLimits(const ModelConfig& model,
         absl::StrCat("--max_message_bytes: ", cap, " bytes cannot carry one token of hidden ",
                      model.hidden, "; expected at least ", MaxForwardMessageBytes(model, 1)));
   }
+  if (requested_max_message_bytes == 0 && fit < requested_max_tokens) {
+    // No message size was asked for: a token limit beyond what gRPC can carry is a mistake in
+    // --max_tokens_per_request itself (its step buffers would not fit either), not something
+    // to lower quietly.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_tokens_per_request: got ", requested_max_tokens, ", but a request of [M, ",
+        model.hidden, "] fp32 hidden states must fit in ", cap_name, ": expected at most ", fit,
+        " (or give --max_message_bytes to have the token limit lowered to fit it)"));
+  }
   limits.max_tokens_per_request = std::min(requested_max_tokens, fit);
   if (limits.max_tokens_per_request < requested_max_tokens) {
     limits.note = absl::StrCat("--max_tokens_per_request lowered from ", requested_max_tokens,

@@ -39,7 +39,8 @@ struct MessageLimits {
 // answer). Otherwise it is kept and the token limit lowered, if needed, so the largest valid
 // request fits (a given size may be below one expert's weights: GetExpertWeights then refuses
 // and points to StreamExpertWeights, which sends them in chunks). INVALID_ARGUMENT (naming the
-// flag) for non-positive tokens, a negative size, or a size too small for a single token.
+// flag) for non-positive tokens, a negative size, a size too small for a single token, or (no
+// size given) a token limit whose largest request would not fit in gRPC's 2 GiB.
 absl::StatusOr<MessageLimits> ResolveMessageLimits(const ModelConfig& model,
                                                    int64_t requested_max_tokens,
                                                    int64_t requested_max_message_bytes);

@@ -267,11 +267,12 @@ TEST(MessageLimitsTest, TokenLimitLoweredToFit) {
   EXPECT_EQ(l.max_message_bytes, int64_t{96} << 20);
   EXPECT_THAT(l.note, HasSubstr("--max_tokens_per_request lowered from 8192 to"));
   EXPECT_THAT(l.note, HasSubstr("--max_message_bytes"));
-  // gRPC's own 2 GiB ceiling lowers a huge token limit.
-  l = ResolveMessageLimits(m, 1 << 20, 0).value();
-  EXPECT_LT(l.max_tokens_per_request, 1 << 20);
-  EXPECT_LE(l.max_message_bytes, kGrpcMaxMessageBytes);
-  EXPECT_THAT(l.note, HasSubstr("2 GiB"));
+  // Without --max_message_bytes, a token limit beyond gRPC's own 2 GiB ceiling is refused,
+  // naming the flag (issue 14: limits that cannot hold end the process).
+  absl::StatusOr<MessageLimits> huge = ResolveMessageLimits(m, 1 << 20, 0);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(huge.status().message(), HasSubstr("--max_tokens_per_request"));
+  EXPECT_THAT(huge.status().message(), HasSubstr("2 GiB"));
 }
 
 TEST(MessageLimitsTest, RefusesLimitsThatCannotWork) {
