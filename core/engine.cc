@@ -110,6 +110,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
         absl::StrCat("backend ", BackendName(plan.backend), " is not linked into this binary"));
   }
 
+  if (plan.weights.observer != nullptr) {
+    std::vector<int> experts_per_rank;
+    for (int r = 0; r < plan.local_ranks; ++r) {
+      experts_per_rank.push_back(
+          static_cast<int>(plan.placement->rank_experts(plan.first_rank + r).size()));
+    }
+    plan.weights.observer->OnLoadPlanned(
+        ExpertWeightBytes(plan.model, plan.weights.format, experts_per_rank),
+        plan.local_ranks * plan.model.num_moe_layers(), AvailableHostMemoryBytes());
+  }
+
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->plan_ = plan;
   for (int lane = 0; lane < plan.lanes; ++lane) {
@@ -118,6 +129,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   engine->lane_busy_.assign(plan.lanes, false);
   engine->ids32_.resize(plan.lanes);
   MOESERVE_ASSIGN_OR_RETURN(engine->ranks_, backend->create_rank_group(plan, registry));
+  // The observer need only outlive Create: later loads (GetExpertWeights of an expert another
+  // process serves) must not report to it.
+  engine->plan_.weights.observer = nullptr;
   if (plan.multi_process) {
     engine->multi_process_ =
         std::make_unique<MultiProcessDriver>(engine->ranks_.get(), engine->lane_mu_[0].get());

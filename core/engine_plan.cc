@@ -281,6 +281,7 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   plan.weights.seed = options.seed;
   plan.weights.format = options.weight_format;
   plan.weights.num_threads = threads;
+  plan.weights.observer = options.load_observer;
   plan.weights.memory_budget_bytes = options.memory_budget_bytes;
   plan.fault_injection_for_testing = options.fault_injection_for_testing;
 

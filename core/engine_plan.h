@@ -88,6 +88,9 @@ struct EngineOptions {
   // collective_timeout_ms: a follower's wait for the next command is bounded by it), which also
   // finds a dead follower without a Forward. 0: off.
   int64_t heartbeat_ms = 1000;
+  // Told how the weight load goes (progress, or a stop request); optional, must outlive
+  // Engine::Create.
+  WeightLoadObserver* load_observer = nullptr;
   // Engine steps that may run at once, each on its own lane (a stream, its own buffers and
   // workspaces; the weights are shared), so that one step's copies overlap another's experts.
   // 0: auto (2 with backend cuda and a single-rank PrepareAndFinalize, else 1). More than 1 is

@@ -102,7 +102,7 @@ int64_t Mxfp8LoadPeakBytes(const ModelConfig& config, int num_local_experts) {
 
 absl::StatusOr<std::unique_ptr<ExpertWeightStore>> CreateSyntheticMxfp8(
     const ModelConfig& config, std::vector<int> expert_ids, uint64_t seed, int num_threads,
-    int64_t memory_budget_bytes) {
+    int64_t memory_budget_bytes, const LayerLoadedFn& on_layer) {
   MOESERVE_RETURN_IF_ERROR(config.Validate());
   const int num_local = static_cast<int>(expert_ids.size());
   const int64_t budget = memory_budget_bytes > 0 ? memory_budget_bytes : AvailableHostMemoryBytes();
@@ -130,6 +130,10 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> CreateSyntheticMxfp8(
     bf16.reset();  // free this layer's BF16 before the next one is generated
     layers.push_back(q.weights);
     for (Tensor& t : q.storage) storage.push_back(std::move(t));
+    if (on_layer) {
+      MOESERVE_RETURN_IF_ERROR(
+          on_layer(layer, config.LayerWeightBytes(num_local, WeightFormat::kMXFP8)));
+    }
   }
   return ExpertWeightStore::FromLayers(config, std::move(expert_ids), std::move(layers),
                                        std::move(storage));

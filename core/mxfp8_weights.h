@@ -43,9 +43,10 @@ int64_t Mxfp8LoadPeakBytes(const ModelConfig& config, int num_local_experts);
 // holds, quantized to MXFP8 one layer at a time (generate a layer in BF16, quantize it, free
 // it), so the peak is Mxfp8LoadPeakBytes, not the whole model in BF16. Checks that peak against
 // the memory budget first (memory_budget_bytes <= 0: what the machine has available).
+// `on_layer` runs after each layer is quantized.
 absl::StatusOr<std::unique_ptr<ExpertWeightStore>> CreateSyntheticMxfp8(
     const ModelConfig& config, std::vector<int> expert_ids, uint64_t seed, int num_threads,
-    int64_t memory_budget_bytes = 0);
+    int64_t memory_budget_bytes = 0, const LayerLoadedFn& on_layer = nullptr);
 
 // An MXFP8 copy of every layer of a BF16 store (which is left as is, so both are resident
 // afterwards: for tests and benchmarks that compare the two; loaders should quantize layer by

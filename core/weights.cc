@@ -64,7 +64,7 @@ absl::Status DequantizeExpertToFp32(const LayerWeights& w, int64_t e, float* w13
 
 absl::StatusOr<std::unique_ptr<ExpertWeightStore>> ExpertWeightStore::CreateSynthetic(
     const ModelConfig& config, std::vector<int> expert_ids, uint64_t seed, int num_threads,
-    int64_t memory_budget_bytes) {
+    int64_t memory_budget_bytes, const LayerLoadedFn& on_layer) {
   MOESERVE_RETURN_IF_ERROR(config.Validate());
   for (int id : expert_ids) {
     if (id < 0 || id >= config.num_experts) {
@@ -119,6 +119,10 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> ExpertWeightStore::CreateSynt
     layers.push_back(lw);
     storage.push_back(std::move(w13));
     storage.push_back(std::move(w2));
+    if (on_layer) {
+      MOESERVE_RETURN_IF_ERROR(
+          on_layer(layer, config.LayerWeightBytes(num_local, WeightFormat::kBF16)));
+    }
   }
   return FromLayers(config, std::move(expert_ids), std::move(layers), std::move(storage));
 }

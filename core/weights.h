@@ -3,6 +3,7 @@
 #define MOESERVE_CORE_WEIGHTS_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -40,16 +41,21 @@ absl::Status DequantizeExpertToFp32(const LayerWeights& weights, int64_t e, floa
 float SyntheticWeight(uint64_t seed, int layer, int expert, int tensor, int64_t index,
                       int64_t fan_in);
 
+// Called by a loader after each MoE layer of its experts is resident, with the model layer index
+// and that layer's bytes (e.g. to report progress); a non-OK status (e.g. CANCELLED when the
+// process is told to stop) ends the load with that status. May be empty.
+using LayerLoadedFn = std::function<absl::Status(int layer, int64_t bytes)>;
+
 // Owns one rank's expert weights for every MoE layer of a model. Immutable after Create, so
 // safe to read from any thread.
 class ExpertWeightStore {
  public:
   // Synthetic BF16 weights for `expert_ids` (global ids hosted by this rank), generated with
   // `num_threads` threads. Checks the memory budget first (memory_budget_bytes <= 0 means what
-  // the machine has available).
+  // the machine has available). `on_layer` runs after each layer.
   static absl::StatusOr<std::unique_ptr<ExpertWeightStore>> CreateSynthetic(
       const ModelConfig& config, std::vector<int> expert_ids, uint64_t seed, int num_threads,
-      int64_t memory_budget_bytes = 0);
+      int64_t memory_budget_bytes = 0, const LayerLoadedFn& on_layer = nullptr);
 
   // Takes ownership of per-layer storage built elsewhere (e.g. a checkpoint loader).
   // `layers[i]` are the weights of config.moe_layers[i] (or layer i when that is empty);

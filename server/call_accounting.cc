@@ -24,6 +24,10 @@ constexpr absl::string_view kMoeMethods[] = {"Forward",
                                              "RegisterCudaSharedMemory",
                                              "UnregisterSharedMemory",
                                              "SharedMemoryStatus"};
+// KServe v2 (server/inference_service.h), labelled by method name like MoeService's.
+constexpr absl::string_view kKServePrefix = "/inference.GRPCInferenceService/";
+constexpr absl::string_view kKServeMethods[] = {"ServerLive",     "ServerReady",   "ModelReady",
+                                                "ServerMetadata", "ModelMetadata", "ModelInfer"};
 constexpr absl::string_view kOtherMethods[] = {
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
@@ -121,6 +125,13 @@ std::string MethodLabel(absl::string_view path) {
   if (absl::StartsWith(path, kMoeServicePrefix)) {
     const absl::string_view name = path.substr(kMoeServicePrefix.size());
     for (absl::string_view m : kMoeMethods) {
+      if (name == m) return std::string(m);
+    }
+    return "unknown";
+  }
+  if (absl::StartsWith(path, kKServePrefix)) {
+    const absl::string_view name = path.substr(kKServePrefix.size());
+    for (absl::string_view m : kKServeMethods) {
       if (name == m) return std::string(m);
     }
     return "unknown";

@@ -27,7 +27,8 @@
 namespace moeserve {
 
 // The metrics label of a method path ("/moeserve.v1.MoeService/Forward" -> "Forward",
-// "/grpc.health.v1.Health/Check" -> "grpc.health.v1.Health/Check", others -> "unknown").
+// "/inference.GRPCInferenceService/ModelInfer" -> "ModelInfer", "/grpc.health.v1.Health/Check" ->
+// "grpc.health.v1.Health/Check", others -> "unknown").
 std::string MethodLabel(absl::string_view path);
 
 // Interceptors counting into `metrics` (must outlive the server).

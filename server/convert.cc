@@ -3,10 +3,15 @@
 #include <cstddef>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "core/status_macros.h"
+#include "moeserve_build_info.h"
 
 namespace moeserve {
 
@@ -140,30 +145,40 @@ absl::Status CheckForwardTensorsPresent(bool hidden_states, bool topk_ids, bool 
   return absl::OkStatus();
 }
 
-// A view of a wire tensor: in place when its bytes are one suitably aligned piece, else
-// gathered once.
-absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
-                                              absl::string_view field, GatheredBytes* gathered) {
+// A view of tensor bytes given as pieces of gRPC slices: in place when they are one suitably
+// aligned piece, else gathered once.
+absl::StatusOr<TensorView> TensorViewFromPieces(
+    int dtype_value, absl::Span<const int64_t> shape,
+    const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, absl::string_view field,
+    GatheredBytes* gathered) {
   // Any non-null, 8-byte aligned address serves for empty data.
   static const uint64_t kEmpty = 0;
-  absl::Span<const uint8_t> piece;
   const void* data = nullptr;
-  if (tensor.SinglePiece(&piece)) {
-    absl::StatusOr<DType> dtype = DTypeFromProto(tensor.header.dtype(), field);
+  if (pieces.size() <= 1) {
+    absl::StatusOr<DType> dtype = DTypeFromProto(dtype_value, field);
     const size_t itemsize = dtype.ok() ? DTypeSize(*dtype) : 1;
-    if (piece.empty()) {
+    if (pieces.empty() || pieces[0].empty()) {
       data = &kEmpty;
-    } else if (reinterpret_cast<uintptr_t>(piece.data()) % itemsize == 0) {
-      data = piece.data();
+    } else if (reinterpret_cast<uintptr_t>(pieces[0].data()) % itemsize == 0) {
+      data = pieces[0].data();
     }
   }
   if (data == nullptr) {
-    gathered->push_back(PooledBuffer::Acquire(tensor.data_size));
-    tensor.CopyTo(gathered->back()->data());
+    gathered->push_back(PooledBuffer::Acquire(size));
+    auto* p = static_cast<uint8_t*>(gathered->back()->data());
+    for (auto piece : pieces) {
+      std::memcpy(p, piece.data(), piece.size());
+      p += piece.size();
+    }
     data = gathered->back()->data();
   }
-  return TensorViewFromParts(tensor.header.dtype(), tensor.header.shape(), data, tensor.data_size,
-                             field);
+  return TensorViewFromParts(dtype_value, shape, data, size, field);
+}
+
+absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
+                                              absl::string_view field, GatheredBytes* gathered) {
+  return TensorViewFromPieces(tensor.header.dtype(), tensor.header.shape(), tensor.data,
+                              tensor.data_size, field, gathered);
 }
 
 }  // namespace
@@ -357,6 +372,193 @@ void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us
   out->set_finalize_us(timings.stages.finalize_us);
   out->set_engine_us(timings.engine_us);
   out->set_total_us(total_us);
+}
+
+// ---------------------------------------------------------------------------------------------
+// KServe v2 / Open Inference Protocol.
+
+absl::StatusOr<DType> DTypeFromKServe(absl::string_view datatype, absl::string_view field) {
+  if (datatype == "BF16") return DType::kBF16;
+  if (datatype == "FP16") return DType::kFP16;
+  if (datatype == "FP32") return DType::kFP32;
+  if (datatype == "INT32") return DType::kINT32;
+  if (datatype == "INT64") return DType::kINT64;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": datatype '", datatype,
+                   "' not accepted; expected one of BF16, FP16, FP32 (hidden_states), INT32, "
+                   "INT64 (topk_ids), FP32 (topk_weights)"));
+}
+
+absl::string_view DTypeToKServe(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "BF16";
+    case DType::kFP16:
+      return "FP16";
+    case DType::kFP32:
+      return "FP32";
+    case DType::kINT32:
+      return "INT32";
+    case DType::kINT64:
+      return "INT64";
+    default:
+      return "";
+  }
+}
+
+namespace {
+
+std::string ModelNamesHelp(const ModelConfig& model) {
+  return absl::StrCat("models are '", kKServeLayerModelPrefix, "<i>' for the MoE layers i (",
+                      model.moe_layers.empty() ? absl::StrCat("0..", model.num_layers - 1)
+                                               : absl::StrJoin(model.moe_layers, ","),
+                      ") and '", kKServeModelName, "' with the request parameter 'layer'");
+}
+
+// An integer parameter (int64, uint64, or a string of digits), or nullopt-like false.
+absl::StatusOr<int64_t> IntParameter(const inference::InferParameter& p, absl::string_view name) {
+  switch (p.parameter_choice_case()) {
+    case inference::InferParameter::kInt64Param:
+      return p.int64_param();
+    case inference::InferParameter::kUint64Param:
+      if (p.uint64_param() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) break;
+      return static_cast<int64_t>(p.uint64_param());
+    case inference::InferParameter::kStringParam: {
+      int64_t v;
+      if (absl::SimpleAtoi(p.string_param(), &v)) return v;
+      break;
+    }
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("parameters.", name, ": expected an integer (int64_param)"));
+}
+
+}  // namespace
+
+absl::StatusOr<int> ModelLayerFromKServe(
+    const ModelConfig& model, absl::string_view name, absl::string_view version,
+    const google::protobuf::Map<std::string, inference::InferParameter>* parameters) {
+  if (!version.empty() && version != kKServeModelVersion) {
+    return absl::NotFoundError(absl::StrCat("model '", name, "' version '", version,
+                                            "': no such version; the only version is '",
+                                            kKServeModelVersion, "' (or empty)"));
+  }
+  std::optional<int64_t> param_layer;
+  if (parameters != nullptr) {
+    auto it = parameters->find("layer");
+    if (it != parameters->end()) {
+      MOESERVE_ASSIGN_OR_RETURN(param_layer, IntParameter(it->second, "layer"));
+    }
+  }
+  if (name == kKServeModelName) {
+    if (parameters == nullptr) return -1;  // metadata and readiness of the whole model
+    if (!param_layer.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameters.layer: required for model '", kKServeModelName,
+                       "' (the MoE layer index, int64_param); or call model '",
+                       kKServeLayerModelPrefix, "<i>'"));
+    }
+    if (*param_layer < 0 || *param_layer >= model.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("parameters.layer: got ", *param_layer,
+                                                     ", expected a value in [0, ", model.num_layers,
+                                                     ")"));
+    }
+    return static_cast<int>(*param_layer);
+  }
+  absl::string_view rest = name;
+  int layer = -1;
+  if (!absl::ConsumePrefix(&rest, kKServeLayerModelPrefix) || !absl::SimpleAtoi(rest, &layer) ||
+      absl::StrCat(layer) != rest || !model.IsMoeLayer(layer)) {
+    return absl::NotFoundError(
+        absl::StrCat("model '", name, "': no such model; ", ModelNamesHelp(model)));
+  }
+  if (param_layer.has_value() && *param_layer != layer) {
+    return absl::InvalidArgumentError(absl::StrCat("parameters.layer: got ", *param_layer,
+                                                   " for model '", name, "' (layer ", layer,
+                                                   "); leave it out or make them agree"));
+  }
+  return layer;
+}
+
+absl::StatusOr<ForwardInput> ForwardInputFromKServe(
+    const inference_wire::ModelInferRequestView& request, int layer, GatheredBytes* gathered) {
+  const inference::ModelInferRequest& h = request.header;
+  if (request.raw.size() != static_cast<size_t>(h.inputs_size())) {
+    for (int i = 0; i < h.inputs_size(); ++i) {
+      if (h.inputs(i).has_contents()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("inputs[", i, "] (", h.inputs(i).name(),
+                         "): typed `contents` are not accepted; send every input's bytes in "
+                         "raw_input_contents"));
+      }
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("raw_input_contents: ", request.raw.size(), " entries for ", h.inputs_size(),
+                     " inputs; expected one per input, in the order of inputs"));
+  }
+  for (int i = 0; i < h.outputs_size(); ++i) {
+    if (h.outputs(i).name() != kKServeOutputName) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("outputs[", i, "]: unknown output '", h.outputs(i).name(),
+                       "'; the model has one output, '", kKServeOutputName, "'"));
+    }
+  }
+  ForwardInput input;
+  input.layer = layer;
+  const char* const names[] = {"hidden_states", "topk_ids", "topk_weights"};
+  TensorView* const views[] = {&input.hidden_states, &input.topk_ids, &input.topk_weights};
+  bool seen[3] = {false, false, false};
+  for (int i = 0; i < h.inputs_size(); ++i) {
+    const inference::ModelInferRequest::InferInputTensor& in = h.inputs(i);
+    int which = -1;
+    for (int j = 0; j < 3; ++j) {
+      if (in.name() == names[j]) which = j;
+    }
+    if (which < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs[", i, "]: unknown input '", in.name(),
+                       "'; expected hidden_states, topk_ids and topk_weights"));
+    }
+    if (seen[which]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs[", i, "]: input '", in.name(), "' given twice"));
+    }
+    seen[which] = true;
+    MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromKServe(in.datatype(), names[which]));
+    MOESERVE_ASSIGN_OR_RETURN(
+        *views[which], TensorViewFromPieces(DTypeToProto(dtype), in.shape(), request.raw[i].data,
+                                            request.raw[i].size, names[which], gathered));
+  }
+  MOESERVE_RETURN_IF_ERROR(CheckForwardTensorsPresent(seen[0], seen[1], seen[2]));
+  return input;
+}
+
+void ModelMetadataToKServe(const EngineInfo& info, absl::string_view name,
+                           inference::ModelMetadataResponse* out) {
+  const ModelConfig& m = info.model;
+  out->set_name(std::string(name));
+  out->add_versions(kKServeModelVersion);
+  out->set_platform("moeserve");
+  auto add = [](auto* list, const char* tensor, const char* datatype,
+                std::initializer_list<int64_t> shape) {
+    auto* t = list->Add();
+    t->set_name(tensor);
+    t->set_datatype(datatype);
+    for (int64_t d : shape) t->add_shape(d);
+  };
+  // One datatype per tensor in the protocol: the preferred one (the others are accepted too:
+  // hidden_states FP16/FP32, topk_ids INT64).
+  add(out->mutable_inputs(), "hidden_states", "BF16", {-1, m.hidden});
+  add(out->mutable_inputs(), "topk_ids", "INT32", {-1, m.topk});
+  add(out->mutable_inputs(), "topk_weights", "FP32", {-1, m.topk});
+  add(out->mutable_outputs(), kKServeOutputName, "BF16", {-1, m.hidden});
+}
+
+void ServerMetadataToKServe(inference::ServerMetadataResponse* out) {
+  out->set_name("moeserve");
+  out->set_version(absl::StrCat(build_info::kVersion, "+", build_info::kCommit));
 }
 
 }  // namespace moeserve

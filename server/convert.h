@@ -18,6 +18,8 @@
 #include "core/engine.h"
 #include "core/memory_region.h"
 #include "core/tensor.h"
+#include "inference/grpc_service.pb.h"
+#include "inference/infer_wire.h"
 #include "moeserve/v1/forward_wire.h"
 #include "moeserve/v1/moeserve.pb.h"
 #include "server/buffer_pool.h"
@@ -94,6 +96,45 @@ void RegionInfoToProto(const RegionInfo& info, v1::SharedMemoryRegionStatus* out
 // Engine description -> ModelInfo. `max_message_bytes` is the server's gRPC message limit.
 // router / server_routing tell whether requests may leave the routing to the server.
 void EngineInfoToProto(const EngineInfo& info, int64_t max_message_bytes, v1::ModelInfo* out);
+
+// KServe v2 / Open Inference Protocol (proto/inference/grpc_service.proto).
+// One model per MoE layer, "moe_layer_<i>", and "moeserve" taking the layer from the request
+// parameter `layer`; every model has the one version "1".
+inline constexpr char kKServeLayerModelPrefix[] = "moe_layer_";
+inline constexpr char kKServeModelName[] = "moeserve";
+inline constexpr char kKServeModelVersion[] = "1";
+inline constexpr char kKServeOutputName[] = "output";
+
+// KServe datatype names ("BF16", "FP16", "FP32", "INT32", "INT64") <-> core dtypes;
+// INVALID_ARGUMENT naming `field` for any other name.
+absl::StatusOr<DType> DTypeFromKServe(absl::string_view datatype, absl::string_view field);
+absl::string_view DTypeToKServe(DType dtype);
+
+// The MoE layer a model name means. NOT_FOUND (listing the models) for an unknown name, a dense
+// or out-of-range layer, or a version other than "" / "1". With `parameters` (ModelInfer): for
+// "moeserve" the `layer` parameter is required (INVALID_ARGUMENT naming it), for
+// "moe_layer_<i>" it may repeat i. Without (metadata, readiness): -1 for "moeserve".
+absl::StatusOr<int> ModelLayerFromKServe(
+    const ModelConfig& model, absl::string_view name, absl::string_view version,
+    const google::protobuf::Map<std::string, inference::InferParameter>* parameters);
+
+// The request's inputs hidden_states, topk_ids, topk_weights (any order, by name) as a
+// ForwardInput for `layer`, viewing `request`'s slices where aligned and gathering otherwise
+// (as ForwardInputFromWire). INVALID_ARGUMENT naming the input for unknown, repeated or missing
+// inputs, typed `contents` (raw_input_contents only), a raw count other than the input count,
+// a datatype or byte length that does not fit, and a requested output other than "output".
+// Neither topk input (hidden_states only) leaves the routing to the server, as in
+// ForwardInputFromWire: the topk views stay empty.
+absl::StatusOr<ForwardInput> ForwardInputFromKServe(
+    const inference_wire::ModelInferRequestView& request, int layer, GatheredBytes* gathered);
+
+// ModelMetadata of model `name`: inputs hidden_states [-1, hidden] BF16, topk_ids [-1, topk]
+// INT32, topk_weights [-1, topk] FP32; output [-1, hidden] BF16 (the preferred datatypes; FP16 /
+// FP32 hidden states and INT64 ids are accepted too, and the output follows hidden_states).
+void ModelMetadataToKServe(const EngineInfo& info, absl::string_view name,
+                           inference::ModelMetadataResponse* out);
+// name "moeserve", version "<version>+<git describe>".
+void ServerMetadataToKServe(inference::ServerMetadataResponse* out);
 
 // The routing a forward was combined with, for ForwardResponse (return_routing): topk_ids as
 // INT32 [M, topk] (INT64 ids narrowed: they are < num_experts) and topk_weights FP32 [M, topk].

@@ -342,9 +342,16 @@ void SetHealth(grpc::Server* server, bool loop_running) {
 absl::StatusOr<std::unique_ptr<FollowerProcess>> FollowerProcess::Start(
     Engine* engine, const std::vector<std::string>& listen, std::function<void()> on_exit,
     std::shared_ptr<grpc::ServerCredentials> credentials) {
+  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<FollowerProcess> f,
+                            Bind(listen, std::move(credentials)));
+  f->Run(engine, std::move(on_exit));
+  return f;
+}
+
+absl::StatusOr<std::unique_ptr<FollowerProcess>> FollowerProcess::Bind(
+    const std::vector<std::string>& listen, std::shared_ptr<grpc::ServerCredentials> credentials) {
   if (credentials == nullptr) credentials = grpc::InsecureServerCredentials();
   auto f = std::unique_ptr<FollowerProcess>(new FollowerProcess());
-  f->engine_ = engine;
   f->service_ = std::make_unique<NotLeaderService>();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -365,14 +372,18 @@ absl::StatusOr<std::unique_ptr<FollowerProcess>> FollowerProcess::Start(
     const size_t colon = listen[i].rfind(':');
     f->bound_.push_back(absl::StrCat(listen[i].substr(0, colon), ":", ports[i]));
   }
-  SetHealth(f->server_.get(), true);
-  FollowerProcess* self = f.get();
-  f->loop_ = std::thread([self, on_exit = std::move(on_exit)] {
-    self->result_ = self->engine_->RunFollower();
-    SetHealth(self->server_.get(), false);
+  SetHealth(f->server_.get(), false);
+  return f;
+}
+
+void FollowerProcess::Run(Engine* engine, std::function<void()> on_exit) {
+  engine_ = engine;
+  SetHealth(server_.get(), true);
+  loop_ = std::thread([this, on_exit = std::move(on_exit)] {
+    result_ = engine_->RunFollower();
+    SetHealth(server_.get(), false);
     if (on_exit) on_exit();
   });
-  return f;
 }
 
 FollowerProcess::~FollowerProcess() { (void)Stop(); }
@@ -380,7 +391,9 @@ FollowerProcess::~FollowerProcess() { (void)Stop(); }
 absl::Status FollowerProcess::Stop() {
   if (stopped_) return result_;
   stopped_ = true;
-  engine_->AbortCollectives(absl::CancelledError("the follower is shutting down"));
+  if (engine_ != nullptr) {
+    engine_->AbortCollectives(absl::CancelledError("the follower is shutting down"));
+  }
   if (loop_.joinable()) loop_.join();
   if (server_ != nullptr) {
     SetHealth(server_.get(), false);

@@ -133,11 +133,19 @@ absl::StatusOr<std::unique_ptr<BootstrapServer>> PrepareMultiProcess(
 // A follower process: the health-only gRPC server and the follower loop on its own thread.
 class FollowerProcess {
  public:
-  // `on_exit` runs on the loop's thread when the loop ends (e.g. to wake main). `credentials`
-  // (null: insecure) secure the health server as the leader's public API is secured.
+  // Bind() then Run(engine, on_exit).
   static absl::StatusOr<std::unique_ptr<FollowerProcess>> Start(
       Engine* engine, const std::vector<std::string>& listen, std::function<void()> on_exit,
       std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
+  // Binds the health-only server on `listen`, every service NOT_SERVING (the weights are not
+  // loaded yet). `credentials` (null: insecure) secure the health server as the leader's public
+  // API is secured. UNAVAILABLE naming the address when one cannot be bound.
+  static absl::StatusOr<std::unique_ptr<FollowerProcess>> Bind(
+      const std::vector<std::string>& listen,
+      std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
+  // Starts the follower loop on `engine` (must outlive this); health SERVING while it runs.
+  // `on_exit` runs on the loop's thread when the loop ends (e.g. to wake main). Once.
+  void Run(Engine* engine, std::function<void()> on_exit);
   ~FollowerProcess();
   const std::vector<std::string>& bound_addresses() const { return bound_; }
   // Aborts the loop if still running, waits for it, stops the server; the loop's result.

@@ -1,29 +1,28 @@
 // moeserve: serves the expert layers of a Mixture-of-Experts model over gRPC.
-#include <fcntl.h>
-#include <signal.h>
-#include <unistd.h>
-
-#include <cerrno>
+// This file only turns flags into ProcessOptions; the process itself (ports first, weights in
+// the background, serving, shutdown) is server/startup.h.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "core/status_macros.h"
+#include "moeserve_build_info.h"
 #include "server/internal_bootstrap.h"
 #include "server/security.h"
 #include "server/server.h"
+#include "server/startup.h"
 #include "server/tls.h"
 
 ABSL_FLAG(std::string, listen, moeserve::kDefaultListenAddress,
@@ -88,14 +87,18 @@ ABSL_FLAG(double, max_queue_wait_ms, 0,
           "many milliseconds of work (estimated from recent steps; an empty queue always takes "
           "a call), which bounds the latency of answered calls under overload; 0: off "
           "(--max_queued_tokens only)");
-ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20,
-          "Largest gRPC message received or sent; larger ones fail with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_message_bytes, 0,
+          "Largest request accepted, in bytes (RESOURCE_EXHAUSTED beyond, naming the limit); 0: "
+          "derived from the model so that --max_tokens_per_request tokens of fp32 hidden states "
+          "(and one expert's weights) fit. A smaller value lowers --max_tokens_per_request to "
+          "fit, with a log line");
 ABSL_FLAG(bool, enable_shared_memory, false,
           "Accept shared-memory regions (Register*SharedMemory RPCs; Forward tensors and answers "
           "by region) from clients on this host (unix socket or loopback). Off by default: such "
           "a client may name any shm object the server's user can open, and have it written");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
-          "Most tokens (M) one Forward may carry; more fail with RESOURCE_EXHAUSTED");
+          "Most tokens (M) one Forward / ModelInfer may carry; more fail with "
+          "RESOURCE_EXHAUSTED naming hidden_states' M");
 // Limits on what clients can make the server hold (README "Limits"; server/server.h).
 ABSL_FLAG(int64_t, max_queued_bytes, int64_t{512} << 20,
           "Most request + answer bytes all Forward calls in progress may hold (from arrival "
@@ -128,8 +131,9 @@ ABSL_FLAG(int32_t, tls_refresh_s, moeserve::kDefaultTlsRefreshSeconds,
           "certificates rotate without a restart");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File of bearer tokens (one per line, >= 16 characters; '#' comments): every "
-          "moeserve.v1.MoeService call must send 'authorization: Bearer <token>' "
-          "(UNAUTHENTICATED otherwise); health and reflection stay open. Re-read on change");
+          "moeserve.v1.MoeService call and every KServe v2 call but ServerLive / ServerReady "
+          "must send 'authorization: Bearer <token>' (UNAUTHENTICATED otherwise); health and "
+          "reflection stay open. Re-read on change");
 ABSL_FLAG(bool, enable_reflection, false,
           "Serve gRPC server reflection (grpcurl without .proto files)");
 ABSL_FLAG(bool, enable_get_expert_weights, false,
@@ -178,46 +182,12 @@ ABSL_FLAG(int64_t, collective_timeout_ms, 60000,
           "form) before failing; followers also wait at most this long for the next command");
 ABSL_FLAG(int64_t, heartbeat_ms, 1000,
           "Multi-process leader: idle no-op command to the followers this often");
+ABSL_FLAG(int64_t, debug_load_delay_ms, 0,
+          "Sleep this long after each loaded layer shard: makes the startup (health NOT_SERVING, "
+          "progress lines, UNAVAILABLE while loading) observable in tests and demos; 0: off");
 
 namespace moeserve {
 namespace {
-
-int g_signal_pipe[2] = {-1, -1};
-
-void OnSignal(int signo) {
-  // Async-signal-safe: one byte to wake the main thread.
-  const char byte = static_cast<char>(signo);
-  const int saved = errno;
-  (void)!write(g_signal_pipe[1], &byte, 1);
-  errno = saved;
-}
-
-absl::Status InstallSignalHandlers() {
-  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) {
-    return absl::InternalError(absl::StrCat("pipe2: errno ", errno));
-  }
-  fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK);
-  struct sigaction sa = {};
-  sa.sa_handler = OnSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  if (sigaction(SIGTERM, &sa, nullptr) != 0 || sigaction(SIGINT, &sa, nullptr) != 0) {
-    return absl::InternalError(absl::StrCat("sigaction: errno ", errno));
-  }
-  signal(SIGPIPE, SIG_IGN);  // a client hanging up must not kill the server
-  return absl::OkStatus();
-}
-
-// Blocks until SIGTERM or SIGINT; returns the signal.
-int WaitForSignal() {
-  for (;;) {
-    char byte = 0;
-    const ssize_t n = read(g_signal_pipe[0], &byte, 1);
-    if (n == 1) return static_cast<unsigned char>(byte);
-    if (n < 0 && errno == EINTR) continue;
-    return 0;
-  }
-}
 
 absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   EngineOptions options;
@@ -260,250 +230,129 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   return options;
 }
 
-struct SecurityFlags {
-  TlsFiles tls;
-  TlsFiles metrics_tls;
-  std::shared_ptr<const BearerTokens> auth;
-  BootstrapOptions bootstrap;
-};
-
-absl::StatusOr<SecurityFlags> SecurityFromFlags() {
-  SecurityFlags f;
-  f.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
-           absl::GetFlag(FLAGS_tls_client_ca)};
-  MOESERVE_RETURN_IF_ERROR(CheckTlsFiles(f.tls, "--tls_", TlsRole::kServer));
-  f.metrics_tls = {absl::GetFlag(FLAGS_metrics_tls_cert), absl::GetFlag(FLAGS_metrics_tls_key),
-                   absl::GetFlag(FLAGS_metrics_tls_client_ca)};
-  MOESERVE_RETURN_IF_ERROR(CheckTlsFiles(f.metrics_tls, "--metrics_tls_", TlsRole::kServer));
+// TLS files are checked here (readable, a key with every certificate) so that a bad flag fails
+// before anything binds; gRPC and the metrics endpoint re-read them later.
+absl::Status SecurityFromFlags(ProcessOptions* options) {
+  ServerOptions& server = options->server;
+  server.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                absl::GetFlag(FLAGS_tls_client_ca)};
+  MOESERVE_RETURN_IF_ERROR(CheckTlsFiles(server.tls, "--tls_", TlsRole::kServer));
+  server.metrics_tls = {absl::GetFlag(FLAGS_metrics_tls_cert), absl::GetFlag(FLAGS_metrics_tls_key),
+                        absl::GetFlag(FLAGS_metrics_tls_client_ca)};
+  MOESERVE_RETURN_IF_ERROR(CheckTlsFiles(server.metrics_tls, "--metrics_tls_", TlsRole::kServer));
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    MOESERVE_ASSIGN_OR_RETURN(f.auth, BearerTokens::FromFile(path, "--auth_token_file"));
+    MOESERVE_ASSIGN_OR_RETURN(server.auth, BearerTokens::FromFile(path, "--auth_token_file"));
   }
-  f.bootstrap.listen = absl::GetFlag(FLAGS_bootstrap_listen);
-  f.bootstrap.security.tls = {absl::GetFlag(FLAGS_internal_tls_cert),
-                              absl::GetFlag(FLAGS_internal_tls_key),
-                              absl::GetFlag(FLAGS_internal_tls_ca)};
+  server.tls_refresh_s = absl::GetFlag(FLAGS_tls_refresh_s);
+  if (server.tls_refresh_s <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_refresh_s: got ", server.tls_refresh_s, ", expected > 0"));
+  }
+  server.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
+  server.enable_get_expert_weights = absl::GetFlag(FLAGS_enable_get_expert_weights);
+  BootstrapOptions& bootstrap = options->bootstrap;
+  bootstrap.listen = absl::GetFlag(FLAGS_bootstrap_listen);
+  bootstrap.security.tls = {absl::GetFlag(FLAGS_internal_tls_cert),
+                            absl::GetFlag(FLAGS_internal_tls_key),
+                            absl::GetFlag(FLAGS_internal_tls_ca)};
   MOESERVE_RETURN_IF_ERROR(
-      CheckTlsFiles(f.bootstrap.security.tls, "--internal_tls_", TlsRole::kMutual));
-  f.bootstrap.security.tls_server_name = absl::GetFlag(FLAGS_internal_tls_server_name);
+      CheckTlsFiles(bootstrap.security.tls, "--internal_tls_", TlsRole::kMutual));
+  bootstrap.security.tls_server_name = absl::GetFlag(FLAGS_internal_tls_server_name);
   if (const std::string path = absl::GetFlag(FLAGS_bootstrap_token_file); !path.empty()) {
-    MOESERVE_ASSIGN_OR_RETURN(f.bootstrap.security.token,
+    MOESERVE_ASSIGN_OR_RETURN(bootstrap.security.token,
                               BearerTokens::FromFile(path, "--bootstrap_token_file"));
-  }
-  if (absl::GetFlag(FLAGS_tls_refresh_s) <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_refresh_s: got ", absl::GetFlag(FLAGS_tls_refresh_s), ", expected > 0"));
-  }
-  return f;
-}
-
-// What an operator should know about an address that others can reach.
-void WarnIfExposed(const std::vector<std::string>& listen, const SecurityFlags& security) {
-  for (const std::string& address : listen) {
-    if (IsLocalAddress(address)) continue;
-    if (!security.tls.enabled() && security.auth != nullptr) {
-      std::fprintf(stderr,
-                   "moeserve: warning: %s serves without TLS: the bearer token crosses the "
-                   "network in the clear (--tls_cert/--tls_key)\n",
-                   address.c_str());
-    } else if (!security.tls.enabled() && security.auth == nullptr) {
-      std::fprintf(stderr,
-                   "moeserve: note: %s serves without TLS or a token: whoever reaches it can "
-                   "call the API (docs/security.md)\n",
-                   address.c_str());
-    }
-  }
-}
-
-absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_address,
-                            const std::string& metrics_address) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  std::string text = absl::StrCat(grpc_address, "\n");
-  if (!metrics_address.empty()) absl::StrAppend(&text, "metrics ", metrics_address, "\n");
-  FILE* f = std::fopen(tmp.c_str(), "w");
-  if (f == nullptr) {
-    return absl::UnavailableError(absl::StrCat("--ready_file: cannot write ", tmp));
-  }
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  const bool closed = std::fclose(f) == 0;
-  if (!written || !closed || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    return absl::UnavailableError(absl::StrCat("--ready_file: cannot write ", path));
   }
   return absl::OkStatus();
 }
 
-int Run() {
-  if (absl::Status s = InstallSignalHandlers(); !s.ok()) {
-    std::fprintf(stderr, "moeserve: %s\n", s.ToString().c_str());
-    return 1;
+absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
+  ProcessOptions options;
+  MOESERVE_ASSIGN_OR_RETURN(options.engine, EngineOptionsFromFlags());
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  ServerOptions& server = options.server;
+  server.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
+  server.server_threads = absl::GetFlag(FLAGS_server_threads);
+  server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
+  server.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
+  server.batcher.inline_max_tokens = absl::GetFlag(FLAGS_inline_max_tokens);
+  if (const double wait_ms = absl::GetFlag(FLAGS_max_queue_wait_ms); wait_ms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_queue_wait_ms: got ", wait_ms, ", expected >= 0 (0: off)"));
   }
-  absl::StatusOr<EngineOptions> options = EngineOptionsFromFlags();
-  if (!options.ok()) {
-    std::fprintf(stderr, "moeserve: bad flags: %s\n", options.status().ToString().c_str());
-    return 1;
-  }
-  MultiProcessFlags mp_flags;
-  mp_flags.world_size = absl::GetFlag(FLAGS_world_size);
-  mp_flags.node_rank = absl::GetFlag(FLAGS_node_rank);
-  mp_flags.leader_address = absl::GetFlag(FLAGS_leader_address);
-  mp_flags.leader_port = absl::GetFlag(FLAGS_leader_port);
-  mp_flags.local_ranks = options->num_ranks;
-  absl::StatusOr<MultiProcessConfig> mp = ResolveMultiProcess(mp_flags, ProcessEnvironment());
-  if (!mp.ok()) {
-    std::fprintf(stderr, "moeserve: bad flags: %s\n", mp.status().ToString().c_str());
-    return 1;
-  }
-  absl::StatusOr<SecurityFlags> security = SecurityFromFlags();
-  if (!security.ok()) {
-    std::fprintf(stderr, "moeserve: bad flags: %s\n", security.status().ToString().c_str());
-    return 1;
-  }
-  absl::StatusOr<std::unique_ptr<BootstrapServer>> bootstrap = PrepareMultiProcess(
-      *mp, &*options, absl::Seconds(absl::GetFlag(FLAGS_bootstrap_timeout_s)), security->bootstrap);
-  if (!bootstrap.ok()) {
-    std::fprintf(stderr, "moeserve: multi-process bootstrap failed: %s\n",
-                 bootstrap.status().ToString().c_str());
-    return 1;
-  }
-  // Never serve wrong weights: any failure to build the engine ends the process.
-  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*options);
-  if (*bootstrap != nullptr) (*bootstrap)->Shutdown();  // the group has formed (or failed)
-  if (!engine.ok()) {
-    std::fprintf(stderr, "moeserve: cannot create the engine: %s\n",
-                 engine.status().ToString().c_str());
-    return 1;
-  }
-  if ((*engine)->is_follower()) {
-    // Followers serve only health and run the leader's commands until it shuts them down.
-    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-        MakeServerCredentials(security->tls, "--tls_", absl::GetFlag(FLAGS_tls_refresh_s));
-    if (!credentials.ok()) {
-      std::fprintf(stderr, "moeserve: %s\n", credentials.status().ToString().c_str());
-      return 1;
-    }
-    absl::StatusOr<std::unique_ptr<FollowerProcess>> follower = FollowerProcess::Start(
-        engine->get(), SplitListenAddresses(absl::GetFlag(FLAGS_listen)),
-        [] { (void)!write(g_signal_pipe[1], "x", 1); }, *credentials);
-    if (!follower.ok()) {
-      std::fprintf(stderr, "moeserve: %s\n", follower.status().ToString().c_str());
-      return 1;
-    }
-    std::fprintf(stderr, "moeserve follower node_rank=%d ranks=%d world=%d health=%s\n",
-                 mp->node_rank, mp->local_ranks, mp->world_size,
-                 absl::StrJoin((*follower)->bound_addresses(), ",").c_str());
-    std::fflush(stderr);
-    if (const std::string path = absl::GetFlag(FLAGS_ready_file); !path.empty()) {
-      (void)WriteReadyFile(path, (*follower)->bound_addresses()[0], "");
-    }
-    WaitForSignal();
-    const absl::Status result = (*follower)->Stop();
-    std::fprintf(stderr, "moeserve follower: stopped: %s\n", result.ToString().c_str());
-    follower->reset();
-    engine->reset();
-    return result.ok() ? 0 : 1;
-  }
-  ServerOptions server_options;
-  server_options.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
-  server_options.server_threads = absl::GetFlag(FLAGS_server_threads);
-  server_options.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
-  server_options.batcher.max_batch_delay =
-      absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
-  server_options.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
-  server_options.batcher.inline_max_tokens = absl::GetFlag(FLAGS_inline_max_tokens);
-  if (absl::GetFlag(FLAGS_max_queue_wait_ms) < 0) {
-    std::fprintf(stderr, "moeserve: --max_queue_wait_ms must be >= 0, got %g\n",
-                 absl::GetFlag(FLAGS_max_queue_wait_ms));
-    return 2;
-  }
-  server_options.batcher.max_queue_wait =
+  server.batcher.max_queue_wait =
       absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_ms) * 1000.0);
-  server_options.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
-  server_options.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
-  server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  {  // Limits on what clients can make the server hold.
-    server_options.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
-    server_options.max_answer_hold =
-        std::chrono::milliseconds(absl::GetFlag(FLAGS_max_answer_hold_ms));
-    server_options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
-    server_options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
-    server_options.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
-    server_options.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);
-    // Byte limits beyond the memory there is would only defer the failure to an overload.
-    const int64_t available = AvailableHostMemoryBytes();
-    for (auto [name, value] :
-         {std::pair<const char*, int64_t>{"max_queued_bytes", server_options.max_queued_bytes},
-          {"grpc_memory_bytes", server_options.grpc_memory_bytes},
-          {"max_message_bytes", server_options.max_message_bytes}}) {
-      if (value < 0 || (available > 0 && value > available)) {
-        std::fprintf(stderr,
-                     "moeserve: bad flags: --%s=%lld: expected a size in [0, %lld] (the memory "
-                     "available now)\n",
-                     name, static_cast<long long>(value), static_cast<long long>(available));
-        return 1;
-      }
+  server.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
+  server.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
+  server.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
+  server.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  // Limits on what clients can make the server hold (the byte limits are checked against the
+  // memory there is in startup.cc, once max_message_bytes is resolved).
+  server.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
+  server.max_answer_hold = std::chrono::milliseconds(absl::GetFlag(FLAGS_max_answer_hold_ms));
+  server.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  server.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  server.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
+  server.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);
+  MOESERVE_RETURN_IF_ERROR(SecurityFromFlags(&options));
+  options.multi_process.world_size = absl::GetFlag(FLAGS_world_size);
+  options.multi_process.node_rank = absl::GetFlag(FLAGS_node_rank);
+  options.multi_process.leader_address = absl::GetFlag(FLAGS_leader_address);
+  options.multi_process.leader_port = absl::GetFlag(FLAGS_leader_port);
+  options.bootstrap_timeout = absl::Seconds(absl::GetFlag(FLAGS_bootstrap_timeout_s));
+  options.ready_file = absl::GetFlag(FLAGS_ready_file);
+  options.load_delay_ms = absl::GetFlag(FLAGS_debug_load_delay_ms);
+  if (options.load_delay_ms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--debug_load_delay_ms: got ", options.load_delay_ms, ", expected >= 0"));
+  }
+  return options;
+}
+
+// --help and --helpshort list every flag defined in this project's sources (absl's default
+// lists only files named after the binary, which matched none: "No flags matched");
+// --helpfull adds absl's own. --version prints the build.
+void SetFlagsUsage() {
+  absl::SetProgramUsageMessage(
+      "Serves the expert layers of a Mixture-of-Experts model over gRPC (moeserve.v1 and the "
+      "KServe v2 inference protocol).\n"
+      "  moeserve --model=tiny --listen=127.0.0.1:50051 --metrics_address=127.0.0.1:9464\n"
+      "  moeserve --version\n"
+      "Listens on 127.0.0.1 unless told otherwise; TLS, tokens and the debug RPCs: "
+      "docs/security.md");
+  absl::FlagsUsageConfig config;
+  auto ours = [](absl::string_view file) {
+    return absl::StrContains(file, "server/") || absl::StrContains(file, "core/");
+  };
+  config.contains_helpshort_flags = ours;
+  config.contains_help_flags = ours;
+  config.version_string = [] {
+    return absl::StrCat("moeserve ", build_info::kVersion, " (", build_info::kCommit, ")\n",
+                        "build type: ", build_info::kBuildType, "\n",
+                        "backends: ", build_info::kBackends, "\n",
+                        "compiler: ", build_info::kCompiler, "\n");
+  };
+  config.normalize_filename = [](absl::string_view file) {
+    // Paths relative to the source tree.
+    for (absl::string_view dir : {"server/", "core/"}) {
+      const size_t at = file.rfind(dir);
+      if (at != absl::string_view::npos) return std::string(file.substr(at));
     }
-  }
-  server_options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  server_options.tls = security->tls;
-  server_options.tls_refresh_s = absl::GetFlag(FLAGS_tls_refresh_s);
-  server_options.metrics_tls = security->metrics_tls;
-  server_options.auth = security->auth;
-  server_options.enable_reflection = absl::GetFlag(FLAGS_enable_reflection);
-  server_options.enable_get_expert_weights = absl::GetFlag(FLAGS_enable_get_expert_weights);
-  WarnIfExposed(server_options.listen_addresses, *security);
-  server_options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
-  absl::StatusOr<std::unique_ptr<MoeServer>> server =
-      MoeServer::Start(engine->get(), server_options);
-  if (!server.ok()) {
-    std::fprintf(stderr, "moeserve: cannot start serving: %s\n",
-                 server.status().ToString().c_str());
-    return 1;
-  }
-  const EngineInfo& info = (*engine)->info();
-  const ModelConfig& m = info.model;
-  std::fprintf(
-      stderr,
-      "moeserve serving model=%s (layers=%d experts=%d topk=%d hidden=%lld "
-      "intermediate=%lld) backend=%s experts=%s ranks=%d steps_in_flight=%d "
-      "cuda_graphs=%s weights=%s grpc=%s metrics=%s\n",
-      m.name.c_str(), m.num_layers, m.num_experts, m.topk, static_cast<long long>(m.hidden),
-      static_cast<long long>(m.intermediate), info.backend.c_str(), info.experts.c_str(),
-      info.num_ranks, (*engine)->steps_in_flight(),
-      info.graph_max_tokens > 0 ? absl::StrCat("<=", info.graph_max_tokens, "_tokens").c_str()
-                                : (info.no_graphs_reason.empty()
-                                       ? "off"
-                                       : absl::StrCat("off(", info.no_graphs_reason, ")").c_str()),
-      std::string(WeightFormatName(info.weight_format)).c_str(),
-      absl::StrJoin((*server)->bound_addresses(), ",").c_str(),
-      (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address().c_str());
-  std::fflush(stderr);
-  if (const std::string path = absl::GetFlag(FLAGS_ready_file); !path.empty()) {
-    if (absl::Status s =
-            WriteReadyFile(path, (*server)->bound_addresses()[0], (*server)->metrics_address());
-        !s.ok()) {
-      std::fprintf(stderr, "moeserve: %s\n", s.ToString().c_str());
-      (*server)->Shutdown(std::chrono::milliseconds(0));
-      return 1;
-    }
-  }
-  const int signo = WaitForSignal();
-  std::fprintf(stderr, "moeserve: signal %d, shutting down (in-flight calls may finish)\n", signo);
-  (*server)->Shutdown(MoeServer::kDefaultShutdownDeadline);
-  server->reset();
-  engine->reset();
-  std::fprintf(stderr, "moeserve: stopped\n");
-  return 0;
+    return std::string(file);
+  };
+  absl::SetFlagsUsageConfig(config);
 }
 
 }  // namespace
 }  // namespace moeserve
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Serves the expert layers of a Mixture-of-Experts model over gRPC.\n"
-      "  moeserve --model=tiny --listen=127.0.0.1:50051 --metrics_address=127.0.0.1:9464\n"
-      "Listens on 127.0.0.1 unless told otherwise; TLS, tokens and the debug RPCs: "
-      "docs/security.md");
+  moeserve::SetFlagsUsage();
   absl::ParseCommandLine(argc, argv);
-  return moeserve::Run();
+  absl::StatusOr<moeserve::ProcessOptions> options = moeserve::ProcessOptionsFromFlags();
+  if (!options.ok()) {
+    std::fprintf(stderr, "moeserve: bad flags: %s\n", options.status().ToString().c_str());
+    return 1;
+  }
+  return moeserve::RunMoeserveProcess(*std::move(options));
 }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "moeserve_build_info.h"
 
 namespace moeserve {
 
@@ -144,6 +145,45 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                         .Name("moeserve_model_info")
                         .Help("The served model and configuration (value is always 1)")
                         .Register(r);
+  prometheus::BuildGauge()
+      .Name("moeserve_build_info")
+      .Help("The binary: version, commit (git describe), build type, backends (value is always 1)")
+      .Register(r)
+      .Add({{"version", build_info::kVersion},
+            {"commit", build_info::kCommit},
+            {"build_type", build_info::kBuildType},
+            {"backend", build_info::kBackends}})
+      .Set(1);
+  m->weights_planned_ = &prometheus::BuildGauge()
+                             .Name("moeserve_weights_planned_bytes")
+                             .Help("Expert weight bytes this process loads (host memory)")
+                             .Register(r)
+                             .Add({});
+  m->weights_loaded_ = &prometheus::BuildGauge()
+                            .Name("moeserve_weights_loaded_bytes")
+                            .Help("Expert weight bytes loaded so far")
+                            .Register(r)
+                            .Add({});
+  m->load_seconds_ = &prometheus::BuildGauge()
+                          .Name("moeserve_weights_load_seconds")
+                          .Help("How long the weight load took (0 until it finished)")
+                          .Register(r)
+                          .Add({});
+  m->serving_ = &prometheus::BuildGauge()
+                     .Name("moeserve_serving")
+                     .Help(
+                         "1 while the health service reports SERVING, else 0 (loading, "
+                         "unhealthy, shutting down)")
+                     .Register(r)
+                     .Add({});
+  m->received_bytes_ = &prometheus::BuildCounter()
+                            .Name("moeserve_received_bytes_total")
+                            .Help("Request message bytes received, by method")
+                            .Register(r);
+  m->sent_bytes_ = &prometheus::BuildCounter()
+                        .Name("moeserve_sent_bytes_total")
+                        .Help("Response message bytes sent, by method")
+                        .Register(r);
   if (address.empty()) return m;
 
   std::weak_ptr<prometheus::Registry> registry = m->registry_;
@@ -173,6 +213,73 @@ void Metrics::SetModelInfo(const EngineInfo& info) {
              {"experts", info.experts},
              {"prepare_finalize", info.prepare_finalize}})
       .Set(1);
+  auto& layers = prometheus::BuildCounter()
+                     .Name("moeserve_layer_tokens_total")
+                     .Help("Tokens answered by successful calls, by MoE layer")
+                     .Register(*registry_);
+  layer_tokens_.assign(info.model.num_layers, nullptr);
+  for (int l = 0; l < info.model.num_layers; ++l) {
+    if (info.model.IsMoeLayer(l)) layer_tokens_[l] = &layers.Add({{"layer", absl::StrCat(l)}});
+  }
+  auto& ranks = prometheus::BuildCounter()
+                    .Name("moeserve_rank_tokens_total")
+                    .Help(
+                        "Tokens dispatched to each expert-parallel rank by successful calls (a "
+                        "token counts once per rank hosting one of its experts): expert balance")
+                    .Register(*registry_);
+  expert_rank_.assign(info.model.num_experts, 0);
+  rank_tokens_.clear();
+  for (size_t r = 0; r < info.rank_experts.size(); ++r) {
+    rank_tokens_.push_back(&ranks.Add({{"rank", absl::StrCat(r)}}));
+    for (int e : info.rank_experts[r]) {
+      if (e >= 0 && e < info.model.num_experts) expert_rank_[e] = static_cast<int>(r);
+    }
+  }
+}
+
+void Metrics::SetLoadProgress(int64_t planned_bytes, int64_t loaded_bytes, double load_seconds) {
+  weights_planned_->Set(static_cast<double>(planned_bytes));
+  weights_loaded_->Set(static_cast<double>(loaded_bytes));
+  if (load_seconds >= 0) load_seconds_->Set(load_seconds);
+}
+
+void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
+
+void Metrics::AddBytes(absl::string_view method, int64_t received, int64_t sent) {
+  const std::string m(method);
+  received_bytes_->Add({{"method", m}}).Increment(static_cast<double>(received));
+  sent_bytes_->Add({{"method", m}}).Increment(static_cast<double>(sent));
+}
+
+std::vector<int64_t> Metrics::RankTokens(const TensorView& topk_ids) const {
+  std::vector<int64_t> counts(rank_tokens_.size(), 0);
+  if (counts.empty() || topk_ids.rank() != 2) return counts;
+  const int64_t m = topk_ids.dim(0), k = topk_ids.dim(1);
+  const int num_experts = static_cast<int>(expert_rank_.size());
+  // last[r]: the last token counted for rank r (a token counts once per rank).
+  std::vector<int64_t> last(counts.size(), -1);
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t id = topk_ids.dtype() == DType::kINT64 ? topk_ids.data<int64_t>()[t * k + j]
+                                                           : topk_ids.data<int32_t>()[t * k + j];
+      if (id < 0 || id >= num_experts) continue;
+      const int r = expert_rank_[id];
+      if (last[r] != t) {
+        last[r] = t;
+        ++counts[r];
+      }
+    }
+  }
+  return counts;
+}
+
+void Metrics::RecordRouting(int layer, int64_t tokens, const std::vector<int64_t>& rank_tokens) {
+  if (layer >= 0 && layer < static_cast<int>(layer_tokens_.size()) && layer_tokens_[layer]) {
+    layer_tokens_[layer]->Increment(static_cast<double>(tokens));
+  }
+  for (size_t r = 0; r < rank_tokens.size() && r < rank_tokens_.size(); ++r) {
+    if (rank_tokens[r] > 0) rank_tokens_[r]->Increment(static_cast<double>(rank_tokens[r]));
+  }
 }
 
 void Metrics::RecordRequest(absl::string_view method, grpc::StatusCode code, double seconds) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -30,12 +31,31 @@ class Metrics : public ForwardBatcherObserver {
   // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
   // empty, an HTTP endpoint (GET /metrics) bound to it, over TLS when `tls` is set.
   // UNAVAILABLE if the address cannot be bound; INVALID_ARGUMENT for unusable TLS files.
+  // moeserve_build_info{version,commit,build_type,backend} = 1 from the start.
   static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& address,
                                                          const TlsFiles& tls = {});
   ~Metrics();
 
-  // moeserve_model_info{model,backend,weight_format,num_ranks,experts,prepare_finalize} = 1.
+  // moeserve_model_info{model,backend,weight_format,num_ranks,experts,prepare_finalize} = 1,
+  // and the per-layer and per-rank token counters (zero) of every MoE layer and rank. Call once,
+  // before RecordRouting.
   void SetModelInfo(const EngineInfo& info);
+
+  // Startup: moeserve_weights_planned_bytes, moeserve_weights_loaded_bytes and, once the load
+  // finished (`load_seconds` >= 0), moeserve_weights_load_seconds.
+  void SetLoadProgress(int64_t planned_bytes, int64_t loaded_bytes, double load_seconds = -1);
+  // moeserve_serving: 1 while health reports SERVING.
+  void SetServing(bool serving);
+
+  // Message bytes of one RPC: moeserve_received_bytes_total{method} and
+  // moeserve_sent_bytes_total{method}.
+  void AddBytes(absl::string_view method, int64_t received, int64_t sent);
+  // Per rank, how many of the call's tokens it receives (a token counts once for every rank that
+  // hosts at least one of its experts; ids must be valid). Empty before SetModelInfo.
+  std::vector<int64_t> RankTokens(const TensorView& topk_ids) const;
+  // A successful call of `tokens` tokens on `layer`: moeserve_layer_tokens_total{layer} and
+  // moeserve_rank_tokens_total{rank} (expert balance) from RankTokens' counts.
+  void RecordRouting(int layer, int64_t tokens, const std::vector<int64_t>& rank_tokens);
 
   // One answered RPC: moeserve_requests_total{method,code} and
   // moeserve_request_latency_seconds{method}. The server's interceptor records every call
@@ -88,6 +108,16 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Gauge* queued_tokens_ = nullptr;
   prometheus::Family<prometheus::Counter>* refused_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
+  prometheus::Gauge* weights_planned_ = nullptr;
+  prometheus::Gauge* weights_loaded_ = nullptr;
+  prometheus::Gauge* load_seconds_ = nullptr;
+  prometheus::Gauge* serving_ = nullptr;
+  prometheus::Family<prometheus::Counter>* received_bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* sent_bytes_ = nullptr;
+  // Set once by SetModelInfo, read-only afterwards.
+  std::vector<prometheus::Counter*> layer_tokens_;  // by model layer; null for dense layers
+  std::vector<prometheus::Counter*> rank_tokens_;   // by global rank
+  std::vector<int> expert_rank_;                    // global expert -> rank hosting it
 };
 
 // "OK", "INVALID_ARGUMENT", ... as gRPC spells the code.

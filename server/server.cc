@@ -29,6 +29,16 @@ std::vector<std::string> SplitListenAddresses(const std::string& list) {
 
 absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
                                                             const ServerOptions& options) {
+  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<MoeServer> server, Bind(options));
+  if (absl::Status s = server->AttachEngine(engine); !s.ok()) {
+    server->Shutdown(std::chrono::milliseconds(0));
+    return s;
+  }
+  return server;
+}
+
+absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
+    const ServerOptions& options, std::function<std::string()> describe_startup) {
   if (options.listen_addresses.empty()) {
     return absl::InvalidArgumentError("listen: no address given; expected host:port[,...]");
   }
@@ -47,34 +57,31 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
     }
   }
   auto server = std::unique_ptr<MoeServer>(new MoeServer());
-  server->engine_ = engine;
+  server->options_ = options;
   // Credentials first: bad certificate files fail before anything listens.
   MOESERVE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                             MakeServerCredentials(options.tls, "--tls_", options.tls_refresh_s));
   MOESERVE_ASSIGN_OR_RETURN(server->metrics_,
                             Metrics::Create(options.metrics_address, options.metrics_tls));
-  server->metrics_->SetModelInfo(engine->info());
-
+  server->state_ = std::make_unique<ServingState>(
+      server->metrics_.get(), std::max(1, options.server_threads), options.max_message_bytes,
+      options.auth, std::move(describe_startup));
   ServiceOptions service_options;
-  service_options.num_worker_threads = std::max(1, options.server_threads);
-  service_options.max_message_bytes = options.max_message_bytes;
   service_options.max_held_bytes = options.max_queued_bytes;
   service_options.max_answer_hold = options.max_answer_hold;
-  service_options.auth = options.auth;
   service_options.enable_get_expert_weights = options.enable_get_expert_weights;
   service_options.enable_shared_memory = options.enable_shared_memory;
   service_options.max_expert_weight_calls = options.max_expert_weight_calls;
-  ForwardBatcherOptions batcher_options = options.batcher;
-  batcher_options.observer = server->metrics_.get();
-  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
-                            ForwardBatcher::Create(engine, batcher_options));
-  server->service_ = std::make_unique<MoeServiceImpl>(engine, std::move(batcher),
-                                                      server->metrics_.get(), service_options);
+  server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get(), service_options);
+  server->inference_service_ = std::make_unique<InferenceServiceImpl>(
+      server->state_.get(), [s = server.get()] { return s->serving(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   SetReflection(&builder, options.enable_reflection);
-  const int limit = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
+  const int64_t grpc_limit =
+      options.grpc_limit_bytes > 0 ? options.grpc_limit_bytes : options.max_message_bytes;
+  const int limit = static_cast<int>(std::min<int64_t>(grpc_limit, INT_MAX));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
   // A port another process holds must fail loudly, not be silently shared (SO_REUSEPORT).
@@ -102,6 +109,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
     builder.AddListeningPort(options.listen_addresses[i], credentials, &server->bound_ports_[i]);
   }
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->inference_service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("listen: cannot start a gRPC server on ",
@@ -121,12 +129,27 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Start(Engine* engine,
     const std::string host = colon == std::string::npos ? address : address.substr(0, colon);
     server->bound_addresses_.push_back(absl::StrCat(host, ":", server->bound_ports_[i]));
   }
-  // The engine is ready (Create loaded the weights), so the process is ready to serve.
-  server->SetServing(engine->healthy());
-  if (options.health_poll.count() > 0) {
-    server->health_watcher_ = std::thread([s = server.get(), options] { s->WatchHealth(options); });
-  }
+  // Live, not ready: the weights are not loaded yet.
+  server->SetServing(false);
   return server;
+}
+
+absl::Status MoeServer::AttachEngine(Engine* engine) {
+  if (engine_ != nullptr) return absl::FailedPreconditionError("AttachEngine: already attached");
+  if (shut_down_) return absl::FailedPreconditionError("AttachEngine: the server is shut down");
+  ForwardBatcherOptions batcher_options = options_.batcher;
+  batcher_options.observer = metrics_.get();
+  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
+                            ForwardBatcher::Create(engine, batcher_options));
+  engine_ = engine;
+  metrics_->SetModelInfo(engine->info());
+  service_->PrepareForEngine(*engine);  // before the engine is published to the calls
+  state_->Attach(engine, std::move(batcher));
+  SetServing(engine->healthy());
+  if (options_.health_poll.count() > 0) {
+    health_watcher_ = std::thread([this] { WatchHealth(options_); });
+  }
+  return absl::OkStatus();
 }
 
 bool MoeServer::serving() const {
@@ -139,9 +162,11 @@ void MoeServer::SetServing(bool serving) {
     std::lock_guard<std::mutex> lock(health_mu_);
     serving_ = serving;
   }
+  if (metrics_) metrics_->SetServing(serving);
   if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
     health->SetServingStatus("", serving);
     health->SetServingStatus(kMoeServiceName, serving);
+    health->SetServingStatus(kInferenceServiceName, serving);
   }
 }
 
@@ -176,7 +201,12 @@ void MoeServer::WatchHealth(ServerOptions options) {
   }
 }
 
-MoeServer::~MoeServer() { Shutdown(); }
+MoeServer::~MoeServer() {
+  Shutdown();
+  // The batcher and workers go before the services: a call still held would use the service
+  // (and the shared-memory regions it owns).
+  state_.reset();
+}
 
 void MoeServer::Shutdown(std::chrono::milliseconds deadline) {
   if (shut_down_) return;
@@ -192,7 +222,7 @@ void MoeServer::Shutdown(std::chrono::milliseconds deadline) {
     server_->Shutdown(std::chrono::system_clock::now() + deadline);
   }
   // Every call the server accepted has been queued by now; run what is left, then stop.
-  if (service_ != nullptr) service_->Drain();
+  if (state_ != nullptr) state_->Drain();
   if (server_ != nullptr) server_->Wait();
 }
 

@@ -1,7 +1,12 @@
-// A running moeserve gRPC server: MoeService, the standard health service, reflection (when
-// asked) and the Prometheus endpoint, around an Engine that is ready (weights loaded) before it
-// starts. Closed by default: loopback addresses, no reflection, no expert weights; TLS, mutual
-// TLS and a bearer token are options (docs/security.md).
+// A running moeserve gRPC server: MoeService, the KServe v2 GRPCInferenceService, the standard
+// health service, reflection (when asked) and the Prometheus endpoint, around an Engine.
+// Closed by default: loopback addresses, no reflection, no expert weights; TLS, mutual TLS and a
+// bearer token (checked on both public services) are options (docs/security.md).
+//
+// Startup in two steps, so orchestrators see a live process while the weights load: Bind()
+// opens every port with health NOT_SERVING (the services refuse calls with UNAVAILABLE saying
+// what the process is doing), AttachEngine() then serves the loaded engine and reports SERVING.
+// Start() does both for an engine that is already loaded.
 #ifndef MOESERVE_SERVER_SERVER_H_
 #define MOESERVE_SERVER_SERVER_H_
 
@@ -10,6 +15,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -19,9 +25,11 @@
 #include "absl/status/statusor.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
+#include "server/inference_service.h"
 #include "server/metrics.h"
 #include "server/security.h"
 #include "server/service.h"
+#include "server/serving_state.h"
 #include "server/tls.h"
 
 namespace moeserve {
@@ -35,8 +43,10 @@ inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
   std::vector<std::string> listen_addresses = {kDefaultListenAddress};
-  int server_threads = 2;                // Forward worker threads
-  int64_t max_message_bytes = 64 << 20;  // receive and send limit per message
+  int server_threads = 2;                // Forward / ModelInfer worker threads
+  int64_t max_message_bytes = 64 << 20;  // the logical limit (ModelInfo; checked per request)
+  // What gRPC refuses by itself, receive and send (server/limits.h); 0: max_message_bytes.
+  int64_t grpc_limit_bytes = 0;
   // Bounds on what clients can make the server hold (server/call_limits.h, README "Limits"):
   // request + answer bytes of Forward calls in progress (RESOURCE_EXHAUSTED beyond; <= 0 off),
   int64_t max_queued_bytes = int64_t{512} << 20;
@@ -65,8 +75,8 @@ struct ServerOptions {
   int tls_refresh_s = kDefaultTlsRefreshSeconds;
   // TLS of the metrics endpoint (all empty: plain HTTP); with ca_file, mutual TLS.
   TlsFiles metrics_tls;
-  // Bearer tokens every MoeService call must carry (health and reflection stay open); null:
-  // none.
+  // Bearer tokens every MoeService call and every KServe call but ServerLive / ServerReady must
+  // carry (health and reflection stay open); null: none.
   std::shared_ptr<const BearerTokens> auth;
   bool enable_reflection = false;          // grpc.reflection.v1alpha.ServerReflection
   bool enable_get_expert_weights = false;  // GetExpertWeights, StreamExpertWeights
@@ -86,11 +96,17 @@ std::vector<std::string> SplitListenAddresses(const std::string& list);
 
 class MoeServer {
  public:
-  // Binds every address and the metrics endpoint, then marks "" and kMoeServiceName SERVING.
-  // `engine` must be ready and outlive the server. UNAVAILABLE naming the address when one
-  // cannot be bound.
+  // Bind() then AttachEngine(engine): `engine` must be ready and outlive the server.
   static absl::StatusOr<std::unique_ptr<MoeServer>> Start(Engine* engine,
                                                           const ServerOptions& options);
+  // Binds every address and the metrics endpoint; health reports NOT_SERVING for "",
+  // kMoeServiceName and kInferenceServiceName, calls get UNAVAILABLE with `describe_startup()`
+  // (may be empty) in the message. UNAVAILABLE naming the address when one cannot be bound.
+  static absl::StatusOr<std::unique_ptr<MoeServer>> Bind(
+      const ServerOptions& options, std::function<std::string()> describe_startup = nullptr);
+  // Serves `engine` (ready; must outlive the server): creates the batcher, exports the model's
+  // metrics, reports SERVING (if the engine is healthy) and starts following its health. Once.
+  absl::Status AttachEngine(Engine* engine);
   // Shutdown(kDefaultShutdownDeadline) if not done yet.
   ~MoeServer();
 
@@ -116,9 +132,12 @@ class MoeServer {
   void SetServing(bool serving);
   void WatchHealth(ServerOptions options);
 
+  ServerOptions options_;
   Engine* engine_ = nullptr;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ServingState> state_;
   std::unique_ptr<MoeServiceImpl> service_;
+  std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::CallbackGenericService> unknown_methods_;
   std::unique_ptr<grpc::Server> server_;
   std::vector<int> bound_ports_;

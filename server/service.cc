@@ -7,6 +7,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -31,11 +32,7 @@ int64_t ExpertWeightsBytes(const ModelConfig& model) {
 
 // The call's deadline; none (gRPC's infinite future) maps to absl::InfiniteFuture().
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
-    return absl::InfiniteFuture();
-  }
-  return absl::FromChrono(deadline);
+  return CallDeadline(context.deadline());
 }
 
 double MicrosSince(Clock::time_point start) {
@@ -44,27 +41,25 @@ double MicrosSince(Clock::time_point start) {
 
 }  // namespace
 
-MoeServiceImpl::MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> batcher,
-                               Metrics* metrics, const ServiceOptions& options)
-    : engine_(engine),
-      metrics_(metrics),
+MoeServiceImpl::MoeServiceImpl(ServingState* state, const ServiceOptions& options)
+    : state_(state),
+      metrics_(state->metrics()),
       options_(options),
       held_bytes_(options.max_held_bytes),
-      answer_watch_(options.max_answer_hold,
-                    [metrics] {
-                      if (metrics) metrics->OnAnswerCancelled();
-                    }),
-      workers_(options.num_worker_threads),
-      batcher_(std::move(batcher)) {
-  if (options_.enable_shared_memory) {
+      answer_watch_(options.max_answer_hold, [metrics = state->metrics()] {
+        if (metrics) metrics->OnAnswerCancelled();
+      }) {}
+
+MoeServiceImpl::~MoeServiceImpl() = default;
+
+void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
+  if (options_.enable_shared_memory && regions_ == nullptr) {
     RegionRegistryOptions regions;
-    regions.backend = engine_->info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;
+    regions.backend = engine.info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;
     regions.max_regions = options_.max_shared_memory_regions;
     regions_ = std::make_unique<RegionRegistry>(regions);
   }
 }
-
-MoeServiceImpl::~MoeServiceImpl() { workers_.Drain(); }
 
 void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                                 std::function<bool()> cancelled, Clock::time_point start,
@@ -80,6 +75,9 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     return answer(absl::CancelledError("Forward: cancelled by the client before it ran"), {}, 0,
                   "");
   }
+  Engine* const engine = state_->engine();  // acquire: regions_ is set before it
+  if (engine == nullptr) return answer(state_->NotReady("Forward"), {}, 0, "");
+  const int64_t message_bytes = static_cast<int64_t>(raw_request.Length());
   absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(raw_request);
   if (!request.ok()) {
     return answer(absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())),
@@ -102,7 +100,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     if (absl::Status s = CheckSharedMemoryPeer(peer, "Forward"); !s.ok()) return fail(s);
   }
   // A CUDA region's bytes are read and written in place where the engine takes device memory.
-  const EngineInfo& info = engine_->info();
+  const EngineInfo& info = engine->info();
   absl::StatusOr<ForwardInput> input =
       ForwardInputFromWire(*request, &gathered, regions_.get(), info.device_tensors, &regions);
   if (!input.ok()) return fail(input.status());
@@ -112,27 +110,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   double route_us = 0;
   if (input->topk_ids.empty()) {
     const Clock::time_point route_start = Clock::now();
-    const TensorView& x = input->hidden_states;
-    if (!x.device().is_host()) {
-      return fail(absl::InvalidArgumentError(
-          "hidden_states: server-side routing reads host memory, but hidden_states is in a CUDA "
-          "region; send topk_ids and topk_weights, or the hidden states in a system region"));
-    }
-    // Sized only for a hidden_states that Route will accept; anything else is refused there
-    // (before the routing buffers are touched).
-    const int64_t rows =
-        x.rank() == 2 && x.dim(1) == info.model.hidden && x.dim(0) <= info.max_tokens_per_request
-            ? x.dim(0)
-            : 0;
-    const int64_t routes = rows * info.model.topk;
-    routing = PooledBuffer::Acquire(static_cast<size_t>(routes) * 8);
-    char* base = static_cast<char*>(routing->data());
-    input->topk_ids = TensorView(base, DType::kINT32, {rows, info.model.topk});
-    input->topk_weights = TensorView(base + routes * 4, DType::kFP32, {rows, info.model.topk});
-    if (absl::Status s = engine_->Route(input->layer, x, input->topk_ids, input->topk_weights);
-        !s.ok()) {
-      return fail(s);
-    }
+    if (absl::Status s = RouteOnServer(*engine, &*input, &routing); !s.ok()) return fail(s);
     route_us = MicrosSince(route_start);
   }
   // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
@@ -148,45 +126,47 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
       !s.ok()) {
     return fail(s);
   }
-  const bool region_output = regions.output.has_value();
-  const size_t out_bytes =
-      region_output ? 0 : static_cast<size_t>(NumElements(out_shape)) * DTypeSize(dtype);
-  if (hold && out_bytes > 0) {
-    if (absl::Status s = hold(static_cast<int64_t>(out_bytes), "its answer"); !s.ok()) {
-      return fail(s);
+  // The answer's bytes count against max_queued_bytes from here (an output region: none).
+  if (hold && !regions.output.has_value()) {
+    const int64_t out_bytes = NumElements(out_shape) * static_cast<int64_t>(DTypeSize(dtype));
+    if (out_bytes > 0) {
+      if (absl::Status s = hold(out_bytes, "its answer"); !s.ok()) return fail(s);
     }
   }
   // What the call needs until the batcher answers it: the request's slices (its tensors may
-  // be views into them), the gathered bytes, the regions, and the answer buffer, which the
-  // engine writes and the reply's slice then owns (no copy) -- or the output region.
+  // be views into them), the gathered bytes, the regions and the routing buffer. The answer
+  // buffer (ServingState::SubmitForward) is written by the engine and the reply's slice then
+  // owns it (no copy) -- or the engine writes the output region.
   struct Pending {
     v1wire::ForwardRequestView request;
     GatheredBytes gathered;
     ForwardRegions regions;
     ForwardInput input;
-    std::unique_ptr<PooledBuffer> out;      // recycled: no page faults per call
     std::unique_ptr<PooledBuffer> routing;  // server-side routing only
   };
-  auto pending = std::make_shared<Pending>(
-      Pending{std::move(*request), std::move(gathered), std::move(regions), *input,
-              region_output ? nullptr : PooledBuffer::Acquire(out_bytes), std::move(routing)});
-  const TensorView output = region_output ? pending->regions.output->view()
-                                          : TensorView(pending->out->data(), dtype, out_shape);
-  auto done = [this, pending, dtype, out_shape, out_bytes, m, start, server_queue_us, route_us,
-               answer = std::move(answer)](const absl::Status& status,
-                                           const ForwardTimings& timings) {
+  auto pending = std::make_shared<Pending>(Pending{std::move(*request), std::move(gathered),
+                                                   std::move(regions), *input, std::move(routing)});
+  std::optional<TensorView> region_output;
+  if (pending->regions.output.has_value()) region_output = pending->regions.output->view();
+  Metrics* const metrics = metrics_;
+  auto done = [pending, metrics, start, server_queue_us, route_us, answer = std::move(answer)](
+                  absl::Status status, ServingState::ForwardAnswer result) {
     const std::string& id = pending->request.header.request_id();
-    absl::Status s = status;
-    if (s.ok() && pending->regions.output.has_value()) s = pending->regions.output->Flush();
+    if (status.ok() && pending->regions.output.has_value()) {
+      status = pending->regions.output->Flush();
+    }
     pending->regions.Release();
-    if (!s.ok()) return answer(s, {}, 0, id);
+    if (!status.ok()) return answer(status, {}, 0, id);
     v1::ForwardResponse header;
-    header.mutable_output()->set_dtype(DTypeToProto(dtype));
-    for (int64_t d : out_shape) header.mutable_output()->add_shape(d);
+    header.mutable_output()->set_dtype(DTypeToProto(result.dtype));
+    for (int64_t d : result.shape) header.mutable_output()->add_shape(d);
     header.set_request_id(id);
-    if (metrics_) metrics_->RecordStages(server_queue_us + timings.queue_us, timings.stages);
+    if (metrics) {
+      metrics->RecordStages(server_queue_us + result.timings.queue_us, result.timings.stages);
+    }
     if (pending->request.header.return_timings()) {
-      ForwardTimingsToProto(timings, server_queue_us, MicrosSince(start), header.mutable_timings());
+      ForwardTimingsToProto(result.timings, server_queue_us, MicrosSince(start),
+                            header.mutable_timings());
       header.mutable_timings()->set_route_us(route_us);
     }
     if (pending->request.header.return_routing()) {
@@ -194,15 +174,17 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     }
     // With an output region the answer is there already: the reply has dtype and shape only.
     grpc::Slice data;
-    if (pending->out != nullptr) {
-      void* out_data = pending->out->data();
-      data = v1wire::SliceOwning(out_data, out_bytes, std::move(pending->out));
+    if (result.output != nullptr) {
+      void* out_data = result.output->data();
+      data = v1wire::SliceOwning(out_data, result.bytes, std::move(result.output));
     }
     absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, data);
     if (!encoded.ok()) return answer(absl::InternalError(encoded.status().message()), {}, 0, id);
-    answer(absl::OkStatus(), std::move(*encoded), m, id);
+    answer(absl::OkStatus(), std::move(*encoded), result.shape[0], id);
   };
-  batcher_->Submit(pending->input, output, deadline, std::move(cancelled), std::move(done));
+  // The same admission as ModelInfer: shapes, the message size, routing counts, the batcher.
+  state_->SubmitForward("Forward", pending->input, message_bytes, deadline, std::move(cancelled),
+                        std::move(done), region_output);
 }
 
 absl::Status MoeServiceImpl::HoldRefused(absl::string_view method, int64_t bytes,
@@ -223,10 +205,13 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   auto* reactor = new HeldUnaryReactor(context, &answer_watch_, &held_bytes_, [this] {
     if (metrics_) metrics_->SetHeldBytes(held_bytes_.used());
   });
-  // Answers; `tokens` counts only on success.
-  auto finish = [this, reactor](const absl::Status& status, int64_t tokens) {
+  const int64_t received = static_cast<int64_t>(raw_request->Length());
+  // Answers; `tokens` counts only on success (the call itself is counted by the interceptor).
+  auto finish = [this, reactor, received, response](const absl::Status& status, int64_t tokens) {
     if (metrics_) {
       if (status.ok()) metrics_->AddTokens(tokens);
+      metrics_->AddBytes("Forward", received,
+                         status.ok() ? static_cast<int64_t>(response->Length()) : 0);
       metrics_->DecrementInflight();
     }
     reactor->FinishAndHold(ToGrpcStatus(status));
@@ -259,7 +244,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   // a large one, whose pieces may need gathering, on a worker.
   if (raw_request->Length() <= kInlineRequestBytes) {
     task();
-  } else if (!workers_.Submit(task)) {
+  } else if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
   }
   return reactor;
@@ -307,14 +292,18 @@ class MoeServiceImpl::StreamReactor final
     const Clock::time_point start = Clock::now();
     Metrics* metrics = service_->metrics_;
     if (metrics) metrics->IncrementInflight();
-    auto answer = [this, seq, start, metrics](const absl::Status& status, grpc::ByteBuffer encoded,
-                                              int64_t tokens, const std::string& request_id) {
+    const int64_t received = static_cast<int64_t>(request->Length());
+    auto answer = [this, seq, start, metrics, received](const absl::Status& status,
+                                                        grpc::ByteBuffer encoded, int64_t tokens,
+                                                        const std::string& request_id) {
       const grpc::Status grpc_status = ToGrpcStatus(status);
       if (metrics) {
         if (status.ok()) metrics->AddTokens(tokens);
         // Each layer call of the stream (the stream itself is counted by the interceptor).
         metrics->RecordRequest("ForwardStream.call", grpc_status.error_code(),
                                MicrosSince(start) * 1e-6);
+        metrics->AddBytes("ForwardStream", received,
+                          status.ok() ? static_cast<int64_t>(encoded.Length()) : 0);
         metrics->DecrementInflight();
       }
       if (!status.ok()) encoded = ErrorAnswer(grpc_status, request_id);
@@ -334,7 +323,7 @@ class MoeServiceImpl::StreamReactor final
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
           peer_, hold, answer);
     };
-    if (!service_->workers_.Submit(task)) {
+    if (!service_->state_->SubmitWork(task)) {
       answer(absl::UnavailableError("ForwardStream: the server is shutting down"), {}, 0, "");
     }
   }
@@ -501,9 +490,20 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetModelInfo(grpc::CallbackServerConte
                                                        const v1::GetModelInfoRequest* request,
                                                        v1::ModelInfo* response) {
   if (metrics_) metrics_->IncrementInflight();
-  const grpc::Status status = ToGrpcStatus(Authorize(*context, "GetModelInfo"));
-  if (status.ok()) EngineInfoToProto(engine_->info(), options_.max_message_bytes, response);
-  if (metrics_) metrics_->DecrementInflight();
+  absl::Status s = Authorize(*context, "GetModelInfo");
+  if (s.ok()) {
+    if (Engine* engine = state_->engine()) {
+      EngineInfoToProto(engine->info(), state_->max_message_bytes(), response);
+    } else {
+      s = state_->NotReady("GetModelInfo");
+    }
+  }
+  const grpc::Status status = ToGrpcStatus(s);
+  if (metrics_) {
+    metrics_->AddBytes("GetModelInfo", static_cast<int64_t>(request->ByteSizeLong()),
+                       status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
+    metrics_->DecrementInflight();
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(status);
   return reactor;
@@ -515,9 +515,14 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
   if (metrics_) metrics_->IncrementInflight();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto slot = std::make_shared<bool>(false);  // whether this call holds an expert-call slot
-  auto finish = [this, reactor, slot](const absl::Status& status) {
-    if (metrics_) metrics_->DecrementInflight();
-    reactor->Finish(ToGrpcStatus(status));
+  auto finish = [this, reactor, slot, request, response](const absl::Status& status) {
+    const grpc::Status grpc_status = ToGrpcStatus(status);
+    if (metrics_) {
+      metrics_->AddBytes("GetExpertWeights", static_cast<int64_t>(request->ByteSizeLong()),
+                         status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
+      metrics_->DecrementInflight();
+    }
+    reactor->Finish(grpc_status);
     if (*slot) expert_calls_.fetch_sub(1);
   };
   // Every refusal comes before the answer's buffers exist.
@@ -527,12 +532,13 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
     finish(s);
     return reactor;
   }
-  const ModelConfig& model = engine_->info().model;
+  // AdmitExpertWeights saw the engine attached: it stays so.
+  const ModelConfig& model = state_->engine()->info().model;
   const int64_t bytes = ExpertWeightsBytes(model);
-  if (bytes + kExpertMessageFramingBytes > options_.max_message_bytes) {
+  if (bytes + kExpertMessageFramingBytes > state_->max_message_bytes()) {
     finish(absl::ResourceExhaustedError(absl::StrCat(
         "GetExpertWeights: one expert of this model is ", bytes,
-        " bytes, more than fits in a message (max_message_bytes ", options_.max_message_bytes,
+        " bytes, more than fits in a message (max_message_bytes ", state_->max_message_bytes(),
         "); use StreamExpertWeights, which sends it in chunks (moeserve-cli and the clients do "
         "so by themselves)")));
     return reactor;
@@ -544,25 +550,20 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
   *slot = true;
   // Dequantizing one expert of a large model takes milliseconds: keep it off gRPC's threads.
   auto task = [this, request, response, finish]() {
-    const ModelConfig& model = engine_->info().model;
+    Engine* const engine = state_->engine();
+    const ModelConfig& model = engine->info().model;
     const int64_t k = model.hidden, n = model.intermediate;
     const TensorView w13 = AllocateProtoTensor(DType::kBF16, {2 * n, k}, response->mutable_w13());
     const TensorView w2 = AllocateProtoTensor(DType::kBF16, {k, n}, response->mutable_w2());
-    absl::Status s = engine_->GetExpertWeightsBf16(request->layer(), request->expert(),
-                                                   w13.data<uint16_t>(), w2.data<uint16_t>());
+    absl::Status s = engine->GetExpertWeightsBf16(request->layer(), request->expert(),
+                                                  w13.data<uint16_t>(), w2.data<uint16_t>());
     if (!s.ok()) response->Clear();
     finish(s);
   };
-  if (!workers_.Submit(task)) {
+  if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("GetExpertWeights: the server is shutting down"));
   }
   return reactor;
-}
-
-absl::Status MoeServiceImpl::Authorize(const grpc::CallbackServerContext& context,
-                                       absl::string_view method) const {
-  if (options_.auth == nullptr) return absl::OkStatus();
-  return options_.auth->Check(context.client_metadata(), method);
 }
 
 absl::Status MoeServiceImpl::AdmitExpertWeights(const grpc::CallbackServerContext& context,
@@ -576,7 +577,9 @@ absl::Status MoeServiceImpl::AdmitExpertWeights(const grpc::CallbackServerContex
         "--enable_get_expert_weights to allow GetExpertWeights and StreamExpertWeights (anyone "
         "who can call them can copy the model)"));
   }
-  absl::Status s = engine_->ValidateExpertRef(layer, expert);
+  Engine* const engine = state_->engine();
+  if (engine == nullptr) return state_->NotReady(method);
+  absl::Status s = engine->ValidateExpertRef(layer, expert);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(method, ": ", s.message()));
   return absl::OkStatus();
 }
@@ -694,19 +697,20 @@ grpc::ServerWriteReactor<v1::ExpertWeightsChunk>* MoeServiceImpl::StreamExpertWe
   stream->HoldSlot(&expert_calls_);
   int64_t chunk = request->chunk_bytes() == 0 ? kDefaultExpertChunkBytes : request->chunk_bytes();
   chunk = std::max<int64_t>(
-      1, std::min(chunk, options_.max_message_bytes - kExpertMessageFramingBytes));
+      1, std::min(chunk, state_->max_message_bytes() - kExpertMessageFramingBytes));
   auto task = [this, stream, layer, expert, chunk]() {
-    const ModelConfig& model = engine_->info().model;
+    Engine* const engine = state_->engine();  // attached: AdmitExpertWeights saw it
+    const ModelConfig& model = engine->info().model;
     const int64_t k = model.hidden, n = model.intermediate;
     std::string w13(static_cast<size_t>(2 * n * k) * sizeof(uint16_t), '\0');
     std::string w2(static_cast<size_t>(k * n) * sizeof(uint16_t), '\0');
     absl::Status s =
-        engine_->GetExpertWeightsBf16(layer, expert, reinterpret_cast<uint16_t*>(w13.data()),
-                                      reinterpret_cast<uint16_t*>(w2.data()));
+        engine->GetExpertWeightsBf16(layer, expert, reinterpret_cast<uint16_t*>(w13.data()),
+                                     reinterpret_cast<uint16_t*>(w2.data()));
     if (!s.ok()) return stream->Fail(s);
     stream->Begin(std::move(w13), {2 * n, k}, std::move(w2), {k, n}, chunk);
   };
-  if (!workers_.Submit(task)) {
+  if (!state_->SubmitWork(task)) {
     stream->Fail(absl::UnavailableError("StreamExpertWeights: the server is shutting down"));
   }
   return stream;

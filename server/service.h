@@ -6,10 +6,12 @@
 // A small Forward is decoded and handed to the batcher on gRPC's callback thread (nothing there
 // blocks: the batcher refuses at once when full); large ones and GetExpertWeights run on the
 // service's own worker threads (a WorkQueue). Answers are Finished from the batcher's thread.
-// GetModelInfo answers inline.
+// GetModelInfo answers inline. The engine, batcher, workers and metrics are the ServingState's,
+// shared with the KServe v2 service; until the engine is attached (weights still loading) every
+// call is refused with UNAVAILABLE saying how far the load is.
 //
-// Access (docs/security.md): every MoeService call passes Authorize() first (the bearer token,
-// when one is configured); the expert-weight RPCs also need ServiceOptions::
+// Access (docs/security.md): every MoeService call passes ServingState::Authorize() first (the
+// bearer token, when one is configured); the expert-weight RPCs also need ServiceOptions::
 // enable_get_expert_weights and are checked (layer, expert, size) before anything is allocated.
 //
 // Bounds (server/call_limits.h): a Forward call -- unary, or one message of a ForwardStream --
@@ -36,26 +38,20 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
-#include "core/forward_batcher.h"
 #include "core/memory_region.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/call_limits.h"
 #include "server/metrics.h"
-#include "server/security.h"
-#include "server/work_queue.h"
+#include "server/serving_state.h"
 
 namespace moeserve {
 
+// Worker threads, the message limit and the bearer tokens are the ServingState's.
 struct ServiceOptions {
-  int num_worker_threads = 2;
-  // Reported in ModelInfo; the limit itself is set on the ServerBuilder.
-  int64_t max_message_bytes = 64 << 20;
   // Request + answer bytes all Forward calls in progress may hold; <= 0: unbounded.
   int64_t max_held_bytes = int64_t{512} << 20;
   // How long a finished answer may wait for the client to take it; <= 0: forever.
   std::chrono::milliseconds max_answer_hold{10000};
-  // Bearer tokens every MoeService call must carry; null: no token needed.
-  std::shared_ptr<const BearerTokens> auth;
   // GetExpertWeights / StreamExpertWeights hand out the model's weights: off unless set.
   bool enable_get_expert_weights = false;
   // Shared-memory regions (the four *SharedMemory* RPCs, Tensor.region, output_region); off:
@@ -92,12 +88,14 @@ inline constexpr int64_t kExpertMessageFramingBytes = 1024;
 
 class MoeServiceImpl final : public MoeServiceBase {
  public:
-  // `engine` and `metrics` must outlive the service; `metrics` may be null. Forward calls go
-  // through `batcher` (over the same engine), which the service owns.
-  MoeServiceImpl(Engine* engine, std::unique_ptr<ForwardBatcher> batcher, Metrics* metrics,
-                 const ServiceOptions& options);
-  // Drains the workers.
+  // `state` (engine once attached, batcher, workers, metrics, tokens) must outlive the service.
+  MoeServiceImpl(ServingState* state, const ServiceOptions& options);
   ~MoeServiceImpl() override;
+
+  // Called once with the loaded engine before ServingState::Attach publishes it (creates the
+  // shared-memory registry for its backend). Not thread-safe against calls: none reach the
+  // engine before Attach.
+  void PrepareForEngine(const Engine& engine);
 
   // `request` and `response` are serialized moeserve.v1 ForwardRequest / ForwardResponse.
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
@@ -138,11 +136,6 @@ class MoeServiceImpl final : public MoeServiceBase {
                                                const v1::SharedMemoryStatusRequest* request,
                                                v1::SharedMemoryStatusResponse* response) override;
 
-  // Runs every queued call and stops the workers; calls arriving later get UNAVAILABLE. Call
-  // after grpc::Server::Shutdown (which waits for in-flight calls) and before destroying the
-  // server. Idempotent.
-  void Drain() { workers_.Drain(); }
-
   // Bytes Forward calls hold now; answers cancelled so far for not being taken.
   int64_t held_bytes() const { return held_bytes_.used(); }
   int64_t answers_cancelled() const { return answer_watch_.cancelled(); }
@@ -166,11 +159,15 @@ class MoeServiceImpl final : public MoeServiceBase {
   // The refusal of `bytes` more (`what`: "this request", "its answer") by `method` at
   // max_held_bytes; counts it in the metrics.
   absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what);
-  // The one access check of every MoeService call (UNAUTHENTICATED naming `method`).
+  // The one access check of every MoeService call (ServingState::Authorize: UNAUTHENTICATED
+  // naming `method`).
   absl::Status Authorize(const grpc::CallbackServerContext& context,
-                         absl::string_view method) const;
+                         absl::string_view method) const {
+    return state_->Authorize(context, method);
+  }
   // Authorize, then the expert-weight checks that come before any allocation: the flag
-  // (FAILED_PRECONDITION naming it), then layer and expert (INVALID_ARGUMENT).
+  // (FAILED_PRECONDITION naming it), the engine (UNAVAILABLE while loading), then layer and
+  // expert (INVALID_ARGUMENT).
   absl::Status AdmitExpertWeights(const grpc::CallbackServerContext& context,
                                   absl::string_view method, int layer, int expert) const;
   // Runs `fn` (returning the call's status) on a worker and finishes `context`'s call with it,
@@ -185,16 +182,16 @@ class MoeServiceImpl final : public MoeServiceBase {
   // caller gives it back with expert_calls_.fetch_sub(1) once its answer is gone.
   absl::Status TakeExpertCallSlot(absl::string_view method);
 
-  Engine* const engine_;
-  Metrics* const metrics_;
+  ServingState* const state_;
+  Metrics* const metrics_;  // state_->metrics(), may be null
   const ServiceOptions options_;
   ByteBudget held_bytes_;
   AnswerHoldWatch answer_watch_;
-  // Before the workers and the batcher: outlives every call that holds a region.
+  // Set by PrepareForEngine; read only after ServingState::engine() is non-null (the release /
+  // acquire there orders it). MoeServer drains the state before destroying the service, so it
+  // outlives every call that holds a region.
   std::unique_ptr<RegionRegistry> regions_;  // null: shared memory off
-  WorkQueue workers_;
-  std::unique_ptr<ForwardBatcher> batcher_;
-  std::atomic<int> expert_calls_{0};  // expert-weight calls holding a slot
+  std::atomic<int> expert_calls_{0};         // expert-weight calls holding a slot
 };
 
 }  // namespace moeserve

@@ -54,15 +54,19 @@ grpc::ServerUnaryReactor* MoeServiceImpl::RunSharedMemoryCall(grpc::CallbackServ
     finish(s);
     return reactor;
   }
-  if (regions_ == nullptr) {
+  if (!options_.enable_shared_memory) {
     finish(SharedMemoryDisabledError(method));
+    return reactor;
+  }
+  if (state_->engine() == nullptr) {  // acquire: regions_ is set before the engine
+    finish(state_->NotReady(method));
     return reactor;
   }
   if (absl::Status s = CheckSharedMemoryPeer(context->peer(), method); !s.ok()) {
     finish(s);
     return reactor;
   }
-  if (!workers_.Submit([fn = std::move(fn), finish] { finish(fn()); })) {
+  if (!state_->SubmitWork([fn = std::move(fn), finish] { finish(fn()); })) {
     finish(absl::UnavailableError(absl::StrCat(method, ": the server is shutting down")));
   }
   return reactor;

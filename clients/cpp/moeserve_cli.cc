@@ -50,8 +50,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -60,6 +62,7 @@
 #include "clients/cpp/dtype_convert.h"
 #include "clients/cpp/moeserve_client.h"
 #include "clients/cpp/reference.h"
+#include "moeserve_build_info.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server gRPC address, HOST:PORT");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(30), "Per-call deadline");
@@ -123,6 +126,11 @@ int Fail(const absl::Status& status, absl::string_view what) {
     std::fprintf(stderr,
                  "hint: the server requires a bearer token: pass --auth_token_file with a token "
                  "from its --auth_token_file\n");
+  } else if (status.code() == absl::StatusCode::kUnavailable &&
+             absl::StrContains(status.message(), "not ready yet")) {
+    std::fprintf(stderr,
+                 "hint: the server is up and still loading its weights; `moeserve-cli health` "
+                 "reports SERVING once it is done\n");
   } else if (status.code() == absl::StatusCode::kUnavailable &&
              absl::GetFlag(FLAGS_tls_ca).empty() && !absl::GetFlag(FLAGS_tls)) {
     std::fprintf(stderr,
@@ -831,7 +839,19 @@ int main(int argc, char** argv) {
       "  health   print SERVING/NOT_SERVING (exit 0 only if SERVING)\n"
       "  info     print the served model\n"
       "  forward  one Forward with random (or --input_file) inputs; --check verifies it\n"
-      "  load     closed-loop load: --requests N --concurrency C --tokens M");
+      "  load     closed-loop load: --requests N --concurrency C --tokens M\n"
+      "  --help lists every flag, --version prints the build");
+  // --help lists the flags of this project's files (absl's default matched none).
+  absl::FlagsUsageConfig config;
+  auto ours = [](absl::string_view file) { return absl::StrContains(file, "clients/"); };
+  config.contains_helpshort_flags = ours;
+  config.contains_help_flags = ours;
+  config.version_string = [] {
+    return absl::StrCat("moeserve-cli ", moeserve::build_info::kVersion, " (",
+                        moeserve::build_info::kCommit,
+                        ")\nbuild type: ", moeserve::build_info::kBuildType, "\n");
+  };
+  absl::SetFlagsUsageConfig(config);
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() != 2) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());

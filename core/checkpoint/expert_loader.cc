@@ -294,6 +294,10 @@ absl::StatusOr<std::unique_ptr<ExpertWeightStore>> LoadCheckpointExperts(
       storage.push_back(std::move(w2_scale));
     }
     layers.push_back(lw);
+    if (options.on_layer) {
+      MOESERVE_RETURN_IF_ERROR(
+          options.on_layer(layer, model.LayerWeightBytes(num_local, options.format)));
+    }
   }
   return ExpertWeightStore::FromLayers(model, std::move(expert_ids), std::move(layers),
                                        std::move(storage));

@@ -18,6 +18,7 @@ struct ExpertLoadOptions {
   WeightFormat format = WeightFormat::kBF16;  // format served
   int num_threads = 1;
   int64_t memory_budget_bytes = 0;  // <= 0: what the machine has available
+  LayerLoadedFn on_layer;           // runs after each MoE layer; may be empty
 };
 
 // Loads, for every MoE layer of `model` (which must describe the checkpoint: its config()),

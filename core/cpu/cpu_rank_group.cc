@@ -32,8 +32,10 @@ class CpuRankGroup final : public RankGroup {
       RankResources resources;
       resources.rank = r;
       if (group_) resources.comm = comms_[r] = group_->MakeCommunicator(r);
-      MOESERVE_ASSIGN_OR_RETURN(rank.weights, LoadExpertWeights(plan_.weights, plan_.model,
-                                                                plan_.placement->rank_experts(r)));
+      MOESERVE_ASSIGN_OR_RETURN(
+          rank.weights, LoadExpertWeights(plan_.weights, plan_.model,
+                                          plan_.placement->rank_experts(plan_.first_rank + r),
+                                          plan_.first_rank + r));
       rank.expert_map = plan_.placement->ExpertMap(r);
       // Lanes (plan_.lanes > 1 only without collectives): a kernel each, same weights.
       for (int lane = 0; lane < plan_.lanes; ++lane) {

@@ -61,9 +61,9 @@ class CudaRankGroup final : public RankGroup {
                                   CudaContext::Create(/*device=*/r));
         contexts_[r].push_back(std::move(ctx));
       }
-      MOESERVE_ASSIGN_OR_RETURN(
-          ranks_[r].weights,
-          LoadExpertWeights(plan_.weights, plan_.model, plan_.placement->rank_experts(global)));
+      MOESERVE_ASSIGN_OR_RETURN(ranks_[r].weights,
+                                LoadExpertWeights(plan_.weights, plan_.model,
+                                                  plan_.placement->rank_experts(global), global));
       MOESERVE_ASSIGN_OR_RETURN(device_weights_[r],
                                 DeviceWeightStore::Create(*ranks_[r].weights, *contexts_[r][0]));
       ranks_[r].expert_map = plan_.placement->ExpertMap(global);

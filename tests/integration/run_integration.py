@@ -532,6 +532,76 @@ def case_python(server, cli, workdir, source_dir):
         log(f"forward_example.py {dtype}: relative_l2_error={err:.3g}")
 
 
+def case_triton(server, cli, workdir, source_dir):
+    """The KServe v2 endpoint driven by tritonclient[grpc] (the client perf_analyzer and KServe
+    users have), answers checked against clients/python's numpy reference on the weights the
+    server reports (GetExpertWeights through the moeserve Python client)."""
+    import numpy as np
+    import ml_dtypes
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+    mc, _ = import_python_client(source_dir)
+    triton = tg.InferenceServerClient(url=server.target)
+    check(triton.is_server_live(), "tritonclient: server not live")
+    check(triton.is_server_ready(), "tritonclient: server not ready")
+    meta = triton.get_server_metadata()
+    check(meta.name == "moeserve", f"server metadata {meta}")
+    with mc.MoeClient(server.target) as client:
+        info = client.info()
+        layers = sorted({0, info.num_layers - 1})
+        for layer in layers:
+            name = f"moe_layer_{layer}"
+            check(triton.is_model_ready(name), f"{name} not ready")
+            md = triton.get_model_metadata(name)
+            check([i.name for i in md.inputs] == ["hidden_states", "topk_ids", "topk_weights"],
+                  f"{name} metadata inputs {md.inputs}")
+            check(list(md.inputs[0].shape) == [-1, info.hidden], f"{name} shape {md.inputs[0]}")
+        check(not triton.is_model_ready("moe_layer_999"), "moe_layer_999 ready")
+        m = 11
+        x, ids, w = mc.random_inputs(m, info.hidden, info.num_experts, info.topk, seed=21)
+        for layer in layers:
+            experts = {int(e): client.expert_weights(layer, int(e)) for e in np.unique(ids)}
+            for dtype, np_dtype, ids_dtype in (("FP32", np.float32, np.int64),
+                                               ("FP16", np.float16, np.int32),
+                                               ("BF16", ml_dtypes.bfloat16, np.int32)):
+                xs = x.astype(np_dtype)
+                inputs = [tg.InferInput("hidden_states", list(xs.shape), dtype),
+                          tg.InferInput("topk_ids", list(ids.shape),
+                                        "INT64" if ids_dtype == np.int64 else "INT32"),
+                          tg.InferInput("topk_weights", list(w.shape), "FP32")]
+                inputs[0].set_data_from_numpy(xs)
+                inputs[1].set_data_from_numpy(ids.astype(ids_dtype))
+                inputs[2].set_data_from_numpy(w.astype(np.float32))
+                # Half the calls name the layer's model, half use "moeserve" + parameter.
+                if dtype == "FP16":
+                    result = triton.infer("moeserve", inputs, parameters={"layer": layer},
+                                          outputs=[tg.InferRequestedOutput("output")],
+                                          request_id=f"tc-{layer}")
+                else:
+                    result = triton.infer(f"moe_layer_{layer}", inputs, request_id=f"tc-{layer}")
+                out = result.as_numpy("output")
+                check(out is not None and out.shape == (m, info.hidden),
+                      f"{dtype} output shape {None if out is None else out.shape}")
+                check(result.get_response().id == f"tc-{layer}", "request id not echoed")
+                expected = mc.reference_forward(xs.astype(np.float32), ids, w, experts)
+                err = mc.relative_l2_error(np.asarray(out).astype(np.float32), expected)
+                tol = TOL[dtype.lower()]
+                log(f"tritonclient {dtype} layer {layer}: relative_l2_error={err:.3g}")
+                check(err < tol, f"tritonclient {dtype} layer {layer}: relative_l2_error {err}")
+        # Refusals arrive as tritonclient exceptions naming the problem.
+        bad = [tg.InferInput("hidden_states", [2, info.hidden], "FP32"),
+               tg.InferInput("topk_ids", [2, info.topk], "INT32")]
+        bad[0].set_data_from_numpy(x[:2])
+        bad[1].set_data_from_numpy(ids[:2].astype(np.int32))
+        try:
+            triton.infer("moe_layer_0", bad)
+            raise Failure("a request without topk_weights was accepted")
+        except InferenceServerException as e:
+            check("topk_weights" in str(e), f"missing-input refusal: {e}")
+            log(f"refused as expected: {e}")
+    triton.close()
+
+
 def case_shm(server, cli, workdir, source_dir):
     """--enable_shared_memory: tensors and answers through POSIX shared memory, from the CLI
     (forward --shm --check, load --shm) and from the Python client's shared_memory module."""
@@ -606,7 +676,7 @@ def main():
     p.add_argument("--cli", required=True)
     p.add_argument("--source-dir", required=True)
     p.add_argument("--case", choices=["cli", "python", "load", "ep16", "unix", "shm", "checkpoint",
-                                      "closed", "stream", "secure", "all"],
+                                      "closed", "stream", "secure", "triton", "all"],
                    default="all")
     p.add_argument("--checkpoints", default="",
                    help="folder of scripts/make_test_checkpoint.py --suite (checkpoint case)")
@@ -619,6 +689,14 @@ def main():
             print(f"[integration] FAIL: {path} is missing or not executable (build it first)",
                   file=sys.stderr)
             return 1
+    if args.case == "triton":
+        try:
+            import tritonclient.grpc  # noqa: F401
+            import ml_dtypes  # noqa: F401
+        except ImportError as e:
+            print(f"[integration] SKIP: {e} (scripts/setup.sh installs tritonclient[grpc])")
+            return 77
+    # triton runs as its own ctest (it needs tritonclient, which may be absent: a skip).
     cases = (["cli", "python", "load", "ep16", "unix", "shm", "closed", "stream", "secure"]
              if args.case == "all" else [args.case])
     runs = []  # (case, extra server args)
@@ -637,8 +715,10 @@ def main():
         elif case == "stream":
             runs.append((case, ["--enable_get_expert_weights", "--max_message_bytes=65536"]))
         else:
+            # triton: two ranks, so the per-rank path is behind the KServe endpoint too.
             runs.append((case, EP16_ARGS if case == "ep16" else
-                         ["--enable_shared_memory"] if case == "shm" else []))
+                         ["--enable_shared_memory"] if case == "shm" else
+                         ["--ranks", "2"] if case == "triton" else []))
     for case, extra in runs:
         with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
             cli = Cli(args.cli)
@@ -673,6 +753,8 @@ def main():
                         case_stream(server, cli, workdir, args.source_dir)
                     elif case == "secure":
                         case_secure(server, cli, workdir, args.source_dir, certs)
+                    elif case == "triton":
+                        case_triton(server, cli, workdir, args.source_dir)
                     elif case == "shm":
                         case_shm(server, cli, workdir, args.source_dir)
                     else:

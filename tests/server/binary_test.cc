@@ -1,5 +1,6 @@
 // The moeserve binary as a process: flags, the ready file, health, serving, metrics, a clean
 // exit 0 on SIGTERM, and exit 1 (no serving) on bad configuration.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -9,7 +10,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -18,7 +21,10 @@
 
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
+#include "moeserve_build_info.h"
+#include "server/limits.h"
 #include "tests/server/test_util.h"
 
 namespace moeserve {
@@ -33,10 +39,19 @@ std::string TempPath(const std::string& stem) {
 
 class Process {
  public:
-  explicit Process(std::vector<std::string> args) {
-    args.insert(args.begin(), MOESERVE_BINARY);
+  // `output`: if set, stdout and stderr go to this file.
+  explicit Process(std::vector<std::string> args, const std::string& output = "",
+                   const char* binary = MOESERVE_BINARY) {
+    args.insert(args.begin(), binary);
     pid_ = fork();
     if (pid_ == 0) {
+      if (!output.empty()) {
+        const int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd >= 0) {
+          dup2(fd, 1);
+          dup2(fd, 2);
+        }
+      }
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -126,7 +141,14 @@ TEST(BinaryTest, ServesThenExitsCleanlyOnSigterm) {
   EXPECT_EQ(info.model_name(), "tiny");
   EXPECT_EQ(info.hidden(), 64);
   EXPECT_EQ(info.num_experts(), 4);
-  EXPECT_EQ(info.max_message_bytes(), 64 << 20);
+  // Derived from the model: 8192 fp32 tokens of hidden 64 (and top-2 ids and weights) fit.
+  ModelConfig served = ModelPreset("tiny").value();
+  served.hidden = 64;
+  served.intermediate = 32;
+  served.num_experts = 4;
+  served.topk = 2;
+  EXPECT_EQ(info.max_message_bytes(), MaxForwardMessageBytes(served, 8192));
+  EXPECT_EQ(info.max_tokens_per_request(), 8192);
   std::mt19937_64 rng(5);
   v1::ForwardRequest req =
       testing::RandomRequest(rng, 0, 4, 64, 4, 2, v1::DTYPE_BF16, v1::DTYPE_INT32);
@@ -280,6 +302,199 @@ TEST(BinaryTest, PortInUseExitsOne) {
   first.Signal(SIGTERM);
   EXPECT_EQ(first.Wait(std::chrono::seconds(60)), 0);
   std::remove(ready.c_str());
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Every ABSL_FLAG name defined in a source file.
+std::vector<std::string> FlagsDefinedIn(const std::string& path) {
+  const std::string text = ReadFile(path);
+  std::vector<std::string> names;
+  const std::string key = "ABSL_FLAG(";
+  for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at + 1)) {
+    const size_t comma = text.find(',', at);
+    const size_t begin = text.find_first_not_of(" \n", comma + 1);
+    const size_t end = text.find(',', begin);
+    names.push_back(text.substr(begin, end - begin));
+  }
+  return names;
+}
+
+// --help lists every flag the binary defines (it used to print "No flags matched").
+TEST(BinaryTest, HelpListsEveryFlag) {
+  const struct {
+    const char* binary;
+    std::string source;
+  } cases[] = {
+      {MOESERVE_BINARY, std::string(MOESERVE_SOURCE_DIR) + "/server/main.cc"},
+      {MOESERVE_CLI_BINARY, std::string(MOESERVE_SOURCE_DIR) + "/clients/cpp/moeserve_cli.cc"}};
+  for (const auto& c : cases) {
+    const std::vector<std::string> flags = FlagsDefinedIn(c.source);
+    ASSERT_GT(flags.size(), 10u) << c.source;
+    for (const char* help : {"--help", "--helpfull"}) {
+      const std::string out = TempPath("moeserve_help");
+      Process p({help}, out, c.binary);
+      const int rc = p.Wait(std::chrono::seconds(30));
+      EXPECT_TRUE(rc == 0 || rc == 1) << c.binary << " " << help << " exited " << rc;
+      const std::string text = ReadFile(out);
+      EXPECT_THAT(text, ::testing::Not(HasSubstr("No flags matched"))) << c.binary;
+      for (const std::string& flag : flags) {
+        EXPECT_THAT(text, HasSubstr("--" + flag + " ")) << c.binary << " " << help;
+      }
+      std::remove(out.c_str());
+    }
+  }
+}
+
+TEST(BinaryTest, VersionPrintsTheBuild) {
+  for (const char* binary : {MOESERVE_BINARY, MOESERVE_CLI_BINARY}) {
+    const std::string out = TempPath("moeserve_version");
+    Process p({"--version"}, out, binary);
+    EXPECT_EQ(p.Wait(std::chrono::seconds(30)), 0);
+    const std::string text = ReadFile(out);
+    EXPECT_THAT(text, HasSubstr(build_info::kVersion));
+    EXPECT_THAT(text, HasSubstr(build_info::kCommit));
+    EXPECT_THAT(text, HasSubstr(std::string("build type: ") + build_info::kBuildType));
+    EXPECT_THAT(text, ::testing::Not(HasSubstr("Debug build (NDEBUG not #defined)")));
+    std::remove(out.c_str());
+  }
+  EXPECT_STREQ(build_info::kVersion, MOESERVE_PROJECT_VERSION);
+  EXPECT_STREQ(build_info::kBuildType, MOESERVE_CMAKE_BUILD_TYPE);
+}
+
+// The log file's lines so far.
+std::string Log(const std::string& path) { return ReadFile(path); }
+
+// "HOST:PORT" from the log's "listening: grpc=HOST:PORT metrics=..." line, once it appears.
+std::string WaitForListening(Process& p, const std::string& log) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < end && p.Running()) {
+    const std::string text = Log(log);
+    const size_t at = text.find("listening: grpc=");
+    if (at != std::string::npos && text.find('\n', at) != std::string::npos) {
+      const size_t begin = at + std::strlen("listening: grpc=");
+      return text.substr(begin, text.find(' ', begin) - begin);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return "";
+}
+
+// Ports open before the weights load: health NOT_SERVING and calls UNAVAILABLE (saying how far
+// the load is) while it runs, progress on stderr, then SERVING.
+TEST(BinaryTest, StartupIsObservableWhileLoading) {
+  const std::string ready = TempPath("moeserve_ready_slow");
+  const std::string log = TempPath("moeserve_log_slow");
+  std::remove(ready.c_str());
+  Process p({"--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0", "--ready_file=" + ready,
+             "--model=tiny", "--num_layers=6", "--hidden=64", "--intermediate=32",
+             "--num_experts=4", "--topk=2", "--threads=1", "--debug_load_delay_ms=500"},
+            log);
+  const std::string target = WaitForListening(p, log);
+  ASSERT_FALSE(target.empty()) << Log(log);
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  }
+  {
+    auto stub = v1::MoeService::NewStub(channel);
+    std::mt19937_64 rng(5);
+    v1::ForwardRequest fr =
+        testing::RandomRequest(rng, 0, 4, 64, 4, 2, v1::DTYPE_BF16, v1::DTYPE_INT32);
+    v1::ForwardResponse out;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->Forward(&ctx, fr, &out);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(s.error_message(), ::testing::MatchesRegex(".*(loading weights|preparing).*"));
+  }
+  EXPECT_FALSE(std::ifstream(ready).good());  // the ready file means SERVING
+  // SERVING once loaded: about 6 x 0.5 s.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  bool serving = false;
+  while (!serving && std::chrono::steady_clock::now() < end && p.Running()) {
+    grpc::ClientContext ctx;
+    serving = health->Check(&ctx, req, &resp).ok() &&
+              resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+    if (!serving) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(serving) << Log(log);
+  const std::vector<std::string> lines = WaitForReadyFile(p, ready);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0], target);
+  const std::string text = Log(log);
+  // The memory estimate first, then layer i of N with GiB and rate, then the total.
+  const size_t estimate = text.find("GiB of expert weights in host memory (6 layer shards)");
+  const size_t first = text.find("layer 1 of 6");
+  const size_t last = text.find("layer 6 of 6");
+  const size_t loaded = text.find("weights loaded:");
+  ASSERT_NE(estimate, std::string::npos) << text;
+  ASSERT_NE(first, std::string::npos) << text;
+  ASSERT_NE(last, std::string::npos) << text;
+  ASSERT_NE(loaded, std::string::npos) << text;
+  EXPECT_LT(text.find("listening:"), estimate);
+  EXPECT_LT(estimate, first);
+  EXPECT_LT(first, last);
+  EXPECT_LT(last, loaded);
+  EXPECT_THAT(text, HasSubstr("GiB/s"));
+  const int metrics_port = std::stoi(lines[1].substr(lines[1].rfind(':') + 1));
+  const std::string metrics = testing::HttpGetMetrics(metrics_port);
+  EXPECT_EQ(testing::MetricValue(metrics, "moeserve_serving"), 1);
+  EXPECT_GT(testing::MetricValue(metrics, "moeserve_weights_load_seconds"), 2.0);
+  p.Signal(SIGTERM);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
+  std::remove(ready.c_str());
+  std::remove(log.c_str());
+}
+
+// A SIGTERM while the weights load stops the load and exits 0 quickly.
+TEST(BinaryTest, SigtermDuringLoadExitsZero) {
+  const std::string log = TempPath("moeserve_log_term");
+  Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--model=tiny", "--num_layers=50",
+             "--hidden=64", "--intermediate=32", "--num_experts=4", "--topk=2", "--threads=1",
+             "--debug_load_delay_ms=1000"},
+            log);
+  ASSERT_FALSE(WaitForListening(p, log).empty()) << Log(log);
+  const auto start = std::chrono::steady_clock::now();
+  p.Signal(SIGTERM);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(30)), 0) << Log(log);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  EXPECT_THAT(Log(log), HasSubstr("during the weight load"));
+  std::remove(log.c_str());
+}
+
+// A token limit that cannot fit the message limit is lowered, and the log says so.
+TEST(BinaryTest, TokenLimitLoweredToFitMessageLimit) {
+  const std::string ready = TempPath("moeserve_ready_limit");
+  const std::string log = TempPath("moeserve_log_limit");
+  std::remove(ready.c_str());
+  Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready, "--model=tiny",
+             "--hidden=1024", "--intermediate=32", "--threads=1", "--max_message_bytes=1000000"},
+            log);
+  const std::vector<std::string> lines = WaitForReadyFile(p, ready);
+  ASSERT_EQ(lines.size(), 1u) << Log(log);
+  EXPECT_THAT(Log(log), HasSubstr("--max_tokens_per_request lowered from 8192 to"));
+  auto stub =
+      v1::MoeService::NewStub(grpc::CreateChannel(lines[0], grpc::InsecureChannelCredentials()));
+  v1::ModelInfo info;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_LT(info.max_tokens_per_request(), 8192);
+  EXPECT_GT(info.max_tokens_per_request(), 100);
+  EXPECT_EQ(info.max_message_bytes(), 1000000);
+  p.Signal(SIGTERM);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
+  std::remove(ready.c_str());
+  std::remove(log.c_str());
 }
 
 }  // namespace

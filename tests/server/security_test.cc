@@ -1,7 +1,8 @@
 // Issue 14 item 1, "closed by default": a MoeServer in-process with real certificates made by
 // the test (tests/server/test_certs.h). TLS and mutual TLS on the gRPC API (wrong CA, no client
 // certificate, expired certificates, rotation without restart), the bearer token (missing,
-// wrong, right, rotated; health stays open), reflection off unless asked (and only on the
+// wrong, right, rotated; health stays open; the KServe v2 service checks the same token),
+// reflection off unless asked (and only on the
 // server that asked), TLS and mutual TLS on the metrics endpoint.
 #include "server/security.h"
 
@@ -28,6 +29,7 @@
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/metrics_http.h"
 #include "server/server.h"
@@ -351,6 +353,58 @@ TEST_F(SecurityTest, BearerTokenGuardsMoeServiceNotHealth) {
     EXPECT_EQ(reader->Finish().error_code(),
               right ? grpc::StatusCode::OK : grpc::StatusCode::UNAUTHENTICATED);
     EXPECT_EQ(chunks > 0, right);
+  }
+
+  // The KServe v2 service checks the same token; ServerLive / ServerReady stay open (probes).
+  auto kserve = inference::GRPCInferenceService::NewStub(channel);
+  inference::ModelInferRequest infer;
+  infer.set_model_name("moe_layer_0");
+  const struct {
+    const char* name;
+    const char* datatype;
+    const v1::Tensor& t;
+  } inputs[] = {{"hidden_states", "BF16", req.hidden_states()},
+                {"topk_ids", "INT32", req.topk_ids()},
+                {"topk_weights", "FP32", req.topk_weights()}};
+  for (const auto& in : inputs) {
+    auto* t = infer.add_inputs();
+    t->set_name(in.name);
+    t->set_datatype(in.datatype);
+    for (int64_t d : in.t.shape()) t->add_shape(d);
+    infer.add_raw_input_contents(in.t.data());
+  }
+  for (const std::string token : {"", "wrong-token-0123456789", kToken1}) {
+    const bool right = token == kToken1;
+    const grpc::StatusCode want = right ? grpc::StatusCode::OK : grpc::StatusCode::UNAUTHENTICATED;
+    auto context = [&token] {
+      auto ctx = std::make_unique<grpc::ClientContext>();
+      if (!token.empty()) ctx->AddMetadata("authorization", BearerHeader(token));
+      return ctx;
+    };
+    inference::ModelInferResponse infer_resp;
+    grpc::Status s = kserve->ModelInfer(context().get(), infer, &infer_resp);
+    EXPECT_EQ(s.error_code(), want) << s.error_message();
+    if (right) {
+      EXPECT_EQ(infer_resp.raw_output_contents_size(), 1);
+    } else {
+      EXPECT_THAT(s.error_message(), HasSubstr("ModelInfer"));
+    }
+    inference::ModelMetadataRequest mreq;
+    mreq.set_name("moe_layer_0");
+    inference::ModelMetadataResponse mresp;
+    EXPECT_EQ(kserve->ModelMetadata(context().get(), mreq, &mresp).error_code(), want);
+    inference::ServerMetadataResponse sresp;
+    EXPECT_EQ(kserve->ServerMetadata(context().get(), {}, &sresp).error_code(), want);
+    inference::ModelReadyRequest rreq;
+    rreq.set_name("moe_layer_0");
+    inference::ModelReadyResponse rresp;
+    EXPECT_EQ(kserve->ModelReady(context().get(), rreq, &rresp).error_code(), want);
+    inference::ServerLiveResponse live;
+    EXPECT_TRUE(kserve->ServerLive(context().get(), {}, &live).ok());
+    EXPECT_TRUE(live.live());
+    inference::ServerReadyResponse ready;
+    EXPECT_TRUE(kserve->ServerReady(context().get(), {}, &ready).ok());
+    EXPECT_TRUE(ready.ready());
   }
 
   // Rotation: the file is re-read when it changes (checked at most once a second).

@@ -397,6 +397,72 @@ std::vector<grpc::Slice> DumpSlices(const grpc::ByteBuffer& buffer, bool* ok) {
 
 }  // namespace
 
+bool WireBytes::SinglePiece(absl::Span<const uint8_t>* out) const {
+  if (data.size() > 1) return false;
+  *out = data.empty() ? absl::Span<const uint8_t>() : data[0];
+  return true;
+}
+
+void WireBytes::CopyTo(void* dst) const {
+  auto* p = static_cast<uint8_t*>(dst);
+  for (auto piece : data) {
+    std::memcpy(p, piece.data(), piece.size());
+    p += piece.size();
+  }
+}
+
+absl::StatusOr<SplitMessage> SplitBytesField(const grpc::ByteBuffer& buffer, uint32_t number,
+                                             absl::string_view message) {
+  SplitMessage split;
+  bool ok;
+  split.slices = DumpSlices(buffer, &ok);
+  if (!ok) return absl::InternalError("could not read the message's byte buffer");
+  const Reader r(split.slices);
+  Cursor c;
+  const size_t end = r.size();
+  while (c.pos < end) {
+    const Cursor field = c;
+    uint32_t tag;
+    if (!ReadTag(r, &c, end, &tag)) return Malformed(message, "bad tag", field.pos);
+    if ((tag >> 3) == 0 || (tag & 7) == kEndGroup) {
+      return Malformed(message, "field number 0 or unmatched end-group", field.pos);
+    }
+    if ((tag >> 3) == number && (tag & 7) == kLen) {
+      const size_t len_at = c.pos;
+      size_t len;
+      if (!r.ReadLength(&c, end, &len)) return Malformed(message, "bad length", len_at);
+      if (len > end - c.pos) return Malformed(message, "length past the end", len_at);
+      WireBytes bytes;
+      r.Pieces(c, len, &bytes.data);
+      bytes.size = len;
+      r.Skip(&c, end, len);
+      split.occurrences.push_back(std::move(bytes));
+      continue;
+    }
+    if (absl::Status s = SkipValue(r, &c, end, tag, kMaxDepth, message); !s.ok()) return s;
+    r.AppendTo(field, c.pos - field.pos, &split.rest);
+  }
+  return split;
+}
+
+absl::StatusOr<grpc::ByteBuffer> EncodeWithBytesField(std::string head, uint32_t number,
+                                                      const std::vector<grpc::Slice>& data) {
+  std::vector<grpc::Slice> slices;
+  for (const grpc::Slice& d : data) {
+    if (d.size() > kMaxLen) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("field ", number, ": ", d.size(), " bytes exceed protobuf's 2 GiB limit"));
+    }
+    AppendVarint((number << 3) | kLen, &head);
+    AppendVarint(d.size(), &head);
+    if (d.size() == 0) continue;
+    slices.push_back(SliceFromString(std::move(head)));
+    head.clear();
+    slices.push_back(d);
+  }
+  return Finish(std::move(head), std::move(slices));
+}
+
 bool WireTensor::SinglePiece(absl::Span<const uint8_t>* out) const {
   if (data.size() > 1) return false;
   *out = data.empty() ? absl::Span<const uint8_t>() : data[0];

@@ -91,6 +91,39 @@ absl::StatusOr<grpc::ByteBuffer> EncodeForwardRequest(const v1::ForwardRequest& 
 absl::StatusOr<grpc::ByteBuffer> EncodeForwardResponse(const v1::ForwardResponse& header,
                                                        const grpc::Slice& output_data);
 
+// Generic pieces for other messages carrying large bytes fields (e.g. the KServe v2
+// ModelInferRequest's raw_input_contents).
+
+// One occurrence of a bytes field: pieces pointing into the decoded object's slices.
+struct WireBytes {
+  std::vector<absl::Span<const uint8_t>> data;
+  size_t size = 0;  // sum of the pieces' sizes
+  // As WireTensor::SinglePiece / CopyTo.
+  bool SinglePiece(absl::Span<const uint8_t>* out) const;
+  void CopyTo(void* dst) const;
+};
+
+// A message split in two: every occurrence of the top-level LEN field `number`, in order, as
+// pieces into `slices` (owned; move-only as ForwardRequestView), and the raw encoding of every
+// other top-level field in `rest`, for protobuf to parse into the message's header.
+struct SplitMessage {
+  SplitMessage() = default;
+  SplitMessage(SplitMessage&&) = default;
+  SplitMessage& operator=(SplitMessage&&) = default;
+
+  std::vector<WireBytes> occurrences;
+  std::string rest;
+  std::vector<grpc::Slice> slices;
+};
+// INVALID_ARGUMENT naming `message` for anything protobuf's parser would reject (the fields in
+// `rest` are only checked for framing: parse them to check the rest).
+absl::StatusOr<SplitMessage> SplitBytesField(const grpc::ByteBuffer& buffer, uint32_t number,
+                                             absl::string_view message);
+// `head` (a serialized message without field `number`) followed by one occurrence of LEN field
+// `number` per data slice (referenced, not copied). INVALID_ARGUMENT for a slice over 2 GiB - 1.
+absl::StatusOr<grpc::ByteBuffer> EncodeWithBytesField(std::string head, uint32_t number,
+                                                      const std::vector<grpc::Slice>& data);
+
 // A slice that owns `bytes` (moved, not copied); freed when gRPC drops the last reference.
 grpc::Slice SliceFromString(std::string bytes);
 // A slice over `size` bytes at `data` that owns `owner` (whatever keeps `data` alive); `owner`
