@@ -309,8 +309,13 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
     latch.emplace(std::move(stop));
     step.stop = &*latch;
   }
+  const auto t_run = std::chrono::steady_clock::now();
   const absl::Status s =
       multi_process_ != nullptr ? multi_process_->Forward(step) : ranks_->Run(step);
+  if (timings) {
+    timings->engine_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_run).count();
+  }
   if (latch && !latch->stopped().ok()) return latch->stopped();  // the caller's own code
   if (!s.ok()) return ClientStatusForFailedStep(s);
   if (timings) {

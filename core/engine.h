@@ -42,6 +42,9 @@ struct ForwardInput {
 
 struct ForwardTimings {
   double queue_us = 0;
+  // Host wall time of the step on the ranks (their stages, waits and host work), so that a
+  // caller's total minus this is its own overhead.
+  double engine_us = 0;
   // Stage times: the slowest rank's per stage; num_chunks: the most rounds; transfer: bytes
   // summed over ranks (each rank's bytes to/from other ranks).
   StageTimings stages;

@@ -370,6 +370,7 @@ void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us
   out->set_prepare_us(timings.stages.prepare_us);
   out->set_experts_us(timings.stages.experts_us);
   out->set_finalize_us(timings.stages.finalize_us);
+  out->set_engine_us(timings.engine_us);
   out->set_total_us(total_us);
 }
 
