@@ -14,7 +14,9 @@ namespace moeserve {
 
 // Headroom for everything in a message but tensor bytes (field tags, dtypes, shapes, names,
 // ids, timings, KServe metadata and parameters).
-inline constexpr int64_t kMessageOverheadBytes = 64 << 10;
+// 4 KiB: small enough that a 64 KiB --max_message_bytes (tests that force StreamExpertWeights)
+// still carries tokens.
+inline constexpr int64_t kMessageOverheadBytes = 4 << 10;
 // gRPC's hard ceiling on one message (an int).
 inline constexpr int64_t kGrpcMaxMessageBytes = (int64_t{1} << 31) - 1;
 
