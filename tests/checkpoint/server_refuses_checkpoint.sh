@@ -3,7 +3,8 @@
 # Passes when the server exits non-zero (not by a signal) on the checkpoint, printing an error
 # that matches PATTERN (grep basic regex). A server that starts serving instead is killed by
 # the CTest timeout, which fails the test.
-out=$("$1" --checkpoint "$2" --listen 127.0.0.1:0 2>&1)
+# A free metrics port: the default 9464 may be held by a test running beside this one.
+out=$("$1" --checkpoint "$2" --listen 127.0.0.1:0 --metrics_address 127.0.0.1:0 2>&1)
 rc=$?
 echo "$out"
 echo "moeserve exit status: $rc"

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -57,7 +58,9 @@ int GpuCount() {
 class ServerProcess {
  public:
   explicit ServerProcess(std::vector<std::string> args) {
-    args.insert(args.begin(), MOESERVE_BINARY);
+    // $MOESERVE_BINARY overrides the build tree's path (binaries bundled for a GPU machine).
+    const char* binary = std::getenv("MOESERVE_BINARY");
+    args.insert(args.begin(), binary != nullptr && *binary != '\0' ? binary : MOESERVE_BINARY);
     pid_ = fork();
     if (pid_ == 0) {
       std::vector<char*> argv;
