@@ -99,6 +99,9 @@ ABSL_FLAG(bool, check, false,
 ABSL_FLAG(double, tolerance, 1e-2, "forward --check: max relative L2 error");
 ABSL_FLAG(int64_t, requests, 100, "load: total requests");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent closed-loop workers");
+ABSL_FLAG(int32_t, connections, 0,
+          "load: TCP connections the workers spread over (0: one per worker, as separate "
+          "frontends have; 1: all workers share one HTTP/2 connection)");
 ABSL_FLAG(double, max_seconds, 60.0, "load: stop issuing requests after this many seconds");
 ABSL_FLAG(double, rate, 0,
           "load: open loop: send this many calls per second for --max_seconds, whatever the "
@@ -152,7 +155,7 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
   return absl::InvalidArgumentError(absl::StrCat("--auth_token_file: '", path, "' holds no token"));
 }
 
-absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
+absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient(bool own_connection = false) {
   MoeClientOptions options;
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -167,6 +170,7 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient() {
     if (!token.ok()) return token.status();
     options.auth_token = *std::move(token);
   }
+  options.own_connection = own_connection;
   return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
 }
 
@@ -714,6 +718,17 @@ int RunLoad() {
     return RunOpenLoop(**client, requests[0], *dtype, num_tokens);
   }
 
+  // Connections for the workers (gRPC shares one per target unless asked not to).
+  std::vector<std::unique_ptr<MoeClient>> connections;
+  const int num_connections =
+      absl::GetFlag(FLAGS_connections) > 0 ? absl::GetFlag(FLAGS_connections) : concurrency;
+  if (num_connections > 1 && !shm) {
+    for (int i = 0; i < num_connections; ++i) {
+      auto c = MakeClient(/*own_connection=*/true);
+      if (!c.ok()) return Fail(c.status(), "create client");
+      connections.push_back(std::move(*c));
+    }
+  }
   std::atomic<int64_t> next{0};
   std::mutex mu;
   std::vector<double> latencies_ms;
@@ -729,13 +744,15 @@ int RunLoad() {
   for (int w = 0; w < concurrency; ++w) {
     workers.emplace_back([&, w] {
       const std::vector<grpc::ByteBuffer>& mine = requests[shm ? w : 0];
+      MoeClient* const mine_client =
+          connections.empty() ? client->get() : connections[w % connections.size()].get();
       std::vector<double> local_ms, local_server_us;
       std::array<std::vector<double>, 5> local_stage_us;
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
       std::unique_ptr<ForwardStream> stream;
       if (use_stream) {
-        auto opened = (*client)->OpenForwardStream();
+        auto opened = mine_client->OpenForwardStream();
         if (!opened.ok()) {
           std::lock_guard<std::mutex> lock(mu);
           ++errors[absl::StatusCodeToString(opened.status().code())];
@@ -746,7 +763,7 @@ int RunLoad() {
       }
       // One call: unary, or a write and its answer on this worker's stream.
       auto call = [&](const grpc::ByteBuffer& request) -> absl::StatusOr<ForwardResult> {
-        if (!stream) return (*client)->Forward(request, /*copy_output=*/false);
+        if (!stream) return mine_client->Forward(request, /*copy_output=*/false);
         const absl::Time sent = absl::Now();
         if (absl::Status s = stream->Write(request); !s.ok()) return s;
         absl::StatusOr<ForwardResult> result = stream->Read(/*copy_output=*/false);
@@ -802,10 +819,12 @@ int RunLoad() {
     if (absl::Status s = arena->Unregister(); !s.ok()) return Fail(s, "UnregisterSharedMemory");
   }
   std::printf(
-      "load: requests=%lld concurrency=%d tokens=%lld dtype=%s layer=%d transport=%s rpc=%s\n",
-      static_cast<long long>(num_requests), concurrency, static_cast<long long>(num_tokens),
-      DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer), shm ? "shm" : "grpc",
-      use_stream ? "ForwardStream" : "Forward");
+      "load: requests=%lld concurrency=%d connections=%d tokens=%lld dtype=%s layer=%d "
+      "transport=%s rpc=%s\n",
+      static_cast<long long>(num_requests), concurrency,
+      connections.empty() ? 1 : static_cast<int>(connections.size()),
+      static_cast<long long>(num_tokens), DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer),
+      shm ? "shm" : "grpc", use_stream ? "ForwardStream" : "Forward");
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {

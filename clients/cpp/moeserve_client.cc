@@ -59,6 +59,7 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (options.use_tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
       !options.tls_key_file.empty()) {

@@ -34,6 +34,10 @@ struct MoeClientOptions {
   // If true, calls wait (up to the deadline) for the channel to connect instead of failing fast
   // with UNAVAILABLE while the server is not up yet.
   bool wait_for_ready = false;
+  // A TCP connection of its own: by default gRPC shares one connection between channels to the
+  // same target in a process, so concurrent callers would share one HTTP/2 connection (as
+  // callers in separate processes do not).
+  bool own_connection = false;
   // TLS (docs/security.md): on when use_tls or any tls_* file is set. tls_ca_file: PEM roots
   // that verify the server (empty: the system's); tls_cert_file + tls_key_file: this client's
   // certificate, for servers that require one (mutual TLS); tls_server_name: the name the
