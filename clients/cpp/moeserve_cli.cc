@@ -663,6 +663,12 @@ int RunLoad() {
                     max_seconds, ")")),
                 "flags");
   }
+  if (absl::GetFlag(FLAGS_connections) < 0) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+                    "--connections: got ", absl::GetFlag(FLAGS_connections),
+                    ", expected 0 (one per worker) or a positive count")),
+                "flags");
+  }
   auto client = MakeClient();
   if (!client.ok()) return Fail(client.status(), "create client");
   auto info = (*client)->GetModelInfo();

@@ -19,6 +19,21 @@ bool IsPinnedHostPointer(const void* p) {
   return a.type == cudaMemoryTypeHost;
 }
 
+absl::Status ConvertAnswerOnDevice(const float* d_answer, DType dtype, void* d_out, int64_t n,
+                                   void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  auto* half = static_cast<uint16_t*>(d_out);
+  if (dtype == DType::kBF16) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(d_answer, half, n, s));
+  } else if (dtype == DType::kFP16) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToFp16(d_answer, half, n, s));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the answer can be fp32, bf16 or fp16, got ", DTypeName(dtype)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AnswerCopy::Enqueue(const float* d_answer, const TensorView& output, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   pending_bytes_ = 0;
@@ -32,15 +47,7 @@ absl::Status AnswerCopy::Enqueue(const float* d_answer, const TensorView& output
   const void* src = d_answer;
   if (output.dtype() != DType::kFP32) {
     MOESERVE_ASSIGN_OR_RETURN(void* d, converted_.Get(bytes));
-    auto* half = static_cast<uint16_t*>(d);
-    if (output.dtype() == DType::kBF16) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(d_answer, half, n, s));
-    } else if (output.dtype() == DType::kFP16) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToFp16(d_answer, half, n, s));
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the answer can be fp32, bf16 or fp16, got ", DTypeName(output.dtype())));
-    }
+    MOESERVE_RETURN_IF_ERROR(ConvertAnswerOnDevice(d_answer, output.dtype(), d, n, stream));
     src = d;
   }
   if (output.device().space == MemorySpace::kCuda) {

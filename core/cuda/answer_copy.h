@@ -6,6 +6,7 @@
 #define MOESERVE_CORE_CUDA_ANSWER_COPY_H_
 
 #include <cstddef>
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "core/cuda/grow_only_buffer.h"
@@ -36,6 +37,11 @@ class AnswerCopy {
   const void* pending_src_ = nullptr;
   size_t pending_bytes_ = 0;
 };
+
+// Enqueues on `stream` the conversion of d_answer (FP32, n values, device) into d_out in `dtype`
+// (BF16 or FP16, bit-identical to the host conversion). INVALID_ARGUMENT for other dtypes.
+absl::Status ConvertAnswerOnDevice(const float* d_answer, DType dtype, void* d_out, int64_t n,
+                                   void* stream);
 
 // Whether host pointer `p` is page-locked (cudaMallocHost / cudaHostRegister).
 bool IsPinnedHostPointer(const void* p);

@@ -27,6 +27,23 @@ struct PinnedBuffer : GrowOnlyBuffer {
 
 cudaStream_t StreamOf(const CudaContext& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
 
+// Enqueues the device conversion of n FP32 or FP16 values at `src` into BF16 at `dst`
+// (round-to-nearest-even); INVALID_ARGUMENT naming `who` for any other dtype.
+absl::Status ConvertWireToBf16(absl::string_view who, const void* src, DType wire, uint16_t* dst,
+                               int64_t n, cudaStream_t stream) {
+  if (wire == DType::kFP32) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        kernels::LaunchConvertFp32ToBf16(static_cast<const float*>(src), dst, n, stream));
+  } else if (wire == DType::kFP16) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        kernels::LaunchConvertFp16ToBf16(static_cast<const uint16_t*>(src), dst, n, stream));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": hidden_states must be bf16, fp16 or fp32, got ", DTypeName(wire)));
+  }
+  return absl::OkStatus();
+}
+
 // Threads per rank for the staging copies between request bytes and pinned memory.
 constexpr int kStagingCopyThreads = 4;
 
@@ -462,16 +479,9 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
     MOESERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(d_wire, direct_x ? x.raw_data() : pin_x, wire_bytes,
                         device_x ? cudaMemcpyDefault : cudaMemcpyHostToDevice, stream));
-    auto* d_bf16 = static_cast<uint16_t*>(d_x);
-    if (wire == DType::kFP32) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(
-          static_cast<const float*>(d_wire), d_bf16, m * k, stream));
-    } else if (wire == DType::kFP16) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp16ToBf16(
-          static_cast<const uint16_t*>(d_wire), d_bf16, m * k, stream));
-    } else if (wire != DType::kBF16) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name(), ": hidden_states must be bf16, fp16 or fp32, got ", DTypeName(wire)));
+    if (wire != DType::kBF16) {
+      MOESERVE_RETURN_IF_ERROR(
+          ConvertWireToBf16(name(), d_wire, wire, static_cast<uint16_t*>(d_x), m * k, stream));
     }
     MOESERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(d_ids, pin_ids, id_bytes, cudaMemcpyHostToDevice, stream));
@@ -654,16 +664,10 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
       cudaMemcpyAsync(g_dev_in_, g_pin_in_, l.bytes, cudaMemcpyHostToDevice, stream));
   auto* d_in = static_cast<uint8_t*>(g_dev_in_);
   void* d_x = d_in;
-  if (wire == DType::kFP32) {
+  if (wire != DType::kBF16) {
     d_x = g_dev_x_;
-    MOESERVE_CUDA_RETURN_IF_ERROR(
-        kernels::LaunchConvertFp32ToBf16(reinterpret_cast<const float*>(d_in),
-                                         static_cast<uint16_t*>(d_x), padded_tokens * k, stream));
-  } else if (wire == DType::kFP16) {
-    d_x = g_dev_x_;
-    MOESERVE_CUDA_RETURN_IF_ERROR(
-        kernels::LaunchConvertFp16ToBf16(reinterpret_cast<const uint16_t*>(d_in),
-                                         static_cast<uint16_t*>(d_x), padded_tokens * k, stream));
+    MOESERVE_RETURN_IF_ERROR(ConvertWireToBf16(name(), d_in, wire, static_cast<uint16_t*>(d_x),
+                                               padded_tokens * k, stream));
   }
   out->format = ActivationFormat::kStandard;
   out->a1q = TensorView(d_x, DType::kBF16, {padded_tokens, k}, gpu);
@@ -711,13 +715,8 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
           absl::StrCat(name(), ": the graph path reduces Standard-format expert output only"));
   }
   const void* src = answer;
-  if (dtype == DType::kBF16) {
-    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToBf16(
-        answer, static_cast<uint16_t*>(g_dev_out_), p * k, stream));
-    src = g_dev_out_;
-  } else if (dtype == DType::kFP16) {
-    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchConvertFp32ToFp16(
-        answer, static_cast<uint16_t*>(g_dev_out_), p * k, stream));
+  if (dtype != DType::kFP32) {
+    MOESERVE_RETURN_IF_ERROR(ConvertAnswerOnDevice(answer, dtype, g_dev_out_, p * k, stream));
     src = g_dev_out_;
   }
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g_pin_out_, src,

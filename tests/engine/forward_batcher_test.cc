@@ -343,6 +343,15 @@ TEST(ForwardBatcherTest, IdleSmallCallsRunOnTheSubmittingThread) {
   }
 }
 
+// A negative inline_max_tokens is refused, naming the option.
+TEST(ForwardBatcherTest, NegativeInlineMaxTokensIsRefused) {
+  auto engine = ReferenceEngine();
+  auto b = ForwardBatcher::Create(engine.get(), {.inline_max_tokens = -1});
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("inline_max_tokens"), absl::string_view::npos)
+      << b.status();
+}
+
 // The engine's lanes: concurrent Forward calls beyond the lane count wait, none is lost, each
 // is correct; more lanes than the plan allows are refused with a reason.
 TEST(ForwardBatcherTest, EngineLanesRunConcurrentForwards) {
