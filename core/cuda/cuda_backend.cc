@@ -243,7 +243,13 @@ absl::StatusOr<std::unique_ptr<DevicePackedLayer>> UploadLayer(const LayerWeight
         cudaMalloc(reinterpret_cast<void**>(&out->w2_scale), e * l.w2_scales_per_expert()));
   }
   // Raw copies go through one temporary, one tensor at a time.
-  DeviceBuffer raw, raw_scale;
+  DeviceBuffer raw, raw_scale, max_code;
+  int32_t* d_max_code = nullptr;
+  if (fp8) {
+    MOESERVE_ASSIGN_OR_RETURN(void* p, max_code.Get(sizeof(int32_t)));
+    d_max_code = static_cast<int32_t*>(p);
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_max_code, 0, sizeof(int32_t), StreamOf(ctx)));
+  }
   auto pack = [&](const TensorView& v, const TensorView& s, bool w13) -> absl::Status {
     MOESERVE_ASSIGN_OR_RETURN(void* d, raw.Get(v.nbytes()));
     // Async on the context's stream: a plain cudaMemcpy from pageable memory may return before
@@ -258,17 +264,21 @@ absl::StatusOr<std::unique_ptr<DevicePackedLayer>> UploadLayer(const LayerWeight
           cudaMemcpyAsync(ds, s.raw_data(), s.nbytes(), cudaMemcpyHostToDevice, StreamOf(ctx)));
     }
     if (w13) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(
-          kernels::LaunchPackMoeW13(d, ds, e, l, esize, out->w13, out->w13_scale, StreamOf(ctx)));
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchPackMoeW13(
+          d, ds, e, l, esize, out->w13, out->w13_scale, StreamOf(ctx), d_max_code));
     } else {
-      MOESERVE_CUDA_RETURN_IF_ERROR(
-          kernels::LaunchPackMoeW2(d, ds, e, l, esize, out->w2, out->w2_scale, StreamOf(ctx)));
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchPackMoeW2(
+          d, ds, e, l, esize, out->w2, out->w2_scale, StreamOf(ctx), d_max_code));
     }
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(ctx)));
     return absl::OkStatus();
   };
   MOESERVE_RETURN_IF_ERROR(pack(w.w13, w.w13_scale, true));
   MOESERVE_RETURN_IF_ERROR(pack(w.w2, w.w2_scale, false));
+  if (fp8) {  // pack() synchronized the stream
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(&out->max_scale_code, d_max_code, sizeof(int32_t), cudaMemcpyDeviceToHost));
+  }
   return out;
 }
 

@@ -349,6 +349,7 @@ absl::Status CudaGroupedExperts::RunDecode(const ExpertsApplyArgs& args,
   float* per_route = reinterpret_cast<float*>(inter + rows * ip);  // [rows, H] FP32
   kernels::MoeGemmParams g1;
   g1.mxfp8 = layer.format == WeightFormat::kMXFP8;
+  g1.mxfp8_max_scale_code = layer.max_scale_code;
   g1.num_experts = e;
   g1.layout = l;
   g1.expert_counts = counts;

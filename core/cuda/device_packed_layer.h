@@ -19,6 +19,8 @@ struct DevicePackedLayer {
   void* w2 = nullptr;
   uint8_t* w13_scale = nullptr;
   uint8_t* w2_scale = nullptr;
+  // MXFP8: the largest packed E8M0 scale code (kernels::MoeGemmParams::mxfp8_max_scale_code).
+  int32_t max_scale_code = 255;
   ~DevicePackedLayer();
 };
 

@@ -12,12 +12,16 @@ constexpr int kBK = 64;
 constexpr int kThreads = 256;
 constexpr int kMaxGemmExperts = 2048;
 
-// Logical K (inside a block of 32) stored at packed position p: thread t4 of an MMA quad reads
-// packed [8 t4, 8 t4 + 8) = logical {2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17, 2t+24, 2t+25}, which
-// is its A fragment for two consecutive k16 MMAs.
-__host__ __device__ inline int PermutedK(int p) {
+// Logical K (inside a block of 32) stored at packed position p. Thread t of an MMA quad reads
+// packed [8 t, 8 t + 8): logical {2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17, 2t+24, 2t+25}, its A
+// fragments for two consecutive k16 MMAs. BF16 stores them in register order; E4M3 stores each
+// half as {2t, 2t+8, 2t+1, 2t+9}, the byte order in which Fp8x4ToBf16 below yields the
+// registers (2t, 2t+1) and (2t+8, 2t+9).
+__host__ __device__ inline int PermutedK(int p, bool fp8) {
   const int t = p / 8, q = p % 8;
-  return 2 * t + (q % 2) + (q / 2) * 8;
+  if (!fp8) return 2 * t + (q % 2) + (q / 2) * 8;
+  const int r = q % 4;
+  return 2 * t + 16 * (q / 4) + r / 2 + 8 * (r % 2);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -27,8 +31,9 @@ template <typename T>
 __global__ void PackKernel(const T* __restrict__ src, const uint8_t* __restrict__ src_scale,
                            int64_t num_experts, int64_t src_rows, int64_t k, int64_t rows,
                            int64_t kp, bool interleave_w13, int64_t half_rows, T* __restrict__ dst,
-                           uint8_t* __restrict__ dst_scale) {
+                           uint8_t* __restrict__ dst_scale, int32_t* __restrict__ max_scale_code) {
   // One thread per packed 32-block (32 values + 1 scale).
+  uint32_t max_code = 0;
   const int64_t blocks_per_row = kp / 32;
   const int64_t total = num_experts * rows * blocks_per_row;
   const int64_t src_blocks = (k + 31) / 32;
@@ -50,26 +55,36 @@ __global__ void PackKernel(const T* __restrict__ src, const uint8_t* __restrict_
     // has in shared memory, so each stage is one contiguous copy.
     const int64_t t_mt = row / kBM, t_r = row % kBM, t_kb = b / 2, t_kc = b % 2;
     T* out = dst + ((((e * mtiles + t_mt) * num_kb + t_kb) * 2 + t_kc) * kBM + t_r) * 32;
+    bool nan = false;  // an E4M3 NaN code (S.1111.111) in this block
     for (int p = 0; p < 32; ++p) {
-      const int64_t kk = b * 32 + PermutedK(p);
+      const int64_t kk = b * 32 + PermutedK(p, sizeof(T) == 1);
       T v = T(0);
       if (srow >= 0 && kk < k) v = src[(e * src_rows + srow) * k + kk];
+      if (sizeof(T) == 1) nan |= (v & 0x7f) == 0x7f;
       out[p] = v;
     }
     if (dst_scale != nullptr) {
       uint8_t s = 127;
       if (srow >= 0 && b < src_blocks) s = src_scale[(e * src_rows + srow) * src_blocks + b];
+      // The GEMMs' dequantization has no E4M3 NaN; a NaN scale makes the whole block NaN, which
+      // gives the row the same (NaN) dot products as the one NaN value would.
+      if (nan) s = 255;
+      max_code = max(max_code, static_cast<uint32_t>(s));
       // Tile layout [E][mtiles][num_kb][BM][2].
       const int64_t mt = row / kBM, r = row % kBM, kb = b / 2;
       dst_scale[(((e * mtiles + mt) * num_kb + kb) * kBM + r) * 2 + (b % 2)] = s;
     }
+  }
+  if (max_scale_code != nullptr) {  // every thread gets here: one atomic per warp
+    max_code = __reduce_max_sync(0xffffffffu, max_code);
+    if (threadIdx.x % 32 == 0) atomicMax(max_scale_code, static_cast<int32_t>(max_code));
   }
 }
 
 cudaError_t LaunchPack(const void* src, const uint8_t* src_scale, int64_t num_experts,
                        int64_t src_rows, int64_t k, int64_t rows, int64_t kp, bool interleave,
                        int64_t half_rows, int elem_bytes, void* dst, uint8_t* dst_scale,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, int32_t* max_scale_code) {
   if (elem_bytes != 1 && elem_bytes != 2) return cudaErrorInvalidValue;
   if (elem_bytes == 1 && (src_scale == nullptr || dst_scale == nullptr)) {
     return cudaErrorInvalidValue;
@@ -80,11 +95,11 @@ cudaError_t LaunchPack(const void* src, const uint8_t* src_scale, int64_t num_ex
   if (elem_bytes == 2) {
     PackKernel<uint16_t><<<blocks, 256, 0, stream>>>(
         static_cast<const uint16_t*>(src), nullptr, num_experts, src_rows, k, rows, kp, interleave,
-        half_rows, static_cast<uint16_t*>(dst), nullptr);
+        half_rows, static_cast<uint16_t*>(dst), nullptr, nullptr);
   } else {
     PackKernel<uint8_t><<<blocks, 256, 0, stream>>>(
         static_cast<const uint8_t*>(src), src_scale, num_experts, src_rows, k, rows, kp, interleave,
-        half_rows, static_cast<uint8_t*>(dst), dst_scale);
+        half_rows, static_cast<uint8_t*>(dst), dst_scale, max_scale_code);
   }
   return cudaGetLastError();
 }
@@ -93,6 +108,7 @@ cudaError_t LaunchPack(const void* src, const uint8_t* src_scale, int64_t num_ex
 // Dequantization.
 
 __device__ __forceinline__ float E8M0ToFloat(uint32_t code) {
+  if (code == 255) return __uint_as_float(0x7fc00000u);            // NaN
   return __uint_as_float(code != 0 ? (code << 23) : 0x00400000u);  // 2^-127 is subnormal
 }
 
@@ -103,6 +119,50 @@ __device__ __forceinline__ uint32_t DequantPair(uint32_t two, float s) {
   const float2 f = __half22float2(__half2(h));
   const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
   return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// The GEMMs' dequantization (Fp8x4ToBf16) moves an E4M3 code's sign, exponent and mantissa into
+// BF16's fields with integer ops only: read as BF16, the moved bits are the value times 2^-120,
+// subnormals included. cvt.e4m3x2 and the FP32->BF16 pack run on the conversion pipe (16 lanes
+// per clock per SM), which held MXFP8 decode near half the HBM floor; these are ALU and FMA ops.
+// The block scale 2^(code-127) then becomes a BF16 multiply by 2^(code-7): one IMAD makes the
+// multiplier and one FMA applies it, for code <= kMxfp8NarrowScaleMax (134, the largest with
+// 2^(code-7) in BF16's range; real checkpoints stay far below). The wide form, for any code,
+// multiplies by 2^120 and then 2^(code-127) (NaN for 255); it always runs both, since a branch
+// cost the wgmma kernel register spills.
+struct Fp8Scale {
+  uint32_t m1, m2;  // BF16x2 multipliers (m2: wide form only)
+};
+template <bool kWide>
+__device__ __forceinline__ Fp8Scale MakeFp8Scale(uint32_t code) {
+  if constexpr (!kWide) {
+    return Fp8Scale{code * 0x00800080u + 120u * 0x00800080u, 0};
+  } else {
+    const bool twice = code > kMxfp8NarrowScaleMax;
+    const uint32_t b1 = twice ? (247u << 7) : ((code + 120u) << 7);
+    const uint32_t b2 = !twice ? 0x3f80u : code == 255 ? 0x7fc0u : (code << 7);
+    return Fp8Scale{b1 | (b1 << 16), b2 | (b2 << 16)};
+  }
+}
+
+// a * b per BF16 lane, rounded once (adding -0 keeps every product, -0 included).
+__device__ __forceinline__ uint32_t Bf16x2Mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// Four E4M3 codes [b0 b1 b2 b3] (b0 the lowest byte) times the block scale -> BF16x2 lo = (b0,
+// b2) and hi = (b1, b3), exact (rounded as the FP32 product rounds to BF16).
+template <bool kWide>
+__device__ __forceinline__ void Fp8x4ToBf16(uint32_t q, const Fp8Scale& s, uint32_t& lo,
+                                            uint32_t& hi) {
+  hi = Bf16x2Mul((q & 0x80008000u) | ((q >> 4) & 0x07f007f0u), s.m1);
+  lo = Bf16x2Mul(((q << 8) & 0x80008000u) | ((q << 4) & 0x07f007f0u), s.m1);
+  if constexpr (kWide) {
+    hi = Bf16x2Mul(hi, s.m2);
+    lo = Bf16x2Mul(lo, s.m2);
+  }
 }
 
 __global__ void DequantKernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ scales,
@@ -170,7 +230,7 @@ struct GemmCfg {
   }
 };
 
-template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
+template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
 __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams p) {
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -239,58 +299,68 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
     return un;
   };
 
-  // Producer state.
-  const unsigned char* a_src = nullptr;
-  const uint8_t* s_src = nullptr;
-  const uint16_t* b_src[C::kBChunks];
-  Unit pu;
+  // Producer state. Loads run in order, STAGES - 1 ahead of use, so counters and pointer
+  // increments replace the divisions and 64-bit address math of each stage (they were a quarter
+  // of the MXFP8 decode loop's instructions).
+  const unsigned char* a_ptr = nullptr;
+  const uint8_t* s_ptr = nullptr;
+  const uint16_t* b_ptr[C::kBChunks];  // this thread's activation row + its 8-element chunk
+  int p_it = 0, p_unit = 0, p_kb = 0, p_slot = 0, p_k = 0;
+  const int b_cc = tid % 8;
   auto producer_unit = [&](int i) {
-    pu = decode(i);
-    a_src = static_cast<const unsigned char*>(p.weights) +
+    const Unit pu = decode(i);
+    a_ptr = static_cast<const unsigned char*>(p.weights) +
             (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kABytes;
     if (kFp8) {
-      s_src = p.scales + ((static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb) * (kBM * 2);
+      s_ptr = p.scales + ((static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb) * (kBM * 2);
     }
 #pragma unroll
     for (int i2 = 0; i2 < C::kBChunks; ++i2) {
       const int c = tid + i2 * kThreads;
-      const int r = c / 8;
-      const int j = pu.nt * BN + r;
-      b_src[i2] = nullptr;
+      const int j = pu.nt * BN + c / 8;
+      b_ptr[i2] = nullptr;
       if (c < BN * 8 && j < pu.cnt) {
         const int row = pu.row0 + j;
         const int64_t arow = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
-        b_src[i2] = p.act + arow * p.act_stride;
+        b_ptr[i2] = p.act + arow * p.act_stride + b_cc * 8;
       }
     }
   };
-  auto load = [&](int it) {
-    if (it < total_iters) {
-      const int kb = it % num_kb;
-      if (kb == 0) producer_unit(it / num_kb);
-      unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
+  auto load = [&]() {
+    if (p_it < total_iters) {
+      if (p_kb == 0) {
+        producer_unit(p_unit);
+        p_k = b_cc * 8;
+      }
+      unsigned char* st = smem + p_slot * C::kStageBytes;
       const uint32_t a_dst = SmemAddr(st);
-      const unsigned char* a_stage = a_src + static_cast<int64_t>(kb) * C::kABytes;
 #pragma unroll
       for (int i2 = 0; i2 < C::kABytes / 16 / kThreads; ++i2) {
         const int c = tid + i2 * kThreads;
-        CpAsync16(a_dst + c * 16, a_stage + c * 16, 16);
+        CpAsync16(a_dst + c * 16, a_ptr + c * 16, 16);
       }
-      if (kFp8 && tid < 16) {
-        CpAsync16(SmemAddr(st + C::kABytes) + tid * 16, s_src + kb * (kBM * 2) + tid * 16, 16);
-      }
+      if (kFp8 && tid < 16) CpAsync16(SmemAddr(st + C::kABytes) + tid * 16, s_ptr + tid * 16, 16);
       const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
+      const bool k_ok = p_k < k_valid;
 #pragma unroll
       for (int i2 = 0; i2 < C::kBChunks; ++i2) {
         const int c = tid + i2 * kThreads;
         if (c < BN * 8) {
-          const int r = c / 8, cc = c % 8;
-          const int64_t kk = static_cast<int64_t>(kb) * kBK + cc * 8;
-          const bool ok = b_src[i2] != nullptr && kk < k_valid;
-          CpAsync16(b_dst + (r * C::kBStride + cc * 8) * 2, ok ? b_src[i2] + kk : p.act,
+          const bool ok = b_ptr[i2] != nullptr && k_ok;
+          CpAsync16(b_dst + ((c / 8) * C::kBStride + b_cc * 8) * 2, ok ? b_ptr[i2] : p.act,
                     ok ? 16 : 0);
+          if (b_ptr[i2] != nullptr) b_ptr[i2] += kBK;
         }
       }
+      a_ptr += C::kABytes;
+      if (kFp8) s_ptr += kBM * 2;
+      p_k += kBK;
+      if (++p_kb == num_kb) {
+        p_kb = 0;
+        ++p_unit;
+      }
+      p_slot = p_slot + 1 == STAGES ? 0 : p_slot + 1;
+      ++p_it;
     }
     CpAsyncCommit();
   };
@@ -307,18 +377,28 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
   const int g = lane / 4, t4 = lane % 4;
 
 #pragma unroll 1
-  for (int s = 0; s < STAGES - 1; ++s) load(s);
+  for (int s = 0; s < STAGES - 1; ++s) load();
 
   Unit cu;
+  int c_unit = 0, c_kb = 0, c_slot = 0;
 #pragma unroll 1
   for (int it = 0; it < total_iters; ++it) {
-    const int kb = it % num_kb;
-    if (kb == 0) cu = decode(it / num_kb);
+    if (c_kb == 0) cu = decode(c_unit);
     CpAsyncWait<STAGES - 2>();
     __syncthreads();
-    load(it + STAGES - 1);
-    const unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
+    load();
+    const unsigned char* st = smem + c_slot * C::kStageBytes;
     const uint32_t b_base = SmemAddr(st + C::kABytes + C::kSBytes);
+    // MXFP8: both 32-K blocks' scale codes of rows r0 and r0 + 8, one 16-bit load each.
+    uint32_t codes[C::kMI][2];
+    if (kFp8) {
+#pragma unroll
+      for (int mi = 0; mi < C::kMI; ++mi) {
+        const int r0 = warp_m * C::kWTM + mi * 16 + g;
+        codes[mi][0] = *reinterpret_cast<const uint16_t*>(st + C::kABytes + r0 * 2);
+        codes[mi][1] = *reinterpret_cast<const uint16_t*>(st + C::kABytes + (r0 + 8) * 2);
+      }
+    }
 #pragma unroll
     for (int kc = 0; kc < 2; ++kc) {
       uint32_t a[C::kMI][2][4];
@@ -328,16 +408,14 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
         if (kFp8) {
           const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
           const uint2 rb = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-          const float sa = E8M0ToFloat(st[C::kABytes + r0 * 2 + kc]);
-          const float sb = E8M0ToFloat(st[C::kABytes + (r0 + 8) * 2 + kc]);
-          a[mi][0][0] = DequantPair(ra.x, sa);
-          a[mi][0][1] = DequantPair(rb.x, sb);
-          a[mi][0][2] = DequantPair(ra.x >> 16, sa);
-          a[mi][0][3] = DequantPair(rb.x >> 16, sb);
-          a[mi][1][0] = DequantPair(ra.y, sa);
-          a[mi][1][1] = DequantPair(rb.y, sb);
-          a[mi][1][2] = DequantPair(ra.y >> 16, sa);
-          a[mi][1][3] = DequantPair(rb.y >> 16, sb);
+          const Fp8Scale sa =
+              MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
+          const Fp8Scale sb =
+              MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
+          Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
+          Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
+          Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
+          Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
         } else {
           const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
           const uint4 rb = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
@@ -371,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
           for (int ni = 0; ni < C::kNI; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
       }
     }
-    if (kb == num_kb - 1) {
+    if (c_kb == num_kb - 1) {
       // Epilogue straight from registers.
 #pragma unroll
       for (int mi = 0; mi < C::kMI; ++mi) {
@@ -402,14 +480,19 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
         }
       }
     }
+    if (++c_kb == num_kb) {
+      c_kb = 0;
+      ++c_unit;
+    }
+    c_slot = c_slot + 1 == STAGES ? 0 : c_slot + 1;
   }
   CpAsyncWait<0>();
 }
 
-template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
+template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
 cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
-  auto kernel = MoeGemmKernel<kFp8, BN, WM, WN, STAGES, KIND>;
+  auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND>;
   const size_t smem = C::SmemBytes(p.num_experts);
   // Per device: a function attribute belongs to the current device's context, and EP ranks
   // drive several GPUs from one process (one thread each).
@@ -730,16 +813,12 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
       if (kFp8) {
         const uint2 ra = *reinterpret_cast<const uint2*>(sa + (kc * kBM + r0) * 32 + t4 * 8);
         const uint2 rb = *reinterpret_cast<const uint2*>(sa + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-        const float fa = E8M0ToFloat(sa[C::kABytes + r0 * 2 + kc]);
-        const float fb = E8M0ToFloat(sa[C::kABytes + (r0 + 8) * 2 + kc]);
-        a[0][0] = DequantPair(ra.x, fa);
-        a[0][1] = DequantPair(rb.x, fb);
-        a[0][2] = DequantPair(ra.x >> 16, fa);
-        a[0][3] = DequantPair(rb.x >> 16, fb);
-        a[1][0] = DequantPair(ra.y, fa);
-        a[1][1] = DequantPair(rb.y, fb);
-        a[1][2] = DequantPair(ra.y >> 16, fa);
-        a[1][3] = DequantPair(rb.y >> 16, fb);
+        const Fp8Scale fa = MakeFp8Scale<true>(sa[C::kABytes + r0 * 2 + kc]);
+        const Fp8Scale fb = MakeFp8Scale<true>(sa[C::kABytes + (r0 + 8) * 2 + kc]);
+        Fp8x4ToBf16<true>(ra.x, fa, a[0][0], a[0][2]);
+        Fp8x4ToBf16<true>(rb.x, fb, a[0][1], a[0][3]);
+        Fp8x4ToBf16<true>(ra.y, fa, a[1][0], a[1][2]);
+        Fp8x4ToBf16<true>(rb.y, fb, a[1][1], a[1][3]);
       } else {
         const uint4 ra = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0) * 64 + t4 * 16);
         const uint4 rb = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0 + 8) * 64 + t4 * 16);
@@ -820,9 +899,15 @@ template <bool kFp8, MoeGemmKind KIND>
 cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
   constexpr int kSmallStages = kFp8 ? 8 : 6;
-  if (avg <= 16) return Run<kFp8, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
-  if (avg <= 32) return Run<kFp8, 32, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
-  if (avg <= 64) return Run<kFp8, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+  // MXFP8 scale codes above kMxfp8NarrowScaleMax (or NaN blocks) need the two-multiply
+  // dequantization; one decode tile shape serves every count there (rare in real checkpoints).
+  const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
+  if (wide && avg <= 64) return Run<kFp8, true, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+  if (!wide) {
+    if (avg <= 16) return Run<kFp8, false, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+    if (avg <= 32) return Run<kFp8, false, 32, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+    if (avg <= 64) return Run<kFp8, false, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+  }
 #if MOESERVE_CUDA_WGMMA
   // MXFP8 with more than 128 routes per expert: 128x256 wgmma tiles, measured 2.0x faster than
   // the mma.sync tile on the H200 (seed layer, 1024 tokens/rank: 2.36 ms vs 4.83 ms). The BF16
@@ -831,24 +916,26 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     if (avg > 128) return RunWgmma<kFp8, 256, KIND>(p, num_sms, stream);
   }
 #endif
-  return Run < kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND > (p, num_sms, stream);
+  // Large tiles are MMA-bound: they always take the exact two-multiply dequantization.
+  return Run < kFp8, kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND > (p, num_sms, stream);
 }
 
 }  // namespace
 
 cudaError_t LaunchPackMoeW13(const void* w13, const uint8_t* w13_scale, int64_t num_experts,
                              const MoePackedLayout& l, int elem_bytes, void* packed,
-                             uint8_t* packed_scale, cudaStream_t stream) {
+                             uint8_t* packed_scale, cudaStream_t stream, int32_t* max_scale_code) {
   return LaunchPack(w13, w13_scale, num_experts, 2 * l.intermediate, l.hidden,
                     2 * l.intermediate_padded, l.hidden_padded, true, l.intermediate, elem_bytes,
-                    packed, packed_scale, stream);
+                    packed, packed_scale, stream, max_scale_code);
 }
 
 cudaError_t LaunchPackMoeW2(const void* w2, const uint8_t* w2_scale, int64_t num_experts,
                             const MoePackedLayout& l, int elem_bytes, void* packed,
-                            uint8_t* packed_scale, cudaStream_t stream) {
+                            uint8_t* packed_scale, cudaStream_t stream, int32_t* max_scale_code) {
   return LaunchPack(w2, w2_scale, num_experts, l.hidden, l.intermediate, l.w2_rows,
-                    l.intermediate_padded, false, 0, elem_bytes, packed, packed_scale, stream);
+                    l.intermediate_padded, false, 0, elem_bytes, packed, packed_scale, stream,
+                    max_scale_code);
 }
 
 cudaError_t LaunchDequantizeMxfp8ToBf16(const uint8_t* q, const uint8_t* scales, int64_t rows,

@@ -31,6 +31,9 @@ namespace moeserve::kernels {
 
 inline constexpr int64_t kMoeGemmTileRows = 128;  // weight rows per tile (BM)
 inline constexpr int64_t kMoeGemmTileK = 64;      // K per pipeline stage (BK)
+// The largest E8M0 code whose MXFP8 blocks the decode GEMMs dequantize with one multiply
+// (2^(code-7) must be a BF16 value); larger codes take a slower exact path (MoeGemmParams).
+inline constexpr int kMxfp8NarrowScaleMax = 134;
 
 // Packed sizes for an expert MLP of hidden H and intermediate I.
 struct MoePackedLayout {
@@ -59,12 +62,18 @@ inline MoePackedLayout MakeMoePackedLayout(int64_t hidden, int64_t intermediate)
 //   w2  [E, H, I]  (+ w2_scale  [E, H, ceil(I/32)])  -> packed E x w2_rows x Ip values (+ scales)
 // in the tile-contiguous order above (not row-major [E, rows, K]).
 // elem_bytes 2 (BF16; scales null) or 1 (E4M3; scales required). Padding is zero (scale 2^0).
+// A 32-block holding an E4M3 NaN code gets scale code 255 (NaN): the GEMMs' integer
+// dequantization has no NaN, and a NaN block gives its row the same NaN dot products.
+// max_scale_code (optional, device int32, MXFP8 only): raised with atomicMax to the largest packed
+// scale code, for MoeGemmParams::mxfp8_max_scale_code; initialize it (e.g. to 0) before.
 cudaError_t LaunchPackMoeW13(const void* w13, const uint8_t* w13_scale, int64_t num_experts,
                              const MoePackedLayout& layout, int elem_bytes, void* packed,
-                             uint8_t* packed_scale, cudaStream_t stream);
+                             uint8_t* packed_scale, cudaStream_t stream,
+                             int32_t* max_scale_code = nullptr);
 cudaError_t LaunchPackMoeW2(const void* w2, const uint8_t* w2_scale, int64_t num_experts,
                             const MoePackedLayout& layout, int elem_bytes, void* packed,
-                            uint8_t* packed_scale, cudaStream_t stream);
+                            uint8_t* packed_scale, cudaStream_t stream,
+                            int32_t* max_scale_code = nullptr);
 
 // MXFP8 [rows, k] (+ scales [rows, ceil(k/32)]) to BF16 [rows, k], exact for every finite
 // product within BF16's range (the E8M0 scale is a power of two).
@@ -89,8 +98,11 @@ struct MoeGemmParams {
   MoePackedLayout layout;
   const void* weights = nullptr;    // packed W13 or W2
   const uint8_t* scales = nullptr;  // packed scales (MXFP8)
-  const uint16_t* act = nullptr;    // BF16 activation rows
-  int64_t act_stride = 0;           // elements between activation rows
+  // The largest packed scale code (LaunchPackMoe* report it). Up to kMxfp8NarrowScaleMax the
+  // decode tiles dequantize with one multiply; above it (the default: unknown) with two.
+  int mxfp8_max_scale_code = 255;
+  const uint16_t* act = nullptr;  // BF16 activation rows
+  int64_t act_stride = 0;         // elements between activation rows
   const int32_t* expert_counts = nullptr;
   const int32_t* expert_offsets = nullptr;
   int64_t offset_stride = 0;

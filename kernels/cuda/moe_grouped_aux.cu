@@ -17,17 +17,22 @@ int GridFor(int64_t work) {
 }
 
 // Packed position (inside a block of 32) of logical K offset q: the inverse of moe_gemm.cu's
-// PermutedK (p = 8 t + 2 u + s holds logical 2 t + s + 8 u).
-__device__ __forceinline__ int PackedPos(int q) { return 8 * ((q % 8) / 2) + 2 * (q / 8) + q % 2; }
+// PermutedK. BF16: p = 8 t + 2 u + s holds logical 2 t + s + 8 u; E4M3: p = 8 t + 4 h + 2 s + u
+// holds logical 16 h + 8 u + 2 t + s.
+__device__ __forceinline__ int PackedPos(int q, bool fp8) {
+  if (!fp8) return 8 * ((q % 8) / 2) + 2 * (q / 8) + q % 2;
+  const int w = q % 16;
+  return 8 * ((w % 8) / 2) + 4 * (q / 16) + 2 * (w % 2) + w / 8;
+}
 
 // Element (row, kk) of expert e in the tile-contiguous packed layout of moe_gemm.cu:
 // [E][rows / 128][kp / 64][2][128][32].
 __device__ __forceinline__ int64_t PackedIndex(int64_t e, int64_t row, int64_t kk, int64_t rows,
-                                               int64_t kp) {
+                                               int64_t kp, bool fp8) {
   const int64_t mtiles = rows / kMoeGemmTileRows, num_kb = kp / kMoeGemmTileK;
   return ((((e * mtiles + row / 128) * num_kb + kk / 64) * 2 + (kk / 32) % 2) * 128 + row % 128) *
              32 +
-         PackedPos(static_cast<int>(kk % 32));
+         PackedPos(static_cast<int>(kk % 32), fp8);
 }
 
 // Packed (+ scale) element -> BF16: BF16 as it is; E4M3 times its E8M0 block scale, exact (an
@@ -42,7 +47,8 @@ __device__ __forceinline__ uint16_t ToBf16(const T* p, const uint8_t* s, int64_t
     const int64_t mtiles = rows / kMoeGemmTileRows, num_kb = kp / kMoeGemmTileK;
     const uint32_t code =
         s[(((e * mtiles + row / 128) * num_kb + kk / 64) * 128 + row % 128) * 2 + (kk / 32) % 2];
-    const float scale = __uint_as_float(code != 0 ? (code << 23) : 0x00400000u);
+    const float scale = code == 255 ? __uint_as_float(0x7fc00000u)  // NaN (also a NaN block)
+                                    : __uint_as_float(code != 0 ? (code << 23) : 0x00400000u);
     const __half_raw h =
         __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(p[idx]), __NV_E4M3);
     const __nv_bfloat16 b = __float2bfloat16_rn(__half2float(__half(h)) * scale);
@@ -64,11 +70,13 @@ __global__ void UnpackKernel(const T* __restrict__ pw13, const uint8_t* __restri
       // Packed W13 rows come in groups of 16: 8 gate rows, then the 8 matching up rows.
       const int64_t j = r % ip;
       const int64_t prow = (j / 8) * 16 + (r >= ip ? 8 : 0) + j % 8;
-      w13[i] = ToBf16(pw13, s13, PackedIndex(e, prow, kk, 2 * ip, hp), e, prow, kk, 2 * ip, hp);
+      w13[i] = ToBf16(pw13, s13, PackedIndex(e, prow, kk, 2 * ip, hp, sizeof(T) == 1), e, prow, kk,
+                      2 * ip, hp);
     } else {
       const int64_t i2 = i - n13;
       const int64_t kk = i2 % ip, r = (i2 / ip) % h, e = i2 / (ip * h);
-      w2[i2] = ToBf16(pw2, s2, PackedIndex(e, r, kk, l.w2_rows, ip), e, r, kk, l.w2_rows, ip);
+      w2[i2] = ToBf16(pw2, s2, PackedIndex(e, r, kk, l.w2_rows, ip, sizeof(T) == 1), e, r, kk,
+                      l.w2_rows, ip);
     }
   }
 }

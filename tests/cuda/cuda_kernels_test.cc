@@ -184,6 +184,87 @@ TEST_F(CudaKernelsTest, DequantizeMxfp8IsExact) {
   }
 }
 
+// The grouped GEMM dequantizes MXFP8 in registers with integer ops (moe_gemm.cu, Fp8x4ToBf16).
+// One-hot activation rows read the dequantized weights back out of the down GEMM (w * 1 plus
+// w' * 0 is exact), so every weight must equal the CPU twin bit for bit, for every E4M3 code and
+// for scale codes up to 134 (one multiply; BF16 subnormal products at the low end) and, with a
+// NaN code, up to 245: the pack reports the largest code (255 for the NaN block) and that selects
+// the two-multiply path. The NaN makes its row's dot products NaN, as in the reference GEMM.
+// Tile families: mma.sync decode (16 and 64 routes per expert) and the large tiles (192: wgmma
+// where built).
+TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
+  std::mt19937 rng(21);
+  const int64_t e = 2, h = 256, n = 128, blocks = n / 32;
+  int num_sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  for (int max_code : {134, 245}) {
+    for (int count : {16, 64, 192}) {
+      std::vector<uint8_t> q(e * h * n), s(e * h * blocks);
+      for (auto& v : q) {
+        v = static_cast<uint8_t>(rng());
+        if ((v & 0x7f) == 0x7f) v &= 0xfe;
+      }
+      for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<uint8_t>(rng() % (max_code + 1));
+      s[5] = static_cast<uint8_t>(max_code);
+      const bool wide = max_code > kMxfp8NarrowScaleMax;
+      const int64_t nan_row = 37, nan_expert = 1;  // wide: one NaN code in one row
+      if (wide) q[(nan_expert * h + nan_row) * n + 70] = 0xff;
+      std::vector<uint16_t> deq(e * h * n);
+      DequantizeMxfp8ToBf16Ref(q.data(), s.data(), e * h, n, deq.data());
+
+      const MoePackedLayout l = MakeMoePackedLayout(h, n);
+      Dev<uint8_t> dq(q), ds(s);
+      Dev<uint8_t> packed(e * l.w2_elems_per_expert()), pscale(e * l.w2_scales_per_expert());
+      Dev<int32_t> d_max(std::vector<int32_t>{0});
+      CUDA_OK(LaunchPackMoeW2(dq.p, ds.p, e, l, 1, packed.p, pscale.p, nullptr, d_max.p));
+      const int32_t reported = d_max.Get()[0];
+      EXPECT_EQ(reported, wide ? 255 : max_code);  // the NaN block is packed with code 255
+      std::vector<uint16_t> act(e * count * l.intermediate_padded, 0);
+      for (int64_t r = 0; r < e * count; ++r) {
+        act[r * l.intermediate_padded + (r % count) % n] = 0x3f80;  // 1.0
+      }
+      Dev<uint16_t> d_act(act);
+      Dev<int32_t> d_counts(std::vector<int32_t>(e, count));
+      Dev<float> d_out(e * count * h);
+      MoeGemmParams p;
+      p.kind = MoeGemmKind::kDown;
+      p.mxfp8 = true;
+      p.mxfp8_max_scale_code = reported;
+      p.num_experts = static_cast<int>(e);
+      p.layout = l;
+      p.weights = packed.p;
+      p.scales = pscale.p;
+      p.act = d_act.p;
+      p.act_stride = l.intermediate_padded;
+      p.expert_counts = d_counts.p;
+      p.offset_stride = count;
+      p.out = d_out.p;
+      p.out_stride = h;
+      p.max_rows_hint = count;
+      p.total_rows_hint = e * count;
+      CUDA_OK(LaunchMoeGroupedGemm(p, num_sms, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> out = d_out.Get();
+      int mismatches = 0, nan_rows = 0;
+      for (int64_t x = 0; x < e; ++x) {
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t k = r % n;
+          for (int64_t row = 0; row < h; ++row) {
+            const float got = out[(x * count + r) * h + row];
+            if (wide && x == nan_expert && row == nan_row) {
+              nan_rows += std::isnan(got);
+              continue;
+            }
+            mismatches += !(got == Bf16ToFloat(deq[(x * h + row) * n + k]));
+          }
+        }
+      }
+      EXPECT_EQ(mismatches, 0) << "max_code=" << max_code << " count=" << count;
+      if (wide) EXPECT_EQ(nan_rows, count) << "count=" << count;
+    }
+  }
+}
+
 // The answer's FP32 -> BF16 / FP16 conversion and the FP16 -> BF16 input conversion on the device
 // must equal the host twins bit for
 // bit: random normals over a wide exponent range plus the edge values (subnormals, rounding

@@ -177,6 +177,7 @@ int main(int argc, char** argv) {
           CK(cudaMalloc(&out, R * s.h * 4));
           MoeGemmParams g1;
           g1.mxfp8 = fp8;
+          g1.mxfp8_max_scale_code = 121;  // FillKernel's scale codes are 117-121
           g1.num_experts = E;
           g1.layout = l;
           g1.expert_counts = counts;
