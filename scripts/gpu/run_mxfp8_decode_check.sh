@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the MXFP8 decode GEMM (issue 13 item 2): the exactness tests, the MXFP8
 # sweep of the experts suite, the benchmark against PyTorch with an earlier build as "before",
-# and Nsight Compute on the 16-token W13 kernel of both builds.
+# and Nsight Compute on the 16-token W13 kernel of both builds (NCU_BUILDS="new", or "" for none).
 # Bundle: $BUNDLE/bin/{cuda_kernels_test,cuda_experts_test,moe_experts_bench,moe_experts_bench_old}
 # and $BUNDLE/lib. Writes under $OUT.
 set -u
@@ -20,7 +20,7 @@ MOESERVE_BENCH_TOKENS=${TOKENS:-16,64,128} MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE
   timeout 300 python3 scripts/gpu/bench_moe.py "$B/moe_experts_bench" "$OUT/bench" \
   "$B/moe_experts_bench_old" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
-for v in old new; do
+for v in ${NCU_BUILDS-old new}; do
   bin=$B/moe_experts_bench; [ $v = old ] && bin=$B/moe_experts_bench_old
   MOESERVE_BENCH_TOKENS=16 MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE_BENCH_PATHS=decode \
     timeout 120 ncu --clock-control none -k regex:MoeGemmKernel --launch-skip 4 -c 1 \
