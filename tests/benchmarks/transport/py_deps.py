@@ -5,10 +5,10 @@ machine without network or pip access: unpacks the carried wheels in WHEELS into
   py_deps.py WHEELS DEST
 
 The moeserve_client wheel (pure Python, its gRPC stubs generated at build time) is always
-unpacked. grpcio / protobuf / ml_dtypes / numpy are unpacked only when this Python lacks a
-usable one (protobuf >= 6.31.1 for the stubs), and only wheels whose tags fit this Python
-(cp3XY or abi3, linux x86_64). torch must already be installed. Exit 1 if, afterwards, the
-client does not import.
+unpacked. grpcio / protobuf / ml_dtypes / numpy / typing_extensions are unpacked only when this
+Python lacks a usable one (protobuf >= 6.31.1 for the stubs, numpy >= 2 for the carried
+ml_dtypes), and only wheels whose tags fit this Python (cp3XY or abi3, linux x86_64). torch must
+already be installed. Exit 1 if, afterwards, the client or torch does not import.
 """
 
 import glob
@@ -45,8 +45,9 @@ def main():
         "grpcio": not usable("grpc", (1, 80, 1)),
         "protobuf": not usable("google.protobuf", (6, 31, 1)),
         "ml_dtypes": not usable("ml_dtypes"),
-        "numpy": not usable("numpy"),
-        "typing_extensions": False,
+        # The carried ml_dtypes needs numpy 2 (torch for CUDA 13 is built against numpy 2).
+        "numpy": not usable("numpy", (2, 0, 0)),
+        "typing_extensions": not usable("typing_extensions"),
         "moeserve_client": True,
     }
     for project, need in needs.items():

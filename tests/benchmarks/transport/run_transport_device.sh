@@ -7,15 +7,16 @@
 # each way in, through the C++ client (moeserve-cli load --concurrency 1 --routing balanced):
 #   tcp    gRPC bytes over TCP loopback        unix  gRPC bytes over a unix socket
 #   shm    a POSIX shared-memory region        cuda  a CUDA region (cudaIpcGetMemHandle)
-# and the Python torch client (clients/python/examples/bench_client.py, trivial layer): CPU
-# tensors as gRPC bytes ("torch"), CUDA tensors by the CUDA-region path ("torch-cuda"). In the
-# same run: the raw gRPC ByteBuffer echo of the same request bytes (grpc_echo_bench, TCP and unix)
-# and the pinned-copy floor (copy_floor_bench: H2D of the request bytes + D2H of the answer).
+# and the Python torch client (clients/python/examples/bench_client.py, trivial layer, unix
+# socket, against the C++ client on the same path): CPU tensors as gRPC bytes ("torch"), CUDA
+# tensors by the CUDA-region path ("torch-cuda"). In the same run: the raw gRPC ByteBuffer echo of
+# the same request bytes (grpc_echo_bench, TCP and unix) and the pinned-copy floor
+# (copy_floor_bench: H2D of the request bytes + D2H of the answer bytes).
 # A markdown table with one row per (layer, way, M) and the issue's target for it comes last.
 #
-# Usage: run_transport_device.sh [BUNDLE]     (default $BUNDLE, else ./.bundle/transport)
-#   BUNDLE/bin: moeserve moeserve-cli grpc_echo_bench copy_floor_bench; BUNDLE/lib: their
-#   shared libraries. WHEELS (default ./.gpucarry/wheels): moeserve_client-*.whl and, for a
+# Usage: run_transport_device.sh [BUNDLE]   (default $BUNDLE, else ./.bundle/transport.tar.xz)
+#   BUNDLE: make_bundle.sh's .tar.xz, or a folder with bin/ (moeserve moeserve-cli
+#   grpc_echo_bench copy_floor_bench) and lib/ (their shared libraries). WHEELS (default ./.gpucarry/wheels): moeserve_client-*.whl and, for a
 #   Python without them, grpcio / protobuf / ml_dtypes / numpy wheels for that Python.
 #   OUT (default /tmp/transport): logs. Knobs for a smaller run (the CPU backend): MS="1 16",
 #   N=200 (calls per point; N_BIG=60 at M >= 1024), LAYERS="trivial seed", PY=1 (0: no Python).
@@ -25,11 +26,15 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
-BUNDLE=${1:-${BUNDLE:-$PWD/.bundle/transport}}
-B=$BUNDLE/bin
+BUNDLE=${1:-${BUNDLE:-$PWD/.bundle/transport.tar.xz}}
 WHEELS=${WHEELS:-$PWD/.gpucarry/wheels}
 OUT=${OUT:-/tmp/transport}
 mkdir -p "$OUT"
+if [ -f "$BUNDLE" ]; then  # make_bundle.sh's file: unpack it next to the logs
+  tar -C "$OUT" -xJf "$BUNDLE" || echo "could not unpack $BUNDLE"
+  BUNDLE=$OUT/transport
+fi
+B=$BUNDLE/bin
 export LD_LIBRARY_PATH=$BUNDLE/lib:${LD_LIBRARY_PATH:-}
 MS=${MS:-1 16 64 256 1024}
 N=${N:-200}
@@ -187,7 +192,7 @@ for layer in $LAYERS; do
       [ $dev = cuda ] && shm_mode=cuda
       f=$OUT/python_$dev.log
       PYTHONPATH=$pyenv${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 \
-        "$repo/clients/python/examples/bench_client.py" --target "127.0.0.1:$PORT" \
+        "$repo/clients/python/examples/bench_client.py" --target "unix:$SOCK_DIR/moe.sock" \
         --cli "$B/moeserve-cli" --tokens "$tokens" --calls "$N" --rounds 2 --no-numpy \
         --device $dev --shared-memory $shm_mode > "$f" 2>&1
       rc=$?
