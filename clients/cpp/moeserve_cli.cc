@@ -773,6 +773,10 @@ int RunLoad() {
                                  ", expected 0 (one per worker) or a positive count")),
                 "flags");
   }
+  const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
+  if (cuda_region && absl::GetFlag(FLAGS_shm)) {
+    return Fail(absl::InvalidArgumentError("--shm and --cuda_region: pick one way in"), "flags");
+  }
   auto client = MakeClient();
   if (!client.ok()) return Fail(client.status(), "create client");
   auto info = (*client)->GetModelInfo();
@@ -781,10 +785,6 @@ int RunLoad() {
   // A few distinct requests, built once and cycled, so that client-side encoding stays out of
   // the measured loop.
   const int distinct = std::max(1, absl::GetFlag(FLAGS_distinct_inputs));
-  const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
-  if (cuda_region && absl::GetFlag(FLAGS_shm)) {
-    return Fail(absl::InvalidArgumentError("--shm and --cuda_region: pick one way in"), "flags");
-  }
   // shm: the tensors and answers go by a region (system or CUDA), not as gRPC bytes.
   const bool shm = absl::GetFlag(FLAGS_shm) || cuda_region;
   // requests[w][i]: worker w's i-th request. Over gRPC every worker sends the same bytes; by

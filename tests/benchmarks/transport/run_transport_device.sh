@@ -16,7 +16,8 @@
 #
 # Usage: run_transport_device.sh [BUNDLE]   (default $BUNDLE, else ./.bundle/transport.tar.xz)
 #   BUNDLE: make_bundle.sh's .tar.xz, or a folder with bin/ (moeserve moeserve-cli
-#   grpc_echo_bench copy_floor_bench) and lib/ (their shared libraries). WHEELS (default ./.gpucarry/wheels): moeserve_client-*.whl and, for a
+#   grpc_echo_bench copy_floor_bench) and lib/ (their shared libraries).
+#   WHEELS (default ./.gpucarry/wheels): moeserve_client-*.whl and, for a
 #   Python without them, grpcio / protobuf / ml_dtypes / numpy wheels for that Python.
 #   OUT (default /tmp/transport): logs. Knobs for a smaller run (the CPU backend): MS="1 16",
 #   N=200 (calls per point; N_BIG=60 at M >= 1024), LAYERS="trivial seed", PY=1 (0: no Python).
@@ -130,7 +131,7 @@ serve() {  # name flags...: one server on TCP and a unix socket, shared memory o
     > "$OUT/server_$name.log" 2>&1 &
   SERVER_PID=$!
   PIDS+=($SERVER_PID)
-  for _ in $(seq 1 480); do
+  for _ in $(seq 1 720); do  # up to 3 minutes (the seed layer's weights are made at start)
     [ -s "$SOCK_DIR/ready_$name" ] && return 0
     kill -0 $SERVER_PID 2>/dev/null || break
     sleep 0.25
@@ -138,7 +139,10 @@ serve() {  # name flags...: one server on TCP and a unix socket, shared memory o
   echo "server $name did not start: $(tail -3 "$OUT/server_$name.log")"
   return 1
 }
-stop() { [ -n "$SERVER_PID" ] && { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }; SERVER_PID=""; }
+stop() {
+  [ -n "$SERVER_PID" ] && { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
+  SERVER_PID=""
+}
 declare -A RT SRV EXP
 load() {  # layer way M
   local layer=$1 way=$2 m=$3 target=127.0.0.1:$PORT flags=()
@@ -216,8 +220,10 @@ calc() { awk "BEGIN { $1 }" 2>/dev/null; }
 num() { [[ ${1:-} =~ ^[0-9.]+$ ]]; }
 echo
 echo "=================== issue 11 transport table ==================="
-echo "device: $(head -1 "$OUT/device.txt"); $(sed -n 3p "$OUT/device.txt"); calls per point: $N ($N_BIG at M >= 1024); p50s"
-echo "echo = raw gRPC ByteBuffer echo of the request bytes (same transport); floor = pinned H2D (request) + D2H (answer), cudaEvent median"
+echo "device: $(head -1 "$OUT/device.txt"); $(sed -n 3p "$OUT/device.txt");" \
+  "calls per point: $N ($N_BIG at M >= 1024); p50s"
+echo "echo = raw gRPC ByteBuffer echo of the request bytes (same transport);" \
+  "floor = pinned H2D (request) + D2H (answer), cudaEvent median"
 echo "experts = server's experts stage p50; 'check' is what the target constrains"
 echo
 echo "| layer | way | M | MB req/ans | round trip ms | server total us | experts us | echo ms | floor us | check | target | met |"
