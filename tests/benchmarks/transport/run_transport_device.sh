@@ -36,7 +36,11 @@ if [ -f "$BUNDLE" ]; then  # make_bundle.sh's file: unpack it next to the logs
   BUNDLE=$OUT/transport
 fi
 B=$BUNDLE/bin
-export LD_LIBRARY_PATH=$BUNDLE/lib:${LD_LIBRARY_PATH:-}
+# NCCL (the server links it) from this machine: PyTorch's nvidia-nccl wheel, as the other
+# device scripts do; NVLink multicast off.
+NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH=$BUNDLE/lib${NCCL_DIR:+:$NCCL_DIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 MS=${MS:-1 16 64 256 1024}
 N=${N:-200}
 N_BIG=${N_BIG:-60}
@@ -186,12 +190,14 @@ for layer in $LAYERS; do
   if [ $layer = trivial ] && [ "$PY" = 1 ]; then
     log "python torch client"
     pyenv=$OUT/pydeps
+    py_devs="cpu cuda"
     if ! python3 "$here/py_deps.py" "$WHEELS" "$pyenv" > "$OUT/py_deps.log" 2>&1; then
-      echo "python deps: $(tail -3 "$OUT/py_deps.log")"
+      log "python torch client skipped: $(tail -1 "$OUT/py_deps.log")"
+      py_devs=""
     fi
     cat "$OUT/py_deps.log"
     tokens=$(echo $MS | tr ' ' ',')
-    for dev in cpu cuda; do
+    for dev in $py_devs; do
       shm_mode=off
       [ $dev = cuda ] && shm_mode=cuda
       f=$OUT/python_$dev.log
