@@ -147,7 +147,7 @@ stop() {
   [ -n "$SERVER_PID" ] && { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
   SERVER_PID=""
 }
-declare -A RT SRV EXP
+declare -A RT SRV EXP WHY
 load() {  # layer way M
   local layer=$1 way=$2 m=$3 target=127.0.0.1:$PORT flags=()
   case $way in
@@ -165,6 +165,7 @@ load() {  # layer way M
     why=$(grep -m1 -E 'error|first error' "$f" | cut -c1-110)
     log "$layer $way M=$m FAILED (exit $rc): ${why:-see $f}"
     RT["$layer:$way:$m"]="failed"
+    WHY["$layer:$way:$m"]=$(echo "${why:-exit $rc}" | sed 's/^error: //; s/|/ /g' | cut -c1-80)
     return
   fi
   RT["$layer:$way:$m"]=$(kv "$f" p50 '^latency_ms')
@@ -174,6 +175,8 @@ load() {  # layer way M
     "$(grep '^server_stages' "$f")"
 }
 WAYS="tcp unix shm cuda"
+PY_SKIP=""
+declare -A PY_FAIL
 for layer in $LAYERS; do
   flags=$TRIVIAL
   [ $layer = seed ] && flags=$SEED
@@ -192,7 +195,8 @@ for layer in $LAYERS; do
     pyenv=$OUT/pydeps
     py_devs="cpu cuda"
     if ! python3 "$here/py_deps.py" "$WHEELS" "$pyenv" > "$OUT/py_deps.log" 2>&1; then
-      log "python torch client skipped: $(tail -1 "$OUT/py_deps.log")"
+      PY_SKIP="skipped: $(tail -1 "$OUT/py_deps.log" | cut -c1-70)"
+      log "python torch client $PY_SKIP"
       py_devs=""
     fi
     cat "$OUT/py_deps.log"
@@ -207,7 +211,12 @@ for layer in $LAYERS; do
         --device $dev --shared-memory $shm_mode > "$f" 2>&1
       rc=$?
       cat "$f" | tail -8
-      [ $rc -ne 0 ] && log "python $dev: exit $rc: $(grep -v '^ ' "$f" | tail -1 | cut -c1-150)"
+      if [ $rc -ne 0 ]; then
+        log "python $dev: exit $rc: $(grep -v '^ ' "$f" | tail -1 | cut -c1-150)"
+        way=torch
+        [ $dev = cuda ] && way=torch-cuda
+        PY_FAIL[$way]="exit $rc: $(grep -v '^ ' "$f" | tail -1 | sed 's/|/ /g' | cut -c1-70)"
+      fi
       # columns: M cli_ms raw_ms torch_ms ...
       while read -r m cli raw tms _; do
         [[ $m =~ ^[0-9]+$ ]] || continue
@@ -230,7 +239,8 @@ echo "device: $(head -1 "$OUT/device.txt"); $(sed -n 3p "$OUT/device.txt");" \
   "calls per point: $N ($N_BIG at M >= 1024); p50s"
 echo "echo = raw gRPC ByteBuffer echo of the request bytes (same transport);" \
   "floor = pinned H2D (request) + D2H (answer), cudaEvent median"
-echo "experts = server's experts stage p50; 'check' is what the target constrains"
+echo "experts = server's experts stage p50 (exp); rt = client round trip p50;" \
+  "'check' is what the target constrains (gRPC ways: (rt - exp) / echo, and server total - exp)"
 echo
 echo "| layer | way | M | MB req/ans | round trip ms | server total us | experts us | echo ms | floor us | check | target | met |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -240,21 +250,22 @@ for layer in $LAYERS; do
   for way in $ways; do
     for m in $MS; do
       rb=$(req_bytes $layer $m) ab=$(ans_bytes $layer $m)
-      mb=$(calc "printf \"%.2f/%.2f\", $rb/1e6, $ab/1e6")
+      mb=$(calc "printf \"%.3f/%.3f\", $rb/1e6, $ab/1e6")
       rt=${RT[$layer:$way:$m]:-n/a} srv=${SRV[$layer:$way:$m]:-} ex=${EXP[$layer:$way:$m]:-}
       fl=${FLOOR[$rb:$ab]:-}
       et=tcp
-      [ $way = unix ] && et=unix
+      [ $way = unix ] || [ $way = torch ] && et=unix  # the Python runs use the unix socket
       ec=${ECHO[$et:$rb]:-}
       ecms=""
-      num "$ec" && ecms=$(calc "printf \"%.3f\", $ec/1000")
+      case $way in tcp|unix|torch) num "$ec" && ecms=$(calc "printf \"%.3f\", $ec/1000") ;; esac
       check="" target="" met=""
       case $way in
         tcp|unix)
-          if num "$rt" && num "$ec"; then
-            check="rt/echo $(calc "printf \"%.2f\", $rt*1000/$ec")"
+          if num "$rt" && num "$ec" && num "$ex"; then
+            r=$(calc "printf \"%.2f\", ($rt*1000-$ex)/$ec")
+            check="(rt-exp)/echo $r"
             target="<= 1.25"
-            met=$(calc "print ($rt*1000/$ec <= 1.25) ? \"yes\" : \"no\"")
+            met=$(calc "print ($r <= 1.25) ? \"yes\" : \"no\"")
           fi
           if num "$srv" && num "$ex"; then
             sme=$(calc "printf \"%.0f\", $srv-$ex")
@@ -303,6 +314,11 @@ for layer in $LAYERS; do
           fi ;;
       esac
       [ -z "$fl" ] && fl="skipped: no GPU"
+      if [ "$rt" = failed ]; then
+        check="${WHY[$layer:$way:$m]:-}"
+      elif [ "$rt" = n/a ] && [[ $way == torch* ]]; then
+        rt="${PY_SKIP:-${PY_FAIL[$way]:-n/a}}"
+      fi
       echo "| $layer | $way | $m | $mb | $rt | ${srv:--} | ${ex:--} | ${ecms:--} | $fl | ${check:--} | ${target:--} | ${met:--} |"
     done
   done
