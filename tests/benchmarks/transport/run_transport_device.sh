@@ -20,7 +20,8 @@
 #   WHEELS (default ./.gpucarry/wheels): moeserve_client-*.whl and, for a
 #   Python without them, grpcio / protobuf / ml_dtypes / numpy wheels for that Python.
 #   OUT (default /tmp/transport): logs. Knobs for a smaller run (the CPU backend): MS="1 16",
-#   N=200 (calls per point; N_BIG=60 at M >= 1024), LAYERS="trivial seed", PY=1 (0: no Python).
+#   N=200 (calls per point; N_BIG=60 at M >= 1024), LAYERS="trivial seed", PY=1 (0: no Python),
+#   BUDGET_S=480 (loads not started by then are skipped and the table printed).
 # Experts' time: the server's own experts stage (StageTimings.experts_us, p50 of the same calls;
 # the grouped expert MLPs). "server - experts" = server total p50 - experts p50; "rt - experts" =
 # client round trip p50 - experts p50 (medians of different quantities: an estimate).
@@ -59,6 +60,10 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0))s] $*"; }
+# Past BUDGET_S seconds the remaining loads are skipped, so the table still comes out within a
+# 10-minute device call.
+BUDGET_S=${BUDGET_S:-480}
+over_budget() { [ $(($(date +%s) - T0)) -gt "$BUDGET_S" ]; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"; } |
   tee "$OUT/device.txt"
 date -u | tee -a "$OUT/device.txt"
@@ -156,6 +161,11 @@ load() {  # layer way M
     cuda) target=unix:$SOCK_DIR/moe.sock; flags=(--cuda_region) ;;
   esac
   local f="$OUT/load_${layer}_${way}_M$m.log"
+  if over_budget; then
+    RT["$layer:$way:$m"]="failed"
+    WHY["$layer:$way:$m"]="skipped: past the ${BUDGET_S}s budget"
+    return
+  fi
   timeout 120 "$B/moeserve-cli" load --target "$target" --tokens "$m" --dtype bf16 \
     --concurrency 1 --requests "$(calls_for "$m")" --routing balanced --max_seconds 50 \
     --distinct_inputs 4 "${flags[@]}" > "$f" 2>&1
@@ -190,7 +200,9 @@ for layer in $LAYERS; do
     for way in $WAYS; do load $layer $way $m; done
   done
   # Python torch client on the trivial layer: bytes path (CPU tensors), then CUDA tensors.
-  if [ $layer = trivial ] && [ "$PY" = 1 ]; then
+  if [ $layer = trivial ] && [ "$PY" = 1 ] && over_budget; then
+    PY_SKIP="skipped: past the ${BUDGET_S}s budget"
+  elif [ $layer = trivial ] && [ "$PY" = 1 ]; then
     log "python torch client"
     pyenv=$OUT/pydeps
     py_devs="cpu cuda"
@@ -205,7 +217,7 @@ for layer in $LAYERS; do
       shm_mode=off
       [ $dev = cuda ] && shm_mode=cuda
       f=$OUT/python_$dev.log
-      PYTHONPATH=$pyenv${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 \
+      PYTHONPATH=$pyenv${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 \
         "$repo/clients/python/examples/bench_client.py" --target "unix:$SOCK_DIR/moe.sock" \
         --cli "$B/moeserve-cli" --tokens "$tokens" --calls "$N" --rounds 2 --no-numpy \
         --device $dev --shared-memory $shm_mode > "$f" 2>&1
