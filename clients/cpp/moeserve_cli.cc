@@ -13,6 +13,9 @@
 //   forward / load --shm: tensors and answers go through a POSIX shared-memory region this
 //   client creates and registers (the server must be on this host, run as the same user, with
 //   --enable_shared_memory); only region references travel over gRPC.
+//   load --cuda_region: the same with the tensors and answers in this client's GPU memory
+//   (--cuda_device), exported with cudaIpcGetMemHandle and registered as a CUDA region (server
+//   on this host, cuda backend, --enable_shared_memory; a build with MOESERVE_ENABLE_CUDA).
 //
 // Exit codes: 0 success; 1 the check failed / not SERVING / load errors; 2 usage or RPC error.
 //
@@ -26,6 +29,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef MOESERVE_CLI_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -114,6 +120,17 @@ ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled th
 ABSL_FLAG(bool, shm, false,
           "forward/load: pass tensors and answers through a POSIX shared-memory region (server on "
           "this host, same user, --enable_shared_memory)");
+ABSL_FLAG(bool, cuda_region, false,
+          "load: pass tensors and answers through a CUDA region of this client's GPU memory "
+          "(cudaIpcGetMemHandle; server on this host, cuda backend, --enable_shared_memory)");
+ABSL_FLAG(int32_t, cuda_device, 0,
+          "load --cuda_region: the GPU ordinal of the region, here and on the server");
+
+// clients/ may not include core/ (core/status_macros.h): the same early return, locally.
+#define MOESERVE_CLI_RETURN_IF_ERROR(expr)             \
+  do {                                                 \
+    if (absl::Status _s = (expr); !_s.ok()) return _s; \
+  } while (0)
 
 namespace moeserve::client {
 namespace {
@@ -335,9 +352,94 @@ class ShmArena {
   }
   char* data() const { return data_; }
   const std::string& name() const { return name_; }
+  absl::Status Write(int64_t offset, const void* src, size_t n) const {
+    std::memcpy(data_ + offset, src, n);
+    return absl::OkStatus();
+  }
 
  private:
   ShmArena() = default;
+  MoeClient* client_ = nullptr;
+  std::string name_;
+  int64_t bytes_ = 0;
+  char* data_ = nullptr;
+  bool registered_ = false;
+};
+
+// One cudaMalloc'd block on --cuda_device registered with the server as a CUDA region (the
+// cudaIpcMemHandle_t of its base). Without MOESERVE_CLI_CUDA, or without a GPU, Create refuses.
+class CudaArena {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaArena>> Create(MoeClient* client, int64_t bytes,
+                                                           int device) {
+#ifdef MOESERVE_CLI_CUDA
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      cudaGetLastError();
+      return absl::FailedPreconditionError("--cuda_region: no CUDA device on this machine");
+    }
+    if (device < 0 || device >= count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cuda_device: got ", device, ", this machine has ", count, " GPUs"));
+    }
+    auto arena = std::unique_ptr<CudaArena>(new CudaArena());
+    arena->client_ = client;
+    arena->bytes_ = std::max<int64_t>(bytes, 1);
+    arena->name_ = absl::StrCat("moeserve-cli-cuda-", getpid());
+    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+      return CudaError("cudaSetDevice", e);
+    void* p = nullptr;
+    if (cudaError_t e = cudaMalloc(&p, arena->bytes_); e != cudaSuccess) {
+      return CudaError("cudaMalloc", e);
+    }
+    arena->data_ = static_cast<char*>(p);
+    cudaIpcMemHandle_t handle;
+    if (cudaError_t e = cudaIpcGetMemHandle(&handle, p); e != cudaSuccess) {
+      return CudaError("cudaIpcGetMemHandle", e);
+    }
+    MOESERVE_CLI_RETURN_IF_ERROR(client->RegisterCudaSharedMemory(
+        arena->name_, absl::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)),
+        device, arena->bytes_));
+    arena->registered_ = true;
+    return arena;
+#else
+    (void)client, (void)bytes, (void)device;
+    return absl::FailedPreconditionError(
+        "--cuda_region: this moeserve-cli was built without CUDA (MOESERVE_ENABLE_CUDA=OFF)");
+#endif
+  }
+  ~CudaArena() {
+    Unregister().IgnoreError();
+#ifdef MOESERVE_CLI_CUDA
+    if (data_ != nullptr) cudaFree(data_);
+#endif
+  }
+  absl::Status Unregister() {
+    if (!registered_) return absl::OkStatus();
+    registered_ = false;
+    return client_->UnregisterSharedMemory(name_);
+  }
+  const std::string& name() const { return name_; }
+  absl::Status Write(int64_t offset, const void* src, size_t n) const {
+#ifdef MOESERVE_CLI_CUDA
+    if (cudaError_t e = cudaMemcpy(data_ + offset, src, n, cudaMemcpyHostToDevice);
+        e != cudaSuccess) {
+      return CudaError("cudaMemcpy", e);
+    }
+    return absl::OkStatus();
+#else
+    (void)offset, (void)src, (void)n;
+    return absl::FailedPreconditionError("built without CUDA");
+#endif
+  }
+
+ private:
+  CudaArena() = default;
+#ifdef MOESERVE_CLI_CUDA
+  static absl::Status CudaError(const char* what, cudaError_t e) {
+    return absl::InternalError(absl::StrCat("--cuda_region: ", what, ": ", cudaGetErrorString(e)));
+  }
+#endif
   MoeClient* client_ = nullptr;
   std::string name_;
   int64_t bytes_ = 0;
@@ -355,16 +457,18 @@ struct ShmLayout {
 
 // Copies `in` into `arena` at `base` (ShmLayout) and returns the Forward naming it, answered at
 // `out_offset`.
-ForwardRegionArgs PlaceInArena(const Inputs& in, const ShmArena& arena, int64_t base,
-                               int64_t out_offset, int64_t hidden, int topk, v1::DType dtype) {
+template <typename Arena>
+absl::StatusOr<ForwardRegionArgs> PlaceInArena(const Inputs& in, const Arena& arena, int64_t base,
+                                               int64_t out_offset, int64_t hidden, int topk,
+                                               v1::DType dtype) {
   ShmLayout layout;
   layout.hidden_bytes = static_cast<int64_t>(in.hidden_bytes.size());
   layout.routing_bytes = in.num_tokens * topk * 4;
   const int64_t ids_at = base + Align64(layout.hidden_bytes);
   const int64_t w_at = ids_at + Align64(layout.routing_bytes);
-  std::memcpy(arena.data() + base, in.hidden_bytes.data(), layout.hidden_bytes);
-  std::memcpy(arena.data() + ids_at, in.topk_ids.data(), layout.routing_bytes);
-  std::memcpy(arena.data() + w_at, in.topk_weights.data(), layout.routing_bytes);
+  MOESERVE_CLI_RETURN_IF_ERROR(arena.Write(base, in.hidden_bytes.data(), layout.hidden_bytes));
+  MOESERVE_CLI_RETURN_IF_ERROR(arena.Write(ids_at, in.topk_ids.data(), layout.routing_bytes));
+  MOESERVE_CLI_RETURN_IF_ERROR(arena.Write(w_at, in.topk_weights.data(), layout.routing_bytes));
   ForwardRegionArgs args;
   args.layer = absl::GetFlag(FLAGS_layer);
   args.hidden_dtype = dtype;
@@ -459,10 +563,10 @@ int RunForward() {
     layout.routing_bytes = in->num_tokens * topk * 4;
     auto arena = ShmArena::Create(client->get(), layout.input_block() + layout.hidden_bytes);
     if (!arena.ok()) return Fail(arena.status(), "shared memory");
-    ForwardRegionArgs region_args =
-        PlaceInArena(*in, **arena, 0, layout.input_block(), hidden, topk, *dtype);
-    region_args.request_id = args.request_id;
-    result = (*client)->Forward(region_args);
+    auto region_args = PlaceInArena(*in, **arena, 0, layout.input_block(), hidden, topk, *dtype);
+    if (!region_args.ok()) return Fail(region_args.status(), "shared memory");
+    region_args->request_id = args.request_id;
+    result = (*client)->Forward(*region_args);
     if (result.ok()) {
       result->output.set_data((*arena)->data() + layout.input_block(), layout.hidden_bytes);
     }
@@ -664,10 +768,14 @@ int RunLoad() {
                 "flags");
   }
   if (absl::GetFlag(FLAGS_connections) < 0) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-                    "--connections: got ", absl::GetFlag(FLAGS_connections),
-                    ", expected 0 (one per worker) or a positive count")),
+    return Fail(absl::InvalidArgumentError(
+                    absl::StrCat("--connections: got ", absl::GetFlag(FLAGS_connections),
+                                 ", expected 0 (one per worker) or a positive count")),
                 "flags");
+  }
+  const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
+  if (cuda_region && absl::GetFlag(FLAGS_shm)) {
+    return Fail(absl::InvalidArgumentError("--shm and --cuda_region: pick one way in"), "flags");
   }
   auto client = MakeClient();
   if (!client.ok()) return Fail(client.status(), "create client");
@@ -677,17 +785,24 @@ int RunLoad() {
   // A few distinct requests, built once and cycled, so that client-side encoding stays out of
   // the measured loop.
   const int distinct = std::max(1, absl::GetFlag(FLAGS_distinct_inputs));
-  const bool shm = absl::GetFlag(FLAGS_shm);
+  // shm: the tensors and answers go by a region (system or CUDA), not as gRPC bytes.
+  const bool shm = absl::GetFlag(FLAGS_shm) || cuda_region;
   // requests[w][i]: worker w's i-th request. Over gRPC every worker sends the same bytes; by
   // shared memory the inputs are shared and each worker has its own output range.
   std::vector<std::vector<grpc::ByteBuffer>> requests(shm ? concurrency : 1);
   std::unique_ptr<ShmArena> arena;
+  std::unique_ptr<CudaArena> cuda_arena;
   ShmLayout layout;
   layout.hidden_bytes = num_tokens * info->hidden() * DTypeSize(*dtype);
   layout.routing_bytes = num_tokens * info->topk() * 4;
-  if (shm) {
-    auto created = ShmArena::Create(client->get(), distinct * layout.input_block() +
-                                                       concurrency * Align64(layout.hidden_bytes));
+  const int64_t arena_bytes =
+      distinct * layout.input_block() + concurrency * Align64(layout.hidden_bytes);
+  if (cuda_region) {
+    auto created = CudaArena::Create(client->get(), arena_bytes, absl::GetFlag(FLAGS_cuda_device));
+    if (!created.ok()) return Fail(created.status(), "CUDA region");
+    cuda_arena = std::move(*created);
+  } else if (shm) {
+    auto created = ShmArena::Create(client->get(), arena_bytes);
     if (!created.ok()) return Fail(created.status(), "shared memory");
     arena = std::move(*created);
   }
@@ -705,10 +820,13 @@ int RunLoad() {
     }
     for (int w = 0; w < concurrency; ++w) {
       const int64_t out_at = distinct * layout.input_block() + w * Align64(layout.hidden_bytes);
-      ForwardRegionArgs args = PlaceInArena(*in, *arena, i * layout.input_block(), out_at,
+      auto args = cuda_arena ? PlaceInArena(*in, *cuda_arena, i * layout.input_block(), out_at,
+                                            info->hidden(), info->topk(), *dtype)
+                             : PlaceInArena(*in, *arena, i * layout.input_block(), out_at,
                                             info->hidden(), info->topk(), *dtype);
-      args.request_id = absl::StrCat("load-", i);
-      auto built = MoeClient::BuildForwardRequest(args);
+      if (!args.ok()) return Fail(args.status(), "shared memory");
+      args->request_id = absl::StrCat("load-", i);
+      auto built = MoeClient::BuildForwardRequest(*args);
       if (!built.ok()) return Fail(built.status(), "build request");
       auto request = MoeClient::EncodeForwardRequest(*built);
       if (!request.ok()) return Fail(request.status(), "build request");
@@ -718,7 +836,8 @@ int RunLoad() {
 
   if (absl::GetFlag(FLAGS_rate) > 0) {
     if (shm) {
-      return Fail(absl::InvalidArgumentError("--rate (open loop) works over gRPC bytes, not --shm"),
+      return Fail(absl::InvalidArgumentError(
+                      "--rate (open loop) works over gRPC bytes, not --shm / --cuda_region"),
                   "flags");
     }
     return RunOpenLoop(**client, requests[0], *dtype, num_tokens);
@@ -824,13 +943,19 @@ int RunLoad() {
   if (arena != nullptr) {
     if (absl::Status s = arena->Unregister(); !s.ok()) return Fail(s, "UnregisterSharedMemory");
   }
+  if (cuda_arena != nullptr) {
+    if (absl::Status s = cuda_arena->Unregister(); !s.ok()) {
+      return Fail(s, "UnregisterSharedMemory");
+    }
+  }
   std::printf(
       "load: requests=%lld concurrency=%d connections=%d tokens=%lld dtype=%s layer=%d "
       "transport=%s rpc=%s\n",
       static_cast<long long>(num_requests), concurrency,
       connections.empty() ? 1 : static_cast<int>(connections.size()),
       static_cast<long long>(num_tokens), DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer),
-      shm ? "shm" : "grpc", use_stream ? "ForwardStream" : "Forward");
+      cuda_region ? "cuda_region" : (shm ? "shm" : "grpc"),
+      use_stream ? "ForwardStream" : "Forward");
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {

@@ -613,6 +613,18 @@ def case_shm(server, cli, workdir, source_dir):
     check(re.search(r"^ok=48 errors=0 not_sent=0 ", r.stdout, re.M) is not None,
           f"load --shm:\n{r.stdout}")
     check("transport=shm" in r.stdout, f"load --shm did not say so:\n{r.stdout}")
+    # A CUDA region needs a GPU here and a cuda-backend server; a CPU server (or a machine
+    # without a GPU, or a build without CUDA) refuses it cleanly, before any Forward.
+    r = cli.run("load", "--cuda_region", "--requests=4", "--concurrency=1", "--tokens=8",
+                allow_fail=True)
+    if (parse_info(cli.run("info").stdout).get("backend") == "cuda" and
+            "built without CUDA" not in r.stderr):
+        check(re.search(r"^ok=4 errors=0 ", r.stdout, re.M) is not None and
+              "transport=cuda_region" in r.stdout, f"load --cuda_region:\n{r.stdout}")
+    else:
+        check(r.returncode == 2 and "error: CUDA region:" in r.stderr,
+              f"load --cuda_region: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+        log("cli load --cuda_region refused: " + r.stderr.strip().splitlines()[0])
 
     import grpc
     import numpy as np

@@ -1,0 +1,241 @@
+// The raw gRPC floor of issue 11's transport benchmark: a generic callback service that answers
+// every call with the request's own ByteBuffer (its slices, no protobuf parse, no copy), and a
+// client that sends N bytes as one raw slice and times unary round trips.
+//
+//   grpc_echo_bench server --listen ADDR[,ADDR...] [--ready_file F]
+//       ADDR: HOST:PORT (port 0 picks one) or unix:/path. Once serving, writes the first bound
+//       address (TCP with the port picked) as line 1 of --ready_file. Stops on SIGTERM/SIGINT.
+//   grpc_echo_bench client --target ADDR --bytes N[,N...] [--calls R] [--warmup W] [--check]
+//       One line per N: "echo bytes=N calls=R p50_us=.. p90_us=.. p99_us=.. max_us=..".
+//       --check compares every answer with what was sent (outside the timed part); exit 1 on
+//       a mismatch or a failed call, 2 on usage errors.
+//
+// The payload is random bytes from a fixed seed; the same ByteBuffer (one slice) is sent on
+// every call, so the client side costs what a zero-copy client costs.
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "server: comma-separated addresses to listen on");
+ABSL_FLAG(std::string, ready_file, "", "server: written with the first address once serving");
+ABSL_FLAG(bool, corrupt, false,
+          "server: flip the first byte of every answer (copies it; for testing --check)");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "client: server address");
+ABSL_FLAG(std::string, bytes, "1024", "client: comma-separated payload sizes in bytes");
+ABSL_FLAG(int32_t, calls, 200, "client: timed calls per size");
+ABSL_FLAG(int32_t, warmup, 5, "client: untimed calls per size first");
+ABSL_FLAG(bool, check, false, "client: compare every answer with the request");
+
+namespace {
+
+constexpr int kMaxMessage = 512 << 20;
+std::atomic<bool> g_stop{false};
+
+// Answers one call with its request: the ByteBuffer shares the received slices.
+class EchoReactor : public grpc::ServerGenericBidiReactor {
+ public:
+  explicit EchoReactor(bool corrupt) : corrupt_(corrupt) { StartRead(&buffer_); }
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
+      return;
+    }
+    if (corrupt_) Corrupt();
+    StartWriteAndFinish(&buffer_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Corrupt() {
+    grpc::Slice flat;
+    if (!buffer_.DumpToSingleSlice(&flat).ok() || flat.size() == 0) return;
+    std::string copy(reinterpret_cast<const char*>(flat.begin()), flat.size());
+    copy[0] = static_cast<char>(copy[0] ^ 0x5a);
+    grpc::Slice slice(copy.data(), copy.size());
+    buffer_ = grpc::ByteBuffer(&slice, 1);
+  }
+  const bool corrupt_;
+  grpc::ByteBuffer buffer_;
+};
+
+class EchoService : public grpc::CallbackGenericService {
+ public:
+  explicit EchoService(bool corrupt) : corrupt_(corrupt) {}
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
+    return new EchoReactor(corrupt_);
+  }
+
+ private:
+  const bool corrupt_;
+};
+
+int RunServer() {
+  std::vector<std::string> addresses = absl::StrSplit(absl::GetFlag(FLAGS_listen), ',');
+  EchoService service(absl::GetFlag(FLAGS_corrupt));
+  grpc::ServerBuilder builder;
+  std::vector<int> ports(addresses.size(), 0);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    builder.AddListeningPort(addresses[i], grpc::InsecureServerCredentials(), &ports[i]);
+  }
+  builder.SetMaxReceiveMessageSize(kMaxMessage);
+  builder.SetMaxSendMessageSize(kMaxMessage);
+  builder.RegisterCallbackGenericService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    std::fprintf(stderr, "error: could not listen on %s\n", absl::GetFlag(FLAGS_listen).c_str());
+    return 2;
+  }
+  std::string first = addresses[0];
+  if (first.rfind("unix:", 0) != 0) {
+    first = first.substr(0, first.rfind(':') + 1) + std::to_string(ports[0]);
+  }
+  std::fprintf(stderr, "grpc_echo_bench serving on %s\n", first.c_str());
+  const std::string ready = absl::GetFlag(FLAGS_ready_file);
+  if (!ready.empty()) {
+    const std::string tmp = ready + ".tmp";
+    std::ofstream(tmp) << first << "\n";
+    std::rename(tmp.c_str(), ready.c_str());
+  }
+  std::signal(SIGTERM, [](int) { g_stop = true; });
+  std::signal(SIGINT, [](int) { g_stop = true; });
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}
+
+double Percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p / 100.0 * sorted.size()));
+  return sorted[i];
+}
+
+// One blocking unary call through the generic stub; returns its status.
+grpc::Status Call(grpc::GenericStub& stub, const grpc::ByteBuffer& request,
+                  grpc::ByteBuffer* response) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/moeserve.bench.Echo/Echo", grpc::StubOptions(), &request, response,
+                 [&](grpc::Status s) {
+                   std::lock_guard<std::mutex> lock(mu);
+                   status = std::move(s);
+                   done = true;
+                   cv.notify_one();
+                 });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  return status;
+}
+
+// Whether `response` holds exactly `expected`.
+bool SameBytes(const grpc::ByteBuffer& response, const std::string& expected) {
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return false;
+  size_t at = 0;
+  for (const grpc::Slice& s : slices) {
+    if (at + s.size() > expected.size() || std::memcmp(s.begin(), expected.data() + at, s.size()))
+      return false;
+    at += s.size();
+  }
+  return at == expected.size();
+}
+
+int RunClient() {
+  std::vector<int64_t> sizes;
+  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_bytes), ',')) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(part, &n) || n <= 0 || n > kMaxMessage - 1024) {
+      std::fprintf(stderr, "error: --bytes: '%s' is not a size in [1, %d]\n",
+                   std::string(part).c_str(), kMaxMessage - 1024);
+      return 2;
+    }
+    sizes.push_back(n);
+  }
+  const int calls = absl::GetFlag(FLAGS_calls), warmup = absl::GetFlag(FLAGS_warmup);
+  if (calls <= 0 || warmup < 0) {
+    std::fprintf(stderr, "error: need --calls > 0 and --warmup >= 0\n");
+    return 2;
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessage);
+  args.SetMaxSendMessageSize(kMaxMessage);
+  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target),
+                                           grpc::InsecureChannelCredentials(), args);
+  grpc::GenericStub stub(channel);
+  const bool check = absl::GetFlag(FLAGS_check);
+  std::mt19937_64 rng(20261201);
+  int failures = 0;
+  for (int64_t n : sizes) {
+    std::string payload(static_cast<size_t>(n), '\0');
+    for (char& c : payload) c = static_cast<char>(rng());
+    grpc::Slice slice(payload.data(), payload.size());
+    const grpc::ByteBuffer request(&slice, 1);
+    std::vector<double> us;
+    int64_t mismatches = 0, errors = 0;
+    std::string first_error;
+    for (int i = 0; i < warmup + calls; ++i) {
+      grpc::ByteBuffer response;
+      const auto t0 = std::chrono::steady_clock::now();
+      const grpc::Status s = Call(stub, request, &response);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!s.ok()) {
+        ++errors;
+        if (first_error.empty()) first_error = s.error_message();
+        continue;
+      }
+      if (check && !SameBytes(response, payload)) ++mismatches;
+      if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    std::sort(us.begin(), us.end());
+    std::printf("echo bytes=%lld calls=%zu p50_us=%.1f p90_us=%.1f p99_us=%.1f max_us=%.1f",
+                static_cast<long long>(n), us.size(), Percentile(us, 50), Percentile(us, 90),
+                Percentile(us, 99), us.empty() ? 0.0 : us.back());
+    if (check) std::printf(" mismatches=%lld", static_cast<long long>(mismatches));
+    if (errors > 0)
+      std::printf(" errors=%lld first_error=\"%s\"", static_cast<long long>(errors),
+                  first_error.c_str());
+    std::printf("\n");
+    std::fflush(stdout);
+    if (mismatches > 0 || errors > 0) ++failures;
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "grpc_echo_bench server --listen ADDR[,ADDR] [--ready_file F] | "
+      "client --target ADDR --bytes N[,N] [--calls R] [--check]");
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  const std::string mode = positional.size() == 2 ? positional[1] : "";
+  if (mode == "server") return RunServer();
+  if (mode == "client") return RunClient();
+  std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
+  return 2;
+}
