@@ -106,8 +106,9 @@ ABSL_FLAG(double, tolerance, 1e-2, "forward --check: max relative L2 error");
 ABSL_FLAG(int64_t, requests, 100, "load: total requests");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent closed-loop workers");
 ABSL_FLAG(int32_t, connections, 0,
-          "load: TCP connections the workers spread over (0: one per worker, as separate "
-          "frontends have; 1: all workers share one HTTP/2 connection)");
+          "load: TCP connections the workers (or the open loop's calls, round-robin) spread over "
+          "(0: one per --concurrency worker, as separate frontends have; 1: all share one "
+          "HTTP/2 connection)");
 ABSL_FLAG(double, max_seconds, 60.0, "load: stop issuing requests after this many seconds");
 ABSL_FLAG(double, rate, 0,
           "load: open loop: send this many calls per second for --max_seconds, whatever the "
@@ -670,8 +671,12 @@ double AnswerDistance(const ForwardResult& got, const std::string& want, v1::DTy
 // Open loop: calls leave at a fixed rate, whatever the answers do (an overload run). Reports
 // answered / refused by code, the answered calls' latency, and wrong answers (relative L2 >
 // --tolerance against the same input's unloaded answer).
-int RunOpenLoop(MoeClient& client, const std::vector<grpc::ByteBuffer>& requests, v1::DType dtype,
+// The calls go round-robin over `clients` (their own connections: overload comes from many
+// frontends, and one HTTP/2 connection saturates before the server does).
+int RunOpenLoop(const std::vector<MoeClient*>& clients,
+                const std::vector<grpc::ByteBuffer>& requests, v1::DType dtype,
                 int64_t num_tokens) {
+  MoeClient& client = *clients.front();
   const double rate = absl::GetFlag(FLAGS_rate);
   const double seconds = absl::GetFlag(FLAGS_max_seconds);
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
@@ -697,7 +702,7 @@ int RunOpenLoop(MoeClient& client, const std::vector<grpc::ByteBuffer>& requests
       ++outstanding;
       ++sent;
     }
-    client.ForwardAsync(
+    clients[static_cast<size_t>(sent) % clients.size()]->ForwardAsync(
         requests[which],
         [&, which](absl::StatusOr<ForwardResult> result) {
           const bool bad =
@@ -731,9 +736,10 @@ int RunOpenLoop(MoeClient& client, const std::vector<grpc::ByteBuffer>& requests
       other += n;
     }
   }
-  std::printf("load: open loop rate=%.1f/s seconds=%.1f tokens=%lld dtype=%s layer=%d\n", rate,
-              seconds, static_cast<long long>(num_tokens), DTypeName(dtype).c_str(),
-              absl::GetFlag(FLAGS_layer));
+  std::printf(
+      "load: open loop rate=%.1f/s seconds=%.1f tokens=%lld dtype=%s layer=%d connections=%zu\n",
+      rate, seconds, static_cast<long long>(num_tokens), DTypeName(dtype).c_str(),
+      absl::GetFlag(FLAGS_layer), clients.size());
   std::printf(
       "sent=%lld ok=%lld refused=%lld other_errors=%lld wrong_answers=%lld send_s=%.3f "
       "wall_s=%.3f\n",
@@ -840,7 +846,18 @@ int RunLoad() {
                       "--rate (open loop) works over gRPC bytes, not --shm / --cuda_region"),
                   "flags");
     }
-    return RunOpenLoop(**client, requests[0], *dtype, num_tokens);
+    // --connections 0: one per --concurrency worker, as in the closed loop.
+    std::vector<std::unique_ptr<MoeClient>> owned;
+    std::vector<MoeClient*> clients{client->get()};
+    const int n =
+        absl::GetFlag(FLAGS_connections) > 0 ? absl::GetFlag(FLAGS_connections) : concurrency;
+    for (int i = 1; i < n; ++i) {
+      auto c = MakeClient(/*own_connection=*/true);
+      if (!c.ok()) return Fail(c.status(), "create client");
+      owned.push_back(std::move(*c));
+      clients.push_back(owned.back().get());
+    }
+    return RunOpenLoop(clients, requests[0], *dtype, num_tokens);
   }
 
   // Connections for the workers (gRPC shares one per target unless asked not to).

@@ -24,7 +24,7 @@ rss0=$(awk '/VmRSS/ {print $2}' /proc/$PID/status)
 ( while kill -0 $PID 2>/dev/null; do awk '/VmRSS/ {print $2}' /proc/$PID/status; sleep 0.25; done ) \
   > "$OUT/rss_$TAG.txt" &
 RSS=$!
-timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" --concurrency 32 \
   --max_seconds 10 --routing balanced --distinct_inputs 8 > "$OUT/open_$TAG.log" 2>&1
 kill $RSS 2>/dev/null
 peak=$(sort -n "$OUT/rss_$TAG.txt" | tail -1)

@@ -10,6 +10,8 @@
 #     unloaded answer) or be refused RESOURCE_EXHAUSTED; answered p99 against the unloaded p99;
 #     server RSS sampled throughout.
 # Usage: run_serving_bench.sh [BIN_DIR]   (moeserve, moeserve-cli; LD_LIBRARY_PATH set)
+#   WFS="mxfp8" for one weight format (default "mxfp8 bf16"). The overload's open loop spreads
+#   its calls over 32 connections, like the 32 closed-loop callers that measured the capacity.
 set -uo pipefail
 B=${1:-build/bin}
 OUT=${OUT:-/tmp/serving}; mkdir -p "$OUT"
@@ -43,7 +45,7 @@ val() { grep -o "$2=[0-9.]*" "$OUT/load_$1.log" | head -1 | cut -d= -f2; }  # ta
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; date -u
-for wf in mxfp8 bf16; do
+for wf in ${WFS:-mxfp8 bf16}; do
   serve seed_$wf $SEED --weight_format $wf
   load "${wf}_M16_c1" 16 1 400
   load "${wf}_M16_c8" 16 8 3200
@@ -61,7 +63,7 @@ for wf in mxfp8 bf16; do
     ( while kill -0 $SERVER_PID 2>/dev/null; do
         awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss.txt" &
     RSS_PID=$!
-    timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+    timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" --concurrency 32 \
       --max_seconds 10 --routing balanced --distinct_inputs 8 > "$OUT/load_overload.log" 2>&1
     echo "exit=$?" >> "$OUT/load_overload.log"
     kill $RSS_PID 2>/dev/null
@@ -90,7 +92,7 @@ stop
 echo "=================== summary ==================="
 printf '%s\n' "${ROWS[@]}"
 echo "------------------- targets -------------------"
-for wf in mxfp8 bf16; do
+for wf in ${WFS:-mxfp8 bf16}; do
   t1=$(val ${wf}_M16_c1 requests_per_s); t8=$(val ${wf}_M16_c8 requests_per_s)
   t8s=$(val ${wf}_M16_c8_stream requests_per_s); t8l=$(val ${wf}_M16_c8_1lane requests_per_s)
   p1=$(val ${wf}_M16_c1 p50); p8=$(val ${wf}_M16_c8 p50); p8s=$(val ${wf}_M16_c8_stream p50)

@@ -335,4 +335,8 @@ for layer in $LAYERS; do
     done
   done
 done
+# The device tool brings back only a few files of a folder: one archive of the logs instead.
+if [ "${TAR_LOGS:-1}" = 1 ]; then
+  (cd "$OUT" && tar -czf logs.tgz --exclude logs.tgz --exclude transport -- * && find . -maxdepth 1 -name '*.log' -delete)
+fi
 log "done; logs in $OUT"
