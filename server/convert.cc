@@ -567,6 +567,16 @@ absl::Status ResolveKServeOutputRegion(const inference::ModelInferRequest& heade
     if (regions == nullptr) {
       return SharedMemoryDisabledError(absl::StrCat(field, ".parameters.", kKServeShmRegion));
     }
+    // As Triton: an output's byte size is the room given (perf_analyzer passes
+    // --output-shared-memory-size); the answer takes the first shape x itemsize bytes of it.
+    const int64_t needed = NumElements(shape) * static_cast<int64_t>(DTypeSize(dtype));
+    if (ref->byte_size < needed) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".parameters.", kKServeShmByteSize, ": ", ref->byte_size,
+                       " bytes are too small for the output: shape ", ShapeToString(shape), " x ",
+                       DTypeSize(dtype), " bytes of ", DTypeName(dtype), " = ", needed));
+    }
+    ref->byte_size = needed;
     return ResolveOutputRegionRef(*regions, *ref,
                                   absl::StrCat(field, ".parameters.", kKServeShmRegion), dtype,
                                   shape, device_ok, held);

@@ -146,7 +146,9 @@ absl::StatusOr<ForwardInput> ForwardInputFromKServe(
     const inference_wire::ModelInferRequestView& request, int layer, GatheredBytes* gathered,
     const RegionRegistry* regions, bool device_hidden_ok, ForwardRegions* held);
 // The requested output "output", when its parameters name a region, resolved for writing
-// `dtype` `shape` into held->output (as ResolveOutputRegion).
+// `dtype` `shape` into held->output (as ResolveOutputRegion). Unlike an input's, an output's
+// shared_memory_byte_size is the room given (as in Triton): at least shape x itemsize
+// (INVALID_ARGUMENT "too small" otherwise), of which the answer takes the first bytes.
 absl::Status ResolveKServeOutputRegion(const inference::ModelInferRequest& header,
                                        const RegionRegistry* regions, DType dtype,
                                        const Shape& shape, bool device_ok, ForwardRegions* held);

@@ -688,7 +688,7 @@ TEST_F(InferenceSharedMemoryTest, SystemShmInAndOutMatchesReference) {
       const int64_t out_offset = 256;
       auto* o = req.add_outputs();
       o->set_name("output");
-      SetShm(o->mutable_parameters(), "out", out_offset, out_bytes);
+      SetShm(o->mutable_parameters(), "out", out_offset, out_bytes + 4096);  // room to spare
       inference::ModelInferResponse resp;
       const grpc::Status s = InferOn(stub.get(), req, &resp);
       ASSERT_TRUE(s.ok()) << s.error_message();
@@ -765,9 +765,14 @@ TEST_F(InferenceSharedMemoryTest, RefusalsNameWhatIsWrong) {
     inference::ModelInferRequest req = good;
     auto* o = req.add_outputs();
     o->set_name("output");
-    SetShm(o->mutable_parameters(), "r", 1024, hidden_bytes * 2);
+    SetShm(o->mutable_parameters(), "r", 1024, hidden_bytes - 2);
     ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
-                    {"outputs[0] (output).parameters.shared_memory_region", "does not match"});
+                    {"outputs[0] (output).parameters.shared_memory_byte_size",
+                     "too small for the output", "= " + std::to_string(hidden_bytes)});
+    SetShm(o->mutable_parameters(), "r", (1 << 16) - hidden_bytes + 2, hidden_bytes);
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
+                    {"outputs[0] (output).parameters.shared_memory_region",
+                     "lie outside the region's registered 65536 bytes"});
     SetShm(o->mutable_parameters(), "r", 64, hidden_bytes);
     ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
                     {"overlap hidden_states", "needs bytes of its own"});
@@ -804,6 +809,10 @@ TEST_F(InferenceSharedMemoryTest, RefusalsNameWhatIsWrong) {
   // Still serving, and nothing is held.
   inference::ModelInferResponse resp;
   ASSERT_TRUE(InferOn(stub.get(), ToInfer(r, "moe_layer_0"), &resp).ok());
+  // (Held bytes go back once gRPC is done with the call, just after the client has the answer.)
+  for (int i = 0; i < 200 && shm_server_->service().held_bytes() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   EXPECT_EQ(shm_server_->service().held_bytes(), 0);
 }
 
