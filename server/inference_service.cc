@@ -283,10 +283,12 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
         p["finalize_us"].set_double_param(answer.timings.stages.finalize_us);
         p["total_us"].set_double_param(MicrosSince(start));
       }
-      std::vector<grpc::Slice> raw;
+      // One raw_output_contents entry per output, as Triton sends: an output in a region gets an
+      // empty one (clients such as perf_analyzer index the entries by output).
+      std::vector<grpc::Slice> raw(1);
       if (answer.output != nullptr) {
         void* out_data = answer.output->data();
-        raw.push_back(v1wire::SliceOwning(out_data, answer.bytes, std::move(answer.output)));
+        raw[0] = v1wire::SliceOwning(out_data, answer.bytes, std::move(answer.output));
       }
       absl::StatusOr<grpc::ByteBuffer> encoded =
           inference_wire::EncodeModelInferResponse(header, raw);

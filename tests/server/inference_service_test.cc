@@ -638,8 +638,8 @@ MoeServer* InferenceSharedMemoryTest::budget_server_ = nullptr;
 // tritonclient's flow: register system regions through the KServe RPCs, put the inputs there
 // (all of them, or some beside raw_input_contents), ask for the output in a region, and read it
 // from there: equal to the reference engine within the dtype's tolerance (relative L2: BF16 1e-2,
-// FP32 1e-5), no raw_output_contents, the region echoed on the output. The regions are visible
-// through moeserve.v1's SharedMemoryStatus too (one registry).
+// FP32 1e-5), an empty raw_output_contents entry, the region echoed on the output. The regions are
+// visible through moeserve.v1's SharedMemoryStatus too (one registry).
 TEST_F(InferenceSharedMemoryTest, SystemShmInAndOutMatchesReference) {
   auto stub = StubFor(*shm_server_);
   ShmObject in(1 << 20), out(1 << 20);
@@ -693,7 +693,9 @@ TEST_F(InferenceSharedMemoryTest, SystemShmInAndOutMatchesReference) {
       const grpc::Status s = InferOn(stub.get(), req, &resp);
       ASSERT_TRUE(s.ok()) << s.error_message();
       ASSERT_EQ(resp.outputs_size(), 1);
-      EXPECT_EQ(resp.raw_output_contents_size(), 0);
+      // One raw_output_contents entry per output, as Triton sends: empty for a region.
+      ASSERT_EQ(resp.raw_output_contents_size(), 1);
+      EXPECT_TRUE(resp.raw_output_contents(0).empty());
       EXPECT_THAT(resp.outputs(0).shape(), ::testing::ElementsAre(m, model().hidden));
       EXPECT_EQ(resp.outputs(0).parameters().at("shared_memory_region").string_param(), "out");
       EXPECT_EQ(resp.outputs(0).parameters().at("shared_memory_byte_size").int64_param(),
