@@ -91,7 +91,7 @@ for m in $TOKENS; do
     csv=$OUT/pa_m${m}_$transport.csv
     timeout 300 "$PA/bin/perf_analyzer" -m "$MODEL" -u 127.0.0.1:$PORT -i grpc \
       --input-data "$OUT/input_m$m.json" --concurrency-range "$CONCURRENCY" \
-      --measurement-interval "$INTERVAL_MS" --stability-percentage 20 -f "$csv" "${extra[@]}" \
+      --measurement-interval "$INTERVAL_MS" --stability-percentage "${STABILITY:-20}" -f "$csv" "${extra[@]}" \
       > "$OUT/pa_m${m}_$transport.log" 2>&1
     rc=$?
     if [[ $rc -ne 0 ]]; then
