@@ -53,8 +53,10 @@ def take(pattern, member_suffix, out):
 take("tritonclient-*manylinux*.whl", "/bin/perf_analyzer", os.path.join(dst, "bin/perf_analyzer"))
 take("nvidia_cuda_runtime_cu12-*.whl", "/lib/libcudart.so.12", os.path.join(dst, "lib/libcudart.so.12"))
 PY
+# libb64: the .so itself if carried, else out of the .deb (needs ar and tar).
+cp -a "$PA_WHEELS"/libb64.so.0d* "$PA/lib/" 2>/dev/null
 DEB=$(ls "$PA_WHEELS"/libb64-0d_*.deb 2>/dev/null | head -1)
-if [[ -n "$DEB" ]]; then
+if [[ ! -e "$PA/lib/libb64.so.0d" && -n "$DEB" ]]; then
   (cd "$PA" && rm -rf deb && mkdir deb && cd deb && ar x "$DEB" && tar xf data.tar.* &&
      cp -a usr/lib/x86_64-linux-gnu/libb64.so.0d* ../lib/)
 fi

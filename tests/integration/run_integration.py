@@ -843,7 +843,7 @@ def main():
             # triton: two ranks, so the per-rank path is behind the KServe endpoint too.
             runs.append((case, EP16_ARGS if case == "ep16" else
                          ["--enable_shared_memory"] if case in ("shm", "triton_shm") else
-                         ["--enable_shared_memory", "--backend", "cuda"]
+                         ["--enable_shared_memory", "--backend", "cuda", "--ranks", "1"]
                          if case == "triton_cuda_shm" else
                          ["--ranks", "2"] if case == "triton" else []))
     for case, extra in runs:
