@@ -124,8 +124,11 @@ class UnknownMethodReactor final : public grpc::ServerGenericBidiReactor {
                      "'; moeserve serves /moeserve.v1.MoeService/{Forward,ForwardStream,"
                      "GetModelInfo,GetExpertWeights,StreamExpertWeights,"
                      "RegisterSystemSharedMemory,RegisterCudaSharedMemory,"
-                     "UnregisterSharedMemory,SharedMemoryStatus}, grpc.health.v1.Health and "
-                     "(when enabled) server reflection")));
+                     "UnregisterSharedMemory,SharedMemoryStatus}, "
+                     "/inference.GRPCInferenceService/{ServerLive,ServerReady,ModelReady,"
+                     "ServerMetadata,ModelMetadata,ModelConfig,ModelInfer,"
+                     "System/CudaSharedMemoryStatus/Register/Unregister}, "
+                     "grpc.health.v1.Health and (when enabled) server reflection")));
   }
   void OnDone() override { delete this; }
 };
