@@ -357,22 +357,32 @@ absl::Status RegionRegistry::Register(const std::string& name,
   return absl::OkStatus();
 }
 
-absl::Status RegionRegistry::Unregister(const std::string& name) {
+absl::Status RegionRegistry::Unregister(const std::string& name, std::optional<RegionKind> kind) {
   std::vector<std::shared_ptr<RegionLease::Entry>> removed;  // unmapped outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
+    const auto selected = [&kind](const RegionLease::Entry& e) {
+      return !kind.has_value() || e.region->kind() == *kind;
+    };
     std::vector<std::string> busy;
     auto check = [&busy](const RegionLease::Entry& e) {
       const int64_t n = e.in_flight.load();
       if (n > 0) busy.push_back(absl::StrCat("'", e.name, "' (", n, " calls in flight)"));
     };
     if (name.empty()) {
-      for (const auto& [n, e] : regions_) check(*e);
+      for (const auto& [n, e] : regions_) {
+        if (selected(*e)) check(*e);
+      }
     } else {
       auto it = regions_.find(name);
       if (it == regions_.end()) {
         return absl::NotFoundError(
             absl::StrCat("name: no shared-memory region named '", name, "' is registered"));
+      }
+      if (!selected(*it->second)) {
+        return absl::NotFoundError(absl::StrCat(
+            "name: '", name, "' is a ", RegionKindName(it->second->region->kind()),
+            " region, not a ", RegionKindName(*kind), " one; unregister it as its kind"));
       }
       check(*it->second);
     }
@@ -382,8 +392,14 @@ absl::Status RegionRegistry::Unregister(const std::string& name) {
                        "; nothing was unregistered, retry when the calls have finished"));
     }
     if (name.empty()) {
-      for (auto& [n, e] : regions_) removed.push_back(std::move(e));
-      regions_.clear();
+      for (auto it = regions_.begin(); it != regions_.end();) {
+        if (selected(*it->second)) {
+          removed.push_back(std::move(it->second));
+          it = regions_.erase(it);
+        } else {
+          ++it;
+        }
+      }
     } else {
       auto it = regions_.find(name);
       removed.push_back(std::move(it->second));

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -172,10 +173,11 @@ class RegionRegistry {
   // Any region (e.g. a remote kind, or a test's). `key`/`offset` are reported by Status.
   absl::Status Register(const std::string& name, std::unique_ptr<MemoryRegion> region);
 
-  // Unregisters `name`, or every region if `name` is empty. NOT_FOUND for an unknown name;
+  // Unregisters `name`, or every region if `name` is empty (with `kind`: only regions of that
+  // kind, and a named region of another kind is NOT_FOUND). NOT_FOUND for an unknown name;
   // FAILED_PRECONDITION (naming the regions and their calls in flight) if a region is in use by
   // a call -- then nothing is unregistered.
-  absl::Status Unregister(const std::string& name);
+  absl::Status Unregister(const std::string& name, std::optional<RegionKind> kind = std::nullopt);
   // `name`'s state, or every region's (sorted by name) if empty. NOT_FOUND for an unknown name.
   absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const;
   // Holds `name` for a call. INVALID_ARGUMENT "<field>: no shared-memory region named ..." if

@@ -26,8 +26,19 @@ constexpr absl::string_view kMoeMethods[] = {"Forward",
                                              "SharedMemoryStatus"};
 // KServe v2 (server/inference_service.h), labelled by method name like MoeService's.
 constexpr absl::string_view kKServePrefix = "/inference.GRPCInferenceService/";
-constexpr absl::string_view kKServeMethods[] = {"ServerLive",     "ServerReady",   "ModelReady",
-                                                "ServerMetadata", "ModelMetadata", "ModelInfer"};
+constexpr absl::string_view kKServeMethods[] = {"ServerLive",
+                                                "ServerReady",
+                                                "ModelReady",
+                                                "ServerMetadata",
+                                                "ModelMetadata",
+                                                "ModelInfer",
+                                                "ModelConfig",
+                                                "SystemSharedMemoryStatus",
+                                                "SystemSharedMemoryRegister",
+                                                "SystemSharedMemoryUnregister",
+                                                "CudaSharedMemoryStatus",
+                                                "CudaSharedMemoryRegister",
+                                                "CudaSharedMemoryUnregister"};
 constexpr absl::string_view kOtherMethods[] = {
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
@@ -113,8 +124,11 @@ class UnknownMethodReactor final : public grpc::ServerGenericBidiReactor {
                      "'; moeserve serves /moeserve.v1.MoeService/{Forward,ForwardStream,"
                      "GetModelInfo,GetExpertWeights,StreamExpertWeights,"
                      "RegisterSystemSharedMemory,RegisterCudaSharedMemory,"
-                     "UnregisterSharedMemory,SharedMemoryStatus}, grpc.health.v1.Health and "
-                     "(when enabled) server reflection")));
+                     "UnregisterSharedMemory,SharedMemoryStatus}, "
+                     "/inference.GRPCInferenceService/{ServerLive,ServerReady,ModelReady,"
+                     "ServerMetadata,ModelMetadata,ModelConfig,ModelInfer,"
+                     "System/CudaSharedMemoryStatus/Register/Unregister}, "
+                     "grpc.health.v1.Health and (when enabled) server reflection")));
   }
   void OnDone() override { delete this; }
 };

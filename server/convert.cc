@@ -275,19 +275,20 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
   return input;
 }
 
-absl::Status ResolveOutputRegion(const v1::ForwardRequest& header, const RegionRegistry* regions,
-                                 DType dtype, const Shape& shape, bool device_ok,
-                                 ForwardRegions* held) {
-  if (!header.has_output_region()) return absl::OkStatus();
-  if (regions == nullptr) return SharedMemoryDisabledError("output_region");
-  MOESERVE_ASSIGN_OR_RETURN(
-      RegionTensor out,
-      RegionTensor::Resolve(*regions, RegionRefFromProto(header.output_region()), dtype, shape,
-                            RegionAccess::kWrite, device_ok, "output_region", &held->leases));
+namespace {
+
+// `ref` resolved for writing the answer into held->output; INVALID_ARGUMENT if it overlaps one
+// of the call's input regions.
+absl::Status ResolveOutputRegionRef(const RegionRegistry& regions, const RegionRef& ref,
+                                    absl::string_view field, DType dtype, const Shape& shape,
+                                    bool device_ok, ForwardRegions* held) {
+  MOESERVE_ASSIGN_OR_RETURN(RegionTensor out,
+                            RegionTensor::Resolve(regions, ref, dtype, shape, RegionAccess::kWrite,
+                                                  device_ok, field, &held->leases));
   for (const RegionTensor& in : held->inputs) {
     if (out.Overlaps(in)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "output_region: bytes [", out.ref().offset, ", ", out.ref().offset + out.ref().byte_size,
+          field, ": bytes [", out.ref().offset, ", ", out.ref().offset + out.ref().byte_size,
           ") of region '", out.ref().name, "' overlap ", in.field(), " (bytes [", in.ref().offset,
           ", ", in.ref().offset + in.ref().byte_size, ") of region '", in.ref().name,
           "'); the answer needs bytes of its own"));
@@ -295,6 +296,17 @@ absl::Status ResolveOutputRegion(const v1::ForwardRequest& header, const RegionR
   }
   held->output = std::move(out);
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ResolveOutputRegion(const v1::ForwardRequest& header, const RegionRegistry* regions,
+                                 DType dtype, const Shape& shape, bool device_ok,
+                                 ForwardRegions* held) {
+  if (!header.has_output_region()) return absl::OkStatus();
+  if (regions == nullptr) return SharedMemoryDisabledError("output_region");
+  return ResolveOutputRegionRef(*regions, RegionRefFromProto(header.output_region()),
+                                "output_region", dtype, shape, device_ok, held);
 }
 
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request) {
@@ -482,21 +494,128 @@ absl::StatusOr<int> ModelLayerFromKServe(
   return layer;
 }
 
+namespace {
+
+// A non-negative integer parameter (int64_param or uint64_param up to INT64_MAX).
+absl::StatusOr<int64_t> KServeIntParameter(const inference::InferParameter& p,
+                                           absl::string_view field, absl::string_view name) {
+  if (p.parameter_choice_case() == inference::InferParameter::kInt64Param && p.int64_param() >= 0) {
+    return p.int64_param();
+  }
+  if (p.parameter_choice_case() == inference::InferParameter::kUint64Param &&
+      p.uint64_param() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return static_cast<int64_t>(p.uint64_param());
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".parameters.", name, ": expected a non-negative int64_param (or uint64_param)"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::optional<RegionRef>> RegionRefFromKServe(
+    const google::protobuf::Map<std::string, inference::InferParameter>& parameters,
+    absl::string_view field) {
+  const auto region = parameters.find(kKServeShmRegion);
+  const auto size = parameters.find(kKServeShmByteSize);
+  const auto offset = parameters.find(kKServeShmOffset);
+  if (region == parameters.end()) {
+    if (size != parameters.end() || offset != parameters.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".parameters: ", kKServeShmByteSize, " / ", kKServeShmOffset, " without ",
+          kKServeShmRegion, "; name the region or leave the shared-memory parameters out"));
+    }
+    return std::nullopt;
+  }
+  if (region->second.parameter_choice_case() != inference::InferParameter::kStringParam ||
+      region->second.string_param().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".parameters.", kKServeShmRegion,
+                                                   ": expected a non-empty string_param"));
+  }
+  if (size == parameters.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".parameters.", kKServeShmByteSize,
+                                                   ": required with ", kKServeShmRegion));
+  }
+  RegionRef ref;
+  ref.name = region->second.string_param();
+  MOESERVE_ASSIGN_OR_RETURN(ref.byte_size,
+                            KServeIntParameter(size->second, field, kKServeShmByteSize));
+  if (offset != parameters.end()) {
+    MOESERVE_ASSIGN_OR_RETURN(ref.offset,
+                              KServeIntParameter(offset->second, field, kKServeShmOffset));
+  }
+  return ref;
+}
+
+bool KServeUsesSharedMemory(const inference::ModelInferRequest& header) {
+  for (const auto& in : header.inputs()) {
+    if (in.parameters().contains(kKServeShmRegion)) return true;
+  }
+  for (const auto& out : header.outputs()) {
+    if (out.parameters().contains(kKServeShmRegion)) return true;
+  }
+  return false;
+}
+
+absl::Status ResolveKServeOutputRegion(const inference::ModelInferRequest& header,
+                                       const RegionRegistry* regions, DType dtype,
+                                       const Shape& shape, bool device_ok, ForwardRegions* held) {
+  for (int i = 0; i < header.outputs_size(); ++i) {
+    const std::string field = absl::StrCat("outputs[", i, "] (", header.outputs(i).name(), ")");
+    MOESERVE_ASSIGN_OR_RETURN(std::optional<RegionRef> ref,
+                              RegionRefFromKServe(header.outputs(i).parameters(), field));
+    if (!ref.has_value()) continue;
+    if (regions == nullptr) {
+      return SharedMemoryDisabledError(absl::StrCat(field, ".parameters.", kKServeShmRegion));
+    }
+    // As Triton: an output's byte size is the room given (perf_analyzer passes
+    // --output-shared-memory-size); the answer takes the first shape x itemsize bytes of it.
+    const int64_t needed = NumElements(shape) * static_cast<int64_t>(DTypeSize(dtype));
+    if (ref->byte_size < needed) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".parameters.", kKServeShmByteSize, ": ", ref->byte_size,
+                       " bytes are too small for the output: shape ", ShapeToString(shape), " x ",
+                       DTypeSize(dtype), " bytes of ", DTypeName(dtype), " = ", needed));
+    }
+    ref->byte_size = needed;
+    return ResolveOutputRegionRef(*regions, *ref,
+                                  absl::StrCat(field, ".parameters.", kKServeShmRegion), dtype,
+                                  shape, device_ok, held);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ForwardInput> ForwardInputFromKServe(
     const inference_wire::ModelInferRequestView& request, int layer, GatheredBytes* gathered) {
+  return ForwardInputFromKServe(request, layer, gathered, nullptr, false, nullptr);
+}
+
+absl::StatusOr<ForwardInput> ForwardInputFromKServe(
+    const inference_wire::ModelInferRequestView& request, int layer, GatheredBytes* gathered,
+    const RegionRegistry* regions, bool device_hidden_ok, ForwardRegions* held) {
   const inference::ModelInferRequest& h = request.header;
-  if (request.raw.size() != static_cast<size_t>(h.inputs_size())) {
+  // Inputs in shared memory have no raw_input_contents entry.
+  std::vector<std::optional<RegionRef>> refs(h.inputs_size());
+  size_t raw_inputs = 0;
+  for (int i = 0; i < h.inputs_size(); ++i) {
+    MOESERVE_ASSIGN_OR_RETURN(
+        refs[i], RegionRefFromKServe(h.inputs(i).parameters(),
+                                     absl::StrCat("inputs[", i, "] (", h.inputs(i).name(), ")")));
+    if (!refs[i].has_value()) ++raw_inputs;
+  }
+  if (request.raw.size() != raw_inputs) {
     for (int i = 0; i < h.inputs_size(); ++i) {
       if (h.inputs(i).has_contents()) {
         return absl::InvalidArgumentError(
             absl::StrCat("inputs[", i, "] (", h.inputs(i).name(),
                          "): typed `contents` are not accepted; send every input's bytes in "
-                         "raw_input_contents"));
+                         "raw_input_contents (or a shared-memory region)"));
       }
     }
-    return absl::InvalidArgumentError(
-        absl::StrCat("raw_input_contents: ", request.raw.size(), " entries for ", h.inputs_size(),
-                     " inputs; expected one per input, in the order of inputs"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "raw_input_contents: ", request.raw.size(), " entries for ", h.inputs_size(), " inputs (",
+        h.inputs_size() - static_cast<int>(raw_inputs),
+        " in shared memory); expected one per input, in the order of inputs, except those in "
+        "shared memory"));
   }
   for (int i = 0; i < h.outputs_size(); ++i) {
     if (h.outputs(i).name() != kKServeOutputName) {
@@ -510,6 +629,7 @@ absl::StatusOr<ForwardInput> ForwardInputFromKServe(
   const char* const names[] = {"hidden_states", "topk_ids", "topk_weights"};
   TensorView* const views[] = {&input.hidden_states, &input.topk_ids, &input.topk_weights};
   bool seen[3] = {false, false, false};
+  size_t raw = 0;  // the next raw_input_contents entry
   for (int i = 0; i < h.inputs_size(); ++i) {
     const inference::ModelInferRequest::InferInputTensor& in = h.inputs(i);
     int which = -1;
@@ -527,9 +647,27 @@ absl::StatusOr<ForwardInput> ForwardInputFromKServe(
     }
     seen[which] = true;
     MOESERVE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromKServe(in.datatype(), names[which]));
+    if (!refs[i].has_value()) {
+      MOESERVE_ASSIGN_OR_RETURN(
+          *views[which],
+          TensorViewFromPieces(DTypeToProto(dtype), in.shape(), request.raw[raw].data,
+                               request.raw[raw].size, names[which], gathered));
+      ++raw;
+      continue;
+    }
+    const std::string field = absl::StrCat(names[which], ".parameters.", kKServeShmRegion);
+    if (regions == nullptr || held == nullptr) return SharedMemoryDisabledError(field);
+    const Shape shape(in.shape().begin(), in.shape().end());
+    MOESERVE_RETURN_IF_ERROR(TensorBytes(dtype, shape, names[which]).status());
+    // As ForwardInputFromWire: expert ids are snapshotted (validated once, then used), hidden
+    // states may be read in place on the device.
+    const RegionAccess access = which == 1 ? RegionAccess::kSnapshot : RegionAccess::kRead;
     MOESERVE_ASSIGN_OR_RETURN(
-        *views[which], TensorViewFromPieces(DTypeToProto(dtype), in.shape(), request.raw[i].data,
-                                            request.raw[i].size, names[which], gathered));
+        RegionTensor t,
+        RegionTensor::Resolve(*regions, *refs[i], dtype, shape, access,
+                              which == 0 && device_hidden_ok, field, &held->leases));
+    held->inputs.push_back(std::move(t));
+    *views[which] = held->inputs.back().view();
   }
   MOESERVE_RETURN_IF_ERROR(CheckForwardTensorsPresent(seen[0], seen[1], seen[2]));
   return input;
@@ -554,6 +692,35 @@ void ModelMetadataToKServe(const EngineInfo& info, absl::string_view name,
   add(out->mutable_inputs(), "topk_ids", "INT32", {-1, m.topk});
   add(out->mutable_inputs(), "topk_weights", "FP32", {-1, m.topk});
   add(out->mutable_outputs(), kKServeOutputName, "BF16", {-1, m.hidden});
+}
+
+void ModelConfigToKServe(const EngineInfo& info, absl::string_view name,
+                         inference::ModelConfig* out) {
+  inference::ModelMetadataResponse meta;
+  ModelMetadataToKServe(info, name, &meta);
+  const auto data_type = [](const std::string& datatype) {
+    if (datatype == "BF16") return inference::TYPE_BF16;
+    if (datatype == "FP16") return inference::TYPE_FP16;
+    if (datatype == "FP32") return inference::TYPE_FP32;
+    if (datatype == "INT32") return inference::TYPE_INT32;
+    return inference::TYPE_INT64;
+  };
+  out->set_name(meta.name());
+  out->set_platform(meta.platform());
+  out->set_backend("moeserve");
+  out->set_max_batch_size(0);  // no batch dimension of Triton's: M is part of the shapes
+  for (const auto& t : meta.inputs()) {
+    inference::ModelInput* in = out->add_input();
+    in->set_name(t.name());
+    in->set_data_type(data_type(t.datatype()));
+    for (int64_t d : t.shape()) in->add_dims(d);
+  }
+  for (const auto& t : meta.outputs()) {
+    inference::ModelOutput* o = out->add_output();
+    o->set_name(t.name());
+    o->set_data_type(data_type(t.datatype()));
+    for (int64_t d : t.shape()) o->add_dims(d);
+  }
 }
 
 void ServerMetadataToKServe(inference::ServerMetadataResponse* out) {

@@ -128,11 +128,44 @@ absl::StatusOr<int> ModelLayerFromKServe(
 absl::StatusOr<ForwardInput> ForwardInputFromKServe(
     const inference_wire::ModelInferRequestView& request, int layer, GatheredBytes* gathered);
 
+// KServe shared memory: the parameters shared_memory_region (string), shared_memory_byte_size
+// (int64 or uint64, required with a region) and shared_memory_offset (int64 or uint64, default
+// 0) of one input or requested output. nullopt when none is set; INVALID_ARGUMENT naming
+// `field` and the parameter for a wrong type, a missing region or size, or a negative value.
+absl::StatusOr<std::optional<RegionRef>> RegionRefFromKServe(
+    const google::protobuf::Map<std::string, inference::InferParameter>& parameters,
+    absl::string_view field);
+// Whether any input or requested output of `header` names a shared-memory region (the caller
+// checks the peer before resolving them).
+bool KServeUsesSharedMemory(const inference::ModelInferRequest& header);
+// As above, where inputs may live in shared-memory regions (RegionRefFromKServe): those are
+// resolved in `regions` into `held` as ForwardInputFromWire resolves Tensor.region, and have no
+// raw_input_contents entry. Any region when `regions` is null: FAILED_PRECONDITION naming
+// --enable_shared_memory.
+absl::StatusOr<ForwardInput> ForwardInputFromKServe(
+    const inference_wire::ModelInferRequestView& request, int layer, GatheredBytes* gathered,
+    const RegionRegistry* regions, bool device_hidden_ok, ForwardRegions* held);
+// The requested output "output", when its parameters name a region, resolved for writing
+// `dtype` `shape` into held->output (as ResolveOutputRegion). Unlike an input's, an output's
+// shared_memory_byte_size is the room given (as in Triton): at least shape x itemsize
+// (INVALID_ARGUMENT "too small" otherwise), of which the answer takes the first bytes.
+absl::Status ResolveKServeOutputRegion(const inference::ModelInferRequest& header,
+                                       const RegionRegistry* regions, DType dtype,
+                                       const Shape& shape, bool device_ok, ForwardRegions* held);
+// The KServe parameter names.
+inline constexpr char kKServeShmRegion[] = "shared_memory_region";
+inline constexpr char kKServeShmByteSize[] = "shared_memory_byte_size";
+inline constexpr char kKServeShmOffset[] = "shared_memory_offset";
+
 // ModelMetadata of model `name`: inputs hidden_states [-1, hidden] BF16, topk_ids [-1, topk]
 // INT32, topk_weights [-1, topk] FP32; output [-1, hidden] BF16 (the preferred datatypes; FP16 /
 // FP32 hidden states and INT64 ids are accepted too, and the output follows hidden_states).
 void ModelMetadataToKServe(const EngineInfo& info, absl::string_view name,
                            inference::ModelMetadataResponse* out);
+// ModelConfig (Triton's extension, read by perf_analyzer) of model `name`: ModelMetadataToKServe's
+// tensors with Triton's DataType, platform and backend "moeserve", max_batch_size 0.
+void ModelConfigToKServe(const EngineInfo& info, absl::string_view name,
+                         inference::ModelConfig* out);
 // name "moeserve", version "<version>+<git describe>".
 void ServerMetadataToKServe(inference::ServerMetadataResponse* out);
 

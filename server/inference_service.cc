@@ -1,12 +1,19 @@
 #include "server/inference_service.h"
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "inference/infer_wire.h"
+#include "server/call_limits.h"
 #include "server/convert.h"
 #include "server/status.h"
 
@@ -107,13 +114,41 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
                 response->ByteSizeLong());
 }
 
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
+    grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
+    inference::ModelConfigResponse* response) {
+  absl::Status status = state_->Authorize(*context, "ModelConfig");
+  Engine* const engine = status.ok() ? state_->engine() : nullptr;
+  if (!status.ok()) {
+    response->Clear();
+  } else if (engine != nullptr) {
+    absl::StatusOr<int> layer =
+        ModelLayerFromKServe(engine->info().model, request->name(), request->version(), nullptr);
+    if (layer.ok()) {
+      ModelConfigToKServe(engine->info(), request->name(), response->mutable_config());
+    } else {
+      status = layer.status();
+    }
+  } else {
+    status = state_->NotReady("ModelConfig");
+  }
+  return Answer(context, "ModelConfig", status, request->ByteSizeLong(), response->ByteSizeLong());
+}
+
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerContext* context,
                                                            const grpc::ByteBuffer* raw_request,
                                                            grpc::ByteBuffer* response) {
   const Clock::time_point start = Clock::now();
   Metrics* const metrics = state_->metrics();
   if (metrics) metrics->IncrementInflight();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Holds the call's bytes (max_queued_bytes, shared with Forward) until gRPC is done with it,
+  // and watches its answer being taken (max_answer_hold).
+  MoeServiceImpl* const moe = moe_;
+  auto* reactor = new HeldUnaryReactor(context, moe ? moe->answer_watch() : nullptr,
+                                       moe ? moe->held_budget() : nullptr, [metrics, moe] {
+                                         if (metrics && moe)
+                                           metrics->SetHeldBytes(moe->held_bytes());
+                                       });
   const int64_t received = static_cast<int64_t>(raw_request->Length());
   auto finish = [metrics, reactor, received, response](const absl::Status& status, int64_t tokens) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
@@ -123,18 +158,29 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
                         status.ok() ? static_cast<int64_t>(response->Length()) : 0);
       metrics->DecrementInflight();
     }
-    reactor->Finish(grpc_status);
+    reactor->FinishAndHold(grpc_status);
+  };
+  // Admission: refused at once when the bytes calls hold would pass the limit.
+  auto hold = [metrics, moe, reactor](int64_t bytes, absl::string_view what) {
+    if (moe == nullptr) return absl::OkStatus();
+    if (!reactor->Hold(bytes)) return moe->HoldRefused("ModelInfer", bytes, what);
+    if (metrics) metrics->SetHeldBytes(moe->held_bytes());
+    return absl::OkStatus();
   };
   if (absl::Status s = state_->Authorize(*context, "ModelInfer"); !s.ok()) {
     finish(s, 0);
     return reactor;
   }
-  auto task = [this, context, raw_request, response, start, received, finish]() {
+  if (absl::Status s = hold(received, "this request"); !s.ok()) {
+    finish(s, 0);
+    return reactor;
+  }
+  auto task = [this, context, raw_request, response, start, finish, hold]() {
     const double server_queue_us = MicrosSince(start);
     if (context->IsCancelled()) {
       return finish(absl::CancelledError("ModelInfer: cancelled by the client before it ran"), 0);
     }
-    Engine* engine = state_->engine();
+    Engine* engine = state_->engine();  // acquire: the region registry is set before it
     if (engine == nullptr) return finish(state_->NotReady("ModelInfer"), 0);
     absl::StatusOr<inference_wire::ModelInferRequestView> request =
         inference_wire::DecodeModelInferRequest(*raw_request);
@@ -146,26 +192,71 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
     absl::StatusOr<int> layer = ModelLayerFromKServe(engine->info().model, header.model_name(),
                                                      header.model_version(), &header.parameters());
     if (!layer.ok()) return finish(layer.status(), 0);
+    // Tensors in shared-memory regions hold their regions until the answer is ready (released
+    // before the call is answered, so the client may unregister as soon as it has the answer).
+    ForwardRegions regions;
+    auto fail = [&regions, &finish](const absl::Status& status) {
+      regions.Release();
+      finish(status, 0);
+    };
+    const RegionRegistry* registry = moe_ != nullptr ? moe_->regions() : nullptr;
+    // Regions name this host's memory: same-host clients only. (With shared memory off, the
+    // conversion refuses naming the parameter and the flag.)
+    if (registry != nullptr && KServeUsesSharedMemory(header)) {
+      if (absl::Status s = MoeServiceImpl::CheckSharedMemoryPeer(context->peer(), "ModelInfer");
+          !s.ok()) {
+        return fail(s);
+      }
+    }
+    const EngineInfo& info = engine->info();
     GatheredBytes gathered;
-    absl::StatusOr<ForwardInput> input = ForwardInputFromKServe(*request, *layer, &gathered);
-    if (!input.ok()) return finish(input.status(), 0);
+    absl::StatusOr<ForwardInput> input = ForwardInputFromKServe(
+        *request, *layer, &gathered, registry, info.device_tensors, &regions);
+    if (!input.ok()) return fail(input.status());
     // Neither topk input: the server routes with the layer's gate, as Forward does.
     std::unique_ptr<PooledBuffer> routing;
     if (input->topk_ids.empty()) {
-      if (absl::Status s = RouteOnServer(*engine, &*input, &routing); !s.ok()) {
-        return finish(s, 0);
+      if (absl::Status s = RouteOnServer(*engine, &*input, &routing); !s.ok()) return fail(s);
+    }
+    // Shapes before sizing the output (it comes from hidden_states); Forward checks the values.
+    if (absl::Status s = ValidateForwardShapes(info.model, info.max_tokens_per_request, *input);
+        !s.ok()) {
+      return fail(s);
+    }
+    const DType dtype = input->hidden_states.dtype();
+    const Shape out_shape = {input->hidden_states.dim(0), info.model.hidden};
+    if (absl::Status s = ResolveKServeOutputRegion(header, registry, dtype, out_shape,
+                                                   info.device_tensors, &regions);
+        !s.ok()) {
+      return fail(s);
+    }
+    // The answer's bytes count against max_queued_bytes from here (an output region: none).
+    if (!regions.output.has_value()) {
+      const int64_t out_bytes = NumElements(out_shape) * static_cast<int64_t>(DTypeSize(dtype));
+      if (out_bytes > 0) {
+        if (absl::Status s = hold(out_bytes, "its answer"); !s.ok()) return fail(s);
       }
     }
     struct Pending {
       inference_wire::ModelInferRequestView request;
       GatheredBytes gathered;
+      ForwardRegions regions;
+      ForwardInput input;
       std::unique_ptr<PooledBuffer> routing;  // server-side routing only
     };
-    auto pending = std::make_shared<Pending>(
-        Pending{std::move(*request), std::move(gathered), std::move(routing)});
+    auto pending = std::make_shared<Pending>(Pending{
+        std::move(*request), std::move(gathered), std::move(regions), *input, std::move(routing)});
+    std::optional<TensorView> region_output;
+    if (pending->regions.output.has_value()) region_output = pending->regions.output->view();
     Metrics* const metrics = state_->metrics();
     auto done = [pending, response, start, server_queue_us, metrics, finish](
                     absl::Status status, ServingState::ForwardAnswer answer) {
+      if (status.ok() && pending->regions.output.has_value()) {
+        status = pending->regions.output->Flush();
+      }
+      std::optional<RegionRef> out_ref;
+      if (pending->regions.output.has_value()) out_ref = pending->regions.output->ref();
+      pending->regions.Release();
       if (!status.ok()) return finish(status, 0);
       const inference::ModelInferRequest& req = pending->request.header;
       inference::ModelInferResponse header;
@@ -176,6 +267,12 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
       out->set_name(kKServeOutputName);
       out->set_datatype(std::string(DTypeToKServe(answer.dtype)));
       for (int64_t d : answer.shape) out->add_shape(d);
+      if (out_ref.has_value()) {  // the answer is in the region: say where, send no bytes
+        auto& p = *out->mutable_parameters();
+        p[kKServeShmRegion].set_string_param(out_ref->name);
+        p[kKServeShmByteSize].set_int64_param(out_ref->byte_size);
+        p[kKServeShmOffset].set_int64_param(out_ref->offset);
+      }
       const double queue_us = server_queue_us + answer.timings.queue_us;
       if (metrics) metrics->RecordStages(queue_us, answer.timings.stages);
       if (WantsTimings(req)) {
@@ -186,21 +283,138 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
         p["finalize_us"].set_double_param(answer.timings.stages.finalize_us);
         p["total_us"].set_double_param(MicrosSince(start));
       }
-      void* out_data = answer.output->data();
-      absl::StatusOr<grpc::ByteBuffer> encoded = inference_wire::EncodeModelInferResponse(
-          header, {v1wire::SliceOwning(out_data, answer.bytes, std::move(answer.output))});
+      // One raw_output_contents entry per output, as Triton sends: an output in a region gets an
+      // empty one (clients such as perf_analyzer index the entries by output).
+      std::vector<grpc::Slice> raw(1);
+      if (answer.output != nullptr) {
+        void* out_data = answer.output->data();
+        raw[0] = v1wire::SliceOwning(out_data, answer.bytes, std::move(answer.output));
+      }
+      absl::StatusOr<grpc::ByteBuffer> encoded =
+          inference_wire::EncodeModelInferResponse(header, raw);
       if (!encoded.ok()) return finish(absl::InternalError(encoded.status().message()), 0);
       response->Swap(&*encoded);
       finish(absl::OkStatus(), answer.shape[0]);
     };
     state_->SubmitForward(
-        "ModelInfer", *input, received, CallDeadline(context->deadline()),
-        [context] { return context->IsCancelled(); }, std::move(done));
+        "ModelInfer", pending->input, static_cast<int64_t>(raw_request->Length()),
+        CallDeadline(context->deadline()), [context] { return context->IsCancelled(); },
+        std::move(done), region_output);
   };
   if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("ModelInfer: the server is shutting down"), 0);
   }
   return reactor;
+}
+
+// ---- Shared memory: the KServe face of MoeServiceImpl's registry and checks. ----
+
+namespace {
+
+// A uint64 size or offset of the wire as int64; INVALID_ARGUMENT naming `field` beyond.
+absl::StatusOr<int64_t> WireInt64(uint64_t value, absl::string_view field) {
+  if (value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", value, " is larger than the largest int64"));
+  }
+  return static_cast<int64_t>(value);
+}
+
+// The registry's regions of `kind` (one when `name` is set: NOT_FOUND if it is of another kind).
+absl::StatusOr<std::vector<RegionInfo>> RegionsOfKind(const RegionRegistry& registry,
+                                                      const std::string& name, RegionKind kind) {
+  absl::StatusOr<std::vector<RegionInfo>> all = registry.Status(name);
+  if (!all.ok()) return all.status();
+  std::vector<RegionInfo> out;
+  for (RegionInfo& info : *all) {
+    if (info.kind == kind) {
+      out.push_back(std::move(info));
+    } else if (!name.empty()) {
+      return absl::NotFoundError(absl::StrCat("name: '", name, "' is a ", RegionKindName(info.kind),
+                                              " region, not a ", RegionKindName(kind), " one"));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest* request,
+    inference::SystemSharedMemoryStatusResponse* response) {
+  return moe_->RunSharedMemoryCall(context, "SystemSharedMemoryStatus", [this, request, response] {
+    absl::StatusOr<std::vector<RegionInfo>> regions =
+        RegionsOfKind(*moe_->regions(), request->name(), RegionKind::kSystem);
+    if (!regions.ok()) return regions.status();
+    for (const RegionInfo& info : *regions) {
+      auto& r = (*response->mutable_regions())[info.name];
+      r.set_name(info.name);
+      r.set_key(info.key);
+      r.set_offset(static_cast<uint64_t>(info.offset));
+      r.set_byte_size(static_cast<uint64_t>(info.byte_size));
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryRegister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryRegisterRequest* request,
+    inference::SystemSharedMemoryRegisterResponse* response) {
+  return moe_->RunSharedMemoryCall(context, "SystemSharedMemoryRegister", [this, request] {
+    MOESERVE_ASSIGN_OR_RETURN(const int64_t offset, WireInt64(request->offset(), "offset"));
+    MOESERVE_ASSIGN_OR_RETURN(const int64_t bytes, WireInt64(request->byte_size(), "byte_size"));
+    return moe_->mutable_regions()->RegisterSystem(request->name(), request->key(), offset, bytes);
+  });
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryUnregister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryUnregisterRequest* request,
+    inference::SystemSharedMemoryUnregisterResponse* response) {
+  return moe_->RunSharedMemoryCall(context, "SystemSharedMemoryUnregister", [this, request] {
+    return moe_->mutable_regions()->Unregister(request->name(), RegionKind::kSystem);
+  });
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryStatus(
+    grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest* request,
+    inference::CudaSharedMemoryStatusResponse* response) {
+  return moe_->RunSharedMemoryCall(context, "CudaSharedMemoryStatus", [this, request, response] {
+    absl::StatusOr<std::vector<RegionInfo>> regions =
+        RegionsOfKind(*moe_->regions(), request->name(), RegionKind::kCuda);
+    if (!regions.ok()) return regions.status();
+    for (const RegionInfo& info : *regions) {
+      auto& r = (*response->mutable_regions())[info.name];
+      r.set_name(info.name);
+      r.set_device_id(static_cast<uint64_t>(std::max(info.device_id, 0)));
+      r.set_byte_size(static_cast<uint64_t>(info.byte_size));
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryRegister(
+    grpc::CallbackServerContext* context, const inference::CudaSharedMemoryRegisterRequest* request,
+    inference::CudaSharedMemoryRegisterResponse* response) {
+  return moe_->RunSharedMemoryCall(context, "CudaSharedMemoryRegister", [this, request] {
+    if (request->device_id() < 0 || request->device_id() > std::numeric_limits<int>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("device_id: ", request->device_id(),
+                                                     " is not a device ordinal; expected >= 0"));
+    }
+    MOESERVE_ASSIGN_OR_RETURN(const int64_t bytes, WireInt64(request->byte_size(), "byte_size"));
+    return moe_->mutable_regions()->RegisterCuda(request->name(), request->raw_handle(),
+                                                 static_cast<int>(request->device_id()), bytes);
+  });
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::CudaSharedMemoryUnregister(
+    grpc::CallbackServerContext* context,
+    const inference::CudaSharedMemoryUnregisterRequest* request,
+    inference::CudaSharedMemoryUnregisterResponse* response) {
+  return moe_->RunSharedMemoryCall(context, "CudaSharedMemoryUnregister", [this, request] {
+    return moe_->mutable_regions()->Unregister(request->name(), RegionKind::kCuda);
+  });
 }
 
 }  // namespace moeserve

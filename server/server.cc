@@ -74,7 +74,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   service_options.max_expert_weight_calls = options.max_expert_weight_calls;
   server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get(), service_options);
   server->inference_service_ = std::make_unique<InferenceServiceImpl>(
-      server->state_.get(), [s = server.get()] { return s->serving(); });
+      server->state_.get(), server->service_.get(), [s = server.get()] { return s->serving(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -140,6 +140,29 @@ class MoeServiceImpl final : public MoeServiceBase {
   int64_t held_bytes() const { return held_bytes_.used(); }
   int64_t answers_cancelled() const { return answer_watch_.cancelled(); }
 
+  // What the KServe v2 service (server/inference_service.h) shares with this one, so that both
+  // protocols run under one set of limits and one region registry.
+  // The max_queued_bytes budget and the answer-hold watch (max_answer_hold) of every call.
+  ByteBudget* held_budget() { return &held_bytes_; }
+  AnswerHoldWatch* answer_watch() { return &answer_watch_; }
+  // The refusal of `bytes` more (`what`: "this request", "its answer") by `method` at
+  // max_queued_bytes; counts it in the metrics.
+  absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what);
+  // The region registry; null while shared memory is off. Read only after
+  // ServingState::engine() returned non-null (it is set before the engine is published).
+  const RegionRegistry* regions() const { return regions_.get(); }
+  RegionRegistry* mutable_regions() { return regions_.get(); }
+  // Runs `fn` (returning the call's status) on a worker and finishes `context`'s call with it,
+  // after the checks every shared-memory RPC passes: Authorize, the flag (FAILED_PRECONDITION
+  // naming --enable_shared_memory), the engine (UNAVAILABLE while loading) and the peer
+  // (PERMISSION_DENIED unless same-host). `fn` may use regions() (non-null then).
+  grpc::ServerUnaryReactor* RunSharedMemoryCall(grpc::CallbackServerContext* context,
+                                                const char* method,
+                                                std::function<absl::Status()> fn);
+  // OK when `peer` (ServerContext::peer()) is on this host (IsSameHostPeer); PERMISSION_DENIED
+  // naming `what` and the peer otherwise.
+  static absl::Status CheckSharedMemoryPeer(const std::string& peer, absl::string_view what);
+
  private:
   class StreamReactor;
   // The answer to one Forward: OK with the encoded ForwardResponse and its token count, or the
@@ -156,9 +179,6 @@ class MoeServiceImpl final : public MoeServiceBase {
   void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                   std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
                   const std::string& peer, const HoldFn& hold, AnswerFn answer);
-  // The refusal of `bytes` more (`what`: "this request", "its answer") by `method` at
-  // max_held_bytes; counts it in the metrics.
-  absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what);
   // The one access check of every MoeService call (ServingState::Authorize: UNAUTHENTICATED
   // naming `method`).
   absl::Status Authorize(const grpc::CallbackServerContext& context,
@@ -170,14 +190,6 @@ class MoeServiceImpl final : public MoeServiceBase {
   // expert (INVALID_ARGUMENT).
   absl::Status AdmitExpertWeights(const grpc::CallbackServerContext& context,
                                   absl::string_view method, int layer, int expert) const;
-  // Runs `fn` (returning the call's status) on a worker and finishes `context`'s call with it,
-  // recording `method` in the metrics.
-  grpc::ServerUnaryReactor* RunSharedMemoryCall(grpc::CallbackServerContext* context,
-                                                const char* method,
-                                                std::function<absl::Status()> fn);
-  // OK when `peer` (ServerContext::peer()) is on this host (IsSameHostPeer); PERMISSION_DENIED
-  // naming `what` and the peer otherwise.
-  static absl::Status CheckSharedMemoryPeer(const std::string& peer, absl::string_view what);
   // Takes one of max_expert_weight_calls slots (RESOURCE_EXHAUSTED when none is free); the
   // caller gives it back with expert_calls_.fetch_sub(1) once its answer is gone.
   absl::Status TakeExpertCallSlot(absl::string_view method);

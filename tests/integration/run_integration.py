@@ -602,6 +602,114 @@ def case_triton(server, cli, workdir, source_dir):
     triton.close()
 
 
+def _triton_inputs(tg, mc, info, m, seed, np_dtype, datatype):
+    """Random hidden_states (in the dtype tritonclient will send) / topk_ids / topk_weights and
+    their InferInputs."""
+    x, ids, w = mc.random_inputs(m, info.hidden, info.num_experts, info.topk, seed=seed)
+    inputs = [tg.InferInput("hidden_states", [m, info.hidden], datatype),
+              tg.InferInput("topk_ids", [m, info.topk], "INT32"),
+              tg.InferInput("topk_weights", [m, info.topk], "FP32")]
+    return (x.astype(np_dtype), ids, w), inputs
+
+
+def case_triton_shm(server, cli, workdir, source_dir, cuda=False):
+    """tritonclient's own shared-memory helpers against the KServe shared-memory RPCs
+    (--enable_shared_memory): inputs and the answer in system shm (tritonclient.utils.
+    shared_memory) or, with cuda, in CUDA IPC regions (tritonclient.utils.cuda_shared_memory, a
+    GPU server); answers checked against clients/python's numpy reference (relative L2: FP32
+    1e-5, FP16 / BF16 1e-2)."""
+    import numpy as np
+    import ml_dtypes
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+    if cuda:
+        import tritonclient.utils.cuda_shared_memory as shmlib
+    else:
+        import tritonclient.utils.shared_memory as shmlib
+    mc, _ = import_python_client(source_dir)
+    triton = tg.InferenceServerClient(url=server.target)
+    kind = "cuda" if cuda else "system"
+    register = triton.register_cuda_shared_memory if cuda else triton.register_system_shared_memory
+    unregister = (triton.unregister_cuda_shared_memory if cuda else
+                  triton.unregister_system_shared_memory)
+    status = (triton.get_cuda_shared_memory_status if cuda else
+              triton.get_system_shared_memory_status)
+    unregister()  # as tritonclient's examples start: nothing left from before
+    size = 1 << 20
+    handles = []
+
+    def region(name):
+        if cuda:
+            h = shmlib.create_shared_memory_region(name, size, 0)
+            register(name, shmlib.get_raw_handle(h), 0, size)
+        else:
+            key = f"/moeserve_it_{os.getpid()}_{name}"
+            h = shmlib.create_shared_memory_region(name, key, size)
+            register(name, key, size)
+        handles.append(h)
+        return h
+
+    try:
+        h_in, h_out = region("tc_in"), region("tc_out")
+        regions = status()
+        names = sorted(r.name for r in regions.regions.values())
+        check(names == ["tc_in", "tc_out"], f"{kind} shared-memory status lists {names}")
+        with mc.MoeClient(server.target) as client:
+            info = client.info()
+            layer = info.num_layers - 1
+            m = 9
+            for datatype, np_dtype in (("FP32", np.float32), ("FP16", np.float16),
+                                       ("BF16", ml_dtypes.bfloat16)):
+                seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run
+                (x, ids, w), inputs = _triton_inputs(tg, mc, info, m, seed, np_dtype, datatype)
+                arrays = [x.view(np.uint16) if datatype == "BF16" else x, ids, w]
+                if cuda:  # one array per call: cuda_shared_memory writes from offset 0
+                    shmlib.set_shared_memory_region(h_in, [np.concatenate(
+                        [a.reshape(-1).view(np.uint8) for a in arrays])])
+                else:
+                    shmlib.set_shared_memory_region(h_in, arrays)
+                offset = 0
+                for inp, a in zip(inputs, arrays):
+                    inp.set_shared_memory("tc_in", a.nbytes, offset=offset)
+                    offset += a.nbytes
+                out_bytes = m * info.hidden * np.dtype(np_dtype).itemsize
+                out = tg.InferRequestedOutput("output")
+                out.set_shared_memory("tc_out", out_bytes)
+                result = triton.infer(f"moe_layer_{layer}", inputs, outputs=[out])
+                meta = result.get_output("output")
+                check(meta is not None and list(meta.shape) == [m, info.hidden] and
+                      meta.datatype == datatype, f"{datatype} output metadata {meta}")
+                read_dtype = np.uint16 if datatype == "BF16" else np_dtype
+                got = shmlib.get_contents_as_numpy(h_out, read_dtype, [m, info.hidden])
+                if datatype == "BF16":
+                    got = np.asarray(got).view(ml_dtypes.bfloat16)
+                experts = {int(e): client.expert_weights(layer, int(e)) for e in np.unique(ids)}
+                expected = mc.reference_forward(x.astype(np.float32), ids, w, experts)
+                err = mc.relative_l2_error(np.asarray(got).astype(np.float32), expected)
+                log(f"tritonclient {kind} shm {datatype} (seed {seed}): relative_l2_error={err:.3g}")
+                check(err < TOL[datatype.lower()], f"{kind} shm {datatype}: error {err}")
+            # A wrong byte size is refused naming what was expected.
+            (x, ids, w), inputs = _triton_inputs(tg, mc, info, m, 32, np.float32, "FP32")
+            inputs[0].set_shared_memory("tc_in", x.nbytes - 4)
+            for inp, a in zip(inputs[1:], (ids, w)):
+                inp.set_data_from_numpy(a)
+            try:
+                triton.infer(f"moe_layer_{layer}", inputs)
+                raise Failure("a wrong shared_memory_byte_size was accepted")
+            except InferenceServerException as e:
+                check("does not match the tensor" in str(e), f"byte-size refusal: {e}")
+                log(f"refused as expected: {e}")
+        unregister("tc_in")
+        names = sorted(r.name for r in status().regions.values())
+        check(names == ["tc_out"], f"after unregistering tc_in: {names}")
+        unregister()
+        check(len(status().regions) == 0, "regions left after unregister()")
+    finally:
+        for h in handles:
+            shmlib.destroy_shared_memory_region(h)
+        triton.close()
+
+
 def case_shm(server, cli, workdir, source_dir):
     """--enable_shared_memory: tensors and answers through POSIX shared memory, from the CLI
     (forward --shm --check, load --shm) and from the Python client's shared_memory module."""
@@ -688,7 +796,8 @@ def main():
     p.add_argument("--cli", required=True)
     p.add_argument("--source-dir", required=True)
     p.add_argument("--case", choices=["cli", "python", "load", "ep16", "unix", "shm", "checkpoint",
-                                      "closed", "stream", "secure", "triton", "all"],
+                                      "closed", "stream", "secure", "triton", "triton_shm",
+                                      "triton_cuda_shm", "all"],
                    default="all")
     p.add_argument("--checkpoints", default="",
                    help="folder of scripts/make_test_checkpoint.py --suite (checkpoint case)")
@@ -696,17 +805,33 @@ def main():
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = p.parse_args()
 
+    # Binaries bundled for a GPU machine: $MOESERVE_BINARY / $MOESERVE_CLI override the build's.
+    args.server = os.environ.get("MOESERVE_BINARY") or args.server
+    args.cli = os.environ.get("MOESERVE_CLI") or args.cli
     for path in (args.server, args.cli):
         if not os.access(path, os.X_OK):
             print(f"[integration] FAIL: {path} is missing or not executable (build it first)",
                   file=sys.stderr)
             return 1
-    if args.case == "triton":
+    if args.case in ("triton", "triton_shm", "triton_cuda_shm"):
         try:
             import tritonclient.grpc  # noqa: F401
             import ml_dtypes  # noqa: F401
         except ImportError as e:
             print(f"[integration] SKIP: {e} (scripts/setup.sh installs tritonclient[grpc])")
+            return 77
+    if args.case == "triton_cuda_shm":
+        # tritonclient.utils.cuda_shared_memory imports cuda.bindings (PyPI: cuda-python) and
+        # raises RuntimeError without it; then a GPU is needed.
+        try:
+            import tritonclient.utils.cuda_shared_memory  # noqa: F401
+            import cuda.bindings.runtime as cudart
+        except (ImportError, RuntimeError) as e:
+            print(f"[integration] SKIP: {e} (pip install cuda-python, or tritonclient[cuda])")
+            return 77
+        err, count = cudart.cudaGetDeviceCount()
+        if err != cudart.cudaError_t.cudaSuccess or count < 1:
+            print(f"[integration] SKIP: no CUDA device ({err})")
             return 77
     # triton runs as its own ctest (it needs tritonclient, which may be absent: a skip).
     cases = (["cli", "python", "load", "ep16", "unix", "shm", "closed", "stream", "secure"]
@@ -729,7 +854,9 @@ def main():
         else:
             # triton: two ranks, so the per-rank path is behind the KServe endpoint too.
             runs.append((case, EP16_ARGS if case == "ep16" else
-                         ["--enable_shared_memory"] if case == "shm" else
+                         ["--enable_shared_memory"] if case in ("shm", "triton_shm") else
+                         ["--enable_shared_memory", "--backend", "cuda", "--ranks", "1"]
+                         if case == "triton_cuda_shm" else
                          ["--ranks", "2"] if case == "triton" else []))
     for case, extra in runs:
         with tempfile.TemporaryDirectory(prefix=f"moeserve-it-{case}-") as workdir:
@@ -769,6 +896,9 @@ def main():
                         case_triton(server, cli, workdir, args.source_dir)
                     elif case == "shm":
                         case_shm(server, cli, workdir, args.source_dir)
+                    elif case in ("triton_shm", "triton_cuda_shm"):
+                        case_triton_shm(server, cli, workdir, args.source_dir,
+                                        cuda=case == "triton_cuda_shm")
                     else:
                         case_python(server, cli, workdir, args.source_dir)
                     server.terminate_and_check(args.shutdown_timeout)

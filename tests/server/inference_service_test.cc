@@ -5,16 +5,21 @@
 // `layer` parameter, refusals naming the field, and the metrics it moves.
 #include "server/inference_service.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/engine.h"
@@ -22,8 +27,10 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "inference/infer_wire.h"
+#include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/server.h"
 #include "tests/server/test_util.h"
+#include "tests/testing/shm_util.h"
 
 namespace moeserve {
 namespace {
@@ -33,6 +40,7 @@ using ::moeserve::testing::HttpGetMetrics;
 using ::moeserve::testing::MetricValue;
 using ::moeserve::testing::RandomRequest;
 using ::moeserve::testing::RelativeL2;
+using ::moeserve::testing::ShmObject;
 using ::testing::HasSubstr;
 
 constexpr int64_t kMaxTokens = 64;
@@ -494,6 +502,507 @@ TEST_F(InferenceServiceTest, MetricsCountTokensBytesLayersAndRanks) {
   EXPECT_EQ(
       MetricValue(after, "moeserve_build_info", {"version=", "commit=", "build_type=", "backend="}),
       1);
+}
+
+// Triton's ModelConfig, what perf_analyzer reads before sending load: the tensors of
+// ModelMetadata with Triton's DataType, no batch dimension (max_batch_size 0); unknown models
+// NOT_FOUND.
+TEST_F(InferenceServiceTest, ModelConfigDescribesTheModels) {
+  for (const char* name : {"moe_layer_1", "moeserve"}) {
+    grpc::ClientContext ctx;
+    inference::ModelConfigRequest req;
+    req.set_name(name);
+    inference::ModelConfigResponse resp;
+    const grpc::Status s = Stub()->ModelConfig(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    const inference::ModelConfig& c = resp.config();
+    EXPECT_EQ(c.name(), name);
+    EXPECT_EQ(c.max_batch_size(), 0);
+    ASSERT_EQ(c.input_size(), 3);
+    EXPECT_EQ(c.input(0).name(), "hidden_states");
+    EXPECT_EQ(c.input(0).data_type(), inference::TYPE_BF16);
+    EXPECT_THAT(c.input(0).dims(), ::testing::ElementsAre(-1, model().hidden));
+    EXPECT_EQ(c.input(1).data_type(), inference::TYPE_INT32);
+    EXPECT_THAT(c.input(1).dims(), ::testing::ElementsAre(-1, model().topk));
+    EXPECT_EQ(c.input(2).data_type(), inference::TYPE_FP32);
+    ASSERT_EQ(c.output_size(), 1);
+    EXPECT_EQ(c.output(0).name(), "output");
+    EXPECT_THAT(c.output(0).dims(), ::testing::ElementsAre(-1, model().hidden));
+  }
+  grpc::ClientContext ctx;
+  inference::ModelConfigRequest req;
+  req.set_name("llama");
+  inference::ModelConfigResponse resp;
+  const grpc::Status s = Stub()->ModelConfig(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("moe_layer_"));
+}
+
+// ---- Shared memory (the protocol's extension over moeserve's RegionRegistry) ----
+
+// Names `param`'s region for a KServe input or requested output.
+void SetShm(google::protobuf::Map<std::string, inference::InferParameter>* p,
+            const std::string& region, int64_t offset, int64_t bytes) {
+  (*p)["shared_memory_region"].set_string_param(region);
+  (*p)["shared_memory_byte_size"].set_int64_param(bytes);
+  if (offset != 0) (*p)["shared_memory_offset"].set_int64_param(offset);
+}
+
+// Moves input `i` of `req` (raw bytes) into `shm` at `offset` of region `region` (which starts at
+// byte `object_base` of the object) and drops its raw_input_contents entry.
+void MoveInputToShm(inference::ModelInferRequest* req, int i, const ShmObject& shm,
+                    const std::string& region, int64_t offset, int64_t object_base = 0) {
+  int raw = 0;  // raw entry of input i: inputs before it that are not in shared memory
+  for (int j = 0; j < i; ++j) {
+    if (!req->inputs(j).parameters().contains("shared_memory_region")) ++raw;
+  }
+  const std::string bytes = req->raw_input_contents(raw);
+  shm.Write(static_cast<size_t>(object_base + offset), bytes.data(), bytes.size());
+  SetShm(req->mutable_inputs(i)->mutable_parameters(), region, offset,
+         static_cast<int64_t>(bytes.size()));
+  req->mutable_raw_input_contents()->DeleteSubrange(raw, 1);
+}
+
+class InferenceSharedMemoryTest : public InferenceServiceTest {
+ protected:
+  static constexpr int64_t kBudget = 48 << 10;  // max_queued_bytes of the budget server
+  static void SetUpTestSuite() {
+    InferenceServiceTest::SetUpTestSuite();  // engine_, reference_, server_ (shared memory off)
+    ServerOptions options;
+    options.listen_addresses = {"127.0.0.1:0"};
+    options.metrics_address = "";
+    options.enable_shared_memory = true;
+    shm_server_ = MoeServer::Start(engine_, options).value().release();
+    options.max_queued_bytes = kBudget;
+    budget_server_ = MoeServer::Start(engine_, options).value().release();
+  }
+  static void TearDownTestSuite() {
+    delete budget_server_;
+    delete shm_server_;
+    InferenceServiceTest::TearDownTestSuite();
+  }
+  void TearDown() override {
+    // Every call let its regions go: all of them unregister.
+    for (MoeServer* s : {shm_server_, budget_server_}) {
+      EXPECT_TRUE(s->service().mutable_regions()->Unregister("").ok());
+    }
+  }
+  static std::unique_ptr<inference::GRPCInferenceService::Stub> StubFor(const MoeServer& server) {
+    return inference::GRPCInferenceService::NewStub(
+        grpc::CreateChannel(server.bound_addresses()[0], grpc::InsecureChannelCredentials()));
+  }
+  static grpc::Status RegisterSystem(inference::GRPCInferenceService::Stub* stub,
+                                     const std::string& name, const std::string& key,
+                                     uint64_t offset, uint64_t bytes) {
+    inference::SystemSharedMemoryRegisterRequest req;
+    req.set_name(name);
+    req.set_key(key);
+    req.set_offset(offset);
+    req.set_byte_size(bytes);
+    inference::SystemSharedMemoryRegisterResponse resp;
+    grpc::ClientContext ctx;
+    return stub->SystemSharedMemoryRegister(&ctx, req, &resp);
+  }
+  static grpc::Status UnregisterSystem(inference::GRPCInferenceService::Stub* stub,
+                                       const std::string& name) {
+    inference::SystemSharedMemoryUnregisterRequest req;
+    req.set_name(name);
+    inference::SystemSharedMemoryUnregisterResponse resp;
+    grpc::ClientContext ctx;
+    return stub->SystemSharedMemoryUnregister(&ctx, req, &resp);
+  }
+  static grpc::Status InferOn(inference::GRPCInferenceService::Stub* stub,
+                              const inference::ModelInferRequest& req,
+                              inference::ModelInferResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    return stub->ModelInfer(&ctx, req, resp);
+  }
+  // `req` fails on `stub` with `code` and a message containing every `parts`.
+  static void ExpectRefusedOn(inference::GRPCInferenceService::Stub* stub,
+                              const inference::ModelInferRequest& req, grpc::StatusCode code,
+                              const std::vector<std::string>& parts) {
+    inference::ModelInferResponse resp;
+    const grpc::Status s = InferOn(stub, req, &resp);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    for (const std::string& p : parts) EXPECT_THAT(s.error_message(), HasSubstr(p));
+  }
+
+  static MoeServer* shm_server_;
+  static MoeServer* budget_server_;
+};
+
+MoeServer* InferenceSharedMemoryTest::shm_server_ = nullptr;
+MoeServer* InferenceSharedMemoryTest::budget_server_ = nullptr;
+
+// tritonclient's flow: register system regions through the KServe RPCs, put the inputs there
+// (all of them, or some beside raw_input_contents), ask for the output in a region, and read it
+// from there: equal to the reference engine within the dtype's tolerance (relative L2: BF16 1e-2,
+// FP32 1e-5), an empty raw_output_contents entry, the region echoed on the output. The regions are
+// visible through moeserve.v1's SharedMemoryStatus too (one registry).
+TEST_F(InferenceSharedMemoryTest, SystemShmInAndOutMatchesReference) {
+  auto stub = StubFor(*shm_server_);
+  ShmObject in(1 << 20), out(1 << 20);
+  ASSERT_TRUE(in.ok() && out.ok());
+  // The input region starts 4096 bytes into its object (Triton's offset).
+  ASSERT_TRUE(RegisterSystem(stub.get(), "in", in.key(), 4096, (1 << 20) - 4096).ok());
+  ASSERT_TRUE(RegisterSystem(stub.get(), "out", out.key(), 0, 1 << 20).ok());
+  {
+    inference::SystemSharedMemoryStatusRequest req;
+    inference::SystemSharedMemoryStatusResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->SystemSharedMemoryStatus(&ctx, req, &resp).ok());
+    ASSERT_EQ(resp.regions().size(), 2u);
+    EXPECT_EQ(resp.regions().at("in").key(), in.key());
+    EXPECT_EQ(resp.regions().at("in").offset(), 4096u);
+    EXPECT_EQ(resp.regions().at("in").byte_size(), uint64_t{(1 << 20) - 4096});
+    auto v1stub = v1::MoeService::NewStub(
+        grpc::CreateChannel(shm_server_->bound_addresses()[0], grpc::InsecureChannelCredentials()));
+    v1::SharedMemoryStatusRequest v1req;
+    v1::SharedMemoryStatusResponse v1resp;
+    grpc::ClientContext ctx2;
+    ASSERT_TRUE(v1stub->SharedMemoryStatus(&ctx2, v1req, &v1resp).ok());
+    EXPECT_EQ(v1resp.regions_size(), 2);
+    inference::CudaSharedMemoryStatusResponse cuda;
+    grpc::ClientContext ctx3;
+    ASSERT_TRUE(
+        stub->CudaSharedMemoryStatus(&ctx3, inference::CudaSharedMemoryStatusRequest(), &cuda)
+            .ok());
+    EXPECT_TRUE(cuda.regions().empty());
+  }
+  for (const Case& c :
+       {Case{v1::DTYPE_BF16, v1::DTYPE_INT32, 1e-2}, Case{v1::DTYPE_FP32, v1::DTYPE_INT64, 1e-5}}) {
+    for (int in_shm : {0b111, 0b001, 0b110}) {  // which inputs live in the region
+      const int64_t m = 1 + static_cast<int64_t>(rng_() % kMaxTokens);
+      const v1::ForwardRequest r = Random(m, c.dtype, c.ids, 1);
+      inference::ModelInferRequest req = ToInfer(r, "moe_layer_1");
+      int64_t at = 8;  // misaligned for none of the dtypes; each tensor 64-byte aligned after
+      for (int i = 0; i < 3; ++i) {
+        if ((in_shm >> i & 1) == 0) continue;
+        MoveInputToShm(&req, i, in, "in", at, 4096);
+        at +=
+            (req.inputs(i).parameters().at("shared_memory_byte_size").int64_param() + 63) / 64 * 64;
+      }
+      const int64_t itemsize = c.dtype == v1::DTYPE_FP32 ? 4 : 2;
+      const int64_t out_bytes = m * model().hidden * itemsize;
+      const int64_t out_offset = 256;
+      auto* o = req.add_outputs();
+      o->set_name("output");
+      SetShm(o->mutable_parameters(), "out", out_offset, out_bytes + 4096);  // room to spare
+      inference::ModelInferResponse resp;
+      const grpc::Status s = InferOn(stub.get(), req, &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      ASSERT_EQ(resp.outputs_size(), 1);
+      // One raw_output_contents entry per output, as Triton sends: empty for a region.
+      ASSERT_EQ(resp.raw_output_contents_size(), 1);
+      EXPECT_TRUE(resp.raw_output_contents(0).empty());
+      EXPECT_THAT(resp.outputs(0).shape(), ::testing::ElementsAre(m, model().hidden));
+      EXPECT_EQ(resp.outputs(0).parameters().at("shared_memory_region").string_param(), "out");
+      EXPECT_EQ(resp.outputs(0).parameters().at("shared_memory_byte_size").int64_param(),
+                out_bytes);
+      const std::vector<float> got = DecodeFloats(
+          std::string(reinterpret_cast<const char*>(out.data()) + out_offset, out_bytes), c.dtype);
+      EXPECT_LT(RelativeL2(got, Expected(r)), c.tolerance)
+          << KServeName(c.dtype) << " M=" << m << " inputs in shm " << in_shm;
+      // Output as raw bytes while the inputs are in the region.
+      req.clear_outputs();
+      resp.Clear();
+      ASSERT_TRUE(InferOn(stub.get(), req, &resp).ok());
+      ASSERT_EQ(resp.raw_output_contents_size(), 1);
+      EXPECT_LT(RelativeL2(DecodeFloats(resp.raw_output_contents(0), c.dtype), Expected(r)),
+                c.tolerance);
+    }
+  }
+  EXPECT_TRUE(UnregisterSystem(stub.get(), "in").ok());
+  EXPECT_TRUE(UnregisterSystem(stub.get(), "").ok());
+  EXPECT_TRUE(shm_server_->service().regions()->Status("").value().empty());
+}
+
+// Every bad shared-memory request is refused with its code and a message naming what was wrong;
+// the server serves on.
+TEST_F(InferenceSharedMemoryTest, RefusalsNameWhatIsWrong) {
+  auto stub = StubFor(*shm_server_);
+  ShmObject shm(1 << 16);
+  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(RegisterSystem(stub.get(), "r", shm.key(), 0, 1 << 16).ok());
+  const v1::ForwardRequest r = Random(4, v1::DTYPE_BF16, v1::DTYPE_INT32, 0);
+  const int64_t hidden_bytes = 4 * model().hidden * 2;
+  inference::ModelInferRequest good = ToInfer(r, "moe_layer_0");
+  MoveInputToShm(&good, 0, shm, "r", 0);
+  const auto with_hidden = [&](const std::string& region, int64_t offset, int64_t bytes) {
+    inference::ModelInferRequest req = good;
+    SetShm(req.mutable_inputs(0)->mutable_parameters(), region, offset, bytes);
+    if (offset == 0) req.mutable_inputs(0)->mutable_parameters()->erase("shared_memory_offset");
+    return req;
+  };
+  using Code = grpc::StatusCode;
+  ExpectRefusedOn(stub.get(), with_hidden("nope", 0, hidden_bytes), Code::INVALID_ARGUMENT,
+                  {"hidden_states.parameters.shared_memory_region",
+                   "no shared-memory region "
+                   "named 'nope'"});
+  ExpectRefusedOn(stub.get(), with_hidden("r", (1 << 16) - 64, hidden_bytes),
+                  Code::INVALID_ARGUMENT, {"lie outside the region's registered 65536 bytes"});
+  ExpectRefusedOn(stub.get(), with_hidden("r", 0, hidden_bytes - 2), Code::INVALID_ARGUMENT,
+                  {"byte_size " + std::to_string(hidden_bytes - 2), "does not match the tensor",
+                   "= " + std::to_string(hidden_bytes)});
+  {  // a negative size, a region without a size, a size without a region
+    inference::ModelInferRequest req = good;
+    (*req.mutable_inputs(0)->mutable_parameters())["shared_memory_byte_size"].set_int64_param(-1);
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
+                    {"shared_memory_byte_size", "non-negative"});
+    req.mutable_inputs(0)->mutable_parameters()->erase("shared_memory_byte_size");
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT, {"shared_memory_byte_size: required"});
+    req = ToInfer(r, "moe_layer_0");
+    (*req.mutable_inputs(1)->mutable_parameters())["shared_memory_byte_size"].set_int64_param(8);
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
+                    {"inputs[1] (topk_ids)", "without shared_memory_region"});
+  }
+  {  // raw_input_contents still carrying the input that moved to the region
+    inference::ModelInferRequest req = good;
+    req.mutable_raw_input_contents()->Add(std::string(hidden_bytes, '\0'));
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
+                    {"raw_input_contents: 3 entries for 3 inputs (1 in shared memory)"});
+  }
+  {  // an output region that is too small, or overlaps an input
+    inference::ModelInferRequest req = good;
+    auto* o = req.add_outputs();
+    o->set_name("output");
+    SetShm(o->mutable_parameters(), "r", 1024, hidden_bytes - 2);
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
+                    {"outputs[0] (output).parameters.shared_memory_byte_size",
+                     "too small for the output", "= " + std::to_string(hidden_bytes)});
+    SetShm(o->mutable_parameters(), "r", (1 << 16) - hidden_bytes + 2, hidden_bytes);
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
+                    {"outputs[0] (output).parameters.shared_memory_region",
+                     "lie outside the region's registered 65536 bytes"});
+    SetShm(o->mutable_parameters(), "r", 64, hidden_bytes);
+    ExpectRefusedOn(stub.get(), req, Code::INVALID_ARGUMENT,
+                    {"overlap hidden_states", "needs bytes of its own"});
+  }
+  {  // registration refusals, through the shared registry's checks
+    EXPECT_EQ(RegisterSystem(stub.get(), "r", shm.key(), 0, 16).error_code(), Code::ALREADY_EXISTS);
+    EXPECT_EQ(RegisterSystem(stub.get(), "x", "/moeserve_no_such_key", 0, 16).error_code(),
+              Code::NOT_FOUND);
+    grpc::Status s = RegisterSystem(stub.get(), "x", shm.key(), 1 << 15, 1 << 16);
+    EXPECT_EQ(s.error_code(), Code::INVALID_ARGUMENT) << s.error_message();
+    s = RegisterSystem(stub.get(), "x", shm.key(), uint64_t{1} << 63, 16);
+    EXPECT_EQ(s.error_code(), Code::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("offset"));
+    inference::CudaSharedMemoryRegisterRequest req;
+    req.set_name("g");
+    req.set_raw_handle(std::string(64, '\0'));
+    req.set_byte_size(16);
+    inference::CudaSharedMemoryRegisterResponse resp;
+    grpc::ClientContext ctx;
+    s = stub->CudaSharedMemoryRegister(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), Code::FAILED_PRECONDITION) << s.error_message();  // CPU backend
+    EXPECT_EQ(UnregisterSystem(stub.get(), "nope").error_code(), Code::NOT_FOUND);
+    inference::CudaSharedMemoryUnregisterRequest ureq;
+    ureq.set_name("r");  // a system region
+    inference::CudaSharedMemoryUnregisterResponse uresp;
+    grpc::ClientContext ctx2;
+    s = stub->CudaSharedMemoryUnregister(&ctx2, ureq, &uresp);
+    EXPECT_EQ(s.error_code(), Code::NOT_FOUND);
+    EXPECT_THAT(s.error_message(), HasSubstr("'r' is a system region, not a cuda one"));
+  }
+  // An unregistered region is unknown to the next call.
+  ASSERT_TRUE(UnregisterSystem(stub.get(), "r").ok());
+  ExpectRefusedOn(stub.get(), good, Code::INVALID_ARGUMENT, {"no shared-memory region named 'r'"});
+  // Still serving, and nothing is held.
+  inference::ModelInferResponse resp;
+  ASSERT_TRUE(InferOn(stub.get(), ToInfer(r, "moe_layer_0"), &resp).ok());
+  // (Held bytes go back once gRPC is done with the call, just after the client has the answer.)
+  for (int i = 0; i < 200 && shm_server_->service().held_bytes() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(shm_server_->service().held_bytes(), 0);
+}
+
+// A server started without --enable_shared_memory refuses every shared-memory RPC and any
+// ModelInfer tensor in a region with FAILED_PRECONDITION naming the flag; plain calls are served.
+TEST_F(InferenceSharedMemoryTest, DisabledServerRefusesNamingTheFlag) {
+  auto stub = Stub();  // server_: shared memory off
+  using Code = grpc::StatusCode;
+  const auto expect_flag = [](const grpc::Status& s) {
+    EXPECT_EQ(s.error_code(), Code::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("--enable_shared_memory"));
+  };
+  expect_flag(RegisterSystem(stub.get(), "a", "/x", 0, 16));
+  expect_flag(UnregisterSystem(stub.get(), ""));
+  {
+    grpc::ClientContext ctx;
+    inference::SystemSharedMemoryStatusResponse resp;
+    expect_flag(
+        stub->SystemSharedMemoryStatus(&ctx, inference::SystemSharedMemoryStatusRequest(), &resp));
+  }
+  {
+    grpc::ClientContext ctx;
+    inference::CudaSharedMemoryStatusResponse resp;
+    expect_flag(
+        stub->CudaSharedMemoryStatus(&ctx, inference::CudaSharedMemoryStatusRequest(), &resp));
+  }
+  {
+    grpc::ClientContext ctx;
+    inference::CudaSharedMemoryRegisterRequest req;
+    req.set_name("g");
+    req.set_raw_handle(std::string(64, '\0'));
+    req.set_byte_size(16);
+    inference::CudaSharedMemoryRegisterResponse resp;
+    expect_flag(stub->CudaSharedMemoryRegister(&ctx, req, &resp));
+  }
+  {
+    grpc::ClientContext ctx;
+    inference::CudaSharedMemoryUnregisterResponse resp;
+    expect_flag(stub->CudaSharedMemoryUnregister(
+        &ctx, inference::CudaSharedMemoryUnregisterRequest(), &resp));
+  }
+  const v1::ForwardRequest r = Random(2, v1::DTYPE_BF16, v1::DTYPE_INT32, 0);
+  ShmObject shm(8192);
+  ASSERT_TRUE(shm.ok());
+  inference::ModelInferRequest in_region = ToInfer(r, "moe_layer_0");
+  MoveInputToShm(&in_region, 0, shm, "a", 0);
+  ExpectRefusedOn(stub.get(), in_region, Code::FAILED_PRECONDITION,
+                  {"hidden_states.parameters.shared_memory_region", "--enable_shared_memory"});
+  inference::ModelInferRequest out_region = ToInfer(r, "moe_layer_0");
+  auto* o = out_region.add_outputs();
+  o->set_name("output");
+  SetShm(o->mutable_parameters(), "a", 0, 2 * model().hidden * 2);
+  ExpectRefusedOn(
+      stub.get(), out_region, Code::FAILED_PRECONDITION,
+      {"outputs[0] (output).parameters.shared_memory_region", "--enable_shared_memory"});
+  inference::ModelInferResponse resp;
+  EXPECT_TRUE(Infer(ToInfer(r, "moe_layer_0"), &resp).ok());
+}
+
+// A non-loopback IPv4 address of this host, or "" when it has none.
+std::string NonLoopbackIpv4() {
+  ifaddrs* addrs = nullptr;
+  if (getifaddrs(&addrs) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = addrs; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN];
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    if (inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text)) == nullptr) continue;
+    if (std::string(text).rfind("127.", 0) != 0) found = text;
+  }
+  freeifaddrs(addrs);
+  return found;
+}
+
+// Regions name this host's memory: a client reaching the server through a non-loopback address
+// is refused (PERMISSION_DENIED naming its address), for the RPCs and for ModelInfer. Skipped on
+// a host without a non-loopback IPv4 address.
+TEST_F(InferenceSharedMemoryTest, NonLocalPeerIsRefused) {
+  const std::string ip = NonLoopbackIpv4();
+  if (ip.empty()) GTEST_SKIP() << "no non-loopback IPv4 address on this host";
+  ServerOptions options;
+  options.listen_addresses = {ip + ":0"};
+  options.metrics_address = "";
+  options.enable_shared_memory = true;
+  auto server = MoeServer::Start(engine_, options);
+  if (!server.ok()) GTEST_SKIP() << "cannot listen on " << ip << ": " << server.status();
+  auto stub = StubFor(**server);
+  ShmObject shm(8192);
+  ASSERT_TRUE(shm.ok());
+  grpc::Status s = RegisterSystem(stub.get(), "a", shm.key(), 0, 8192);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("SystemSharedMemoryRegister"));
+  EXPECT_THAT(s.error_message(), HasSubstr("ipv4:" + ip));
+  // Registered from the inside, named from the outside.
+  ASSERT_TRUE((*server)->service().mutable_regions()->RegisterSystem("a", shm.key(), 0, 8192).ok());
+  const v1::ForwardRequest r = Random(2, v1::DTYPE_BF16, v1::DTYPE_INT32, 0);
+  inference::ModelInferRequest req = ToInfer(r, "moe_layer_0");
+  MoveInputToShm(&req, 0, shm, "a", 0);
+  ExpectRefusedOn(stub.get(), req, grpc::StatusCode::PERMISSION_DENIED,
+                  {"ModelInfer", "host only"});
+  inference::ModelInferResponse resp;
+  EXPECT_TRUE(InferOn(stub.get(), ToInfer(r, "moe_layer_0"), &resp).ok());
+}
+
+// A region a queued ModelInfer holds cannot be unregistered through either protocol
+// (FAILED_PRECONDITION naming it); once the call is answered it can. The call waits in the
+// batcher (max_batch_delay); the test waits on the registry's count, not on time.
+TEST_F(InferenceSharedMemoryTest, UnregisterWhileAModelInferUsesTheRegionIsRefused) {
+  ServerOptions options;
+  options.listen_addresses = {"127.0.0.1:0"};
+  options.metrics_address = "";
+  options.enable_shared_memory = true;
+  options.batcher.max_batch_delay = absl::Seconds(3);
+  auto slow = MoeServer::Start(engine_, options);
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  auto stub = StubFor(**slow);
+  ShmObject shm(1 << 16);
+  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(RegisterSystem(stub.get(), "busy", shm.key(), 0, 1 << 16).ok());
+  const v1::ForwardRequest r = Random(4, v1::DTYPE_BF16, v1::DTYPE_INT32, 1);
+  inference::ModelInferRequest req = ToInfer(r, "moe_layer_1");
+  MoveInputToShm(&req, 0, shm, "busy", 0);
+  auto* o = req.add_outputs();
+  o->set_name("output");
+  SetShm(o->mutable_parameters(), "busy", 32768, 4 * model().hidden * 2);
+  auto call = std::async(std::launch::async, [&] {
+    inference::ModelInferResponse resp;
+    return InferOn(stub.get(), req, &resp);
+  });
+  int64_t in_flight = 0;
+  for (int i = 0; i < 2000 && in_flight == 0; ++i) {
+    in_flight = (*slow)->service().regions()->Status("busy").value()[0].calls_in_flight;
+    if (in_flight == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(in_flight, 1);
+  grpc::Status s = UnregisterSystem(stub.get(), "busy");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("'busy' (1 calls in flight)"));
+  s = UnregisterSystem(stub.get(), "");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  ASSERT_TRUE(call.get().ok());
+  const std::vector<float> got = DecodeFloats(
+      std::string(reinterpret_cast<const char*>(shm.data()) + 32768, 4 * model().hidden * 2),
+      v1::DTYPE_BF16);
+  EXPECT_LT(RelativeL2(got, Expected(r)), 1e-2);
+  s = UnregisterSystem(stub.get(), "busy");
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// ModelInfer is admitted under the same max_queued_bytes budget as Forward: a request whose
+// bytes, or bytes plus answer, pass it is refused at once with RESOURCE_EXHAUSTED naming the
+// limit; an answer into a shared-memory region takes no budget; nothing stays held.
+TEST_F(InferenceSharedMemoryTest, ModelInferSharesTheQueuedBytesBudget) {
+  auto stub = StubFor(*budget_server_);
+  const std::string limit = "max_queued_bytes=" + std::to_string(kBudget);
+  // 128 tokens FP32: 64 KiB of hidden states alone.
+  ExpectRefusedOn(stub.get(), ToInfer(Random(128, v1::DTYPE_FP32, v1::DTYPE_INT32, 0), "moeserve"),
+                  grpc::StatusCode::RESOURCE_EXHAUSTED, {"ModelInfer", "this request", limit});
+  // 64 tokens FP32: 33 KiB in fits, 32 KiB more for the answer does not.
+  const v1::ForwardRequest r = Random(64, v1::DTYPE_FP32, v1::DTYPE_INT32, 0);
+  const inference::ModelInferRequest req = ToInfer(r, "moe_layer_0");
+  ExpectRefusedOn(stub.get(), req, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                  {"ModelInfer", "its answer of 32768 bytes", limit});
+  // The answer into a region: admitted, and right.
+  ShmObject shm(1 << 16);
+  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(RegisterSystem(stub.get(), "out", shm.key(), 0, 1 << 16).ok());
+  inference::ModelInferRequest to_region = req;
+  auto* o = to_region.add_outputs();
+  o->set_name("output");
+  SetShm(o->mutable_parameters(), "out", 0, 64 * model().hidden * 4);
+  inference::ModelInferResponse resp;
+  grpc::Status s = InferOn(stub.get(), to_region, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_LT(RelativeL2(DecodeFloats(std::string(reinterpret_cast<const char*>(shm.data()),
+                                                64 * model().hidden * 4),
+                                    v1::DTYPE_FP32),
+                       Expected(r)),
+            1e-5);
+  // Smaller calls are served; the budget is all given back.
+  ASSERT_TRUE(InferOn(stub.get(),
+                      ToInfer(Random(8, v1::DTYPE_FP32, v1::DTYPE_INT32, 0), "moe_layer_0"), &resp)
+                  .ok());
+  for (int i = 0; i < 200 && budget_server_->service().held_bytes() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(budget_server_->service().held_bytes(), 0);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "core/model_config.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "inference/grpc_service.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/call_accounting.h"
 #include "server/call_limits.h"
@@ -220,6 +221,92 @@ TEST_F(LimitsTest, ClientsThatNeverReadAnswersDoNotPinMemory) {
   v1::ForwardResponse response;
   grpc::Status s = Forward(NewChannel().get(), Random(64), &response);
   EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// The same for KServe v2: ModelInfer calls share Forward's --max_queued_bytes budget and their
+// unread answers are cancelled after --max_answer_hold_ms (issue 15 item 4 under issue 14's
+// limits).
+TEST_F(LimitsTest, ModelInferClientsThatNeverReadAnswersDoNotPinMemory) {
+  const std::string before = Scrape();
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  auto channel = NewChannel(args);
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  constexpr int kCalls = 8;
+  // 1 MiB in, 1 MiB out (FP32, hidden 128), as a KServe request.
+  const v1::ForwardRequest forward = Random(2048);
+  inference::ModelInferRequest request;
+  request.set_model_name("moe_layer_0");
+  for (const auto& [name, t] :
+       {std::pair<const char*, const v1::Tensor*>{"hidden_states", &forward.hidden_states()},
+        {"topk_ids", &forward.topk_ids()},
+        {"topk_weights", &forward.topk_weights()}}) {
+    auto* in = request.add_inputs();
+    in->set_name(name);
+    in->set_datatype(t->dtype() == v1::DTYPE_INT32 ? "INT32" : "FP32");
+    for (int64_t d : t->shape()) in->add_shape(d);
+    request.add_raw_input_contents(t->data());
+  }
+  const std::string bytes = request.SerializeAsString();
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::GenericClientAsyncReaderWriter>> calls;
+  auto next = [&cq] {
+    void* tag;
+    bool ok;
+    return cq.Next(&tag, &ok) && ok;
+  };
+  for (int i = 0; i < kCalls; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    calls.push_back(
+        stub.PrepareCall(contexts.back().get(), "/inference.GRPCInferenceService/ModelInfer", &cq));
+    calls.back()->StartCall(nullptr);
+    ASSERT_TRUE(next());
+    grpc::Slice slice(bytes.data(), bytes.size());
+    calls.back()->Write(grpc::ByteBuffer(&slice, 1), nullptr);
+    ASSERT_TRUE(next());
+    calls.back()->WritesDone(nullptr);
+    ASSERT_TRUE(next());
+  }
+  int64_t peak = 0;
+  ASSERT_TRUE(WaitFor([&] {
+    peak = std::max(peak, server_->service().held_bytes());
+    const std::string now = Scrape();
+    const double refused = Delta(now, before, "moeserve_requests_total",
+                                 {"method=\"ModelInfer\"", "code=\"RESOURCE_EXHAUSTED\""});
+    const double cancelled = Delta(now, before, "moeserve_unread_answers_cancelled_total", {});
+    return refused + cancelled >= kCalls;
+  })) << Scrape()
+      << " held " << server_->service().held_bytes();
+  EXPECT_LE(peak, kMaxQueuedBytes);
+  const std::string after = Scrape();
+  EXPECT_GE(Delta(after, before, "moeserve_requests_total",
+                  {"method=\"ModelInfer\"", "code=\"RESOURCE_EXHAUSTED\""}),
+            1);  // 8 x ~2.1 MiB cannot all be held under 8 MiB
+  EXPECT_GE(Delta(after, before, "moeserve_unread_answers_cancelled_total", {}), 1);
+  EXPECT_TRUE(WaitFor([&] { return server_->service().held_bytes() == 0; }))
+      << server_->service().held_bytes();
+  for (int i = 0; i < kCalls; ++i) {
+    grpc::ByteBuffer answer;
+    calls[i]->Read(&answer, nullptr);
+    EXPECT_FALSE(next()) << "call " << i << " got its answer";
+    grpc::Status status;
+    calls[i]->Finish(&status, nullptr);
+    void* tag;
+    bool ok;
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_TRUE(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+                status.error_code() == grpc::StatusCode::CANCELLED)
+        << i << ": " << status.error_code() << " " << status.error_message();
+    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      EXPECT_THAT(status.error_message(), HasSubstr("max_queued_bytes=8388608"));
+    }
+  }
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
 }
 
 // A request whose bytes alone pass --max_queued_bytes is refused at once, naming the limit.
