@@ -2,6 +2,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <climits>
+#include <type_traits>
+
 #include "kernels/cuda/moe_gemm.cuh"
 
 namespace moeserve::kernels {
@@ -226,12 +229,21 @@ struct GemmCfg {
   static_assert(WM * WN * 32 == kThreads, "8 warps");
   static_assert(kNI % 2 == 0, "ldmatrix.x4 loads two n-fragments");
   static size_t SmemBytes(int num_experts) {
-    return kPipeBytes + static_cast<size_t>(3 * num_experts + 1) * sizeof(int32_t);
+    return kPipeBytes + static_cast<size_t>(3 * num_experts + 2) * sizeof(int32_t);
   }
 };
 
-template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
-__global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams p) {
+// kAdaptive: each stage runs the math of 16, 32 or all of a warp's token columns, three
+// straight-line variants chosen once per stage by the tile's live columns (branches inside the
+// unrolled MMA loops cost more than they saved). A wide adaptive tile serves a hot expert and
+// its cold neighbours alike, and the hot expert's weights stream once; for balanced routing the
+// fixed narrow tile is 5-11% faster. `gate`: the kernel returns at once unless its expert counts'
+// maximum is above gate.x and at most gate.y, so that a narrow and a wide launch can be queued
+// together and the counts (on the device) choose which one works.
+template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
+          bool kAdaptive>
+__global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
+    MoeGemmKernel(const MoeGemmParams p, int2 gate) {
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
   extern __shared__ __align__(128) unsigned char smem[];
   const int E = p.num_experts;
@@ -258,22 +270,30 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
   if (warp == 0) {
     const int chunk = (E + 31) / 32;
     const int lo = lane * chunk, hi = min(E, lo + chunk);
-    int sum = 0;
-    for (int e = lo; e < hi; ++e) sum += (s_cnt[e] + BN - 1) / BN * mtiles;
+    int sum = 0, most = 0;
+    for (int e = lo; e < hi; ++e) {
+      sum += (s_cnt[e] + BN - 1) / BN * mtiles;
+      most = max(most, s_cnt[e]);
+    }
     int inc = sum;
     for (int d = 1; d < 32; d *= 2) {
       const int v = __shfl_up_sync(0xffffffffu, inc, d);
       if (lane >= d) inc += v;
     }
+    most = __reduce_max_sync(0xffffffffu, most);
     int run = inc - sum;
     for (int e = lo; e < hi; ++e) {
       s_prefix[e] = run;
       run += (s_cnt[e] + BN - 1) / BN * mtiles;
     }
-    if (lane == 31) s_prefix[E] = inc;
+    if (lane == 31) {
+      s_prefix[E] = inc;
+      s_prefix[E + 1] = most;
+    }
   }
   __syncthreads();
   const int total_units = s_prefix[E];
+  if (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y) return;
   if (static_cast<int>(blockIdx.x) >= total_units) return;
   const int my_units = (total_units - blockIdx.x + gridDim.x - 1) / gridDim.x;
   const int total_iters = my_units * num_kb;
@@ -346,9 +366,18 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
       for (int i2 = 0; i2 < C::kBChunks; ++i2) {
         const int c = tid + i2 * kThreads;
         if (c < BN * 8) {
-          const bool ok = b_ptr[i2] != nullptr && k_ok;
-          CpAsync16(b_dst + ((c / 8) * C::kBStride + b_cc * 8) * 2, ok ? b_ptr[i2] : p.act,
-                    ok ? 16 : 0);
+          if (kAdaptive) {
+            // Rows past the expert's count are not loaded: their columns are not computed, or
+            // computed and discarded (MMA columns are independent). K padding is zero-filled.
+            if (b_ptr[i2] != nullptr) {
+              CpAsync16(b_dst + ((c / 8) * C::kBStride + b_cc * 8) * 2, k_ok ? b_ptr[i2] : p.act,
+                        k_ok ? 16 : 0);
+            }
+          } else {
+            const bool ok = b_ptr[i2] != nullptr && k_ok;
+            CpAsync16(b_dst + ((c / 8) * C::kBStride + b_cc * 8) * 2, ok ? b_ptr[i2] : p.act,
+                      ok ? 16 : 0);
+          }
           if (b_ptr[i2] != nullptr) b_ptr[i2] += kBK;
         }
       }
@@ -380,10 +409,14 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
   for (int s = 0; s < STAGES - 1; ++s) load();
 
   Unit cu;
-  int c_unit = 0, c_kb = 0, c_slot = 0;
+  int c_unit = 0, c_kb = 0, c_slot = 0, tile_cols = 0;
+  const int wcol0 = (warp / WM) * C::kWTN;
 #pragma unroll 1
   for (int it = 0; it < total_iters; ++it) {
-    if (c_kb == 0) cu = decode(c_unit);
+    if (c_kb == 0) {
+      cu = decode(c_unit);
+      tile_cols = min(BN, cu.cnt - cu.nt * BN) - wcol0;  // this warp's live columns
+    }
     CpAsyncWait<STAGES - 2>();
     __syncthreads();
     load();
@@ -399,55 +432,70 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
         codes[mi][1] = *reinterpret_cast<const uint16_t*>(st + C::kABytes + (r0 + 8) * 2);
       }
     }
+    auto stage_math = [&](auto npa) {
+      constexpr int NPA = decltype(npa)::value;  // pairs of 8-token fragments computed
 #pragma unroll
-    for (int kc = 0; kc < 2; ++kc) {
-      uint32_t a[C::kMI][2][4];
+      for (int kc = 0; kc < 2; ++kc) {
+        uint32_t a[C::kMI][2][4];
 #pragma unroll
-      for (int mi = 0; mi < C::kMI; ++mi) {
-        const int r0 = warp_m * C::kWTM + mi * 16 + g;
-        if (kFp8) {
-          const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
-          const uint2 rb = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-          const Fp8Scale sa =
-              MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
-          const Fp8Scale sb =
-              MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
-          Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
-          Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
-          Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
-          Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
-        } else {
-          const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
-          const uint4 rb = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
-          a[mi][0][0] = ra.x;
-          a[mi][0][1] = rb.x;
-          a[mi][0][2] = ra.y;
-          a[mi][0][3] = rb.y;
-          a[mi][1][0] = ra.z;
-          a[mi][1][1] = rb.z;
-          a[mi][1][2] = ra.w;
-          a[mi][1][3] = rb.w;
-        }
-      }
-#pragma unroll
-      for (int ks = 0; ks < 2; ++ks) {
-        uint32_t b[C::kNI][2];
-#pragma unroll
-        for (int np = 0; np < C::kNI / 2; ++np) {
-          const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
-          const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
-          uint32_t r[4];
-          Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
-          b[2 * np][0] = r[0];
-          b[2 * np][1] = r[1];
-          b[2 * np + 1][0] = r[2];
-          b[2 * np + 1][1] = r[3];
+        for (int mi = 0; mi < C::kMI; ++mi) {
+          const int r0 = warp_m * C::kWTM + mi * 16 + g;
+          if (kFp8) {
+            const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
+            const uint2 rb =
+                *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+            const Fp8Scale sa =
+                MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
+            const Fp8Scale sb =
+                MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
+            Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
+            Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
+            Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
+            Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
+          } else {
+            const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
+            const uint4 rb =
+                *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+            a[mi][0][0] = ra.x;
+            a[mi][0][1] = rb.x;
+            a[mi][0][2] = ra.y;
+            a[mi][0][3] = rb.y;
+            a[mi][1][0] = ra.z;
+            a[mi][1][1] = rb.z;
+            a[mi][1][2] = ra.w;
+            a[mi][1][3] = rb.w;
+          }
         }
 #pragma unroll
-        for (int mi = 0; mi < C::kMI; ++mi)
+        for (int ks = 0; ks < 2; ++ks) {
+          uint32_t b[C::kNI][2];
 #pragma unroll
-          for (int ni = 0; ni < C::kNI; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
+          for (int np = 0; np < NPA; ++np) {
+            const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
+            const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
+            uint32_t r[4];
+            Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
+            b[2 * np][0] = r[0];
+            b[2 * np][1] = r[1];
+            b[2 * np + 1][0] = r[2];
+            b[2 * np + 1][1] = r[3];
+          }
+#pragma unroll
+          for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 2 * NPA; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
+        }
       }
+    };
+    constexpr int kPairs = C::kNI / 2;
+    if (!kAdaptive || kPairs == 1) {
+      stage_math(std::integral_constant<int, kPairs>{});
+    } else if (tile_cols <= 16) {
+      stage_math(std::integral_constant<int, 1>{});
+    } else if (kPairs > 2 && tile_cols <= 32) {
+      stage_math(std::integral_constant<int, (kPairs > 2 ? 2 : kPairs)>{});
+    } else {
+      stage_math(std::integral_constant<int, kPairs>{});
     }
     if (c_kb == num_kb - 1) {
       // Epilogue straight from registers.
@@ -489,10 +537,12 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmKernel(const MoeGemmParams
   CpAsyncWait<0>();
 }
 
-template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
-cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
+template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
+          bool kAdaptive = false>
+cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
+                int2 gate = int2{-1, INT_MAX}) {
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
-  auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND>;
+  auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive>;
   const size_t smem = C::SmemBytes(p.num_experts);
   // Per device: a function attribute belongs to the current device's context, and EP ranks
   // drive several GPUs from one process (one thread each).
@@ -518,7 +568,7 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   int64_t grid = static_cast<int64_t>(num_sms) * bps;
   if (units < grid) grid = units;
   if (grid < 1) grid = 1;
-  kernel<<<static_cast<int>(grid), kThreads, smem, stream>>>(p);
+  kernel<<<static_cast<int>(grid), kThreads, smem, stream>>>(p, gate);
   return cudaGetLastError();
 }
 
@@ -904,6 +954,21 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
   if (wide && avg <= 64) return Run<kFp8, true, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
   if (!wide) {
+    // A hot expert (more routes than the narrow tile holds) would stream its weights once per
+    // narrow tile: the narrow launch works only if every count fits it, else the adaptive wide
+    // one does (both are queued; the counts on the device decide, the other returns at once).
+    // Measured on the H200 (cuda/RESULTS.md 17:55): hot routing at 64 tokens 11% faster,
+    // balanced unchanged. The same pair at 32/64 tokens per tile made 128 balanced tokens 4-5%
+    // slower (its 64-token tile has 6 stages) and is not used.
+    if constexpr (kFp8) {
+      if (avg <= 16) {
+        const cudaError_t err =
+            Run<true, false, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream, int2{-1, 16});
+        if (err != cudaSuccess) return err;
+        return Run<true, false, 32, 8, 1, kSmallStages, KIND, true>(p, num_sms, stream,
+                                                                    int2{16, INT_MAX});
+      }
+    }
     if (avg <= 16) return Run<kFp8, false, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
     if (avg <= 32) return Run<kFp8, false, 32, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
     if (avg <= 64) return Run<kFp8, false, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/dtype_convert.h"
@@ -190,15 +191,22 @@ TEST_F(CudaKernelsTest, DequantizeMxfp8IsExact) {
 // for scale codes up to 134 (one multiply; BF16 subnormal products at the low end) and, with a
 // NaN code, up to 245: the pack reports the largest code (255 for the NaN block) and that selects
 // the two-multiply path. The NaN makes its row's dot products NaN, as in the reference GEMM.
-// Tile families: mma.sync decode (16 and 64 routes per expert) and the large tiles (192: wgmma
-// where built).
+// Tile families: mma.sync decode (16 and 64 routes per expert), the adaptive wide decode tile
+// that takes over when one expert has more routes than the narrow tile holds (30 + 2, 40 + 8),
+// and the large tiles (192: wgmma where built).
 TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
   std::mt19937 rng(21);
   const int64_t e = 2, h = 256, n = 128, blocks = n / 32;
   int num_sms = 0;
   CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   for (int max_code : {134, 245}) {
-    for (int count : {16, 64, 192}) {
+    // Routes per expert: uniform (the narrow decode tiles, and 192: the large tiles), and a hot
+    // expert beside a cold one (the adaptive wide tile that the device-side gate picks).
+    for (const std::vector<int32_t>& counts :
+         {std::vector<int32_t>{16, 16}, {64, 64}, {192, 192}, {30, 2}, {40, 8}}) {
+      const std::string name = std::to_string(counts[0]) + "," + std::to_string(counts[1]);
+      std::vector<int32_t> offsets = {0, counts[0]};
+      const int64_t rows = counts[0] + counts[1];
       std::vector<uint8_t> q(e * h * n), s(e * h * blocks);
       for (auto& v : q) {
         v = static_cast<uint8_t>(rng());
@@ -219,13 +227,15 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
       CUDA_OK(LaunchPackMoeW2(dq.p, ds.p, e, l, 1, packed.p, pscale.p, nullptr, d_max.p));
       const int32_t reported = d_max.Get()[0];
       EXPECT_EQ(reported, wide ? 255 : max_code);  // the NaN block is packed with code 255
-      std::vector<uint16_t> act(e * count * l.intermediate_padded, 0);
-      for (int64_t r = 0; r < e * count; ++r) {
-        act[r * l.intermediate_padded + (r % count) % n] = 0x3f80;  // 1.0
+      std::vector<uint16_t> act(rows * l.intermediate_padded, 0);
+      for (int64_t x = 0; x < e; ++x) {
+        for (int64_t r = 0; r < counts[x]; ++r) {
+          act[(offsets[x] + r) * l.intermediate_padded + r % n] = 0x3f80;  // 1.0
+        }
       }
       Dev<uint16_t> d_act(act);
-      Dev<int32_t> d_counts(std::vector<int32_t>(e, count));
-      Dev<float> d_out(e * count * h);
+      Dev<int32_t> d_counts(counts), d_offsets(offsets);
+      Dev<float> d_out(rows * h);
       MoeGemmParams p;
       p.kind = MoeGemmKind::kDown;
       p.mxfp8 = true;
@@ -237,20 +247,20 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
       p.act = d_act.p;
       p.act_stride = l.intermediate_padded;
       p.expert_counts = d_counts.p;
-      p.offset_stride = count;
+      p.expert_offsets = d_offsets.p;
       p.out = d_out.p;
       p.out_stride = h;
-      p.max_rows_hint = count;
-      p.total_rows_hint = e * count;
+      p.max_rows_hint = rows;
+      p.total_rows_hint = rows;
       CUDA_OK(LaunchMoeGroupedGemm(p, num_sms, nullptr));
       CUDA_OK(cudaDeviceSynchronize());
       const std::vector<float> out = d_out.Get();
       int mismatches = 0, nan_rows = 0;
       for (int64_t x = 0; x < e; ++x) {
-        for (int64_t r = 0; r < count; ++r) {
+        for (int64_t r = 0; r < counts[x]; ++r) {
           const int64_t k = r % n;
           for (int64_t row = 0; row < h; ++row) {
-            const float got = out[(x * count + r) * h + row];
+            const float got = out[(offsets[x] + r) * h + row];
             if (wide && x == nan_expert && row == nan_row) {
               nan_rows += std::isnan(got);
               continue;
@@ -259,8 +269,8 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
           }
         }
       }
-      EXPECT_EQ(mismatches, 0) << "max_code=" << max_code << " count=" << count;
-      if (wide) EXPECT_EQ(nan_rows, count) << "count=" << count;
+      EXPECT_EQ(mismatches, 0) << "max_code=" << max_code << " counts=" << name;
+      if (wide) EXPECT_EQ(nan_rows, counts[nan_expert]) << "counts=" << name;
     }
   }
 }
