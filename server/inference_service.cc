@@ -92,24 +92,26 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
                 response->ByteSizeLong());
 }
 
+absl::Status InferenceServiceImpl::ForModel(grpc::CallbackServerContext* context,
+                                            const char* method, const std::string& model,
+                                            const std::string& version,
+                                            absl::FunctionRef<void(const EngineInfo&)> fill) {
+  MOESERVE_RETURN_IF_ERROR(state_->Authorize(*context, method));
+  Engine* const engine = state_->engine();
+  if (engine == nullptr) return state_->NotReady(method);
+  MOESERVE_RETURN_IF_ERROR(
+      ModelLayerFromKServe(engine->info().model, model, version, nullptr).status());
+  fill(engine->info());
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  absl::Status status = state_->Authorize(*context, "ModelMetadata");
-  Engine* const engine = status.ok() ? state_->engine() : nullptr;
-  if (!status.ok()) {
-    response->Clear();
-  } else if (engine != nullptr) {
-    absl::StatusOr<int> layer =
-        ModelLayerFromKServe(engine->info().model, request->name(), request->version(), nullptr);
-    if (layer.ok()) {
-      ModelMetadataToKServe(engine->info(), request->name(), response);
-    } else {
-      status = layer.status();
-    }
-  } else {
-    status = state_->NotReady("ModelMetadata");
-  }
+  const absl::Status status = ForModel(
+      context, "ModelMetadata", request->name(), request->version(),
+      [&](const EngineInfo& info) { ModelMetadataToKServe(info, request->name(), response); });
+  if (!status.ok()) response->Clear();
   return Answer(context, "ModelMetadata", status, request->ByteSizeLong(),
                 response->ByteSizeLong());
 }
@@ -117,21 +119,11 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
     grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
     inference::ModelConfigResponse* response) {
-  absl::Status status = state_->Authorize(*context, "ModelConfig");
-  Engine* const engine = status.ok() ? state_->engine() : nullptr;
-  if (!status.ok()) {
-    response->Clear();
-  } else if (engine != nullptr) {
-    absl::StatusOr<int> layer =
-        ModelLayerFromKServe(engine->info().model, request->name(), request->version(), nullptr);
-    if (layer.ok()) {
-      ModelConfigToKServe(engine->info(), request->name(), response->mutable_config());
-    } else {
-      status = layer.status();
-    }
-  } else {
-    status = state_->NotReady("ModelConfig");
-  }
+  const absl::Status status = ForModel(
+      context, "ModelConfig", request->name(), request->version(), [&](const EngineInfo& info) {
+        ModelConfigToKServe(info, request->name(), response->mutable_config());
+      });
+  if (!status.ok()) response->Clear();
   return Answer(context, "ModelConfig", status, request->ByteSizeLong(), response->ByteSizeLong());
 }
 

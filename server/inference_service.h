@@ -36,6 +36,8 @@
 
 #include <functional>
 
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/service.h"
 #include "server/serving_state.h"
@@ -121,6 +123,11 @@ class InferenceServiceImpl final : public InferenceServiceBase {
       inference::CudaSharedMemoryUnregisterResponse* response) override;
 
  private:
+  // Authorizes, then runs `fill` on a ready engine's info once (model name, version) names one
+  // of its models; otherwise the refusal (unauthorized, not ready, unknown model). Calling thread.
+  absl::Status ForModel(grpc::CallbackServerContext* context, const char* method,
+                        const std::string& model, const std::string& version,
+                        absl::FunctionRef<void(const EngineInfo&)> fill);
   // Answers inline, recording the request's metrics.
   grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const char* method,
                                    const absl::Status& status, int64_t received, int64_t sent);
