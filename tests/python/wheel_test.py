@@ -64,6 +64,22 @@ def main():
         assert any(r.startswith("ml_dtypes") or r.startswith("ml-dtypes") for r in norm), requires
         assert any(r.startswith("numpy") for r in norm), requires
         assert any(r.startswith("torch") and "extra" in r for r in norm), requires
+        # Installable beside tritonclient[grpc] (the KServe client the README uses): its protobuf
+        # range must admit the wheel's floor. (The isolated build, `pip install clients/python`,
+        # holds grpcio-tools below protobuf-7 gencode in pyproject.toml, as scripts/setup.sh.)
+        try:
+            import importlib.metadata as md
+            from packaging.requirements import Requirement
+            triton = [Requirement(r) for r in md.requires("tritonclient") or []]
+        except Exception as e:  # noqa: BLE001  tritonclient or packaging absent: nothing to check
+            print(f"tritonclient coexistence not checked: {e}")
+            triton = []
+        floor = f"{major}.{minor}.{patch}"
+        for r in triton:
+            if r.name == "protobuf" and r.marker is not None and r.marker.evaluate({"extra": "grpc"}):
+                assert r.specifier.contains(floor), \
+                    f"the wheel needs protobuf>={floor}, tritonclient[grpc] wants {r.specifier}"
+                print(f"beside tritonclient[grpc]: protobuf {r.specifier} admits {floor}")
 
         site = os.path.join(tmp, "site")
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",

@@ -212,17 +212,23 @@ for layer in $LAYERS; do
       py_devs=""
     fi
     cat "$OUT/py_deps.log"
-    tokens=$(echo $MS | tr ' ' ',')
     for dev in $py_devs; do
       shm_mode=off
       [ $dev = cuda ] && shm_mode=cuda
       f=$OUT/python_$dev.log
-      PYTHONPATH=$pyenv${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 \
-        "$repo/clients/python/examples/bench_client.py" --target "unix:$SOCK_DIR/moe.sock" \
-        --cli "$B/moeserve-cli" --tokens "$tokens" --calls "$N" --rounds 2 --no-numpy \
-        --device $dev --shared-memory $shm_mode > "$f" 2>&1
-      rc=$?
-      cat "$f" | tail -8
+      : > "$f"
+      rc=0
+      # One process per M, each with its own time limit, so that a slow size (the whole run at
+      # once hit its 150 s limit at M=256 on 17:21's call) does not lose the others.
+      for m in $MS; do
+        PYTHONPATH=$pyenv${PYTHONPATH:+:$PYTHONPATH} timeout 90 python3 \
+          "$repo/clients/python/examples/bench_client.py" --target "unix:$SOCK_DIR/moe.sock" \
+          --cli "$B/moeserve-cli" --tokens "$m" --calls "$N" --rounds 2 --no-numpy \
+          --device $dev --shared-memory $shm_mode >> "$f" 2>&1
+        r=$?
+        [ $r -ne 0 ] && rc=$r && echo "# M=$m: exit $r" >> "$f"
+      done
+      tail -12 "$f"
       if [ $rc -ne 0 ]; then
         log "python $dev: exit $rc: $(grep -v '^ ' "$f" | tail -1 | cut -c1-150)"
         way=torch
