@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "gmock/gmock.h"
@@ -56,6 +57,66 @@ double Delta(const std::string& after, const std::string& before, const std::str
   return std::max(0.0, MetricValue(after, name, labels)) -
          std::max(0.0, MetricValue(before, name, labels));
 }
+
+// Calls of one method whose answers are never read: each request sent and half-closed over a
+// channel with no BDP probing and a 64 KiB stream window, so a 1 MiB answer stays in the server.
+class UnreadCalls {
+ public:
+  // Sends `n` calls of `method` (e.g. "/moeserve.v1.MoeService/Forward") with `bytes`.
+  void Start(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+             const std::string& bytes, int n) {
+    stub_ = std::make_unique<grpc::GenericStub>(channel);
+    for (int i = 0; i < n; ++i) {
+      contexts_.push_back(std::make_unique<grpc::ClientContext>());
+      calls_.push_back(stub_->PrepareCall(contexts_.back().get(), method, &cq_));
+      calls_.back()->StartCall(nullptr);
+      ASSERT_TRUE(Next());
+      grpc::Slice slice(bytes.data(), bytes.size());
+      calls_.back()->Write(grpc::ByteBuffer(&slice, 1), nullptr);
+      ASSERT_TRUE(Next());
+      calls_.back()->WritesDone(nullptr);
+      ASSERT_TRUE(Next());
+    }
+  }
+  // Reads every answer at last: none may arrive; each call must end refused or cancelled.
+  // Returns the calls' statuses.
+  std::vector<grpc::Status> ReadAll() {
+    std::vector<grpc::Status> statuses(calls_.size());
+    for (size_t i = 0; i < calls_.size(); ++i) {
+      grpc::ByteBuffer answer;
+      calls_[i]->Read(&answer, nullptr);
+      EXPECT_FALSE(Next()) << "call " << i << " got its answer";
+      calls_[i]->Finish(&statuses[i], nullptr);
+      void* tag;
+      bool ok;
+      EXPECT_TRUE(cq_.Next(&tag, &ok));
+      EXPECT_TRUE(statuses[i].error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+                  statuses[i].error_code() == grpc::StatusCode::CANCELLED)
+          << i << ": " << statuses[i].error_code() << " " << statuses[i].error_message();
+    }
+    return statuses;
+  }
+  ~UnreadCalls() {
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+ private:
+  // Waits for the next completion (every operation here is issued one at a time).
+  bool Next() {
+    void* tag;
+    bool ok;
+    return cq_.Next(&tag, &ok) && ok;
+  }
+
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericStub> stub_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
+  std::vector<std::unique_ptr<grpc::GenericClientAsyncReaderWriter>> calls_;
+};
 
 class LimitsTest : public ::testing::Test {
  protected:
@@ -119,6 +180,31 @@ class LimitsTest : public ::testing::Test {
 
   static std::string Scrape() { return HttpGetMetrics(server_->metrics().port()); }
 
+  // Waits until every one of `calls` unread calls of `method` is refused (RESOURCE_EXHAUSTED)
+  // or has its answer cancelled, while no more than the byte budget is ever held; then that
+  // something was refused and something cancelled, and that everything held is released.
+  static void ExpectHeldWithinBudgetThenReleased(const std::string& before, const char* method,
+                                                 int calls) {
+    const std::vector<std::string> refused_labels = {absl::StrCat("method=\"", method, "\""),
+                                                     "code=\"RESOURCE_EXHAUSTED\""};
+    int64_t peak = 0;
+    ASSERT_TRUE(WaitFor([&] {
+      peak = std::max(peak, server_->service().held_bytes());
+      const std::string now = Scrape();
+      const double refused = Delta(now, before, "moeserve_requests_total", refused_labels);
+      const double cancelled = Delta(now, before, "moeserve_unread_answers_cancelled_total", {});
+      return refused + cancelled >= calls;
+    })) << Scrape()
+        << " held " << server_->service().held_bytes();
+    EXPECT_LE(peak, kMaxQueuedBytes);
+    const std::string after = Scrape();
+    // ~2.1 MiB per call: they cannot all be held under 8 MiB.
+    EXPECT_GE(Delta(after, before, "moeserve_requests_total", refused_labels), 1);
+    EXPECT_GE(Delta(after, before, "moeserve_unread_answers_cancelled_total", {}), 1);
+    EXPECT_TRUE(WaitFor([&] { return server_->service().held_bytes() == 0; }))
+        << server_->service().held_bytes();
+  }
+
   // Waits (up to 30 s) until `done` holds.
   template <typename F>
   static bool WaitFor(F done) {
@@ -145,77 +231,21 @@ int LimitsTest::channels_ = 0;
 // --max_answer_hold_ms the unread answers are cancelled and everything is released.
 TEST_F(LimitsTest, ClientsThatNeverReadAnswersDoNotPinMemory) {
   const std::string before = Scrape();
-  // No BDP probing and a 64 KiB stream window: an answer of 1 MiB cannot be taken unread.
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  auto channel = NewChannel(args);
-  grpc::GenericStub stub(channel);
-  grpc::CompletionQueue cq;
   constexpr int kCalls = 12;
   const v1::ForwardRequest request = Random(2048);  // 1 MiB in, 1 MiB out (FP32, hidden 128)
-  const std::string bytes = request.SerializeAsString();
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<std::unique_ptr<grpc::GenericClientAsyncReaderWriter>> calls;
-  // Waits for the next completion (every operation here is issued one at a time).
-  auto next = [&cq] {
-    void* tag;
-    bool ok;
-    return cq.Next(&tag, &ok) && ok;
-  };
-  for (int i = 0; i < kCalls; ++i) {
-    // The unary method driven as a stream: request sent, half-closed, the answer never read.
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    calls.push_back(
-        stub.PrepareCall(contexts.back().get(), "/moeserve.v1.MoeService/Forward", &cq));
-    calls.back()->StartCall(nullptr);
-    ASSERT_TRUE(next());
-    grpc::Slice slice(bytes.data(), bytes.size());
-    calls.back()->Write(grpc::ByteBuffer(&slice, 1), nullptr);
-    ASSERT_TRUE(next());
-    calls.back()->WritesDone(nullptr);
-    ASSERT_TRUE(next());
-  }
-  // Every call is either refused at once (budget) or answered and held, never more than the
-  // budget, until the hold runs out.
-  int64_t peak = 0;
-  ASSERT_TRUE(WaitFor([&] {
-    peak = std::max(peak, server_->service().held_bytes());
-    const std::string now = Scrape();
-    const double refused = Delta(now, before, "moeserve_requests_total",
-                                 {"method=\"Forward\"", "code=\"RESOURCE_EXHAUSTED\""});
-    const double cancelled = Delta(now, before, "moeserve_unread_answers_cancelled_total", {});
-    return refused + cancelled >= kCalls;
-  })) << Scrape()
-      << " held " << server_->service().held_bytes();
-  EXPECT_LE(peak, kMaxQueuedBytes);
-  const std::string after = Scrape();
-  const double refused = Delta(after, before, "moeserve_requests_total",
-                               {"method=\"Forward\"", "code=\"RESOURCE_EXHAUSTED\""});
-  EXPECT_GE(refused, 1);  // 12 x ~2.1 MiB cannot all be held under 8 MiB
-  EXPECT_GE(Delta(after, before, "moeserve_unread_answers_cancelled_total", {}), 1);
-  EXPECT_GE(Delta(after, before, "moeserve_forward_refused_total", {"reason=\"memory\""}), 1);
-  // Everything held is released once gRPC is done with the cancelled calls.
-  EXPECT_TRUE(WaitFor([&] { return server_->service().held_bytes() == 0; }))
-      << server_->service().held_bytes();
-  EXPECT_TRUE(WaitFor([&] { return MetricValue(Scrape(), "moeserve_held_bytes") == 0; }));
-  // The client learns what happened once it finally reads: refused or cancelled, never OK.
-  for (int i = 0; i < kCalls; ++i) {
-    grpc::ByteBuffer answer;
-    calls[i]->Read(&answer, nullptr);
-    EXPECT_FALSE(next()) << "call " << i << " got its answer";
-    grpc::Status status;
-    calls[i]->Finish(&status, nullptr);
-    void* tag;
-    bool ok;
-    ASSERT_TRUE(cq.Next(&tag, &ok));
-    EXPECT_TRUE(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
-                status.error_code() == grpc::StatusCode::CANCELLED)
-        << i << ": " << status.error_code() << " " << status.error_message();
-  }
-  cq.Shutdown();
-  void* tag;
-  bool ok;
-  while (cq.Next(&tag, &ok)) {
+  {
+    UnreadCalls calls;
+    calls.Start(NewChannel(args), "/moeserve.v1.MoeService/Forward", request.SerializeAsString(),
+                kCalls);
+    // Every call is either refused at once (budget) or answered and held, never more than the
+    // budget, until the hold runs out; then everything held is released.
+    ExpectHeldWithinBudgetThenReleased(before, "Forward", kCalls);
+    EXPECT_GE(Delta(Scrape(), before, "moeserve_forward_refused_total", {"reason=\"memory\""}), 1);
+    EXPECT_TRUE(WaitFor([&] { return MetricValue(Scrape(), "moeserve_held_bytes") == 0; }));
+    // The client learns what happened once it finally reads: refused or cancelled, never OK.
+    calls.ReadAll();
   }
   // A client that reads is served as before.
   v1::ForwardResponse response;
@@ -230,9 +260,6 @@ TEST_F(LimitsTest, ModelInferClientsThatNeverReadAnswersDoNotPinMemory) {
   const std::string before = Scrape();
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  auto channel = NewChannel(args);
-  grpc::GenericStub stub(channel);
-  grpc::CompletionQueue cq;
   constexpr int kCalls = 8;
   // 1 MiB in, 1 MiB out (FP32, hidden 128), as a KServe request.
   const v1::ForwardRequest forward = Random(2048);
@@ -248,64 +275,14 @@ TEST_F(LimitsTest, ModelInferClientsThatNeverReadAnswersDoNotPinMemory) {
     for (int64_t d : t->shape()) in->add_shape(d);
     request.add_raw_input_contents(t->data());
   }
-  const std::string bytes = request.SerializeAsString();
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<std::unique_ptr<grpc::GenericClientAsyncReaderWriter>> calls;
-  auto next = [&cq] {
-    void* tag;
-    bool ok;
-    return cq.Next(&tag, &ok) && ok;
-  };
-  for (int i = 0; i < kCalls; ++i) {
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    calls.push_back(
-        stub.PrepareCall(contexts.back().get(), "/inference.GRPCInferenceService/ModelInfer", &cq));
-    calls.back()->StartCall(nullptr);
-    ASSERT_TRUE(next());
-    grpc::Slice slice(bytes.data(), bytes.size());
-    calls.back()->Write(grpc::ByteBuffer(&slice, 1), nullptr);
-    ASSERT_TRUE(next());
-    calls.back()->WritesDone(nullptr);
-    ASSERT_TRUE(next());
-  }
-  int64_t peak = 0;
-  ASSERT_TRUE(WaitFor([&] {
-    peak = std::max(peak, server_->service().held_bytes());
-    const std::string now = Scrape();
-    const double refused = Delta(now, before, "moeserve_requests_total",
-                                 {"method=\"ModelInfer\"", "code=\"RESOURCE_EXHAUSTED\""});
-    const double cancelled = Delta(now, before, "moeserve_unread_answers_cancelled_total", {});
-    return refused + cancelled >= kCalls;
-  })) << Scrape()
-      << " held " << server_->service().held_bytes();
-  EXPECT_LE(peak, kMaxQueuedBytes);
-  const std::string after = Scrape();
-  EXPECT_GE(Delta(after, before, "moeserve_requests_total",
-                  {"method=\"ModelInfer\"", "code=\"RESOURCE_EXHAUSTED\""}),
-            1);  // 8 x ~2.1 MiB cannot all be held under 8 MiB
-  EXPECT_GE(Delta(after, before, "moeserve_unread_answers_cancelled_total", {}), 1);
-  EXPECT_TRUE(WaitFor([&] { return server_->service().held_bytes() == 0; }))
-      << server_->service().held_bytes();
-  for (int i = 0; i < kCalls; ++i) {
-    grpc::ByteBuffer answer;
-    calls[i]->Read(&answer, nullptr);
-    EXPECT_FALSE(next()) << "call " << i << " got its answer";
-    grpc::Status status;
-    calls[i]->Finish(&status, nullptr);
-    void* tag;
-    bool ok;
-    ASSERT_TRUE(cq.Next(&tag, &ok));
-    EXPECT_TRUE(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
-                status.error_code() == grpc::StatusCode::CANCELLED)
-        << i << ": " << status.error_code() << " " << status.error_message();
+  UnreadCalls calls;
+  calls.Start(NewChannel(args), "/inference.GRPCInferenceService/ModelInfer",
+              request.SerializeAsString(), kCalls);
+  ExpectHeldWithinBudgetThenReleased(before, "ModelInfer", kCalls);
+  for (const grpc::Status& status : calls.ReadAll()) {
     if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
       EXPECT_THAT(status.error_message(), HasSubstr("max_queued_bytes=8388608"));
     }
-  }
-  cq.Shutdown();
-  void* tag;
-  bool ok;
-  while (cq.Next(&tag, &ok)) {
   }
 }
 
