@@ -33,26 +33,8 @@ for g in 0 -1; do
   done
 done
 
-serve() {  # name flags...
-  local name=$1; shift
-  rm -f "$OUT/ready_$name"
-  "$B/moeserve" --listen 127.0.0.1:$PORT --metrics_address 127.0.0.1:$((PORT + 1)) \
-    --ready_file "$OUT/ready_$name" "$@" > "$OUT/server_$name.log" 2>&1 &
-  SERVER_PID=$!
-  for _ in $(seq 1 600); do
-    [ -s "$OUT/ready_$name" ] && break
-    kill -0 $SERVER_PID 2>/dev/null || break
-    sleep 0.5
-  done
-}
-stop() { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
-load() {  # tag tokens concurrency requests [flags]
-  local tag=$1 m=$2 c=$3 n=$4; shift 4
-  timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens "$m" --concurrency "$c" \
-    --requests "$n" --routing balanced --max_seconds 40 "$@" > "$OUT/load_$tag.log" 2>&1
-  row "$tag" "$(grep -E 'latency_ms|server_total|server_stages|requests_per_s' "$OUT/load_$tag.log" |
-    sed 's/tokens_per_s=.*//; s/max=[0-9.]*//; s/p90=[0-9.]*//' | tr '\n' ' ')"
-}
+LOAD_MAX_SECONDS=40
+source "$(dirname "$0")/serve_lib.sh"
 TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 --num_layers 1"
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 for g in 0 -1; do

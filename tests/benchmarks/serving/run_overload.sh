@@ -8,12 +8,10 @@ set -uo pipefail
 B=$1 TAG=$2; shift 2
 OUT=${OUT:-/tmp/overload}; mkdir -p "$OUT"
 PORT=50171
-rm -f "$OUT/ready_$TAG"
-"$B/moeserve" --listen 127.0.0.1:$PORT --metrics_address 127.0.0.1:$((PORT + 1)) \
-  --ready_file "$OUT/ready_$TAG" --model seed-megamoe --num_experts 32 --num_layers 1 \
-  --weight_format mxfp8 --max_queue_wait_ms 3 "$@" > "$OUT/server_$TAG.log" 2>&1 &
-PID=$!
-for _ in $(seq 1 600); do [ -s "$OUT/ready_$TAG" ] && break; kill -0 $PID || break; sleep 0.5; done
+source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
+serve "$TAG" --model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8 \
+  --max_queue_wait_ms 3 "$@"
+PID=$SERVER_PID
 timeout 60 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --concurrency 1 \
   --requests 300 --routing balanced > "$OUT/c1_$TAG.log" 2>&1
 timeout 90 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --concurrency 32 \
@@ -29,7 +27,7 @@ timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "
 kill $RSS 2>/dev/null
 peak=$(sort -n "$OUT/rss_$TAG.txt" | tail -1)
 end=$(awk '/VmRSS/ {print $2}' /proc/$PID/status)
-kill -TERM $PID; wait $PID 2>/dev/null
+stop
 p99u=$(grep -o 'p99=[0-9.]*' "$OUT/c1_$TAG.log" | head -1 | cut -d= -f2)
 echo "overload $TAG: capacity ${cap}/s, offered ${rate}/s; unloaded p99 ${p99u} ms;" \
   "$(grep -E '^sent=|latency_ms' "$OUT/open_$TAG.log" | tr '\n' ' ')" \

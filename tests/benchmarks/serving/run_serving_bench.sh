@@ -20,28 +20,7 @@ SEED="--model seed-megamoe --num_experts 32 --num_layers 1"
 TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 --num_layers 1"
 declare -a ROWS
 row() { ROWS+=("$(printf '%-46s %s' "$1" "$2")"); echo "== $1: $2"; }
-serve() {  # name flags...
-  local name=$1; shift
-  rm -f "$OUT/ready_$name"
-  "$B/moeserve" --listen 127.0.0.1:$PORT --metrics_address 127.0.0.1:$((PORT + 1)) \
-    --ready_file "$OUT/ready_$name" "$@" > "$OUT/server_$name.log" 2>&1 &
-  SERVER_PID=$!
-  for _ in $(seq 1 600); do
-    [ -s "$OUT/ready_$name" ] && break
-    kill -0 $SERVER_PID 2>/dev/null || break
-    sleep 0.5
-  done
-}
-stop() { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
-# load tag tokens concurrency requests [extra flags] -> "$OUT/load_tag.log"; prints a row.
-load() {
-  local tag=$1 m=$2 c=$3 n=$4; shift 4
-  timeout 180 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens "$m" --concurrency "$c" \
-    --requests "$n" --routing balanced --max_seconds 60 "$@" > "$OUT/load_$tag.log" 2>&1
-  row "$tag" "$(grep -E 'latency_ms|server_total|requests_per_s' "$OUT/load_$tag.log" |
-    sed 's/tokens_per_s=.*//' | tr '\n' ' ')"
-}
-val() { grep -o "$2=[0-9.]*" "$OUT/load_$1.log" | head -1 | cut -d= -f2; }  # tag key
+source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; date -u
