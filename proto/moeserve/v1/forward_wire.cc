@@ -395,21 +395,28 @@ std::vector<grpc::Slice> DumpSlices(const grpc::ByteBuffer& buffer, bool* ok) {
   return slices;
 }
 
-}  // namespace
-
-bool WireBytes::SinglePiece(absl::Span<const uint8_t>* out) const {
-  if (data.size() > 1) return false;
-  *out = data.empty() ? absl::Span<const uint8_t>() : data[0];
+// Pieces of one field's data: as one span if there is at most one piece (else false, *out
+// untouched), or copied in order to `dst`.
+bool PiecesAsOne(const std::vector<absl::Span<const uint8_t>>& pieces,
+                 absl::Span<const uint8_t>* out) {
+  if (pieces.size() > 1) return false;
+  *out = pieces.empty() ? absl::Span<const uint8_t>() : pieces[0];
   return true;
 }
 
-void WireBytes::CopyTo(void* dst) const {
+void CopyPieces(const std::vector<absl::Span<const uint8_t>>& pieces, void* dst) {
   auto* p = static_cast<uint8_t*>(dst);
-  for (auto piece : data) {
+  for (auto piece : pieces) {
     std::memcpy(p, piece.data(), piece.size());
     p += piece.size();
   }
 }
+
+}  // namespace
+
+bool WireBytes::SinglePiece(absl::Span<const uint8_t>* out) const { return PiecesAsOne(data, out); }
+
+void WireBytes::CopyTo(void* dst) const { CopyPieces(data, dst); }
 
 absl::StatusOr<SplitMessage> SplitBytesField(const grpc::ByteBuffer& buffer, uint32_t number,
                                              absl::string_view message) {
@@ -464,18 +471,10 @@ absl::StatusOr<grpc::ByteBuffer> EncodeWithBytesField(std::string head, uint32_t
 }
 
 bool WireTensor::SinglePiece(absl::Span<const uint8_t>* out) const {
-  if (data.size() > 1) return false;
-  *out = data.empty() ? absl::Span<const uint8_t>() : data[0];
-  return true;
+  return PiecesAsOne(data, out);
 }
 
-void WireTensor::CopyTo(void* dst) const {
-  auto* p = static_cast<uint8_t*>(dst);
-  for (auto piece : data) {
-    std::memcpy(p, piece.data(), piece.size());
-    p += piece.size();
-  }
-}
+void WireTensor::CopyTo(void* dst) const { CopyPieces(data, dst); }
 
 absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice> slices) {
   constexpr absl::string_view kMessage = "moeserve.v1.ForwardRequest";
