@@ -127,6 +127,19 @@ struct PrepareArgs {
 // INT32 [M, topk], topk_weights contiguous FP32 [M, topk]. INVALID_ARGUMENT starting with `who`.
 absl::Status CheckPrepareArgsLayout(absl::string_view who, const PrepareArgs& args);
 
+// The problem a PrepareAndFinalize without expert parallelism hands to the experts:
+// `num_tokens` rows (the call's, or padded to a captured size) of `hidden`, all on this rank.
+inline MoeProblem NoEpProblem(const PrepareArgs& args, int64_t num_tokens, int64_t hidden,
+                              int64_t topk) {
+  return MoeProblem{.num_tokens = num_tokens,
+                    .hidden = hidden,
+                    .intermediate = args.intermediate,
+                    .topk = topk,
+                    .num_experts = args.num_experts,
+                    .num_local_experts = args.num_local_experts,
+                    .max_num_tokens = num_tokens};
+}
+
 // Quantization applied by Prepare before dispatch ("the quantization hook").
 struct QuantConfig {
   DType activation_dtype = DType::kFP32;  // what Experts receive in a1q

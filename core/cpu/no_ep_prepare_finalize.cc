@@ -33,13 +33,7 @@ absl::Status NoEpPrepareAndFinalize::Prepare(const PrepareArgs& args, PreparedAc
   out->topk_ids = ids;
   out->topk_weights = args.topk_weights;
   out->expert_num_tokens = TensorView();
-  out->problem = MoeProblem{.num_tokens = m,
-                            .hidden = k,
-                            .intermediate = args.intermediate,
-                            .topk = topk,
-                            .num_experts = args.num_experts,
-                            .num_local_experts = args.num_local_experts,
-                            .max_num_tokens = m};
+  out->problem = NoEpProblem(args, m, k, topk);
   return absl::OkStatus();
 }
 

@@ -502,13 +502,7 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
   out->a1q_scale = TensorView();
   out->topk_ids = TensorView(d_ids, DType::kINT32, {m, topk}, gpu);
   out->topk_weights = TensorView(d_w, DType::kFP32, {m, topk}, gpu);
-  out->problem = MoeProblem{.num_tokens = m,
-                            .hidden = k,
-                            .intermediate = args.intermediate,
-                            .topk = topk,
-                            .num_experts = args.num_experts,
-                            .num_local_experts = e,
-                            .max_num_tokens = m};
+  out->problem = NoEpProblem(args, m, k, topk);
   if (format_ == ActivationFormat::kStandard) {
     out->a1q = TensorView(d_x, DType::kBF16, {m, k}, gpu);
     out->expert_num_tokens = TensorView();
@@ -685,13 +679,7 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
   out->topk_ids = TensorView(d_in + l.ids, DType::kINT32, {padded_tokens, topk}, gpu);
   out->topk_weights = TensorView(d_in + l.weights, DType::kFP32, {padded_tokens, topk}, gpu);
   out->expert_num_tokens = TensorView();
-  out->problem = MoeProblem{.num_tokens = padded_tokens,
-                            .hidden = k,
-                            .intermediate = args.intermediate,
-                            .topk = topk,
-                            .num_experts = args.num_experts,
-                            .num_local_experts = args.num_local_experts,
-                            .max_num_tokens = padded_tokens};
+  out->problem = NoEpProblem(args, padded_tokens, k, topk);
   return absl::OkStatus();
 }
 

@@ -168,13 +168,7 @@ class FakePrepareFinalize final : public PrepareAndFinalize {
     out->a1q = TensorView(x, DType::kFP32, {m, k}, kFakeGpu);
     out->topk_ids = TensorView(ids, DType::kINT32, {m, topk}, kFakeGpu);
     out->topk_weights = TensorView(w, DType::kFP32, {m, topk}, kFakeGpu);
-    out->problem = MoeProblem{.num_tokens = m,
-                              .hidden = k,
-                              .intermediate = args.intermediate,
-                              .topk = topk,
-                              .num_experts = args.num_experts,
-                              .num_local_experts = args.num_local_experts,
-                              .max_num_tokens = m};
+    out->problem = NoEpProblem(args, m, k, topk);
   }
   FakeStream* stream_;
   QuantConfig quant_;
