@@ -126,8 +126,9 @@ __device__ __forceinline__ uint32_t DequantPair(uint32_t two, float s) {
 
 // The GEMMs' dequantization (Fp8x4ToBf16) moves an E4M3 code's sign, exponent and mantissa into
 // BF16's fields with integer ops only: read as BF16, the moved bits are the value times 2^-120,
-// subnormals included. cvt.e4m3x2 and the FP32->BF16 pack run on the conversion pipe (16 lanes
-// per clock per SM), which held MXFP8 decode near half the HBM floor; these are ALU and FMA ops.
+// subnormals included: fewer instructions than cvt.e4m3x2, two conversions to FP32, two
+// multiplies and a pack per pair. (The decode loop was bound by its instruction count; this and
+// the counter-driven loads below took it from 53% to 74-78% of the HBM floor, docs/gpu.md.)
 // The block scale 2^(code-127) then becomes a BF16 multiply by 2^(code-7): one IMAD makes the
 // multiplier and one FMA applies it, for code <= kMxfp8NarrowScaleMax (134, the largest with
 // 2^(code-7) in BF16's range; real checkpoints stay far below). The wide form, for any code,
