@@ -773,10 +773,10 @@ int RunLoad() {
                     max_seconds, ")")),
                 "flags");
   }
-  if (absl::GetFlag(FLAGS_connections) < 0) {
+  if (absl::GetFlag(FLAGS_connections) < 0 || absl::GetFlag(FLAGS_connections) > 1024) {
     return Fail(absl::InvalidArgumentError(
                     absl::StrCat("--connections: got ", absl::GetFlag(FLAGS_connections),
-                                 ", expected 0 (one per worker) or a positive count")),
+                                 ", expected 0 (one per worker) or a count up to 1024")),
                 "flags");
   }
   const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
