@@ -211,16 +211,56 @@ __device__ __forceinline__ void Ldmatrix4(uint32_t* r, uint32_t addr) {
                : "r"(addr));
 }
 
+// mbarrier and bulk copy (TMA without a tensor map, sm_90): one instruction moves a contiguous
+// range into shared memory and reports its bytes to an mbarrier.
+__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed (counts as one of the
+// barrier's expected arrivals).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 struct Unit {
   int e = 0, mt = 0, nt = 0, cnt = 0, row0 = 0;
 };
 
-template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND>
+// KB: 64-K blocks per pipeline stage (2 only with kTma): a stage is KB consecutive packed blocks,
+// one contiguous copy, and its activation rows are KB x 64 wide.
+template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND, int KB = 1>
 struct GemmCfg {
   static constexpr int kEsize = kFp8 ? 1 : 2;
-  static constexpr int kABytes = kBM * kBK * kEsize;
-  static constexpr int kSBytes = kFp8 ? kBM * 2 : 0;
-  static constexpr int kBStride = kBK + 8;  // BF16 elements per B row (16 B pad: no conflicts)
+  static constexpr int kABlock = kBM * kBK * kEsize;  // one 64-K block of the weight tile
+  static constexpr int kSBlock = kFp8 ? kBM * 2 : 0;  // its scales
+  static constexpr int kABytes = kABlock * KB;
+  static constexpr int kSBytes = kSBlock * KB;
+  static constexpr int kBStride = kBK * KB + 8;  // BF16 per B row (16 B pad: no bank conflicts)
   static constexpr int kBBytes = BN * kBStride * 2;
   static constexpr int kStageBytes = (kABytes + kSBytes + kBBytes + 127) / 128 * 128;
   static constexpr int kPipeBytes = kStageBytes * STAGES;
@@ -229,8 +269,9 @@ struct GemmCfg {
   static constexpr int kBChunks = (BN * 8 + kThreads - 1) / kThreads;
   static_assert(WM * WN * 32 == kThreads, "8 warps");
   static_assert(kNI % 2 == 0, "ldmatrix.x4 loads two n-fragments");
+  static constexpr int kBarBytes = 2 * STAGES * 8;  // kTma: full and empty mbarrier per stage
   static size_t SmemBytes(int num_experts) {
-    return kPipeBytes + static_cast<size_t>(3 * num_experts + 2) * sizeof(int32_t);
+    return kPipeBytes + kBarBytes + static_cast<size_t>(3 * num_experts + 2) * sizeof(int32_t);
   }
 };
 
@@ -241,14 +282,23 @@ struct GemmCfg {
 // fixed narrow tile is 5-11% faster. `gate`: the kernel returns at once unless its expert counts'
 // maximum is above gate.x and at most gate.y, so that a narrow and a wide launch can be queued
 // together and the counts (on the device) choose which one works.
+// kTma: a ninth warp produces: one bulk copy (TMA) for each stage's weight tile and one for its
+// scales, cp.async for the activation rows, completing on the stage's "full" mbarrier; the 8 MMA
+// warps wait on it and release the slot on its "empty" mbarrier, so they issue no load
+// instructions and meet at no block barrier. Per-thread cp.async took 54 of the MXFP8 decode
+// loop's ~185 instructions per stage per warp, and that loop is bound by its instruction count
+// (docs/gpu.md).
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
-          bool kAdaptive>
-__global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
+          bool kAdaptive, bool kTma, int KB>
+__global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= (kTma ? 32 : 64) ? 2 : 1)
     MoeGemmKernel(const MoeGemmParams p, int2 gate) {
-  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
+  static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
   extern __shared__ __align__(128) unsigned char smem[];
   const int E = p.num_experts;
-  int32_t* s_cnt = reinterpret_cast<int32_t*>(smem + C::kPipeBytes);
+  // kTma: stage s's full mbarrier at full0 + 8 s, its empty one at empty0 + 8 s.
+  const uint32_t full0 = SmemAddr(smem + C::kPipeBytes), empty0 = full0 + 8 * STAGES;
+  int32_t* s_cnt = reinterpret_cast<int32_t*>(smem + C::kPipeBytes + C::kBarBytes);
   int32_t* s_row0 = s_cnt + E;
   int32_t* s_prefix = s_row0 + E;  // [E + 1] units before expert e
 
@@ -260,12 +310,17 @@ __global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
   const int mtiles = static_cast<int>(rows_packed / kBM);
   const int num_kb = static_cast<int>(kp / kBK);
 
-  for (int e = tid; e < E; e += kThreads) {
+  for (int e = tid; e < E; e += blockDim.x) {
     int c = p.expert_counts[e];
     c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
     s_cnt[e] = c;
     s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
                                             : static_cast<int32_t>(e * p.offset_stride);
+  }
+  if (kTma && tid < STAGES) {
+    MbarInit(full0 + 8 * tid, 32);         // the producer's 32 lanes (cp.async arrivals)
+    MbarInit(empty0 + 8 * tid, kThreads);  // every MMA thread
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (warp == 0) {
@@ -297,7 +352,8 @@ __global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
   if (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y) return;
   if (static_cast<int>(blockIdx.x) >= total_units) return;
   const int my_units = (total_units - blockIdx.x + gridDim.x - 1) / gridDim.x;
-  const int total_iters = my_units * num_kb;
+  const int num_st = (num_kb + KB - 1) / KB;  // stages per unit; the last may hold one block
+  const int total_iters = my_units * num_st;
 
   auto decode = [&](int i) {
     const int u = blockIdx.x + i * gridDim.x;
@@ -395,6 +451,74 @@ __global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
     CpAsyncCommit();
   };
 
+  if constexpr (kTma) {
+    if (warp == kThreads / 32) {
+      // The producer warp. Lane l loads the activation chunks c = l + 32 i of each stage (row
+      // c / kRowChunks, 16-byte K chunk l % kRowChunks); lane 0 also the weight tile and its
+      // scales, one bulk copy each. Rows past the expert's count: zero-filled, or (kAdaptive) not
+      // loaded, since their columns are not computed; K past the layer's width: zero-filled.
+      constexpr int kRowChunks = 8 * KB;
+      constexpr int kChunks = BN * kRowChunks / 32;
+      constexpr int kRowStep = 32 / kRowChunks;
+      static_assert(BN * kRowChunks % 32 == 0 && 32 % kRowChunks == 0, "");
+      const uint16_t* src[kChunks];  // this lane's chunk of each row (p.act past the count)
+      uint32_t src_bytes[kChunks];   // 16, or 0 past the count
+      const int cc = lane % kRowChunks;
+#pragma unroll 1
+      for (int it = 0, slot = 0, kb = 0, unit = 0; it < total_iters; ++it) {
+        if (it >= STAGES) MbarWait(empty0 + 8 * slot, ((it / STAGES) & 1) ^ 1);
+        if (kb == 0) {
+          const Unit pu = decode(unit);
+          a_ptr = static_cast<const unsigned char*>(p.weights) +
+                  (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kABlock;
+          if (kFp8) {
+            s_ptr = p.scales + (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kSBlock;
+          }
+#pragma unroll
+          for (int i = 0; i < kChunks; ++i) {
+            const int j = pu.nt * BN + lane / kRowChunks + kRowStep * i;
+            src[i] = p.act;
+            src_bytes[i] = 0;
+            if (j < pu.cnt) {
+              const int row = pu.row0 + j;
+              const int64_t arow = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
+              src[i] = p.act + arow * p.act_stride + cc * 8;
+              src_bytes[i] = 16;
+            }
+          }
+        }
+        // The last stage of a unit with an odd number of 64-K blocks holds one.
+        const int nblk = KB == 2 && 2 * kb + 1 == num_kb ? 1 : KB;
+        unsigned char* st = smem + slot * C::kStageBytes;
+        const uint32_t full = full0 + 8 * slot;
+        if (lane == 0) {
+          MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
+          BulkCopy(SmemAddr(st), a_ptr, C::kABlock * nblk, full);
+          if (kFp8) BulkCopy(SmemAddr(st + C::kABytes), s_ptr, C::kSBlock * nblk, full);
+        }
+        const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
+        const bool k_ok = static_cast<int64_t>(kb) * KB * kBK + cc * 8 < k_valid && cc < 8 * nblk;
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+          const uint32_t dst =
+              b_dst + ((lane / kRowChunks + kRowStep * i) * C::kBStride + cc * 8) * 2;
+          if (!kAdaptive || src_bytes[i] != 0) CpAsync16(dst, src[i], k_ok ? src_bytes[i] : 0);
+          src[i] += src_bytes[i] != 0 ? KB * kBK : 0;
+        }
+        CpAsyncArriveNoinc(full);
+        a_ptr += C::kABytes;
+        if (kFp8) s_ptr += C::kSBytes;
+        if (++kb == num_st) {
+          kb = 0;
+          ++unit;
+        }
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+      }
+      CpAsyncWait<0>();
+      return;
+    }
+  }
+
   float acc[C::kMI][C::kNI][4];
 #pragma unroll
   for (int mi = 0; mi < C::kMI; ++mi)
@@ -406,8 +530,11 @@ __global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
   const int warp_m = warp % WM, warp_n = warp / WM;
   const int g = lane / 4, t4 = lane % 4;
 
+  if constexpr (!kTma) {
 #pragma unroll 1
-  for (int s = 0; s < STAGES - 1; ++s) load();
+    for (int s = 0; s < STAGES - 1; ++s) load();
+  }
+  uint32_t c_phase = 0;
 
   Unit cu;
   int c_unit = 0, c_kb = 0, c_slot = 0, tile_cols = 0;
@@ -418,87 +545,101 @@ __global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
       cu = decode(c_unit);
       tile_cols = min(BN, cu.cnt - cu.nt * BN) - wcol0;  // this warp's live columns
     }
-    CpAsyncWait<STAGES - 2>();
-    __syncthreads();
-    load();
-    const unsigned char* st = smem + c_slot * C::kStageBytes;
-    const uint32_t b_base = SmemAddr(st + C::kABytes + C::kSBytes);
-    // MXFP8: both 32-K blocks' scale codes of rows r0 and r0 + 8, one 16-bit load each.
-    uint32_t codes[C::kMI][2];
-    if (kFp8) {
-#pragma unroll
-      for (int mi = 0; mi < C::kMI; ++mi) {
-        const int r0 = warp_m * C::kWTM + mi * 16 + g;
-        codes[mi][0] = *reinterpret_cast<const uint16_t*>(st + C::kABytes + r0 * 2);
-        codes[mi][1] = *reinterpret_cast<const uint16_t*>(st + C::kABytes + (r0 + 8) * 2);
-      }
+    if constexpr (kTma) {
+      MbarWait(full0 + 8 * c_slot, c_phase);
+    } else {
+      CpAsyncWait<STAGES - 2>();
+      __syncthreads();
+      load();
     }
-    auto stage_math = [&](auto npa) {
-      constexpr int NPA = decltype(npa)::value;  // pairs of 8-token fragments computed
-#pragma unroll
-      for (int kc = 0; kc < 2; ++kc) {
-        uint32_t a[C::kMI][2][4];
+    const unsigned char* st_base = smem + c_slot * C::kStageBytes;
+    // Sub-block sb of the stage: its 64-K block of weights, scales and activation columns.
+    auto block_math = [&](int sb) {
+      const unsigned char* st = st_base + sb * C::kABlock;
+      const unsigned char* st_s = st_base + C::kABytes + sb * C::kSBlock;
+      const uint32_t b_base = SmemAddr(st_base + C::kABytes + C::kSBytes) + sb * kBK * 2;
+      // MXFP8: both 32-K blocks' scale codes of rows r0 and r0 + 8, one 16-bit load each.
+      uint32_t codes[C::kMI][2];
+      if (kFp8) {
 #pragma unroll
         for (int mi = 0; mi < C::kMI; ++mi) {
           const int r0 = warp_m * C::kWTM + mi * 16 + g;
-          if (kFp8) {
-            const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
-            const uint2 rb =
-                *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-            const Fp8Scale sa =
-                MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
-            const Fp8Scale sb =
-                MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
-            Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
-            Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
-            Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
-            Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
-          } else {
-            const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
-            const uint4 rb =
-                *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
-            a[mi][0][0] = ra.x;
-            a[mi][0][1] = rb.x;
-            a[mi][0][2] = ra.y;
-            a[mi][0][3] = rb.y;
-            a[mi][1][0] = ra.z;
-            a[mi][1][1] = rb.z;
-            a[mi][1][2] = ra.w;
-            a[mi][1][3] = rb.w;
-          }
-        }
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          uint32_t b[C::kNI][2];
-#pragma unroll
-          for (int np = 0; np < NPA; ++np) {
-            const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
-            const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
-            uint32_t r[4];
-            Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
-            b[2 * np][0] = r[0];
-            b[2 * np][1] = r[1];
-            b[2 * np + 1][0] = r[2];
-            b[2 * np + 1][1] = r[3];
-          }
-#pragma unroll
-          for (int mi = 0; mi < C::kMI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < 2 * NPA; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
+          codes[mi][0] = *reinterpret_cast<const uint16_t*>(st_s + r0 * 2);
+          codes[mi][1] = *reinterpret_cast<const uint16_t*>(st_s + (r0 + 8) * 2);
         }
       }
+      auto stage_math = [&](auto npa) {
+        constexpr int NPA = decltype(npa)::value;  // pairs of 8-token fragments computed
+#pragma unroll
+        for (int kc = 0; kc < 2; ++kc) {
+          uint32_t a[C::kMI][2][4];
+#pragma unroll
+          for (int mi = 0; mi < C::kMI; ++mi) {
+            const int r0 = warp_m * C::kWTM + mi * 16 + g;
+            if (kFp8) {
+              const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
+              const uint2 rb =
+                  *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+              const Fp8Scale sa =
+                  MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
+              const Fp8Scale sb =
+                  MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
+              Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
+              Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
+              Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
+              Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
+            } else {
+              const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
+              const uint4 rb =
+                  *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+              a[mi][0][0] = ra.x;
+              a[mi][0][1] = rb.x;
+              a[mi][0][2] = ra.y;
+              a[mi][0][3] = rb.y;
+              a[mi][1][0] = ra.z;
+              a[mi][1][1] = rb.z;
+              a[mi][1][2] = ra.w;
+              a[mi][1][3] = rb.w;
+            }
+          }
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks) {
+            uint32_t b[C::kNI][2];
+#pragma unroll
+            for (int np = 0; np < NPA; ++np) {
+              const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
+              const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
+              uint32_t r[4];
+              Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
+              b[2 * np][0] = r[0];
+              b[2 * np][1] = r[1];
+              b[2 * np + 1][0] = r[2];
+              b[2 * np + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+              for (int ni = 0; ni < 2 * NPA; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
+          }
+        }
+      };
+      constexpr int kPairs = C::kNI / 2;
+      if (!kAdaptive || kPairs == 1) {
+        stage_math(std::integral_constant<int, kPairs>{});
+      } else if (tile_cols <= 16) {
+        stage_math(std::integral_constant<int, 1>{});
+      } else if (kPairs > 2 && tile_cols <= 32) {
+        stage_math(std::integral_constant<int, (kPairs > 2 ? 2 : kPairs)>{});
+      } else {
+        stage_math(std::integral_constant<int, kPairs>{});
+      }
     };
-    constexpr int kPairs = C::kNI / 2;
-    if (!kAdaptive || kPairs == 1) {
-      stage_math(std::integral_constant<int, kPairs>{});
-    } else if (tile_cols <= 16) {
-      stage_math(std::integral_constant<int, 1>{});
-    } else if (kPairs > 2 && tile_cols <= 32) {
-      stage_math(std::integral_constant<int, (kPairs > 2 ? 2 : kPairs)>{});
-    } else {
-      stage_math(std::integral_constant<int, kPairs>{});
+    block_math(0);
+    if constexpr (KB == 2) {
+      if (2 * c_kb + 1 < num_kb) block_math(1);  // not the odd last block of the unit
     }
-    if (c_kb == num_kb - 1) {
+    if constexpr (kTma) MbarArrive(empty0 + 8 * c_slot);  // this thread is done with the slot
+    if (c_kb == num_st - 1) {
       // Epilogue straight from registers.
 #pragma unroll
       for (int mi = 0; mi < C::kMI; ++mi) {
@@ -529,22 +670,26 @@ __global__ void __launch_bounds__(kThreads, BN <= 64 ? 2 : 1)
         }
       }
     }
-    if (++c_kb == num_kb) {
+    if (++c_kb == num_st) {
       c_kb = 0;
       ++c_unit;
     }
-    c_slot = c_slot + 1 == STAGES ? 0 : c_slot + 1;
+    if (++c_slot == STAGES) {
+      c_slot = 0;
+      c_phase ^= 1;
+    }
   }
-  CpAsyncWait<0>();
+  if constexpr (!kTma) CpAsyncWait<0>();
 }
 
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
-          bool kAdaptive = false>
+          bool kAdaptive = false, bool kTma = false, int KB = 1>
 cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
                 int2 gate = int2{-1, INT_MAX}) {
-  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND>;
-  auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive>;
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
+  auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive, kTma, KB>;
   const size_t smem = C::SmemBytes(p.num_experts);
+  const int threads = kTma ? kThreads + 32 : kThreads;
   // Per device: a function attribute belongs to the current device's context, and EP ranks
   // drive several GPUs from one process (one thread each).
   int device = 0;
@@ -557,7 +702,7 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, smem);
     if (err != cudaSuccess) return err;
     configured = smem;
   }
@@ -569,7 +714,7 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
   int64_t grid = static_cast<int64_t>(num_sms) * bps;
   if (units < grid) grid = units;
   if (grid < 1) grid = 1;
-  kernel<<<static_cast<int>(grid), kThreads, smem, stream>>>(p, gate);
+  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate);
   return cudaGetLastError();
 }
 
@@ -946,14 +1091,30 @@ cudaError_t RunWgmma(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Decode tiles (a 128-row weight tile by 16-64 tokens): the producer warp fills stages of KB
+// 64-K blocks. MXFP8 stages hold two blocks, 16 KB of weights like a BF16 stage, so the per-stage
+// work of both warp roles is spread over twice the bytes. Stage counts: as many as fit two
+// blocks per SM (one for 64 tokens) with room for the schedule of kMaxGemmExperts experts.
+template <bool kFp8, int BN>
+struct DecodeTile {
+  static constexpr int kKB = kFp8 ? 2 : 1;
+  static constexpr int kStages = kFp8 ? (BN == 16 ? 5 : BN == 32 ? 4 : 5) : 6;
+};
+template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND, bool kAdaptive = false>
+cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
+                      int2 gate = int2{-1, INT_MAX}) {
+  using T = DecodeTile<kFp8, BN>;
+  return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB>(p, num_sms, stream,
+                                                                               gate);
+}
+
 template <bool kFp8, MoeGemmKind KIND>
 cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
-  constexpr int kSmallStages = kFp8 ? 8 : 6;
   // MXFP8 scale codes above kMxfp8NarrowScaleMax (or NaN blocks) need the two-multiply
   // dequantization; one decode tile shape serves every count there (rare in real checkpoints).
   const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
-  if (wide && avg <= 64) return Run<kFp8, true, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+  if (wide && avg <= 64) return RunDecode<kFp8, true, 64, KIND>(p, num_sms, stream);
   if (!wide) {
     // A hot expert (more routes than the narrow tile holds) would stream its weights once per
     // narrow tile: the narrow launch works only if every count fits it, else the adaptive wide
@@ -963,16 +1124,14 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     // slower (its 64-token tile has 6 stages) and is not used.
     if constexpr (kFp8) {
       if (avg <= 16) {
-        const cudaError_t err =
-            Run<true, false, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream, int2{-1, 16});
+        const cudaError_t err = RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16});
         if (err != cudaSuccess) return err;
-        return Run<true, false, 32, 8, 1, kSmallStages, KIND, true>(p, num_sms, stream,
-                                                                    int2{16, INT_MAX});
+        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX});
       }
     }
-    if (avg <= 16) return Run<kFp8, false, 16, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
-    if (avg <= 32) return Run<kFp8, false, 32, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
-    if (avg <= 64) return Run<kFp8, false, 64, 8, 1, kSmallStages, KIND>(p, num_sms, stream);
+    if (avg <= 16) return RunDecode<kFp8, false, 16, KIND>(p, num_sms, stream);
+    if (avg <= 32) return RunDecode<kFp8, false, 32, KIND>(p, num_sms, stream);
+    if (avg <= 64) return RunDecode<kFp8, false, 64, KIND>(p, num_sms, stream);
   }
 #if MOESERVE_CUDA_WGMMA
   // MXFP8 with more than 128 routes per expert: 128x256 wgmma tiles, measured 2.0x faster than
