@@ -4,10 +4,11 @@
 //
 // Swap-AB: weights fill the MMA's M side (128 weight rows per tile) and tokens its N side
 // (16..256 tokens per tile), so decode-sized batches (1-64 tokens per expert) still stream every
-// weight byte once with 16-byte cp.async loads, several stages in flight, over a persistent grid
-// whose tile schedule is read on the device from per-expert counts (no host synchronization).
-// mma.sync tiles, except MXFP8 with more than 128 routes per expert: 128x256 warpgroup-MMA
-// (wgmma, sm_90a) tiles with the dequantized A fragments in registers (see docs/gpu.md).
+// weight byte once, several stages in flight, over a persistent grid whose tile schedule is read
+// on the device from per-expert counts (no host synchronization). Decode tiles have a producer
+// warp (bulk copies and cp.async completing on mbarriers) beside 8 mma.sync warps; MXFP8 with
+// more than 128 routes per expert uses 128x256 warpgroup-MMA (wgmma, sm_90a) tiles with the
+// dequantized A fragments in registers (see docs/gpu.md).
 //
 // Weights live in a packed device layout made once by LaunchPackMoeW13 / LaunchPackMoeW2
 // (see MoePackedLayout): K padded to a multiple of 64 and permuted inside each block of 32 so

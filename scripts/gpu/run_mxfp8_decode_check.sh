@@ -19,7 +19,7 @@ timeout 300 "$B/cuda_experts_test" --gtest_filter="${EXPERTS_FILTER:-*mxfp8*}" >
 echo "cuda_experts_test ${EXPERTS_FILTER:-*mxfp8*}: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/experts.log" | tr '\n' ' ')"
 grep -E "^\[  FAILED" "$OUT/experts.log" | head
 MOESERVE_BENCH_TOKENS=${TOKENS:-16,64,128} MOESERVE_BENCH_FORMATS=${FORMATS:-mxfp8} \
-  MOESERVE_BENCH_PATHS=decode timeout 300 python3 scripts/gpu/bench_moe.py "$B/moe_experts_bench" "$OUT/bench" \
+  MOESERVE_BENCH_PATHS=${PATHS:-decode} timeout 420 python3 scripts/gpu/bench_moe.py "$B/moe_experts_bench" "$OUT/bench" \
   "$B/moe_experts_bench_old" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 for round in $(seq 1 "${ROUNDS:-1}"); do
