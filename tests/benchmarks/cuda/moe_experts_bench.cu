@@ -10,7 +10,8 @@
 // Prints CSV lines:
 //   layer,format,tokens,routing,median_us,weight_bytes,routes,path
 // Environment (optional): MOESERVE_BENCH_TOKENS=16,64,... (default 16,32,64,128,256,1024),
-// MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped.
+// MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped,
+// MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -100,6 +101,7 @@ int main(int argc, char** argv) {
   }
   const std::vector<std::string> formats = EnvList("MOESERVE_BENCH_FORMATS", "bf16,mxfp8");
   std::vector<std::string> paths = EnvList("MOESERVE_BENCH_PATHS", "decode,grouped");
+  const std::vector<std::string> routings = EnvList("MOESERVE_BENCH_ROUTING", "balanced,hot");
   int device = 0;
   CK(cudaGetDevice(&device));
   if (Has(paths, "grouped") && MoeGroupedSm90Unsupported(device) != nullptr) {
@@ -139,6 +141,7 @@ int main(int argc, char** argv) {
       }
       for (int tokens : token_list) {
         for (int hot = 0; hot < 2; ++hot) {
+          if (!Has(routings, hot ? "hot" : "balanced")) continue;
           const int64_t R = int64_t{tokens} * topk;
           std::mt19937 rng(tokens * 7 + hot);
           // Inputs: kSets rotations of x [tokens, H] and ids [tokens, topk].
