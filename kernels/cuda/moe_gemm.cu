@@ -290,9 +290,10 @@ struct GemmCfg {
 // (docs/gpu.md).
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
           bool kAdaptive, bool kTma, int KB>
-__global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= (kTma ? 32 : 64) ? 2 : 1)
+__global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 : 1)
     MoeGemmKernel(const MoeGemmParams p, int2 gate) {
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
+  static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
   extern __shared__ __align__(128) unsigned char smem[];
   const int E = p.num_experts;
@@ -381,26 +382,28 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= (kTma ?
   // of the MXFP8 decode loop's instructions).
   const unsigned char* a_ptr = nullptr;
   const uint8_t* s_ptr = nullptr;
+  // A unit's first weight block and its scales, and the activation row of its j-th token.
+  auto unit_weights = [&](const Unit& pu) {
+    const int64_t tile = static_cast<int64_t>(pu.e) * mtiles + pu.mt;
+    a_ptr = static_cast<const unsigned char*>(p.weights) + tile * num_kb * C::kABlock;
+    if (kFp8) s_ptr = p.scales + tile * num_kb * C::kSBlock;
+  };
+  auto act_row = [&](const Unit& pu, int j) {
+    const int row = pu.row0 + j;
+    const int64_t arow = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
+    return p.act + arow * p.act_stride;
+  };
   const uint16_t* b_ptr[C::kBChunks];  // this thread's activation row + its 8-element chunk
   int p_it = 0, p_unit = 0, p_kb = 0, p_slot = 0, p_k = 0;
   const int b_cc = tid % 8;
   auto producer_unit = [&](int i) {
     const Unit pu = decode(i);
-    a_ptr = static_cast<const unsigned char*>(p.weights) +
-            (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kABytes;
-    if (kFp8) {
-      s_ptr = p.scales + ((static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb) * (kBM * 2);
-    }
+    unit_weights(pu);
 #pragma unroll
     for (int i2 = 0; i2 < C::kBChunks; ++i2) {
       const int c = tid + i2 * kThreads;
       const int j = pu.nt * BN + c / 8;
-      b_ptr[i2] = nullptr;
-      if (c < BN * 8 && j < pu.cnt) {
-        const int row = pu.row0 + j;
-        const int64_t arow = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
-        b_ptr[i2] = p.act + arow * p.act_stride + b_cc * 8;
-      }
+      b_ptr[i2] = c < BN * 8 && j < pu.cnt ? act_row(pu, j) + b_cc * 8 : nullptr;
     }
   };
   auto load = [&]() {
@@ -423,18 +426,9 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= (kTma ?
       for (int i2 = 0; i2 < C::kBChunks; ++i2) {
         const int c = tid + i2 * kThreads;
         if (c < BN * 8) {
-          if (kAdaptive) {
-            // Rows past the expert's count are not loaded: their columns are not computed, or
-            // computed and discarded (MMA columns are independent). K padding is zero-filled.
-            if (b_ptr[i2] != nullptr) {
-              CpAsync16(b_dst + ((c / 8) * C::kBStride + b_cc * 8) * 2, k_ok ? b_ptr[i2] : p.act,
-                        k_ok ? 16 : 0);
-            }
-          } else {
-            const bool ok = b_ptr[i2] != nullptr && k_ok;
-            CpAsync16(b_dst + ((c / 8) * C::kBStride + b_cc * 8) * 2, ok ? b_ptr[i2] : p.act,
-                      ok ? 16 : 0);
-          }
+          const bool ok = b_ptr[i2] != nullptr && k_ok;
+          CpAsync16(b_dst + ((c / 8) * C::kBStride + b_cc * 8) * 2, ok ? b_ptr[i2] : p.act,
+                    ok ? 16 : 0);
           if (b_ptr[i2] != nullptr) b_ptr[i2] += kBK;
         }
       }
@@ -469,20 +463,14 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= (kTma ?
         if (it >= STAGES) MbarWait(empty0 + 8 * slot, ((it / STAGES) & 1) ^ 1);
         if (kb == 0) {
           const Unit pu = decode(unit);
-          a_ptr = static_cast<const unsigned char*>(p.weights) +
-                  (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kABlock;
-          if (kFp8) {
-            s_ptr = p.scales + (static_cast<int64_t>(pu.e) * mtiles + pu.mt) * num_kb * C::kSBlock;
-          }
+          unit_weights(pu);
 #pragma unroll
           for (int i = 0; i < kChunks; ++i) {
             const int j = pu.nt * BN + lane / kRowChunks + kRowStep * i;
             src[i] = p.act;
             src_bytes[i] = 0;
             if (j < pu.cnt) {
-              const int row = pu.row0 + j;
-              const int64_t arow = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
-              src[i] = p.act + arow * p.act_stride + cc * 8;
+              src[i] = act_row(pu, j) + cc * 8;
               src_bytes[i] = 16;
             }
           }
