@@ -7,6 +7,8 @@
 # each way in, through the C++ client (moeserve-cli load --concurrency 1 --routing balanced):
 #   tcp    gRPC bytes over TCP loopback        unix  gRPC bytes over a unix socket
 #   shm    a POSIX shared-memory region        cuda  a CUDA region (cudaIpcGetMemHandle)
+#   ch     gRPC-free: the forward channel (a shared-memory object the server polls), inline
+#          tensors;  shm-ch / cuda-ch  the forward channel with tensors in a system / CUDA region
 # and the Python torch client (clients/python/examples/bench_client.py, trivial layer, unix
 # socket, against the C++ client on the same path): CPU tensors as gRPC bytes ("torch"), CUDA
 # tensors by the CUDA-region path ("torch-cuda"). In the same run: the raw gRPC ByteBuffer echo of
@@ -159,6 +161,9 @@ load() {  # layer way M
     unix) target=unix:$SOCK_DIR/moe.sock ;;
     shm) target=unix:$SOCK_DIR/moe.sock; flags=(--shm) ;;
     cuda) target=unix:$SOCK_DIR/moe.sock; flags=(--cuda_region) ;;
+    ch) target=unix:$SOCK_DIR/moe.sock; flags=(--channel) ;;
+    shm-ch) target=unix:$SOCK_DIR/moe.sock; flags=(--shm --channel) ;;
+    cuda-ch) target=unix:$SOCK_DIR/moe.sock; flags=(--cuda_region --channel) ;;
   esac
   local f="$OUT/load_${layer}_${way}_M$m.log"
   if over_budget; then
@@ -184,7 +189,7 @@ load() {  # layer way M
   log "$layer $way M=$m: rt ${RT[$layer:$way:$m]} ms, server ${SRV[$layer:$way:$m]} us," \
     "$(grep '^server_stages' "$f")"
 }
-WAYS="tcp unix shm cuda"
+WAYS=${WAYS:-tcp unix shm cuda ch shm-ch cuda-ch}
 PY_SKIP=""
 declare -A PY_FAIL
 for layer in $LAYERS; do
@@ -296,7 +301,7 @@ for layer in $LAYERS; do
               met+="/$(calc "print ($sme <= 2*$fl) ? \"yes\" : \"no\"")"
             fi
           fi ;;
-        shm)
+        shm|ch|shm-ch)
           if num "$rt" && num "$ex"; then
             rme=$(calc "printf \"%.0f\", $rt*1000-$ex")
             check="rt-exp $rme us"
@@ -308,7 +313,7 @@ for layer in $LAYERS; do
               target="floor skipped: no GPU"
             fi
           fi ;;
-        cuda)
+        cuda|cuda-ch)
           if num "$rt" && num "$ex"; then
             rme=$(calc "printf \"%.0f\", $rt*1000-$ex")
             lim=""
