@@ -24,7 +24,7 @@ absl::StatusOr<bool> PrepareAndFinalize::StageInputs(const PrepareArgs&, int64_t
 absl::Status PrepareAndFinalize::PrepareStaged(const PrepareArgs&, int64_t, PreparedActivations*) {
   return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
 }
-absl::Status PrepareAndFinalize::FinalizeStaged(DType, const TensorView&,
+absl::Status PrepareAndFinalize::FinalizeStaged(DType, Device, const TensorView&,
                                                 const PreparedActivations&,
                                                 const TopKWeightAndReduce&) {
   return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
@@ -164,7 +164,7 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   }
   bool graphed = false;
   if (graph_options_.max_tokens > 0 && !convert && bounds.size() == 2 && m > 0 &&
-      m <= graph_options_.max_tokens && output.device().is_host()) {
+      m <= graph_options_.max_tokens && (output.device().is_host() || device_io)) {
     // One check for the whole replayed step (a graph runs to its end once launched).
     if (args.stop != nullptr) {
       MOESERVE_RETURN_IF_ERROR(args.stop->Check(0, "prepare of round 1/1"));
@@ -296,9 +296,15 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
     ExpertsApplyArgs a = apply;
     a.prepared = &prepared;
     MOESERVE_RETURN_IF_ERROR(experts_->Apply(a));
-    return prepare_finalize_->FinalizeStaged(out_dtype, a.output, prepared, *weight_and_reduce);
+    return prepare_finalize_->FinalizeStaged(out_dtype, output.device(), a.output, prepared,
+                                             *weight_and_reduce);
   };
-  const GraphKey key{args.layer, padded, pargs.hidden_states.dtype(), out_dtype};
+  const GraphKey key{args.layer,
+                     padded,
+                     pargs.hidden_states.dtype(),
+                     out_dtype,
+                     pargs.hidden_states.device().space,
+                     output.device().space};
   auto it = graphs_.find(key);
   if (it != graphs_.end() && it->second.workspaces == addresses) {
     MOESERVE_RETURN_IF_ERROR(it->second.graph->Launch());

@@ -211,8 +211,10 @@ class PrepareAndFinalize {
   virtual bool supports_graphs() const { return false; }
   // Host: copies this forward's inputs into the fixed staging of P = padded_tokens rows (buffers
   // sized once for `capacity_tokens` rows, so their addresses never change after the first
-  // call). Returns false, having done nothing, when these tensors cannot be staged (e.g. device
-  // memory): ModularKernel then runs the forward eagerly.
+  // call), or enqueues their copy there when the hidden states are in device or page-locked
+  // memory (accepts_device_tensors). Returns false, having done nothing, when these tensors
+  // cannot be staged: ModularKernel then runs the forward eagerly. A graph is captured per
+  // memory space of hidden_states and of the output (the staged work differs).
   virtual absl::StatusOr<bool> StageInputs(const PrepareArgs& args, int64_t padded_tokens,
                                            int64_t capacity_tokens);
   // Device: Prepare of the staged rows. `args` gives dtypes and sizes only (its data is not
@@ -220,10 +222,14 @@ class PrepareAndFinalize {
   virtual absl::Status PrepareStaged(const PrepareArgs& args, int64_t padded_tokens,
                                      PreparedActivations* out);
   // Device: Finalize of every staged row into fixed output staging in `dtype` (no wait).
-  virtual absl::Status FinalizeStaged(DType dtype, const TensorView& fused_expert_output,
+  // `output_device`: where CollectOutput's output will be (an implementation may leave the
+  // answer on the device for device or page-locked outputs, and copy it straight there).
+  virtual absl::Status FinalizeStaged(DType dtype, Device output_device,
+                                      const TensorView& fused_expert_output,
                                       const PreparedActivations& prepared,
                                       const TopKWeightAndReduce& weight_and_reduce);
-  // Host: waits for the device, then copies the first output.dim(0) staged rows into `output`.
+  // Host: waits for the device, then copies the first output.dim(0) staged rows into `output`
+  // (host memory, or device memory where accepts_device_tensors).
   virtual absl::Status CollectOutput(const TensorView& output);
 };
 
@@ -364,8 +370,10 @@ class ModularKernel {
     int layer;
     int64_t tokens;
     DType in, out;
+    MemorySpace in_space, out_space;
     bool operator<(const GraphKey& o) const {
-      return std::tie(layer, tokens, in, out) < std::tie(o.layer, o.tokens, o.in, o.out);
+      return std::tie(layer, tokens, in, out, in_space, out_space) <
+             std::tie(o.layer, o.tokens, o.in, o.out, o.in_space, o.out_space);
     }
   };
   struct GraphEntry {

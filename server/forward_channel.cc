@@ -302,9 +302,12 @@ void ForwardChannel::Answer(int i, uint64_t sequence, absl::Status status,
   StoreU32(s + ch::kSlotStatusCodeOffset, static_cast<uint32_t>(status.code()));
   StoreU64(s + ch::kSlotAnswerSequenceOffset, sequence);
   std::atomic<uint32_t>* state = word(s - base_ + ch::kSlotStateOffset);
+  // Under mu_ with the in-flight count: a client that sees the answer and unregisters at once
+  // must find the call over (Close checks in_flight_ under mu_), and after Close returns this
+  // never touches the mapping again.
+  std::lock_guard<std::mutex> lock(mu_);
   state->store(ch::kSlotAnswer);  // sequentially consistent: ordered before the load below
   if (word(s - base_ + ch::kSlotClientWaitingOffset)->load() != 0) FutexWake(state);
-  std::lock_guard<std::mutex> lock(mu_);
   --in_flight_;
 }
 

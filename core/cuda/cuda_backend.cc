@@ -362,7 +362,8 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
                                    int64_t capacity_tokens) override;
   absl::Status PrepareStaged(const PrepareArgs& args, int64_t padded_tokens,
                              PreparedActivations* out) override;
-  absl::Status FinalizeStaged(DType dtype, const TensorView& fused_expert_output,
+  absl::Status FinalizeStaged(DType dtype, Device output_device,
+                              const TensorView& fused_expert_output,
                               const PreparedActivations& prepared,
                               const TopKWeightAndReduce& weight_and_reduce) override;
   absl::Status CollectOutput(const TensorView& output) override;
@@ -605,8 +606,11 @@ absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& 
   MOESERVE_RETURN_IF_ERROR(CheckPrepareArgsLayout(name(), args));
   const TensorView& x = args.hidden_states;
   const int64_t m = x.dim(0), k = x.dim(1), topk = args.topk_ids.dim(1);
-  // Device (CUDA region) or strided input: the eager path copies it as it is.
-  if (!x.device().is_host() || !x.is_contiguous()) return false;
+  // Strided input: the eager path converts it. Device (a CUDA region) or page-locked (a
+  // registered shared-memory region) input is copied straight into the device staging here,
+  // outside the graph; the graph then copies only the routing (PrepareStaged).
+  if (!x.is_contiguous()) return false;
+  const bool direct_x = x.device().space != MemorySpace::kHost;
   const DType wire = x.dtype();
   if (wire != DType::kBF16 && wire != DType::kFP16 && wire != DType::kFP32) {
     return absl::InvalidArgumentError(
@@ -639,7 +643,13 @@ absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& 
   }
   const StagedLayout l = LayoutOf(padded_tokens, k, topk, wire);
   auto* base = static_cast<uint8_t*>(g_pin_in_);
-  copier_.Copy(base, x.raw_data(), static_cast<size_t>(m * k) * DTypeSize(wire));
+  const size_t x_bytes = static_cast<size_t>(m * k) * DTypeSize(wire);
+  if (!direct_x) {
+    copier_.Copy(base, x.raw_data(), x_bytes);
+  } else if (x_bytes > 0) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(g_dev_in_, x.raw_data(), x_bytes, cudaMemcpyDefault, StreamOf(*ctx_)));
+  }
   auto* ids = reinterpret_cast<int32_t*>(base + l.ids);
   auto* w = reinterpret_cast<float*>(base + l.weights);
   MOESERVE_RETURN_IF_ERROR(MapIds(args, ids, nullptr));
@@ -664,8 +674,12 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
   const cudaStream_t stream = StreamOf(*ctx_);
   const Device gpu = ctx_->tensor_device();
   const StagedLayout l = LayoutOf(padded_tokens, k, topk, wire);
-  MOESERVE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(g_dev_in_, g_pin_in_, l.bytes, cudaMemcpyHostToDevice, stream));
+  // Hidden states StageInputs copied to the device itself (device or page-locked input): only
+  // the routing crosses here.
+  const size_t from = args.hidden_states.device().space != MemorySpace::kHost ? l.ids : 0;
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint8_t*>(g_dev_in_) + from,
+                                                static_cast<uint8_t*>(g_pin_in_) + from,
+                                                l.bytes - from, cudaMemcpyHostToDevice, stream));
   auto* d_in = static_cast<uint8_t*>(g_dev_in_);
   void* d_x = d_in;
   if (wire != DType::kBF16) {
@@ -684,8 +698,8 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
 }
 
 absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
-    DType dtype, const TensorView& fused_expert_output, const PreparedActivations& prepared,
-    const TopKWeightAndReduce& weight_and_reduce) {
+    DType dtype, Device output_device, const TensorView& fused_expert_output,
+    const PreparedActivations& prepared, const TopKWeightAndReduce& weight_and_reduce) {
   const int64_t p = prepared.problem.num_tokens, k = prepared.problem.hidden;
   const int64_t topk = prepared.problem.topk, e = prepared.problem.num_local_experts;
   if (!writes_output_dtype(dtype) || p > graph_capacity_) {
@@ -717,6 +731,16 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
     MOESERVE_RETURN_IF_ERROR(ConvertAnswerOnDevice(answer, dtype, g_dev_out_, p * k, stream));
     src = g_dev_out_;
   }
+  if (output_device.space != MemorySpace::kHost) {
+    // Device or page-locked output: the answer waits in g_dev_out_ and CollectOutput copies it
+    // straight to where it goes (no pinned staging, no host copy).
+    if (src != g_dev_out_) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g_dev_out_, src,
+                                                    static_cast<size_t>(p * k) * DTypeSize(dtype),
+                                                    cudaMemcpyDeviceToDevice, stream));
+    }
+    return absl::OkStatus();
+  }
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g_pin_out_, src,
                                                 static_cast<size_t>(p * k) * DTypeSize(dtype),
                                                 cudaMemcpyDeviceToHost, stream));
@@ -724,13 +748,21 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
 }
 
 absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output) {
-  if (!output.device().is_host() || !output.is_contiguous() || output.rank() != 2 ||
-      output.dim(0) != graph_rows_ || output.dim(1) != graph_hidden_) {
+  if (!output.is_contiguous() || output.rank() != 2 || output.dim(0) != graph_rows_ ||
+      output.dim(1) != graph_hidden_) {
     return absl::InvalidArgumentError(absl::StrCat(name(), ": the staged answer has ", graph_rows_,
-                                                   " rows for contiguous host [", graph_rows_, ", ",
+                                                   " rows for contiguous [", graph_rows_, ", ",
                                                    graph_hidden_, "], got ", output.DebugString()));
   }
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  if (output.device().space != MemorySpace::kHost) {  // FinalizeStaged left it in g_dev_out_
+    if (output.nbytes() > 0) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(output.raw_data(), g_dev_out_, output.nbytes(),
+                                                    cudaMemcpyDefault, StreamOf(*ctx_)));
+    }
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
+    return absl::OkStatus();
+  }
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
   copier_.Copy(output.raw_data(), g_pin_out_, output.nbytes());
   return absl::OkStatus();

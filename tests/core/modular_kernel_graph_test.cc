@@ -142,8 +142,8 @@ class FakePrepareFinalize final : public PrepareAndFinalize {
     Fill(out, dx, di, dw, padded, k, topk, args);
     return absl::OkStatus();
   }
-  absl::Status FinalizeStaged(DType dtype, const TensorView& fused, const PreparedActivations& p,
-                              const TopKWeightAndReduce&) override {
+  absl::Status FinalizeStaged(DType dtype, Device, const TensorView& fused,
+                              const PreparedActivations& p, const TopKWeightAndReduce&) override {
     if (dtype != DType::kFP32) return absl::InvalidArgumentError("fp32 only");
     const float* src = fused.data<float>();
     float* dst = pin_out_.data();

@@ -331,7 +331,8 @@ TEST(ForwardChannelTest, CallsInFlightKeepTheChannelRegistered) {
     EXPECT_EQ(a.payload, "done:hold" + std::to_string(i));
     EXPECT_EQ(a.sequence, static_cast<uint64_t>(100 + i));
   }
-  ASSERT_TRUE(WaitFor([&] { return (*channel)->stats().in_flight == 0; }));
+  // An answer the client can see is a call over: unregistering right away succeeds.
+  EXPECT_EQ((*channel)->stats().in_flight, 0);
   EXPECT_TRUE(registry.Unregister("c").ok());
   EXPECT_FALSE(raw.attached());
   EXPECT_EQ(registry.Unregister("c").code(), absl::StatusCode::kNotFound);
