@@ -44,7 +44,8 @@ def setUpModule():
     from run_integration import Cli, Server
     tc, mc, grpc = _tc, _mc, _grpc
     _tmp = tempfile.TemporaryDirectory(prefix="moeserve_torch_")
-    SERVER = Server(ARGS.server, _tmp.name)
+    SERVER = Server(ARGS.server, _tmp.name,
+                    extra_args=["--enable_get_expert_weights", "--enable_shared_memory"])
     SERVER.__enter__()
     SERVER.wait_ready(Cli(ARGS.cli))
 

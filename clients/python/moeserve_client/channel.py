@@ -213,6 +213,7 @@ class ForwardChannel:
             raise
         os.close(fd)
         self._buf = memoryview(self._mm)
+        self._base = np.frombuffer(self._mm, np.uint8).ctypes.data  # the mapping's address
         words = np.ndarray((self.byte_size // 4,), dtype="<u4", buffer=self._mm)
         words[:SLOTS_OFFSET // 4] = 0
         words[0], words[1], words[2] = MAGIC, VERSION, num_slots
@@ -473,9 +474,9 @@ class ForwardChannel:
         """Waits for `fut`'s answer: (status_code, payload). status_code 0: payload is the
         serialized ForwardResponse; else a gRPC code and payload its message (str).
 
-        reader: a function called with a memoryview of the answer's bytes in the slot (valid only
-        during the call: copy what you keep); its return value is the payload then, and the
-        answer is not copied."""
+        reader: a function called as reader(view, address) with a memoryview of the answer's
+        bytes in the slot and their address (valid only during the call: copy what you keep);
+        for status 0 its return value is the payload then, and the answer is not copied."""
         if fut.consumed:
             raise RuntimeError("this future's result was already taken")
         self._wait(fut)
@@ -496,9 +497,12 @@ class ForwardChannel:
             if reader is not None:
                 view = self._buf[p:p + n]
                 try:
-                    return 0, reader(view)
+                    return 0, reader(view, self._base + p)
                 finally:
-                    view.release()
+                    try:
+                        view.release()
+                    except BufferError:
+                        pass  # the reader kept a view; it goes with its last reference
             return 0, bytes(self._buf[p:p + n])
         finally:
             slot.state.value = SLOT_FREE
