@@ -96,6 +96,14 @@ ABSL_FLAG(bool, enable_shared_memory, false,
           "Accept shared-memory regions (Register*SharedMemory RPCs; Forward tensors and answers "
           "by region) from clients on this host (unix socket or loopback). Off by default: such "
           "a client may name any shm object the server's user can open, and have it written");
+ABSL_FLAG(int32_t, max_forward_channels, 16,
+          "With --enable_shared_memory: most forward channels (RegisterForwardChannel; Forward "
+          "calls through a shared-memory object, each served by a polling thread) at once");
+ABSL_FLAG(int64_t, forward_channel_spin_us, 2000,
+          "How long a forward channel's thread keeps polling after a call before it sleeps on "
+          "the doorbell (a frontend's next layer call usually comes within a millisecond; each "
+          "polling channel keeps one core busy meanwhile). 0: sleep at once (a futex wake per "
+          "call)");
 ABSL_FLAG(int64_t, max_tokens_per_request, 8192,
           "Most tokens (M) one Forward / ModelInfer may carry; more fail with "
           "RESOURCE_EXHAUSTED naming hidden_states' M");
@@ -283,6 +291,15 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.batcher.max_queue_wait =
       absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_ms) * 1000.0);
   server.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
+  if (absl::GetFlag(FLAGS_max_forward_channels) < 1 ||
+      absl::GetFlag(FLAGS_forward_channel_spin_us) < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_forward_channels (got ", absl::GetFlag(FLAGS_max_forward_channels),
+                     ") must be >= 1 and --forward_channel_spin_us (got ",
+                     absl::GetFlag(FLAGS_forward_channel_spin_us), ") >= 0"));
+  }
+  server.max_forward_channels = absl::GetFlag(FLAGS_max_forward_channels);
+  server.forward_channel_spin = absl::Microseconds(absl::GetFlag(FLAGS_forward_channel_spin_us));
   server.health_poll = std::chrono::milliseconds(absl::GetFlag(FLAGS_health_poll_ms));
   server.recover_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_recover_after_ms));
   server.metrics_address = absl::GetFlag(FLAGS_metrics_address);

@@ -71,6 +71,8 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   service_options.max_answer_hold = options.max_answer_hold;
   service_options.enable_get_expert_weights = options.enable_get_expert_weights;
   service_options.enable_shared_memory = options.enable_shared_memory;
+  service_options.max_forward_channels = options.max_forward_channels;
+  service_options.forward_channel_spin = options.forward_channel_spin;
   service_options.max_expert_weight_calls = options.max_expert_weight_calls;
   server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get(), service_options);
   server->inference_service_ = std::make_unique<InferenceServiceImpl>(
@@ -221,6 +223,8 @@ void MoeServer::Shutdown(std::chrono::milliseconds deadline) {
     SetServing(false);
     server_->Shutdown(std::chrono::system_clock::now() + deadline);
   }
+  // No more calls from forward channels either.
+  if (service_ != nullptr) service_->CloseForwardChannels();
   // Every call the server accepted has been queued by now; run what is left, then stop.
   if (state_ != nullptr) state_->Drain();
   if (server_ != nullptr) server_->Wait();

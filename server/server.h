@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
 #include "server/inference_service.h"
@@ -87,8 +88,11 @@ struct ServerOptions {
   std::chrono::milliseconds health_poll{500};
   // While unhealthy, Engine::Recover() is tried this often; <= 0: never.
   std::chrono::milliseconds recover_after{5000};
-  // Shared-memory regions for a frontend on the same host (ServiceOptions).
+  // Shared-memory regions and forward channels for a frontend on the same host
+  // (ServiceOptions).
   bool enable_shared_memory = false;
+  int max_forward_channels = 16;
+  absl::Duration forward_channel_spin = absl::Milliseconds(2);
 };
 
 // Splits "a:1,b:2" into addresses, dropping empty items and surrounding spaces.

@@ -58,6 +58,8 @@ void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
     regions.backend = engine.info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;
     regions.max_regions = options_.max_shared_memory_regions;
     regions_ = std::make_unique<RegionRegistry>(regions);
+    channels_ = std::make_unique<ForwardChannelRegistry>(options_.max_forward_channels,
+                                                         options_.forward_channel_spin);
   }
 }
 

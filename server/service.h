@@ -41,6 +41,7 @@
 #include "core/memory_region.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
 #include "server/call_limits.h"
+#include "server/forward_channel.h"
 #include "server/metrics.h"
 #include "server/serving_state.h"
 
@@ -58,6 +59,10 @@ struct ServiceOptions {
   // they are refused with FAILED_PRECONDITION naming --enable_shared_memory.
   bool enable_shared_memory = false;
   int max_shared_memory_regions = 256;
+  // Forward channels (server/forward_channel.h; needs enable_shared_memory): how many may be
+  // registered, and how long each one's poller spins after a call before it sleeps.
+  int max_forward_channels = 16;
+  absl::Duration forward_channel_spin = absl::Milliseconds(2);
   // Expert-weight calls in flight at once (each holds a whole expert, 88 MiB for DeepSeek-V3,
   // until its client has read it); more are RESOURCE_EXHAUSTED.
   int max_expert_weight_calls = 4;
@@ -72,7 +77,10 @@ bool IsSameHostPeer(absl::string_view peer);
 using MoeServiceSharedMemoryBase = v1::MoeService::WithCallbackMethod_RegisterSystemSharedMemory<
     v1::MoeService::WithCallbackMethod_RegisterCudaSharedMemory<
         v1::MoeService::WithCallbackMethod_UnregisterSharedMemory<
-            v1::MoeService::WithCallbackMethod_SharedMemoryStatus<v1::MoeService::Service>>>>;
+            v1::MoeService::WithCallbackMethod_SharedMemoryStatus<
+                v1::MoeService::WithCallbackMethod_RegisterForwardChannel<
+                    v1::MoeService::WithCallbackMethod_UnregisterForwardChannel<
+                        v1::MoeService::Service>>>>>>;
 
 using MoeServiceBase = v1::MoeService::WithRawCallbackMethod_Forward<
     v1::MoeService::WithRawCallbackMethod_ForwardStream<
@@ -135,6 +143,18 @@ class MoeServiceImpl final : public MoeServiceBase {
   grpc::ServerUnaryReactor* SharedMemoryStatus(grpc::CallbackServerContext* context,
                                                const v1::SharedMemoryStatusRequest* request,
                                                v1::SharedMemoryStatusResponse* response) override;
+  // The forward channel (server/forward_channel.h), under the same checks as the region RPCs.
+  grpc::ServerUnaryReactor* RegisterForwardChannel(
+      grpc::CallbackServerContext* context, const v1::RegisterForwardChannelRequest* request,
+      v1::RegisterForwardChannelResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterForwardChannel(
+      grpc::CallbackServerContext* context, const v1::UnregisterForwardChannelRequest* request,
+      v1::UnregisterForwardChannelResponse* response) override;
+  // Forward channels registered now (0 while shared memory is off).
+  int forward_channels() const;
+  // Stops every channel's poller (server shutdown, before the batcher drains): no new calls;
+  // those in flight are still answered into their slots.
+  void CloseForwardChannels();
 
   // Bytes Forward calls hold now; answers cancelled so far for not being taken.
   int64_t held_bytes() const { return held_bytes_.used(); }
@@ -193,6 +213,9 @@ class MoeServiceImpl final : public MoeServiceBase {
   // Takes one of max_expert_weight_calls slots (RESOURCE_EXHAUSTED when none is free); the
   // caller gives it back with expert_calls_.fetch_sub(1) once its answer is gone.
   absl::Status TakeExpertCallSlot(absl::string_view method);
+  // What channel `name` (registered by `peer`) runs for each call: RunForward with the answer
+  // bounded by the slot.
+  ChannelCallFn MakeChannelCall(std::string peer, std::string name);
 
   ServingState* const state_;
   Metrics* const metrics_;  // state_->metrics(), may be null
@@ -204,6 +227,8 @@ class MoeServiceImpl final : public MoeServiceBase {
   // outlives every call that holds a region.
   std::unique_ptr<RegionRegistry> regions_;  // null: shared memory off
   std::atomic<int> expert_calls_{0};         // expert-weight calls holding a slot
+  // Set with regions_. Last, so destroyed first: its pollers call into everything above.
+  std::unique_ptr<ForwardChannelRegistry> channels_;
 };
 
 }  // namespace moeserve

@@ -108,4 +108,86 @@ grpc::ServerUnaryReactor* MoeServiceImpl::SharedMemoryStatus(
   });
 }
 
+namespace {
+
+// Room left in a slot for the ForwardResponse's framing and header beside the output's bytes.
+constexpr int64_t kChannelAnswerFramingBytes = 1024;
+
+absl::Status Prefixed(absl::string_view method, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(method, ": ", s.message()));
+}
+
+}  // namespace
+
+ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name) {
+  return [this, peer = std::move(peer), name = std::move(name)](
+             grpc::ByteBuffer request, absl::Time deadline, int64_t max_answer_bytes,
+             ChannelAnswerFn answer) {
+    const auto start = std::chrono::steady_clock::now();
+    Metrics* const metrics = metrics_;
+    const int64_t received = static_cast<int64_t>(request.Length());
+    if (metrics) metrics->IncrementInflight();
+    // An answer the slot cannot hold is refused before the call runs.
+    auto hold = [max_answer_bytes, &name](int64_t bytes, absl::string_view what) -> absl::Status {
+      if (bytes + kChannelAnswerFramingBytes > max_answer_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "Forward: ", what, " of ", bytes, " bytes does not fit forward channel '", name,
+            "''s slots (", max_answer_bytes, " bytes of payload, ", kChannelAnswerFramingBytes,
+            " kept for the reply's header); name an output_region or register larger slots"));
+      }
+      return absl::OkStatus();
+    };
+    RunForward(
+        request, deadline, /*cancelled=*/nullptr, start, peer, hold,
+        [metrics, start, received, answer = std::move(answer)](const absl::Status& status,
+                                                               grpc::ByteBuffer encoded,
+                                                               int64_t tokens, const std::string&) {
+          if (metrics) {
+            const double seconds =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            if (status.ok()) metrics->AddTokens(tokens);
+            metrics->RecordRequest("ForwardChannel.call",
+                                   static_cast<grpc::StatusCode>(status.code()), seconds);
+            metrics->AddBytes("ForwardChannel", received,
+                              status.ok() ? static_cast<int64_t>(encoded.Length()) : 0);
+            metrics->DecrementInflight();
+          }
+          answer(status, std::move(encoded));
+        });
+  };
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::RegisterForwardChannel(
+    grpc::CallbackServerContext* context, const v1::RegisterForwardChannelRequest* request,
+    v1::RegisterForwardChannelResponse* response) {
+  constexpr const char* kMethod = "RegisterForwardChannel";
+  return RunSharedMemoryCall(context, kMethod, [this, request, response, peer = context->peer()] {
+    absl::StatusOr<std::shared_ptr<ForwardChannel>> channel =
+        channels_->Register(request->name(), request->key(), request->byte_size(),
+                            MakeChannelCall(peer, request->name()));
+    if (!channel.ok()) return Prefixed(kMethod, channel.status());
+    response->set_num_slots((*channel)->num_slots());
+    response->set_slot_bytes((*channel)->slot_bytes());
+    response->set_spin_us(absl::ToInt64Microseconds(channels_->spin()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* MoeServiceImpl::UnregisterForwardChannel(
+    grpc::CallbackServerContext* context, const v1::UnregisterForwardChannelRequest* request,
+    v1::UnregisterForwardChannelResponse* response) {
+  return RunSharedMemoryCall(context, "UnregisterForwardChannel", [this, request] {
+    return Prefixed("UnregisterForwardChannel", channels_->Unregister(request->name()));
+  });
+}
+
+int MoeServiceImpl::forward_channels() const {
+  return channels_ != nullptr ? channels_->size() : 0;
+}
+
+void MoeServiceImpl::CloseForwardChannels() {
+  if (channels_ != nullptr) channels_->CloseAll();
+}
+
 }  // namespace moeserve

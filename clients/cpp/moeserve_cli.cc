@@ -66,6 +66,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "clients/cpp/dtype_convert.h"
+#include "clients/cpp/forward_channel_client.h"
 #include "clients/cpp/moeserve_client.h"
 #include "clients/cpp/reference.h"
 #include "moeserve_build_info.h"
@@ -118,6 +119,10 @@ ABSL_FLAG(bool, stream, false,
           "load: each worker sends its calls on one ForwardStream (one request, then its answer) "
           "instead of one unary Forward per call");
 ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled through");
+ABSL_FLAG(bool, channel, false,
+          "load: send the calls through a forward channel (shared memory polled by the server, "
+          "no gRPC per call; needs --enable_shared_memory and a same-host server); combine with "
+          "--shm / --cuda_region for tensors by region, or alone for inline tensors");
 ABSL_FLAG(bool, shm, false,
           "forward/load: pass tensors and answers through a POSIX shared-memory region (server on "
           "this host, same user, --enable_shared_memory)");
@@ -840,6 +845,25 @@ int RunLoad() {
     }
   }
 
+  // --channel: one forward channel, a slot per worker, big enough for the largest message.
+  std::unique_ptr<ForwardChannelClient> channel;
+  const bool use_channel = absl::GetFlag(FLAGS_channel);
+  if (use_channel) {
+    if (absl::GetFlag(FLAGS_stream) || absl::GetFlag(FLAGS_rate) > 0) {
+      return Fail(absl::InvalidArgumentError("--channel runs closed-loop unary calls: no --stream "
+                                             "or --rate"),
+                  "flags");
+    }
+    int64_t largest = static_cast<int64_t>(requests[0].front().Length());
+    if (!shm) largest = std::max(largest, layout.hidden_bytes);  // the answer comes back inline
+    ForwardChannelOptions options;
+    options.num_slots = concurrency;
+    options.slot_bytes = (largest + 8192 + 63) / 64 * 64;
+    auto created = ForwardChannelClient::Create(client->get(), options);
+    if (!created.ok()) return Fail(created.status(), "RegisterForwardChannel");
+    channel = std::move(*created);
+  }
+
   if (absl::GetFlag(FLAGS_rate) > 0) {
     if (shm) {
       return Fail(absl::InvalidArgumentError(
@@ -905,6 +929,7 @@ int RunLoad() {
       }
       // One call: unary, or a write and its answer on this worker's stream.
       auto call = [&](const grpc::ByteBuffer& request) -> absl::StatusOr<ForwardResult> {
+        if (channel) return channel->Forward(request, /*copy_output=*/false);
         if (!stream) return mine_client->Forward(request, /*copy_output=*/false);
         const absl::Time sent = absl::Now();
         if (absl::Status s = stream->Write(request); !s.ok()) return s;
@@ -957,6 +982,10 @@ int RunLoad() {
   for (const auto& [code, n] : errors) num_errors += n;
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
   const int64_t not_sent = num_requests - ok - num_errors;
+  const int64_t channel_sleeps = channel ? channel->sleeps() : 0;
+  if (channel != nullptr) {
+    if (absl::Status s = channel->Close(); !s.ok()) return Fail(s, "UnregisterForwardChannel");
+  }
   if (arena != nullptr) {
     if (absl::Status s = arena->Unregister(); !s.ok()) return Fail(s, "UnregisterSharedMemory");
   }
@@ -972,7 +1001,12 @@ int RunLoad() {
       connections.empty() ? 1 : static_cast<int>(connections.size()),
       static_cast<long long>(num_tokens), DTypeName(*dtype).c_str(), absl::GetFlag(FLAGS_layer),
       cuda_region ? "cuda_region" : (shm ? "shm" : "grpc"),
-      use_stream ? "ForwardStream" : "Forward");
+      use_channel ? "ForwardChannel" : (use_stream ? "ForwardStream" : "Forward"));
+  if (use_channel) {
+    std::printf("channel: slots=%d slot_bytes=%lld calls_that_slept=%lld\n", channel->num_slots(),
+                static_cast<long long>(channel->slot_bytes()),
+                static_cast<long long>(channel_sleeps));
+  }
   std::printf("ok=%lld errors=%lld not_sent=%lld wall_s=%.3f\n", static_cast<long long>(ok),
               static_cast<long long>(num_errors), static_cast<long long>(not_sent), wall_s);
   for (const auto& [code, n] : errors) {

@@ -379,6 +379,29 @@ absl::Status MoeClient::RegisterSystemSharedMemory(const std::string& name, cons
   return FromGrpcStatus(stub_->RegisterSystemSharedMemory(&context, request, &response));
 }
 
+absl::StatusOr<v1::RegisterForwardChannelResponse> MoeClient::RegisterForwardChannel(
+    const std::string& name, const std::string& key, int64_t byte_size) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::RegisterForwardChannelRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_byte_size(byte_size);
+  v1::RegisterForwardChannelResponse response;
+  absl::Status s = FromGrpcStatus(stub_->RegisterForwardChannel(&context, request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::Status MoeClient::UnregisterForwardChannel(const std::string& name) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::UnregisterForwardChannelRequest request;
+  request.set_name(name);
+  v1::UnregisterForwardChannelResponse response;
+  return FromGrpcStatus(stub_->UnregisterForwardChannel(&context, request, &response));
+}
+
 absl::Status MoeClient::RegisterCudaSharedMemory(const std::string& name,
                                                  absl::string_view raw_handle, int device_id,
                                                  int64_t byte_size) {

@@ -153,6 +153,11 @@ class MoeClient {
                                         int device_id, int64_t byte_size);
   absl::Status UnregisterSharedMemory(const std::string& name = "");
   absl::StatusOr<v1::SharedMemoryStatusResponse> SharedMemoryStatus(const std::string& name = "");
+  // The forward channel's registration (ForwardChannelClient does both for you).
+  absl::StatusOr<v1::RegisterForwardChannelResponse> RegisterForwardChannel(const std::string& name,
+                                                                            const std::string& key,
+                                                                            int64_t byte_size);
+  absl::Status UnregisterForwardChannel(const std::string& name);
 
   // One expert's weights as the server computes with them (BF16 w13 [2I, H], w2 [H, I]): the
   // unary GetExpertWeights when the expert fits in one message (the server's and this
