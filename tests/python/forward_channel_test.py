@@ -12,8 +12,14 @@ client's constants), so that it runs without the real server:
     by the client, slot released), a call that outlives its deadline, the sleeping (futex) wait;
   * a server that detaches: the waiting call and every later one get UNAVAILABLE;
   * close() unregisters and unlinks the object.
+With --server / --cli, also end to end through the real server (tiny model, CPU backend, run
+with --enable_shared_memory): inline FP32 and BF16 tensors and tensors in a system region, each
+against the numpy reference of the served experts (relative L2: FP32 1e-5, BF16 1e-2) with
+fresh random inputs, and equal to the gRPC Forward's answer; several calls in flight; a refusal
+(a hidden tensor of the wrong byte length: INVALID_ARGUMENT through the channel, which goes on
+working); unregistering detaches the server.
 
-  forward_channel_test.py --source-dir REPO
+  forward_channel_test.py --source-dir REPO [--server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli]
 """
 
 import argparse
@@ -303,6 +309,172 @@ class ForwardChannelTest(unittest.TestCase):
         self.assertIsNotNone(self.ch.error)
 
 
+class RealServerTest(unittest.TestCase):
+    """Through the real server (skipped without --server)."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not ARGS.server:
+            raise unittest.SkipTest("no --server")
+        import tempfile
+        sys.path.insert(0, os.path.join(ARGS.source_dir, "tests", "integration"))
+        from run_integration import Cli, Server
+        import moeserve_client as mc
+        from moeserve_client import shared_memory as shm
+        cls.mc, cls.shm = mc, shm
+        cls.tmp = tempfile.TemporaryDirectory(prefix="moeserve_channel_")
+        cls.server = Server(ARGS.server, cls.tmp.name,
+                            extra_args=["--enable_shared_memory", "--enable_get_expert_weights"])
+        cls.server.__enter__()
+        cls.server.wait_ready(Cli(ARGS.cli))
+        cls.client = mc.MoeClient(cls.server.target)
+        cls.info = cls.client.info()
+        cls.ch = ch.ForwardChannel.open(cls.client, num_slots=4, slot_bytes=1 << 20)
+        cls.experts = {}
+        cls.seed = int.from_bytes(os.urandom(4), "little")
+        print(f"RealServerTest: seed {cls.seed}")
+
+    @classmethod
+    def tearDownClass(cls):
+        try:
+            cls.ch.close()
+            cls.client.close()
+            cls.server.terminate_and_check(30)
+        finally:
+            cls.server.__exit__(None, None, None)
+            cls.tmp.cleanup()
+
+    def inputs(self, m, k):
+        return self.mc.random_inputs(m, self.info.hidden, self.info.num_experts, self.info.topk,
+                                     seed=self.seed + k)
+
+    def reference(self, x, ids, w, layer):
+        for e in np.unique(ids):
+            if (layer, int(e)) not in self.experts:
+                self.experts[(layer, int(e))] = self.client.expert_weights(layer, int(e))
+        experts = {int(e): self.experts[(layer, int(e))] for e in np.unique(ids)}
+        return self.mc.reference_forward(x, ids, w, experts)
+
+    @staticmethod
+    def tensor(dtype, a):
+        return pb.Tensor(dtype=dtype, shape=list(a.shape), data=np.ascontiguousarray(a).tobytes())
+
+    def inline_request(self, x, ids, w, layer, wire_dtype, request_id=""):
+        return pb.ForwardRequest(layer=layer, hidden_states=self.tensor(wire_dtype, x),
+                                 topk_ids=self.tensor(pb.DTYPE_INT32, ids),
+                                 topk_weights=self.tensor(pb.DTYPE_FP32, w),
+                                 request_id=request_id)
+
+    def grpc_answer(self, request):
+        return self.client._stub.Forward(request, timeout=30)
+
+    def test_inline_tensors_match_reference_and_grpc(self):
+        layer = self.info.num_layers - 1
+        for i, (name, wire_dtype, tol) in enumerate((("fp32", pb.DTYPE_FP32, 1e-5),
+                                                     ("bf16", pb.DTYPE_BF16, 1e-2))):
+            x, ids, w = self.inputs(9, i)
+            xs = self.mc.from_float32(x, name)
+            req = self.inline_request(xs, ids, w, layer, wire_dtype, f"in-{name}")
+            status, payload = self.ch.forward(req.SerializeToString(), timeout=30)
+            self.assertEqual(status, 0, payload)
+            r = pb.ForwardResponse.FromString(payload)
+            self.assertEqual((r.request_id, list(r.output.shape), r.output.dtype),
+                             (f"in-{name}", [9, self.info.hidden], wire_dtype))
+            self.assertEqual(r.output.data, self.grpc_answer(req).output.data, name)
+            y = self.mc.to_float32(np.frombuffer(r.output.data, self.mc.dtypes.STORAGE[name]),
+                                   name).reshape(9, -1)
+            ref = self.reference(self.mc.to_float32(xs, name), ids, w, layer)
+            self.assertLess(self.mc.relative_l2_error(y, ref), tol, name)
+
+    def test_region_tensors_match_reference(self):
+        m, h, k = 33, self.info.hidden, self.info.topk
+        x, ids, w = self.inputs(m, 10)
+        xs = self.mc.from_float32(x, "bf16")
+        region = self.shm.SystemRegion.create(1 << 20)
+        try:
+            self.shm.register_system(self.client, "chan-test", region)
+            rx = region.ndarray(0, (m, h), "bf16")
+            rids = region.ndarray(rx.nbytes, (m, k), np.int32)
+            rw = region.ndarray(rx.nbytes + rids.nbytes, (m, k), np.float32)
+            rout = region.ndarray(512 << 10, (m, h), "bf16")
+            rx[:], rids[:], rw[:] = xs, ids, w
+            rout[:] = 0
+
+            def ref_tensor(dtype, a):
+                r = region.ref(a)
+                return pb.Tensor(dtype=dtype, shape=list(a.shape),
+                                 region=pb.RegionRef(name=r.name, offset=r.offset,
+                                                     byte_size=r.byte_size))
+
+            o = region.ref(rout)
+            req = pb.ForwardRequest(layer=0, hidden_states=ref_tensor(pb.DTYPE_BF16, rx),
+                                    topk_ids=ref_tensor(pb.DTYPE_INT32, rids),
+                                    topk_weights=ref_tensor(pb.DTYPE_FP32, rw),
+                                    output_region=pb.RegionRef(name=o.name, offset=o.offset,
+                                                               byte_size=o.byte_size))
+            raw = req.SerializeToString()
+            self.assertLess(len(raw), 200)  # the channel carries no tensor bytes
+            status, payload = self.ch.forward(raw, timeout=30)
+            self.assertEqual(status, 0, payload)
+            r = pb.ForwardResponse.FromString(payload)
+            self.assertEqual((list(r.output.shape), r.output.data), ([m, h], b""))
+            y = self.mc.bf16_decode(np.array(rout))
+            ref = self.reference(self.mc.bf16_decode(xs), ids, w, 0)
+            self.assertLess(self.mc.relative_l2_error(y, ref), 1e-2)
+            want = self.grpc_answer(self.inline_request(xs, ids, w, 0, pb.DTYPE_BF16))
+            self.assertEqual(np.array(rout).tobytes(), want.output.data)
+            del rx, rids, rw, rout
+        finally:
+            try:
+                self.shm.unregister(self.client, "chan-test")
+            finally:
+                region.close()
+
+    def test_calls_in_flight(self):
+        calls = []
+        for i in range(4):
+            x, ids, w = self.inputs(1 + 7 * i, 20 + i)
+            req = self.inline_request(x, ids, w, i % self.info.num_layers, pb.DTYPE_FP32,
+                                      f"f{i}")
+            calls.append((self.ch.submit(req.SerializeToString(), timeout=30), req))
+        for fut, req in reversed(calls):
+            status, payload = self.ch.result(fut)
+            self.assertEqual(status, 0, payload)
+            r = pb.ForwardResponse.FromString(payload)
+            self.assertEqual(r.request_id, req.request_id)
+            self.assertEqual(r.output.data, self.grpc_answer(req).output.data)
+
+    def test_refusal_through_the_channel(self):
+        x, ids, w = self.inputs(4, 30)
+        req = self.inline_request(x, ids, w, 0, pb.DTYPE_FP32)
+        req.hidden_states.data = req.hidden_states.data[:-4]  # one float short
+        status, payload = self.ch.forward(req.SerializeToString(), timeout=30)
+        self.assertEqual(status, grpc.StatusCode.INVALID_ARGUMENT.value[0], payload)
+        self.assertTrue(payload, "the refusal names what was wrong")
+        with self.assertRaises(grpc.RpcError) as cm:  # the same refusal as by gRPC
+            self.grpc_answer(req)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        status, payload = self.ch.forward(req.SerializeToString()[:-3], timeout=30)  # truncated
+        self.assertNotEqual(status, 0)
+        good = self.inline_request(x, ids, w, 0, pb.DTYPE_FP32)
+        status, payload = self.ch.forward(good.SerializeToString(), timeout=30)
+        self.assertEqual(status, 0, payload)
+
+    def test_unregister_detaches(self):
+        c2 = ch.ForwardChannel.open(self.client, num_slots=1, slot_bytes=64 << 10)
+        try:
+            self.assertTrue(c2.server_attached)
+            self.client.unregister_forward_channel(c2.name)
+            self.assertFalse(c2.server_attached)
+            x, ids, w = self.inputs(1, 40)
+            with self.assertRaises(ch.ChannelError) as cm:
+                c2.forward(self.inline_request(x, ids, w, 0, pb.DTYPE_FP32).SerializeToString(),
+                           timeout=5)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        finally:
+            c2.close()
+
+
 class ValidationTest(unittest.TestCase):
     def test_bad_geometry(self):
         for slots, size in ((0, 4096), (257, 4096), (1, 1000), (1, 4096 + 32)):
@@ -323,6 +495,8 @@ class ValidationTest(unittest.TestCase):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--source-dir", required=True)
+    p.add_argument("--server")
+    p.add_argument("--cli")
     ARGS, rest = p.parse_known_args()
     sys.path.insert(0, os.path.join(ARGS.source_dir, "clients", "python"))
     import grpc  # noqa: F811
