@@ -354,6 +354,10 @@ class ForwardChannel:
             raise ChannelError(UNAVAILABLE, "the channel is closed")
         if self._error is not None:
             raise self._error
+        if self._attached.value != 1:
+            self._fail(ChannelError(UNAVAILABLE, f"the server is not attached to forward "
+                                    f"channel {self.name}"))
+            raise self._error
 
     # ---- calls ----
 
