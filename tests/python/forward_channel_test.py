@@ -96,7 +96,11 @@ def fake_server(conn, source_dir):
             if n > slot_bytes - S_PAYLOAD:
                 answer(slot, 3, b"request_bytes past the payload")
                 continue
-            req = p.ForwardRequest.FromString(bytes(mm[off + S_PAYLOAD:off + S_PAYLOAD + n]))
+            try:
+                req = p.ForwardRequest.FromString(bytes(mm[off + S_PAYLOAD:off + S_PAYLOAD + n]))
+            except Exception:  # noqa: BLE001  (as the real server: answered, never dropped)
+                answer(slot, 3, b"the request does not parse")
+                continue
             if req.layer == 99:
                 answer(slot, 3, b"layer 99: no such layer (the model has 4)")
             elif req.layer == 77:
@@ -174,6 +178,9 @@ class ForwardChannelTest(unittest.TestCase):
         self.client = FakeClient(ARGS.source_dir)
         self.ch = ch.ForwardChannel.open(self.client, num_slots=4, slot_bytes=64 << 10,
                                          spin_us=100)
+        forward = self.ch.forward
+        # A bound on every call: a broken client or fake server fails the test, never hangs it.
+        self.ch.forward = lambda req, timeout=10, reader=None: forward(req, timeout, reader)
 
     def tearDown(self):
         key = self.ch.key
