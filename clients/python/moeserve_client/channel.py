@@ -278,10 +278,19 @@ class ForwardChannel:
         self._closed = True
         try:
             if unregister and self._client is not None and self.name:
-                try:
-                    self._client.unregister_forward_channel(self.name, timeout=timeout)
-                except grpc.RpcError:
-                    pass  # the server is gone or forgot it: nothing to undo there
+                # The server may count a call in flight for a moment after answering it
+                # (FAILED_PRECONDITION): retry briefly.
+                give_up = time.monotonic() + 2.0
+                while True:
+                    try:
+                        self._client.unregister_forward_channel(self.name, timeout=timeout)
+                        break
+                    except grpc.RpcError as e:
+                        code = e.code() if callable(getattr(e, "code", None)) else None
+                        if code != grpc.StatusCode.FAILED_PRECONDITION or \
+                                time.monotonic() > give_up:
+                            break  # gone, forgot it, or busy for good: nothing more to do
+                        time.sleep(0.002)
         finally:
             self._client = None
             # ctypes views export the mapping's buffer; drop them before unmapping.
