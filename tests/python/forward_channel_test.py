@@ -19,7 +19,7 @@ fresh random inputs, and equal to the gRPC Forward's answer; several calls in fl
 (a hidden tensor of the wrong byte length: INVALID_ARGUMENT through the channel, which goes on
 working); unregistering detaches the server.
 
-  forward_channel_test.py --source-dir REPO [--server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli]
+  forward_channel_test.py --source-dir REPO [--server BIN/moeserve --cli BIN/moeserve-cli]
 """
 
 import argparse
