@@ -10,7 +10,11 @@
   * RemoteExperts (any leading shape, with or without routing) and the AFD-shaped connector
     (send_attn_output / recv_ffn_output per micro-batch);
   * CUDA tensors (bytes path and, where the server allows it, the CUDA-region path) when a GPU
-    is present; skipped otherwise.
+    is present; skipped otherwise;
+  * every way in (gRPC or the forward channel, tensors as bytes or in a system region): the
+    same answer as the numpy client, within tolerance of the reference (fresh random inputs),
+    calls in flight on several slots, a refusal through the channel as grpc.RpcError
+    INVALID_ARGUMENT, and the fall back to gRPC when the server detaches from the channel.
 Exits 77 (CTest: skipped) when torch is not installed.
 
   torch_client_test.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli --source-dir REPO
@@ -44,7 +48,8 @@ def setUpModule():
     from run_integration import Cli, Server
     tc, mc, grpc = _tc, _mc, _grpc
     _tmp = tempfile.TemporaryDirectory(prefix="moeserve_torch_")
-    SERVER = Server(ARGS.server, _tmp.name)
+    SERVER = Server(ARGS.server, _tmp.name,
+                    extra_args=["--enable_get_expert_weights", "--enable_shared_memory"])
     SERVER.__enter__()
     SERVER.wait_ready(Cli(ARGS.cli))
 
@@ -68,7 +73,8 @@ def np_of(t):
 class TorchClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.client = tc.TorchMoeClient(SERVER.target)
+        # gRPC bytes only: the other ways in are WaysInTest's.
+        cls.client = tc.TorchMoeClient(SERVER.target, shared_memory="off", channel=False)
         cls.npc = mc.MoeClient(SERVER.target)
         cls.info = cls.npc.info()
 
@@ -190,6 +196,98 @@ class TorchClientTest(unittest.TestCase):
                 self.assertTrue(torch.equal(out.cpu(), want), mode)
                 print(f"  cuda shared_memory={mode}: region used={fut.used_region} "
                       f"(fallback reason: {c.region_error})")
+
+
+class WaysInTest(unittest.TestCase):
+    WAYS = (("grpc+bytes", "off", False), ("grpc+region", "system", False),
+            ("channel+bytes", "off", True), ("channel+region", "system", True))
+
+    @classmethod
+    def setUpClass(cls):
+        cls.npc = mc.MoeClient(SERVER.target)
+        cls.info = cls.npc.info()
+        cls.seed = int.from_bytes(os.urandom(4), "little")
+        print(f"WaysInTest: seed {cls.seed}")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.npc.close()
+
+    def inputs(self, m, k, dtype=torch.bfloat16):
+        g = torch.Generator().manual_seed(self.seed + k)
+        h, e, topk = self.info.hidden, self.info.num_experts, self.info.topk
+        x = torch.randn(m, h, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).int()
+        w = torch.softmax(torch.randn(m, topk, generator=g), dim=1)
+        return x, ids, w
+
+    def test_every_way_in(self):
+        layer = self.info.num_layers - 1
+        experts = {}
+        for name, shm_mode, channel in self.WAYS:
+            with tc.TorchMoeClient(SERVER.target, shared_memory=shm_mode,
+                                   channel=channel) as c:
+                for i, (dtype, tol) in enumerate(((torch.bfloat16, 1e-2),
+                                                  (torch.float32, 1e-5))):
+                    x, ids, w = self.inputs(5 + 20 * i, i, dtype)
+                    fut = c.submit(x, ids, w, layer=layer)
+                    y = c.result(fut)
+                    self.assertEqual((fut.used_channel, fut.used_region),
+                                     (channel, shm_mode != "off"), (name, c.channel_error,
+                                                                    c.region_errors))
+                    want = self.npc.forward(np_of(x), ids.numpy(), w.numpy(), layer=layer)
+                    self.assertEqual(np_of(y).tobytes(), want.tobytes(), (name, dtype))
+                    for e in ids.unique().tolist():
+                        if e not in experts:
+                            experts[e] = self.npc.expert_weights(layer, e)
+                    ref = mc.reference_forward(x.float().numpy(), ids.numpy(), w.numpy(),
+                                               experts)
+                    self.assertLess(mc.relative_l2_error(y.float().numpy(), ref), tol, name)
+                    out = torch.full_like(x, float("nan"))
+                    self.assertIs(c.forward(x, ids, w, layer=layer, out=out), out)
+                    self.assertTrue(torch.equal(out, y), name)
+
+    def test_channel_calls_in_flight_and_refusal(self):
+        with tc.TorchMoeClient(SERVER.target, shared_memory="auto", channel=True,
+                               channel_slots=3) as c:
+            calls = []
+            for i in range(8):  # more than the slots: the rest go by gRPC
+                x, ids, w = self.inputs(1 + 3 * i, 100 + i, (torch.bfloat16, torch.float32)[i % 2])
+                calls.append((c.submit(x, ids, w, layer=i % self.info.num_layers,
+                                       request_id=f"r{i}", return_timings=True),
+                              x, ids, w, i % self.info.num_layers))
+            self.assertEqual(sum(f.used_channel for f, *_ in calls), 3)
+            for fut, x, ids, w, layer in reversed(calls):
+                y = c.result(fut)
+                want = self.npc.forward(np_of(x), ids.numpy(), w.numpy(), layer=layer)
+                self.assertEqual(np_of(y).tobytes(), want.tobytes())
+                self.assertTrue(fut.request_id.startswith("r"))
+                self.assertGreater(fut.timings["total_us"], 0)
+            x, ids, w = self.inputs(4, 200)
+            with self.assertRaises(grpc.RpcError) as cm:
+                c.forward(x, ids, w, layer=99)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIsInstance(cm.exception, mc.channel.ChannelError)
+            routed = c.submit(x, layer=1, return_routing=True)
+            y = c.result(routed)
+            self.assertTrue(routed.used_channel)
+            want = self.npc.forward_full(np_of(x), layer=1, return_routing=True)
+            self.assertEqual(np_of(y).tobytes(), want.output.tobytes())
+            self.assertTrue(np.array_equal(routed.topk_ids.numpy(), want.topk_ids))
+
+    def test_channel_falls_back_when_the_server_detaches(self):
+        with tc.TorchMoeClient(SERVER.target, shared_memory="off", channel="auto") as c:
+            x, ids, w = self.inputs(3, 300)
+            first = c.forward(x, ids, w)
+            self.assertIsNotNone(c.channel)
+            c.unregister_forward_channel(c.channel.name)  # the server detaches
+            again = c.forward(x, ids, w)  # repeated by gRPC
+            self.assertTrue(torch.equal(first, again))
+            self.assertIsNone(c.channel)
+            self.assertIsInstance(c.channel_error, grpc.RpcError)
+            fut = c.submit(x, ids, w)
+            self.assertFalse(fut.used_channel)
+            self.assertTrue(torch.equal(c.result(fut), first))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ target: <= 30 us). Rounds alternate between the clients so that drift hits all o
 
 --device cuda sends CUDA tensors (bytes path, or the CUDA-region path with --shared-memory auto
 and a server started with --enable_shared_memory on the same host).
+--channel sends the torch client's calls through a forward channel (moeserve_client.channel;
+the server needs --enable_shared_memory) and the C++ floor through `moeserve-cli load
+--channel`; with --shared-memory auto too, tensors go by regions (CPU tensors: a system region,
+and the C++ floor `load --shm`) and the channel carries a few hundred bytes per call. The
+columns then compare the two clients on that path ("raw" stays a gRPC call).
+Progress goes to stderr (one line per client and M), so that a run cut short by a time limit
+shows where it was.
 """
 
 import argparse
@@ -70,13 +77,20 @@ def start_server(binary, extra):
     raise RuntimeError("server not ready after 120 s")
 
 
+CLI_EXTRA = []  # load flags for the path being measured (--channel, --shm, --cuda_region)
+
+
+def progress(msg):
+    print(f"# [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def cli_run(cli, target, m, calls, dtype, layer):
     """(p50 latency ms, CPU seconds the process used) of one moeserve-cli load run."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([cli, "load", f"--target={target}", f"--requests={calls}",
                           "--concurrency=1", f"--tokens={m}", f"--dtype={dtype}",
-                          f"--layer={layer}", "--return_timings=false", "--distinct_inputs=1"],
-                         capture_output=True, text=True, check=True).stdout
+                          f"--layer={layer}", "--return_timings=false", "--distinct_inputs=1"]
+                         + CLI_EXTRA, capture_output=True, text=True, check=True).stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return float(re.search(r"latency_ms: p50=([0-9.]+)", out).group(1)), cpu
@@ -116,7 +130,11 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--shared-memory", default="off", choices=["off", "auto", "cuda"])
+    p.add_argument("--shared-memory", default="off",
+                   choices=["off", "auto", "cuda", "system"])
+    p.add_argument("--channel", action="store_true",
+                   help="calls through a forward channel (torch client and C++ floor)")
+    p.add_argument("--spin-us", type=int, default=200, help="the channel's client spin")
     p.add_argument("--no-numpy", action="store_true", help="skip the numpy client")
     p.add_argument("--server-routing", action="store_true",
                    help="also time calls that leave the routing to the server")
@@ -126,14 +144,20 @@ def main():
         proc, a.target = start_server(a.server, a.server_args)
     if not a.target:
         p.error("give --target or --server")
+    if a.channel:
+        CLI_EXTRA.append("--channel")
+    if a.shared_memory != "off":
+        CLI_EXTRA.append("--cuda_region" if a.device == "cuda" else "--shm")
     try:
-        client = TorchMoeClient(a.target, shared_memory=a.shared_memory)
+        client = TorchMoeClient(a.target, shared_memory=a.shared_memory,
+                                channel=True if a.channel else False, spin_us=a.spin_us)
         npc = mc.MoeClient(a.target)
         info = client.info()
         h, e, k = info.hidden, info.num_experts, info.topk
         print(f"# server {a.target}: {info.model_name} hidden={h} experts={e} topk={k} "
               f"intermediate={info.intermediate} backend={info.backend}; device={a.device} "
-              f"shared_memory={a.shared_memory}; torch {torch.__version__}")
+              f"shared_memory={a.shared_memory} channel={a.channel}; torch {torch.__version__}; "
+              f"cli flags {' '.join(CLI_EXTRA) or '-'}")
         print("# wall: per-call medians (ms); cpu: the client process's CPU per call (us), "
               "which a busy machine disturbs far less")
         print(f"{'M':>6} {'cli_ms':>8} {'raw_ms':>8} {'torch_ms':>8} {'numpy_ms':>8} "
@@ -150,21 +174,31 @@ def main():
             out = torch.empty_like(xd)
             xn = mc.from_float32(x.float().numpy(), "bf16")
             idn, wn = ids.numpy(), w.numpy()
-            for _ in range(5):  # warm up both Python paths
+            progress(f"M={m}: warm-up")
+            for _ in range(5):  # warm up the Python paths
                 client.forward(xd, idsd, wd, layer=a.layer, out=out)
-                npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
+                if not a.no_numpy:
+                    npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
+            probe = client.submit(xd, idsd, wd, layer=a.layer)
+            client.result(probe, out=out)
+            print(f"# M={m}: torch call used_channel={probe.used_channel} "
+                  f"used_region={probe.used_region} (channel error: {client.channel_error}; "
+                  f"region errors: {client.region_errors or '-'})")
             per = max(1, calls // a.rounds)
             t_cli, t_raw, t_torch, t_np, t_routed = [], [], [], [], []
             c_cli, c_raw, c_torch, c_np = [], [], [], []
-            prebuilt = client._prepare(x, ids, w, a.layer, "", False, False)[1]
+            prebuilt = b"".join(client._prepare(x, ids, w, a.layer, "", False, False)[1])
             nan = float("nan")
-            for _ in range(a.rounds):
+            for rnd in range(a.rounds):
+                progress(f"M={m} round {rnd}: cli")
                 if a.cli:
                     t_cli.append(cli_run(a.cli, a.target, m, per, "bf16", a.layer)[0])
                     c_cli.append(cli_cpu_us_per_call(a.cli, a.target, m, per, "bf16", a.layer))
+                progress(f"M={m} round {rnd}: raw")
                 t, c = time_calls(lambda: client._forward(prebuilt), per)
                 t_raw += t
                 c_raw.append(c)
+                progress(f"M={m} round {rnd}: torch")
                 t, c = time_calls(lambda: client.forward(xd, idsd, wd, layer=a.layer, out=out),
                                   per)
                 t_torch += t
@@ -173,6 +207,7 @@ def main():
                     t_routed += time_calls(lambda: client.forward(xd, layer=a.layer, out=out),
                                            per)[0]
                 if not a.no_numpy:
+                    progress(f"M={m} round {rnd}: numpy")
                     t, c = time_calls(lambda: npc.forward(xn, idn, wn, layer=a.layer,
                                                           dtype="bf16"), per)
                     t_np += t

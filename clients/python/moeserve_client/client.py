@@ -146,6 +146,19 @@ class MoeClient:
         """The served model (a moeserve.v1.ModelInfo message)."""
         return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 
+    def register_forward_channel(self, name, key, byte_size, timeout=None):
+        """Registers a forward channel (moeserve_client.channel.ForwardChannel.open does this):
+        the POSIX shm object `key` ("/name", header written) of byte_size bytes, as `name`.
+        Returns the RegisterForwardChannelResponse (num_slots, slot_bytes, spin_us)."""
+        return register_forward_channel(self._stub, name, key, byte_size,
+                                        self.timeout if timeout is None else timeout,
+                                        self._metadata)
+
+    def unregister_forward_channel(self, name="", timeout=None):
+        """Unregisters forward channel `name` ("" = every channel)."""
+        unregister_forward_channel(self._stub, name, self.timeout if timeout is None else timeout,
+                                   self._metadata)
+
     def expert_weights(self, layer, expert, timeout=None):
         """(w13 [2I, H], w2 [H, I]) of one expert as float32, decoded exactly from the served
         BF16. w13's rows [0, I) are the gate projection, [I, 2I) the up projection.
@@ -268,3 +281,16 @@ class MoeClient:
         return self.forward_full(hidden, topk_ids, topk_weights, layer=layer, dtype=dtype,
                                  request_id=request_id, return_timings=False,
                                  timeout=timeout).output
+
+
+def register_forward_channel(stub, name, key, byte_size, timeout, metadata=None):
+    """RegisterForwardChannel on a MoeService stub (shared by MoeClient and TorchMoeClient)."""
+    return stub.RegisterForwardChannel(
+        pb.RegisterForwardChannelRequest(name=name, key=key, byte_size=byte_size),
+        timeout=timeout, metadata=metadata)
+
+
+def unregister_forward_channel(stub, name, timeout, metadata=None):
+    """UnregisterForwardChannel on a MoeService stub ("" = every channel)."""
+    stub.UnregisterForwardChannel(pb.UnregisterForwardChannelRequest(name=name), timeout=timeout,
+                                  metadata=metadata)

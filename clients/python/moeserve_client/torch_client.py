@@ -18,17 +18,25 @@ topk_ids and topk_weights both None: the server routes with the layer's gate
 fut.topk_weights (float32), on hidden's device.
 
 How bytes move:
-  * CPU tensors: the request is built with one copy of each tensor's bytes (no numpy, no
-    protobuf copies: moeserve_client.wire); the answer is a view of the reply's bytes
+  * CPU tensors, bytes: the request is built with one copy of each tensor's bytes (no numpy,
+    no protobuf copies: moeserve_client.wire); the answer is a view of the reply's bytes
     (torch.frombuffer), copied only into `out` when one is given.
-  * CUDA tensors, bytes path: device -> pinned host staging -> request; reply -> `out` (or a
-    new tensor on the device).
-  * CUDA tensors, CUDA-region path (shared_memory="auto" or "cuda"): when the server is on this
-    host (a unix: or loopback target) and runs with --enable_shared_memory on the cuda backend,
-    hidden states are copied device-to-device into a registered CUDA IPC region and the answer
-    is written by the server into the same region; only ids, weights and a few hundred header
-    bytes cross gRPC. "auto" tries it once per device and falls back to bytes for good on any
-    refusal; "cuda" raises instead; "off" never tries.
+  * CUDA tensors, bytes: device -> pinned host staging -> request; reply -> `out` (or a new
+    tensor on the device).
+  * Regions (shared_memory="auto", "cuda" or "system"), when the server is on this host (a
+    unix: or loopback target) and runs with --enable_shared_memory: hidden states are copied
+    into a registered region (CUDA tensors device-to-device into a CUDA IPC region, which needs
+    the cuda backend; CPU tensors by one memcpy into a POSIX shared-memory region) and the
+    server writes the answer into the same region; only ids, weights and a few hundred header
+    bytes travel with the call. "auto" tries each kind once and falls back to bytes for good
+    on a refusal; "cuda" / "system" use only that kind and raise instead; "off" never tries.
+  * The call itself (channel="auto" or True): through a forward channel
+    (moeserve_client.channel, a shared-memory object the server polls) instead of a gRPC call,
+    when the server is on this host and allows it (--enable_shared_memory); a request larger
+    than a slot (channel_slot_bytes), or one made while every slot is busy, goes by gRPC.
+    "auto" falls back to gRPC for good if the server refuses the channel or detaches from it
+    (a blocking forward() then repeats its call by gRPC); True raises instead; False: gRPC only.
+    Errors come back as grpc.RpcError either way (ChannelError through the channel).
 
 Thread-safety: submit/result may be called from several threads. A future is consumed by one
 result() call.
@@ -36,13 +44,18 @@ result() call.
 
 import ctypes
 import ipaddress
+import os
 import threading
 import time
 import warnings
 
 import grpc
+import numpy as np
 import torch
 
+from . import channel as _chan
+from . import client as _client
+from . import shared_memory as _shm
 from . import wire
 from .client import pb, pb_grpc
 
@@ -88,6 +101,13 @@ def _view(buffer, wt):
     return flat.view(dtype).view(wt.shape)
 
 
+def _view_at(buffer, offset, nbytes, dtype, shape):
+    """Bytes [offset, offset + nbytes) of `buffer` as a CPU tensor of dtype and shape, in place."""
+    wt = wire.WireTensor()
+    wt.dtype, wt.shape, wt.offset, wt.nbytes = _TO_WIRE[dtype], shape, offset, nbytes
+    return _view(buffer, wt)
+
+
 def _is_local_target(target):
     if target.startswith("unix:") or target.startswith("unix-abstract:"):
         return True
@@ -106,15 +126,22 @@ def _is_local_target(target):
         return False
 
 
+_RETRY = object()
+
+
 class MoeFuture:
     """A Forward call in flight (TorchMoeClient.submit). After result(): request_id, timings
-    (dict, with return_timings), topk_ids / topk_weights (with return_routing)."""
+    (dict, with return_timings), topk_ids / topk_weights (with return_routing). used_region /
+    used_channel: whether the call went by a region / through the forward channel."""
 
-    __slots__ = ("_call", "_dtype", "_shape", "_device", "_region", "_region_out",
+    __slots__ = ("_call", "_chan", "_keep", "_dtype", "_shape", "_device", "_region", "_region_out",
                  "_start", "request_id", "timings", "topk_ids", "topk_weights",
-                 "latency_s", "used_region")
+                 "latency_s", "used_region", "used_channel")
 
     def __init__(self):
+        self._call = None
+        self._chan = None
+        self._keep = None
         self._region = None
         self._region_out = None
         self.request_id = ""
@@ -123,53 +150,223 @@ class MoeFuture:
         self.topk_weights = None
         self.latency_s = None
         self.used_region = False
+        self.used_channel = False
 
     def done(self):
+        if self._chan is not None:
+            return self._chan.done()
         return self._call.done()
 
 
+# ---- CUDA memory of our own, shared by a plain cudaIpcGetMemHandle ----
+#
+# A region's memory is cudaMalloc'ed here through the CUDA runtime that torch loaded (ctypes),
+# not taken from torch's caching allocator: its IPC handle then names exactly this allocation
+# (offset 0), and torch's own CUDA IPC bookkeeping (storage._share_cuda_(), whose reference
+# counting fails with "Producer process has been terminated before all shared CUDA tensors
+# released") is not involved. torch sees the memory through __cuda_array_interface__.
+
+_cudart_lib = None
+
+
+def _cudart():
+    """The CUDA runtime library torch uses (found in this process's mappings), via ctypes."""
+    global _cudart_lib
+    if _cudart_lib is not None:
+        return _cudart_lib
+    torch.cuda.init()
+    candidates = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ", 5)[-1].strip()
+                if "libcudart" in os.path.basename(path) and path not in candidates:
+                    candidates.append(path)
+    except OSError:
+        pass
+    candidates += ["libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"]
+    errors = []
+    for name in candidates:
+        try:
+            lib = ctypes.CDLL(name)
+            lib.cudaIpcGetMemHandle  # noqa: B018  (a runtime, not a stub)
+        except (OSError, AttributeError) as e:
+            errors.append(f"{name}: {e}")
+            continue
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cudaFree.argtypes = [ctypes.c_void_p]
+        lib.cudaIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        for fn in (lib.cudaMalloc, lib.cudaFree, lib.cudaIpcGetMemHandle, lib.cudaSetDevice,
+                   lib.cudaGetDevice):
+            fn.restype = ctypes.c_int
+        _cudart_lib = lib
+        return lib
+    raise RuntimeError("no CUDA runtime library (libcudart) found: " + "; ".join(errors))
+
+
+def _cuda_check(lib, err, what):
+    if err != 0:
+        raise RuntimeError(f"{what}: CUDA error {err} ({lib.cudaGetErrorString(err).decode()})")
+
+
+class _DeviceMemory:
+    """Bytes [ptr, ptr + size) of device memory, for torch.as_tensor (no copy)."""
+
+    def __init__(self, ptr, size):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
 class _CudaRegion:
-    """A device buffer registered with the server as a CUDA IPC region."""
+    """A device buffer of its own (cudaMalloc) registered with the server as a CUDA IPC region.
+    buf: a uint8 tensor over all of it."""
+
+    kind = "cuda"
 
     def __init__(self, client, device, nbytes):
         self.device = device
-        # A whole allocation of its own (the IPC handle names the allocator's block).
-        self.buf = torch.empty(max(nbytes, 2 << 20), dtype=torch.uint8, device=device)
-        shared = self.buf.untyped_storage()._share_cuda_()
-        # (device, handle, storage bytes, offset of the storage in the IPC allocation, ...)
-        handle, size, base = shared[1], shared[2], shared[3]
-        self.base = int(base)
-        self.capacity = int(size) - (self.buf.data_ptr() - self.buf.untyped_storage().data_ptr())
-        self.name = f"moeserve-torch-{id(self):x}-{device.index}"
-        client._stub.RegisterCudaSharedMemory(
-            pb.RegisterCudaSharedMemoryRequest(name=self.name, raw_handle=bytes(handle),
-                                               device_id=device.index,
-                                               byte_size=self.base + int(size)),
-            timeout=client.timeout)
+        self.capacity = -(-max(nbytes, 2 << 20) // (2 << 20)) * (2 << 20)
+        self.name = f"moeserve-torch-{os.getpid()}-{id(self):x}-cuda{device.index}"
         self.client = client
+        self.registered = False
+        lib = _cudart()
+        prev = ctypes.c_int()
+        _cuda_check(lib, lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+        ptr = ctypes.c_void_p()
+        handle = ctypes.create_string_buffer(64)
+        try:
+            _cuda_check(lib, lib.cudaSetDevice(device.index), "cudaSetDevice")
+            _cuda_check(lib, lib.cudaMalloc(ctypes.byref(ptr), self.capacity), "cudaMalloc")
+            self.ptr = ptr.value
+            _cuda_check(lib, lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
+        except BaseException:
+            if ptr.value:
+                lib.cudaFree(ptr)
+            raise
+        finally:
+            lib.cudaSetDevice(prev.value)
+        try:
+            self.buf = torch.as_tensor(_DeviceMemory(self.ptr, self.capacity), device=device)
+            if self.buf.data_ptr() != self.ptr or self.buf.numel() != self.capacity:
+                raise RuntimeError("torch.as_tensor did not alias the region's memory")
+            client._stub.RegisterCudaSharedMemory(
+                pb.RegisterCudaSharedMemoryRequest(name=self.name, raw_handle=handle.raw,
+                                                   device_id=device.index,
+                                                   byte_size=self.capacity),
+                timeout=client.timeout)
+            self.registered = True
+        except BaseException:
+            self.buf = None
+            lib.cudaFree(ctypes.c_void_p(self.ptr))
+            raise
 
     def ref(self, offset, nbytes):
-        return (self.name, self.base + offset, nbytes)
+        return (self.name, offset, nbytes)
 
-    def unregister(self):
+    def copy_in(self, hidden, nbytes):
+        self.buf[:nbytes].copy_(hidden.contiguous().view(-1).view(torch.uint8))
+        # The server reads the region from another process: the copy must have landed.
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def read(self, offset, nbytes, dtype, shape, out):
+        src = self.buf[offset:offset + nbytes].view(dtype).view(shape)
+        if out is None:
+            return src.clone()
+        out.copy_(src)
+        return out
+
+    def close(self):
+        if self.registered:
+            self.registered = False
+            try:
+                self.client._stub.UnregisterSharedMemory(
+                    pb.UnregisterSharedMemoryRequest(name=self.name), timeout=self.client.timeout)
+            except grpc.RpcError:
+                pass
+        if self.buf is not None:
+            torch.cuda.synchronize(self.device)  # no copy of ours still reads or writes it
+            self.buf = None
+            lib = _cudart()
+            lib.cudaFree(ctypes.c_void_p(self.ptr))
+
+
+class _HostRegion:
+    """A POSIX shared-memory object registered with the server as a system region; bytes go in
+    and out by memcpy (torch's copy_ would start a parallel region whose spinning threads take
+    CPU from a server on the same cores)."""
+
+    kind = "system"
+
+    def __init__(self, client, nbytes):
+        self.device = None
+        self.capacity = -(-max(nbytes, 1 << 20) // (1 << 20)) * (1 << 20)
+        self.shm = _shm.SystemRegion.create(self.capacity)
+        a = np.frombuffer(self.shm.buf, np.uint8)
+        self.addr = a.ctypes.data
+        del a
+        self.name = f"moeserve-torch-{os.getpid()}-{id(self):x}-host"
+        self.client = client
+        self.registered = False
         try:
-            self.client._stub.UnregisterSharedMemory(
-                pb.UnregisterSharedMemoryRequest(name=self.name), timeout=self.client.timeout)
-        except grpc.RpcError:
-            pass
+            client._stub.RegisterSystemSharedMemory(
+                pb.RegisterSystemSharedMemoryRequest(name=self.name, key=self.shm.key, offset=0,
+                                                     byte_size=self.capacity),
+                timeout=client.timeout)
+            self.registered = True
+        except BaseException:
+            self.shm.close(unlink=True)
+            raise
+
+    def ref(self, offset, nbytes):
+        return (self.name, offset, nbytes)
+
+    def copy_in(self, hidden, nbytes):
+        if not hidden.is_contiguous():
+            hidden = hidden.contiguous()
+        ctypes.memmove(self.addr, hidden.data_ptr(), nbytes)
+
+    def read(self, offset, nbytes, dtype, shape, out):
+        if out is not None and out.device.type == "cpu" and out.is_contiguous():
+            ctypes.memmove(out.data_ptr(), self.addr + offset, nbytes)
+            return out
+        t = torch.empty(shape, dtype=dtype)
+        ctypes.memmove(t.data_ptr(), self.addr + offset, nbytes)
+        if out is None:
+            return t
+        out.copy_(t)
+        return out
+
+    def close(self):
+        if self.registered:
+            self.registered = False
+            try:
+                self.client._stub.UnregisterSharedMemory(
+                    pb.UnregisterSharedMemoryRequest(name=self.name), timeout=self.client.timeout)
+            except grpc.RpcError:
+                pass
+        self.shm.close(unlink=True)
 
 
 class TorchMoeClient:
     """A channel to one moeserve server, speaking torch tensors. close() (or `with`) when done.
 
-    timeout: per-call deadline in seconds. shared_memory: "auto" | "cuda" | "off" (see the
-    module docstring). channel_options: extra grpc channel options.
+    timeout: per-call deadline in seconds. shared_memory: "auto" | "cuda" | "system" | "off";
+    channel: "auto" | True | False, or an open moeserve_client.channel.ForwardChannel (used,
+    not closed, by this client); channel_slots / channel_slot_bytes / spin_us: the forward
+    channel this client opens (see the module docstring). channel_options: extra grpc channel
+    options.
     """
 
     def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, shared_memory="auto",
-                 channel_options=()):
-        if shared_memory not in ("auto", "cuda", "off"):
-            raise ValueError(f"shared_memory={shared_memory!r}; expected auto, cuda or off")
+                 channel_options=(), channel="auto", channel_slots=4,
+                 channel_slot_bytes=1 << 20, spin_us=200):
+        if shared_memory not in ("auto", "cuda", "system", "off"):
+            raise ValueError(f"shared_memory={shared_memory!r}; expected auto, cuda, system or "
+                             "off")
         self.target = target
         self.timeout = timeout
         options = [("grpc.max_send_message_length", max_message_bytes),
@@ -181,19 +378,45 @@ class TorchMoeClient:
         self._shared_memory = shared_memory
         self._local = _is_local_target(target)
         self._lock = threading.Lock()
-        self._regions_free = {}    # device index -> [_CudaRegion]
+        self._regions_free = {}    # "cpu" or a CUDA index -> [region]
         self._regions_all = []
-        self._region_disabled = shared_memory == "off"
-        self._region_error = None
+        self._region_disabled = {"cuda": shared_memory in ("off", "system"),
+                                 "system": shared_memory in ("off", "cuda")}
+        self._region_errors = {}
         self._pinned = {}          # thread id -> pinned staging tensor
         self._info = None
+        # The forward channel: opened at the first call ("auto", True) or given.
+        self._ch = None
+        self._ch_owned = False
+        self._ch_error = None
+        self._ch_args = (channel_slots, channel_slot_bytes, spin_us)
+        if isinstance(channel, _chan.ForwardChannel):
+            self._ch_mode = True
+            self._ch = channel
+        elif channel is False or channel is None or channel == "off":
+            self._ch_mode = False
+        elif channel is True or channel in ("auto", "on"):
+            self._ch_mode = "auto" if channel == "auto" else True
+            if not self._local:
+                if self._ch_mode is True:
+                    raise ValueError(f"channel=True needs a server on this host; target "
+                                     f"{target} is not local")
+                self._ch_mode = False
+                self._ch_error = ValueError(f"target {target} is not on this host")
+        else:
+            raise ValueError(f"channel={channel!r}; expected 'auto', True, False or a "
+                             "ForwardChannel")
 
     def close(self):
         with self._lock:
             regions, self._regions_all = self._regions_all, []
             self._regions_free = {}
+            ch, self._ch = self._ch, None
+            self._ch_mode = False
+        if ch is not None and self._ch_owned:
+            ch.close()
         for r in regions:
-            r.unregister()
+            r.close()
         self._channel.close()
 
     def __enter__(self):
@@ -209,33 +432,136 @@ class TorchMoeClient:
                                                  timeout=timeout or self.timeout)
         return self._info
 
-    # ---- the CUDA-region path ----
+    def register_forward_channel(self, name, key, byte_size, timeout=None):
+        """RegisterForwardChannel (what ForwardChannel.open calls)."""
+        return _client.register_forward_channel(self._stub, name, key, byte_size,
+                                                timeout or self.timeout)
 
-    def _use_region(self, hidden):
-        if hidden.device.type != "cuda" or self._region_disabled:
+    def unregister_forward_channel(self, name="", timeout=None):
+        _client.unregister_forward_channel(self._stub, name, timeout or self.timeout)
+
+    # ---- the forward channel ----
+
+    @property
+    def channel(self):
+        """The forward channel in use (a ForwardChannel), or None."""
+        return self._ch
+
+    @property
+    def channel_error(self):
+        """Why the forward channel is not used ("auto"), or None."""
+        return self._ch_error
+
+    def _get_channel(self):
+        ch = self._ch
+        if ch is not None or not self._ch_mode:
+            return ch
+        with self._lock:
+            if self._ch is None and self._ch_mode:
+                slots, slot_bytes, spin_us = self._ch_args
+                try:
+                    self._ch = _chan.ForwardChannel.open(self, num_slots=slots,
+                                                         slot_bytes=slot_bytes, spin_us=spin_us,
+                                                         timeout=self.timeout)
+                    self._ch_owned = True
+                except (grpc.RpcError, OSError) as e:
+                    if self._ch_mode is True:
+                        raise
+                    # Refused (no --enable_shared_memory, an older server, another host):
+                    # gRPC from now on.
+                    self._ch_mode = False
+                    self._ch_error = e
+            return self._ch
+
+    def _channel_failed(self, error):
+        """The channel itself failed (the server detached): gRPC from now on ("auto")."""
+        with self._lock:
+            ch, self._ch = self._ch, None
+            self._ch_error = error
+            mode, self._ch_mode = self._ch_mode, False
+        if ch is not None and self._ch_owned:
+            ch.close()
+        if mode is True:
+            raise error
+
+    def _try_channel(self, fut, parts, nbytes, timeout):
+        """Starts the call through the channel if it can take it (sets fut._chan)."""
+        ch = self._ch if self._ch is not None else self._get_channel()
+        if ch is None or nbytes > ch.payload_capacity:
             return False
-        if not self._local:
-            if self._shared_memory == "cuda":
-                raise RuntimeError(f"shared_memory='cuda' needs a server on this host; "
-                                   f"target {self.target} is not local")
+        try:
+            cf = ch.try_submit(parts, timeout)
+        except _chan.ChannelError as e:
+            self._channel_failed(e)
             return False
+        if cf is None:
+            return False  # every slot busy: this one goes by gRPC
+        fut._chan = (ch, cf)
+        fut.used_channel = True
         return True
 
-    def _acquire_region(self, device, nbytes):
+    def _channel_result(self, fut, out, retry=False):
+        """The answer of a call made through the channel; raises ChannelError (a grpc.RpcError)
+        for a server error, and for the channel's own failures. With `retry`, a detached server
+        ("auto") returns _RETRY instead, fut's region kept: the caller repeats the call by
+        gRPC."""
+        ch, cf = fut._chan
+        fut._chan = None
+        try:
+            code, got = ch.result(cf, lambda view, addr: self._finish(fut, view, out, addr))
+        except _chan.ChannelError as e:
+            if retry and e.code() == grpc.StatusCode.UNAVAILABLE and self._ch_mode == "auto":
+                self._channel_failed(e)
+                fut.used_channel = False
+                return _RETRY
+            self._drop(fut)
+            raise
+        except BaseException:
+            self._drop(fut)
+            raise
+        finally:
+            fut.latency_s = time.perf_counter() - fut._start
+        if code != 0:
+            self._drop(fut)
+            raise _chan.ChannelError(code, got.decode("utf-8", "replace"))
+        return got
+
+    # ---- regions ----
+
+    def _region_kind(self, device):
+        kind = "cuda" if device.type == "cuda" else "system"
+        if self._region_disabled[kind]:
+            return None
+        if not self._local:
+            if self._shared_memory == kind:
+                raise RuntimeError(f"shared_memory={kind!r} needs a server on this host; "
+                                   f"target {self.target} is not local")
+            return None
+        return kind
+
+    def _acquire_region(self, kind, device, nbytes):
+        key = device.index if kind == "cuda" else "cpu"
+        drop = []
         with self._lock:
-            free = self._regions_free.setdefault(device.index, [])
+            free = self._regions_free.setdefault(key, [])
             for i, r in enumerate(free):
                 if r.capacity >= nbytes:
                     return free.pop(i)
+            # Free ones too small for this size: replaced by a larger one.
+            drop, free[:] = free[:], []
+            for r in drop:
+                self._regions_all.remove(r)
+        for r in drop:
+            r.close()
         try:
-            r = _CudaRegion(self, device, nbytes)
-        except (grpc.RpcError, RuntimeError, AttributeError, TypeError) as e:
-            if self._shared_memory == "cuda":
+            r = _CudaRegion(self, device, nbytes) if kind == "cuda" else _HostRegion(self, nbytes)
+        except (grpc.RpcError, RuntimeError, OSError, AttributeError, TypeError) as e:
+            if self._shared_memory == kind:
                 raise
-            # Refused (shared memory off, not the cuda backend, another host) or unsupported by
-            # this torch: the bytes path from now on.
-            self._region_disabled = True
-            self._region_error = e
+            # Refused (shared memory off, not the cuda backend, another host) or unsupported
+            # here: bytes from now on, for this kind.
+            self._region_disabled[kind] = True
+            self._region_errors[kind] = e
             return None
         with self._lock:
             self._regions_all.append(r)
@@ -243,12 +569,19 @@ class TorchMoeClient:
 
     def _release_region(self, r):
         with self._lock:
-            self._regions_free.setdefault(r.device.index, []).append(r)
+            if r in self._regions_all:
+                key = r.device.index if r.kind == "cuda" else "cpu"
+                self._regions_free.setdefault(key, []).append(r)
 
     @property
     def region_error(self):
-        """Why the CUDA-region path was given up ("auto"), or None."""
-        return self._region_error
+        """Why a region path was given up ("auto"): the CUDA one's, else the system one's."""
+        return self._region_errors.get("cuda") or self._region_errors.get("system")
+
+    @property
+    def region_errors(self):
+        """{"cuda" / "system": why that region path was given up} ("auto")."""
+        return dict(self._region_errors)
 
     # ---- calls ----
 
@@ -269,14 +602,18 @@ class TorchMoeClient:
     def submit(self, hidden, topk_ids=None, topk_weights=None, layer=0, request_id="",
                return_timings=False, return_routing=False, timeout=None):
         """Starts one MoE layer forward and returns a MoeFuture at once (see result())."""
-        fut, request = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
-                                     return_timings, return_routing)
+        fut, parts, nbytes = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
+                                           return_timings, return_routing)
+        timeout = timeout or self.timeout
         fut._start = time.perf_counter()
         try:
-            fut._call = self._forward.future(request, timeout=timeout or self.timeout)
+            if not (self._ch_mode and self._try_channel(fut, parts, nbytes, timeout)):
+                fut._call = self._forward.future(b"".join(parts), timeout=timeout)
         except BaseException:
             self._drop(fut)
             raise
+        finally:
+            fut._keep = None  # the bytes are in a slot or in the request now
         return fut
 
     def _drop(self, fut):
@@ -286,7 +623,9 @@ class TorchMoeClient:
 
     def _prepare(self, hidden, topk_ids, topk_weights, layer, request_id, return_timings,
                  return_routing):
-        """A MoeFuture (not started) and the request bytes."""
+        """A MoeFuture (not started), the request's parts (wire.forward_request) and their
+        total bytes. The parts may view the caller's tensors and a per-thread staging buffer:
+        send them before the next _prepare on this thread."""
         # Few tensor attribute reads: each is a C call, and this runs on every layer call.
         shape = tuple(hidden.shape)
         dtype = hidden.dtype
@@ -300,7 +639,8 @@ class TorchMoeClient:
         fut = MoeFuture()
         device = hidden.device
         fut._dtype, fut._shape, fut._device = dtype, shape, device
-        keep = []
+        # What the parts view (they do not keep it alive): held until the request is sent.
+        fut._keep = keep = []
         ids_t = weights_t = None
         if topk_ids is not None:
             ids_shape = tuple(topk_ids.shape)
@@ -320,20 +660,25 @@ class TorchMoeClient:
                 topk_weights = topk_weights.cpu()
             topk_ids = topk_ids.contiguous()
             topk_weights = topk_weights.contiguous()
-            keep += [topk_ids, topk_weights]
             n = ids_shape[0] * ids_shape[1]
-            ids_t = (ids_wire, ids_shape, _host_bytes(topk_ids, n * wire.ITEMSIZE[ids_wire]))
+            keep += [topk_ids, topk_weights]
+            ids_t = (ids_wire, ids_shape,
+                     _host_bytes(topk_ids, n * wire.ITEMSIZE[ids_wire]))
             weights_t = (wire.DTYPE_FP32, ids_shape, _host_bytes(topk_weights, n * 4))
         nbytes = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
         output_region = None
         region = None
-        if device.type == "cuda" and nbytes > 0 and self._use_region(hidden):
-            region = self._acquire_region(device, 2 * nbytes + 256)
+        if nbytes > 0 and self._shared_memory != "off":
+            kind = self._region_kind(device)
+            if kind is not None:
+                region = self._acquire_region(kind, device, 2 * nbytes + 256)
         if region is not None:
             out_off = (nbytes + 255) // 256 * 256
-            region.buf[:nbytes].copy_(hidden.contiguous().view(-1).view(torch.uint8))
-            # The server reads the region from another process: the copy must have landed.
-            torch.cuda.current_stream(device).synchronize()
+            try:
+                region.copy_in(hidden, nbytes)
+            except BaseException:
+                self._release_region(region)
+                raise
             hid_t = (hid_wire, shape, None, region.ref(0, nbytes))
             output_region = region.ref(out_off, nbytes)
             fut._region, fut._region_out = region, out_off
@@ -346,14 +691,17 @@ class TorchMoeClient:
                                      return_timings=return_timings,
                                      return_routing=return_routing,
                                      output_region=output_region)
-        request = b"".join(parts)
-        del keep  # the bytes are in `request` now
-        return fut, request
+        total = 0
+        for p in parts:
+            total += len(p) if p.__class__ is bytes else p.nbytes
+        return fut, parts, total
 
     def result(self, fut, out=None):
         """Waits for `fut` and returns the output [M, H] (hidden's dtype): `out` when given
         (filled in place, any device), else a tensor on hidden's device. Raises grpc.RpcError
         with the server's status on failure."""
+        if fut._chan is not None:
+            return self._channel_result(fut, out)
         try:
             raw = fut._call.result()
         except BaseException:
@@ -363,43 +711,60 @@ class TorchMoeClient:
             fut.latency_s = time.perf_counter() - fut._start
         return self._finish(fut, raw, out)
 
-    def _finish(self, fut, raw, out):
+    def _finish(self, fut, raw, out, addr=None):
+        """The answer `raw` (bytes, or with `addr` a memoryview of a channel slot at that
+        address, valid only during this call) of `fut`, into `out` or a new tensor."""
         region, fut._region = fut._region, None
         try:
-            reply = wire.forward_response(raw)
-            o = reply.output
-            if o is None or _FROM_WIRE.get(o.dtype) != fut._dtype or tuple(o.shape) != fut._shape:
-                raise ValueError(f"server answered {o!r}; expected {fut._dtype} {fut._shape}")
-            if out is not None and (out.dtype != fut._dtype or tuple(out.shape) != fut._shape):
+            dtype, shape = fut._dtype, fut._shape
+            hid_wire = _FLOAT_WIRE[dtype]
+            n = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
+            inline = 0 if region is not None else n
+            # The common answer is the output alone (no request_id, timings or routing): then
+            # its bytes are exactly what protobuf writes for that tensor, known in advance.
+            prefix = wire.tensor_parts(1, hid_wire, shape, inline)
+            k = len(prefix)
+            reply = None
+            if len(raw) == k + inline and raw[:k] == prefix:
+                offset = k
+            else:
+                reply = wire.forward_response(raw)
+                o = reply.output
+                if o is None or o.dtype != hid_wire or tuple(o.shape) != shape or \
+                        o.nbytes != inline:
+                    raise ValueError(f"server answered {o!r}; expected {dtype} {shape}"
+                                     + (" in the output region" if region is not None else ""))
+                offset = o.offset
+            if out is not None and (out.dtype != dtype or tuple(out.shape) != shape):
                 raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; expected "
-                                 f"{fut._dtype} {fut._shape}")
+                                 f"{dtype} {shape}")
             if region is not None:
-                n = fut._shape[0] * fut._shape[1] * wire.ITEMSIZE[_FLOAT_WIRE[fut._dtype]]
-                src = region.buf[fut._region_out:fut._region_out + n].view(fut._dtype).view(
-                    fut._shape)
-                if out is None:
-                    out = src.clone()
-                else:
-                    out.copy_(src)
+                out = region.read(fut._region_out, n, dtype, shape, out)
             elif out is not None and out.device.type == "cpu" and out.is_contiguous():
                 # A plain memcpy: torch's copy_ would run a parallel region whose spinning
                 # threads take CPU from a server on the same cores.
-                if o.nbytes:
-                    ctypes.memmove(out.data_ptr(), ctypes.cast(raw, ctypes.c_void_p).value +
-                                   o.offset, o.nbytes)
+                if n:
+                    if addr is None:
+                        addr = ctypes.cast(raw, ctypes.c_void_p).value
+                    ctypes.memmove(out.data_ptr(), addr + offset, n)
             else:
-                src = _view(raw, o)
+                src = _view_at(raw, offset, n, dtype, shape)
                 if out is not None:
                     out.copy_(src)
                 elif fut._device.type != "cpu":
                     out = src.to(fut._device)
                 else:
-                    out = src
-            fut.request_id = reply.request_id
-            fut.timings = reply.timings
-            if reply.topk_ids is not None:
-                fut.topk_ids = _view(raw, reply.topk_ids).to(fut._device)
-                fut.topk_weights = _view(raw, reply.topk_weights).to(fut._device)
+                    out = src.clone() if addr is not None else src
+            if reply is not None:
+                fut.request_id = reply.request_id
+                fut.timings = reply.timings
+                if reply.topk_ids is not None:
+                    ids = _view(raw, reply.topk_ids)
+                    weights = _view(raw, reply.topk_weights)
+                    if addr is not None and fut._device.type == "cpu":
+                        ids, weights = ids.clone(), weights.clone()
+                    fut.topk_ids = ids.to(fut._device)
+                    fut.topk_weights = weights.to(fut._device)
             return out
         finally:
             if region is not None:
@@ -409,16 +774,31 @@ class TorchMoeClient:
                 request_id="", return_timings=False, timeout=None):
         """One blocking MoE layer forward: as submit() then result(), on the calling thread (a
         blocking gRPC call has no completion-thread hand-off, which a future pays)."""
-        fut, request = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
-                                     return_timings, False)
+        fut, parts, nbytes = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
+                                           return_timings, False)
+        timeout = timeout or self.timeout
         fut._start = time.perf_counter()
+        if self._ch_mode:
+            try:
+                started = self._try_channel(fut, parts, nbytes, timeout)
+            except BaseException:
+                self._drop(fut)
+                raise
+            if started:
+                got = self._channel_result(fut, out, retry=True)
+                if got is not _RETRY:
+                    return got
+                # The server detached from the channel (restarted, unregistered it): the call
+                # may not have run; a Forward has no side effects, so it is repeated by gRPC
+                # (the region, if any, is still registered; `parts` still valid: fut._keep).
         try:
-            raw = self._forward(request, timeout=timeout or self.timeout)
+            raw = self._forward(b"".join(parts), timeout=timeout)
         except BaseException:
             self._drop(fut)
             raise
         finally:
             fut.latency_s = time.perf_counter() - fut._start
+            fut._keep = None
         return self._finish(fut, raw, out)
 
 

@@ -83,6 +83,9 @@ def tensor_parts(field, dtype, shape, data_len=0, region=None):
     return head
 
 
+# Serialized output_region fields by (name, offset, byte_size): the same few again and again.
+_OUTPUT_REGIONS = {}
+
 _LAYER_TAG = _tag(1, _VARINT)
 _RID_TAG = _tag(5, _LEN)
 _TIMINGS = _tag(6, _VARINT) + b"\x01"
@@ -116,8 +119,14 @@ def forward_request(layer, hidden, topk_ids=None, topk_weights=None, request_id=
     if return_timings:
         parts.append(_TIMINGS)
     if output_region is not None:
-        ref = region_ref(*output_region)
-        parts.append(_len_field(7, len(ref)) + ref)
+        field = _OUTPUT_REGIONS.get(output_region)
+        if field is None:
+            ref = region_ref(*output_region)
+            field = _len_field(7, len(ref)) + ref
+            if len(_OUTPUT_REGIONS) > 4096:
+                _OUTPUT_REGIONS.clear()
+            _OUTPUT_REGIONS[output_region] = field
+        parts.append(field)
     if return_routing:
         parts.append(_ROUTING)
     return parts
