@@ -465,7 +465,7 @@ absl::StatusOr<RegionTensor> RegionTensor::Resolve(const RegionRegistry& registr
                                                    const RegionRef& ref, DType dtype,
                                                    const Shape& shape, RegionAccess access,
                                                    bool device_ok, absl::string_view field,
-                                                   CallLeases* leases) {
+                                                   CallLeases* leases, bool defer_copy) {
   RegionTensor t;
   if (leases != nullptr) {
     MOESERVE_ASSIGN_OR_RETURN(t.lease_, leases->Get(registry, ref.name, field));
@@ -510,9 +510,35 @@ absl::StatusOr<RegionTensor> RegionTensor::Resolve(const RegionRegistry& registr
   t.view_ = t.staging_.view();
   t.staged_ = true;
   if (access != RegionAccess::kWrite) {
-    MOESERVE_RETURN_IF_ERROR(region.CopyIn(ref.offset, t.view_));
+    if (defer_copy) {
+      t.pending_copy_ = true;
+    } else {
+      MOESERVE_RETURN_IF_ERROR(region.CopyIn(ref.offset, t.view_));
+    }
   }
   return t;
+}
+
+absl::Status RegionTensor::FillPending(absl::Span<RegionTensor> tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].pending_copy_) continue;
+    // Every pending tensor of this one's region, in one CopyInMany.
+    const MemoryRegion* region = &tensors[i].region();
+    std::vector<MemoryRegion::CopyInRange> copies;
+    for (size_t j = i; j < tensors.size(); ++j) {
+      RegionTensor& t = tensors[j];
+      if (!t.pending_copy_ || &t.region() != region) continue;
+      copies.emplace_back(t.ref_.offset, t.view_);
+      t.pending_copy_ = false;
+    }
+    MOESERVE_RETURN_IF_ERROR(region->CopyInMany(copies));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MemoryRegion::CopyInMany(absl::Span<const CopyInRange> copies) const {
+  for (const CopyInRange& c : copies) MOESERVE_RETURN_IF_ERROR(CopyIn(c.first, c.second));
+  return absl::OkStatus();
 }
 
 absl::Status RegionTensor::Flush() const {

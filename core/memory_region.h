@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -90,6 +91,11 @@ class MemoryRegion {
   // Copies `src` (contiguous, host or device) to region bytes [offset, offset + src.nbytes()).
   // Synchronous.
   virtual absl::Status CopyOut(const TensorView& src, int64_t offset) const = 0;
+  // CopyIn of several (offset, dst) ranges, waiting once: a device region enqueues every copy
+  // and synchronizes after the last (a call's routing tensors cost one wait, not two). Default:
+  // CopyIn each.
+  using CopyInRange = std::pair<int64_t, TensorView>;
+  virtual absl::Status CopyInMany(absl::Span<const CopyInRange> copies) const;
 
   // Fills the kind-specific fields of `info` (key, offset, device_id, pinned).
   virtual void Describe(RegionInfo* info) const = 0;
@@ -233,10 +239,15 @@ class RegionTensor {
   // in place only if `device_ok` (the engine reads that tensor on a device), else staged; so is a
   // range not aligned to the dtype's size, and any region that is not mapped here. The lease
   // comes from `leases` (shared by the call's tensors) or, if null, is the tensor's own.
+  // With `defer_copy` a staged read is not filled yet (pending_copy()): FillPending fills a
+  // call's tensors together, one wait per region.
   static absl::StatusOr<RegionTensor> Resolve(const RegionRegistry& registry, const RegionRef& ref,
                                               DType dtype, const Shape& shape, RegionAccess access,
                                               bool device_ok, absl::string_view field,
-                                              CallLeases* leases = nullptr);
+                                              CallLeases* leases = nullptr,
+                                              bool defer_copy = false);
+  // Fills every pending staged copy among `tensors`, grouped by region (CopyInMany).
+  static absl::Status FillPending(absl::Span<RegionTensor> tensors);
   RegionTensor() = default;
   RegionTensor(RegionTensor&&) = default;
   RegionTensor& operator=(RegionTensor&&) = default;
@@ -245,6 +256,8 @@ class RegionTensor {
   const TensorView& view() const { return view_; }
   // Whether view() is a staged host copy rather than the region's own bytes.
   bool staged() const { return staged_; }
+  // Staged, and not yet filled (Resolve's defer_copy).
+  bool pending_copy() const { return pending_copy_; }
   // kWrite: copies a staged view() into the region (nothing when written in place).
   absl::Status Flush() const;
   // Lets the region go (Unregister may succeed afterwards); view() must not be used after.
@@ -265,6 +278,7 @@ class RegionTensor {
   TensorView view_;
   Tensor staging_;
   bool staged_ = false;
+  bool pending_copy_ = false;
 };
 
 }  // namespace moeserve

@@ -220,7 +220,8 @@ namespace {
 absl::StatusOr<TensorView> TensorViewFromRegion(const v1wire::WireTensor& tensor,
                                                 absl::string_view field,
                                                 const RegionRegistry* regions, RegionAccess access,
-                                                bool device_ok, ForwardRegions* held) {
+                                                bool device_ok, ForwardRegions* held,
+                                                bool defer_copy = false) {
   if (tensor.data_size > 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": both data (", tensor.data_size,
@@ -235,7 +236,8 @@ absl::StatusOr<TensorView> TensorViewFromRegion(const v1wire::WireTensor& tensor
   MOESERVE_ASSIGN_OR_RETURN(
       RegionTensor t,
       RegionTensor::Resolve(*regions, RegionRefFromProto(tensor.header.region()), dtype, shape,
-                            access, device_ok, absl::StrCat(field, ".region"), &held->leases));
+                            access, device_ok, absl::StrCat(field, ".region"), &held->leases,
+                            defer_copy));
   held->inputs.push_back(std::move(t));
   return held->inputs.back().view();
 }
@@ -255,16 +257,22 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
   input.layer = request.header.layer();
   MOESERVE_RETURN_IF_ERROR(CheckForwardTensorsPresent(
       request.hidden_states.present, request.topk_ids.present, request.topk_weights.present));
+  // Staged copies out of regions are filled together at the end (one wait per region).
   const auto view = [&](const v1wire::WireTensor& tensor, absl::string_view field,
                         RegionAccess access, bool device_ok) -> absl::StatusOr<TensorView> {
     if (tensor.header.has_region()) {
-      return TensorViewFromRegion(tensor, field, regions, access, device_ok, held);
+      return TensorViewFromRegion(tensor, field, regions, access, device_ok, held,
+                                  /*defer_copy=*/true);
     }
     return TensorViewFromWire(tensor, field, gathered);
   };
   MOESERVE_ASSIGN_OR_RETURN(input.hidden_states, view(request.hidden_states, "hidden_states",
                                                       RegionAccess::kRead, device_hidden_ok));
-  if (!request.topk_ids.present) return input;  // server-side routing
+  if (!request.topk_ids.present) {  // server-side routing
+    if (held != nullptr)
+      MOESERVE_RETURN_IF_ERROR(RegionTensor::FillPending(absl::MakeSpan(held->inputs)));
+    return input;
+  }
   // Expert ids index tables once validated: a private copy, which the client cannot change
   // between the check and the use. Weights are read on the host in place (a value changed after
   // the check only changes that token's answer).
@@ -272,6 +280,8 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
                             view(request.topk_ids, "topk_ids", RegionAccess::kSnapshot, false));
   MOESERVE_ASSIGN_OR_RETURN(input.topk_weights,
                             view(request.topk_weights, "topk_weights", RegionAccess::kRead, false));
+  if (held != nullptr)
+    MOESERVE_RETURN_IF_ERROR(RegionTensor::FillPending(absl::MakeSpan(held->inputs)));
   return input;
 }
 

@@ -3,6 +3,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -48,9 +50,15 @@ struct OpenedHandle {
   void* ptr = nullptr;
   size_t allocation_bytes = 0;
   cudaStream_t stream = nullptr;  // for CopyIn / CopyOut
+  // CopyInMany's page-locked landing area (grow-only), so that several device-to-host copies
+  // are enqueued together and waited for once.
+  std::mutex bounce_mu;
+  void* bounce = nullptr;
+  size_t bounce_bytes = 0;
 
   ~OpenedHandle() {
     DeviceScope scope(device);
+    if (bounce != nullptr) cudaFreeHost(bounce);
     if (stream != nullptr) cudaStreamDestroy(stream);
     if (ptr != nullptr) cudaIpcCloseMemHandle(ptr);
     cudaGetLastError();
@@ -160,6 +168,46 @@ class CudaIpcRegion final : public MemoryRegion {
                 "CopyOut");
   }
   void Describe(RegionInfo* info) const override { info->device_id = handle_->device; }
+
+  absl::Status CopyInMany(absl::Span<const CopyInRange> copies) const override {
+    size_t total = 0;
+    for (const auto& [offset, dst] : copies) {
+      if (!dst.is_contiguous()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CopyIn: needs a contiguous tensor, got ", dst.DebugString()));
+      }
+      MOESERVE_RETURN_IF_ERROR(
+          CheckRegionRange(byte_size_, offset, static_cast<int64_t>(dst.nbytes()), "CopyIn"));
+      total += (dst.nbytes() + 255) / 256 * 256;
+    }
+    if (total == 0) return absl::OkStatus();
+    DeviceScope scope(handle_->device);
+    MOESERVE_CUDA_RETURN_IF_ERROR(scope.status());
+    std::lock_guard<std::mutex> lock(handle_->bounce_mu);
+    if (handle_->bounce_bytes < total) {
+      if (handle_->bounce != nullptr) cudaFreeHost(handle_->bounce);
+      handle_->bounce = nullptr;
+      handle_->bounce_bytes = 0;
+      const size_t bytes = std::max<size_t>(total, size_t{64} << 10);
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&handle_->bounce, bytes, cudaHostAllocDefault));
+      handle_->bounce_bytes = bytes;
+    }
+    auto* bounce = static_cast<std::byte*>(handle_->bounce);
+    size_t at = 0;
+    for (const auto& [offset, dst] : copies) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(bounce + at, static_cast<const std::byte*>(handle_->ptr) + offset,
+                          dst.nbytes(), cudaMemcpyDefault, handle_->stream));
+      at += (dst.nbytes() + 255) / 256 * 256;
+    }
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(handle_->stream));
+    at = 0;
+    for (const auto& [offset, dst] : copies) {
+      std::memcpy(dst.raw_data(), bounce + at, dst.nbytes());
+      at += (dst.nbytes() + 255) / 256 * 256;
+    }
+    return absl::OkStatus();
+  }
 
  private:
   absl::Status Copy(void* dst, const void* src, int64_t offset, const TensorView& t,

@@ -373,9 +373,13 @@ class FakeRemoteRegion final : public MemoryRegion {
     return absl::OkStatus();
   }
   void Describe(RegionInfo* info) const override { info->key = "remote://fake"; }
+  absl::Status CopyInMany(absl::Span<const CopyInRange> copies) const override {
+    ++batches;
+    return MemoryRegion::CopyInMany(copies);
+  }
 
   mutable std::vector<uint8_t> bytes_;
-  mutable std::atomic<int> copies_in{0}, copies_out{0};
+  mutable std::atomic<int> copies_in{0}, copies_out{0}, batches{0};
 };
 
 TEST(RegionTensor, UnmappedRegionIsStagedThroughCopyInAndCopyOut) {
@@ -403,6 +407,45 @@ TEST(RegionTensor, UnmappedRegionIsStagedThroughCopyInAndCopyOut) {
   float got[16];
   std::memcpy(got, remote->bytes_.data() + 1024, sizeof(got));
   for (int i = 0; i < 16; ++i) EXPECT_EQ(got[i], 1.0f + i);
+}
+
+// A call's staged reads, deferred, are filled per region in one CopyInMany (a CUDA region waits
+// once for all of them); the bytes are the region's.
+TEST(RegionTensor, DeferredCopiesAreFilledTogetherPerRegion) {
+  RegionRegistry registry;
+  auto a_owned = std::make_unique<FakeRemoteRegion>(4096);
+  auto b_owned = std::make_unique<FakeRemoteRegion>(4096);
+  FakeRemoteRegion* a = a_owned.get();
+  FakeRemoteRegion* b = b_owned.get();
+  std::mt19937 rng(std::random_device{}());
+  for (auto* r : {a, b}) {
+    for (auto& x : r->bytes_) x = static_cast<uint8_t>(rng());
+  }
+  ASSERT_TRUE(registry.Register("a", std::move(a_owned)).ok());
+  ASSERT_TRUE(registry.Register("b", std::move(b_owned)).ok());
+  CallLeases leases;
+  std::vector<RegionTensor> tensors;
+  for (auto [name, offset] : {std::pair<const char*, int64_t>{"a", 0}, {"b", 512}, {"a", 2048}}) {
+    auto t = RegionTensor::Resolve(registry, RegionRef{name, offset, 64}, DType::kINT32, {4, 4},
+                                   RegionAccess::kSnapshot, false, "topk_ids.region", &leases,
+                                   /*defer_copy=*/true);
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(t->pending_copy());
+    tensors.push_back(std::move(*t));
+  }
+  EXPECT_EQ(a->copies_in.load() + b->copies_in.load(), 0);
+  ASSERT_TRUE(RegionTensor::FillPending(absl::MakeSpan(tensors)).ok());
+  EXPECT_EQ(a->batches.load(), 1);  // both of a's tensors in one batch
+  EXPECT_EQ(b->batches.load(), 1);
+  EXPECT_EQ(a->copies_in.load(), 2);
+  EXPECT_EQ(b->copies_in.load(), 1);
+  EXPECT_EQ(std::memcmp(tensors[0].view().raw_data(), a->bytes_.data(), 64), 0);
+  EXPECT_EQ(std::memcmp(tensors[1].view().raw_data(), b->bytes_.data() + 512, 64), 0);
+  EXPECT_EQ(std::memcmp(tensors[2].view().raw_data(), a->bytes_.data() + 2048, 64), 0);
+  for (const RegionTensor& t : tensors) EXPECT_FALSE(t.pending_copy());
+  // Nothing pending: no copy again.
+  ASSERT_TRUE(RegionTensor::FillPending(absl::MakeSpan(tensors)).ok());
+  EXPECT_EQ(a->batches.load(), 1);
 }
 
 // Calls take and drop leases on many threads while another thread keeps trying to unregister and

@@ -210,7 +210,9 @@ for layer in $LAYERS; do
   elif [ $layer = trivial ] && [ "$PY" = 1 ]; then
     log "python torch client"
     pyenv=$OUT/pydeps
-    py_devs="cpu cuda"
+    # cpu: CPU tensors as gRPC bytes; cuda: CUDA tensors by a CUDA region (gRPC call);
+    # cpu-ch / cuda-ch: the same tensors by a system / CUDA region, calls through the channel.
+    py_devs=${PY_DEVS:-cpu cuda cpu-ch cuda-ch}
     if ! python3 "$here/py_deps.py" "$WHEELS" "$pyenv" > "$OUT/py_deps.log" 2>&1; then
       PY_SKIP="skipped: $(tail -1 "$OUT/py_deps.log" | cut -c1-70)"
       log "python torch client $PY_SKIP"
@@ -218,8 +220,12 @@ for layer in $LAYERS; do
     fi
     cat "$OUT/py_deps.log"
     for dev in $py_devs; do
-      shm_mode=off
-      [ $dev = cuda ] && shm_mode=cuda
+      shm_mode=off ch_flag="" tdev=${dev%-ch} way=torch
+      case $dev in
+        cuda) shm_mode=cuda way=torch-cuda ;;
+        cpu-ch) shm_mode=system ch_flag=--channel way=torch-ch ;;
+        cuda-ch) shm_mode=cuda ch_flag=--channel way=torch-cuda-ch ;;
+      esac
       f=$OUT/python_$dev.log
       : > "$f"
       rc=0
@@ -229,22 +235,18 @@ for layer in $LAYERS; do
         PYTHONPATH=$pyenv${PYTHONPATH:+:$PYTHONPATH} timeout 90 python3 \
           "$repo/clients/python/examples/bench_client.py" --target "unix:$SOCK_DIR/moe.sock" \
           --cli "$B/moeserve-cli" --tokens "$m" --calls "$N" --rounds 2 --no-numpy \
-          --device $dev --shared-memory $shm_mode >> "$f" 2>&1
+          --device $tdev --shared-memory $shm_mode $ch_flag >> "$f" 2>&1
         r=$?
         [ $r -ne 0 ] && rc=$r && echo "# M=$m: exit $r" >> "$f"
       done
       tail -12 "$f"
       if [ $rc -ne 0 ]; then
         log "python $dev: exit $rc: $(grep -v '^ ' "$f" | tail -1 | cut -c1-150)"
-        way=torch
-        [ $dev = cuda ] && way=torch-cuda
         PY_FAIL[$way]="exit $rc: $(grep -v '^ ' "$f" | tail -1 | sed 's/|/ /g' | cut -c1-70)"
       fi
       # columns: M cli_ms raw_ms torch_ms ...
       while read -r m cli raw tms _; do
         [[ $m =~ ^[0-9]+$ ]] || continue
-        way=torch
-        [ $dev = cuda ] && way=torch-cuda
         RT["trivial:$way:$m"]=$tms
         RT["trivial:$way-cli:$m"]=$cli
       done < "$f"
@@ -269,7 +271,7 @@ echo "| layer | way | M | MB req/ans | round trip ms | server total us | experts
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 for layer in $LAYERS; do
   ways=$WAYS
-  [ $layer = trivial ] && [ "$PY" = 1 ] && ways="$WAYS torch torch-cuda"
+  [ $layer = trivial ] && [ "$PY" = 1 ] && ways="$WAYS torch torch-cuda torch-ch torch-cuda-ch"
   for way in $ways; do
     for m in $MS; do
       rb=$(req_bytes $layer $m) ab=$(ans_bytes $layer $m)
@@ -325,13 +327,12 @@ for layer in $LAYERS; do
               met=$(calc "print ($rme <= $lim) ? \"yes\" : \"no\"")
             fi
           fi ;;
-        torch|torch-cuda)
+        torch|torch-cuda|torch-ch|torch-cuda-ch)
+          # The C++ client on the same path, measured by bench_client.py in the same run.
           base=${RT[$layer:$way-cli:$m]:-}
-          [ $way = torch-cuda ] && base=${RT[$layer:cuda:$m]:-}
           if num "$rt" && num "$base"; then
             d=$(calc "printf \"%.0f\", ($rt-$base)*1000")
-            check="torch - C++ $d us"
-            [ $way = torch ] && check+=" (vs load tcp)" || check+=" (vs load --cuda_region)"
+            check="torch - C++ $d us (same path)"
             target="<= 30"
             met=$(calc "print ($d <= 30) ? \"yes\" : \"no\"")
           fi ;;
