@@ -1113,7 +1113,9 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     if constexpr (kFp8) {
       if (avg <= 16) {
         const cudaError_t err = RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16});
-        if (err != cudaSuccess) return err;
+        // No expert can exceed the narrow tile (the host's bound says so, e.g. one or two decode
+        // tokens): the adaptive launch would return at once, and costs ~3 us of launch.
+        if (err != cudaSuccess || (p.max_rows_hint > 0 && p.max_rows_hint <= 16)) return err;
         return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX});
       }
     }

@@ -114,7 +114,8 @@ struct MoeGemmParams {
   void* out = nullptr;
   int64_t out_stride = 0;  // elements between output rows
   // Host-side sizing hints (no device read): the most rows any one expert may have, and the
-  // total rows over all experts. They choose the tile shape only; any counts are correct.
+  // total rows over all experts. They choose the tile shape; max_rows_hint, when set, must
+  // bound every count (launches for larger counts are skipped), total_rows_hint need not.
   int64_t max_rows_hint = 0;
   int64_t total_rows_hint = 0;
 };
