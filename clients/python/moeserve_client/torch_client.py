@@ -450,7 +450,10 @@ class _HostRegion:
             t = t.to(dtype)
         if not t.is_contiguous():
             t = t.contiguous()
-        self.memcpy(self.addr + offset, t.data_ptr(), nbytes)
+        if nbytes < _Copier.MIN_BYTES:
+            ctypes.memmove(self.addr + offset, t.data_ptr(), nbytes)
+        else:
+            self.memcpy(self.addr + offset, t.data_ptr(), nbytes)
 
     def publish(self):
         pass  # memcpy has landed when it returns
