@@ -156,7 +156,10 @@ def main():
                    choices=["off", "auto", "cuda", "system"])
     p.add_argument("--channel", action="store_true",
                    help="calls through a forward channel (torch client and C++ floor)")
-    p.add_argument("--spin-us", type=int, default=200, help="the channel's client spin")
+    p.add_argument("--spin-us", type=int, default=5000,
+                   help="the torch client's channel spin before it sleeps on the slot (default: "
+                   "the C++ client's 5 ms, so that both wait alike; the torch client's own "
+                   "default is 200 us)")
     p.add_argument("--no-numpy", action="store_true", help="skip the numpy client")
     p.add_argument("--server-routing", action="store_true",
                    help="also time calls that leave the routing to the server")
