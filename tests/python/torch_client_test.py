@@ -14,7 +14,12 @@
   * every way in (gRPC or the forward channel, tensors as bytes or in a system region): the
     same answer as the numpy client, within tolerance of the reference (fresh random inputs),
     calls in flight on several slots, a refusal through the channel as grpc.RpcError
-    INVALID_ARGUMENT, and the fall back to gRPC when the server detaches from the channel.
+    INVALID_ARGUMENT, and the fall back to gRPC when the server detaches from the channel;
+  * by a system region, the routing goes into the region too (the request is only headers,
+    built once per layer and shape and reused): int64 / int16 ids and float64 / bfloat16
+    weights, non-contiguous inputs, alternating layers and sizes, server routing, a request id
+    not reused; `out` reused across calls and fresh answers that alias nothing;
+  * the threaded host copy (_Copier) against the source bytes, sizes around its chunking.
 Exits 77 (CTest: skipped) when torch is not installed.
 
   torch_client_test.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli --source-dir REPO
@@ -194,6 +199,29 @@ class TorchClientTest(unittest.TestCase):
                 out = torch.empty_like(x, device="cuda")
                 c.forward(x.cuda(), ids.cuda(), w.cuda(), layer=0, out=out)
                 self.assertTrue(torch.equal(out.cpu(), want), mode)
+                # Routing on the device in other dtypes (into the region, converted there),
+                # and on the CPU (as bytes); `out` reused.
+                for ii, wi in ((ids.cuda().long(), w.cuda().double()), (ids, w),
+                               (ids.cuda().t().contiguous().t(), w.cuda())):
+                    out.fill_(float("nan"))
+                    self.assertIs(c.forward(x.cuda(), ii, wi, layer=0, out=out), out)
+                    self.assertTrue(torch.equal(out.cpu(), want), (mode, ii.dtype, ii.device))
+                # An answer copied on a side stream, then calls on the default stream.
+                side = torch.cuda.Stream()
+                with torch.cuda.stream(side):
+                    y_side = c.forward(x.cuda(), ids.cuda(), w.cuda(), layer=0)
+                x2, ids2, w2 = self.inputs(33, 14)
+                want2 = self.client.forward(x2, ids2, w2, layer=0)
+                y2 = c.forward(x2.cuda(), ids2.cuda(), w2.cuda(), layer=0)
+                side.synchronize()
+                self.assertTrue(torch.equal(y_side.cpu(), want), mode)
+                self.assertTrue(torch.equal(y2.cpu(), want2), mode)
+                # The server routes: CUDA hidden states go as bytes (its router reads host
+                # memory).
+                routed = c.submit(x.cuda(), layer=0)
+                self.assertTrue(torch.equal(c.result(routed).cpu(),
+                                            self.client.forward(x, layer=0)), mode)
+                self.assertFalse(routed.used_region)
                 print(f"  cuda shared_memory={mode}: region used={fut.used_region} "
                       f"(fallback reason: {c.region_error})")
 
@@ -288,6 +316,116 @@ class WaysInTest(unittest.TestCase):
             fut = c.submit(x, ids, w)
             self.assertFalse(fut.used_channel)
             self.assertTrue(torch.equal(c.result(fut), first))
+
+
+class RegionRoutingTest(unittest.TestCase):
+    """The region path with the routing in the region (CPU tensors, a system region)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.npc = mc.MoeClient(SERVER.target)
+        cls.info = cls.npc.info()
+        cls.seed = int.from_bytes(os.urandom(4), "little")
+        print(f"RegionRoutingTest: seed {cls.seed}")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.npc.close()
+
+    def inputs(self, m, k, dtype=torch.bfloat16):
+        g = torch.Generator().manual_seed(self.seed + k)
+        h, e, topk = self.info.hidden, self.info.num_experts, self.info.topk
+        x = torch.randn(m, h, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]).int()
+        w = torch.softmax(torch.randn(m, topk, generator=g), dim=1)
+        return x, ids, w
+
+    def want(self, x, ids, w, layer=0):
+        return self.npc.forward(np_of(x), ids.numpy(), w.float().numpy(), layer=layer)
+
+    def test_routing_in_the_region_every_input_form(self):
+        layers = self.info.num_layers
+        for channel in (False, True):
+            with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=channel) as c:
+                for i in range(6):
+                    m, layer = (3, 17, 1)[i % 3], i % layers
+                    x, ids, w = self.inputs(m, 10 * i)
+                    want = self.want(x, ids, w, layer).tobytes()
+                    forms = {
+                        "int32/float32": (x, ids, w, want),
+                        "int64/float64": (x, ids.long(), w.double(), want),
+                        # the weights rounded to bfloat16 before they are sent as float32
+                        "int16/bfloat16": (x, ids.short(), w.bfloat16(),
+                                           self.want(x, ids, w.bfloat16(), layer).tobytes()),
+                        "non-contiguous": (x.t().contiguous().t(), ids.t().contiguous().t(),
+                                           w.t().contiguous().t(), want),
+                    }
+                    for form, (xi, ii, wi, wanted) in forms.items():
+                        fut, parts, nbytes = c._prepare(xi, ii, wi, layer, "", False, False)
+                        c._drop(fut)
+                        # Only headers: nothing of the tensors travels with the call.
+                        self.assertEqual(len(parts), 1, form)
+                        self.assertLess(nbytes, 400, form)
+                        fut = c.submit(xi, ii, wi, layer=layer)
+                        y = c.result(fut)
+                        self.assertEqual((fut.used_region, fut.used_channel), (True, channel),
+                                         form)
+                        self.assertEqual(np_of(y).tobytes(), wanted, (form, i, channel))
+                # The server routes (no ids in the region) and returns its choice.
+                x, _, _ = self.inputs(5, 99)
+                fut = c.submit(x, layer=1, return_routing=True)
+                y = c.result(fut)
+                self.assertTrue(fut.used_region)
+                full = self.npc.forward_full(np_of(x), layer=1, return_routing=True)
+                self.assertEqual(np_of(y).tobytes(), full.output.tobytes())
+                self.assertTrue(np.array_equal(fut.topk_ids.numpy(), full.topk_ids))
+                # A request id is not cached into later calls.
+                x, ids, w = self.inputs(4, 98)
+                fut = c.submit(x, ids, w, request_id="once", return_timings=True)
+                c.result(fut)
+                self.assertEqual(fut.request_id, "once")
+                fut = c.submit(x, ids, w, return_timings=True)
+                c.result(fut)
+                self.assertNotEqual(fut.request_id, "once")
+
+    def test_out_reused_and_fresh_answers_alias_nothing(self):
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=True) as c:
+            x0, i0, w0 = self.inputs(9, 1)
+            x1, i1, w1 = self.inputs(9, 2)
+            out = torch.full_like(x0, float("nan"))
+            for x, ids, w in ((x0, i0, w0), (x1, i1, w1), (x0, i0, w0)):
+                self.assertIs(c.forward(x, ids, w, out=out), out)
+                self.assertEqual(np_of(out).tobytes(), self.want(x, ids, w).tobytes())
+            y0 = c.forward(x0, i0, w0)
+            y1 = c.forward(x1, i1, w1)
+            self.assertNotEqual(y0.data_ptr(), y1.data_ptr())
+            self.assertEqual(np_of(y0).tobytes(), self.want(x0, i0, w0).tobytes())
+            self.assertEqual(np_of(y1).tobytes(), self.want(x1, i1, w1).tobytes())
+            # A wrong `out` is refused and the region is given back (the next call works).
+            with self.assertRaises(ValueError):
+                c.forward(x0, i0, w0, out=torch.empty(8, x0.shape[1], dtype=x0.dtype))
+            self.assertTrue(torch.equal(c.forward(x0, i0, w0), y0))
+            self.assertEqual(len(c._regions_all), 1)
+
+    def test_threaded_copy(self):
+        copier = tc._Copier(3)
+        try:
+            rng = np.random.default_rng(self.seed)
+            big = tc._Copier.MIN_BYTES
+            for n in (1, 4095, big - 1, big, big + 1, 3 * big + 12345, 9 * big + 7):
+                src = rng.integers(0, 256, n, dtype=np.uint8)
+                dst = np.zeros(n + 64, dtype=np.uint8)
+                copier(dst.ctypes.data + 32, src.ctypes.data, n)
+                self.assertTrue(np.array_equal(dst[32:32 + n], src), n)
+                self.assertFalse(dst[:32].any() or dst[32 + n:].any(), n)
+        finally:
+            copier.close()
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=False,
+                               copy_threads=2) as c:
+            self.assertEqual(c._memcpy.threads, 2)
+            x, ids, w = self.inputs(6, 3)
+            self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(),
+                             self.want(x, ids, w).tobytes())
 
 
 if __name__ == "__main__":

@@ -25,12 +25,18 @@ the server needs --enable_shared_memory) and the C++ floor through `moeserve-cli
 --channel`; with --shared-memory auto too, tensors go by regions (CPU tensors: a system region,
 and the C++ floor `load --shm`) and the channel carries a few hundred bytes per call. The
 columns then compare the two clients on that path ("raw" stays a gRPC call).
+--profile M runs the torch client's loop for that M once more under cProfile and prints the
+functions taking the most time (by cumulative, then by own time) to stderr; the time inside
+torch and CUDA calls shows as the builtin methods that made them (synchronize, copy_, ...).
 Progress goes to stderr (one line per client and M), so that a run cut short by a time limit
 shows where it was.
 """
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import re
 import resource
 import signal
@@ -116,6 +122,22 @@ def time_calls(fn, calls):
     return samples, (time.process_time() - cpu0) / calls * 1e6
 
 
+def profile_torch(fn, calls, m):
+    """`calls` calls of fn under cProfile; the top functions to stderr."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    for key, top in (("cumulative", 25), ("tottime", 15)):
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats(key).print_stats(top)
+        print(f"# profile: torch client, M={m}, {calls} calls, by {key} (times for all calls)",
+              file=sys.stderr)
+        print(text.getvalue(), file=sys.stderr, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,10 +156,17 @@ def main():
                    choices=["off", "auto", "cuda", "system"])
     p.add_argument("--channel", action="store_true",
                    help="calls through a forward channel (torch client and C++ floor)")
-    p.add_argument("--spin-us", type=int, default=200, help="the channel's client spin")
+    p.add_argument("--spin-us", type=int, default=5000,
+                   help="the torch client's channel spin before it sleeps on the slot (default: "
+                   "the C++ client's 5 ms, so that both wait alike; the torch client's own "
+                   "default is 200 us)")
     p.add_argument("--no-numpy", action="store_true", help="skip the numpy client")
     p.add_argument("--server-routing", action="store_true",
                    help="also time calls that leave the routing to the server")
+    p.add_argument("--copy-threads", type=int, default=None,
+                   help="the torch client's copy_threads (default: its own choice)")
+    p.add_argument("--profile", type=int, metavar="M",
+                   help="profile the torch client's loop at this M (cProfile, to stderr)")
     a = p.parse_args()
     proc = None
     if a.server:
@@ -150,7 +179,8 @@ def main():
         CLI_EXTRA.append("--cuda_region" if a.device == "cuda" else "--shm")
     try:
         client = TorchMoeClient(a.target, shared_memory=a.shared_memory,
-                                channel=True if a.channel else False, spin_us=a.spin_us)
+                                channel=True if a.channel else False, spin_us=a.spin_us,
+                                copy_threads=a.copy_threads)
         npc = mc.MoeClient(a.target)
         info = client.info()
         h, e, k = info.hidden, info.num_experts, info.topk
@@ -187,6 +217,7 @@ def main():
             per = max(1, calls // a.rounds)
             t_cli, t_raw, t_torch, t_np, t_routed = [], [], [], [], []
             c_cli, c_raw, c_torch, c_np = [], [], [], []
+            slept = 0
             prebuilt = b"".join(client._prepare(x, ids, w, a.layer, "", False, False)[1])
             nan = float("nan")
             for rnd in range(a.rounds):
@@ -199,10 +230,13 @@ def main():
                 t_raw += t
                 c_raw.append(c)
                 progress(f"M={m} round {rnd}: torch")
+                sleeps0 = client.channel.sleeps if client.channel is not None else 0
                 t, c = time_calls(lambda: client.forward(xd, idsd, wd, layer=a.layer, out=out),
                                   per)
                 t_torch += t
                 c_torch.append(c)
+                if client.channel is not None:
+                    slept += client.channel.sleeps - sleeps0
                 if a.server_routing:
                     t_routed += time_calls(lambda: client.forward(xd, layer=a.layer, out=out),
                                            per)[0]
@@ -219,6 +253,12 @@ def main():
                   f"{med(c_cli):>8.0f} {med(c_raw):>8.0f} {med(c_torch):>9.0f} "
                   f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}"
                   + (f" {med(t_routed):>9.3f}" if a.server_routing else ""), flush=True)
+            if a.channel:
+                print(f"# M={m}: torch calls that slept on the channel (answer after the "
+                      f"{a.spin_us} us spin): {slept} of {per * a.rounds}", flush=True)
+            if a.profile == m:
+                profile_torch(lambda: client.forward(xd, idsd, wd, layer=a.layer, out=out),
+                              per, m)
         client.close()
         npc.close()
     finally:

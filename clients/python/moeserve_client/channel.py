@@ -199,6 +199,7 @@ class ForwardChannel:
         self.byte_size = channel_bytes(num_slots, slot_bytes)
         self.name = None         # the registered name
         self.server_spin_us = None
+        self.sleeps = 0          # calls whose answer came after the spin (they slept on it)
         self._client = None
         self._closed = False
         self._error = None       # a ChannelError once the channel is unusable (server detached)
@@ -448,6 +449,7 @@ class ForwardChannel:
             if state.value == SLOT_ANSWER:
                 return
         slot.client_waiting.value = 1
+        self.sleeps += 1  # (a statistic: not locked)
         try:
             while True:
                 s = state.value

@@ -27,9 +27,21 @@ How bytes move:
     unix: or loopback target) and runs with --enable_shared_memory: hidden states are copied
     into a registered region (CUDA tensors device-to-device into a CUDA IPC region, which needs
     the cuda backend; CPU tensors by one memcpy into a POSIX shared-memory region) and the
-    server writes the answer into the same region; only ids, weights and a few hundred header
-    bytes travel with the call. "auto" tries each kind once and falls back to bytes for good
-    on a refusal; "cuda" / "system" use only that kind and raise instead; "off" never tries.
+    server writes the answer into the same region. topk_ids / topk_weights on the same device
+    as hidden go into the region too (a CUDA region: the server copies them to its host; no
+    device-to-host copy or sync in this process), and then only a few hundred header bytes,
+    built once per shape, travel with the call; routing on another device travels as bytes.
+    Host copies of 1 MB or more are split over a few threads (copy_threads). "auto" tries
+    each kind once and falls back to bytes for good on a refusal; "cuda" / "system" use only
+    that kind and raise instead; "off" never tries. CUDA hidden states without routing (the
+    server routes, on its host) always go as bytes.
+  * CUDA streams, by a CUDA region: submit() enqueues the copies of hidden (and the routing)
+    into the region on the device's current stream and waits for that stream once (the
+    server, another process, sees none of ours): so whatever produced hidden on that stream
+    is done, and submit() blocks until then. result() enqueues the copy of the answer into
+    `out` (or a new tensor) on the device's current stream at that time and returns without
+    waiting: the server finished writing the region before it answered. Use the answer on
+    that stream (or synchronize it) as with any torch op's output.
   * The call itself (channel="auto" or True): through a forward channel
     (moeserve_client.channel, a shared-memory object the server polls) instead of a gRPC call,
     when the server is on this host and allows it (--enable_shared_memory); a request larger
@@ -45,6 +57,7 @@ result() call.
 import ctypes
 import ipaddress
 import os
+import queue
 import threading
 import time
 import warnings
@@ -221,25 +234,39 @@ class _DeviceMemory:
                                          "data": (ptr, False), "version": 3, "strides": None}
 
 
+def _align(n):
+    return (n + 255) // 256 * 256
+
+
 class _CudaRegion:
     """A device buffer of its own (cudaMalloc) registered with the server as a CUDA IPC region.
-    buf: a uint8 tensor over all of it."""
+    buf: a uint8 tensor over all of it.
+
+    Streams: write() enqueues its copies on the device's current stream; publish() waits for
+    that stream (one cudaStreamSynchronize per call: the server reads the region from another
+    process, which sees none of our streams). read() enqueues the copy of the answer on the
+    current stream and returns at once: the server finished writing before it answered."""
 
     kind = "cuda"
 
     def __init__(self, client, device, nbytes):
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.capacity = -(-max(nbytes, 2 << 20) // (2 << 20)) * (2 << 20)
-        self.name = f"moeserve-torch-{os.getpid()}-{id(self):x}-cuda{device.index}"
+        self.name = f"moeserve-torch-{os.getpid()}-{id(self):x}-cuda{self.index}"
         self.client = client
         self.registered = False
+        self._views = {}
+        # The stream of the last read() (its copy may still be running) if it differs from the
+        # stream of the next call, which must wait for it too before the server overwrites.
+        self._read_stream = None
         lib = _cudart()
         prev = ctypes.c_int()
         _cuda_check(lib, lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
         ptr = ctypes.c_void_p()
         handle = ctypes.create_string_buffer(64)
         try:
-            _cuda_check(lib, lib.cudaSetDevice(device.index), "cudaSetDevice")
+            _cuda_check(lib, lib.cudaSetDevice(self.index), "cudaSetDevice")
             _cuda_check(lib, lib.cudaMalloc(ctypes.byref(ptr), self.capacity), "cudaMalloc")
             self.ptr = ptr.value
             _cuda_check(lib, lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
@@ -255,7 +282,7 @@ class _CudaRegion:
                 raise RuntimeError("torch.as_tensor did not alias the region's memory")
             client._stub.RegisterCudaSharedMemory(
                 pb.RegisterCudaSharedMemoryRequest(name=self.name, raw_handle=handle.raw,
-                                                   device_id=device.index,
+                                                   device_id=self.index,
                                                    byte_size=self.capacity),
                 timeout=client.timeout)
             self.registered = True
@@ -267,16 +294,40 @@ class _CudaRegion:
     def ref(self, offset, nbytes):
         return (self.name, offset, nbytes)
 
-    def copy_in(self, hidden, nbytes):
-        self.buf[:nbytes].copy_(hidden.contiguous().view(-1).view(torch.uint8))
-        # The server reads the region from another process: the copy must have landed.
-        torch.cuda.current_stream(self.device).synchronize()
+    def _view(self, offset, dtype, shape, nbytes):
+        """The region's bytes [offset, offset + nbytes) as a dtype tensor of `shape`; made once
+        per (offset, dtype, shape): a frontend repeats a few shapes."""
+        key = (offset, dtype, shape)
+        v = self._views.get(key)
+        if v is None:
+            v = self.buf[offset:offset + nbytes].view(dtype).view(shape)
+            if len(self._views) >= 256:
+                self._views.clear()
+            self._views[key] = v
+        return v
+
+    def write(self, offset, t, dtype, shape, nbytes):
+        """Enqueues the copy of `t` (on this region's device; converted to `dtype` on the way,
+        any strides) into bytes [offset, offset + nbytes), on the current stream."""
+        self._view(offset, dtype, shape, nbytes).copy_(t)
+
+    def publish(self):
+        """Waits until what write() enqueued (and a read() on another stream) has landed."""
+        stream = torch.cuda.current_stream(self.index)
+        prev = self._read_stream
+        if prev is not None:
+            self._read_stream = None
+            if prev != stream:
+                prev.synchronize()
+        stream.synchronize()
 
     def read(self, offset, nbytes, dtype, shape, out):
-        src = self.buf[offset:offset + nbytes].view(dtype).view(shape)
+        src = self._view(offset, dtype, shape, nbytes)
         if out is None:
-            return src.clone()
-        out.copy_(src)
+            out = src.clone()
+        else:
+            out.copy_(src)
+        self._read_stream = torch.cuda.current_stream(self.index)
         return out
 
     def close(self):
@@ -288,16 +339,83 @@ class _CudaRegion:
             except grpc.RpcError:
                 pass
         if self.buf is not None:
-            torch.cuda.synchronize(self.device)  # no copy of ours still reads or writes it
+            torch.cuda.synchronize(self.index)  # no copy of ours still reads or writes it
+            self._views = {}
             self.buf = None
             lib = _cudart()
             lib.cudaFree(ctypes.c_void_p(self.ptr))
 
 
+class _Copier:
+    """memcpy of large host buffers split over a few threads of its own (ctypes.memmove releases
+    the GIL), since one core copies at ~5-10 GB/s. The threads sleep on a queue between copies
+    (no spinning: torch's copy_ would run an OpenMP parallel region whose spinning threads take
+    CPU from a server on the same cores). threads=0: always one memmove on the caller."""
+
+    MIN_BYTES = 1 << 20  # below this the hand-off costs more than it saves
+
+    def __init__(self, threads):
+        self.threads = threads
+        self._queues = []
+        self._done = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def _start(self):
+        for i in range(self.threads):
+            q = queue.SimpleQueue()
+            t = threading.Thread(target=self._run, args=(q,), daemon=True,
+                                 name=f"moeserve-copy-{i}")
+            t.start()
+            self._queues.append(q)
+        self._started = True
+
+    def _run(self, q):
+        memmove = ctypes.memmove
+        done = self._done
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                memmove(*job)
+                done.put(None)
+            except BaseException as e:  # pylint: disable=broad-except
+                done.put(e)
+
+    def __call__(self, dst, src, n):
+        if n < self.MIN_BYTES or not self.threads or not self._lock.acquire(blocking=False):
+            ctypes.memmove(dst, src, n)  # small, no threads, or another thread's copy running
+            return
+        try:
+            if not self._started:
+                self._start()
+            ways = min(self.threads + 1, max(1, n // (self.MIN_BYTES // 2)))
+            chunk = (n // ways + 4095) // 4096 * 4096
+            starts = list(range(0, n, chunk))
+            for q, s in zip(self._queues, starts[1:]):
+                q.put((dst + s, src + s, min(chunk, n - s)))
+            ctypes.memmove(dst, src, min(chunk, n))
+            error = None
+            for _ in starts[1:]:
+                e = self._done.get()
+                error = error or e
+            if error is not None:
+                raise error
+        finally:
+            self._lock.release()
+
+    def close(self):
+        with self._lock:
+            for q in self._queues:
+                q.put(None)
+            self._queues = []
+            self._started = False
+
+
 class _HostRegion:
     """A POSIX shared-memory object registered with the server as a system region; bytes go in
-    and out by memcpy (torch's copy_ would start a parallel region whose spinning threads take
-    CPU from a server on the same cores)."""
+    and out by memcpy (client.memcpy: large ones over a few threads)."""
 
     kind = "system"
 
@@ -310,6 +428,7 @@ class _HostRegion:
         del a
         self.name = f"moeserve-torch-{os.getpid()}-{id(self):x}-host"
         self.client = client
+        self.memcpy = client._memcpy
         self.registered = False
         try:
             client._stub.RegisterSystemSharedMemory(
@@ -324,17 +443,27 @@ class _HostRegion:
     def ref(self, offset, nbytes):
         return (self.name, offset, nbytes)
 
-    def copy_in(self, hidden, nbytes):
-        if not hidden.is_contiguous():
-            hidden = hidden.contiguous()
-        ctypes.memmove(self.addr, hidden.data_ptr(), nbytes)
+    def write(self, offset, t, dtype, shape, nbytes):
+        """Copies `t` (a CPU tensor; converted to `dtype` first if needed) into bytes
+        [offset, offset + nbytes)."""
+        if t.dtype is not dtype:
+            t = t.to(dtype)
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if nbytes < _Copier.MIN_BYTES:
+            ctypes.memmove(self.addr + offset, t.data_ptr(), nbytes)
+        else:
+            self.memcpy(self.addr + offset, t.data_ptr(), nbytes)
+
+    def publish(self):
+        pass  # memcpy has landed when it returns
 
     def read(self, offset, nbytes, dtype, shape, out):
         if out is not None and out.device.type == "cpu" and out.is_contiguous():
-            ctypes.memmove(out.data_ptr(), self.addr + offset, nbytes)
+            self.memcpy(out.data_ptr(), self.addr + offset, nbytes)
             return out
         t = torch.empty(shape, dtype=dtype)
-        ctypes.memmove(t.data_ptr(), self.addr + offset, nbytes)
+        self.memcpy(t.data_ptr(), self.addr + offset, nbytes)
         if out is None:
             return t
         out.copy_(t)
@@ -358,12 +487,14 @@ class TorchMoeClient:
     channel: "auto" | True | False, or an open moeserve_client.channel.ForwardChannel (used,
     not closed, by this client); channel_slots / channel_slot_bytes / spin_us: the forward
     channel this client opens (see the module docstring). channel_options: extra grpc channel
-    options.
+    options. copy_threads: threads of its own that share each host copy of 1 MB or more (into
+    and out of a system region, a reply into `out`); None: a quarter of the cores, at most 4;
+    0: one memcpy on the calling thread.
     """
 
     def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, shared_memory="auto",
                  channel_options=(), channel="auto", channel_slots=4,
-                 channel_slot_bytes=1 << 20, spin_us=200):
+                 channel_slot_bytes=1 << 20, spin_us=200, copy_threads=None):
         if shared_memory not in ("auto", "cuda", "system", "off"):
             raise ValueError(f"shared_memory={shared_memory!r}; expected auto, cuda, system or "
                              "off")
@@ -384,6 +515,11 @@ class TorchMoeClient:
                                  "system": shared_memory in ("off", "cuda")}
         self._region_errors = {}
         self._pinned = {}          # thread id -> pinned staging tensor
+        if copy_threads is None:
+            copy_threads = min(4, (os.cpu_count() or 1) // 4)
+        self._memcpy = _Copier(max(0, int(copy_threads)))
+        # Serialized requests whose tensors are all in a region, by what determines their bytes.
+        self._requests = {}
         self._info = None
         # The forward channel: opened at the first call ("auto", True) or given.
         self._ch = None
@@ -417,6 +553,7 @@ class TorchMoeClient:
             ch.close()
         for r in regions:
             r.close()
+        self._memcpy.close()
         self._channel.close()
 
     def __enter__(self):
@@ -528,9 +665,11 @@ class TorchMoeClient:
 
     # ---- regions ----
 
-    def _region_kind(self, device):
+    def _region_kind(self, device, routed=True):
         kind = "cuda" if device.type == "cuda" else "system"
-        if self._region_disabled[kind]:
+        if self._region_disabled[kind] or (kind == "cuda" and not routed):
+            # (The server's router reads host memory: CUDA hidden states without routing go
+            # as bytes.)
             return None
         if not self._local:
             if self._shared_memory == kind:
@@ -625,7 +764,12 @@ class TorchMoeClient:
                  return_routing):
         """A MoeFuture (not started), the request's parts (wire.forward_request) and their
         total bytes. The parts may view the caller's tensors and a per-thread staging buffer:
-        send them before the next _prepare on this thread."""
+        send them before the next _prepare on this thread.
+
+        By region, the routing goes into the region with the hidden states when it is on the
+        same device (CUDA: no device-to-host copy and no sync here for it; the server copies
+        it to its host itself), and then the whole request is a few hundred bytes that depend
+        only on the region, layer, shapes and flags: built once and reused."""
         # Few tensor attribute reads: each is a C call, and this runs on every layer call.
         shape = tuple(hidden.shape)
         dtype = hidden.dtype
@@ -634,55 +778,97 @@ class TorchMoeClient:
             raise ValueError(f"hidden must be [M, H]; got shape {shape}")
         if hid_wire is None:
             raise TypeError(f"hidden has dtype {dtype}; expected bfloat16, float16 or float32")
-        if (topk_ids is None) != (topk_weights is None):
+        routed = topk_ids is not None
+        if routed != (topk_weights is not None):
             raise ValueError("pass both topk_ids and topk_weights, or neither (server routing)")
         fut = MoeFuture()
         device = hidden.device
         fut._dtype, fut._shape, fut._device = dtype, shape, device
-        # What the parts view (they do not keep it alive): held until the request is sent.
-        fut._keep = keep = []
-        ids_t = weights_t = None
-        if topk_ids is not None:
+        ids_shape = ids_dtype = None
+        routes = 0
+        if routed:
             ids_shape = tuple(topk_ids.shape)
             if len(ids_shape) != 2 or ids_shape[0] != shape[0] or \
                     tuple(topk_weights.shape) != ids_shape:
                 raise ValueError(f"expected topk ids/weights [{shape[0]}, K]; got "
                                  f"{ids_shape}, {tuple(topk_weights.shape)}")
-            ids_wire = _ID_WIRE.get(topk_ids.dtype)
-            if ids_wire is None:
-                topk_ids, ids_wire = topk_ids.to(torch.int32), wire.DTYPE_INT32
+            # int32 / int64 as they are (exact); other integer types widened to int32.
+            ids_dtype = topk_ids.dtype if topk_ids.dtype in _ID_WIRE else torch.int32
+            routes = ids_shape[0] * ids_shape[1]
+        nbytes = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
+        region = None
+        in_region = False
+        if nbytes > 0 and self._shared_memory != "off":
+            kind = self._region_kind(device, routed)
+            if kind is not None:
+                in_region = routed and topk_ids.device == device and \
+                    topk_weights.device == device
+                ids_off = _align(nbytes)
+                if in_region:
+                    ids_bytes = routes * wire.ITEMSIZE[_ID_WIRE[ids_dtype]]
+                    w_off = ids_off + _align(ids_bytes)
+                    out_off = w_off + _align(routes * 4)
+                else:
+                    out_off = ids_off
+                region = self._acquire_region(kind, device, out_off + nbytes)
+        if region is not None:
+            try:
+                region.write(0, hidden, dtype, shape, nbytes)
+                if in_region:
+                    region.write(ids_off, topk_ids, ids_dtype, ids_shape, ids_bytes)
+                    region.write(w_off, topk_weights, torch.float32, ids_shape, routes * 4)
+                region.publish()
+            except BaseException:
+                self._release_region(region)
+                raise
+            fut._region, fut._region_out = region, out_off
+            fut.used_region = True
+            if in_region or not routed:
+                key = (region.name, layer, hid_wire, shape, ids_dtype, ids_shape, request_id,
+                       return_timings, return_routing)
+                req = self._requests.get(key)
+                if req is None:
+                    ids_t = weights_t = None
+                    if routed:
+                        ids_t = (_ID_WIRE[ids_dtype], ids_shape, None,
+                                 region.ref(ids_off, ids_bytes))
+                        weights_t = (wire.DTYPE_FP32, ids_shape, None,
+                                     region.ref(w_off, routes * 4))
+                    req = b"".join(wire.forward_request(
+                        layer, (hid_wire, shape, None, region.ref(0, nbytes)), ids_t, weights_t,
+                        request_id=request_id, return_timings=return_timings,
+                        return_routing=return_routing,
+                        output_region=region.ref(out_off, nbytes)))
+                    if request_id:
+                        return fut, [req], len(req)  # not worth keeping
+                    if len(self._requests) >= 1024:
+                        self._requests.clear()
+                    self._requests[key] = req
+                return fut, [req], len(req)
+        # What the parts view (they do not keep it alive): held until the request is sent.
+        fut._keep = keep = []
+        ids_t = weights_t = None
+        if routed:
+            if ids_dtype is not topk_ids.dtype:
+                topk_ids = topk_ids.to(ids_dtype)
             if topk_weights.dtype is not torch.float32:
                 topk_weights = topk_weights.float()
-            # ids and weights are small and read on the server's host: always bytes.
+            # Inline bytes: read on the server's host.
             if topk_ids.is_cuda:
                 topk_ids = topk_ids.cpu()
             if topk_weights.is_cuda:
                 topk_weights = topk_weights.cpu()
             topk_ids = topk_ids.contiguous()
             topk_weights = topk_weights.contiguous()
-            n = ids_shape[0] * ids_shape[1]
             keep += [topk_ids, topk_weights]
+            ids_wire = _ID_WIRE[ids_dtype]
             ids_t = (ids_wire, ids_shape,
-                     _host_bytes(topk_ids, n * wire.ITEMSIZE[ids_wire]))
-            weights_t = (wire.DTYPE_FP32, ids_shape, _host_bytes(topk_weights, n * 4))
-        nbytes = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
+                     _host_bytes(topk_ids, routes * wire.ITEMSIZE[ids_wire]))
+            weights_t = (wire.DTYPE_FP32, ids_shape, _host_bytes(topk_weights, routes * 4))
         output_region = None
-        region = None
-        if nbytes > 0 and self._shared_memory != "off":
-            kind = self._region_kind(device)
-            if kind is not None:
-                region = self._acquire_region(kind, device, 2 * nbytes + 256)
         if region is not None:
-            out_off = (nbytes + 255) // 256 * 256
-            try:
-                region.copy_in(hidden, nbytes)
-            except BaseException:
-                self._release_region(region)
-                raise
             hid_t = (hid_wire, shape, None, region.ref(0, nbytes))
             output_region = region.ref(out_off, nbytes)
-            fut._region, fut._region_out = region, out_off
-            fut.used_region = True
         else:
             host = self._staged(hidden, device, nbytes)
             keep.append(host)
@@ -746,7 +932,7 @@ class TorchMoeClient:
                 if n:
                     if addr is None:
                         addr = ctypes.cast(raw, ctypes.c_void_p).value
-                    ctypes.memmove(out.data_ptr(), addr + offset, n)
+                    self._memcpy(out.data_ptr(), addr + offset, n)
             else:
                 src = _view_at(raw, offset, n, dtype, shape)
                 if out is not None:
