@@ -605,11 +605,9 @@ class _ZeroCopyRegion:
                 os.unlink("/dev/shm" + self.key)
             except FileNotFoundError:
                 pass
-            mm, self._mm = self._mm, None
-            try:
-                mm.close()
-            except BufferError:
-                pass  # tensors still view it: unmapped with the last of them
+            # Not mm.close(): torch.frombuffer's tensors hold the mmap object, not an export of
+            # it, so closing would unmap under them. It is unmapped with the last of them.
+            self._mm = None
 
 
 class TorchMoeClient:
