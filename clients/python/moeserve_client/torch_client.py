@@ -35,6 +35,14 @@ How bytes move:
     each kind once and falls back to bytes for good on a refusal; "cuda" / "system" use only
     that kind and raise instead; "off" never tries. CUDA hidden states without routing (the
     server routes, on its host) always go as bytes.
+  * Zero copy (alloc_hidden / alloc_routing / empty): tensors that live in a region of this
+    client from the start. Write the hidden states (and routing) into them, pass them (or
+    their first rows) to submit/forward: the client finds them by address and sends only
+    RegionRefs, nothing copied in (CUDA: one cudaStreamSynchronize of the current stream,
+    by torch's raw stream handle). forward(..., out="region") returns the answer where the
+    server wrote it (alloc_hidden's answer area; valid until the next call answered there,
+    see forward()); out=<a tensor of empty()> has it written straight there. Tensors outside
+    regions, strided views and released regions go by the copying paths above.
   * CUDA streams, by a CUDA region: submit() enqueues the copies of hidden (and the routing)
     into the region on the device's current stream and waits for that stream once (the
     server, another process, sees none of ours): so whatever produced hidden on that stream
