@@ -19,7 +19,11 @@
     built once per layer and shape and reused): int64 / int16 ids and float64 / bfloat16
     weights, non-contiguous inputs, alternating layers and sizes, server routing, a request id
     not reused; `out` reused across calls and fresh answers that alias nothing;
-  * the threaded host copy (_Copier) against the source bytes, sizes around its chunking.
+  * the threaded host copy (_Copier) against the source bytes, sizes around its chunking;
+  * zero copy (alloc_hidden / alloc_routing / empty): requests of headers only, answers equal
+    to the copying path's and the reference, the answer view in the region and its lifetime
+    (rewritten by the next call, a racing call refused), out in a region, chained layers,
+    and the copy path for tensors outside regions, strided views and released regions.
 Exits 77 (CTest: skipped) when torch is not installed.
 
   torch_client_test.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli --source-dir REPO
@@ -426,6 +430,168 @@ class RegionRoutingTest(unittest.TestCase):
             x, ids, w = self.inputs(6, 3)
             self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(),
                              self.want(x, ids, w).tobytes())
+
+
+class ZeroCopyTest(unittest.TestCase):
+    """Tensors that live in regions of the client (alloc_hidden / alloc_routing / empty): sent
+    as RegionRefs with nothing copied in, answered in place (CPU tensors, system regions)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.npc = mc.MoeClient(SERVER.target)
+        cls.info = cls.npc.info()
+        cls.seed = int.from_bytes(os.urandom(4), "little")
+        print(f"ZeroCopyTest: seed {cls.seed}")
+        cls.experts = {}
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.npc.close()
+
+    def inputs(self, m, salt, dtype=torch.bfloat16):
+        g = torch.Generator().manual_seed(self.seed + salt)
+        h, e, k = self.info.hidden, self.info.num_experts, self.info.topk
+        x = torch.randn(m, h, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+        w = torch.softmax(torch.randn(m, k, generator=g), dim=1)
+        return x, ids, w
+
+    def check(self, y, x, ids, w, layer, tol, what):
+        want = self.npc.forward(np_of(x), ids.numpy(), w.numpy(), layer=layer)
+        self.assertEqual(np_of(y).tobytes(), want.tobytes(), what)
+        for e in ids.unique().tolist():
+            if (layer, e) not in self.experts:
+                self.experts[layer, e] = self.npc.expert_weights(layer, e)
+        experts = {e: self.experts[layer, e] for e in ids.unique().tolist()}
+        ref = mc.reference_forward(x.float().numpy(), ids.numpy(), w.numpy(), experts)
+        self.assertLess(mc.relative_l2_error(y.float().numpy(), ref), tol, what)
+
+    def test_zero_copy_equals_copying_path_and_reference(self):
+        layer = self.info.num_layers - 1
+        for channel in (False, True):
+            with tc.TorchMoeClient(SERVER.target, shared_memory="off", channel=channel) as c, \
+                    tc.TorchMoeClient(SERVER.target, shared_memory="system",
+                                      channel=channel) as copying:
+                for i, (dtype, tol) in enumerate(((torch.bfloat16, 1e-2),
+                                                  (torch.float32, 1e-5))):
+                    big = 24
+                    hid = c.alloc_hidden(big, dtype=dtype)
+                    ids_r, w_r = c.alloc_routing(big)
+                    self.assertEqual((tuple(hid.shape), hid.dtype, hid.device.type),
+                                     ((big, self.info.hidden), dtype, "cpu"))
+                    for j, m in enumerate((big, 7, 1)):  # the whole buffer and rows of it
+                        x, ids, w = self.inputs(m, 100 * i + j, dtype)
+                        hid[:m].copy_(x)
+                        ids_r[:m].copy_(ids)
+                        w_r[:m].copy_(w)
+                        args = (hid[:m], ids_r[:m], w_r[:m])
+                        # Only headers travel: no tensor bytes in the request.
+                        fut, parts, nbytes = c._prepare(*args, layer, "", False, False, "region")
+                        c._drop(fut)
+                        self.assertLess(nbytes, 400)
+                        self.assertTrue(fut.zero_copy)
+                        fut = c.submit(*args, layer=layer, out="region")
+                        y = c.result(fut)
+                        what = (channel, dtype, m)
+                        self.assertTrue(fut.zero_copy and fut.used_region, what)
+                        self.assertEqual(fut.used_channel, channel, what)
+                        # The answer is the view in the region's answer area, not a copy.
+                        self.assertEqual(y.data_ptr(), c.answer_view(hid[:m]).data_ptr())
+                        self.assertNotEqual(y.data_ptr(), hid.data_ptr())
+                        self.check(y, x, ids, w, layer, tol, what)
+                        y_copy = copying.forward(x, ids, w, layer=layer)
+                        self.assertTrue(torch.equal(y, y_copy), what)
+                        # out=None: a fresh tensor (the answer copied out of the region).
+                        y2 = c.forward(*args, layer=layer)
+                        self.assertNotEqual(y2.data_ptr(), y.data_ptr())
+                        self.assertTrue(torch.equal(y2, y_copy), what)
+                        # out=<a tensor of ours elsewhere>: filled with the answer.
+                        o = torch.full_like(x, float("nan"))
+                        self.assertIs(c.forward(*args, layer=layer, out=o), o)
+                        self.assertTrue(torch.equal(o, y_copy), what)
+                        # Routing as plain tensors (bytes) with hidden in place.
+                        self.assertTrue(torch.equal(
+                            c.forward(hid[:m], ids, w, layer=layer, out="region"), y_copy))
+
+    def test_out_in_a_region_and_chained_layers(self):
+        with tc.TorchMoeClient(SERVER.target, shared_memory="off", channel=True) as c:
+            m = 9
+            x, ids, w = self.inputs(m, 7)
+            hid = c.alloc_hidden(m)
+            hid.copy_(x)
+            out = c.empty((m, self.info.hidden))
+            fut, _, nbytes = c._prepare(hid, ids, w, 0, "", False, False, out)
+            c._drop(fut)
+            self.assertTrue(fut.zero_copy)
+            self.assertIs(c.forward(hid, ids, w, out=out), out)
+            self.check(out, x, ids, w, 0, 1e-2, "out in a region")
+            # An answer view passed back as hidden (the next layer) is answered in the hidden
+            # area: the areas swap.
+            y0 = c.forward(hid, ids, w, layer=0, out="region")
+            y0_value = y0.clone()
+            y1 = c.forward(y0, ids, w, layer=1, out="region")
+            self.assertEqual(y1.data_ptr(), hid.data_ptr())
+            self.check(y1, y0_value, ids, w, 1, 1e-2, "chained")
+            # Routing in a region made by empty().
+            ids_r = c.empty(tuple(ids.shape), dtype=torch.int32)
+            w_r = c.empty(tuple(w.shape), dtype=torch.float32)
+            ids_r.copy_(ids)
+            w_r.copy_(w)
+            hid.copy_(x)
+            fut, parts, nbytes = c._prepare(hid, ids_r, w_r, 0, "", False, False, "region")
+            c._drop(fut)
+            self.assertLess(nbytes, 400)
+            self.check(c.forward(hid, ids_r, w_r, out="region"), x, ids, w, 0, 1e-2, "empty")
+
+    def test_lifetime_rules_and_fallbacks(self):
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=False) as c:
+            m = 5
+            x, ids, w = self.inputs(m, 11)
+            x2, _, _ = self.inputs(m, 12)
+            hid = c.alloc_hidden(m)
+            hid.copy_(x)
+            # A second call whose answer lands where one in flight writes is refused.
+            fut = c.submit(hid, ids, w, out="region")
+            with self.assertRaises(RuntimeError):
+                c.submit(hid, ids, w, out="region")
+            y = c.result(fut)
+            self.check(y, x, ids, w, 0, 1e-2, "first")
+            # The view is the answer area: the next call on the same rows rewrites it.
+            kept = y.clone()
+            hid.copy_(x2)
+            y_again = c.forward(hid, ids, w, out="region")
+            self.assertEqual(y_again.data_ptr(), y.data_ptr())
+            self.assertFalse(torch.equal(y, kept))
+            self.check(y, x2, ids, w, 0, 1e-2, "rewritten")
+            # A tensor outside any region still works (copy path), and out="region" needs one.
+            self.check(c.forward(x, ids, w), x, ids, w, 0, 1e-2, "copy path")
+            with self.assertRaises(ValueError):
+                c.forward(x, ids, w, out="region")
+            # Non-contiguous rows of a region tensor go by the copy path too.
+            big = c.alloc_hidden(2 * m)
+            big.copy_(torch.cat([x, x2]))
+            strided = big[::2]
+            fut, _, nbytes = c._prepare(strided, ids, w, 0, "", False, False)
+            c._drop(fut)
+            self.assertFalse(fut.zero_copy)
+            self.check(c.forward(strided, ids, w), strided.clone(), ids, w, 0, 1e-2, "strided")
+            # After release() the server no longer sees the region: the copy path, same answer;
+            # the tensor's memory stays valid while it is referenced.
+            c.release(hid)
+            hid.copy_(x)
+            fut = c.submit(hid, ids, w)
+            y = c.result(fut)
+            self.assertFalse(fut.zero_copy)
+            self.check(y, x, ids, w, 0, 1e-2, "released")
+            with self.assertRaises(ValueError):
+                c.release(hid)
+            # Server routing with hidden in place.
+            big[:m].copy_(x)
+            fut = c.submit(big[:m], layer=1, return_routing=True, out="region")
+            y = c.result(fut)
+            self.assertTrue(fut.zero_copy)
+            full = self.npc.forward_full(np_of(x), layer=1, return_routing=True)
+            self.assertEqual(np_of(y).tobytes(), full.output.tobytes())
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ the server needs --enable_shared_memory) and the C++ floor through `moeserve-cli
 --channel`; with --shared-memory auto too, tensors go by regions (CPU tensors: a system region,
 and the C++ floor `load --shm`) and the channel carries a few hundred bytes per call. The
 columns then compare the two clients on that path ("raw" stays a gRPC call).
+--zero-copy makes the torch loop's inputs once in regions of the client (alloc_hidden /
+alloc_routing, on --device) and reads each answer in place (forward(out="region")), as
+`moeserve-cli load --shm/--cuda_region` writes its region once (added to the C++ floor's flags).
 --profile M runs the torch client's loop for that M once more under cProfile and prints the
 functions taking the most time (by cumulative, then by own time) to stderr; the time inside
 torch and CUDA calls shows as the builtin methods that made them (synchronize, copy_, ...).
@@ -165,6 +168,9 @@ def main():
                    help="also time calls that leave the routing to the server")
     p.add_argument("--copy-threads", type=int, default=None,
                    help="the torch client's copy_threads (default: its own choice)")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="torch loop: inputs made once in regions of the client, answers read "
+                   "in place (no copies per call)")
     p.add_argument("--profile", type=int, metavar="M",
                    help="profile the torch client's loop at this M (cProfile, to stderr)")
     a = p.parse_args()
@@ -175,7 +181,7 @@ def main():
         p.error("give --target or --server")
     if a.channel:
         CLI_EXTRA.append("--channel")
-    if a.shared_memory != "off":
+    if a.shared_memory != "off" or a.zero_copy:
         CLI_EXTRA.append("--cuda_region" if a.device == "cuda" else "--shm")
     try:
         client = TorchMoeClient(a.target, shared_memory=a.shared_memory,
@@ -186,7 +192,7 @@ def main():
         h, e, k = info.hidden, info.num_experts, info.topk
         print(f"# server {a.target}: {info.model_name} hidden={h} experts={e} topk={k} "
               f"intermediate={info.intermediate} backend={info.backend}; device={a.device} "
-              f"shared_memory={a.shared_memory} channel={a.channel}; torch {torch.__version__}; "
+              f"shared_memory={a.shared_memory} channel={a.channel} zero_copy={a.zero_copy}; torch {torch.__version__}; "
               f"cli flags {' '.join(CLI_EXTRA) or '-'}")
         print("# wall: per-call medians (ms); cpu: the client process's CPU per call (us), "
               "which a busy machine disturbs far less")
@@ -202,6 +208,13 @@ def main():
             w = torch.softmax(torch.randn(m, k, generator=g), dim=1)
             xd, idsd, wd = x.to(a.device), ids.to(a.device), w.to(a.device)
             out = torch.empty_like(xd)
+            if a.zero_copy:
+                xd = client.alloc_hidden(m, dtype=torch.bfloat16, device=a.device)
+                idsd, wd = client.alloc_routing(m, topk=k, device=a.device)
+                xd.copy_(x)
+                idsd.copy_(ids)
+                wd.copy_(w)
+                out = "region"
             xn = mc.from_float32(x.float().numpy(), "bf16")
             idn, wn = ids.numpy(), w.numpy()
             progress(f"M={m}: warm-up")
@@ -209,10 +222,10 @@ def main():
                 client.forward(xd, idsd, wd, layer=a.layer, out=out)
                 if not a.no_numpy:
                     npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
-            probe = client.submit(xd, idsd, wd, layer=a.layer)
-            client.result(probe, out=out)
+            probe = client.submit(xd, idsd, wd, layer=a.layer, out=out)
+            client.result(probe)
             print(f"# M={m}: torch call used_channel={probe.used_channel} "
-                  f"used_region={probe.used_region} (channel error: {client.channel_error}; "
+                  f"used_region={probe.used_region} zero_copy={probe.zero_copy} (channel error: {client.channel_error}; "
                   f"region errors: {client.region_errors or '-'})")
             per = max(1, calls // a.rounds)
             t_cli, t_raw, t_torch, t_np, t_routed = [], [], [], [], []
@@ -259,6 +272,9 @@ def main():
             if a.profile == m:
                 profile_torch(lambda: client.forward(xd, idsd, wd, layer=a.layer, out=out),
                               per, m)
+            if a.zero_copy:
+                client.release(xd)
+                client.release(idsd)
         client.close()
         npc.close()
     finally:

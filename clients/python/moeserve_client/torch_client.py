@@ -35,6 +35,14 @@ How bytes move:
     each kind once and falls back to bytes for good on a refusal; "cuda" / "system" use only
     that kind and raise instead; "off" never tries. CUDA hidden states without routing (the
     server routes, on its host) always go as bytes.
+  * Zero copy (alloc_hidden / alloc_routing / empty): tensors that live in a region of this
+    client from the start. Write the hidden states (and routing) into them, pass them (or
+    their first rows) to submit/forward: the client finds them by address and sends only
+    RegionRefs, nothing copied in (CUDA: one cudaStreamSynchronize of the current stream,
+    by torch's raw stream handle). forward(..., out="region") returns the answer where the
+    server wrote it (alloc_hidden's answer area; valid until the next call answered there,
+    see forward()); out=<a tensor of empty()> has it written straight there. Tensors outside
+    regions, strided views and released regions go by the copying paths above.
   * CUDA streams, by a CUDA region: submit() enqueues the copies of hidden (and the routing)
     into the region on the device's current stream and waits for that stream once (the
     server, another process, sees none of ours): so whatever produced hidden on that stream
@@ -56,6 +64,7 @@ result() call.
 
 import ctypes
 import ipaddress
+import mmap
 import os
 import queue
 import threading
@@ -145,11 +154,12 @@ _RETRY = object()
 class MoeFuture:
     """A Forward call in flight (TorchMoeClient.submit). After result(): request_id, timings
     (dict, with return_timings), topk_ids / topk_weights (with return_routing). used_region /
-    used_channel: whether the call went by a region / through the forward channel."""
+    used_channel: whether the call went by a region / through the forward channel; zero_copy:
+    whether hidden was sent in place from a region of the client (alloc_hidden / empty)."""
 
     __slots__ = ("_call", "_chan", "_keep", "_dtype", "_shape", "_device", "_region", "_region_out",
-                 "_start", "request_id", "timings", "topk_ids", "topk_weights",
-                 "latency_s", "used_region", "used_channel")
+                 "_start", "_out", "_answer", "_busy", "request_id", "timings", "topk_ids",
+                 "topk_weights", "latency_s", "used_region", "used_channel", "zero_copy")
 
     def __init__(self):
         self._call = None
@@ -157,6 +167,9 @@ class MoeFuture:
         self._keep = None
         self._region = None
         self._region_out = None
+        self._out = None     # submit()'s `out`
+        self._answer = None  # zero copy: the answer's tensor in a region
+        self._busy = None    # zero copy: [(region, its busy entry)] while in flight
         self.request_id = ""
         self.timings = None
         self.topk_ids = None
@@ -164,6 +177,7 @@ class MoeFuture:
         self.latency_s = None
         self.used_region = False
         self.used_channel = False
+        self.zero_copy = False
 
     def done(self):
         if self._chan is not None:
@@ -480,6 +494,130 @@ class _HostRegion:
         self.shm.close(unlink=True)
 
 
+# ---- zero-copy: tensors that live in a region (TorchMoeClient.alloc_hidden / empty) ----
+
+
+class _OwnedDeviceMemory(_DeviceMemory):
+    """Device memory cudaMalloc'ed for a zero-copy region, freed when the last tensor viewing it
+    is gone (torch.as_tensor keeps this object alive for as long as its tensor and views)."""
+
+    def __init__(self, lib, ptr, size):
+        super().__init__(ptr, size)
+        self._lib, self._ptr = lib, ptr
+
+    def __del__(self):
+        try:
+            self._lib.cudaFree(ctypes.c_void_p(self._ptr))
+        except Exception:  # pylint: disable=broad-except  (interpreter shutdown)
+            pass
+
+
+class _ZeroCopyRegion:
+    """A region registered with the server whose memory the caller's tensors live in
+    (TorchMoeClient.alloc_hidden / alloc_routing / empty), so that a call sends RegionRefs to
+    them and copies nothing. kind "system": a POSIX shared-memory object mapped here (mmap),
+    CPU tensors; "cuda": cudaMalloc'ed device memory shared by cudaIpcGetMemHandle.
+
+    The memory outlives close() (unregister + unlink) for as long as a tensor views it: the
+    tensors keep the mapping / allocation alive, so a stale tensor reads stale bytes, never
+    freed memory. `base` is a uint8 tensor over all of it; [lo, hi) its addresses. `twin`:
+    for alloc_hidden's regions, the offset of the answer area (the same size as the hidden
+    area, right after it): a call on bytes [o, o + n) of one area is answered in the same
+    bytes of the other."""
+
+    def __init__(self, client, device, nbytes, twin=None):
+        self.client = client
+        self.device = device
+        self.kind = "cuda" if device.type == "cuda" else "system"
+        self.index = None
+        self.twin = twin
+        self.area = 0   # with twin: the bytes of each area
+        self.busy = []  # (in_lo, in_hi, out_lo, out_hi) of calls in flight on this region
+        self.name = f"moeserve-zc-{os.getpid()}-{id(self):x}"
+        self.registered = False
+        self._mm = None
+        if self.kind == "cuda":
+            self.index = device.index if device.index is not None else \
+                torch.cuda.current_device()
+            self.device = torch.device("cuda", self.index)
+            self.capacity = -(-max(nbytes, 2 << 20) // (2 << 20)) * (2 << 20)
+            lib = _cudart()
+            prev = ctypes.c_int()
+            _cuda_check(lib, lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+            ptr = ctypes.c_void_p()
+            handle = ctypes.create_string_buffer(64)
+            try:
+                _cuda_check(lib, lib.cudaSetDevice(self.index), "cudaSetDevice")
+                _cuda_check(lib, lib.cudaMalloc(ctypes.byref(ptr), self.capacity), "cudaMalloc")
+                mem = _OwnedDeviceMemory(lib, ptr.value, self.capacity)  # frees from now on
+                _cuda_check(lib, lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
+            finally:
+                lib.cudaSetDevice(prev.value)
+            self.base = torch.as_tensor(mem, device=self.device)
+            request = pb.RegisterCudaSharedMemoryRequest(
+                name=self.name, raw_handle=handle.raw, device_id=self.index,
+                byte_size=self.capacity)
+            register = client._stub.RegisterCudaSharedMemory
+        else:
+            self.capacity = -(-max(nbytes, 1 << 20) // (1 << 20)) * (1 << 20)
+            self.key = f"/{self.name}"
+            fd = os.open("/dev/shm" + self.key, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, self.capacity)
+                self._mm = mmap.mmap(fd, self.capacity, mmap.MAP_SHARED,
+                                     mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.unlink("/dev/shm" + self.key)
+                raise
+            finally:
+                os.close(fd)
+            self.base = torch.frombuffer(self._mm, dtype=torch.uint8)
+            request = pb.RegisterSystemSharedMemoryRequest(name=self.name, key=self.key,
+                                                           offset=0, byte_size=self.capacity)
+            register = client._stub.RegisterSystemSharedMemory
+        self.lo = self.base.data_ptr()
+        self.hi = self.lo + self.capacity
+        try:
+            register(request, timeout=client.timeout)
+            self.registered = True
+        except BaseException:
+            self.close()
+            raise
+
+    def tensor(self, offset, shape, dtype):
+        n = torch.empty(0, dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        return self.base[offset:offset + n].view(dtype).view(shape)
+
+    def conflicts(self, in_lo, in_hi, out_lo, out_hi):
+        """Whether a call reading [in_lo, in_hi) and writing [out_lo, out_hi) of this region
+        would race one in flight (its answer written where another reads or writes)."""
+        for a, b, c, d in self.busy:
+            if (out_lo < b and a < out_hi) or (out_lo < d and c < out_hi) or \
+                    (in_lo < d and c < in_hi):
+                return True
+        return False
+
+    def close(self):
+        if self.registered:
+            self.registered = False
+            try:
+                self.client._stub.UnregisterSharedMemory(
+                    pb.UnregisterSharedMemoryRequest(name=self.name), timeout=self.client.timeout)
+            except grpc.RpcError:
+                pass
+        self.base = None
+        if self._mm is not None:
+            try:
+                os.unlink("/dev/shm" + self.key)
+            except FileNotFoundError:
+                pass
+            # Not mm.close(): torch.frombuffer's tensors hold the mmap object, not an export of
+            # it, so closing would unmap under them. It is unmapped with the last of them.
+            self._mm = None
+
+
 class TorchMoeClient:
     """A channel to one moeserve server, speaking torch tensors. close() (or `with`) when done.
 
@@ -521,6 +659,8 @@ class TorchMoeClient:
         # Serialized requests whose tensors are all in a region, by what determines their bytes.
         self._requests = {}
         self._info = None
+        self._zc = []              # _ZeroCopyRegion: regions the caller's tensors live in
+        self._stream_sync = None   # (torch's raw current-stream getter, the CUDA runtime)
         # The forward channel: opened at the first call ("auto", True) or given.
         self._ch = None
         self._ch_owned = False
@@ -552,6 +692,9 @@ class TorchMoeClient:
         if ch is not None and self._ch_owned:
             ch.close()
         for r in regions:
+            r.close()
+        zc, self._zc = self._zc, []
+        for r in zc:
             r.close()
         self._memcpy.close()
         self._channel.close()
@@ -722,6 +865,286 @@ class TorchMoeClient:
         """{"cuda" / "system": why that region path was given up} ("auto")."""
         return dict(self._region_errors)
 
+    # ---- zero copy: the caller's tensors in regions of this client ----
+
+    def alloc_hidden(self, num_tokens, dtype=torch.bfloat16, device="cpu", hidden_size=None):
+        """A [num_tokens, hidden_size] tensor (default: the model's hidden size) that lives in
+        a region of this client registered with the server: a POSIX shared-memory region for
+        a CPU device, a CUDA IPC region for a CUDA device (the server's cuda backend). Write
+        the hidden states into it (or into its first m rows: hidden[:m]) and pass it to
+        submit() / forward(): only RegionRefs travel, no bytes are copied in. Uninitialized.
+
+        The region holds an answer area of the same size: the answer of a call on rows [a, b)
+        is written into the same rows of it (answer_view(hidden)), and forward(out="region")
+        returns that view itself, not a copy. An answer view passed back as hidden (the next
+        layer) is answered in the hidden area: the two areas swap roles.
+
+        Needs a server on this host run with --enable_shared_memory; raises grpc.RpcError if
+        it refuses the region. The memory lives until release() / close() and the last tensor
+        viewing it (see release())."""
+        dtype = torch.bfloat16 if dtype is None else dtype
+        if dtype not in _FLOAT_WIRE:
+            raise TypeError(f"dtype {dtype}; expected bfloat16, float16 or float32")
+        h = int(hidden_size or self.info().hidden)
+        num_tokens = int(num_tokens)
+        if num_tokens < 1 or h < 1:
+            raise ValueError(f"alloc_hidden({num_tokens}, hidden_size={h}): both must be >= 1")
+        n = num_tokens * h * wire.ITEMSIZE[_FLOAT_WIRE[dtype]]
+        twin = _align(n)
+        r = self._new_zero_copy_region(device, twin + n)
+        r.twin, r.area = twin, n
+        return r.tensor(0, (num_tokens, h), dtype)
+
+    def alloc_routing(self, num_tokens, topk=None, device="cpu", ids_dtype=torch.int32):
+        """(topk_ids [num_tokens, topk] ids_dtype, topk_weights [num_tokens, topk] float32),
+        both in one region of this client (as alloc_hidden's), so that a call sends them in
+        place too (a CUDA region: the server copies them to its host, nothing here syncs or
+        copies). topk: default the model's. Uninitialized."""
+        if ids_dtype not in _ID_WIRE:
+            raise TypeError(f"ids_dtype {ids_dtype}; expected torch.int32 or torch.int64")
+        k = int(topk or self.info().topk)
+        num_tokens = int(num_tokens)
+        if num_tokens < 1 or k < 1:
+            raise ValueError(f"alloc_routing({num_tokens}, topk={k}): both must be >= 1")
+        ids_bytes = num_tokens * k * wire.ITEMSIZE[_ID_WIRE[ids_dtype]]
+        w_off = _align(ids_bytes)
+        r = self._new_zero_copy_region(device, w_off + num_tokens * k * 4)
+        return (r.tensor(0, (num_tokens, k), ids_dtype),
+                r.tensor(w_off, (num_tokens, k), torch.float32))
+
+    def empty(self, shape, dtype=torch.bfloat16, device="cpu"):
+        """An uninitialized tensor of `shape` in a region of its own (as alloc_hidden's, with
+        no answer area): e.g. an `out` that the server writes the answer straight into
+        (forward(hidden, ..., out=t)), or routing tensors."""
+        shape = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        n = torch.empty(0, dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        if n < 1:
+            raise ValueError(f"empty({shape}): the tensor must have at least one byte")
+        return self._new_zero_copy_region(device, n).tensor(0, shape, dtype)
+
+    def answer_view(self, hidden):
+        """The answer area's rows that a call on `hidden` (a tensor of alloc_hidden's, or rows
+        of it) is answered in; what forward(hidden, out="region") returns. Valid as
+        forward(out="region")'s answer is (see forward())."""
+        r, off = self._zero_copy_of(hidden)
+        if r is None or r.twin is None:
+            raise ValueError("hidden is not in a region of alloc_hidden's")
+        n = hidden.numel() * hidden.element_size()
+        other = self._twin_offset(r, off, n)
+        if other is None:
+            raise ValueError("hidden lies across the hidden and answer areas of its region")
+        return r.tensor(other, tuple(hidden.shape), hidden.dtype)
+
+    def release(self, tensor):
+        """Unregisters the region `tensor` lives in (one of alloc_hidden / alloc_routing /
+        empty) from the server and gives up this client's hold on its memory. Tensors that
+        still view it keep the memory alive (never freed memory), but the server no longer
+        sees it: a call with them goes by the copying path. No call may be in flight on it."""
+        r, _ = self._zero_copy_of(tensor)
+        if r is None:
+            raise ValueError("the tensor is not in a region of this client")
+        with self._lock:
+            if r.busy:
+                raise RuntimeError(f"region {r.name} has a call in flight: result() it first")
+            self._zc = [x for x in self._zc if x is not r]
+        r.close()
+
+    def _new_zero_copy_region(self, device, nbytes):
+        device = torch.device(device)
+        if not self._local:
+            raise RuntimeError(f"zero-copy tensors need a server on this host; target "
+                               f"{self.target} is not local")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {device}; expected cpu or cuda")
+        r = _ZeroCopyRegion(self, device, nbytes)
+        with self._lock:
+            self._zc = self._zc + [r]  # copied: _prepare reads it without the lock
+        return r
+
+    def _find_zero_copy(self, ptr, n):
+        for r in self._zc:
+            if r.lo <= ptr and ptr + n <= r.hi:
+                return r
+        return None
+
+    def _zero_copy_of(self, t):
+        """(region, offset) of a contiguous tensor in a region of this client, or (None, 0)."""
+        if not torch.is_tensor(t) or not t.is_contiguous():
+            return None, 0
+        ptr = t.data_ptr()
+        r = self._find_zero_copy(ptr, t.numel() * t.element_size())
+        return (r, ptr - r.lo) if r is not None else (None, 0)
+
+    @staticmethod
+    def _twin_offset(r, off, n):
+        """Where bytes [off, off + n) of one area of `r` are answered in the other, or None."""
+        if off + n <= r.area:
+            return off + r.twin
+        if off >= r.twin and off + n <= r.twin + r.area:
+            return off - r.twin
+        return None
+
+    def _sync_stream(self, index):
+        """Waits for the current stream of CUDA device `index` (what wrote the caller's tensors):
+        the server, another process, sees none of our streams. One cudaStreamSynchronize on
+        torch's raw current stream (no torch.cuda.Stream object, ~20 us each), else torch's."""
+        if self._stream_sync is None:
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # pylint: disable=protected-access
+            lib = _cudart()
+            lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+            lib.cudaStreamSynchronize.restype = ctypes.c_int
+            self._stream_sync = (raw, lib)
+        raw, lib = self._stream_sync
+        if raw is not None:
+            stream = raw(index)
+            # The legacy default stream (0) is the current device's: only there is it this one.
+            if stream or torch.cuda.current_device() == index:
+                _cuda_check(lib, lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+                return
+        torch.cuda.current_stream(index).synchronize()
+
+    def _zero_copy_done(self, fut):
+        busy, fut._busy = fut._busy, None
+        if busy:
+            with self._lock:
+                for r, entry in busy:
+                    r.busy.remove(entry)
+
+    def _prepare_zero_copy(self, fut, zc, hidden, shape, dtype, hid_wire, nbytes, routed,
+                           topk_ids, topk_weights, ids_dtype, ids_shape, routes, layer,
+                           request_id, return_timings, return_routing, out):
+        """_prepare for hidden in region `zc`: RegionRefs, nothing copied in. The routing goes
+        by reference when both tensors lie in regions of this client (int32/int64 ids, float32
+        weights, contiguous), else as bytes. The answer: into `out` when it lies in a region of
+        this client, else into zc's answer area (alloc_hidden's), else into a pooled region
+        (or inline bytes) and copied out by result()."""
+        h_off = hidden.data_ptr() - zc.lo
+        syncs = {zc.index} if zc.kind == "cuda" else set()
+        ids_t = weights_t = None
+        key_routing = None
+        keep = None
+        if routed:
+            ids_wire = _ID_WIRE.get(topk_ids.dtype)
+            ri, i_off = self._zero_copy_of(topk_ids) if ids_wire is not None else (None, 0)
+            rw, w_off = self._zero_copy_of(topk_weights) \
+                if topk_weights.dtype is torch.float32 else (None, 0)
+            if ri is not None and rw is not None:
+                ids_ref = ri.name, i_off, routes * wire.ITEMSIZE[ids_wire]
+                w_ref = rw.name, w_off, routes * 4
+                ids_t = (ids_wire, ids_shape, None, ids_ref)
+                weights_t = (wire.DTYPE_FP32, ids_shape, None, w_ref)
+                key_routing = (ids_wire, ids_shape, ids_ref, w_ref)
+                for r in (ri, rw):
+                    if r.kind == "cuda":
+                        syncs.add(r.index)
+            else:
+                keep = []
+                ids_t, weights_t = self._inline_routing(topk_ids, topk_weights, ids_dtype,
+                                                        ids_shape, routes, keep)
+        # Where the answer goes.
+        pool = None
+        answer = None
+        out_r, out_off = (None, 0)
+        if torch.is_tensor(out):
+            out_r, out_off = self._zero_copy_of(out)
+            if out_r is not None:
+                if out.dtype != dtype or tuple(out.shape) != shape:
+                    raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; expected {dtype} "
+                                     f"{shape}")
+                answer = out
+        if out_r is None and zc.twin is not None:
+            out_off = self._twin_offset(zc, h_off, nbytes)
+            if out_off is not None:
+                out_r = zc
+                answer = zc.tensor(out_off, shape, dtype)
+        if out_r is None:
+            if isinstance(out, str):
+                raise ValueError("out='region' needs hidden from alloc_hidden (or rows of it)")
+            if not self._region_disabled[zc.kind]:
+                pool = self._acquire_region(zc.kind, zc.device, nbytes)
+        # The answer's bytes must not be written while another call in flight reads or
+        # writes them.
+        busy = []
+        if out_r is zc:
+            busy.append((zc, (h_off, h_off + nbytes, out_off, out_off + nbytes)))
+        else:
+            busy.append((zc, (h_off, h_off + nbytes, 0, 0)))
+            if out_r is not None:
+                busy.append((out_r, (0, 0, out_off, out_off + nbytes)))
+        with self._lock:
+            for r, e in busy:
+                if r.conflicts(*e):
+                    if pool is not None:
+                        self._regions_free.setdefault(
+                            pool.device.index if pool.kind == "cuda" else "cpu", []).append(pool)
+                    raise RuntimeError(
+                        "a call in flight reads or writes the bytes this call's answer would "
+                        "overwrite (or this call reads its answer): result() it first")
+            for r, e in busy:
+                r.busy.append(e)
+        fut._busy = busy
+        fut._answer = answer
+        fut._out = out
+        fut.used_region = fut.zero_copy = True
+        if pool is not None:
+            fut._region, fut._region_out = pool, 0
+            out_ref = pool.ref(0, nbytes)
+        elif out_r is not None:
+            out_ref = (out_r.name, out_off, nbytes)
+        else:
+            out_ref = None
+        try:
+            for index in syncs:
+                self._sync_stream(index)
+        except BaseException:
+            self._drop(fut)
+            raise
+        hid_t = (hid_wire, shape, None, (zc.name, h_off, nbytes))
+        if keep is None:
+            key = ("zc", layer, hid_t, key_routing, out_ref, request_id, return_timings,
+                   return_routing)
+            req = self._requests.get(key)
+            if req is None:
+                req = b"".join(wire.forward_request(
+                    layer, hid_t, ids_t, weights_t, request_id=request_id,
+                    return_timings=return_timings, return_routing=return_routing,
+                    output_region=out_ref))
+                if not request_id:
+                    if len(self._requests) >= 1024:
+                        self._requests.clear()
+                    self._requests[key] = req
+            return fut, [req], len(req)
+        fut._keep = keep
+        parts = wire.forward_request(layer, hid_t, ids_t, weights_t, request_id=request_id,
+                                     return_timings=return_timings,
+                                     return_routing=return_routing, output_region=out_ref)
+        total = 0
+        for p in parts:
+            total += len(p) if p.__class__ is bytes else p.nbytes
+        return fut, parts, total
+
+    @staticmethod
+    def _inline_routing(topk_ids, topk_weights, ids_dtype, ids_shape, routes, keep):
+        """The routing as inline bytes (host copies of CUDA tensors), for wire.forward_request;
+        the tensors the bytes view are appended to `keep` (hold it until the request is sent)."""
+        if ids_dtype is not topk_ids.dtype:
+            topk_ids = topk_ids.to(ids_dtype)
+        if topk_weights.dtype is not torch.float32:
+            topk_weights = topk_weights.float()
+        # Inline bytes: read on the server's host.
+        if topk_ids.is_cuda:
+            topk_ids = topk_ids.cpu()
+        if topk_weights.is_cuda:
+            topk_weights = topk_weights.cpu()
+        topk_ids = topk_ids.contiguous()
+        topk_weights = topk_weights.contiguous()
+        keep += [topk_ids, topk_weights]
+        ids_wire = _ID_WIRE[ids_dtype]
+        return ((ids_wire, ids_shape, _host_bytes(topk_ids, routes * wire.ITEMSIZE[ids_wire])),
+                (wire.DTYPE_FP32, ids_shape, _host_bytes(topk_weights, routes * 4)))
+
     # ---- calls ----
 
     def _staged(self, t, device, n):
@@ -739,10 +1162,11 @@ class TorchMoeClient:
         return host
 
     def submit(self, hidden, topk_ids=None, topk_weights=None, layer=0, request_id="",
-               return_timings=False, return_routing=False, timeout=None):
-        """Starts one MoE layer forward and returns a MoeFuture at once (see result())."""
+               return_timings=False, return_routing=False, timeout=None, out=None):
+        """Starts one MoE layer forward and returns a MoeFuture at once (see result()).
+        out: as forward()'s; result(fut) then returns it (or the answer view for "region")."""
         fut, parts, nbytes = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
-                                           return_timings, return_routing)
+                                           return_timings, return_routing, out)
         timeout = timeout or self.timeout
         fut._start = time.perf_counter()
         try:
@@ -759,9 +1183,10 @@ class TorchMoeClient:
         region, fut._region = fut._region, None
         if region is not None:
             self._release_region(region)
+        self._zero_copy_done(fut)
 
     def _prepare(self, hidden, topk_ids, topk_weights, layer, request_id, return_timings,
-                 return_routing):
+                 return_routing, out=None):
         """A MoeFuture (not started), the request's parts (wire.forward_request) and their
         total bytes. The parts may view the caller's tensors and a per-thread staging buffer:
         send them before the next _prepare on this thread.
@@ -796,6 +1221,19 @@ class TorchMoeClient:
             ids_dtype = topk_ids.dtype if topk_ids.dtype in _ID_WIRE else torch.int32
             routes = ids_shape[0] * ids_shape[1]
         nbytes = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
+        if self._zc and nbytes > 0:
+            zc = self._find_zero_copy(hidden.data_ptr(), nbytes)
+            # (CUDA hidden states without routing go as bytes: the server routes on its host.)
+            if zc is not None and (routed or zc.kind != "cuda") and hidden.is_contiguous():
+                return self._prepare_zero_copy(fut, zc, hidden, shape, dtype, hid_wire, nbytes,
+                                               routed, topk_ids, topk_weights, ids_dtype,
+                                               ids_shape, routes, layer, request_id,
+                                               return_timings, return_routing, out)
+        if out is not None:
+            if isinstance(out, str):
+                raise ValueError("out='region' needs hidden from alloc_hidden (or rows of it); "
+                                 f"out={out!r}")
+            fut._out = out
         region = None
         in_region = False
         if nbytes > 0 and self._shared_memory != "off":
@@ -849,22 +1287,8 @@ class TorchMoeClient:
         fut._keep = keep = []
         ids_t = weights_t = None
         if routed:
-            if ids_dtype is not topk_ids.dtype:
-                topk_ids = topk_ids.to(ids_dtype)
-            if topk_weights.dtype is not torch.float32:
-                topk_weights = topk_weights.float()
-            # Inline bytes: read on the server's host.
-            if topk_ids.is_cuda:
-                topk_ids = topk_ids.cpu()
-            if topk_weights.is_cuda:
-                topk_weights = topk_weights.cpu()
-            topk_ids = topk_ids.contiguous()
-            topk_weights = topk_weights.contiguous()
-            keep += [topk_ids, topk_weights]
-            ids_wire = _ID_WIRE[ids_dtype]
-            ids_t = (ids_wire, ids_shape,
-                     _host_bytes(topk_ids, routes * wire.ITEMSIZE[ids_wire]))
-            weights_t = (wire.DTYPE_FP32, ids_shape, _host_bytes(topk_weights, routes * 4))
+            ids_t, weights_t = self._inline_routing(topk_ids, topk_weights, ids_dtype, ids_shape,
+                                                    routes, keep)
         output_region = None
         if region is not None:
             hid_t = (hid_wire, shape, None, region.ref(0, nbytes))
@@ -884,8 +1308,9 @@ class TorchMoeClient:
 
     def result(self, fut, out=None):
         """Waits for `fut` and returns the output [M, H] (hidden's dtype): `out` when given
-        (filled in place, any device), else a tensor on hidden's device. Raises grpc.RpcError
-        with the server's status on failure."""
+        here or to submit() (filled in place, any device; "region": the answer view, see
+        forward()), else a tensor on hidden's device. Raises grpc.RpcError with the server's
+        status on failure."""
         if fut._chan is not None:
             return self._channel_result(fut, out)
         try:
@@ -901,11 +1326,14 @@ class TorchMoeClient:
         """The answer `raw` (bytes, or with `addr` a memoryview of a channel slot at that
         address, valid only during this call) of `fut`, into `out` or a new tensor."""
         region, fut._region = fut._region, None
+        answer = fut._answer
+        if out is None:
+            out = fut._out
         try:
             dtype, shape = fut._dtype, fut._shape
             hid_wire = _FLOAT_WIRE[dtype]
             n = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
-            inline = 0 if region is not None else n
+            inline = 0 if region is not None or answer is not None else n
             # The common answer is the output alone (no request_id, timings or routing): then
             # its bytes are exactly what protobuf writes for that tensor, known in advance.
             prefix = wire.tensor_parts(1, hid_wire, shape, inline)
@@ -919,12 +1347,17 @@ class TorchMoeClient:
                 if o is None or o.dtype != hid_wire or tuple(o.shape) != shape or \
                         o.nbytes != inline:
                     raise ValueError(f"server answered {o!r}; expected {dtype} {shape}"
-                                     + (" in the output region" if region is not None else ""))
+                                     + (" in the output region" if not inline else ""))
                 offset = o.offset
-            if out is not None and (out.dtype != dtype or tuple(out.shape) != shape):
+            if answer is not None and (out is None or out is answer or out.__class__ is str):
+                # Zero copy: the answer is where the server wrote it.
+                out = answer if out is not None else answer.clone()
+            elif out is not None and (out.dtype != dtype or tuple(out.shape) != shape):
                 raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; expected "
                                  f"{dtype} {shape}")
-            if region is not None:
+            elif answer is not None:
+                out.copy_(answer)
+            elif region is not None:
                 out = region.read(fut._region_out, n, dtype, shape, out)
             elif out is not None and out.device.type == "cpu" and out.is_contiguous():
                 # A plain memcpy: torch's copy_ would run a parallel region whose spinning
@@ -955,13 +1388,24 @@ class TorchMoeClient:
         finally:
             if region is not None:
                 self._release_region(region)
+            if fut._busy is not None:
+                self._zero_copy_done(fut)
 
     def forward(self, hidden, topk_ids=None, topk_weights=None, layer=0, out=None,
                 request_id="", return_timings=False, timeout=None):
         """One blocking MoE layer forward: as submit() then result(), on the calling thread (a
-        blocking gRPC call has no completion-thread hand-off, which a future pays)."""
+        blocking gRPC call has no completion-thread hand-off, which a future pays).
+
+        out: None: a new tensor on hidden's device. A tensor: filled and returned; when it
+        lies in a region of this client (alloc_hidden / empty) and hidden does too, the server
+        writes the answer straight into it. "region" (hidden from alloc_hidden, or rows of
+        it): the answer view itself (answer_view(hidden)), no copy; it stays valid until the
+        next call on that region whose answer lands there (another call on the same rows of
+        the hidden area), or release() / close(): read or copy it before then. A call whose
+        answer would overwrite bytes that a call in flight reads or writes raises
+        RuntimeError."""
         fut, parts, nbytes = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
-                                           return_timings, False)
+                                           return_timings, False, out)
         timeout = timeout or self.timeout
         fut._start = time.perf_counter()
         if self._ch_mode:
