@@ -10,11 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${SANITIZE_BUILD_DIR:-build-asan}
 JOBS=${JOBS:-$(nproc)}
-# The suites CI runs sanitized: what a client or a checkpoint reaches (wire decoding, tensor and
-# size checks, the batcher, cancellation, the server's limits and accounting, the loaders).
+# The suites CI runs sanitized: what a client or a checkpoint reaches (wire decoding, the forward
+# channel's slots, tensor and size checks, the batcher, cancellation, the server's limits and
+# accounting, the loaders).
 CI_SUITES=(core_test proto_forward_wire_test engine_test engine_cancellation_test
            safetensors_test checkpoint_test server_convert_test server_limits_test
-           server_metrics_http_test server_buffer_pool_test)
+           server_metrics_http_test server_buffer_pool_test server_forward_channel_test)
 
 scripts/configure_sanitizers.sh "$BUILD_DIR"
 # allocator_may_return_null: allocation failures are errors the code handles (Tensor::Allocate).
