@@ -1,13 +1,7 @@
 #include "server/forward_channel.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
-#include <climits>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -19,33 +13,12 @@
 namespace moeserve {
 
 namespace ch = v1channel;
+using ch::CpuRelax;
+using ch::FutexWake;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain words");
-
-// Shared (not FUTEX_PRIVATE): the other side is another process.
-void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout) {
-  const int64_t ns = absl::ToInt64Nanoseconds(timeout);
-  struct timespec ts;
-  ts.tv_sec = static_cast<time_t>(ns / 1000000000);
-  ts.tv_nsec = static_cast<long>(ns % 1000000000);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void FutexWake(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 uint32_t LoadU32(const uint8_t* p) {
   uint32_t v;
@@ -136,7 +109,7 @@ uint8_t* ForwardChannel::slot(int i) const {
 }
 
 std::atomic<uint32_t>* ForwardChannel::word(uint64_t offset) const {
-  return reinterpret_cast<std::atomic<uint32_t>*>(base_ + offset);
+  return ch::ChannelWord(base_ + offset);
 }
 
 int64_t ForwardChannel::payload_bytes() const {
@@ -186,13 +159,13 @@ absl::Status ForwardChannel::Close(bool force) {
   }
   word(ch::kServerAttachedOffset)->store(0);
   // A client waiting on a slot sees the detach at its next timeout; wake them now.
-  for (int i = 0; i < num_slots_; ++i) FutexWake(word(slot(i) - base_ + ch::kSlotStateOffset));
+  for (int i = 0; i < num_slots_; ++i) FutexWake(ch::ChannelWord(slot(i) + ch::kSlotStateOffset));
   return absl::OkStatus();
 }
 
 bool ForwardChannel::AnyRequest() const {
   for (int i = 0; i < num_slots_; ++i) {
-    if (word(slot(i) - base_)->load(std::memory_order_acquire) == ch::kSlotRequest) return true;
+    if (ch::ChannelWord(slot(i))->load(std::memory_order_acquire) == ch::kSlotRequest) return true;
   }
   return false;
 }
@@ -205,7 +178,7 @@ void ForwardChannel::Poll() {
   while (!stop_.load(std::memory_order_relaxed)) {
     bool took = false;
     for (int i = 0; i < num_slots_; ++i) {
-      std::atomic<uint32_t>* state = word(slot(i) - base_);
+      std::atomic<uint32_t>* state = ch::ChannelWord(slot(i));
       if (state->load(std::memory_order_acquire) != ch::kSlotRequest) continue;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -234,7 +207,7 @@ void ForwardChannel::Poll() {
     sleeping->store(1);
     if (!AnyRequest() && !stop_.load()) {
       sleeps_.fetch_add(1, std::memory_order_relaxed);
-      FutexWait(bell, rung, kParkTimeout);
+      ch::FutexWait(bell, rung, absl::ToInt64Nanoseconds(kParkTimeout));
     }
     sleeping->store(0);
     last = Clock::now();
@@ -302,13 +275,13 @@ void ForwardChannel::Answer(int i, uint64_t sequence, absl::Status status,
   StoreU32(s + ch::kSlotAnswerBytesOffset, static_cast<uint32_t>(written));
   StoreU32(s + ch::kSlotStatusCodeOffset, static_cast<uint32_t>(status.code()));
   StoreU64(s + ch::kSlotAnswerSequenceOffset, sequence);
-  std::atomic<uint32_t>* state = word(s - base_ + ch::kSlotStateOffset);
+  std::atomic<uint32_t>* state = ch::ChannelWord(s + ch::kSlotStateOffset);
   // Under mu_ with the in-flight count: a client that sees the answer and unregisters at once
   // must find the call over (Close checks in_flight_ under mu_), and after Close returns this
   // never touches the mapping again.
   std::lock_guard<std::mutex> lock(mu_);
   state->store(ch::kSlotAnswer);  // sequentially consistent: ordered before the load below
-  if (word(s - base_ + ch::kSlotClientWaitingOffset)->load() != 0) FutexWake(state);
+  if (ch::ChannelWord(s + ch::kSlotClientWaitingOffset)->load() != 0) FutexWake(state);
   --in_flight_;
 }
 

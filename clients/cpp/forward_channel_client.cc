@@ -1,16 +1,12 @@
 #include "clients/cpp/forward_channel_client.h"
 
 #include <fcntl.h>
-#include <linux/futex.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <climits>
 #include <cstring>
 #include <utility>
 
@@ -20,31 +16,15 @@
 namespace moeserve::client {
 
 namespace ch = v1channel;
+using ch::CpuRelax;
+using ch::FutexWait;
+using ch::FutexWake;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::atomic<uint32_t>* Word(uint8_t* p) { return reinterpret_cast<std::atomic<uint32_t>*>(p); }
-
-void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
-  struct timespec ts;
-  ts.tv_sec = static_cast<time_t>(timeout_ns / 1000000000);
-  ts.tv_nsec = static_cast<long>(timeout_ns % 1000000000);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void FutexWake(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
+std::atomic<uint32_t>* Word(uint8_t* p) { return ch::ChannelWord(p); }
 
 template <typename T>
 T Load(const uint8_t* p) {

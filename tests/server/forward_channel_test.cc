@@ -270,7 +270,9 @@ TEST(ForwardChannelTest, AnswersEachSlotWithItsSequence) {
     EXPECT_EQ(e.code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
     EXPECT_EQ(e.payload, "refused: fail-this");
     EXPECT_EQ(e.sequence, 7u);
-    if (spin == absl::ZeroDuration()) EXPECT_GT((*channel)->stats().sleeps, 0);
+    if (spin == absl::ZeroDuration()) {
+      EXPECT_GT((*channel)->stats().sleeps, 0);
+    }
     EXPECT_EQ((*channel)->stats().calls, 21);
     EXPECT_EQ((*channel)->stats().refused, 1);
   }

@@ -35,10 +35,12 @@
 namespace moeserve {
 namespace {
 
+using ::moeserve::testing::CoreDType;
 using ::moeserve::testing::DecodeFloats;
 using ::moeserve::testing::HttpGetMetrics;
 using ::moeserve::testing::MetricValue;
 using ::moeserve::testing::RandomRequest;
+using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
 using ::moeserve::testing::ShmObject;
 using ::testing::HasSubstr;
@@ -67,21 +69,6 @@ const char* KServeName(v1::DType d) {
       return "INT32";
     default:
       return "INT64";
-  }
-}
-
-DType CoreDType(v1::DType d) {
-  switch (d) {
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    case v1::DTYPE_FP16:
-      return DType::kFP16;
-    case v1::DTYPE_INT32:
-      return DType::kINT32;
-    case v1::DTYPE_INT64:
-      return DType::kINT64;
-    default:
-      return DType::kFP32;
   }
 }
 
@@ -151,19 +138,7 @@ class InferenceServiceTest : public ::testing::Test {
   }
 
   static std::vector<float> Expected(const v1::ForwardRequest& r) {
-    const auto view = [](const v1::Tensor& t) {
-      return TensorView(static_cast<const void*>(t.data().data()), CoreDType(t.dtype()),
-                        Shape(t.shape().begin(), t.shape().end()));
-    };
-    ForwardInput in;
-    in.layer = r.layer();
-    in.hidden_states = view(r.hidden_states());
-    in.topk_ids = view(r.topk_ids());
-    in.topk_weights = view(r.topk_weights());
-    Tensor out = Tensor::Empty(in.hidden_states.dtype(), in.hidden_states.shape());
-    absl::Status s = reference_->Forward(in, out.view());
-    EXPECT_TRUE(s.ok()) << s;
-    return DecodeFloats(std::string(out.data<char>(), out.nbytes()), r.hidden_states().dtype());
+    return ReferenceForward(*reference_, r);
   }
 
   // `req` fails with `code` and a message containing `text`.

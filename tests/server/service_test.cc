@@ -33,6 +33,7 @@ using ::moeserve::testing::DecodeFloats;
 using ::moeserve::testing::HttpGetMetrics;
 using ::moeserve::testing::MetricValue;
 using ::moeserve::testing::RandomRequest;
+using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
 using ::testing::HasSubstr;
 
@@ -124,34 +125,7 @@ class ServiceTest : public ::testing::Test {
 
   // What the reference engine answers for `request`, as floats.
   static std::vector<float> Expected(const v1::ForwardRequest& request) {
-    const auto dtype_of = [](int d) {
-      switch (d) {
-        case v1::DTYPE_BF16:
-          return DType::kBF16;
-        case v1::DTYPE_FP16:
-          return DType::kFP16;
-        case v1::DTYPE_INT32:
-          return DType::kINT32;
-        case v1::DTYPE_INT64:
-          return DType::kINT64;
-        default:
-          return DType::kFP32;
-      }
-    };
-    const auto view = [&](const v1::Tensor& t) {
-      return TensorView(static_cast<const void*>(t.data().data()), dtype_of(t.dtype()),
-                        Shape(t.shape().begin(), t.shape().end()));
-    };
-    ForwardInput in;
-    in.layer = request.layer();
-    in.hidden_states = view(request.hidden_states());
-    in.topk_ids = view(request.topk_ids());
-    in.topk_weights = view(request.topk_weights());
-    Tensor out = Tensor::Empty(in.hidden_states.dtype(), in.hidden_states.shape());
-    absl::Status s = reference_->Forward(in, out.view());
-    EXPECT_TRUE(s.ok()) << s;
-    std::string bytes(static_cast<const char*>(static_cast<void*>(out.data<char>())), out.nbytes());
-    return DecodeFloats(bytes, request.hidden_states().dtype());
+    return ReferenceForward(*reference_, request);
   }
 
   // The server still answers a valid Forward correctly.

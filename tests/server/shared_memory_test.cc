@@ -29,6 +29,7 @@ namespace {
 
 using ::moeserve::testing::DecodeFloats;
 using ::moeserve::testing::RandomRequest;
+using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
 using ::moeserve::testing::ShmObject;
 using ::testing::HasSubstr;
@@ -43,21 +44,6 @@ ModelConfig TestModel() {
   o.hidden = 128;
   o.intermediate = 96;
   return ApplyOverrides(model, o).value();
-}
-
-DType CoreDType(int d) {
-  switch (d) {
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    case v1::DTYPE_FP16:
-      return DType::kFP16;
-    case v1::DTYPE_INT32:
-      return DType::kINT32;
-    case v1::DTYPE_INT64:
-      return DType::kINT64;
-    default:
-      return DType::kFP32;
-  }
 }
 
 // Moves `t`'s bytes to byte `offset` of region `name`, which starts at byte `object_base` of
@@ -164,20 +150,7 @@ class SharedMemoryTest : public ::testing::Test {
 
   // The reference engine's answer to `request` (its tensors carrying data), as floats.
   static std::vector<float> Expected(const v1::ForwardRequest& request) {
-    const auto view = [](const v1::Tensor& t) {
-      return TensorView(static_cast<const void*>(t.data().data()), CoreDType(t.dtype()),
-                        Shape(t.shape().begin(), t.shape().end()));
-    };
-    ForwardInput in;
-    in.layer = request.layer();
-    in.hidden_states = view(request.hidden_states());
-    in.topk_ids = view(request.topk_ids());
-    in.topk_weights = view(request.topk_weights());
-    Tensor out = Tensor::Empty(in.hidden_states.dtype(), in.hidden_states.shape());
-    const absl::Status s = reference_->Forward(in, out.view());
-    EXPECT_TRUE(s.ok()) << s;
-    return DecodeFloats(std::string(out.data<char>(), out.nbytes()),
-                        request.hidden_states().dtype());
+    return ReferenceForward(*reference_, request);
   }
 
   // A request whose three tensors live in region `name` (starting at byte `object_base` of

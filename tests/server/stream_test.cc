@@ -25,6 +25,7 @@ namespace {
 
 using ::moeserve::testing::DecodeFloats;
 using ::moeserve::testing::RandomRequest;
+using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
 using ::testing::HasSubstr;
 
@@ -38,21 +39,6 @@ ModelConfig TestModel() {
   o.hidden = 128;
   o.intermediate = 96;
   return ApplyOverrides(model, o).value();
-}
-
-DType CoreDType(int d) {
-  switch (d) {
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    case v1::DTYPE_FP16:
-      return DType::kFP16;
-    case v1::DTYPE_INT32:
-      return DType::kINT32;
-    case v1::DTYPE_INT64:
-      return DType::kINT64;
-    default:
-      return DType::kFP32;
-  }
 }
 
 class StreamTest : public ::testing::Test {
@@ -92,20 +78,7 @@ class StreamTest : public ::testing::Test {
   }
 
   static std::vector<float> Expected(const v1::ForwardRequest& request) {
-    const auto view = [](const v1::Tensor& t) {
-      return TensorView(static_cast<const void*>(t.data().data()), CoreDType(t.dtype()),
-                        Shape(t.shape().begin(), t.shape().end()));
-    };
-    ForwardInput in;
-    in.layer = request.layer();
-    in.hidden_states = view(request.hidden_states());
-    in.topk_ids = view(request.topk_ids());
-    in.topk_weights = view(request.topk_weights());
-    Tensor out = Tensor::Empty(in.hidden_states.dtype(), in.hidden_states.shape());
-    absl::Status s = reference_->Forward(in, out.view());
-    EXPECT_TRUE(s.ok()) << s;
-    std::string bytes(out.data<char>(), out.nbytes());
-    return DecodeFloats(bytes, request.hidden_states().dtype());
+    return ReferenceForward(*reference_, request);
   }
 
   // Checks an OK answer against the reference (BF16/FP16 1e-2, FP32 1e-5 relative L2).

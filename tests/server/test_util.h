@@ -3,6 +3,7 @@
 #define MOESERVE_TESTS_SERVER_TEST_UTIL_H_
 
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -19,6 +20,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/dtype.h"
+#include "core/engine.h"
+#include "core/tensor.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "moeserve/v1/moeserve.pb.h"
 #include "tests/testing/test_util.h"
@@ -62,6 +65,41 @@ inline std::vector<float> DecodeFloats(const std::string& bytes, v1::DType dtype
     }
   }
   return out;
+}
+
+// The core dtype of a wire dtype (anything else: FP32).
+inline DType CoreDType(int d) {
+  switch (d) {
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
+    case v1::DTYPE_FP16:
+      return DType::kFP16;
+    case v1::DTYPE_INT32:
+      return DType::kINT32;
+    case v1::DTYPE_INT64:
+      return DType::kINT64;
+    default:
+      return DType::kFP32;
+  }
+}
+
+// `reference`'s answer to `request` (its tensors carrying data), as floats; a failed forward is
+// a test failure (and an empty answer).
+inline std::vector<float> ReferenceForward(Engine& reference, const v1::ForwardRequest& request) {
+  const auto view = [](const v1::Tensor& t) {
+    return TensorView(static_cast<const void*>(t.data().data()), CoreDType(t.dtype()),
+                      Shape(t.shape().begin(), t.shape().end()));
+  };
+  ForwardInput in;
+  in.layer = request.layer();
+  in.hidden_states = view(request.hidden_states());
+  in.topk_ids = view(request.topk_ids());
+  in.topk_weights = view(request.topk_weights());
+  Tensor out = Tensor::Empty(in.hidden_states.dtype(), in.hidden_states.shape());
+  const absl::Status s = reference.Forward(in, out.view());
+  EXPECT_TRUE(s.ok()) << s;
+  if (!s.ok()) return {};
+  return DecodeFloats(std::string(out.data<char>(), out.nbytes()), request.hidden_states().dtype());
 }
 
 // ||got - want|| / ||want||.

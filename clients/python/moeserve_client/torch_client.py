@@ -240,6 +240,41 @@ def _cuda_check(lib, err, what):
         raise RuntimeError(f"{what}: CUDA error {err} ({lib.cudaGetErrorString(err).decode()})")
 
 
+def _cuda_malloc_ipc(index, nbytes):
+    """cudaMalloc(nbytes) on device `index` and its CUDA IPC handle: (lib, ptr, handle bytes).
+    Frees the memory if a step fails; leaves the current device as it was."""
+    lib = _cudart()
+    prev = ctypes.c_int()
+    _cuda_check(lib, lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+    ptr = ctypes.c_void_p()
+    handle = ctypes.create_string_buffer(64)
+    try:
+        _cuda_check(lib, lib.cudaSetDevice(index), "cudaSetDevice")
+        _cuda_check(lib, lib.cudaMalloc(ctypes.byref(ptr), nbytes), "cudaMalloc")
+        _cuda_check(lib, lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
+    except BaseException:
+        if ptr.value:
+            lib.cudaFree(ptr)
+        raise
+    finally:
+        lib.cudaSetDevice(prev.value)
+    return lib, ptr.value, handle.raw
+
+
+def _round_up(nbytes, unit):
+    """max(nbytes, unit) rounded up to a multiple of unit (region capacities)."""
+    return -(-max(nbytes, unit) // unit) * unit
+
+
+def _unregister_region(client, name):
+    """UnregisterSharedMemory(name) on closing; a failure (the server gone) is ignored."""
+    try:
+        client._stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name=name),
+                                            timeout=client.timeout)
+    except grpc.RpcError:
+        pass
+
+
 class _DeviceMemory:
     """Bytes [ptr, ptr + size) of device memory, for torch.as_tensor (no copy)."""
 
@@ -266,7 +301,7 @@ class _CudaRegion:
     def __init__(self, client, device, nbytes):
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.capacity = -(-max(nbytes, 2 << 20) // (2 << 20)) * (2 << 20)
+        self.capacity = _round_up(nbytes, 2 << 20)
         self.name = f"moeserve-torch-{os.getpid()}-{id(self):x}-cuda{self.index}"
         self.client = client
         self.registered = False
@@ -274,28 +309,13 @@ class _CudaRegion:
         # The stream of the last read() (its copy may still be running) if it differs from the
         # stream of the next call, which must wait for it too before the server overwrites.
         self._read_stream = None
-        lib = _cudart()
-        prev = ctypes.c_int()
-        _cuda_check(lib, lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
-        ptr = ctypes.c_void_p()
-        handle = ctypes.create_string_buffer(64)
-        try:
-            _cuda_check(lib, lib.cudaSetDevice(self.index), "cudaSetDevice")
-            _cuda_check(lib, lib.cudaMalloc(ctypes.byref(ptr), self.capacity), "cudaMalloc")
-            self.ptr = ptr.value
-            _cuda_check(lib, lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
-        except BaseException:
-            if ptr.value:
-                lib.cudaFree(ptr)
-            raise
-        finally:
-            lib.cudaSetDevice(prev.value)
+        lib, self.ptr, handle = _cuda_malloc_ipc(self.index, self.capacity)
         try:
             self.buf = torch.as_tensor(_DeviceMemory(self.ptr, self.capacity), device=device)
             if self.buf.data_ptr() != self.ptr or self.buf.numel() != self.capacity:
                 raise RuntimeError("torch.as_tensor did not alias the region's memory")
             client._stub.RegisterCudaSharedMemory(
-                pb.RegisterCudaSharedMemoryRequest(name=self.name, raw_handle=handle.raw,
+                pb.RegisterCudaSharedMemoryRequest(name=self.name, raw_handle=handle,
                                                    device_id=self.index,
                                                    byte_size=self.capacity),
                 timeout=client.timeout)
@@ -347,11 +367,7 @@ class _CudaRegion:
     def close(self):
         if self.registered:
             self.registered = False
-            try:
-                self.client._stub.UnregisterSharedMemory(
-                    pb.UnregisterSharedMemoryRequest(name=self.name), timeout=self.client.timeout)
-            except grpc.RpcError:
-                pass
+            _unregister_region(self.client, self.name)
         if self.buf is not None:
             torch.cuda.synchronize(self.index)  # no copy of ours still reads or writes it
             self._views = {}
@@ -435,7 +451,7 @@ class _HostRegion:
 
     def __init__(self, client, nbytes):
         self.device = None
-        self.capacity = -(-max(nbytes, 1 << 20) // (1 << 20)) * (1 << 20)
+        self.capacity = _round_up(nbytes, 1 << 20)
         self.shm = _shm.SystemRegion.create(self.capacity)
         a = np.frombuffer(self.shm.buf, np.uint8)
         self.addr = a.ctypes.data
@@ -486,11 +502,7 @@ class _HostRegion:
     def close(self):
         if self.registered:
             self.registered = False
-            try:
-                self.client._stub.UnregisterSharedMemory(
-                    pb.UnregisterSharedMemoryRequest(name=self.name), timeout=self.client.timeout)
-            except grpc.RpcError:
-                pass
+            _unregister_region(self.client, self.name)
         self.shm.close(unlink=True)
 
 
@@ -540,26 +552,16 @@ class _ZeroCopyRegion:
             self.index = device.index if device.index is not None else \
                 torch.cuda.current_device()
             self.device = torch.device("cuda", self.index)
-            self.capacity = -(-max(nbytes, 2 << 20) // (2 << 20)) * (2 << 20)
-            lib = _cudart()
-            prev = ctypes.c_int()
-            _cuda_check(lib, lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
-            ptr = ctypes.c_void_p()
-            handle = ctypes.create_string_buffer(64)
-            try:
-                _cuda_check(lib, lib.cudaSetDevice(self.index), "cudaSetDevice")
-                _cuda_check(lib, lib.cudaMalloc(ctypes.byref(ptr), self.capacity), "cudaMalloc")
-                mem = _OwnedDeviceMemory(lib, ptr.value, self.capacity)  # frees from now on
-                _cuda_check(lib, lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
-            finally:
-                lib.cudaSetDevice(prev.value)
+            self.capacity = _round_up(nbytes, 2 << 20)
+            lib, ptr, handle = _cuda_malloc_ipc(self.index, self.capacity)
+            mem = _OwnedDeviceMemory(lib, ptr, self.capacity)  # frees from now on
             self.base = torch.as_tensor(mem, device=self.device)
             request = pb.RegisterCudaSharedMemoryRequest(
-                name=self.name, raw_handle=handle.raw, device_id=self.index,
+                name=self.name, raw_handle=handle, device_id=self.index,
                 byte_size=self.capacity)
             register = client._stub.RegisterCudaSharedMemory
         else:
-            self.capacity = -(-max(nbytes, 1 << 20) // (1 << 20)) * (1 << 20)
+            self.capacity = _round_up(nbytes, 1 << 20)
             self.key = f"/{self.name}"
             fd = os.open("/dev/shm" + self.key, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -602,11 +604,7 @@ class _ZeroCopyRegion:
     def close(self):
         if self.registered:
             self.registered = False
-            try:
-                self.client._stub.UnregisterSharedMemory(
-                    pb.UnregisterSharedMemoryRequest(name=self.name), timeout=self.client.timeout)
-            except grpc.RpcError:
-                pass
+            _unregister_region(self.client, self.name)
         self.base = None
         if self._mm is not None:
             try:

@@ -61,7 +61,14 @@
 #ifndef MOESERVE_PROTO_MOESERVE_V1_FORWARD_CHANNEL_H_
 #define MOESERVE_PROTO_MOESERVE_V1_FORWARD_CHANNEL_H_
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
 #include <cstdint>
+#include <ctime>
 
 namespace moeserve::v1channel {
 
@@ -97,6 +104,31 @@ inline constexpr uint32_t kSlotFree = 0;
 inline constexpr uint32_t kSlotRequest = 1;
 inline constexpr uint32_t kSlotTaken = 2;
 inline constexpr uint32_t kSlotAnswer = 3;
+
+// The protocol's futex and spin primitives, for both sides. Shared (not FUTEX_PRIVATE): the
+// other side is another process. A word of the mapping viewed as an atomic (lock-free, so
+// address-free across processes).
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain words");
+inline std::atomic<uint32_t>* ChannelWord(void* p) {
+  return reinterpret_cast<std::atomic<uint32_t>*>(p);
+}
+// Sleeps while *word == expected, at most timeout_ns (returns early on a wake or a change).
+inline void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout_ns / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout_ns % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+inline void FutexWake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Bytes of a channel object with `num_slots` slots of `slot_bytes` each.
 constexpr uint64_t ForwardChannelBytes(uint64_t num_slots, uint64_t slot_bytes) {
