@@ -63,26 +63,22 @@ absl::Status ValidateForwardShapes(const ModelConfig& model, int64_t max_tokens,
 absl::Status ValidateForwardInput(const ModelConfig& model, int64_t max_tokens,
                                   const ForwardInput& in) {
   MOESERVE_RETURN_IF_ERROR(ValidateForwardShapes(model, max_tokens, in));
-  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   const int64_t routes = in.hidden_states.dim(0) * model.topk;
+  // Routing in device memory is checked by the engine on the device (EngineInfo::device_routing).
+  if (!in.topk_ids.device().is_host() || !in.topk_weights.device().is_host()) {
+    return absl::OkStatus();
+  }
   for (int64_t i = 0; i < routes; ++i) {
     const int64_t id = in.topk_ids.dtype() == DType::kINT32 ? in.topk_ids.data<int32_t>()[i]
                                                             : in.topk_ids.data<int64_t>()[i];
     if (id < 0 || id >= model.num_experts) {
-      return bad("topk_ids: value ", id, " at [", i / model.topk, ", ", i % model.topk,
-                 "] is outside [0, ", model.num_experts, ") (num_experts)");
+      return BadTopkIdError(id, i, model.topk, model.num_experts);
     }
   }
   for (int64_t i = 0; i < routes; ++i) {
     const float w = in.topk_weights.data<float>()[i];
-    if (!std::isfinite(w)) {
-      return bad("topk_weights: value ", w, " at [", i / model.topk, ", ", i % model.topk,
-                 "] is not finite; expected finite router weights");
-    }
-    if (std::fabs(w) > kMaxAbsTopkWeight) {
-      return bad("topk_weights: value ", w, " at [", i / model.topk, ", ", i % model.topk,
-                 "] is outside [-", kMaxAbsTopkWeight, ", ", kMaxAbsTopkWeight,
-                 "]; expected router weights (probabilities, possibly scaled)");
+    if (!std::isfinite(w) || std::fabs(w) > kMaxAbsTopkWeight) {
+      return BadTopkWeightError(w, i, model.topk);
     }
   }
   return absl::OkStatus();
@@ -165,6 +161,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
   const PrepareFinalizeProvider* pf = registry.FindPrepareFinalize(plan.prepare_finalize);
   // Followers receive their slices over host collectives: device memory stays in one process.
   info.device_tensors = pf != nullptr && pf->device_tensors && !plan.multi_process;
+  // Device routing goes to one rank's PrepareAndFinalize as it is (no host split or map).
+  info.device_routing = info.device_tensors && pf->device_routing && plan.world_size == 1;
   info.graph_max_tokens = engine->ranks_->graph_max_tokens();
   info.no_graphs_reason = engine->ranks_->no_graphs_reason();
   if (engine->multi_process_ != nullptr) engine->multi_process_->Start();
@@ -259,8 +257,17 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
                      info_.prepare_finalize, ") takes host tensors only; got hidden_states ",
                      input.hidden_states.DebugString(), " and output ", output.DebugString()));
   }
-  if (!input.topk_ids.device().is_host() || !input.topk_weights.device().is_host()) {
-    return absl::InvalidArgumentError("topk_ids and topk_weights must be host memory");
+  const bool device_ids = !input.topk_ids.device().is_host();
+  const bool device_weights = !input.topk_weights.device().is_host();
+  if ((device_ids || device_weights) && !info_.device_routing) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_ids and topk_weights must be host memory for this engine (backend ",
+                     info_.backend, ", prepare_finalize ", info_.prepare_finalize, "), got ",
+                     input.topk_ids.DebugString(), " and ", input.topk_weights.DebugString()));
+  }
+  if (device_ids && input.topk_ids.dtype() != DType::kINT32) {
+    return absl::InvalidArgumentError(absl::StrCat("topk_ids in device memory must be int32, got ",
+                                                   input.topk_ids.DebugString()));
   }
   const auto t_queue = std::chrono::steady_clock::now();
   const LaneLease lease(this);

@@ -27,11 +27,6 @@
 
 namespace moeserve {
 
-// Largest |router weight| accepted. Router weights are probabilities, at most scaled by a
-// routed scaling factor (DeepSeek-V3: 2.5); a finite weight like 3e38 only serves to overflow
-// the weighted sums to Inf, so it is refused like NaN and Inf are.
-inline constexpr float kMaxAbsTopkWeight = 1e4f;
-
 // One layer call. Views are read-only and must stay valid for the call.
 struct ForwardInput {
   int layer = 0;
@@ -75,6 +70,10 @@ struct EngineInfo {
   // Forward takes hidden_states and writes the output in CUDA device memory too (a client's
   // CUDA region, read and written in place): single-process GPU engines.
   bool device_tensors = false;
+  // Forward takes topk_ids (INT32) and topk_weights in CUDA device memory too, checked on the
+  // device (a bad value is INVALID_ARGUMENT once the step's device work has finished) so that
+  // no copy to the host and no wait precede the launch: single-rank GPU engines.
+  bool device_routing = false;
   // Steps of at most this many tokens per rank replay CUDA graphs (0: none; then
   // no_graphs_reason says why, when graphs were wanted).
   int64_t graph_max_tokens = 0;
@@ -82,7 +81,8 @@ struct EngineInfo {
 };
 
 // Checks a forward against the model: INVALID_ARGUMENT naming the field, what came and what
-// was expected; RESOURCE_EXHAUSTED when M exceeds max_tokens. Reads ids and weights (host).
+// was expected; RESOURCE_EXHAUSTED when M exceeds max_tokens. Reads ids and weights where they
+// are host memory; in device memory (EngineInfo::device_routing) the engine checks them there.
 // NaN/Inf in hidden_states is allowed and propagates to that token's output only.
 // Engine::Forward runs it; ValidateForwardShapes is its O(1) part (layer, dtypes, shapes, M),
 // enough to size an output buffer before calling Forward.
@@ -98,7 +98,8 @@ class Engine {
 
   // Validates and runs one forward; output [M, hidden] with hidden_states' dtype (caller-owned;
   // host memory, or CUDA device memory as hidden_states may be where info().device_tensors --
-  // elsewhere FAILED_PRECONDITION). topk ids and weights are host memory. Thread-safe:
+  // elsewhere FAILED_PRECONDITION). topk ids and weights are host memory, or CUDA device memory
+  // where info().device_routing (ids INT32; INVALID_ARGUMENT otherwise). Thread-safe:
   // concurrent calls run up to steps_in_flight() at once (each on its own lane: stream, buffers,
   // workspaces), the rest wait. With R ranks the M tokens are split evenly (rank r is the source
   // of its slice), every rank runs the modular kernel (its collectives in the same order) and

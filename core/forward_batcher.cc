@@ -108,6 +108,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   // Device tensors (a CUDA region) run alone: the merged buffers are host memory.
   call->mergeable = input.hidden_states.is_contiguous() && input.topk_ids.is_contiguous() &&
                     input.topk_weights.is_contiguous() && input.hidden_states.device().is_host() &&
+                    input.topk_ids.device().is_host() && input.topk_weights.device().is_host() &&
                     output.device().is_host();
   {
     std::unique_lock<std::mutex> lock(mu_);

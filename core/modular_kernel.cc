@@ -1,6 +1,7 @@
 #include "core/modular_kernel.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -51,6 +52,25 @@ std::vector<int64_t> DefaultGraphSizes(int64_t max_tokens) {
 
 absl::StatusOr<std::vector<int64_t>> PrepareAndFinalize::PlanChunks(const PrepareArgs& args) {
   return std::vector<int64_t>{0, args.hidden_states.rank() >= 1 ? args.hidden_states.dim(0) : 0};
+}
+
+absl::Status BadTopkIdError(int64_t value, int64_t route, int64_t topk, int64_t num_experts) {
+  return absl::InvalidArgumentError(absl::StrCat("topk_ids: value ", value, " at [", route / topk,
+                                                 ", ", route % topk, "] is outside [0, ",
+                                                 num_experts, ") (num_experts)"));
+}
+
+absl::Status BadTopkWeightError(float value, int64_t route, int64_t topk) {
+  if (!std::isfinite(value)) {
+    return absl::InvalidArgumentError(absl::StrCat("topk_weights: value ", value, " at [",
+                                                   route / topk, ", ", route % topk,
+                                                   "] is not finite; expected finite router "
+                                                   "weights"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("topk_weights: value ", value, " at [", route / topk, ", ", route % topk,
+                   "] is outside [-", kMaxAbsTopkWeight, ", ", kMaxAbsTopkWeight,
+                   "]; expected router weights (probabilities, possibly scaled)"));
 }
 
 absl::Status CheckPrepareArgsLayout(absl::string_view who, const PrepareArgs& args) {
@@ -125,6 +145,12 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
     return absl::InvalidArgumentError(
         absl::StrCat("ModularKernel: output must be a contiguous host [", m, ", ", k,
                      "] tensor of fp32, bf16 or fp16, got ", output.DebugString()));
+  }
+  if ((!args.topk_ids.device().is_host() || !args.topk_weights.device().is_host()) &&
+      !prepare_finalize_->accepts_device_routing()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prepare_finalize_->name(), " reads host topk_ids and topk_weights only, got ",
+                     args.topk_ids.DebugString()));
   }
   if (!args.hidden_states.device().is_host() && !device_io) {
     return absl::InvalidArgumentError(absl::StrCat(prepare_finalize_->name(),
@@ -304,7 +330,8 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
                      pargs.hidden_states.dtype(),
                      out_dtype,
                      pargs.hidden_states.device().space,
-                     output.device().space};
+                     output.device().space,
+                     pargs.topk_ids.device().space};
   auto it = graphs_.find(key);
   if (it != graphs_.end() && it->second.workspaces == addresses) {
     MOESERVE_RETURN_IF_ERROR(it->second.graph->Launch());

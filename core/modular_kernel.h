@@ -43,6 +43,11 @@
 
 namespace moeserve {
 
+// Largest |router weight| accepted. Router weights are probabilities, at most scaled by a
+// routed scaling factor (DeepSeek-V3: 2.5); a finite weight like 3e38 only serves to overflow
+// the weighted sums to Inf, so it is refused like NaN and Inf are.
+inline constexpr float kMaxAbsTopkWeight = 1e4f;
+
 class StopLatch;  // core/cancellation.h
 
 enum class ActivationFormat {
@@ -116,12 +121,19 @@ struct PrepareArgs {
   TensorView hidden_states;  // [M, K] BF16/FP16/FP32, this rank's source tokens
   TensorView topk_ids;       // [M, topk] INT32 global expert ids in [0, num_experts)
   TensorView topk_weights;   // [M, topk] FP32
+  // (Both host memory, or device memory where accepts_device_routing.)
   int64_t num_experts = 0;
   int64_t num_local_experts = 0;
   int64_t intermediate = 0;
   // [num_experts] INT32 global -> local index on this rank, or -1. Empty: identity.
   TensorView expert_map;
 };
+
+// The refusals of a bad route, worded alike wherever it is found (the engine's host scan, or a
+// PrepareAndFinalize checking device routing): INVALID_ARGUMENT naming the value, [token, k]
+// of `route` and what was expected.
+absl::Status BadTopkIdError(int64_t value, int64_t route, int64_t topk, int64_t num_experts);
+absl::Status BadTopkWeightError(float value, int64_t route, int64_t topk);
 
 // The layout every PrepareAndFinalize::Prepare needs: hidden_states [M, K], topk_ids contiguous
 // INT32 [M, topk], topk_weights contiguous FP32 [M, topk]. INVALID_ARGUMENT starting with `who`.
@@ -196,8 +208,14 @@ class PrepareAndFinalize {
   virtual bool writes_output_dtype(DType dtype) const { return dtype == DType::kFP32; }
   // Whether Prepare may also read hidden_states, and Finalize write the output, in CUDA device
   // memory (contiguous; any device of this process, e.g. a client's CUDA IPC allocation).
-  // topk ids and weights stay on the host. Others take host memory only.
+  // Others take host memory only.
   virtual bool accepts_device_tensors() const { return false; }
+  // Whether Prepare (and StageInputs) may also read topk_ids (INT32) and topk_weights in CUDA
+  // device memory. They are then checked on the device, not by the caller: ids outside
+  // [0, num_experts) and weights that are not finite or exceed kMaxAbsTopkWeight in magnitude
+  // are neutralized before any kernel indexes with them, and the Finalize (or CollectOutput)
+  // that ends the forward returns INVALID_ARGUMENT naming the first one, after its wait.
+  virtual bool accepts_device_routing() const { return false; }
 
   // Bytes exchanged with other ranks since construction (zero for single-rank ones).
   virtual TransferStats transfer_stats() const { return {}; }
@@ -370,10 +388,10 @@ class ModularKernel {
     int layer;
     int64_t tokens;
     DType in, out;
-    MemorySpace in_space, out_space;
+    MemorySpace in_space, out_space, routing_space;
     bool operator<(const GraphKey& o) const {
-      return std::tie(layer, tokens, in, out, in_space, out_space) <
-             std::tie(o.layer, o.tokens, o.in, o.out, o.in_space, o.out_space);
+      return std::tie(layer, tokens, in, out, in_space, out_space, routing_space) <
+             std::tie(o.layer, o.tokens, o.in, o.out, o.in_space, o.out_space, o.routing_space);
     }
   };
   struct GraphEntry {

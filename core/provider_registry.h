@@ -55,6 +55,9 @@ struct PrepareFinalizeProvider {
   bool supports_ep = false;                               // serves more than one rank
   // Reads hidden_states / writes the output in CUDA device memory too (accepts_device_tensors).
   bool device_tensors = false;
+  // Reads topk ids and weights in CUDA device memory too, checking them on the device
+  // (accepts_device_routing).
+  bool device_routing = false;
   std::function<absl::StatusOr<std::unique_ptr<PrepareAndFinalize>>(const EnginePlan&,
                                                                     const RankResources&)>
       create;

@@ -252,7 +252,8 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
 absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
                                                   GatheredBytes* gathered,
                                                   const RegionRegistry* regions,
-                                                  bool device_hidden_ok, ForwardRegions* held) {
+                                                  bool device_hidden_ok, ForwardRegions* held,
+                                                  bool device_routing_ok) {
   ForwardInput input;
   input.layer = request.header.layer();
   MOESERVE_RETURN_IF_ERROR(CheckForwardTensorsPresent(
@@ -275,11 +276,29 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
   }
   // Expert ids index tables once validated: a private copy, which the client cannot change
   // between the check and the use. Weights are read on the host in place (a value changed after
-  // the check only changes that token's answer).
-  MOESERVE_ASSIGN_OR_RETURN(input.topk_ids,
-                            view(request.topk_ids, "topk_ids", RegionAccess::kSnapshot, false));
-  MOESERVE_ASSIGN_OR_RETURN(input.topk_weights,
-                            view(request.topk_weights, "topk_weights", RegionAccess::kRead, false));
+  // the check only changes that token's answer). Routing the engine reads on the device is read
+  // in place there: its check copies each value once and uses that copy.
+  // (return_routing echoes them from the host.)
+  const bool routing_on_device = device_routing_ok && !request.header.return_routing() &&
+                                 request.topk_ids.header.has_region() &&
+                                 request.topk_weights.header.has_region() &&
+                                 request.topk_ids.header.dtype() == v1::DTYPE_INT32;
+  MOESERVE_ASSIGN_OR_RETURN(
+      input.topk_ids,
+      view(request.topk_ids, "topk_ids",
+           routing_on_device ? RegionAccess::kRead : RegionAccess::kSnapshot, routing_on_device));
+  const bool ids_on_device = !input.topk_ids.device().is_host();
+  MOESERVE_ASSIGN_OR_RETURN(input.topk_weights, view(request.topk_weights, "topk_weights",
+                                                     RegionAccess::kRead, ids_on_device));
+  if (ids_on_device && input.topk_weights.device().is_host()) {
+    // Ids in a CUDA region, weights in host memory: the ids as a host copy too (one space).
+    RegionTensor& ids = held->inputs[held->inputs.size() - 2];
+    MOESERVE_ASSIGN_OR_RETURN(
+        ids, RegionTensor::Resolve(*regions, ids.ref(), DType::kINT32, input.topk_ids.shape(),
+                                   RegionAccess::kSnapshot, false, "topk_ids.region", &held->leases,
+                                   /*defer_copy=*/true));
+    input.topk_ids = ids.view();
+  }
   if (held != nullptr)
     MOESERVE_RETURN_IF_ERROR(RegionTensor::FillPending(absl::MakeSpan(held->inputs)));
   return input;

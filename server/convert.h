@@ -74,11 +74,14 @@ struct ForwardRegions {
 // resolved in `regions` into `held` (viewed in place where possible, see RegionTensor). A tensor
 // with both data and a region is refused (INVALID_ARGUMENT); so is any region when `regions` is
 // null (FAILED_PRECONDITION naming --enable_shared_memory). `device_hidden_ok`: the engine reads
-// hidden_states in device memory (a CUDA region's bytes in place).
+// hidden_states in device memory (a CUDA region's bytes in place). `device_routing_ok`: it also
+// reads and checks topk ids (INT32) and weights there (EngineInfo::device_routing); they are
+// viewed in place only when both are in CUDA regions, else both are host copies.
 absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestView& request,
                                                   GatheredBytes* gathered,
                                                   const RegionRegistry* regions,
-                                                  bool device_hidden_ok, ForwardRegions* held);
+                                                  bool device_hidden_ok, ForwardRegions* held,
+                                                  bool device_routing_ok = false);
 
 // The request's output_region, when it names one, resolved for writing `dtype` `shape` (the
 // answer) into held->output; INVALID_ARGUMENT if it overlaps one of the call's input regions,

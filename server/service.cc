@@ -103,8 +103,8 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   }
   // A CUDA region's bytes are read and written in place where the engine takes device memory.
   const EngineInfo& info = engine->info();
-  absl::StatusOr<ForwardInput> input =
-      ForwardInputFromWire(*request, &gathered, regions_.get(), info.device_tensors, &regions);
+  absl::StatusOr<ForwardInput> input = ForwardInputFromWire(
+      *request, &gathered, regions_.get(), info.device_tensors, &regions, info.device_routing);
   if (!input.ok()) return fail(input.status());
   // No topk tensors: the server routes with the layer's gate, into a recycled buffer that
   // lives as long as the call (ids INT32 [M, topk], then weights FP32 [M, topk]).

@@ -350,6 +350,8 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
     return dtype == DType::kFP32 || dtype == DType::kBF16 || dtype == DType::kFP16;
   }
   bool accepts_device_tensors() const override { return true; }
+  // Standard only: BatchedExperts sizes its buffers from counts of host ids.
+  bool accepts_device_routing() const override { return format_ == ActivationFormat::kStandard; }
 
   absl::Status Prepare(const PrepareArgs& args, PreparedActivations* out) override;
   absl::Status Finalize(const TensorView& output, const TensorView& fused_expert_output,
@@ -382,6 +384,17 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   }
   // The global -> local id map of Prepare, into `local`; counts per local expert when given.
   absl::Status MapIds(const PrepareArgs& args, int32_t* local, std::vector<int32_t>* counts);
+  static bool DeviceRouting(const PrepareArgs& args) {
+    return !args.topk_ids.device().is_host() || !args.topk_weights.device().is_host();
+  }
+  // Device routing: enqueues the copy of args' ids and weights into out_ids / out_weights
+  // [padded, topk] (device), checked on the way (kernels::LaunchStageRouting); the verdict is
+  // read by RoutingVerdict after the forward's wait.
+  absl::Status StageDeviceRouting(const PrepareArgs& args, int64_t padded, int32_t* out_ids,
+                                  float* out_weights);
+  // After the stream's wait: INVALID_ARGUMENT for the first bad route StageDeviceRouting found
+  // in this forward, else OK (also when the routing was host memory).
+  absl::Status RoutingVerdict();
 
   std::shared_ptr<CudaContext> ctx_;
   int64_t max_num_tokens_;
@@ -404,6 +417,11 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   DeviceBuffer hidden_, wire_, ids_, weights_, batched_a1q_, align_, reduced_;
   PinnedBuffer staging_;
   int32_t* slot_ = nullptr;  // batched: route -> row within its expert, into align_
+  // Device routing's report (page-locked, written by the device) and what it is about.
+  PinnedBuffer report_buf_;
+  kernels::RoutingReport* report_ = nullptr;
+  bool verdict_pending_ = false;
+  int64_t report_topk_ = 1, report_num_experts_ = 0;
   ParallelCopier copier_{kStagingCopyThreads};
   AnswerCopy answer_{&copier_};
 };
@@ -426,6 +444,51 @@ absl::Status CudaNoEpPrepareAndFinalize::MapIds(const PrepareArgs& args, int32_t
     }
     local[i] = l;
     if (counts != nullptr && l >= 0) ++(*counts)[l];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaNoEpPrepareAndFinalize::StageDeviceRouting(const PrepareArgs& args, int64_t padded,
+                                                            int32_t* out_ids, float* out_weights) {
+  const TensorView& ids = args.topk_ids;
+  const TensorView& w = args.topk_weights;
+  if (ids.device().space != MemorySpace::kCuda || w.device().space != MemorySpace::kCuda ||
+      format_ != ActivationFormat::kStandard) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name(),
+        ": device routing needs topk_ids and topk_weights both in device memory and the "
+        "Standard format, got ",
+        ids.DebugString(), " and ", w.DebugString()));
+  }
+  if (!args.expert_map.empty() || args.num_local_experts != args.num_experts) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name(), ": device routing is for one rank serving every expert"));
+  }
+  if (report_ == nullptr) {
+    MOESERVE_ASSIGN_OR_RETURN(void* p, report_buf_.Get(sizeof(kernels::RoutingReport)));
+    report_ = static_cast<kernels::RoutingReport*>(p);
+  }
+  const int64_t m = ids.dim(0), topk = ids.dim(1);
+  report_topk_ = topk;
+  report_num_experts_ = args.num_experts;
+  MOESERVE_CUDA_RETURN_IF_ERROR(
+      kernels::LaunchStageRouting(ids.data<int32_t>(), w.data<float>(), m, static_cast<int>(topk),
+                                  padded, static_cast<int>(args.num_experts), kMaxAbsTopkWeight,
+                                  out_ids, out_weights, report_, StreamOf(*ctx_)));
+  verdict_pending_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status CudaNoEpPrepareAndFinalize::RoutingVerdict() {
+  if (!verdict_pending_) return absl::OkStatus();
+  verdict_pending_ = false;
+  const kernels::RoutingReport report = *report_;
+  if (report.bad_id_route >= 0) {
+    return BadTopkIdError(report.bad_id_value, report.bad_id_route, report_topk_,
+                          report_num_experts_);
+  }
+  if (report.bad_weight_route >= 0) {
+    return BadTopkWeightError(report.bad_weight_value, report.bad_weight_route, report_topk_);
   }
   return absl::OkStatus();
 }
@@ -475,8 +538,12 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
     MOESERVE_RETURN_IF_ERROR(
         ConvertTensor(x, TensorView(pin_x, DType::kBF16, {m, k}, Device::PinnedHost())));
   }
-  MOESERVE_RETURN_IF_ERROR(MapIds(args, pin_ids, &host_counts_));
-  std::memcpy(pin_w, args.topk_weights.raw_data(), w_bytes);
+  const bool device_routing = DeviceRouting(args);
+  verdict_pending_ = false;
+  if (!device_routing) {
+    MOESERVE_RETURN_IF_ERROR(MapIds(args, pin_ids, &host_counts_));
+    std::memcpy(pin_w, args.topk_weights.raw_data(), w_bytes);
+  }
   MOESERVE_ASSIGN_OR_RETURN(void* d_x, hidden_.Get(x_bytes));
   MOESERVE_ASSIGN_OR_RETURN(void* d_ids, ids_.Get(id_bytes));
   MOESERVE_ASSIGN_OR_RETURN(void* d_w, weights_.Get(w_bytes));
@@ -494,10 +561,15 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
       MOESERVE_RETURN_IF_ERROR(
           ConvertWireToBf16(name(), d_wire, wire, static_cast<uint16_t*>(d_x), m * k, stream));
     }
-    MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_ids, pin_ids, id_bytes, cudaMemcpyHostToDevice, stream));
-    MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d_w, pin_w, w_bytes, cudaMemcpyHostToDevice, stream));
+    if (device_routing) {
+      MOESERVE_RETURN_IF_ERROR(
+          StageDeviceRouting(args, m, static_cast<int32_t*>(d_ids), static_cast<float*>(d_w)));
+    } else {
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(d_ids, pin_ids, id_bytes, cudaMemcpyHostToDevice, stream));
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(d_w, pin_w, w_bytes, cudaMemcpyHostToDevice, stream));
+    }
   }
   out->format = format_;
   out->a1q_scale = TensorView();
@@ -597,7 +669,7 @@ absl::Status CudaNoEpPrepareAndFinalize::Finalize(const TensorView& output,
   MOESERVE_RETURN_IF_ERROR(answer_.Enqueue(answer, output, stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   answer_.Finish();
-  return absl::OkStatus();
+  return RoutingVerdict();
 }
 
 absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& args,
@@ -650,6 +722,16 @@ absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& 
     MOESERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(g_dev_in_, x.raw_data(), x_bytes, cudaMemcpyDefault, StreamOf(*ctx_)));
   }
+  verdict_pending_ = false;
+  graph_rows_ = m;
+  if (DeviceRouting(args)) {
+    // Checked and padded on the device, straight into the device staging (outside the graph).
+    auto* dev = static_cast<uint8_t*>(g_dev_in_);
+    MOESERVE_RETURN_IF_ERROR(StageDeviceRouting(args, padded_tokens,
+                                                reinterpret_cast<int32_t*>(dev + l.ids),
+                                                reinterpret_cast<float*>(dev + l.weights)));
+    return true;
+  }
   auto* ids = reinterpret_cast<int32_t*>(base + l.ids);
   auto* w = reinterpret_cast<float*>(base + l.weights);
   MOESERVE_RETURN_IF_ERROR(MapIds(args, ids, nullptr));
@@ -657,7 +739,6 @@ absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& 
   // Padding routes go nowhere and weigh nothing; padding rows of x are never read.
   std::fill(ids + m * topk, ids + padded_tokens * topk, -1);
   std::fill(w + m * topk, w + padded_tokens * topk, 0.0f);
-  graph_rows_ = m;
   return true;
 }
 
@@ -674,12 +755,15 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
   const cudaStream_t stream = StreamOf(*ctx_);
   const Device gpu = ctx_->tensor_device();
   const StagedLayout l = LayoutOf(padded_tokens, k, topk, wire);
-  // Hidden states StageInputs copied to the device itself (device or page-locked input): only
-  // the routing crosses here.
+  // What StageInputs put on the device itself (device or page-locked hidden states; device
+  // routing) does not cross here.
   const size_t from = args.hidden_states.device().space != MemorySpace::kHost ? l.ids : 0;
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint8_t*>(g_dev_in_) + from,
-                                                static_cast<uint8_t*>(g_pin_in_) + from,
-                                                l.bytes - from, cudaMemcpyHostToDevice, stream));
+  const size_t to = DeviceRouting(args) ? l.ids : l.bytes;
+  if (to > from) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint8_t*>(g_dev_in_) + from,
+                                                  static_cast<uint8_t*>(g_pin_in_) + from,
+                                                  to - from, cudaMemcpyHostToDevice, stream));
+  }
   auto* d_in = static_cast<uint8_t*>(g_dev_in_);
   void* d_x = d_in;
   if (wire != DType::kBF16) {
@@ -761,9 +845,10 @@ absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output)
                                                     cudaMemcpyDefault, StreamOf(*ctx_)));
     }
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
-    return absl::OkStatus();
+    return RoutingVerdict();
   }
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
+  MOESERVE_RETURN_IF_ERROR(RoutingVerdict());
   copier_.Copy(output.raw_data(), g_pin_out_, output.nbytes());
   return absl::OkStatus();
 }

@@ -32,6 +32,7 @@ PrepareFinalizeProvider NoEp(ActivationFormat format) {
   p.format = format;
   p.supports_ep = false;
   p.device_tensors = true;
+  p.device_routing = format == ActivationFormat::kStandard;
   p.create = [format](
                  const EnginePlan& plan,
                  const RankResources& rank) -> absl::StatusOr<std::unique_ptr<PrepareAndFinalize>> {

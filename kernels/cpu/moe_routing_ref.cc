@@ -75,4 +75,35 @@ void DequantizeMxfp8ToBf16Ref(const uint8_t* q, const uint8_t* scales, int64_t r
   }
 }
 
+void StageRoutingRef(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens,
+                     int topk, int64_t padded_tokens, int num_experts, float max_abs_weight,
+                     int32_t* out_ids, float* out_weights, RoutingReportRef* report) {
+  *report = RoutingReportRef();
+  const int64_t routes = num_tokens * topk;
+  for (int64_t r = 0; r < padded_tokens * topk; ++r) {
+    int32_t id = -1;
+    float w = 0.0f;
+    if (r < routes) {
+      id = topk_ids[r];
+      w = topk_weights[r];
+      if (id < 0 || id >= num_experts) {
+        if (report->bad_id_route < 0) {
+          report->bad_id_route = r;
+          report->bad_id_value = id;
+        }
+        id = -1;
+      }
+      if (!std::isfinite(w) || std::fabs(w) > max_abs_weight) {
+        if (report->bad_weight_route < 0) {
+          report->bad_weight_route = r;
+          report->bad_weight_value = w;
+        }
+        w = 0.0f;
+      }
+    }
+    out_ids[r] = id;
+    out_weights[r] = w;
+  }
+}
+
 }  // namespace moeserve::kernels

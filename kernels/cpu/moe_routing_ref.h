@@ -8,6 +8,17 @@
 
 namespace moeserve::kernels {
 
+// Twin of LaunchStageRouting (kernels/cuda/moe_routing.cuh; the report has the same fields).
+struct RoutingReportRef {
+  int64_t bad_id_route = -1;
+  int64_t bad_id_value = 0;
+  int64_t bad_weight_route = -1;
+  float bad_weight_value = 0;
+};
+void StageRoutingRef(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens,
+                     int topk, int64_t padded_tokens, int num_experts, float max_abs_weight,
+                     int32_t* out_ids, float* out_weights, RoutingReportRef* report);
+
 // Twin of LaunchMoeAlign: counts [E], offsets [E + 1], sorted_routes [R] (-1 past the served
 // ones), route_slot [R] (-1 for routes no local expert serves).
 void MoeAlignRef(const int32_t* topk_ids, int64_t num_routes, int num_experts,

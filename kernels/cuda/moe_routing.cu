@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/cuda/moe_routing.cuh"
 
 namespace moeserve::kernels {
@@ -205,6 +207,70 @@ cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* 
   TopKReduceKernel<true><<<ReduceBlocks(n), 256, 0, stream>>>(in, topk_weights, topk_ids,
                                                               route_slot, num_tokens, topk, hidden,
                                                               num_experts, max_tokens, out);
+  return cudaGetLastError();
+}
+
+namespace {
+
+constexpr unsigned long long kNoRoute = ~0ull;
+
+// One block: each thread stages a strided share of the routes; the first offender of each kind
+// is the smallest route index, found with shared-memory atomics.
+__global__ void StageRoutingKernel(const int32_t* __restrict__ ids, const float* __restrict__ w,
+                                   int64_t routes, int64_t padded_routes, int num_experts,
+                                   float max_abs, int32_t* __restrict__ out_ids,
+                                   float* __restrict__ out_w, RoutingReport* report) {
+  __shared__ unsigned long long first_id, first_w;
+  if (threadIdx.x == 0) first_id = first_w = kNoRoute;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < padded_routes; r += blockDim.x) {
+    int32_t id = -1;
+    float x = 0.0f;
+    if (r < routes) {
+      id = ids[r];  // read once: the staged value is the checked one
+      x = w[r];
+      if (id < 0 || id >= num_experts) {
+        atomicMin(&first_id, static_cast<unsigned long long>(r));
+        id = -1;
+      }
+      if (!isfinite(x) || fabsf(x) > max_abs) {
+        atomicMin(&first_w, static_cast<unsigned long long>(r));
+        x = 0.0f;
+      }
+    }
+    out_ids[r] = id;
+    out_w[r] = x;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    RoutingReport rep;
+    if (first_id != kNoRoute) {
+      rep.bad_id_route = static_cast<int64_t>(first_id);
+      rep.bad_id_value = ids[first_id];
+    }
+    if (first_w != kNoRoute) {
+      rep.bad_weight_route = static_cast<int64_t>(first_w);
+      rep.bad_weight_value = w[first_w];
+    }
+    *report = rep;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchStageRouting(const int32_t* topk_ids, const float* topk_weights,
+                               int64_t num_tokens, int topk, int64_t padded_tokens, int num_experts,
+                               float max_abs_weight, int32_t* out_ids, float* out_weights,
+                               RoutingReport* report, cudaStream_t stream) {
+  if (num_tokens < 0 || padded_tokens < num_tokens || topk <= 0 || report == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t padded_routes = padded_tokens * topk;
+  const int threads = static_cast<int>(
+      std::min<int64_t>(1024, std::max<int64_t>(32, (padded_routes + 31) / 32 * 32)));
+  StageRoutingKernel<<<1, threads, 0, stream>>>(topk_ids, topk_weights, num_tokens * topk,
+                                                padded_routes, num_experts, max_abs_weight, out_ids,
+                                                out_weights, report);
   return cudaGetLastError();
 }
 

@@ -50,6 +50,28 @@ cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* 
                                                   int64_t max_tokens, float* out,
                                                   cudaStream_t stream);
 
+// What LaunchStageRouting found wrong, first offender of each kind (-1: none). Written by one
+// thread with plain stores, so it may live in mapped page-locked host memory and be read after
+// the stream's next synchronization.
+struct RoutingReport {
+  int64_t bad_id_route = -1;      // route index of the first id outside [0, num_experts)
+  int64_t bad_id_value = 0;       // that id
+  int64_t bad_weight_route = -1;  // route index of the first weight not finite or > max_abs
+  float bad_weight_value = 0;     // that weight
+};
+
+// Copies the num_tokens * topk routes of (topk_ids INT32, topk_weights FP32), device memory in
+// any layout the caller owns, into out_ids / out_weights [padded_tokens, topk], checking each
+// on the way: an id outside [0, num_experts) is written as -1 (a route no expert serves) and a
+// weight that is not finite or whose magnitude exceeds max_abs_weight as 0, and the first of
+// each goes to *report. Routes of rows [num_tokens, padded_tokens) are padding: -1 and 0. So
+// nothing downstream ever reads out of bounds, whatever the client sent. One thread block;
+// *report is written in full. num_tokens may be 0.
+cudaError_t LaunchStageRouting(const int32_t* topk_ids, const float* topk_weights,
+                               int64_t num_tokens, int topk, int64_t padded_tokens, int num_experts,
+                               float max_abs_weight, int32_t* out_ids, float* out_weights,
+                               RoutingReport* report, cudaStream_t stream);
+
 }  // namespace moeserve::kernels
 
 #endif  // MOESERVE_KERNELS_CUDA_MOE_ROUTING_CUH_

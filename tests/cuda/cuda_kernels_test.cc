@@ -88,6 +88,66 @@ TEST_F(CudaKernelsTest, AlignMatchesRefAndIsStable) {
   }
 }
 
+TEST_F(CudaKernelsTest, StageRoutingMatchesRefAndReportsFirstOffenders) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  const float kNan = std::nanf(""), kInf = INFINITY;
+  for (int64_t m : {0, 1, 5, 256, 1000, 9000}) {
+    for (int topk : {1, 8}) {
+      for (int bad : {0, 1, 2}) {  // none; a few bad ids and weights; many
+        const int e = 32;
+        const int64_t padded = m + (m % 3), r = m * topk, pr = padded * topk;
+        std::vector<int32_t> ids(r);
+        std::vector<float> w(r);
+        std::uniform_int_distribution<int> id(0, e - 1);
+        for (auto& v : ids) v = id(rng);
+        for (auto& v : w) v = nd(rng);
+        if (bad > 0 && r > 0) {
+          std::uniform_int_distribution<int64_t> at(0, r - 1);
+          const int count = bad == 1 ? 2 : static_cast<int>(r / 3 + 1);
+          for (int i = 0; i < count; ++i) {
+            ids[at(rng)] = i % 2 ? e : -7;
+            w[at(rng)] = i % 3 == 0 ? kNan : (i % 3 == 1 ? kInf : 2e4f);
+          }
+        }
+        std::vector<int32_t> ref_ids(pr);
+        std::vector<float> ref_w(pr);
+        RoutingReportRef ref;
+        StageRoutingRef(ids.data(), w.data(), m, topk, padded, e, 1e4f, ref_ids.data(),
+                        ref_w.data(), &ref);
+        Dev<int32_t> d_ids(ids), d_out_ids(pr);
+        Dev<float> d_w(w), d_out_w(pr);
+        RoutingReport* rep = nullptr;
+        CUDA_OK(cudaMallocHost(&rep, sizeof(RoutingReport)));
+        std::memset(rep, 0x5A, sizeof(RoutingReport));  // poisoned: must be written in full
+        CUDA_OK(LaunchStageRouting(d_ids.p, d_w.p, m, topk, padded, e, 1e4f, d_out_ids.p, d_out_w.p,
+                                   rep, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::string where = "m=" + std::to_string(m) + " topk=" + std::to_string(topk) +
+                                  " bad=" + std::to_string(bad);
+        if (pr > 0) {
+          EXPECT_EQ(d_out_ids.Get(), ref_ids) << where;
+          const std::vector<float> got_w = d_out_w.Get();
+          EXPECT_EQ(std::memcmp(got_w.data(), ref_w.data(), pr * sizeof(float)), 0) << where;
+        }
+        EXPECT_EQ(rep->bad_id_route, ref.bad_id_route) << where;
+        EXPECT_EQ(rep->bad_weight_route, ref.bad_weight_route) << where;
+        if (ref.bad_id_route >= 0) EXPECT_EQ(rep->bad_id_value, ref.bad_id_value) << where;
+        if (ref.bad_weight_route >= 0) {
+          EXPECT_EQ(std::memcmp(&rep->bad_weight_value, &ref.bad_weight_value, 4), 0) << where;
+        }
+        if (bad == 0) {
+          EXPECT_EQ(ref.bad_id_route, -1);
+          EXPECT_EQ(ref.bad_weight_route, -1);
+        } else if (r > 0) {
+          EXPECT_GE(ref.bad_id_route, 0) << where;
+        }
+        cudaFreeHost(rep);
+      }
+    }
+  }
+}
+
 TEST_F(CudaKernelsTest, TopKReduceContiguousAndNaiveBatched) {
   std::mt19937 rng(2);
   std::normal_distribution<float> nd;

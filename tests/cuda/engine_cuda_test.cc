@@ -2,6 +2,9 @@
 // CudaExperts / CudaBatchedExperts on GPU 0) against Engine{backend=cpu, experts=reference},
 // relative L2 < 1e-2 on BF16 outputs, for BF16 and MXFP8 weights. Without a GPU the cuda
 // backend must be refused with FAILED_PRECONDITION and "auto" must pick cpu (those run in CI).
+#include <cuda_runtime.h>
+
+#include <cstring>
 #include <random>
 #include <thread>
 #include <vector>
@@ -227,6 +230,122 @@ TEST(EngineCuda, GraphReplayMatchesCpuReference) {
       EXPECT_EQ(stats.replays + stats.captures + stats.eager, 2 * std::size(sizes));
     }
   }
+}
+
+// A device copy of a host tensor (freed with the object).
+struct DeviceCopy {
+  void* ptr = nullptr;
+  TensorView view;
+  explicit DeviceCopy(const TensorView& host) {
+    cudaMalloc(&ptr, std::max<size_t>(host.nbytes(), 16));
+    cudaMemcpy(ptr, host.raw_data(), host.nbytes(), cudaMemcpyHostToDevice);
+    view = TensorView(ptr, host.dtype(), host.shape(), Device::Cuda(0));
+  }
+  ~DeviceCopy() { cudaFree(ptr); }
+  Tensor ToHost() const {
+    Tensor t = Tensor::Empty(view.dtype(), view.shape());
+    cudaMemcpy(t.view().raw_data(), ptr, view.nbytes(), cudaMemcpyDeviceToHost);
+    return t;
+  }
+};
+
+// Routing in device memory (a client's CUDA region) is read and checked on the device, graphed
+// (M <= 64 here) and eager (M = 300): the same answers as the CPU reference, and every bad value
+// refused with the host check's own words, after which the engine still answers correctly.
+TEST(EngineCuda, DeviceRoutingMatchesReferenceAndRefusesBadValues) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto reference = Engine::Create(Small("cpu", "reference", WeightFormat::kBF16));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EngineOptions o = Small("cuda", "cuda", WeightFormat::kBF16);
+  o.num_ranks = 1;
+  o.steps_in_flight = 1;
+  o.graph_max_tokens = 64;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ASSERT_TRUE((*engine)->info().device_routing);
+  const ModelConfig& model = (*engine)->info().model;
+  std::mt19937 rng(17);
+  int i = 0;
+  for (int64_t m : {1, 9, 64, 300, 9, 1, 300}) {
+    for (bool device_x : {false, true}) {
+      SCOPED_TRACE(absl::StrCat("m=", m, device_x ? " device" : " host", " hidden/output"));
+      ++i;
+      const Tensor x = ToBf16(ep_testing::RandomNormal({m, model.hidden}, rng));
+      const Tensor ids = ep_testing::MakeRouting(i % 2 ? Routing::kHotExpert : Routing::kUniform, m,
+                                                 model.topk, model.num_experts, {3, 4}, rng);
+      const Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+      const DeviceCopy d_ids(ids.view()), d_w(w.view()), d_x(x.view());
+      Tensor want = Tensor::Empty(DType::kBF16, {m, model.hidden});
+      ASSERT_TRUE((*reference)
+                      ->Forward({i % model.num_layers, x.view(), ids.view(), w.view()}, want.view())
+                      .ok());
+      Tensor zeros = Tensor::Empty(DType::kBF16, {m, model.hidden});
+      std::memset(zeros.view().raw_data(), 0, zeros.nbytes());
+      DeviceCopy d_out(zeros.view());
+      Tensor host_out = Tensor::Empty(DType::kBF16, {m, model.hidden});
+      const ForwardInput in{i % model.num_layers, device_x ? d_x.view : x.view(), d_ids.view,
+                            d_w.view};
+      const absl::Status s = (*engine)->Forward(in, device_x ? d_out.view : host_out.view());
+      ASSERT_TRUE(s.ok()) << s;
+      const Tensor got = device_x ? d_out.ToHost() : std::move(host_out);
+      const std::vector<float> g = Bf16ToFloats(got), r = Bf16ToFloats(want);
+      EXPECT_LT(ep_testing::RelativeL2Error(g.data(), r.data(), g.size()), kBf16Tolerance);
+
+      // One bad value at a random route, each kind in turn; the next good call is right.
+      std::uniform_int_distribution<int64_t> at(0, m * model.topk - 1);
+      const int64_t route = at(rng);
+      Tensor bad_ids =
+          ep_testing::MakeRouting(Routing::kUniform, m, model.topk, model.num_experts, {0}, rng);
+      Tensor bad_w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+      std::string want_message;
+      const std::string where =
+          absl::StrCat(" at [", route / model.topk, ", ", route % model.topk, "]");
+      switch (i % 4) {
+        case 0:
+          bad_ids.data<int32_t>()[route] = model.num_experts;
+          want_message = absl::StrCat("topk_ids: value ", model.num_experts, where,
+                                      " is outside [0, ", model.num_experts, ")");
+          break;
+        case 1:
+          bad_ids.data<int32_t>()[route] = -1;
+          want_message = absl::StrCat("topk_ids: value -1", where, " is outside");
+          break;
+        case 2:
+          bad_w.data<float>()[route] = std::nanf("");
+          want_message = absl::StrCat("topk_weights: value nan", where, " is not finite");
+          break;
+        default:
+          bad_w.data<float>()[route] = -2e4f;
+          want_message = absl::StrCat("topk_weights: value -20000", where, " is outside");
+      }
+      const DeviceCopy d_bad_ids(bad_ids.view()), d_bad_w(bad_w.view());
+      const absl::Status bad =
+          (*engine)->Forward({in.layer, in.hidden_states, d_bad_ids.view, d_bad_w.view},
+                             device_x ? d_out.view : host_out.view());
+      EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+      EXPECT_THAT(bad.message(), HasSubstr(want_message));
+      // The host check says the same.
+      const absl::Status host_bad =
+          (*engine)->Forward({in.layer, x.view(), bad_ids.view(), bad_w.view()}, host_out.view());
+      EXPECT_THAT(host_bad.message(), HasSubstr(want_message));
+    }
+  }
+  // Refusals that never reach the device: INT64 ids in device memory; ids and weights apart.
+  const Tensor x = ToBf16(ep_testing::RandomNormal({4, model.hidden}, rng));
+  const Tensor w = ep_testing::RandomTopkWeights(4, model.topk, rng);
+  Tensor ids64 = Tensor::Empty(DType::kINT64, {4, model.topk});
+  for (int64_t j = 0; j < ids64.numel(); ++j) ids64.data<int64_t>()[j] = j % model.num_experts;
+  const DeviceCopy d_ids64(ids64.view()), d_w(w.view());
+  Tensor out = Tensor::Empty(DType::kBF16, {4, model.hidden});
+  absl::Status s = (*engine)->Forward({0, x.view(), d_ids64.view, d_w.view}, out.view());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("must be int32"));
+  const Tensor ids =
+      ep_testing::MakeRouting(Routing::kUniform, 4, model.topk, model.num_experts, {0}, rng);
+  s = (*engine)->Forward({0, x.view(), ids.view(), d_w.view}, out.view());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("both in device memory"));
+  EXPECT_TRUE((*engine)->healthy());
 }
 
 // A token count the providers cannot capture is refused when asked for explicitly; auto on the

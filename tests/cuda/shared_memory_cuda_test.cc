@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -398,6 +399,57 @@ TEST_F(SharedMemoryCudaTest, Refusals) {
   EXPECT_LT(
       testing::RelativeL2Error(DecodeHidden(got.data(), 4 * kHidden, v1::DTYPE_BF16), c.expected),
       kTolerance);
+  // Routing in a CUDA region is checked on the device: a bad id or weight is refused in the
+  // host check's words, and the next call is served.
+  const int32_t bad_id = 1000;
+  ASSERT_EQ(cudaMemcpy(d + l.ids + 4 * 5, &bad_id, 4, cudaMemcpyDefault), cudaSuccess);
+  result = client_->Forward(a);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+  EXPECT_THAT(result.status().message(),
+              HasSubstr(absl::StrCat("topk_ids: value 1000 at [", 5 / kTopk, ", ", 5 % kTopk,
+                                     "] is outside [0, ")));
+  ASSERT_EQ(cudaMemcpy(d + l.ids, c.ids.data(), c.ids.size() * 4, cudaMemcpyDefault), cudaSuccess);
+  const float nan = std::nanf("");
+  ASSERT_EQ(cudaMemcpy(d + l.weights + 4 * 3, &nan, 4, cudaMemcpyDefault), cudaSuccess);
+  result = client_->Forward(a);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+  EXPECT_THAT(result.status().message(), HasSubstr("topk_weights: value nan"));
+  ASSERT_EQ(cudaMemcpy(d + l.weights, c.weights.data(), c.weights.size() * 4, cudaMemcpyDefault),
+            cudaSuccess);
+  result = client_->Forward(a);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(client_->UnregisterSharedMemory("").ok());
+}
+
+// Ids in a CUDA region with weights in a system region: both read as host copies, same answer.
+TEST_F(SharedMemoryCudaTest, RoutingSplitAcrossRegionKinds) {
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  DeviceBuffer buf(4 << 20);
+  ASSERT_NE(buf.ptr, nullptr);
+  ShmObject shm(4 << 20);
+  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(client_->RegisterCudaSharedMemory("gs", buf.Handle(), 0, buf.bytes).ok());
+  ASSERT_TRUE(client_->RegisterSystemSharedMemory("hs", shm.key(), 0, shm.size()).ok());
+  for (int64_t m : {1, 40, 300}) {
+    const Case c = Random(m, v1::DTYPE_BF16, 1);
+    const Layout l = LayoutAt(c, 0);
+    auto* d = static_cast<char*>(buf.ptr);
+    ASSERT_EQ(cudaMemcpy(d + l.hidden, c.hidden.data(), c.hidden.size(), cudaMemcpyDefault),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d + l.ids, c.ids.data(), c.ids.size() * 4, cudaMemcpyDefault),
+              cudaSuccess);
+    shm.Write(l.weights, c.weights.data(), c.weights.size() * 4);
+    ForwardRegionArgs a = Args(c, "gs", l);
+    a.topk_weights = MakeRegionRef("hs", l.weights, c.weights.size() * 4);
+    auto result = client_->Forward(a);
+    ASSERT_TRUE(result.ok()) << result.status();
+    std::string got(c.hidden.size(), '\0');
+    ASSERT_EQ(cudaMemcpy(got.data(), d + l.out, got.size(), cudaMemcpyDefault), cudaSuccess);
+    EXPECT_LT(
+        testing::RelativeL2Error(DecodeHidden(got.data(), m * kHidden, v1::DTYPE_BF16), c.expected),
+        kTolerance)
+        << "M=" << m;
+  }
   EXPECT_TRUE(client_->UnregisterSharedMemory("").ok());
 }
 

@@ -1,9 +1,11 @@
 #include "kernels/cpu/moe_ref.h"
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/moe_routing_ref.h"
 
 namespace moeserve::kernels {
 namespace {
@@ -28,6 +30,33 @@ TEST(ExpertMlpRowRefTest, HandComputedCase) {
   ExpertMlpRowRef(x.data(), w13.data(), w2.data(), 2, 1, y.data(), scratch.data());
   EXPECT_NEAR(y[0], 2 * act, 1e-6);
   EXPECT_NEAR(y[1], -0.5 * act, 1e-6);
+}
+
+TEST(StageRoutingRefTest, CopiesPadsAndReportsFirstOffenders) {
+  // 3 tokens, topk 2, padded to 4 rows, 4 experts.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<int32_t> ids = {0, 3, 4, 1, -1, 2};  // route 2 (value 4), route 4 (-1)
+  const std::vector<float> w = {0.5f, 0.25f, 1.0f, nan, 2e4f, -3.0f};  // routes 3 and 4
+  std::vector<int32_t> out_ids(8, 77);
+  std::vector<float> out_w(8, 77.0f);
+  RoutingReportRef report;
+  StageRoutingRef(ids.data(), w.data(), 3, 2, 4, 4, 1e4f, out_ids.data(), out_w.data(), &report);
+  EXPECT_EQ(out_ids, (std::vector<int32_t>{0, 3, -1, 1, -1, 2, -1, -1}));
+  EXPECT_EQ(out_w, (std::vector<float>{0.5f, 0.25f, 1.0f, 0.0f, 0.0f, -3.0f, 0.0f, 0.0f}));
+  EXPECT_EQ(report.bad_id_route, 2);
+  EXPECT_EQ(report.bad_id_value, 4);
+  EXPECT_EQ(report.bad_weight_route, 3);
+  EXPECT_TRUE(std::isnan(report.bad_weight_value));
+
+  // Clean input: nothing reported, everything copied.
+  const std::vector<int32_t> good_ids = {1, 2};
+  const std::vector<float> good_w = {0.75f, -1e4f};
+  StageRoutingRef(good_ids.data(), good_w.data(), 1, 2, 1, 4, 1e4f, out_ids.data(), out_w.data(),
+                  &report);
+  EXPECT_EQ(report.bad_id_route, -1);
+  EXPECT_EQ(report.bad_weight_route, -1);
+  EXPECT_EQ(out_ids[1], 2);
+  EXPECT_EQ(out_w[1], -1e4f);
 }
 
 TEST(TopKWeightAndReduceContiguousRefTest, WeightsSumsAndSkipsRemoteRoutes) {
