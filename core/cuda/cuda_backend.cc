@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/answer_copy.h"
@@ -421,6 +422,8 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   PinnedBuffer report_buf_;
   kernels::RoutingReport* report_ = nullptr;
   bool verdict_pending_ = false;
+  DeviceBuffer device_map_;               // the expert map device routing applies
+  std::vector<int32_t> device_map_host_;  // what device_map_ holds
   int64_t report_topk_ = 1, report_num_experts_ = 0;
   ParallelCopier copier_{kStagingCopyThreads};
   AnswerCopy answer_{&copier_};
@@ -460,9 +463,24 @@ absl::Status CudaNoEpPrepareAndFinalize::StageDeviceRouting(const PrepareArgs& a
         "Standard format, got ",
         ids.DebugString(), " and ", w.DebugString()));
   }
-  if (!args.expert_map.empty() || args.num_local_experts != args.num_experts) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(name(), ": device routing is for one rank serving every expert"));
+  const int32_t* d_map = nullptr;
+  if (!args.expert_map.empty()) {
+    // The rank's map is fixed: on the device once (again only if another map comes).
+    const TensorView& map = args.expert_map;
+    if (map.dtype() != DType::kINT32 || map.numel() != args.num_experts ||
+        !map.device().is_host() || !map.is_contiguous()) {
+      return absl::InvalidArgumentError(absl::StrCat(name(), ": expert_map must be host INT32 [",
+                                                     args.num_experts, "], got ",
+                                                     map.DebugString()));
+    }
+    const int32_t* host = map.data<int32_t>();
+    const size_t bytes = static_cast<size_t>(map.numel()) * 4;
+    MOESERVE_ASSIGN_OR_RETURN(void* p, device_map_.Get(bytes));
+    if (!std::equal(host, host + map.numel(), device_map_host_.begin(), device_map_host_.end())) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+      device_map_host_.assign(host, host + map.numel());
+    }
+    d_map = static_cast<const int32_t*>(p);
   }
   if (report_ == nullptr) {
     MOESERVE_ASSIGN_OR_RETURN(void* p, report_buf_.Get(sizeof(kernels::RoutingReport)));
@@ -471,10 +489,10 @@ absl::Status CudaNoEpPrepareAndFinalize::StageDeviceRouting(const PrepareArgs& a
   const int64_t m = ids.dim(0), topk = ids.dim(1);
   report_topk_ = topk;
   report_num_experts_ = args.num_experts;
-  MOESERVE_CUDA_RETURN_IF_ERROR(
-      kernels::LaunchStageRouting(ids.data<int32_t>(), w.data<float>(), m, static_cast<int>(topk),
-                                  padded, static_cast<int>(args.num_experts), kMaxAbsTopkWeight,
-                                  out_ids, out_weights, report_, StreamOf(*ctx_)));
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchStageRouting(
+      ids.data<int32_t>(), w.data<float>(), m, static_cast<int>(topk), padded,
+      static_cast<int>(args.num_experts), d_map, static_cast<int>(args.num_local_experts),
+      kMaxAbsTopkWeight, out_ids, out_weights, report_, StreamOf(*ctx_)));
   verdict_pending_ = true;
   return absl::OkStatus();
 }

@@ -76,8 +76,9 @@ void DequantizeMxfp8ToBf16Ref(const uint8_t* q, const uint8_t* scales, int64_t r
 }
 
 void StageRoutingRef(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens,
-                     int topk, int64_t padded_tokens, int num_experts, float max_abs_weight,
-                     int32_t* out_ids, float* out_weights, RoutingReportRef* report) {
+                     int topk, int64_t padded_tokens, int num_experts, const int32_t* expert_map,
+                     int num_local_experts, float max_abs_weight, int32_t* out_ids,
+                     float* out_weights, RoutingReportRef* report) {
   *report = RoutingReportRef();
   const int64_t routes = num_tokens * topk;
   for (int64_t r = 0; r < padded_tokens * topk; ++r) {
@@ -92,7 +93,10 @@ void StageRoutingRef(const int32_t* topk_ids, const float* topk_weights, int64_t
           report->bad_id_value = id;
         }
         id = -1;
+      } else if (expert_map != nullptr) {
+        id = expert_map[id];
       }
+      if (id < -1 || id >= num_local_experts) id = -1;
       if (!std::isfinite(w) || std::fabs(w) > max_abs_weight) {
         if (report->bad_weight_route < 0) {
           report->bad_weight_route = r;

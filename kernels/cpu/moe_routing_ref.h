@@ -16,8 +16,9 @@ struct RoutingReportRef {
   float bad_weight_value = 0;
 };
 void StageRoutingRef(const int32_t* topk_ids, const float* topk_weights, int64_t num_tokens,
-                     int topk, int64_t padded_tokens, int num_experts, float max_abs_weight,
-                     int32_t* out_ids, float* out_weights, RoutingReportRef* report);
+                     int topk, int64_t padded_tokens, int num_experts, const int32_t* expert_map,
+                     int num_local_experts, float max_abs_weight, int32_t* out_ids,
+                     float* out_weights, RoutingReportRef* report);
 
 // Twin of LaunchMoeAlign: counts [E], offsets [E + 1], sorted_routes [R] (-1 past the served
 // ones), route_slot [R] (-1 for routes no local expert serves).

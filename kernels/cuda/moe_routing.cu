@@ -218,8 +218,9 @@ constexpr unsigned long long kNoRoute = ~0ull;
 // is the smallest route index, found with shared-memory atomics.
 __global__ void StageRoutingKernel(const int32_t* __restrict__ ids, const float* __restrict__ w,
                                    int64_t routes, int64_t padded_routes, int num_experts,
-                                   float max_abs, int32_t* __restrict__ out_ids,
-                                   float* __restrict__ out_w, RoutingReport* report) {
+                                   const int32_t* __restrict__ map, int num_local, float max_abs,
+                                   int32_t* __restrict__ out_ids, float* __restrict__ out_w,
+                                   RoutingReport* report) {
   __shared__ unsigned long long first_id, first_w;
   if (threadIdx.x == 0) first_id = first_w = kNoRoute;
   __syncthreads();
@@ -232,7 +233,10 @@ __global__ void StageRoutingKernel(const int32_t* __restrict__ ids, const float*
       if (id < 0 || id >= num_experts) {
         atomicMin(&first_id, static_cast<unsigned long long>(r));
         id = -1;
+      } else if (map != nullptr) {
+        id = map[id];
       }
+      if (id < -1 || id >= num_local) id = -1;
       if (!isfinite(x) || fabsf(x) > max_abs) {
         atomicMin(&first_w, static_cast<unsigned long long>(r));
         x = 0.0f;
@@ -260,6 +264,7 @@ __global__ void StageRoutingKernel(const int32_t* __restrict__ ids, const float*
 
 cudaError_t LaunchStageRouting(const int32_t* topk_ids, const float* topk_weights,
                                int64_t num_tokens, int topk, int64_t padded_tokens, int num_experts,
+                               const int32_t* expert_map, int num_local_experts,
                                float max_abs_weight, int32_t* out_ids, float* out_weights,
                                RoutingReport* report, cudaStream_t stream) {
   if (num_tokens < 0 || padded_tokens < num_tokens || topk <= 0 || report == nullptr) {
@@ -268,9 +273,9 @@ cudaError_t LaunchStageRouting(const int32_t* topk_ids, const float* topk_weight
   const int64_t padded_routes = padded_tokens * topk;
   const int threads = static_cast<int>(
       std::min<int64_t>(1024, std::max<int64_t>(32, (padded_routes + 31) / 32 * 32)));
-  StageRoutingKernel<<<1, threads, 0, stream>>>(topk_ids, topk_weights, num_tokens * topk,
-                                                padded_routes, num_experts, max_abs_weight, out_ids,
-                                                out_weights, report);
+  StageRoutingKernel<<<1, threads, 0, stream>>>(
+      topk_ids, topk_weights, num_tokens * topk, padded_routes, num_experts, expert_map,
+      num_local_experts, max_abs_weight, out_ids, out_weights, report);
   return cudaGetLastError();
 }
 

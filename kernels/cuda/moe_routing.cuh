@@ -60,15 +60,18 @@ struct RoutingReport {
   float bad_weight_value = 0;     // that weight
 };
 
-// Copies the num_tokens * topk routes of (topk_ids INT32, topk_weights FP32), device memory in
-// any layout the caller owns, into out_ids / out_weights [padded_tokens, topk], checking each
-// on the way: an id outside [0, num_experts) is written as -1 (a route no expert serves) and a
+// Copies the num_tokens * topk routes of (topk_ids INT32, topk_weights FP32), contiguous device
+// memory the caller owns, into out_ids / out_weights [padded_tokens, topk], checking each on
+// the way: an id outside [0, num_experts) is written as -1 (a route no expert serves) and a
 // weight that is not finite or whose magnitude exceeds max_abs_weight as 0, and the first of
-// each goes to *report. Routes of rows [num_tokens, padded_tokens) are padding: -1 and 0. So
-// nothing downstream ever reads out of bounds, whatever the client sent. One thread block;
-// *report is written in full. num_tokens may be 0.
+// each goes to *report. A valid id is written as expert_map[id] (device, [num_experts]), or as
+// it is when expert_map is null; a result outside [0, num_local_experts) is written as -1.
+// Routes of rows [num_tokens, padded_tokens) are padding: -1 and 0. So nothing downstream ever
+// indexes out of bounds, whatever the client sent. One thread block; *report is written in
+// full. num_tokens may be 0.
 cudaError_t LaunchStageRouting(const int32_t* topk_ids, const float* topk_weights,
                                int64_t num_tokens, int topk, int64_t padded_tokens, int num_experts,
+                               const int32_t* expert_map, int num_local_experts,
                                float max_abs_weight, int32_t* out_ids, float* out_weights,
                                RoutingReport* report, cudaStream_t stream);
 

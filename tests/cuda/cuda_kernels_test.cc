@@ -110,18 +110,23 @@ TEST_F(CudaKernelsTest, StageRoutingMatchesRefAndReportsFirstOffenders) {
             w[at(rng)] = i % 3 == 0 ? kNan : (i % 3 == 1 ? kInf : 2e4f);
           }
         }
+        // Every other case through a map: half the experts here, permuted; the rest elsewhere.
+        std::vector<int32_t> map(e, -1);
+        for (int j = 0; j < e / 2; ++j) map[(j * 7 + 3) % e] = j;
+        const bool mapped = (m + topk + bad) % 2 == 1;
         std::vector<int32_t> ref_ids(pr);
         std::vector<float> ref_w(pr);
         RoutingReportRef ref;
-        StageRoutingRef(ids.data(), w.data(), m, topk, padded, e, 1e4f, ref_ids.data(),
-                        ref_w.data(), &ref);
+        StageRoutingRef(ids.data(), w.data(), m, topk, padded, e, mapped ? map.data() : nullptr,
+                        mapped ? e / 2 : e, 1e4f, ref_ids.data(), ref_w.data(), &ref);
+        Dev<int32_t> d_map(map);
         Dev<int32_t> d_ids(ids), d_out_ids(pr);
         Dev<float> d_w(w), d_out_w(pr);
         RoutingReport* rep = nullptr;
         CUDA_OK(cudaMallocHost(&rep, sizeof(RoutingReport)));
         std::memset(rep, 0x5A, sizeof(RoutingReport));  // poisoned: must be written in full
-        CUDA_OK(LaunchStageRouting(d_ids.p, d_w.p, m, topk, padded, e, 1e4f, d_out_ids.p, d_out_w.p,
-                                   rep, nullptr));
+        CUDA_OK(LaunchStageRouting(d_ids.p, d_w.p, m, topk, padded, e, mapped ? d_map.p : nullptr,
+                                   mapped ? e / 2 : e, 1e4f, d_out_ids.p, d_out_w.p, rep, nullptr));
         CUDA_OK(cudaDeviceSynchronize());
         const std::string where = "m=" + std::to_string(m) + " topk=" + std::to_string(topk) +
                                   " bad=" + std::to_string(bad);

@@ -40,7 +40,8 @@ TEST(StageRoutingRefTest, CopiesPadsAndReportsFirstOffenders) {
   std::vector<int32_t> out_ids(8, 77);
   std::vector<float> out_w(8, 77.0f);
   RoutingReportRef report;
-  StageRoutingRef(ids.data(), w.data(), 3, 2, 4, 4, 1e4f, out_ids.data(), out_w.data(), &report);
+  StageRoutingRef(ids.data(), w.data(), 3, 2, 4, 4, nullptr, 4, 1e4f, out_ids.data(), out_w.data(),
+                  &report);
   EXPECT_EQ(out_ids, (std::vector<int32_t>{0, 3, -1, 1, -1, 2, -1, -1}));
   EXPECT_EQ(out_w, (std::vector<float>{0.5f, 0.25f, 1.0f, 0.0f, 0.0f, -3.0f, 0.0f, 0.0f}));
   EXPECT_EQ(report.bad_id_route, 2);
@@ -51,12 +52,20 @@ TEST(StageRoutingRefTest, CopiesPadsAndReportsFirstOffenders) {
   // Clean input: nothing reported, everything copied.
   const std::vector<int32_t> good_ids = {1, 2};
   const std::vector<float> good_w = {0.75f, -1e4f};
-  StageRoutingRef(good_ids.data(), good_w.data(), 1, 2, 1, 4, 1e4f, out_ids.data(), out_w.data(),
-                  &report);
+  StageRoutingRef(good_ids.data(), good_w.data(), 1, 2, 1, 4, nullptr, 4, 1e4f, out_ids.data(),
+                  out_w.data(), &report);
   EXPECT_EQ(report.bad_id_route, -1);
   EXPECT_EQ(report.bad_weight_route, -1);
   EXPECT_EQ(out_ids[1], 2);
   EXPECT_EQ(out_w[1], -1e4f);
+
+  // Through an expert map: global 1 -> local 0, global 2 -> not on this rank (-1).
+  const std::vector<int32_t> map = {-1, 0, -1, 1};
+  StageRoutingRef(good_ids.data(), good_w.data(), 1, 2, 1, 4, map.data(), 2, 1e4f, out_ids.data(),
+                  out_w.data(), &report);
+  EXPECT_EQ(out_ids[0], 0);
+  EXPECT_EQ(out_ids[1], -1);
+  EXPECT_EQ(report.bad_id_route, -1);
 }
 
 TEST(TopKWeightAndReduceContiguousRefTest, WeightsSumsAndSkipsRemoteRoutes) {
