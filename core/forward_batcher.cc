@@ -138,8 +138,12 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       }
       return call->done(refused, no_timings);
     }
-    if (options_.inline_max_tokens > 0 && m <= options_.inline_max_tokens &&
-        options_.max_batch_delay == absl::ZeroDuration() && queue_.empty() && running_ == 0) {
+    // A call that cannot share a step (device tensors) gains nothing from waiting or from a
+    // scheduling thread, whatever its size.
+    const bool run_here = options_.inline_max_tokens > 0 && queue_.empty() && running_ == 0 &&
+                          (!call->mergeable || (m <= options_.inline_max_tokens &&
+                                                options_.max_batch_delay == absl::ZeroDuration()));
+    if (run_here) {
       // Nothing running and nothing to merge with: run here. Calls arriving meanwhile queue
       // and merge as usual (a second step only with half a step of work, see Loop).
       ++running_;

@@ -68,7 +68,9 @@ struct ForwardBatcherOptions {
   absl::Duration max_queue_wait = absl::ZeroDuration();
   // A call of at most this many tokens that finds the queue empty, no step running and
   // max_batch_delay == 0 runs its step on the submitting thread: no hand-off to a scheduling
-  // thread (a wake-up costs more than a decode step's own host work). 0: never.
+  // thread (a wake-up costs more than a decode step's own host work). So does a call of any
+  // size that cannot be merged (device tensors) and finds the queue empty and no step
+  // running. 0: never.
   int64_t inline_max_tokens = 64;
   ForwardBatcherObserver* observer = nullptr;  // optional
 };
@@ -99,11 +101,11 @@ class ForwardBatcher {
   // is running finishes first).
   ~ForwardBatcher();
 
-  // Queues one call (or runs it at once, see inline_max_tokens). `input` and `output` (as Engine::Forward: output [M, hidden] in the
-  // hidden dtype, host memory or, where the engine takes them, CUDA device memory; such calls
-  // run alone) must stay valid until `done` runs; `done` runs exactly once.
-  // `cancelled` (may be null) is polled before the call runs and between the stages of its step.
-  // timings.queue_us is the time from Submit to the start of its step.
+  // Queues one call (or runs it at once, see inline_max_tokens). `input` and `output` (as
+  // Engine::Forward: output [M, hidden] in the hidden dtype, host memory or, where the engine takes
+  // them, CUDA device memory; such calls run alone) must stay valid until `done` runs; `done` runs
+  // exactly once. `cancelled` (may be null) is polled before the call runs and between the stages
+  // of its step. timings.queue_us is the time from Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
               std::function<bool()> cancelled, Done done);
 

@@ -1,6 +1,7 @@
 #include "server/buffer_pool.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -8,10 +9,21 @@
 namespace moeserve {
 namespace {
 
+constexpr size_t kPage = 4096;
+
+struct Block {
+  void* data;
+  size_t capacity;
+  bool pinned;
+};
+
 struct FreeList {
   std::mutex mu;
-  std::vector<std::pair<size_t, std::unique_ptr<uint64_t[]>>> buffers;  // (capacity, words)
+  std::vector<Block> buffers;
   size_t bytes = 0;
+  PooledBuffer::Pin pin;
+  PooledBuffer::Unpin unpin;
+  size_t pinned_bytes = 0;
 };
 
 // Never destroyed: reply slices may release buffers during process exit.
@@ -22,36 +34,73 @@ FreeList& Pool() {
 
 }  // namespace
 
+void PooledBuffer::InstallHostPinner(Pin pin, Unpin unpin) {
+  FreeList& pool = Pool();
+  std::lock_guard<std::mutex> lock(pool.mu);
+  if (pool.pin || !pin || !unpin) return;
+  pool.pin = std::move(pin);
+  pool.unpin = std::move(unpin);
+}
+
 std::unique_ptr<PooledBuffer> PooledBuffer::Acquire(size_t bytes) {
-  const size_t words = std::max<size_t>(1, (bytes + 7) / 8);
-  if (bytes >= kMinPooledBytes) {
-    FreeList& pool = Pool();
+  bytes = std::max<size_t>(bytes, 8);
+  if (bytes < kMinPooledBytes) {
+    // Plain: 16-byte aligned from malloc.
+    return std::unique_ptr<PooledBuffer>(
+        new PooledBuffer(std::aligned_alloc(16, (bytes + 15) / 16 * 16), bytes, false, false));
+  }
+  FreeList& pool = Pool();
+  PooledBuffer::Pin pin;
+  {
     std::lock_guard<std::mutex> lock(pool.mu);
     // Best fit among the free buffers, so a small call does not take a large one.
     auto best = pool.buffers.end();
     for (auto it = pool.buffers.begin(); it != pool.buffers.end(); ++it) {
-      if (it->first >= words * 8 && (best == pool.buffers.end() || it->first < best->first)) {
+      if (it->capacity >= bytes && (best == pool.buffers.end() || it->capacity < best->capacity)) {
         best = it;
       }
     }
     if (best != pool.buffers.end()) {
-      std::unique_ptr<PooledBuffer> b(new PooledBuffer(std::move(best->second), best->first));
-      pool.bytes -= best->first;
+      const Block b = *best;
+      pool.bytes -= b.capacity;
       pool.buffers.erase(best);
-      return b;
+      return std::unique_ptr<PooledBuffer>(new PooledBuffer(b.data, b.capacity, true, b.pinned));
+    }
+    if (bytes >= kMinPinnedBytes && pool.pin &&
+        pool.pinned_bytes + (bytes + kPage - 1) / kPage * kPage <= kMaxPinnedBytes) {
+      pin = pool.pin;
     }
   }
-  return std::unique_ptr<PooledBuffer>(
-      new PooledBuffer(std::unique_ptr<uint64_t[]>(new uint64_t[words]), words * 8));
+  // Whole pages, so that page-locking one buffer never touches another's pages.
+  const size_t capacity = (bytes + kPage - 1) / kPage * kPage;
+  void* data = std::aligned_alloc(kPage, capacity);
+  bool pinned = false;
+  if (data != nullptr && pin && pin(data, capacity)) {
+    pinned = true;
+    std::lock_guard<std::mutex> lock(pool.mu);
+    pool.pinned_bytes += capacity;
+  }
+  return std::unique_ptr<PooledBuffer>(new PooledBuffer(data, capacity, true, pinned));
 }
 
 PooledBuffer::~PooledBuffer() {
-  if (words_ == nullptr || capacity_ < kMinPooledBytes) return;
-  FreeList& pool = Pool();
-  std::lock_guard<std::mutex> lock(pool.mu);
-  if (pool.buffers.size() >= kMaxFreeBuffers || pool.bytes + capacity_ > kMaxFreeBytes) return;
-  pool.bytes += capacity_;
-  pool.buffers.emplace_back(capacity_, std::move(words_));
+  if (data_ == nullptr) return;
+  if (pooled_) {
+    FreeList& pool = Pool();
+    std::unique_lock<std::mutex> lock(pool.mu);
+    if (pool.buffers.size() < kMaxFreeBuffers && pool.bytes + capacity_ <= kMaxFreeBytes) {
+      pool.bytes += capacity_;
+      pool.buffers.push_back(Block{data_, capacity_, pinned_});
+      return;
+    }
+    if (pinned_) {
+      pool.pinned_bytes -= capacity_;
+      const PooledBuffer::Unpin unpin = pool.unpin;
+      lock.unlock();
+      unpin(data_);
+    }
+  }
+  std::free(data_);
 }
 
 size_t PooledFreeBuffersForTesting() {

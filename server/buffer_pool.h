@@ -5,6 +5,11 @@
 // host at 1024 tokens of hidden 7168 BF16 (6.3 MB each way): server total 9.95 ms with plain
 // new/delete, 5.50 ms when malloc kept its blocks (tests/benchmarks/transport/RESULTS.md).
 //
+// With a host pinner installed (a GPU engine), large buffers are also page-locked once, when
+// they are first allocated, and stay so while they are recycled: the engine then copies a
+// request's gathered bytes to the device, and the answer back into the reply's buffer, by DMA
+// with no staging copy (PooledBuffer::pinned(); the views say Device::PinnedHost()).
+//
 // Process-wide and thread-safe. A buffer returns to the free list when its owner is destroyed
 // (possibly on a gRPC thread, when the reply slice that owns it is released).
 #ifndef MOESERVE_SERVER_BUFFER_POOL_H_
@@ -12,32 +17,48 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 namespace moeserve {
 
 class PooledBuffer {
  public:
-  // At least `bytes` bytes, 16-byte aligned, contents unspecified.
+  // At least `bytes` bytes, 16-byte aligned (page-aligned when pooled), contents unspecified.
   static std::unique_ptr<PooledBuffer> Acquire(size_t bytes);
   ~PooledBuffer();
   PooledBuffer(const PooledBuffer&) = delete;
   PooledBuffer& operator=(const PooledBuffer&) = delete;
 
-  void* data() { return words_.get(); }
+  void* data() { return data_; }
   size_t capacity() const { return capacity_; }
+  // Page-locked by the installed pinner.
+  bool pinned() const { return pinned_; }
+
+  // Page-locks [data, data + bytes) (true on success) and undoes it. Installed once, before
+  // the first Acquire that should be pinned (buffers allocated earlier stay as they are);
+  // later calls are ignored. Both must be thread-safe.
+  using Pin = std::function<bool(void* data, size_t bytes)>;
+  using Unpin = std::function<void(void* data)>;
+  static void InstallHostPinner(Pin pin, Unpin unpin);
 
   // Free buffers kept at most (count, bytes); beyond, released buffers go back to malloc.
   static constexpr size_t kMaxFreeBuffers = 32;
   static constexpr size_t kMaxFreeBytes = size_t{1} << 30;
   // Buffers smaller than this are plain allocations (malloc reuses them cheaply).
   static constexpr size_t kMinPooledBytes = size_t{64} << 10;
+  // Pooled buffers from this size on are page-locked (with a pinner), up to kMaxPinnedBytes in
+  // all; smaller copies cost less than a DMA set-up saves.
+  static constexpr size_t kMinPinnedBytes = size_t{128} << 10;
+  static constexpr size_t kMaxPinnedBytes = size_t{2} << 30;
 
  private:
-  PooledBuffer(std::unique_ptr<uint64_t[]> words, size_t capacity)
-      : words_(std::move(words)), capacity_(capacity) {}
-  std::unique_ptr<uint64_t[]> words_;
+  PooledBuffer(void* data, size_t capacity, bool pooled, bool pinned)
+      : data_(data), capacity_(capacity), pooled_(pooled), pinned_(pinned) {}
+  void* data_;
   size_t capacity_;
+  bool pooled_;  // page-aligned block of the pool (else a plain allocation)
+  bool pinned_;
 };
 
 // Tests only: buffers on the free list now (count, bytes).

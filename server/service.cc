@@ -13,8 +13,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/provider_registry.h"
 #include "core/status_macros.h"
 #include "moeserve/v1/forward_wire.h"
+#include "server/buffer_pool.h"
 #include "server/convert.h"
 #include "server/status.h"
 
@@ -53,6 +55,17 @@ MoeServiceImpl::MoeServiceImpl(ServingState* state, const ServiceOptions& option
 MoeServiceImpl::~MoeServiceImpl() = default;
 
 void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
+  if (engine.info().backend == "cuda") {
+    // Request gathers and answers in page-locked memory: the GPU reads and writes them by DMA.
+    const BackendProvider* cuda = ProviderRegistry::Global().FindBackend(Backend::kCuda);
+    if (cuda != nullptr && cuda->register_host_memory && cuda->unregister_host_memory) {
+      PooledBuffer::InstallHostPinner(
+          [pin = cuda->register_host_memory](void* data, size_t bytes) {
+            return pin(data, bytes).ok();
+          },
+          cuda->unregister_host_memory);
+    }
+  }
   if (options_.enable_shared_memory && regions_ == nullptr) {
     RegionRegistryOptions regions;
     regions.backend = engine.info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;

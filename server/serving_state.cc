@@ -71,7 +71,9 @@ void ServingState::SubmitForward(absl::string_view method, const ForwardInput& i
     output = *region_output;
   } else {
     answer->output = PooledBuffer::Acquire(answer->bytes);  // recycled: no page faults per call
-    output = TensorView(answer->output->data(), answer->dtype, answer->shape);
+    // A page-locked answer buffer is written by DMA (a GPU engine), without staging.
+    output = TensorView(answer->output->data(), answer->dtype, answer->shape,
+                        answer->output->pinned() ? Device::PinnedHost() : Device::Host());
   }
   // Counted here, before the batcher, so its thread only adds them up (ids in a CUDA region
   // are not read on the host: those calls count toward the layer only).

@@ -343,13 +343,47 @@ TEST(ForwardBatcherTest, IdleSmallCallsRunOnTheSubmittingThread) {
   }
 }
 
+// A call that cannot be merged (here strided hidden states; on a GPU, device tensors) runs on
+// the submitting thread whatever its size or the batch delay, when the batcher is idle: no
+// step could take anything else with it. (The CPU engine refuses strided hidden states; the
+// batcher hands on the engine's own verdict.)
+TEST(ForwardBatcherTest, IdleUnmergeableCallsRunOnTheSubmittingThread) {
+  auto engine = ReferenceEngine();
+  auto oracle = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(15);
+  for (const ForwardBatcherOptions& options :
+       {ForwardBatcherOptions{.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 8},
+        ForwardBatcherOptions{.max_batch_delay = absl::Microseconds(100),
+        .inline_max_tokens = 8}}) {
+    auto batcher = *ForwardBatcher::Create(engine.get(), options);
+    const int64_t tokens = 20;  // > inline_max_tokens
+    Call call = MakeCall(m, tokens, 1, DType::kFP32, rng);
+    // Every other row of a [2 * tokens, hidden] buffer.
+    Tensor wide = Tensor::Empty(DType::kFP32, {2 * tokens, m.hidden});
+    const TensorView strided(wide.data<float>(), DType::kFP32, {tokens, m.hidden},
+                             {2 * m.hidden, 1});
+    ASSERT_FALSE(strided.is_contiguous());
+    const ForwardInput input{call.layer, strided, call.ids.view(), call.w.view()};
+    std::promise<std::pair<std::thread::id, absl::Status>> answered;
+    batcher->Submit(input, call.out.view(), absl::InfiniteFuture(), nullptr,
+                    [&](absl::Status s, const ForwardTimings&) {
+                      answered.set_value({std::this_thread::get_id(), s});
+                    });
+    const auto [id, status] = answered.get_future().get();
+    EXPECT_EQ(id, std::this_thread::get_id());
+    EXPECT_EQ(batcher->stats().inline_steps, 1);
+    EXPECT_EQ(batcher->stats().steps, 1);
+    EXPECT_EQ(status, oracle->Forward(input, call.out.view()));
+  }
+}
+
 // A negative inline_max_tokens is refused, naming the option.
 TEST(ForwardBatcherTest, NegativeInlineMaxTokensIsRefused) {
   auto engine = ReferenceEngine();
   auto b = ForwardBatcher::Create(engine.get(), {.inline_max_tokens = -1});
   EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(b.status().message().find("inline_max_tokens"), absl::string_view::npos)
-      << b.status();
+  EXPECT_NE(b.status().message().find("inline_max_tokens"), absl::string_view::npos) << b.status();
 }
 
 // The engine's lanes: concurrent Forward calls beyond the lane count wait, none is lost, each

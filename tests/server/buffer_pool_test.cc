@@ -2,6 +2,8 @@
 #include "server/buffer_pool.h"
 
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -46,6 +48,69 @@ TEST(PooledBufferTest, ReusesLargeBuffersBestFitAndStaysBounded) {
       many.push_back(PooledBuffer::Acquire(PooledBuffer::kMinPooledBytes));
     }
   }
+  EXPECT_LE(PooledFreeBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
+}
+
+// With a host pinner (a GPU engine), new pooled buffers from kMinPinnedBytes on are page-locked
+// once, whole pages, and stay so while recycled; a buffer dropped from a full free list is
+// unlocked before it is freed; a pin that fails leaves the buffer usable and unpinned.
+TEST(PooledBufferTest, LargeBuffersArePinnedOnceAndUnpinnedWhenFreed) {
+  static std::mutex mu;
+  static std::set<void*> locked;
+  static int pins = 0, unpins = 0;
+  static bool fail_next = false;
+  PooledBuffer::InstallHostPinner(
+      [](void* data, size_t bytes) {
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % 4096, 0u);
+        EXPECT_EQ(bytes % 4096, 0u);
+        if (fail_next) {
+          fail_next = false;
+          return false;
+        }
+        EXPECT_TRUE(locked.insert(data).second) << "pinned twice";
+        ++pins;
+        return true;
+      },
+      [](void* data) {
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_EQ(locked.erase(data), 1u) << "unpinned what was not pinned";
+        ++unpins;
+      });
+  const size_t big = size_t{3} << 20;
+  void* first = nullptr;
+  {
+    auto b = PooledBuffer::Acquire(big + 5);
+    EXPECT_TRUE(b->pinned());
+    EXPECT_EQ(b->capacity() % 4096, 0u);
+    std::memset(b->data(), 1, big + 5);
+    first = b->data();
+    auto small = PooledBuffer::Acquire(PooledBuffer::kMinPooledBytes);  // pooled, not pinned
+    EXPECT_FALSE(small->pinned());
+  }
+  EXPECT_EQ(pins, 1);
+  {
+    auto again = PooledBuffer::Acquire(big);  // recycled: pinned already, no second pin
+    EXPECT_EQ(again->data(), first);
+    EXPECT_TRUE(again->pinned());
+    EXPECT_EQ(pins, 1);
+  }
+  {
+    fail_next = true;
+    auto unpinned = PooledBuffer::Acquire(size_t{16} << 20);
+    EXPECT_FALSE(unpinned->pinned());
+    std::memset(unpinned->data(), 2, size_t{16} << 20);
+  }
+  // More than the free list keeps: the ones dropped are unlocked, and none is left locked
+  // outside the list.
+  {
+    std::vector<std::unique_ptr<PooledBuffer>> many;
+    for (size_t i = 0; i < PooledBuffer::kMaxFreeBuffers + 6; ++i) {
+      many.push_back(PooledBuffer::Acquire(size_t{40} << 20));
+    }
+  }
+  EXPECT_GT(unpins, 0);
+  EXPECT_EQ(pins - unpins, static_cast<int>(locked.size()));
   EXPECT_LE(PooledFreeBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
 }
 
