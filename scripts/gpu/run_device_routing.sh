@@ -19,7 +19,7 @@ run_test() {  # name binary args...
   grep -E '^\[  FAILED' "$OUT/$name.log" | head -5
 }
 run_test cuda_kernels_test $G/bin/cuda_kernels_test
-run_test engine_cuda_test $G/bin/engine_cuda_test
+run_test engine_cuda_test $G/bin/engine_cuda_test --gtest_filter="${ENGINE_FILTER:-*}"
 run_test shared_memory_cuda_test $G/bin/shared_memory_cuda_test
 grep -E "^cuda region BF16" "$OUT/shared_memory_cuda_test.log" | head -8
 if [ "${BENCH:-1}" = 1 ]; then
@@ -33,4 +33,9 @@ if [ "${BENCH:-1}" = 1 ]; then
     bash tests/benchmarks/transport/run_transport_device.sh /tmp/transport > "$OUT/t1024.txt" 2>&1
   grep -E "^\| (trivial|seed) \| (cuda-ch|shm-ch) " "$OUT/t1024.txt" | cut -d'|' -f2-8,11-13
 fi
-tar -C "$OUT" -czf "$OUT/logs.tgz" --exclude=logs.tgz . 2>/dev/null
+# The torch client (its CUDA tests and the zero-copy bench) where the wheels came along.
+if [ "${PY:-0}" = 1 ] && [ -d .gpucarry/wheels ]; then
+  echo "== torch client"
+  OUT=$OUT/zc DEVS=${DEVS:-cuda} bash scripts/gpu/run_torch_zero_copy.sh 2>&1 | tail -30
+fi
+tar -C "$OUT" -czf "$OUT/logs.tgz" --exclude=logs.tgz --exclude=pydeps . 2>/dev/null
