@@ -273,9 +273,9 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
                                 " needs backend cuda (graphs replay device work); use 0 or -1"));
   }
   plan.graphs_required = options.graph_max_tokens > 0;
-  plan.graph_max_tokens =
-      std::min(plan.max_tokens_per_rank, options.graph_max_tokens >= 0 ? options.graph_max_tokens
-                                                                       : (cuda ? int64_t{256} : 0));
+  plan.graph_max_tokens = std::min(
+      plan.max_tokens_per_rank,
+      options.graph_max_tokens >= 0 ? options.graph_max_tokens : (cuda ? kAutoGraphMaxTokens : 0));
 
   plan.weights.checkpoint_dir = options.checkpoint_dir;
   plan.weights.seed = options.seed;

@@ -29,6 +29,10 @@ absl::string_view BackendName(Backend backend);  // "cpu" | "cuda"
 
 // The multi-process command carries the token bounds of every rank (MultiProcessDriver).
 constexpr int kMaxMultiProcessWorld = 256;
+// graph_max_tokens = -1 on a GPU: steps up to 1024 tokens per rank replay graphs. A CUDA-region
+// call of 1024 tokens then costs 65-100 us beyond its experts instead of 100-125 eagerly
+// (tests/benchmarks/transport/RESULTS.md, 2026-12-02); workspaces are reserved for it once.
+inline constexpr int64_t kAutoGraphMaxTokens = 1024;
 // Most engine steps in flight at once (EngineOptions::steps_in_flight).
 constexpr int kMaxStepsInFlight = 8;
 
@@ -98,8 +102,9 @@ struct EngineOptions {
   int steps_in_flight = 0;
   // Graph replay (CUDA graphs) for engine steps of at most this many tokens per rank: each
   // (layer, padded size) is captured on first use and replayed after (core/modular_kernel.h,
-  // GraphOptions). -1: auto (256 with backend cuda where the PrepareAndFinalize and Experts can
-  // be captured, else off); 0: off. A positive value the providers cannot honour is refused.
+  // GraphOptions). -1: auto (kAutoGraphMaxTokens with backend cuda where the PrepareAndFinalize and
+  // Experts can be captured, else off); 0: off. A positive value the providers cannot honour is
+  // refused.
   int64_t graph_max_tokens = -1;
   // Tests only: called on each rank's thread at the start of every forward; a non-OK status
   // fails that rank there (an injected fault), and a hook may also sleep (a late rank).

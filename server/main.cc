@@ -65,7 +65,7 @@ ABSL_FLAG(int64_t, inline_max_tokens, 64,
           "scheduling thread; 0: always hand off");
 ABSL_FLAG(int64_t, cuda_graph_max_tokens, -1,
           "Engine steps of at most this many tokens per rank replay CUDA graphs (captured per "
-          "layer and padded size on first use); -1: auto (256 on a GPU where the kernels can be "
+          "layer and padded size on first use); -1: auto (1024 on a GPU where the kernels can be "
           "captured), 0: off");
 ABSL_FLAG(int32_t, threads, 0, "Compute threads (0: all cores)");
 ABSL_FLAG(int32_t, health_poll_ms, 500,
