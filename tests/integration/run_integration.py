@@ -724,6 +724,18 @@ def case_shm(server, cli, workdir, source_dir):
     check(re.search(r"^ok=48 errors=0 not_sent=0 ", r.stdout, re.M) is not None,
           f"load --shm:\n{r.stdout}")
     check("transport=shm" in r.stdout, f"load --shm did not say so:\n{r.stdout}")
+    # The forward channel (no gRPC call per Forward), with tensors inline and in a region; a
+    # flag it cannot honour is refused before anything is sent.
+    for extra in ([], ["--shm"]):
+        r = cli.run("load", "--channel", *extra, "--requests=24", "--concurrency=2",
+                    "--tokens=8")
+        check(re.search(r"^ok=24 errors=0 not_sent=0 ", r.stdout, re.M) is not None and
+              "channel: slots=2 " in r.stdout, f"load --channel {extra}:\n{r.stdout}")
+    log("cli load --channel (inline, --shm): " + r.stdout.strip().splitlines()[-1])
+    for bad in ("--stream", "--rate=100"):
+        r = cli.run("load", "--channel", bad, "--requests=4", allow_fail=True)
+        check(r.returncode != 0 and "--channel runs closed-loop unary calls" in r.stderr,
+              f"load --channel {bad}: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
     # A CUDA region needs a GPU here and a cuda-backend server; a CPU server (or a machine
     # without a GPU, or a build without CUDA) refuses it cleanly, before any Forward.
     r = cli.run("load", "--cuda_region", "--requests=4", "--concurrency=1", "--tokens=8",
