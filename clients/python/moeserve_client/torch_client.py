@@ -545,6 +545,7 @@ class _ZeroCopyRegion:
         self.twin = twin
         self.area = 0   # with twin: the bytes of each area
         self.busy = []  # (in_lo, in_hi, out_lo, out_hi) of calls in flight on this region
+        self._views = {}  # (offset, shape, dtype) -> tensor(): a view costs three torch calls
         self.name = f"moeserve-zc-{os.getpid()}-{id(self):x}"
         self.registered = False
         self._mm = None
@@ -587,10 +588,19 @@ class _ZeroCopyRegion:
             raise
 
     def tensor(self, offset, shape, dtype):
-        n = torch.empty(0, dtype=dtype).element_size()
-        for d in shape:
-            n *= d
-        return self.base[offset:offset + n].view(dtype).view(shape)
+        """A view of `shape` `dtype` at `offset` (the same object for the same arguments: it
+        shows the region's bytes as they are, so it never goes stale)."""
+        key = (offset, shape, dtype)
+        t = self._views.get(key)
+        if t is None:
+            n = torch.empty(0, dtype=dtype).element_size()
+            for d in shape:
+                n *= d
+            t = self.base[offset:offset + n].view(dtype).view(shape)
+            if len(self._views) >= 256:
+                self._views.clear()
+            self._views[key] = t
+        return t
 
     def conflicts(self, in_lo, in_hi, out_lo, out_hi):
         """Whether a call reading [in_lo, in_hi) and writing [out_lo, out_hi) of this region
