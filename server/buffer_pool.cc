@@ -103,6 +103,25 @@ PooledBuffer::~PooledBuffer() {
   std::free(data_);
 }
 
+void DrainPooledBuffersForTesting() {
+  FreeList& pool = Pool();
+  std::vector<Block> blocks;
+  PooledBuffer::Unpin unpin;
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    blocks.swap(pool.buffers);
+    pool.bytes = 0;
+    unpin = pool.unpin;
+    for (const Block& b : blocks) {
+      if (b.pinned) pool.pinned_bytes -= b.capacity;
+    }
+  }
+  for (const Block& b : blocks) {
+    if (b.pinned) unpin(b.data);
+    std::free(b.data);
+  }
+}
+
 size_t PooledFreeBuffersForTesting() {
   FreeList& pool = Pool();
   std::lock_guard<std::mutex> lock(pool.mu);

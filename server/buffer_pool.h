@@ -63,6 +63,8 @@ class PooledBuffer {
 
 // Tests only: buffers on the free list now (count, bytes).
 size_t PooledFreeBuffersForTesting();
+// Tests only: frees every buffer on the free list (unpinning those pinned).
+void DrainPooledBuffersForTesting();
 
 }  // namespace moeserve
 
