@@ -11,6 +11,7 @@
 #include "core/cuda/answer_copy.h"
 #include "core/cuda/device_packed_layer.h"
 #include "core/cuda/grow_only_buffer.h"
+#include "core/cuda/split_k_workspace.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/moe_gemm.cuh"
@@ -877,8 +878,12 @@ absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output)
 class CudaExpertsImpl final : public Experts {
  public:
   CudaExpertsImpl(std::shared_ptr<CudaContext> ctx,
-                  std::shared_ptr<const DeviceWeightStore> weights, ActivationFormat format)
-      : ctx_(std::move(ctx)), weights_(std::move(weights)), format_(format) {}
+                  std::shared_ptr<const DeviceWeightStore> weights, ActivationFormat format,
+                  std::unique_ptr<SplitKWorkspace> split_k)
+      : ctx_(std::move(ctx)),
+        weights_(std::move(weights)),
+        format_(format),
+        split_k_(std::move(split_k)) {}
 
   absl::string_view name() const override {
     return format_ == ActivationFormat::kStandard ? "CudaExperts" : "CudaBatchedExperts";
@@ -917,6 +922,7 @@ class CudaExpertsImpl final : public Experts {
   std::shared_ptr<CudaContext> ctx_;
   std::shared_ptr<const DeviceWeightStore> weights_;
   ActivationFormat format_;
+  std::unique_ptr<SplitKWorkspace> split_k_;  // the GEMMs', this instance's stream only
 };
 
 absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
@@ -1012,6 +1018,7 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g2.act = static_cast<const uint16_t*>(inter);
   g2.act_stride = l.intermediate_padded;
   g2.out_stride = h;
+  g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, ctx_->num_sms(), stream));
   return absl::OkStatus();
@@ -1031,7 +1038,10 @@ absl::StatusOr<std::unique_ptr<Experts>> CreateCudaExperts(
   if (ctx == nullptr || weights == nullptr) {
     return absl::InvalidArgumentError("CudaExperts: needs a context and a DeviceWeightStore");
   }
-  return std::make_unique<CudaExpertsImpl>(std::move(ctx), std::move(weights), format);
+  MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<SplitKWorkspace> split_k,
+                            SplitKWorkspace::Create(ctx->device()));
+  return std::make_unique<CudaExpertsImpl>(std::move(ctx), std::move(weights), format,
+                                           std::move(split_k));
 }
 
 }  // namespace moeserve

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/device_packed_layer.h"
+#include "core/cuda/split_k_workspace.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_grouped_sm90.cuh"
@@ -199,11 +200,13 @@ class CudaGroupedExperts final : public Experts {
   std::shared_ptr<CudaContext> ctx_;
   std::shared_ptr<const DeviceWeightStore> weights_;
   CudaGroupedExpertsOptions options_;
+  std::unique_ptr<SplitKWorkspace> split_k_;  // the decode kernels', this instance's stream
   bool grouped_available_ = false;
   std::shared_ptr<const PlainStore> plain_;  // null: the decode path only
 };
 
 absl::Status CudaGroupedExperts::Init() {
+  MOESERVE_ASSIGN_OR_RETURN(split_k_, SplitKWorkspace::Create(ctx_->device()));
   const bool must = options_.path == CudaGroupedExpertsOptions::Path::kGrouped;
   const absl::Status supported = CudaGroupedSm90Supported(ctx_->device());
   if (!supported.ok()) {
@@ -374,6 +377,7 @@ absl::Status CudaGroupedExperts::RunDecode(const ExpertsApplyArgs& args,
   g2.scatter = sorted;
   g2.out = per_route;
   g2.out_stride = h;
+  g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceContiguous(

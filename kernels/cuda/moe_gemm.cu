@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <climits>
 #include <type_traits>
 
@@ -251,6 +252,17 @@ struct Unit {
   int e = 0, mt = 0, nt = 0, cnt = 0, row0 = 0;
 };
 
+// Split-K bounds: a split streams at least kMinSplitStages pipeline stages (its fill and the
+// partial's round trip through L2 must stay small next to it), and the last split reads every
+// other split's partial, so at most kMaxSplits of them.
+constexpr int kMinSplitStages = 4;
+constexpr int kMaxSplits = 16;
+
+// A barrier for `count` threads of the block (warps that have exited do not count).
+__device__ __forceinline__ void NamedBarrierSync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // KB: 64-K blocks per pipeline stage (2 only with kTma): a stage is KB consecutive packed blocks,
 // one contiguous copy, and its activation rows are KB x 64 wide.
 template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND, int KB = 1>
@@ -271,7 +283,7 @@ struct GemmCfg {
   static_assert(kNI % 2 == 0, "ldmatrix.x4 loads two n-fragments");
   static constexpr int kBarBytes = 2 * STAGES * 8;  // kTma: full and empty mbarrier per stage
   static size_t SmemBytes(int num_experts) {
-    return kPipeBytes + kBarBytes + static_cast<size_t>(3 * num_experts + 2) * sizeof(int32_t);
+    return kPipeBytes + kBarBytes + static_cast<size_t>(3 * num_experts + 3) * sizeof(int32_t);
   }
 };
 
@@ -291,7 +303,7 @@ struct GemmCfg {
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
           bool kAdaptive, bool kTma, int KB>
 __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 : 1)
-    MoeGemmKernel(const MoeGemmParams p, int2 gate) {
+    MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots) {
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
@@ -351,13 +363,32 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   __syncthreads();
   const int total_units = s_prefix[E];
   if (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y) return;
-  if (static_cast<int>(blockIdx.x) >= total_units) return;
-  const int my_units = (total_units - blockIdx.x + gridDim.x - 1) / gridDim.x;
   const int num_st = (num_kb + KB - 1) / KB;  // stages per unit; the last may hold one block
-  const int total_iters = my_units * num_st;
+  // Split-K (decode tiles, with a workspace): when the units cannot fill the `split_slots` CTA
+  // slots (a few experts of long K, e.g. one token), each unit's stages are split over `splits`
+  // CTAs. Every CTA computes the same value from the same counts.
+  int splits = 1;
+  if constexpr (kTma) {
+    if (p.split_workspace != nullptr && total_units > 0 && total_units <= kMoeGemmSplitCounters) {
+      const int64_t by_mem =
+          kMoeGemmSplitPartialFloats / (static_cast<int64_t>(total_units) * kBM * BN);
+      splits = min(min(split_slots / total_units, num_st / kMinSplitStages),
+                   static_cast<int>(by_mem < kMaxSplits ? by_mem : kMaxSplits));
+      splits = max(splits, 1);
+    }
+  }
+  const int total_items = total_units * splits;
+  if (static_cast<int>(blockIdx.x) >= total_items) return;
+  const int my_items = (total_items - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  // Item i of this CTA: unit (w / splits), stages [lo, hi) of its split (w % splits).
+  auto item_of = [&](int i) {
+    return static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
+  };
+  auto split_lo = [&](int w) { return (w % splits) * num_st / splits; };
+  auto split_hi = [&](int w) { return (w % splits + 1) * num_st / splits; };
+  const int total_iters = my_items * num_st;  // !kTma (never split)
 
-  auto decode = [&](int i) {
-    const int u = blockIdx.x + i * gridDim.x;
+  auto decode = [&](int u) {
     int lo = 0, hi = E;
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
@@ -397,7 +428,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   int p_it = 0, p_unit = 0, p_kb = 0, p_slot = 0, p_k = 0;
   const int b_cc = tid % 8;
   auto producer_unit = [&](int i) {
-    const Unit pu = decode(i);
+    const Unit pu = decode(item_of(i));
     unit_weights(pu);
 #pragma unroll
     for (int i2 = 0; i2 < C::kBChunks; ++i2) {
@@ -458,49 +489,51 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
       const uint16_t* src[kChunks];  // this lane's chunk of each row (p.act past the count)
       uint32_t src_bytes[kChunks];   // 16, or 0 past the count
       const int cc = lane % kRowChunks;
+      int it = 0, slot = 0;
 #pragma unroll 1
-      for (int it = 0, slot = 0, kb = 0, unit = 0; it < total_iters; ++it) {
-        if (it >= STAGES) MbarWait(empty0 + 8 * slot, ((it / STAGES) & 1) ^ 1);
-        if (kb == 0) {
-          const Unit pu = decode(unit);
-          unit_weights(pu);
-#pragma unroll
-          for (int i = 0; i < kChunks; ++i) {
-            const int j = pu.nt * BN + lane / kRowChunks + kRowStep * i;
-            src[i] = p.act;
-            src_bytes[i] = 0;
-            if (j < pu.cnt) {
-              src[i] = act_row(pu, j) + cc * 8;
-              src_bytes[i] = 16;
-            }
-          }
-        }
-        // The last stage of a unit with an odd number of 64-K blocks holds one.
-        const int nblk = KB == 2 && 2 * kb + 1 == num_kb ? 1 : KB;
-        unsigned char* st = smem + slot * C::kStageBytes;
-        const uint32_t full = full0 + 8 * slot;
-        if (lane == 0) {
-          MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
-          BulkCopy(SmemAddr(st), a_ptr, C::kABlock * nblk, full);
-          if (kFp8) BulkCopy(SmemAddr(st + C::kABytes), s_ptr, C::kSBlock * nblk, full);
-        }
-        const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
-        const bool k_ok = static_cast<int64_t>(kb) * KB * kBK + cc * 8 < k_valid && cc < 8 * nblk;
+      for (int item = 0; item < my_items; ++item) {
+        const int w = item_of(item);
+        const int kb_lo = split_lo(w), kb_hi = split_hi(w);
+        const Unit pu = decode(w / splits);
+        unit_weights(pu);
+        a_ptr += static_cast<int64_t>(kb_lo) * C::kABytes;
+        if (kFp8) s_ptr += static_cast<int64_t>(kb_lo) * C::kSBytes;
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) {
-          const uint32_t dst =
-              b_dst + ((lane / kRowChunks + kRowStep * i) * C::kBStride + cc * 8) * 2;
-          if (!kAdaptive || src_bytes[i] != 0) CpAsync16(dst, src[i], k_ok ? src_bytes[i] : 0);
-          src[i] += src_bytes[i] != 0 ? KB * kBK : 0;
+          const int j = pu.nt * BN + lane / kRowChunks + kRowStep * i;
+          src[i] = p.act;
+          src_bytes[i] = 0;
+          if (j < pu.cnt) {
+            src[i] = act_row(pu, j) + cc * 8 + static_cast<int64_t>(kb_lo) * KB * kBK;
+            src_bytes[i] = 16;
+          }
         }
-        CpAsyncArriveNoinc(full);
-        a_ptr += C::kABytes;
-        if (kFp8) s_ptr += C::kSBytes;
-        if (++kb == num_st) {
-          kb = 0;
-          ++unit;
+#pragma unroll 1
+        for (int kb = kb_lo; kb < kb_hi; ++kb, ++it) {
+          if (it >= STAGES) MbarWait(empty0 + 8 * slot, ((it / STAGES) & 1) ^ 1);
+          // The last stage of a unit with an odd number of 64-K blocks holds one.
+          const int nblk = KB == 2 && 2 * kb + 1 == num_kb ? 1 : KB;
+          unsigned char* st = smem + slot * C::kStageBytes;
+          const uint32_t full = full0 + 8 * slot;
+          if (lane == 0) {
+            MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
+            BulkCopy(SmemAddr(st), a_ptr, C::kABlock * nblk, full);
+            if (kFp8) BulkCopy(SmemAddr(st + C::kABytes), s_ptr, C::kSBlock * nblk, full);
+          }
+          const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
+          const bool k_ok = static_cast<int64_t>(kb) * KB * kBK + cc * 8 < k_valid && cc < 8 * nblk;
+#pragma unroll
+          for (int i = 0; i < kChunks; ++i) {
+            const uint32_t dst =
+                b_dst + ((lane / kRowChunks + kRowStep * i) * C::kBStride + cc * 8) * 2;
+            if (!kAdaptive || src_bytes[i] != 0) CpAsync16(dst, src[i], k_ok ? src_bytes[i] : 0);
+            src[i] += src_bytes[i] != 0 ? KB * kBK : 0;
+          }
+          CpAsyncArriveNoinc(full);
+          a_ptr += C::kABytes;
+          if (kFp8) s_ptr += C::kSBytes;
+          slot = slot + 1 == STAGES ? 0 : slot + 1;
         }
-        slot = slot + 1 == STAGES ? 0 : slot + 1;
       }
       CpAsyncWait<0>();
       return;
@@ -524,110 +557,185 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   }
   uint32_t c_phase = 0;
 
-  Unit cu;
-  int c_unit = 0, c_kb = 0, c_slot = 0, tile_cols = 0;
+  int c_slot = 0;
   const int wcol0 = (warp / WM) * C::kWTN;
 #pragma unroll 1
-  for (int it = 0; it < total_iters; ++it) {
-    if (c_kb == 0) {
-      cu = decode(c_unit);
-      tile_cols = min(BN, cu.cnt - cu.nt * BN) - wcol0;  // this warp's live columns
-    }
-    if constexpr (kTma) {
-      MbarWait(full0 + 8 * c_slot, c_phase);
-    } else {
-      CpAsyncWait<STAGES - 2>();
-      __syncthreads();
-      load();
-    }
-    const unsigned char* st_base = smem + c_slot * C::kStageBytes;
-    // Sub-block sb of the stage: its 64-K block of weights, scales and activation columns.
-    auto block_math = [&](int sb) {
-      const unsigned char* st = st_base + sb * C::kABlock;
-      const unsigned char* st_s = st_base + C::kABytes + sb * C::kSBlock;
-      const uint32_t b_base = SmemAddr(st_base + C::kABytes + C::kSBytes) + sb * kBK * 2;
-      // MXFP8: both 32-K blocks' scale codes of rows r0 and r0 + 8, one 16-bit load each.
-      uint32_t codes[C::kMI][2];
-      if (kFp8) {
-#pragma unroll
-        for (int mi = 0; mi < C::kMI; ++mi) {
-          const int r0 = warp_m * C::kWTM + mi * 16 + g;
-          codes[mi][0] = *reinterpret_cast<const uint16_t*>(st_s + r0 * 2);
-          codes[mi][1] = *reinterpret_cast<const uint16_t*>(st_s + (r0 + 8) * 2);
-        }
+  for (int item = 0; item < my_items; ++item) {
+    const int w = item_of(item);
+    const Unit cu = decode(w / splits);
+    const int tile_cols = min(BN, cu.cnt - cu.nt * BN) - wcol0;  // this warp's live columns
+    const int kb_hi = split_hi(w);
+#pragma unroll 1
+    for (int c_kb = split_lo(w); c_kb < kb_hi; ++c_kb) {
+      if constexpr (kTma) {
+        MbarWait(full0 + 8 * c_slot, c_phase);
+      } else {
+        CpAsyncWait<STAGES - 2>();
+        __syncthreads();
+        load();
       }
-      auto stage_math = [&](auto npa) {
-        constexpr int NPA = decltype(npa)::value;  // pairs of 8-token fragments computed
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc) {
-          uint32_t a[C::kMI][2][4];
+      const unsigned char* st_base = smem + c_slot * C::kStageBytes;
+      // Sub-block sb of the stage: its 64-K block of weights, scales and activation columns.
+      auto block_math = [&](int sb) {
+        const unsigned char* st = st_base + sb * C::kABlock;
+        const unsigned char* st_s = st_base + C::kABytes + sb * C::kSBlock;
+        const uint32_t b_base = SmemAddr(st_base + C::kABytes + C::kSBytes) + sb * kBK * 2;
+        // MXFP8: both 32-K blocks' scale codes of rows r0 and r0 + 8, one 16-bit load each.
+        uint32_t codes[C::kMI][2];
+        if (kFp8) {
 #pragma unroll
           for (int mi = 0; mi < C::kMI; ++mi) {
             const int r0 = warp_m * C::kWTM + mi * 16 + g;
-            if (kFp8) {
-              const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
-              const uint2 rb =
-                  *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-              const Fp8Scale sa =
-                  MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
-              const Fp8Scale sb =
-                  MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
-              Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
-              Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
-              Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
-              Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
-            } else {
-              const uint4 ra = *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
-              const uint4 rb =
-                  *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
-              a[mi][0][0] = ra.x;
-              a[mi][0][1] = rb.x;
-              a[mi][0][2] = ra.y;
-              a[mi][0][3] = rb.y;
-              a[mi][1][0] = ra.z;
-              a[mi][1][1] = rb.z;
-              a[mi][1][2] = ra.w;
-              a[mi][1][3] = rb.w;
+            codes[mi][0] = *reinterpret_cast<const uint16_t*>(st_s + r0 * 2);
+            codes[mi][1] = *reinterpret_cast<const uint16_t*>(st_s + (r0 + 8) * 2);
+          }
+        }
+        auto stage_math = [&](auto npa) {
+          constexpr int NPA = decltype(npa)::value;  // pairs of 8-token fragments computed
+#pragma unroll
+          for (int kc = 0; kc < 2; ++kc) {
+            uint32_t a[C::kMI][2][4];
+#pragma unroll
+            for (int mi = 0; mi < C::kMI; ++mi) {
+              const int r0 = warp_m * C::kWTM + mi * 16 + g;
+              if (kFp8) {
+                const uint2 ra =
+                    *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
+                const uint2 rb =
+                    *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+                const Fp8Scale sa =
+                    MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
+                const Fp8Scale sb =
+                    MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
+                Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
+                Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
+                Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
+                Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
+              } else {
+                const uint4 ra =
+                    *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
+                const uint4 rb =
+                    *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+                a[mi][0][0] = ra.x;
+                a[mi][0][1] = rb.x;
+                a[mi][0][2] = ra.y;
+                a[mi][0][3] = rb.y;
+                a[mi][1][0] = ra.z;
+                a[mi][1][1] = rb.z;
+                a[mi][1][2] = ra.w;
+                a[mi][1][3] = rb.w;
+              }
+            }
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks) {
+              uint32_t b[C::kNI][2];
+#pragma unroll
+              for (int np = 0; np < NPA; ++np) {
+                const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
+                const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
+                uint32_t r[4];
+                Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
+                b[2 * np][0] = r[0];
+                b[2 * np][1] = r[1];
+                b[2 * np + 1][0] = r[2];
+                b[2 * np + 1][1] = r[3];
+              }
+#pragma unroll
+              for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < 2 * NPA; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
             }
           }
+        };
+        constexpr int kPairs = C::kNI / 2;
+        if (!kAdaptive || kPairs == 1) {
+          stage_math(std::integral_constant<int, kPairs>{});
+        } else if (tile_cols <= 16) {
+          stage_math(std::integral_constant<int, 1>{});
+        } else if (kPairs > 2 && tile_cols <= 32) {
+          stage_math(std::integral_constant<int, (kPairs > 2 ? 2 : kPairs)>{});
+        } else {
+          stage_math(std::integral_constant<int, kPairs>{});
+        }
+      };
+      block_math(0);
+      if constexpr (KB == 2) {
+        if (2 * c_kb + 1 < num_kb) block_math(1);  // not the odd last block of the unit
+      }
+      if constexpr (kTma) MbarArrive(empty0 + 8 * c_slot);  // this thread is done with the slot
+      if (++c_slot == STAGES) {
+        c_slot = 0;
+        c_phase ^= 1;
+      }
+    }
+    if constexpr (kTma) {
+      // Split-K: every split stores its partial sums; the last to arrive adds them all, in split
+      // order (deterministic), and runs the epilogue. It also resets the unit's counter.
+      if (splits > 1) {
+        constexpr int kFrag = C::kMI * C::kNI * 4;
+        int32_t* counters = static_cast<int32_t*>(p.split_workspace);
+        float* partials = reinterpret_cast<float*>(counters + kMoeGemmSplitCounters);
+        const int u = w / splits;
+        float* mine = partials + static_cast<int64_t>(w) * kFrag * kThreads;
 #pragma unroll
-          for (int ks = 0; ks < 2; ++ks) {
-            uint32_t b[C::kNI][2];
+        for (int mi = 0; mi < C::kMI; ++mi)
 #pragma unroll
-            for (int np = 0; np < NPA; ++np) {
-              const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
-              const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
-              uint32_t r[4];
-              Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
-              b[2 * np][0] = r[0];
-              b[2 * np][1] = r[1];
-              b[2 * np + 1][0] = r[2];
-              b[2 * np + 1][1] = r[3];
-            }
+          for (int ni = 0; ni < C::kNI; ++ni)
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+              __stcg(mine + ((mi * C::kNI + ni) * 4 + q) * kThreads + tid, acc[mi][ni][q]);
+        __threadfence();
+        NamedBarrierSync(1, kThreads);
+        int* s_last = s_prefix + E + 2;
+        if (tid == 0) {
+          const bool last = atomicAdd(counters + u, 1) == splits - 1;
+          if (last) atomicExch(counters + u, 0);
+          *s_last = last ? 1 : 0;
+        }
+        NamedBarrierSync(1, kThreads);
+        const bool last = *s_last != 0;
+        NamedBarrierSync(1, kThreads);  // s_last is rewritten by the next item
+        if (!last) {
+#pragma unroll
+          for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < C::kNI; ++ni)
+#pragma unroll
+              for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+          continue;
+        }
+        __threadfence();
+#pragma unroll
+        for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < C::kNI; ++ni)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+        const float* first = partials + static_cast<int64_t>(u) * splits * kFrag * kThreads + tid;
+        // kChunk partials' loads in flight at once (one L2 round trip each), added in split order.
+        constexpr int kChunk = kFrag <= 8 ? 8 : kFrag <= 16 ? 4 : 2;
+#pragma unroll 1
+        for (int sp0 = 0; sp0 < splits; sp0 += kChunk) {
+          float v[kChunk][kFrag];
+#pragma unroll
+          for (int c = 0; c < kChunk; ++c) {
+            const float* f = first + static_cast<int64_t>(sp0 + c) * kFrag * kThreads;
+#pragma unroll
+            for (int i = 0; i < kFrag; ++i)
+              v[c][i] = sp0 + c < splits ? __ldcg(f + i * kThreads) : 0.f;
+          }
+#pragma unroll
+          for (int c = 0; c < kChunk; ++c)
 #pragma unroll
             for (int mi = 0; mi < C::kMI; ++mi)
 #pragma unroll
-              for (int ni = 0; ni < 2 * NPA; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
-          }
+              for (int ni = 0; ni < C::kNI; ++ni)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[mi][ni][q] += v[c][(mi * C::kNI + ni) * 4 + q];
         }
-      };
-      constexpr int kPairs = C::kNI / 2;
-      if (!kAdaptive || kPairs == 1) {
-        stage_math(std::integral_constant<int, kPairs>{});
-      } else if (tile_cols <= 16) {
-        stage_math(std::integral_constant<int, 1>{});
-      } else if (kPairs > 2 && tile_cols <= 32) {
-        stage_math(std::integral_constant<int, (kPairs > 2 ? 2 : kPairs)>{});
-      } else {
-        stage_math(std::integral_constant<int, kPairs>{});
       }
-    };
-    block_math(0);
-    if constexpr (KB == 2) {
-      if (2 * c_kb + 1 < num_kb) block_math(1);  // not the odd last block of the unit
     }
-    if constexpr (kTma) MbarArrive(empty0 + 8 * c_slot);  // this thread is done with the slot
-    if (c_kb == num_st - 1) {
+    {
       // Epilogue straight from registers.
 #pragma unroll
       for (int mi = 0; mi < C::kMI; ++mi) {
@@ -657,14 +765,6 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
           for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
         }
       }
-    }
-    if (++c_kb == num_st) {
-      c_kb = 0;
-      ++c_unit;
-    }
-    if (++c_slot == STAGES) {
-      c_slot = 0;
-      c_phase ^= 1;
     }
   }
   if constexpr (!kTma) CpAsyncWait<0>();
@@ -700,9 +800,19 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
   const int64_t mtiles = (gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows) / kBM;
   int64_t units = mtiles * (p.num_experts + (p.total_rows_hint + BN - 1) / BN);
   int64_t grid = static_cast<int64_t>(num_sms) * bps;
+  // Split-K fills the whole grid from few units (the device decides how many splits).
+  const int64_t num_st =
+      ((gate_up ? p.layout.hidden_padded : p.layout.intermediate_padded) / kBK + KB - 1) / KB;
+  if (kTma && p.split_workspace != nullptr && num_st >= 2 * kMinSplitStages) {
+    units *= std::min<int64_t>(kMaxSplits, num_st / kMinSplitStages);
+  }
   if (units < grid) grid = units;
   if (grid < 1) grid = 1;
-  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate);
+  // Split-K aims to give each (unit, split) a CTA slot: MXFP8 tiles are bound by their
+  // instructions and gain from two CTAs per SM, BF16 tiles stream as fast with one (measured on
+  // the H200: splitting BF16 units over both slots of an SM lost 6%).
+  const int split_slots = static_cast<int>(kFp8 ? grid : std::min<int64_t>(grid, num_sms));
+  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate, split_slots);
   return cudaGetLastError();
 }
 

@@ -36,6 +36,13 @@ inline constexpr int64_t kMoeGemmTileK = 64;      // K per pipeline stage (BK)
 // (2^(code-7) must be a BF16 value); larger codes take a slower exact path (MoeGemmParams).
 inline constexpr int kMxfp8NarrowScaleMax = 134;
 
+// Split-K workspace (MoeGemmParams::split_workspace): kMoeGemmSplitCounters int32 counters,
+// then kMoeGemmSplitPartialFloats FP32 partial sums.
+inline constexpr int kMoeGemmSplitCounters = 1024;
+inline constexpr int64_t kMoeGemmSplitPartialFloats = int64_t{5} << 18;  // 5 MB
+inline constexpr size_t kMoeGemmSplitWorkspaceBytes =
+    sizeof(int32_t) * kMoeGemmSplitCounters + sizeof(float) * kMoeGemmSplitPartialFloats;
+
 // Packed sizes for an expert MLP of hidden H and intermediate I.
 struct MoePackedLayout {
   int64_t hidden = 0, intermediate = 0;
@@ -118,6 +125,12 @@ struct MoeGemmParams {
   // bound every count (launches for larger counts are skipped), total_rows_hint need not.
   int64_t max_rows_hint = 0;
   int64_t total_rows_hint = 0;
+  // Optional, kMoeGemmSplitWorkspaceBytes of device memory whose counters are zero (cudaMemset
+  // once; every launch leaves them zero). With it, the decode tiles split each unit's K over
+  // several CTAs when the units are too few to fill the GPU (e.g. one token, or a narrow
+  // intermediate): the last split to finish adds the partial sums in a fixed order and runs the
+  // epilogue. One launch at a time per workspace (use one per stream).
+  void* split_workspace = nullptr;
 };
 
 // Asynchronous on `stream`. num_sms: the device's multiprocessor count (persistent grid).

@@ -165,6 +165,10 @@ cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_
                            int32_t* route_slot, cudaStream_t stream) {
   if (num_experts <= 0 || num_experts > kMoeAlignMaxExperts) return cudaErrorInvalidValue;
   int warps = static_cast<int>(48 * 1024 / 4 / num_experts) - 1;
+  // A warp per 128 routes or more: a decode step's few routes need one warp, not 32 of them
+  // zeroing counters and meeting at every barrier.
+  const int64_t useful = (num_routes + 127) / 128;
+  if (useful < warps) warps = static_cast<int>(useful);
   warps = warps < 1 ? 1 : (warps > 32 ? 32 : warps);
   const size_t smem = static_cast<size_t>(warps + 1) * num_experts * sizeof(int32_t);
   MoeAlignKernel<<<1, warps * 32, smem, stream>>>(topk_ids, num_routes, num_experts, expert_counts,

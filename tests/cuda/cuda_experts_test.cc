@@ -370,6 +370,15 @@ std::vector<Case> Cases() {
       cs.push_back({100, 8, 4, 264, 96, f, r, ActivationFormat::kBatchedExperts, true});
     }
     cs.push_back({4096, 8, 8, 128, 64, f, Routing::kHot, ActivationFormat::kBatchedExperts});
+    // Split-K (few units of long K): the trivial serving layer (H7168, I64) at 1 and 16 tokens,
+    // a long W2 K (I1000, K padded), and the batched format.
+    for (Routing r : {Routing::kUniform, Routing::kHot}) {
+      cs.push_back({1, 16, 4, 7168, 64, f, r});
+      cs.push_back(
+          {16, 16, 4, 7168, 64, f, r, ActivationFormat::kStandard, false, Impl::kCrossover});
+      cs.push_back({3, 8, 2, 520, 1000, f, r, ActivationFormat::kStandard, true});
+      cs.push_back({2, 8, 2, 1000, 72, f, r, ActivationFormat::kBatchedExperts});
+    }
     cs.push_back({2048, 64, 1, 512, 256, f, Routing::kUniform});
   }
   // The grouped GEMM on every Standard case above, and shapes of its own: a

@@ -340,6 +340,130 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
   }
 }
 
+// Split-K: with a workspace, few units of long K are split over several CTAs and the last one
+// adds the partial sums in split order. Against the unsplit launch of the same inputs: BF16
+// gate-up output within one BF16 rounding (relative L2 < 4e-3, sums in another order), FP32 down
+// output within 1e-5. The partials region is NaN-poisoned first, so a launch that did not split
+// is caught (it writes none); every launch leaves the counters zero, and repeats are bit-equal.
+TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
+  std::mt19937 rng(33);
+  std::normal_distribution<float> nd;
+  int num_sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  struct Shape {
+    MoeGemmKind kind;
+    int64_t h, n;
+    std::vector<int32_t> counts;
+  };
+  const std::vector<Shape> shapes = {
+      {MoeGemmKind::kGateUpSilu, 4096, 64, {1, 0, 2, 1}},  // one token's narrow experts
+      {MoeGemmKind::kGateUpSilu, 1000, 200, {3, 1}},       // K padded inside its last block
+      {MoeGemmKind::kDown, 256, 4096, {2, 1}},             // W2 of long K
+      {MoeGemmKind::kDown, 200, 1000, {1, 5, 0}}};
+  for (const bool fp8 : {false, true}) {
+    for (const Shape& sh : shapes) {
+      const bool gate_up = sh.kind == MoeGemmKind::kGateUpSilu;
+      const int64_t e = static_cast<int64_t>(sh.counts.size()), h = sh.h, n = sh.n;
+      const MoePackedLayout l = MakeMoePackedLayout(h, n);
+      const int64_t w_rows = gate_up ? 2 * n : h, w_k = gate_up ? h : n;
+      std::vector<int32_t> offsets(e);
+      int64_t rows = 0;
+      for (int64_t x = 0; x < e; ++x) {
+        offsets[x] = static_cast<int32_t>(rows);
+        rows += sh.counts[x];
+      }
+      const int esize = fp8 ? 1 : 2;
+      std::vector<uint8_t> w(e * w_rows * w_k * esize),
+          sc(fp8 ? e * w_rows * ((w_k + 31) / 32) : 0);
+      for (size_t i = 0; i < w.size(); i += esize) {
+        if (fp8) {
+          w[i] = static_cast<uint8_t>(rng());
+          if ((w[i] & 0x7f) == 0x7f) w[i] &= 0xfe;
+        } else {
+          const uint16_t v = FloatToBf16(0.05f * nd(rng));
+          std::memcpy(&w[i], &v, 2);
+        }
+      }
+      for (auto& v : sc) v = static_cast<uint8_t>(110 + rng() % 10);
+      Dev<uint8_t> dw(w), dsc(sc.empty() ? std::vector<uint8_t>{0} : sc);
+      const int64_t packed_elems = gate_up ? l.w13_elems_per_expert() : l.w2_elems_per_expert();
+      const int64_t packed_scales = gate_up ? l.w13_scales_per_expert() : l.w2_scales_per_expert();
+      Dev<uint8_t> packed(e * packed_elems * esize), pscale(fp8 ? e * packed_scales : 1);
+      Dev<int32_t> d_max(std::vector<int32_t>{0});
+      if (gate_up) {
+        CUDA_OK(LaunchPackMoeW13(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p,
+                                 fp8 ? pscale.p : nullptr, nullptr, fp8 ? d_max.p : nullptr));
+      } else {
+        CUDA_OK(LaunchPackMoeW2(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p,
+                                fp8 ? pscale.p : nullptr, nullptr, fp8 ? d_max.p : nullptr));
+      }
+      const int64_t act_k = gate_up ? h : l.intermediate_padded;
+      std::vector<uint16_t> act(rows * act_k);
+      for (auto& v : act) v = FloatToBf16(nd(rng));
+      if (!gate_up) {  // the down GEMM reads the intermediate's padding columns: zero
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = n; k < act_k; ++k) act[r * act_k + k] = 0;
+      }
+      Dev<uint16_t> d_act(act);
+      Dev<int32_t> d_counts(sh.counts), d_offsets(offsets);
+      const int64_t out_cols = gate_up ? l.intermediate_padded : h;
+      const int64_t out_elems = rows * out_cols * (gate_up ? 1 : 2);  // in 16-bit units
+      MoeGemmParams p;
+      p.kind = sh.kind;
+      p.mxfp8 = fp8;
+      p.mxfp8_max_scale_code = fp8 ? d_max.Get()[0] : 255;
+      p.num_experts = static_cast<int>(e);
+      p.layout = l;
+      p.weights = packed.p;
+      p.scales = fp8 ? pscale.p : nullptr;
+      p.act = d_act.p;
+      p.act_stride = act_k;
+      p.expert_counts = d_counts.p;
+      p.expert_offsets = d_offsets.p;
+      p.out_stride = out_cols;
+      p.max_rows_hint = rows;
+      p.total_rows_hint = rows;
+      auto run = [&](void* ws) {
+        Dev<uint16_t> out(out_elems);
+        p.out = out.p;
+        p.split_workspace = ws;
+        EXPECT_EQ(LaunchMoeGroupedGemm(p, num_sms, nullptr), cudaSuccess);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        std::vector<float> f;
+        const std::vector<uint16_t> raw = out.Get();
+        if (gate_up) {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < n; ++j) f.push_back(Bf16ToFloat(raw[r * out_cols + j]));
+        } else {
+          f.resize(rows * h);
+          std::memcpy(f.data(), raw.data(), f.size() * sizeof(float));
+        }
+        return f;
+      };
+      const std::vector<float> ref = run(nullptr);
+      Dev<uint8_t> ws(kMoeGemmSplitWorkspaceBytes, 0xff);
+      CUDA_OK(cudaMemset(ws.p, 0, sizeof(int32_t) * kMoeGemmSplitCounters));
+      const std::vector<float> got = run(ws.p);
+      const std::string name = std::string(fp8 ? "mxfp8 " : "bf16 ") + (gate_up ? "w13" : "w2") +
+                               " H" + std::to_string(h) + " I" + std::to_string(n);
+      EXPECT_LT(RelL2(got, ref), gate_up ? 4e-3 : 1e-5) << name;
+      // The first partial was written (the launch split), and the counters are zero again.
+      const std::vector<uint8_t> after = ws.Get();
+      float first = 0;
+      std::memcpy(&first, after.data() + sizeof(int32_t) * kMoeGemmSplitCounters, sizeof(float));
+      EXPECT_FALSE(std::isnan(first)) << name << ": the launch did not split";
+      int nonzero = 0;
+      for (int i = 0; i < kMoeGemmSplitCounters * 4; ++i) nonzero += after[i] != 0;
+      EXPECT_EQ(nonzero, 0) << name;
+      for (int rep = 0; rep < 3; ++rep) {
+        const std::vector<float> again = run(ws.p);
+        EXPECT_EQ(std::memcmp(again.data(), got.data(), got.size() * sizeof(float)), 0)
+            << name << " repeat " << rep;
+      }
+    }
+  }
+}
+
 // The answer's FP32 -> BF16 / FP16 conversion and the FP16 -> BF16 input conversion on the device
 // must equal the host twins bit for
 // bit: random normals over a wide exponent range plus the edge values (subnormals, rounding

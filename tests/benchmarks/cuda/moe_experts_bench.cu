@@ -11,7 +11,9 @@
 //   layer,format,tokens,routing,median_us,weight_bytes,routes,path
 // Environment (optional): MOESERVE_BENCH_TOKENS=16,64,... (default 16,32,64,128,256,1024),
 // MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped,
-// MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches).
+// MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches),
+// MOESERVE_BENCH_SPLIT_K=0 (the decode GEMMs without their split-K workspace),
+// MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -93,7 +95,14 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t h, i;
   };
-  const Shape shapes[] = {{"seed", 3072, 5120}, {"dsv3", 7168, 2048}};
+  // qwen3: Qwen3-30B-A3B's expert shape (with this bench's 32 local experts, top-8), whose
+  // decode units are too few to fill the GPU without split-K.
+  const Shape all_shapes[] = {{"seed", 3072, 5120}, {"dsv3", 7168, 2048}, {"qwen3", 2048, 768}};
+  const std::vector<std::string> layers = EnvList("MOESERVE_BENCH_LAYERS", "seed,dsv3");
+  std::vector<Shape> shapes;
+  for (const Shape& s : all_shapes) {
+    if (Has(layers, s.name)) shapes.push_back(s);
+  }
   const int E = 32, topk = 8, kSets = 4, kWarm = 5, kIters = 40;
   std::vector<int> token_list;
   for (const std::string& t : EnvList("MOESERVE_BENCH_TOKENS", "16,32,64,128,256,1024")) {
@@ -107,6 +116,14 @@ int main(int argc, char** argv) {
   if (Has(paths, "grouped") && MoeGroupedSm90Unsupported(device) != nullptr) {
     std::fprintf(stderr, "grouped path skipped: %s\n", MoeGroupedSm90Unsupported(device));
     paths.erase(std::find(paths.begin(), paths.end(), "grouped"));
+  }
+  // The decode GEMMs' split-K workspace, as the server's Experts pass it (MOESERVE_BENCH_SPLIT_K=0:
+  // none, the launches before split-K).
+  void* split_ws = nullptr;
+  const char* split_env = std::getenv("MOESERVE_BENCH_SPLIT_K");
+  if (split_env == nullptr || std::string(split_env) != "0") {
+    CK(cudaMalloc(&split_ws, kMoeGemmSplitWorkspaceBytes));
+    CK(cudaMemset(split_ws, 0, sizeof(int32_t) * kMoeGemmSplitCounters));
   }
   std::printf("layer,format,tokens,routing,median_us,weight_bytes,routes,path\n");
   for (const Shape& s : shapes) {
@@ -186,6 +203,7 @@ int main(int argc, char** argv) {
           g1.expert_counts = counts;
           g1.expert_offsets = offsets;
           g1.max_rows_hint = g1.total_rows_hint = R;
+          g1.split_workspace = split_ws;  // as the server's Experts launch them
           MoeGemmParams g2 = g1;
           g1.kind = MoeGemmKind::kGateUpSilu;
           g1.weights = w13;

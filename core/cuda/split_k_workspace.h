@@ -1,0 +1,30 @@
+// The decode GEMMs' split-K workspace (kernels::MoeGemmParams::split_workspace) for one stream.
+// No CUDA types here. Not thread-safe: one owner, whose launches run on one stream.
+#ifndef MOESERVE_CORE_CUDA_SPLIT_K_WORKSPACE_H_
+#define MOESERVE_CORE_CUDA_SPLIT_K_WORKSPACE_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+
+namespace moeserve {
+
+class SplitKWorkspace {
+ public:
+  // kernels::kMoeGemmSplitWorkspaceBytes on `device`, counters zeroed (synchronously) before it
+  // returns: call it where the Experts are made, never while a stream is being captured.
+  static absl::StatusOr<std::unique_ptr<SplitKWorkspace>> Create(int device);
+  ~SplitKWorkspace();
+  SplitKWorkspace(const SplitKWorkspace&) = delete;
+  SplitKWorkspace& operator=(const SplitKWorkspace&) = delete;
+
+  void* data() const { return data_; }
+
+ private:
+  SplitKWorkspace() = default;
+  void* data_ = nullptr;
+};
+
+}  // namespace moeserve
+
+#endif  // MOESERVE_CORE_CUDA_SPLIT_K_WORKSPACE_H_
