@@ -30,7 +30,7 @@ absl::Status PrepareAndFinalize::FinalizeStaged(DType, Device, const TensorView&
                                                 const TopKWeightAndReduce&) {
   return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
 }
-absl::Status PrepareAndFinalize::CollectOutput(const TensorView&) {
+absl::Status PrepareAndFinalize::CollectOutput(const TensorView&, StageTimer*) {
   return absl::UnimplementedError(absl::StrCat(name(), " has no graph path"));
 }
 
@@ -359,7 +359,7 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
     }
   }
   if (timer) MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kFinalize));
-  return prepare_finalize_->CollectOutput(output);
+  return prepare_finalize_->CollectOutput(output, timer);
 }
 
 absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const TensorView& output,

@@ -30,6 +30,7 @@ class StageTimer {
   // Forgets every mark (start of a forward).
   virtual void Reset() = 0;
   virtual absl::Status Mark(Stage stage) = 0;
+  // Ends the running stage; a second Stop before the next Mark does nothing.
   virtual absl::Status Stop() = 0;
   // Microseconds per stage, summed over the intervals. Device timers wait for the last mark.
   virtual absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() = 0;

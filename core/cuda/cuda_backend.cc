@@ -109,7 +109,10 @@ class CudaStageTimer final : public StageTimer {
     if (!marks_.empty() && marks_.back() == stage) return absl::OkStatus();
     return Record(stage);
   }
-  absl::Status Stop() override { return Record(kNumStages); }
+  absl::Status Stop() override {  // idempotent: the first Stop ends the forward's timing
+    if (!marks_.empty() && marks_.back() == kNumStages) return absl::OkStatus();
+    return Record(kNumStages);
+  }
   absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() override {
     std::array<double, kNumStages> us{};
     if (marks_.empty()) return us;
@@ -370,7 +373,7 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
                               const TensorView& fused_expert_output,
                               const PreparedActivations& prepared,
                               const TopKWeightAndReduce& weight_and_reduce) override;
-  absl::Status CollectOutput(const TensorView& output) override;
+  absl::Status CollectOutput(const TensorView& output, StageTimer* timer) override;
 
  private:
   // Where the staged block of `padded` rows keeps its parts: [x (wire dtype) | ids | weights].
@@ -850,7 +853,8 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
   return absl::OkStatus();
 }
 
-absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output) {
+absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output,
+                                                       StageTimer* timer) {
   if (!output.is_contiguous() || output.rank() != 2 || output.dim(0) != graph_rows_ ||
       output.dim(1) != graph_hidden_) {
     return absl::InvalidArgumentError(absl::StrCat(name(), ": the staged answer has ", graph_rows_,
@@ -863,6 +867,9 @@ absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output)
       MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(output.raw_data(), g_dev_out_, output.nbytes(),
                                                     cudaMemcpyDefault, StreamOf(*ctx_)));
     }
+    // Nothing but the wait is left: the timer's last event goes in before it (recorded after,
+    // it would cost a second wait).
+    if (timer != nullptr) MOESERVE_RETURN_IF_ERROR(timer->Stop());
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
     return RoutingVerdict();
   }

@@ -151,7 +151,7 @@ class FakePrepareFinalize final : public PrepareAndFinalize {
     stream_->Enqueue([=] { std::copy_n(src, n, dst); });
     return absl::OkStatus();
   }
-  absl::Status CollectOutput(const TensorView& output) override {
+  absl::Status CollectOutput(const TensorView& output, StageTimer*) override {
     if (output.dim(0) != rows_) return absl::InternalError("rows differ from the staged ones");
     std::memcpy(output.raw_data(), pin_out_.data(), output.nbytes());
     return absl::OkStatus();
