@@ -120,6 +120,46 @@ TEST_F(ForwardChannelE2eTest, InlineTensorsMatchReference) {
   EXPECT_TRUE((*channel)->Close().ok());
 }
 
+// Without copy_output an answer is a view into a recycled buffer (ChannelAnswerPool): answers
+// held at once, more of them than the pool keeps, must each keep their own bytes while later
+// calls reuse the buffers that earlier answers gave back.
+TEST_F(ForwardChannelE2eTest, AnswersHeldWithoutCopyKeepTheirBytes) {
+  auto channel = ForwardChannelClient::Create(client_.get(), {});
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  auto bytes_of = [](const ForwardResult& r) {
+    std::string data(r.raw.output.data_size, '\0');
+    r.raw.output.CopyTo(data.data());
+    return data;
+  };
+  std::vector<v1::ForwardRequest> requests;
+  std::vector<ForwardResult> held;
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 7; ++i) {
+      requests.push_back(Random(1 + (i * 5) % 33));
+      absl::StatusOr<ForwardResult> got =
+          (*channel)->Forward(requests.back(), /*copy_output=*/false);
+      ASSERT_TRUE(got.ok()) << got.status();
+      held.push_back(*std::move(got));
+    }
+    for (size_t i = 0; i < held.size(); ++i) {
+      const std::vector<float> out = DecodeFloats(bytes_of(held[i]), v1::DTYPE_BF16);
+      ASSERT_EQ(out.size(), static_cast<size_t>(requests[i].hidden_states().shape(0)) *
+                                static_cast<size_t>(model().hidden));
+      EXPECT_LT(RelativeL2(out, Expected(requests[i])), 1e-2) << "round " << round << " call " << i;
+    }
+    // Give every other answer back: the next round's calls reuse their buffers.
+    std::vector<ForwardResult> kept;
+    std::vector<v1::ForwardRequest> kept_requests;
+    for (size_t i = 0; i < held.size(); i += 2) {
+      kept.push_back(std::move(held[i]));
+      kept_requests.push_back(requests[i]);
+    }
+    held = std::move(kept);
+    requests = std::move(kept_requests);
+  }
+  EXPECT_TRUE((*channel)->Close().ok());
+}
+
 TEST_F(ForwardChannelE2eTest, RegionTensorsMatchReference) {
   ShmObject shm(1 << 20);
   ASSERT_TRUE(shm.ok());
