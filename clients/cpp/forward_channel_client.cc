@@ -41,49 +41,6 @@ std::atomic<int> channel_counter{0};
 
 }  // namespace
 
-// Free answer buffers, at most kKeep of them (a caller holding more answers than that allocates).
-struct ChannelAnswerPool {
-  static constexpr size_t kKeep = 4;
-  struct Buffer {
-    std::unique_ptr<uint8_t[]> data;
-    size_t capacity = 0;
-  };
-  std::mutex mu;
-  std::vector<Buffer> free;
-
-  Buffer Take(size_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      for (size_t i = free.size(); i-- > 0;) {
-        if (free[i].capacity >= bytes) {
-          Buffer b = std::move(free[i]);
-          free.erase(free.begin() + static_cast<std::ptrdiff_t>(i));
-          return b;
-        }
-      }
-    }
-    return Buffer{std::unique_ptr<uint8_t[]>(new uint8_t[bytes]), bytes};
-  }
-  void Give(Buffer b) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (free.size() < kKeep) free.push_back(std::move(b));
-  }
-};
-
-namespace {
-
-// Owns one pooled buffer while a grpc::Slice over it lives; returns it to the pool (if the
-// channel still exists) when gRPC drops the slice.
-struct PooledAnswer {
-  ChannelAnswerPool::Buffer buffer;
-  std::weak_ptr<ChannelAnswerPool> pool;
-  ~PooledAnswer() {
-    if (std::shared_ptr<ChannelAnswerPool> p = pool.lock()) p->Give(std::move(buffer));
-  }
-};
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<ForwardChannelClient>> ForwardChannelClient::Create(
     MoeClient* client, const ForwardChannelOptions& options) {
   if (client == nullptr) return absl::InvalidArgumentError("ForwardChannelClient: no MoeClient");
@@ -98,7 +55,6 @@ absl::StatusOr<std::unique_ptr<ForwardChannelClient>> ForwardChannelClient::Crea
                      ch::kForwardChannelMaxSlotBytes, "])"));
   }
   auto channel = std::unique_ptr<ForwardChannelClient>(new ForwardChannelClient());
-  channel->answers_ = std::make_shared<ChannelAnswerPool>();
   channel->client_ = client;
   channel->name_ = options.name.empty()
                        ? absl::StrCat("moeserve-ch-", getpid(), "-", channel_counter.fetch_add(1))
@@ -284,15 +240,7 @@ absl::StatusOr<ForwardResult> ForwardChannelClient::Forward(const grpc::ByteBuff
         absl::string_view(reinterpret_cast<const char*>(s + ch::kForwardChannelSlotHeaderBytes),
                           answer_bytes));
   } else {
-    grpc::Slice answer;
-    if (answer_bytes > 0) {
-      auto owner = std::make_unique<PooledAnswer>();
-      owner->buffer = answers_->Take(answer_bytes);
-      owner->pool = answers_;
-      std::memcpy(owner->buffer.data.get(), s + ch::kForwardChannelSlotHeaderBytes, answer_bytes);
-      void* data = owner->buffer.data.get();
-      answer = v1wire::SliceOwning(data, answer_bytes, std::move(owner));
-    }
+    grpc::Slice answer(s + ch::kForwardChannelSlotHeaderBytes, answer_bytes);
     result = DecodeForwardResult(grpc::ByteBuffer(&answer, 1), copy_output,
                                  absl::FromChrono(Clock::now() - start));
   }

@@ -40,8 +40,6 @@ struct ForwardChannelOptions {
   std::string name;
 };
 
-struct ChannelAnswerPool;  // forward_channel_client.cc
-
 class ForwardChannelClient {
  public:
   // Creates the shared-memory object, writes its header and registers it with the server
@@ -91,10 +89,6 @@ class ForwardChannelClient {
   std::vector<bool> abandoned_;  // gave up on (deadline): reusable once answered
   uint64_t next_sequence_ = 1;   // guarded by mu_
   std::atomic<int64_t> sleeps_{0};
-  // Answers leave the slot (the next call reuses it) in recycled buffers: a fresh allocation
-  // per call would fault in every page of a large answer again. Shared with the answers still
-  // held, which give their buffer back when dropped.
-  std::shared_ptr<ChannelAnswerPool> answers_;
 };
 
 }  // namespace moeserve::client

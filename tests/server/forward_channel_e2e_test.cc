@@ -120,9 +120,8 @@ TEST_F(ForwardChannelE2eTest, InlineTensorsMatchReference) {
   EXPECT_TRUE((*channel)->Close().ok());
 }
 
-// Without copy_output an answer is a view into a recycled buffer (ChannelAnswerPool): answers
-// held at once, more of them than the pool keeps, must each keep their own bytes while later
-// calls reuse the buffers that earlier answers gave back.
+// Without copy_output an answer is a view into bytes the client owns apart from the slot (which
+// the next call reuses): answers held at once must each keep their own bytes across later calls.
 TEST_F(ForwardChannelE2eTest, AnswersHeldWithoutCopyKeepTheirBytes) {
   auto channel = ForwardChannelClient::Create(client_.get(), {});
   ASSERT_TRUE(channel.ok()) << channel.status();
@@ -147,7 +146,7 @@ TEST_F(ForwardChannelE2eTest, AnswersHeldWithoutCopyKeepTheirBytes) {
                                 static_cast<size_t>(model().hidden));
       EXPECT_LT(RelativeL2(out, Expected(requests[i])), 1e-2) << "round " << round << " call " << i;
     }
-    // Give every other answer back: the next round's calls reuse their buffers.
+    // Drop every other answer before the next round's calls.
     std::vector<ForwardResult> kept;
     std::vector<v1::ForwardRequest> kept_requests;
     for (size_t i = 0; i < held.size(); i += 2) {
