@@ -9,6 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "moeserve/v1/forward_channel.h"
+#include "moeserve/v1/forward_wire.h"
+#include "server/buffer_pool.h"
+#include "server/convert.h"
 
 namespace moeserve {
 
@@ -227,8 +230,16 @@ void ForwardChannel::Take(int i) {
            grpc::ByteBuffer());
     return;
   }
-  // Copied out before parsing: the client cannot change the bytes under the decoder.
-  grpc::Slice bytes(s + ch::kForwardChannelSlotHeaderBytes, request_bytes);
+  // Copied out before parsing (the client cannot change the bytes under the decoder), into a
+  // recycled buffer, on a few threads when large.
+  grpc::Slice bytes;
+  if (request_bytes > 0) {
+    std::unique_ptr<PooledBuffer> copy = PooledBuffer::Acquire(request_bytes);
+    auto* dst = static_cast<uint8_t*>(copy->data());
+    GatherPieces({absl::Span<const uint8_t>(s + ch::kForwardChannelSlotHeaderBytes, request_bytes)},
+                 request_bytes, dst);
+    bytes = v1wire::SliceOwning(dst, request_bytes, std::move(copy));
+  }
   grpc::ByteBuffer request(&bytes, 1);
   // Timeouts beyond a day are treated as none (and cannot overflow absl::Time).
   const absl::Time deadline =
@@ -257,10 +268,10 @@ void ForwardChannel::Answer(int i, uint64_t sequence, absl::Status status,
     } else {
       std::vector<grpc::Slice> slices;
       if (answer.Dump(&slices).ok()) {
-        for (const grpc::Slice& piece : slices) {
-          std::memcpy(payload + written, piece.begin(), piece.size());
-          written += piece.size();
-        }
+        std::vector<absl::Span<const uint8_t>> pieces;
+        for (const grpc::Slice& piece : slices) pieces.emplace_back(piece.begin(), piece.size());
+        GatherPieces(pieces, n, payload);
+        written = n;
       } else {
         status = absl::InternalError("could not read the encoded answer");
       }
