@@ -31,14 +31,16 @@ int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightF
   // Average routes per expert from which the grouped path won, per (hidden, intermediate) and
   // weight format, measured on an H200 with 32 experts, top-8 (tests/benchmarks/cuda/RESULTS.md,
   // 2026-12-01): BF16 decode won at 16 routes per expert (64 tokens, the decode kernels at
-  // 95-97% of the HBM floor) and lost from 32; MXFP8 decode (half the weight bytes of the
-  // grouped path's BF16 copy) won up to 32 and lost from 64.
+  // 95-97% of the HBM floor) and lost from 32. MXFP8 decode (half the weight bytes of the
+  // grouped path's BF16 copy) wins up to 64 since its 64-token warpgroup-MMA tile (2026-12-02:
+  // 256 tokens, seed 615 against 810 us, DSV3 590 against 775 us) and loses at 128 (512 tokens,
+  // 1036 against 879 us): grouped from 65.
   struct Row {
     int64_t hidden, intermediate, bf16_routes, mxfp8_routes;
   };
   static constexpr Row kTable[] = {
-      {3072, 5120, 32, 64},  // seed layer
-      {7168, 2048, 32, 64},  // DeepSeek-V3
+      {3072, 5120, 32, 65},  // seed layer
+      {7168, 2048, 32, 65},  // DeepSeek-V3
   };
   // Nearest measured shape by weight elements per expert.
   auto distance = [&](const Row& r) {

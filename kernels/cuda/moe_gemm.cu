@@ -824,7 +824,11 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
 // registers (loaded from shared memory in the packed order, and for MXFP8 dequantized to BF16
 // there exactly as above) and B (tokens x 64 K, BF16) from shared memory in the 128-byte
 // swizzled K-major layout: row n at n * 128, its 16-byte chunk c at (c ^ (n % 8)) * 16, stage
-// base 1024-aligned. All threads load with cp.async, STAGES deep; one barrier per 64 K.
+// base 1024-aligned. All threads load with cp.async, STAGES - 2 stages ahead; one barrier per
+// 64 K. Software-pipelined: a stage's MMAs run while the next stage is dequantized (two sets of
+// A-fragment registers, wgmma.wait_group 1), and the loop's branches are provably warp-uniform
+// (ptxas serializes wgmmas behind divergent branches, C7518). Shared memory is read with
+// ld.shared (the aligned dynamic pointer would otherwise compile to generic loads).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOESERVE_WGMMA_DEVICE 1
 #endif
@@ -834,10 +838,39 @@ __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void WgmmaCommitAndWaitAll() {
+__device__ __forceinline__ void WgmmaCommit() {
 #ifdef MOESERVE_WGMMA_DEVICE
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+#ifdef MOESERVE_WGMMA_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
+__device__ __forceinline__ void WgmmaFenceOperands(float* d, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ uint32_t LdSharedU16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint2 LdSharedV2(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 LdSharedV4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
 }
 __device__ __forceinline__ void FenceProxyAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -934,7 +967,7 @@ __device__ __forceinline__ uint64_t SmemDescSw128(uint32_t addr) {
          (1ull << 62);
 }
 
-constexpr int kWgPipeBudget = 196608;
+constexpr int kWgPipeBudget = 196608;  // shared memory per SM for the pipelines
 
 template <bool kFp8, int BN>
 struct WgCfg {
@@ -943,7 +976,11 @@ struct WgCfg {
   static constexpr int kABytes = kBM * kBK * kEsize;
   static constexpr int kSBytes = kFp8 ? kBM * 2 : 0;
   static constexpr int kStageBytes = (kBBytes + kABytes + kSBytes + 1023) / 1024 * 1024;
-  static constexpr int kStagesFit = kWgPipeBudget / kStageBytes;
+  // 64-token tiles: two CTAs per SM (128 registers each), so that one CTA's barrier and
+  // dependency stalls are covered by the other's work (H200, 256 tokens/rank: 750 -> 615 us).
+  // Wider tiles would need more than 128 registers: ptxas then serializes the wgmmas (C7512).
+  static constexpr int kCtasPerSm = BN <= 64 ? 2 : 1;
+  static constexpr int kStagesFit = kWgPipeBudget / kCtasPerSm / kStageBytes;
   static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
   static constexpr int kPipeBytes = kStageBytes * kStages;
   static constexpr int kBChunks = BN * 8 / kThreads;
@@ -953,8 +990,9 @@ struct WgCfg {
   }
 };
 
-template <bool kFp8, int BN, MoeGemmKind KIND>
-__global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmParams p) {
+template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND>
+__global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
+    MoeGemmWgmmaKernel(const MoeGemmParams p) {
   using C = WgCfg<kFp8, BN>;
   constexpr int STAGES = C::kStages;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -1025,11 +1063,13 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
     return un;
   };
 
-  // Producer: this thread's B rows are (tid / 8) + 32 i, always chunk tid % 8.
+  // Producer: this thread's B rows are (tid / 8) + 32 i, always chunk tid % 8. Loads are issued
+  // for consecutive stages, so their position advances by counters (no division per stage).
   const unsigned char* a_src = nullptr;
   const uint8_t* s_src = nullptr;
-  int32_t b_row[C::kBChunks];  // activation row, or -1 (zero-filled)
+  const uint16_t* b_src[C::kBChunks];  // this thread's activation chunk of the stage, or null
   const int b_cc = tid % 8;
+  int ld_it = 0, ld_kb = 0, ld_unit = 0, ld_slot = 0;
   auto producer_unit = [&](int i) {
     const Unit pu = decode(i);
     a_src = static_cast<const unsigned char*>(p.weights) +
@@ -1040,30 +1080,30 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
 #pragma unroll
     for (int i2 = 0; i2 < C::kBChunks; ++i2) {
       const int j = pu.nt * BN + tid / 8 + 32 * i2;
-      b_row[i2] = -1;
+      b_src[i2] = nullptr;
       if (j < pu.cnt) {
         const int row = pu.row0 + j;
-        b_row[i2] = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
+        const int64_t src_row = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
+        b_src[i2] = p.act + src_row * p.act_stride + b_cc * 8;
       }
     }
   };
-  auto load = [&](int it) {
-    if (it < total_iters) {
-      const int kb = it % num_kb;
-      if (kb == 0) producer_unit(it / num_kb);
-      unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
+  auto load = [&]() {  // the next stage, ld_it
+    if (ld_it < total_iters) {
+      if (ld_kb == 0) producer_unit(ld_unit);
+      unsigned char* st = smem + ld_slot * C::kStageBytes;
       const uint32_t b_dst = SmemAddr(st);
-      const int64_t kk = static_cast<int64_t>(kb) * kBK + b_cc * 8;
+      const int64_t kk = static_cast<int64_t>(ld_kb) * kBK;
+      const bool k_ok = kk + b_cc * 8 < k_valid;
 #pragma unroll
       for (int i2 = 0; i2 < C::kBChunks; ++i2) {
         const int r = tid / 8 + 32 * i2;
-        const bool ok = b_row[i2] >= 0 && kk < k_valid;
-        CpAsync16(b_dst + r * 128 + ((b_cc ^ (r & 7)) << 4),
-                  ok ? p.act + static_cast<int64_t>(b_row[i2]) * p.act_stride + kk : p.act,
+        const bool ok = b_src[i2] != nullptr && k_ok;
+        CpAsync16(b_dst + r * 128 + ((b_cc ^ (r & 7)) << 4), ok ? b_src[i2] + kk : p.act,
                   ok ? 16 : 0);
       }
       const uint32_t a_dst = SmemAddr(st + C::kBBytes);
-      const unsigned char* a_stage = a_src + static_cast<int64_t>(kb) * C::kABytes;
+      const unsigned char* a_stage = a_src + static_cast<int64_t>(ld_kb) * C::kABytes;
 #pragma unroll
       for (int i2 = 0; i2 < C::kABytes / 16 / kThreads; ++i2) {
         const int c = tid + i2 * kThreads;
@@ -1071,7 +1111,13 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
       }
       if (kFp8 && tid < 16) {
         CpAsync16(SmemAddr(st + C::kBBytes + C::kABytes) + tid * 16,
-                  s_src + kb * (kBM * 2) + tid * 16, 16);
+                  s_src + ld_kb * (kBM * 2) + tid * 16, 16);
+      }
+      ++ld_it;
+      ld_slot = ld_slot + 1 == STAGES ? 0 : ld_slot + 1;
+      if (++ld_kb == num_kb) {
+        ld_kb = 0;
+        ++ld_unit;
       }
     }
     CpAsyncCommit();
@@ -1086,88 +1132,116 @@ __global__ void __launch_bounds__(kThreads, 1) MoeGemmWgmmaKernel(const MoeGemmP
   const int g = lane / 4, t4 = lane % 4;
   const int r0 = warp * 16 + g;
 
+  // Software pipeline: the MMAs of stage it stay in flight while stage it + 1 is dequantized
+  // (wgmma.wait_group 1), so the A fragments alternate between two register sets and the slot
+  // refilled at stage it is the one of it - 2, whose MMAs every warp has waited for before the
+  // barrier. Prefetch depth: STAGES - 2.
 #pragma unroll 1
-  for (int s = 0; s < STAGES - 1; ++s) load(s);
+  for (int s = 0; s < STAGES - 2; ++s) load();
 
-  Unit cu;
-#pragma unroll 1
-  for (int it = 0; it < total_iters; ++it) {
-    const int kb = it % num_kb;
-    if (kb == 0) cu = decode(it / num_kb);
-    CpAsyncWait<STAGES - 2>();
+  uint32_t a[2][2][2][4];  // [stage parity][32-K block][k16 step][fragment]
+  // Branches around in-flight MMAs must be provably warp-uniform, or ptxas serializes every
+  // wgmma (C7518): the loop bounds come from kernel parameters, blockIdx and shuffles.
+  const int units = __shfl_sync(0xffffffffu, my_units, 0);
+  int slot = 0;  // this stage's pipeline slot
+  // Shared-space addresses: the aligned dynamic shared pointer is generic to the compiler, and
+  // generic loads (LD.E) cost more than LDS.
+  const uint32_t smem_base = SmemAddr(smem);
+  auto stage = [&](auto parity) {
+    constexpr int P = decltype(parity)::value;
+    CpAsyncWait<STAGES - 3>();
     FenceProxyAsyncShared();  // cp.async data -> read by the tensor cores (async proxy)
-    __syncthreads();          // also: every warpgroup's MMAs of it - 1 are complete
-    load(it + STAGES - 1);
-    const unsigned char* st = smem + (it % STAGES) * C::kStageBytes;
-    const unsigned char* sa = st + C::kBBytes;
-    const uint64_t desc = SmemDescSw128(SmemAddr(st));
+    __syncthreads();          // every warp's MMAs of stage - 2 are complete: their slot is free
+    load();
+    const uint32_t st = smem_base + slot * C::kStageBytes;
+    const uint32_t sa = st + C::kBBytes;
+    const uint64_t desc = SmemDescSw128(st);
+    uint32_t codes[2] = {0, 0};  // rows r0 and r0 + 8: both 32-K blocks' scale codes
+    if (kFp8) {
+      codes[0] = LdSharedU16(sa + C::kABytes + r0 * 2);
+      codes[1] = LdSharedU16(sa + C::kABytes + (r0 + 8) * 2);
+    }
 #pragma unroll
     for (int kc = 0; kc < 2; ++kc) {
-      uint32_t a[2][4];  // this 32-K block's two k16 fragments
       if (kFp8) {
-        const uint2 ra = *reinterpret_cast<const uint2*>(sa + (kc * kBM + r0) * 32 + t4 * 8);
-        const uint2 rb = *reinterpret_cast<const uint2*>(sa + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-        const Fp8Scale fa = MakeFp8Scale<true>(sa[C::kABytes + r0 * 2 + kc]);
-        const Fp8Scale fb = MakeFp8Scale<true>(sa[C::kABytes + (r0 + 8) * 2 + kc]);
-        Fp8x4ToBf16<true>(ra.x, fa, a[0][0], a[0][2]);
-        Fp8x4ToBf16<true>(rb.x, fb, a[0][1], a[0][3]);
-        Fp8x4ToBf16<true>(ra.y, fa, a[1][0], a[1][2]);
-        Fp8x4ToBf16<true>(rb.y, fb, a[1][1], a[1][3]);
+        const uint2 ra = LdSharedV2(sa + (kc * kBM + r0) * 32 + t4 * 8);
+        const uint2 rb = LdSharedV2(sa + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+        const Fp8Scale fa = MakeFp8Scale<kWide>(kc == 0 ? codes[0] & 0xffu : codes[0] >> 8);
+        const Fp8Scale fb = MakeFp8Scale<kWide>(kc == 0 ? codes[1] & 0xffu : codes[1] >> 8);
+        Fp8x4ToBf16<kWide>(ra.x, fa, a[P][kc][0][0], a[P][kc][0][2]);
+        Fp8x4ToBf16<kWide>(rb.x, fb, a[P][kc][0][1], a[P][kc][0][3]);
+        Fp8x4ToBf16<kWide>(ra.y, fa, a[P][kc][1][0], a[P][kc][1][2]);
+        Fp8x4ToBf16<kWide>(rb.y, fb, a[P][kc][1][1], a[P][kc][1][3]);
       } else {
-        const uint4 ra = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0) * 64 + t4 * 16);
-        const uint4 rb = *reinterpret_cast<const uint4*>(sa + (kc * kBM + r0 + 8) * 64 + t4 * 16);
-        a[0][0] = ra.x;
-        a[0][1] = rb.x;
-        a[0][2] = ra.y;
-        a[0][3] = rb.y;
-        a[1][0] = ra.z;
-        a[1][1] = rb.z;
-        a[1][2] = ra.w;
-        a[1][3] = rb.w;
+        const uint4 ra = LdSharedV4(sa + (kc * kBM + r0) * 64 + t4 * 16);
+        const uint4 rb = LdSharedV4(sa + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+        a[P][kc][0][0] = ra.x;
+        a[P][kc][0][1] = rb.x;
+        a[P][kc][0][2] = ra.y;
+        a[P][kc][0][3] = rb.y;
+        a[P][kc][1][0] = ra.z;
+        a[P][kc][1][1] = rb.z;
+        a[P][kc][1][2] = ra.w;
+        a[P][kc][1][3] = rb.w;
       }
-      WgmmaFence();  // orders the fragment registers (and zeroed accumulators) before the MMAs
+    }
+    WgmmaFence();  // orders the fragment registers (and zeroed accumulators) before the MMAs
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc) {
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         // k16 step kc * 2 + ks sits 32 bytes further along the swizzled 128-byte rows.
-        Wgmma<BN>(&acc[0][0], a[ks], desc + static_cast<uint64_t>((kc * 2 + ks) * 2));
+        Wgmma<BN>(&acc[0][0], a[P][kc][ks], desc + static_cast<uint64_t>((kc * 2 + ks) * 2));
       }
     }
-    WgmmaCommitAndWaitAll();
-    if (kb == num_kb - 1) {
-      const int64_t R0 = static_cast<int64_t>(cu.mt) * kBM + warp * 16;
+    WgmmaCommit();
+    WgmmaWait<1>();  // the previous stage's MMAs are done: its registers and slot may be reused
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+  };
+#pragma unroll 1
+  for (int ui = 0; ui < units; ++ui) {
+    const Unit cu = decode(ui);
+#pragma unroll 1
+    for (int kb = 0; kb + 1 < num_kb; kb += 2) {
+      stage(std::integral_constant<int, 0>());
+      stage(std::integral_constant<int, 1>());
+    }
+    if (num_kb % 2 != 0) stage(std::integral_constant<int, 0>());
+    WgmmaWait<0>();
+    WgmmaFenceOperands(&acc[0][0], BN / 2);
+    const int64_t R0 = static_cast<int64_t>(cu.mt) * kBM + warp * 16;
 #pragma unroll
-      for (int ni = 0; ni < BN / 8; ++ni) {
+    for (int ni = 0; ni < BN / 8; ++ni) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int n = cu.nt * BN + ni * 8 + 2 * t4 + c;
-          if (n < cu.cnt) {
-            const int64_t row = cu.row0 + n;
-            if (gate_up) {
-              const float gt = acc[ni][c], up = acc[ni][2 + c];
-              const float v = gt / (1.0f + __expf(-gt)) * up;
-              const int64_t j = R0 / 2 + g;
-              static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] = __float2bfloat16_rn(v);
-            } else {
-              const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
-              float* o = static_cast<float*>(p.out) + orow * p.out_stride;
-              const int64_t h0 = R0 + g;
-              if (h0 < p.layout.hidden) o[h0] = acc[ni][c];
-              if (h0 + 8 < p.layout.hidden) o[h0 + 8] = acc[ni][2 + c];
-            }
+      for (int c = 0; c < 2; ++c) {
+        const int n = cu.nt * BN + ni * 8 + 2 * t4 + c;
+        if (n < cu.cnt) {
+          const int64_t row = cu.row0 + n;
+          if (gate_up) {
+            const float gt = acc[ni][c], up = acc[ni][2 + c];
+            const float v = gt / (1.0f + __expf(-gt)) * up;
+            const int64_t j = R0 / 2 + g;
+            static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] = __float2bfloat16_rn(v);
+          } else {
+            const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
+            float* o = static_cast<float*>(p.out) + orow * p.out_stride;
+            const int64_t h0 = R0 + g;
+            if (h0 < p.layout.hidden) o[h0] = acc[ni][c];
+            if (h0 + 8 < p.layout.hidden) o[h0 + 8] = acc[ni][2 + c];
           }
         }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[ni][q] = 0.f;
       }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[ni][q] = 0.f;
     }
   }
   CpAsyncWait<0>();
 }
 
-template <bool kFp8, int BN, MoeGemmKind KIND>
+template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND>
 cudaError_t RunWgmma(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   using C = WgCfg<kFp8, BN>;
-  auto kernel = MoeGemmWgmmaKernel<kFp8, BN, KIND>;
+  auto kernel = MoeGemmWgmmaKernel<kFp8, kWide, BN, KIND>;
   const size_t smem = C::SmemBytes(p.num_experts);
   int device = 0;  // per device, as in Run()
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) device = 0;
@@ -1182,7 +1256,7 @@ cudaError_t RunWgmma(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const bool gate_up = KIND == MoeGemmKind::kGateUpSilu;
   const int64_t mtiles = (gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows) / kBM;
   const int64_t units = mtiles * (p.num_experts + (p.total_rows_hint + BN - 1) / BN);
-  int64_t grid = num_sms;
+  int64_t grid = static_cast<int64_t>(num_sms) * C::kCtasPerSm;
   if (units < grid) grid = units;
   if (grid < 1) grid = 1;
   kernel<<<static_cast<int>(grid), kThreads, smem, stream>>>(p);
@@ -1206,12 +1280,32 @@ cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
                                                                                gate);
 }
 
+template <int BN, MoeGemmKind KIND>
+cudaError_t RunWgmmaFor(const MoeGemmParams& p, int num_sms, cudaStream_t stream, bool wide) {
+  return wide ? RunWgmma<true, true, BN, KIND>(p, num_sms, stream)
+              : RunWgmma<true, false, BN, KIND>(p, num_sms, stream);
+}
+
 template <bool kFp8, MoeGemmKind KIND>
 cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
   // MXFP8 scale codes above kMxfp8NarrowScaleMax (or NaN blocks) need the two-multiply
   // dequantization; one decode tile shape serves every count there (rare in real checkpoints).
   const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
+#if MOESERVE_CUDA_WGMMA
+  // MXFP8 from kMxfp8WgmmaMinRoutes routes per expert: the pipelined wgmma tiles, as wide as the
+  // average (H200, seed layer: 256 tokens/rank 620 us against 915 us for the 64-token mma.sync
+  // tile; 512 tokens 1040 against 2187 us for the 128-token one; tests/benchmarks/cuda/RESULTS.md).
+  if constexpr (kFp8) {
+    const int from =
+        p.mxfp8_wgmma_min_routes == 0 ? kMxfp8WgmmaMinRoutes : p.mxfp8_wgmma_min_routes;
+    if (from > 0 && avg >= from) {
+      if (avg <= 64) return RunWgmmaFor<64, KIND>(p, num_sms, stream, wide);
+      if (avg <= 128) return RunWgmmaFor<128, KIND>(p, num_sms, stream, wide);
+      return RunWgmmaFor<256, KIND>(p, num_sms, stream, wide);
+    }
+  }
+#endif
   if (wide && avg <= 64) return RunDecode<kFp8, true, 64, KIND>(p, num_sms, stream);
   if (!wide) {
     // A hot expert (more routes than the narrow tile holds) would stream its weights once per
@@ -1236,9 +1330,9 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
 #if MOESERVE_CUDA_WGMMA
   // MXFP8 with more than 128 routes per expert: 128x256 wgmma tiles, measured 2.0x faster than
   // the mma.sync tile on the H200 (seed layer, 1024 tokens/rank: 2.36 ms vs 4.83 ms). The BF16
-  // and 64/128-token wgmma tiles measured slower than mma.sync (docs/gpu.md) and are not used.
+  // wgmma tiles measured slower than mma.sync (docs/gpu.md) and are not used.
   if constexpr (kFp8) {
-    if (avg > 128) return RunWgmma<kFp8, 256, KIND>(p, num_sms, stream);
+    if (avg > 128) return RunWgmmaFor<256, KIND>(p, num_sms, stream, wide);
   }
 #endif
   // Large tiles are MMA-bound: they always take the exact two-multiply dequantization.

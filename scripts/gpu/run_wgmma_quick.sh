@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Quick device loop for the MXFP8 warpgroup-MMA tiles: the kernel tests, the raw kernel bench with
+# the tiles from WGMMA_FROM routes per expert against the default dispatch (same binary), Nsight
+# Compute on the 256-token seed launches. Usage: run_wgmma_quick.sh BUNDLE.tgz. Writes under $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+rm -rf /tmp/sa && mkdir -p /tmp/sa && tar -C /tmp/sa -xzf "$1"
+D=$(ls -d /tmp/sa/*/ | head -1)
+B=${D}bin
+export LD_LIBRARY_PATH=${D}lib
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+timeout 120 "$B/cuda_kernels_test" > "$OUT/cuda_kernels_test.log" 2>&1
+echo "cuda_kernels_test rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_kernels_test.log" | tr '\n' ' ')"
+grep -E -A3 'Failure' "$OUT/cuda_kernels_test.log" | head -20
+export MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE_BENCH_PATHS=decode
+for round in 1 2; do
+  for from in 0 ${WGMMA_FROM:-33}; do
+    MOESERVE_BENCH_WGMMA_FROM=$from MOESERVE_BENCH_TOKENS=${TOKENS:-256,512,1024} \
+      timeout 200 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
+      awk -F, -v f=$from -v r=$round '{print f","r","$0}' >> "$OUT/bench.csv"
+  done
+done
+MOESERVE_BENCH_WGMMA_FROM=1 MOESERVE_BENCH_TOKENS=${SMALL:-16,64,128} timeout 200 \
+  "$B/moe_experts_bench" 2>/dev/null | tail -n +2 | awk -F, '{print "1,1,"$0}' >> "$OUT/bench.csv"
+python3 - "$OUT/bench.csv" <<'PY'
+import csv, sys, collections
+t = collections.defaultdict(lambda: collections.defaultdict(list))
+order = []
+for row in csv.reader(open(sys.argv[1])):
+    f, r, layer, fmt, tokens, routing, us = row[:7]
+    key = (layer, int(tokens), routing)
+    if key not in t: order.append(key)
+    t[key][f].append(float(us))
+for key in order:
+    print(f"{key[0]:5} {key[1]:5} {key[2]:9} | " + " | ".join(
+        f"from={f}: " + " ".join(f"{v:7.1f}" for v in vs) for f, vs in sorted(t[key].items())))
+PY
+if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
+  MOESERVE_BENCH_WGMMA_FROM=${WGMMA_FROM:-33} MOESERVE_BENCH_TOKENS=256 \
+    MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_ROUTING=balanced \
+    timeout 200 ncu --clock-control none --kernel-name regex:MoeGemmWgmma --launch-skip 10 \
+    --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    "$B/moe_experts_bench" > "$OUT/ncu_256.txt" 2>&1
+  grep -E "MoeGemmWgmma|Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|No Eligible|Warp Cycles Per Issued" "$OUT/ncu_256.txt" | head -30
+fi
