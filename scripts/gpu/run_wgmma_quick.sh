@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quick device loop for the MXFP8 warpgroup-MMA tiles: the kernel tests, the raw kernel bench with
-# the tiles from WGMMA_FROM routes per expert against the default dispatch (same binary), Nsight
-# Compute on the 256-token seed launches. Usage: run_wgmma_quick.sh BUNDLE.tgz. Writes under $OUT.
+# the tiles from WGMMA_FROM routes per expert (0: the default) against the mma.sync tiles (-1),
+# same binary; SMALL=16,64 forces the tiles at those token counts; Nsight Compute on the
+# 256-token seed launches (NCU_ROUTING=hot for the hot routing). Usage: run_wgmma_quick.sh BUNDLE.tgz. Writes under $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,14 +16,16 @@ echo "cuda_kernels_test rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_kerne
 grep -E -A3 'Failure' "$OUT/cuda_kernels_test.log" | head -20
 export MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE_BENCH_PATHS=decode
 for round in 1 2; do
-  for from in 0 ${WGMMA_FROM:-33}; do
+  for from in -1 ${WGMMA_FROM:-0}; do
     MOESERVE_BENCH_WGMMA_FROM=$from MOESERVE_BENCH_TOKENS=${TOKENS:-256,512,1024} \
       timeout 200 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
       awk -F, -v f=$from -v r=$round '{print f","r","$0}' >> "$OUT/bench.csv"
   done
 done
-MOESERVE_BENCH_WGMMA_FROM=1 MOESERVE_BENCH_TOKENS=${SMALL:-16,64,128} timeout 200 \
-  "$B/moe_experts_bench" 2>/dev/null | tail -n +2 | awk -F, '{print "1,1,"$0}' >> "$OUT/bench.csv"
+if [ -n "${SMALL:-}" ]; then
+  MOESERVE_BENCH_WGMMA_FROM=1 MOESERVE_BENCH_TOKENS=$SMALL timeout 200 \
+    "$B/moe_experts_bench" 2>/dev/null | tail -n +2 | awk -F, '{print "1,1,"$0}' >> "$OUT/bench.csv"
+fi
 python3 - "$OUT/bench.csv" <<'PY'
 import csv, sys, collections
 t = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -37,8 +40,8 @@ for key in order:
         f"from={f}: " + " ".join(f"{v:7.1f}" for v in vs) for f, vs in sorted(t[key].items())))
 PY
 if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
-  MOESERVE_BENCH_WGMMA_FROM=${WGMMA_FROM:-33} MOESERVE_BENCH_TOKENS=256 \
-    MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_ROUTING=balanced \
+  MOESERVE_BENCH_WGMMA_FROM=${WGMMA_FROM:-0} MOESERVE_BENCH_TOKENS=256 \
+    MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_ROUTING=${NCU_ROUTING:-balanced} \
     timeout 200 ncu --clock-control none --kernel-name regex:MoeGemmWgmma --launch-skip 10 \
     --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     "$B/moe_experts_bench" > "$OUT/ncu_256.txt" 2>&1
