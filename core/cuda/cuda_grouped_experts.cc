@@ -31,7 +31,9 @@ int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightF
   // Average routes per expert from which the grouped path won, per (hidden, intermediate) and
   // weight format, measured on an H200 with 32 experts, top-8 (tests/benchmarks/cuda/RESULTS.md,
   // 2026-12-01): BF16 decode won at 16 routes per expert (64 tokens, the decode kernels at
-  // 95-97% of the HBM floor) and lost from 32. MXFP8 decode (half the weight bytes of the
+  // 95-97% of the HBM floor) and lost from 32, until its wgmma tiles (2026-12-02: 128 tokens, seed
+  // 717 against 786 us; 256 tokens 746 against 814 us, DSV3 696 against 761 us; with a hot expert
+  // even): grouped from 65. MXFP8 decode (half the weight bytes of the
   // grouped path's BF16 copy) wins up to 64 since its 64-token warpgroup-MMA tile (2026-12-02:
   // 256 tokens, seed 615 against 810 us, DSV3 590 against 775 us) and loses at 128 (512 tokens,
   // 1036 against 879 us): grouped from 65.
@@ -39,8 +41,8 @@ int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightF
     int64_t hidden, intermediate, bf16_routes, mxfp8_routes;
   };
   static constexpr Row kTable[] = {
-      {3072, 5120, 32, 65},  // seed layer
-      {7168, 2048, 32, 65},  // DeepSeek-V3
+      {3072, 5120, 65, 65},  // seed layer
+      {7168, 2048, 65, 65},  // DeepSeek-V3
   };
   // Nearest measured shape by weight elements per expert.
   auto distance = [&](const Row& r) {

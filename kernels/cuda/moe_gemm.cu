@@ -1280,8 +1280,9 @@ cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
                                                                                gate);
 }
 
-template <int BN, MoeGemmKind KIND>
+template <bool kFp8, int BN, MoeGemmKind KIND>
 cudaError_t RunWgmmaFor(const MoeGemmParams& p, int num_sms, cudaStream_t stream, bool wide) {
+  if constexpr (!kFp8) return RunWgmma<false, false, BN, KIND>(p, num_sms, stream);
   return wide ? RunWgmma<true, true, BN, KIND>(p, num_sms, stream)
               : RunWgmma<true, false, BN, KIND>(p, num_sms, stream);
 }
@@ -1293,16 +1294,19 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   // dequantization; one decode tile shape serves every count there (rare in real checkpoints).
   const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
 #if MOESERVE_CUDA_WGMMA
-  // MXFP8 from kMxfp8WgmmaMinRoutes routes per expert: the pipelined wgmma tiles, as wide as the
-  // average (H200, seed layer: 256 tokens/rank 620 us against 915 us for the 64-token mma.sync
-  // tile; 512 tokens 1040 against 2187 us for the 128-token one; tests/benchmarks/cuda/RESULTS.md).
-  if constexpr (kFp8) {
-    const int from =
-        p.mxfp8_wgmma_min_routes == 0 ? kMxfp8WgmmaMinRoutes : p.mxfp8_wgmma_min_routes;
+  // From kMxfp8WgmmaMinRoutes / kBf16WgmmaMinRoutes routes per expert: the pipelined wgmma
+  // tiles, as wide as the average (H200, seed layer, MXFP8: 256 tokens/rank 620 us against 915 us
+  // for the 64-token mma.sync tile, 512 tokens 1040 against 2187 us for the 128-token one; BF16:
+  // 128 tokens 717 against 764 us, 256 tokens 746 against 1030 us; tests/benchmarks/cuda/
+  // RESULTS.md). Below those counts the mma.sync decode tiles win.
+  {
+    const int from = p.wgmma_min_routes != 0 ? p.wgmma_min_routes
+                     : kFp8                  ? kMxfp8WgmmaMinRoutes
+                                             : kBf16WgmmaMinRoutes;
     if (from > 0 && avg >= from) {
-      if (avg <= 64) return RunWgmmaFor<64, KIND>(p, num_sms, stream, wide);
-      if (avg <= 128) return RunWgmmaFor<128, KIND>(p, num_sms, stream, wide);
-      return RunWgmmaFor<256, KIND>(p, num_sms, stream, wide);
+      if (avg <= 64) return RunWgmmaFor<kFp8, 64, KIND>(p, num_sms, stream, wide);
+      if (avg <= 128) return RunWgmmaFor<kFp8, 128, KIND>(p, num_sms, stream, wide);
+      return RunWgmmaFor<kFp8, 256, KIND>(p, num_sms, stream, wide);
     }
   }
 #endif
@@ -1328,12 +1332,9 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     if (avg <= 64) return RunDecode<kFp8, false, 64, KIND>(p, num_sms, stream);
   }
 #if MOESERVE_CUDA_WGMMA
-  // MXFP8 with more than 128 routes per expert: 128x256 wgmma tiles, measured 2.0x faster than
-  // the mma.sync tile on the H200 (seed layer, 1024 tokens/rank: 2.36 ms vs 4.83 ms). The BF16
-  // wgmma tiles measured slower than mma.sync (docs/gpu.md) and are not used.
-  if constexpr (kFp8) {
-    if (avg > 128) return RunWgmmaFor<256, KIND>(p, num_sms, stream, wide);
-  }
+  // Above 128 routes per expert the 256-token wgmma tiles, whatever wgmma_min_routes says
+  // (measured 2.0x faster than the mma.sync tile for MXFP8 before they were pipelined).
+  if (avg > 128) return RunWgmmaFor<kFp8, 256, KIND>(p, num_sms, stream, wide);
 #endif
   // Large tiles are MMA-bound: they always take the exact two-multiply dequantization.
   return Run < kFp8, kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND > (p, num_sms, stream);

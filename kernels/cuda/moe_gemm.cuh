@@ -6,9 +6,9 @@
 // (16..256 tokens per tile), so decode-sized batches (1-64 tokens per expert) still stream every
 // weight byte once, several stages in flight, over a persistent grid whose tile schedule is read
 // on the device from per-expert counts (no host synchronization). Decode tiles have a producer
-// warp (bulk copies and cp.async completing on mbarriers) beside 8 mma.sync warps; MXFP8 from
-// kMxfp8WgmmaMinRoutes routes per expert uses warpgroup-MMA (wgmma, sm_90a) tiles 64-256 tokens
-// wide with the dequantized A fragments in registers, software-pipelined (see docs/gpu.md).
+// warp (bulk copies and cp.async completing on mbarriers) beside 8 mma.sync warps; from 32-33
+// routes per expert warpgroup-MMA (wgmma, sm_90a) tiles 64-256 tokens wide take over, with the
+// (dequantized) A fragments in registers, software-pipelined (see docs/gpu.md).
 //
 // Weights live in a packed device layout made once by LaunchPackMoeW13 / LaunchPackMoeW2
 // (see MoePackedLayout): K padded to a multiple of 64 and permuted inside each block of 32 so
@@ -35,10 +35,12 @@ inline constexpr int64_t kMoeGemmTileK = 64;      // K per pipeline stage (BK)
 // The largest E8M0 code whose MXFP8 blocks the decode GEMMs dequantize with one multiply
 // (2^(code-7) must be a BF16 value); larger codes take a slower exact path (MoeGemmParams).
 inline constexpr int kMxfp8NarrowScaleMax = 134;
-// MXFP8 average routes per expert from which the warpgroup-MMA tiles replace the mma.sync decode
-// tiles: measured on the H200 (tests/benchmarks/cuda/RESULTS.md, 2026-12-02), 64 routes (256
-// tokens/rank) 615 us against 905 us, 32 routes 593 us against 514 us (seed layer).
+// Average routes per expert from which the warpgroup-MMA tiles replace the mma.sync decode tiles,
+// measured on the H200 (tests/benchmarks/cuda/RESULTS.md, 2026-12-02; seed layer). MXFP8: 64
+// routes (256 tokens/rank) 615 us against 905 us, 32 routes 593 us against 514 us. BF16: 32
+// routes 717 us against 764 us; at 16 the decode tile is at the HBM floor.
 inline constexpr int kMxfp8WgmmaMinRoutes = 33;
+inline constexpr int kBf16WgmmaMinRoutes = 32;
 
 // Split-K workspace (MoeGemmParams::split_workspace): kMoeGemmSplitCounters int32 counters,
 // then kMoeGemmSplitPartialFloats FP32 partial sums.
@@ -113,10 +115,11 @@ struct MoeGemmParams {
   // The largest packed scale code (LaunchPackMoe* report it). Up to kMxfp8NarrowScaleMax the
   // decode tiles dequantize with one multiply; above it (the default: unknown) with two.
   int mxfp8_max_scale_code = 255;
-  // MXFP8: from this average of routes per expert on, the warpgroup-MMA tiles (64, 128 or 256
-  // tokens wide by the average) instead of the mma.sync decode tiles where built (sm_90a).
-  // 0: kMxfp8WgmmaMinRoutes; negative: only above 128 routes (the tiles before 2026-12-02).
-  int mxfp8_wgmma_min_routes = 0;
+  // From this average of routes per expert on, the warpgroup-MMA tiles (64, 128 or 256 tokens
+  // wide by the average) instead of the mma.sync decode tiles, where built (sm_90a). 0: the
+  // measured default of the format (kMxfp8WgmmaMinRoutes, kBf16WgmmaMinRoutes); negative: only
+  // above 128 routes.
+  int wgmma_min_routes = 0;
   const uint16_t* act = nullptr;  // BF16 activation rows
   int64_t act_stride = 0;         // elements between activation rows
   const int32_t* expert_counts = nullptr;

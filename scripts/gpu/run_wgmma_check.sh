@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the MXFP8 warpgroup-MMA tiles (64/128/256 tokens wide, software-pipelined):
+# One device call for the warpgroup-MMA tiles (64/128/256 tokens wide, software-pipelined):
 # the kernel tests (GroupedGemmWgmmaTilesMatchReference forces them at every width), the experts
 # sweep, compute-sanitizer on the new test and on the experts cases that take the new tiles, then
 # bench_moe.py (default dispatch: wgmma from kMxfp8WgmmaMinRoutes) against the same binary with
@@ -26,9 +26,9 @@ if command -v compute-sanitizer > /dev/null; then
       --gtest_filter='*Wgmma*' > "$OUT/sanitizer_$tool.txt" 2>&1
     echo "sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"
   done
-  # The experts cases that take the new 64- and 128-token tiles (MXFP8, 40-75 routes per expert).
+  # The experts cases that take the 64- and 128-token tiles (40-75 routes per expert).
   timeout 200 compute-sanitizer --tool memcheck "$B/cuda_experts_test" \
-    --gtest_filter='*M160_E16_k4_H256_I128_mxfp8*:*M100_E8_k4_H264_I96_mxfp8*:*M300_E32_k8_H1024_I320_mxfp8*' \
+    --gtest_filter='*M160_E16_k4_H256_I128_*:*M100_E8_k4_H264_I96_*:*M300_E32_k8_H1024_I320_*' \
     > "$OUT/sanitizer_experts.txt" 2>&1
   echo "sanitizer memcheck experts: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitizer_experts.txt" | tr '\n' ' ')"
 fi
@@ -37,7 +37,7 @@ cat > /tmp/bench_default.sh <<EOS
 MOESERVE_BENCH_WGMMA_FROM=-1 exec "$B/moe_experts_bench"
 EOS
 chmod +x /tmp/bench_default.sh
-export MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE_BENCH_TOKENS=${TOKENS:-128,256,512,1024}
+export MOESERVE_BENCH_FORMATS=${FORMATS:-bf16,mxfp8} MOESERVE_BENCH_TOKENS=${TOKENS:-128,256,512,1024}
 timeout 400 python3 "$(dirname "$0")/bench_moe.py" \
   "$B/moe_experts_bench" "$OUT" /tmp/bench_default.sh > "$OUT/bench.log" 2>&1
 echo "bench_moe rc=$?"

@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 120 "$B/cuda_kernels_test" > "$OUT/cuda_kernels_test.log" 2>&1
 echo "cuda_kernels_test rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_kernels_test.log" | tr '\n' ' ')"
 grep -E -A3 'Failure' "$OUT/cuda_kernels_test.log" | head -20
-export MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE_BENCH_PATHS=decode
+export MOESERVE_BENCH_FORMATS=${FORMATS:-mxfp8} MOESERVE_BENCH_PATHS=decode
 for round in 1 2; do
   for from in -1 ${WGMMA_FROM:-0}; do
     MOESERVE_BENCH_WGMMA_FROM=$from MOESERVE_BENCH_TOKENS=${TOKENS:-256,512,1024} \

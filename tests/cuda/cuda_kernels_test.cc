@@ -464,13 +464,14 @@ TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
   }
 }
 
-// The MXFP8 warpgroup-MMA tiles (64, 128 and 256 tokens wide, chosen by the average routes per
-// expert; forced here with mxfp8_wgmma_min_routes = 1) against a double-precision host GEMM of the
-// dequantized weights: both kinds, the one-multiply and the two-multiply dequantization, odd and
-// even numbers of 64-K stages, K padded, counts above the tile width (two token tiles), empty
-// experts, and on the same inputs the default dispatch (wgmma from kMxfp8WgmmaMinRoutes) and the
-// mma.sync tiles (min_routes -1: wgmma only above 128 routes). Tolerances:
-// relative L2 4e-3 for the BF16 gate-up output (one BF16 rounding), 1e-5 for the FP32 down output.
+// The warpgroup-MMA tiles (64, 128 and 256 tokens wide, chosen by the average routes per expert;
+// forced here with wgmma_min_routes = 1), BF16 and MXFP8, against a double-precision host GEMM of
+// the (dequantized) weights: both kinds, for MXFP8 the one-multiply and the two-multiply
+// dequantization, odd and even numbers of 64-K stages, K padded, counts above the tile width
+// (two token tiles), empty experts, and on the same inputs the default dispatch (wgmma from
+// kMxfp8WgmmaMinRoutes / kBf16WgmmaMinRoutes) and the mma.sync tiles (min_routes -1: wgmma only
+// above 128 routes). Tolerances: relative L2 4e-3 for the BF16 gate-up output (one BF16
+// rounding), 1e-5 for the FP32 down output.
 TEST_F(CudaKernelsTest, GroupedGemmWgmmaTilesMatchReference) {
   std::mt19937 rng(47);
   std::normal_distribution<float> nd;
@@ -488,105 +489,118 @@ TEST_F(CudaKernelsTest, GroupedGemmWgmmaTilesMatchReference) {
       {MoeGemmKind::kDown, 296, 192, {64, 3, 61}},           // 3 stages, H not a tile multiple
       {MoeGemmKind::kDown, 256, 256, {130, 120, 0}},         // 128 wide, 130 > 128
       {MoeGemmKind::kDown, 128, 1000, {300, 1}}};            // 256 wide, two token tiles
-  for (const Shape& sh : shapes) {
-    const bool gate_up = sh.kind == MoeGemmKind::kGateUpSilu;
-    const int64_t e = static_cast<int64_t>(sh.counts.size()), h = sh.h, n = sh.n;
-    const MoePackedLayout l = MakeMoePackedLayout(h, n);
-    const int64_t w_rows = gate_up ? 2 * n : h, w_k = gate_up ? h : n, kblocks = (w_k + 31) / 32;
-    std::vector<int32_t> offsets(e);
-    int64_t rows = 0;
-    for (int64_t x = 0; x < e; ++x) {
-      offsets[x] = static_cast<int32_t>(rows);
-      rows += sh.counts[x];
-    }
-    std::vector<uint8_t> w(e * w_rows * w_k), sc(e * w_rows * kblocks);
-    for (auto& v : w) {
-      v = static_cast<uint8_t>(rng());
-      if ((v & 0x7f) == 0x7f) v &= 0xfe;
-    }
-    for (auto& v : sc) v = static_cast<uint8_t>(112 + rng() % 8);
-    std::vector<uint16_t> deq(w.size());
-    DequantizeMxfp8ToBf16Ref(w.data(), sc.data(), e * w_rows, w_k, deq.data());
-    Dev<uint8_t> dw(w), dsc(sc);
-    const int64_t packed_elems = gate_up ? l.w13_elems_per_expert() : l.w2_elems_per_expert();
-    const int64_t packed_scales = gate_up ? l.w13_scales_per_expert() : l.w2_scales_per_expert();
-    Dev<uint8_t> packed(e * packed_elems), pscale(e * packed_scales);
-    if (gate_up) {
-      CUDA_OK(LaunchPackMoeW13(dw.p, dsc.p, e, l, 1, packed.p, pscale.p, nullptr));
-    } else {
-      CUDA_OK(LaunchPackMoeW2(dw.p, dsc.p, e, l, 1, packed.p, pscale.p, nullptr));
-    }
-    const int64_t act_k = gate_up ? h : l.intermediate_padded;
-    std::vector<uint16_t> act(rows * act_k, 0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < w_k; ++k) act[r * act_k + k] = FloatToBf16(nd(rng));
-    // Host reference: expert x's rows times its dequantized weights, in double.
-    const int64_t out_cols = gate_up ? l.intermediate_padded : h;
-    std::vector<float> ref;
-    for (int64_t x = 0; x < e; ++x) {
-      for (int64_t r = offsets[x]; r < offsets[x] + sh.counts[x]; ++r) {
-        auto dot = [&](int64_t wrow) {
-          double acc = 0;
-          for (int64_t k = 0; k < w_k; ++k) {
-            acc += static_cast<double>(Bf16ToFloat(act[r * act_k + k])) *
-                   Bf16ToFloat(deq[(x * w_rows + wrow) * w_k + k]);
+  for (const bool fp8 : {true, false}) {
+    for (const Shape& sh : shapes) {
+      const bool gate_up = sh.kind == MoeGemmKind::kGateUpSilu;
+      const int64_t e = static_cast<int64_t>(sh.counts.size()), h = sh.h, n = sh.n;
+      const MoePackedLayout l = MakeMoePackedLayout(h, n);
+      const int64_t w_rows = gate_up ? 2 * n : h, w_k = gate_up ? h : n, kblocks = (w_k + 31) / 32;
+      std::vector<int32_t> offsets(e);
+      int64_t rows = 0;
+      for (int64_t x = 0; x < e; ++x) {
+        offsets[x] = static_cast<int32_t>(rows);
+        rows += sh.counts[x];
+      }
+      std::vector<uint8_t> w(e * w_rows * w_k), sc(e * w_rows * kblocks);
+      for (auto& v : w) {
+        v = static_cast<uint8_t>(rng());
+        if ((v & 0x7f) == 0x7f) v &= 0xfe;
+      }
+      for (auto& v : sc) v = static_cast<uint8_t>(112 + rng() % 8);
+      std::vector<uint16_t> deq(w.size());  // the weights as the GEMM sees them (BF16)
+      if (fp8) {
+        DequantizeMxfp8ToBf16Ref(w.data(), sc.data(), e * w_rows, w_k, deq.data());
+      } else {
+        for (auto& v : deq) v = FloatToBf16(0.05f * nd(rng));
+      }
+      const int esize = fp8 ? 1 : 2;
+      Dev<uint8_t> dw(fp8 ? w : std::vector<uint8_t>(deq.size() * 2)), dsc(sc);
+      if (!fp8) CUDA_OK(cudaMemcpy(dw.p, deq.data(), deq.size() * 2, cudaMemcpyHostToDevice));
+      const int64_t packed_elems = gate_up ? l.w13_elems_per_expert() : l.w2_elems_per_expert();
+      const int64_t packed_scales = gate_up ? l.w13_scales_per_expert() : l.w2_scales_per_expert();
+      Dev<uint8_t> packed(e * packed_elems * esize), pscale(e * packed_scales);
+      uint8_t* const scales = fp8 ? pscale.p : nullptr;
+      if (gate_up) {
+        CUDA_OK(
+            LaunchPackMoeW13(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p, scales, nullptr));
+      } else {
+        CUDA_OK(
+            LaunchPackMoeW2(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p, scales, nullptr));
+      }
+      const int64_t act_k = gate_up ? h : l.intermediate_padded;
+      std::vector<uint16_t> act(rows * act_k, 0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < w_k; ++k) act[r * act_k + k] = FloatToBf16(nd(rng));
+      // Host reference: expert x's rows times its dequantized weights, in double.
+      const int64_t out_cols = gate_up ? l.intermediate_padded : h;
+      std::vector<float> ref;
+      for (int64_t x = 0; x < e; ++x) {
+        for (int64_t r = offsets[x]; r < offsets[x] + sh.counts[x]; ++r) {
+          auto dot = [&](int64_t wrow) {
+            double acc = 0;
+            for (int64_t k = 0; k < w_k; ++k) {
+              acc += static_cast<double>(Bf16ToFloat(act[r * act_k + k])) *
+                     Bf16ToFloat(deq[(x * w_rows + wrow) * w_k + k]);
+            }
+            return acc;
+          };
+          if (gate_up) {
+            for (int64_t j = 0; j < n; ++j) {
+              const double gt = dot(j), up = dot(n + j);
+              ref.push_back(static_cast<float>(gt / (1.0 + std::exp(-gt)) * up));
+            }
+          } else {
+            for (int64_t j = 0; j < h; ++j) ref.push_back(static_cast<float>(dot(j)));
           }
-          return acc;
-        };
+        }
+      }
+      Dev<uint16_t> d_act(act);
+      Dev<int32_t> d_counts(sh.counts), d_offsets(offsets);
+      const int64_t out_elems = rows * out_cols * (gate_up ? 1 : 2);  // in 16-bit units
+      MoeGemmParams p;
+      p.kind = sh.kind;
+      p.mxfp8 = fp8;
+      p.num_experts = static_cast<int>(e);
+      p.layout = l;
+      p.weights = packed.p;
+      p.scales = scales;
+      p.act = d_act.p;
+      p.act_stride = act_k;
+      p.expert_counts = d_counts.p;
+      p.expert_offsets = d_offsets.p;
+      p.out_stride = out_cols;
+      p.max_rows_hint = rows;
+      p.total_rows_hint = rows;
+      auto run = [&]() {
+        Dev<uint16_t> out(out_elems);
+        p.out = out.p;
+        EXPECT_EQ(LaunchMoeGroupedGemm(p, num_sms, nullptr), cudaSuccess);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        std::vector<float> f;
+        const std::vector<uint16_t> raw = out.Get();
         if (gate_up) {
-          for (int64_t j = 0; j < n; ++j) {
-            const double gt = dot(j), up = dot(n + j);
-            ref.push_back(static_cast<float>(gt / (1.0 + std::exp(-gt)) * up));
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = 0; j < n; ++j) f.push_back(Bf16ToFloat(raw[r * out_cols + j]));
+            for (int64_t j = n; j < out_cols; ++j) EXPECT_EQ(raw[r * out_cols + j], 0) << j;
           }
         } else {
-          for (int64_t j = 0; j < h; ++j) ref.push_back(static_cast<float>(dot(j)));
+          f.resize(rows * h);
+          std::memcpy(f.data(), raw.data(), f.size() * sizeof(float));
         }
-      }
-    }
-    Dev<uint16_t> d_act(act);
-    Dev<int32_t> d_counts(sh.counts), d_offsets(offsets);
-    const int64_t out_elems = rows * out_cols * (gate_up ? 1 : 2);  // in 16-bit units
-    MoeGemmParams p;
-    p.kind = sh.kind;
-    p.mxfp8 = true;
-    p.num_experts = static_cast<int>(e);
-    p.layout = l;
-    p.weights = packed.p;
-    p.scales = pscale.p;
-    p.act = d_act.p;
-    p.act_stride = act_k;
-    p.expert_counts = d_counts.p;
-    p.expert_offsets = d_offsets.p;
-    p.out_stride = out_cols;
-    p.max_rows_hint = rows;
-    p.total_rows_hint = rows;
-    auto run = [&]() {
-      Dev<uint16_t> out(out_elems);
-      p.out = out.p;
-      EXPECT_EQ(LaunchMoeGroupedGemm(p, num_sms, nullptr), cudaSuccess);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      std::vector<float> f;
-      const std::vector<uint16_t> raw = out.Get();
-      if (gate_up) {
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t j = 0; j < n; ++j) f.push_back(Bf16ToFloat(raw[r * out_cols + j]));
-          for (int64_t j = n; j < out_cols; ++j) EXPECT_EQ(raw[r * out_cols + j], 0) << j;
+        return f;
+      };
+      const std::string name = std::string(fp8 ? "mxfp8 " : "bf16 ") + (gate_up ? "w13" : "w2") +
+                               " H" + std::to_string(h) + " I" + std::to_string(n) + " rows " +
+                               std::to_string(rows);
+      const double tol = gate_up ? 4e-3 : 1e-5;
+      for (const int min_routes : {1, 0, -1}) {
+        for (const int max_code : {kMxfp8NarrowScaleMax, 255}) {
+          if (!fp8 && max_code != 255) continue;
+          p.wgmma_min_routes = min_routes;
+          p.mxfp8_max_scale_code = max_code;
+          EXPECT_LT(RelL2(run(), ref), tol)
+              << name << " min_routes=" << min_routes << " max_code=" << max_code;
         }
-      } else {
-        f.resize(rows * h);
-        std::memcpy(f.data(), raw.data(), f.size() * sizeof(float));
-      }
-      return f;
-    };
-    const std::string name = std::string(gate_up ? "w13" : "w2") + " H" + std::to_string(h) + " I" +
-                             std::to_string(n) + " rows " + std::to_string(rows);
-    const double tol = gate_up ? 4e-3 : 1e-5;
-    for (const int min_routes : {1, 0, -1}) {
-      for (const int max_code : {kMxfp8NarrowScaleMax, 255}) {
-        p.mxfp8_wgmma_min_routes = min_routes;
-        p.mxfp8_max_scale_code = max_code;
-        EXPECT_LT(RelL2(run(), ref), tol)
-            << name << " min_routes=" << min_routes << " max_code=" << max_code;
       }
     }
   }

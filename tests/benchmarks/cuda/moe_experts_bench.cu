@@ -13,7 +13,7 @@
 // MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped,
 // MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches),
 // MOESERVE_BENCH_SPLIT_K=0 (the decode GEMMs without their split-K workspace),
-// MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3, MOESERVE_BENCH_WGMMA_FROM=N (MXFP8 warpgroup-MMA tiles
+// MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3, MOESERVE_BENCH_WGMMA_FROM=N (warpgroup-MMA tiles
 // from N routes per expert on).
 #include <cuda_runtime.h>
 
@@ -126,8 +126,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&split_ws, kMoeGemmSplitWorkspaceBytes));
     CK(cudaMemset(split_ws, 0, sizeof(int32_t) * kMoeGemmSplitCounters));
   }
-  // MOESERVE_BENCH_WGMMA_FROM=N: MXFP8 warpgroup-MMA tiles from N routes per expert on
-  // (MoeGemmParams::mxfp8_wgmma_min_routes; unset: the kernels' default).
+  // MOESERVE_BENCH_WGMMA_FROM=N: warpgroup-MMA tiles from N routes per expert on
+  // (MoeGemmParams::wgmma_min_routes; unset: the kernels' default).
   const char* wgmma_env = std::getenv("MOESERVE_BENCH_WGMMA_FROM");
   const int wgmma_from = wgmma_env != nullptr ? std::atoi(wgmma_env) : 0;
   std::printf("layer,format,tokens,routing,median_us,weight_bytes,routes,path\n");
@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
           g1.expert_offsets = offsets;
           g1.max_rows_hint = g1.total_rows_hint = R;
           g1.split_workspace = split_ws;  // as the server's Experts launch them
-          g1.mxfp8_wgmma_min_routes = wgmma_from;
+          g1.wgmma_min_routes = wgmma_from;
           MoeGemmParams g2 = g1;
           g1.kind = MoeGemmKind::kGateUpSilu;
           g1.weights = w13;
