@@ -1,8 +1,8 @@
 #include "core/parallel_copy.h"
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "core/thread_pool.h"
 
@@ -11,21 +11,53 @@ namespace moeserve {
 ParallelCopier::ParallelCopier(int num_threads) : num_threads_(std::max(1, num_threads)) {}
 ParallelCopier::~ParallelCopier() = default;
 
+ThreadPool* ParallelCopier::Pool() {
+  std::call_once(pool_once_, [this] { pool_ = std::make_unique<ThreadPool>(num_threads_); });
+  return pool_.get();
+}
+
 void ParallelCopier::Copy(void* dst, const void* src, size_t bytes) {
   if (num_threads_ == 1 || bytes < kMinParallelBytes) {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return;
   }
-  if (pool_ == nullptr) pool_ = std::make_unique<ThreadPool>(num_threads_);
   // Equal shares rounded to 4 KiB so that no two threads write the same page.
   const size_t parts = static_cast<size_t>(num_threads_);
   const size_t share = ((bytes + parts - 1) / parts + 4095) / 4096 * 4096;
-  pool_->ParallelFor(static_cast<int64_t>(parts), [&](int64_t i, int) {
+  Pool()->ParallelFor(static_cast<int64_t>(parts), [&](int64_t i, int) {
     const size_t begin = std::min(bytes, static_cast<size_t>(i) * share);
     const size_t end = std::min(bytes, begin + share);
     if (end > begin) {
       std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
                   end - begin);
+    }
+  });
+}
+
+void ParallelCopier::Gather(absl::Span<const absl::Span<const uint8_t>> pieces, size_t size,
+                            void* dst) {
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  if (num_threads_ == 1 || size < 2 * kChunkBytes) {
+    size_t done = 0;
+    for (const absl::Span<const uint8_t> piece : pieces) {
+      const size_t n = std::min(piece.size(), size - done);
+      if (n > 0) std::memcpy(out + done, piece.data(), n);
+      done += n;
+    }
+    return;
+  }
+  std::vector<size_t> starts(pieces.size() + 1, 0);  // each piece's offset in dst
+  for (size_t i = 0; i < pieces.size(); ++i) starts[i + 1] = starts[i] + pieces[i].size();
+  const int64_t chunks = static_cast<int64_t>((size + kChunkBytes - 1) / kChunkBytes);
+  Pool()->ParallelFor(chunks, [&](int64_t c, int) {
+    const size_t begin = static_cast<size_t>(c) * kChunkBytes;
+    const size_t end = std::min(size, begin + kChunkBytes);
+    // The pieces overlapping [begin, end).
+    size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+    for (; i < pieces.size() && starts[i] < end; ++i) {
+      const size_t from = std::max(begin, starts[i]);
+      const size_t to = std::min(end, starts[i + 1]);
+      if (to > from) std::memcpy(out + from, pieces[i].data() + (from - starts[i]), to - from);
     }
   });
 }

@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "core/parallel_copy.h"
 #include "core/status_macros.h"
-#include "core/thread_pool.h"
 #include "moeserve_build_info.h"
 
 namespace moeserve {
@@ -195,29 +195,10 @@ absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
 }  // namespace
 
 void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, uint8_t* dst) {
-  constexpr size_t kChunk = size_t{1} << 20;
-  if (size < 2 * kChunk) {
-    for (auto piece : pieces) {
-      std::memcpy(dst, piece.data(), piece.size());
-      dst += piece.size();
-    }
-    return;
-  }
-  static ThreadPool* pool = new ThreadPool(
+  // One copier for every gRPC thread; concurrent gathers take turns on its threads.
+  static ParallelCopier* copier = new ParallelCopier(
       std::max(1, std::min(4, static_cast<int>(std::thread::hardware_concurrency()) / 2)));
-  std::vector<size_t> starts(pieces.size() + 1, 0);  // each piece's offset in dst
-  for (size_t i = 0; i < pieces.size(); ++i) starts[i + 1] = starts[i] + pieces[i].size();
-  const int64_t chunks = static_cast<int64_t>((size + kChunk - 1) / kChunk);
-  pool->ParallelFor(chunks, [&](int64_t c, int) {
-    const size_t begin = static_cast<size_t>(c) * kChunk, end = std::min(size, begin + kChunk);
-    // The pieces overlapping [begin, end).
-    size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
-    for (; i < pieces.size() && starts[i] < end; ++i) {
-      const size_t from = std::max(begin, starts[i]);
-      const size_t to = std::min(end, starts[i + 1]);
-      std::memcpy(dst + from, pieces[i].data() + (from - starts[i]), to - from);
-    }
-  });
+  copier->Gather(pieces, size, dst);
 }
 
 absl::Status SharedMemoryDisabledError(absl::string_view what) {
