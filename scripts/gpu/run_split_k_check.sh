@@ -7,11 +7,9 @@
 # TOKENS / LAYERS / ROUNDS choose the bench rows. Writes under $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/sa
-rm -rf /tmp/sa && mkdir -p /tmp/sa && tar -C /tmp/sa -xzf "$1"
-D=$(ls -d /tmp/sa/*/ | head -1)
-B=${D}bin
-export LD_LIBRARY_PATH=${D}lib
+mkdir -p "$OUT"
+source "$(dirname "$0")/bundle_lib.sh"
+unpack_bundle "$1" || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for t in cuda_kernels_test engine_cuda_test cuda_experts_test; do
   timeout 400 "$B/$t" > "$OUT/$t.log" 2>&1

@@ -6,10 +6,9 @@
 # Usage: run_step_anatomy.sh BUNDLE.tgz   (a tarball of DIR/{bin,lib}); writes under $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/sa
-[ -n "${SA_READY:-}" ] || { rm -rf /tmp/sa && mkdir -p /tmp/sa && tar -C /tmp/sa -xzf "$1"; }
-D=$(ls -d /tmp/sa/*/ | head -1)
-export LD_LIBRARY_PATH=${D}lib
+mkdir -p "$OUT"
+source "$(dirname "$0")/bundle_lib.sh"
+unpack_bundle "$1" || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 for bin in "$D"bin/engine_forward_bench*; do
   tag=${bin##*/engine_forward_bench}; tag=${tag#_}; tag=${tag:-new}

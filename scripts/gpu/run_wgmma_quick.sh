@@ -6,10 +6,8 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-rm -rf /tmp/sa && mkdir -p /tmp/sa && tar -C /tmp/sa -xzf "$1"
-D=$(ls -d /tmp/sa/*/ | head -1)
-B=${D}bin
-export LD_LIBRARY_PATH=${D}lib
+source "$(dirname "$0")/bundle_lib.sh"
+unpack_bundle "$1" || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 120 "$B/cuda_kernels_test" > "$OUT/cuda_kernels_test.log" 2>&1
 echo "cuda_kernels_test rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_kernels_test.log" | tr '\n' ' ')"

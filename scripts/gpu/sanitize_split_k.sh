@@ -6,9 +6,8 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-rm -rf /tmp/sa && mkdir -p /tmp/sa && tar -C /tmp/sa -xzf "$1"
-B=/tmp/sa/sa/bin
-export LD_LIBRARY_PATH=/tmp/sa/sa/lib
+source "$(dirname "$0")/bundle_lib.sh"
+unpack_bundle "$1" || exit 1
 S=$OUT/sanitizer.txt
 {
   for tool in memcheck racecheck synccheck; do
