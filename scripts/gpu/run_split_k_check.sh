@@ -6,16 +6,9 @@
 # cuda_experts_test, engine_cuda_test, moe_experts_bench, engine_forward_bench[_old]).
 # TOKENS / LAYERS / ROUNDS choose the bench rows. Writes under $OUT.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source "$(dirname "$0")/bundle_lib.sh"
-unpack_bundle "$1" || exit 1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-for t in cuda_kernels_test engine_cuda_test cuda_experts_test; do
-  timeout 400 "$B/$t" > "$OUT/$t.log" 2>&1
-  echo "$t rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$t.log" | tr '\n' ' ')"
-  grep -E '^\[  FAILED ' "$OUT/$t.log" | head -8
-done
+start_device_script "$1" || exit 1
+for t in cuda_kernels_test engine_cuda_test cuda_experts_test; do run_gtest $t 400; done
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for split in 0 1; do
     MOESERVE_BENCH_SPLIT_K=$split MOESERVE_BENCH_PATHS=decode \

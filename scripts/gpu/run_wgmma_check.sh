@@ -8,16 +8,9 @@
 # launches. Usage: run_wgmma_check.sh BUNDLE.tgz (DIR/{bin,lib}:
 # cuda_kernels_test, cuda_experts_test, engine_cuda_test, moe_experts_bench). Writes under $OUT.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source "$(dirname "$0")/bundle_lib.sh"
-unpack_bundle "$1" || exit 1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-for t in cuda_kernels_test engine_cuda_test cuda_experts_test; do
-  timeout 300 "$B/$t" > "$OUT/$t.log" 2>&1
-  echo "$t rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$t.log" | tr '\n' ' ')"
-  grep -E '^\[  FAILED |Failure|rel|RelL2' "$OUT/$t.log" | head -8
-done
+start_device_script "$1" || exit 1
+for t in cuda_kernels_test engine_cuda_test cuda_experts_test; do run_gtest $t 300; done
 if command -v compute-sanitizer > /dev/null; then
   for tool in memcheck racecheck synccheck; do
     timeout 150 compute-sanitizer --tool $tool "$B/cuda_kernels_test" \

@@ -4,14 +4,9 @@
 # same binary; SMALL=16,64 forces the tiles at those token counts; Nsight Compute on the
 # 256-token seed launches (NCU_ROUTING=hot for the hot routing). Usage: run_wgmma_quick.sh BUNDLE.tgz. Writes under $OUT.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source "$(dirname "$0")/bundle_lib.sh"
-unpack_bundle "$1" || exit 1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout 120 "$B/cuda_kernels_test" > "$OUT/cuda_kernels_test.log" 2>&1
-echo "cuda_kernels_test rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_kernels_test.log" | tr '\n' ' ')"
-grep -E -A3 'Failure' "$OUT/cuda_kernels_test.log" | head -20
+start_device_script "$1" || exit 1
+run_gtest cuda_kernels_test 120
 export MOESERVE_BENCH_FORMATS=${FORMATS:-mxfp8} MOESERVE_BENCH_PATHS=decode
 for round in 1 2; do
   for from in -1 ${WGMMA_FROM:-0}; do
