@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call, A/B of two builds' expert GEMMs: the kernel tests (EXPERTS=1: and the experts
+# sweep; SANITIZE=1: compute-sanitizer on the wgmma test), then moe_experts_bench of this build
+# ("after", bin/moe_experts_bench) against a "before" build (bin/moe_experts_bench_before),
+# alternating, two rounds each, and (NCU=1) Nsight Compute on the 256-token seed MXFP8 wgmma
+# launches, balanced and hot. Usage: run_bench_ab.sh BUNDLE.tgz. Env: FORMATS (mxfp8,bf16),
+# TOKENS (128,256,512), LAYERS (seed,dsv3), PATHS (decode). Writes under $OUT.
+set -u
+source "$(dirname "$0")/bundle_lib.sh"
+start_device_script "$1" || exit 1
+run_gtest cuda_kernels_test 120
+if [ "${EXPERTS:-0}" = 1 ]; then run_gtest cuda_experts_test 300; fi
+if command -v compute-sanitizer > /dev/null && [ "${SANITIZE:-0}" = 1 ]; then
+  for tool in memcheck racecheck synccheck; do
+    timeout 150 compute-sanitizer --tool $tool "$B/cuda_kernels_test" \
+      --gtest_filter='*Wgmma*' > "$OUT/sanitizer_$tool.txt" 2>&1
+    echo "sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"
+  done
+fi
+export MOESERVE_BENCH_FORMATS=${FORMATS:-mxfp8,bf16} MOESERVE_BENCH_PATHS=${PATHS:-decode}
+export MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3}
+for round in 1 2; do
+  for build in before after; do
+    bin="$B/moe_experts_bench"
+    [ $build = before ] && bin="$B/moe_experts_bench_before"
+    MOESERVE_BENCH_TOKENS=${TOKENS:-128,256,512} timeout 300 "$bin" 2>/dev/null | tail -n +2 |
+      awk -F, -v f=$build -v r=$round '{print f","r","$0}' >> "$OUT/bench.csv"
+  done
+done
+python3 - "$OUT/bench.csv" <<'PY'
+import csv, sys, collections
+t = collections.defaultdict(lambda: collections.defaultdict(list))
+order = []
+for row in csv.reader(open(sys.argv[1])):
+    f, r, layer, fmt, tokens, routing, us = row[:7]
+    key = (layer, fmt, int(tokens), routing, row[-1])
+    if key not in t: order.append(key)
+    t[key][f].append(float(us))
+print("layer fmt   tokens routing   path    | before us (2 rounds) | after us | after/before")
+for key in order:
+    b, a = t[key].get("before", []), t[key].get("after", [])
+    ratio = min(a) / min(b) if a and b else float("nan")
+    print(f"{key[0]:5} {key[1]:5} {key[2]:5} {key[3]:9} {key[4]:7} | " + " ".join(f"{v:7.1f}" for v in b) +
+          " | " + " ".join(f"{v:7.1f}" for v in a) + f" | {ratio:.3f}")
+PY
+if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
+  for routing in balanced hot; do
+    MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE_BENCH_TOKENS=256 MOESERVE_BENCH_LAYERS=seed \
+      MOESERVE_BENCH_ROUTING=$routing \
+      timeout 200 ncu --clock-control none --kernel-name regex:MoeGemmWgmma --launch-skip 10 \
+      --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      "$B/moe_experts_bench" > "$OUT/ncu_256_$routing.txt" 2>&1
+    echo "ncu $routing:"
+    grep -E "Duration|DRAM Throughput|Issued Warp|No Eligible" "$OUT/ncu_256_$routing.txt" | head -12
+  done
+fi
