@@ -54,3 +54,27 @@ if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
     grep -E "Duration|DRAM Throughput|Issued Warp|No Eligible" "$OUT/ncu_256_$routing.txt" | head -12
   done
 fi
+# NCU_KERNELS=1: Nsight Compute durations of every kernel of one grouped MLP (seed, hot, 1024
+# tokens) for both builds: align, gather, W13, SiLU-and-mul, W2, unpermute.
+if command -v ncu > /dev/null && [ "${NCU_KERNELS:-0}" = 1 ]; then
+  for build in before after; do
+    bin="$B/moe_experts_bench"
+    [ $build = before ] && bin="$B/moe_experts_bench_before"
+    MOESERVE_BENCH_PATHS=grouped MOESERVE_BENCH_FORMATS=bf16 MOESERVE_BENCH_TOKENS=1024 \
+      MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_ROUTING=hot \
+      timeout 200 ncu --clock-control none --launch-skip 64 --launch-count 16 \
+      --metrics gpu__time_duration.sum "$bin" > "$OUT/ncu_kernels_$build.txt" 2>&1
+    echo "ncu kernels, $build:"
+    python3 - "$OUT/ncu_kernels_$build.txt" <<'PY'
+import re, sys
+name = None
+for line in open(sys.argv[1]):
+    m = re.match(r"  (?:void )?(\S+?)[(<]", line)
+    if m and "Context" in line:
+        name = m.group(1).split("::")[-1]
+        name = "cutlass_gemm" if "cutlass" in line else name
+    elif "gpu__time_duration.sum" in line and name:
+        print(f"  {name:28s} {line.split()[-1]} us")
+PY
+  done
+fi

@@ -1,34 +1,41 @@
-#!/bin/bash
-# The serving benchmark's overload run alone (issue 12), for comparing server settings in one
-# device call: a seed-layer MXFP8 server with --max_queue_wait_ms 3 plus EXTRA flags; capacity
-# from 32 closed-loop callers at M=16; then an open loop at 2x that rate for 10 s, every answer
-# checked against its unloaded answer; server RSS sampled. One summary line.
-# Usage: run_overload.sh BIN_DIR TAG [extra server flags...]
+#!/usr/bin/env bash
+# One device call: issue 12's overload run against several --max_queue_wait_ms bounds. First,
+# on a server of the seed per-rank layer (MXFP8) without a bound: one caller at M=16 (the unloaded
+# p99) and 32 closed-loop callers (the capacity; a bounded server refuses some of them, which
+# would understate it). Then for each bound WAITS ("0.5 0.75 1"): an open loop at 2x that capacity for
+# 10 s over 32 connections (every answer checked against its unloaded answer). Prints answered
+# p99 / unloaded p99 per bound. Usage: run_overload.sh TRANSPORT_BUNDLE.tar.xz
+# (make_bundle.sh). Writes under $OUT.
 set -uo pipefail
-B=$1 TAG=$2; shift 2
-OUT=${OUT:-/tmp/overload}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+rm -rf /tmp/tb && mkdir -p /tmp/tb && tar -C /tmp/tb -xJf "$1" || exit 1
+B=/tmp/tb/transport/bin
+export LD_LIBRARY_PATH=/tmp/tb/transport/lib
 PORT=50171
+SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
+row() { echo "== $1: $2"; }
 source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
-serve "$TAG" --model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8 \
-  --max_queue_wait_ms 3 "$@"
-PID=$SERVER_PID
-timeout 60 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --concurrency 1 \
-  --requests 300 --routing balanced > "$OUT/c1_$TAG.log" 2>&1
-timeout 90 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --concurrency 32 \
-  --requests 8000 --routing balanced --max_seconds 30 > "$OUT/c32_$TAG.log" 2>&1
-cap=$(grep -o 'requests_per_s=[0-9.]*' "$OUT/c32_$TAG.log" | cut -d= -f2)
-rate=$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')
-rss0=$(awk '/VmRSS/ {print $2}' /proc/$PID/status)
-( while kill -0 $PID 2>/dev/null; do awk '/VmRSS/ {print $2}' /proc/$PID/status; sleep 0.25; done ) \
-  > "$OUT/rss_$TAG.txt" &
-RSS=$!
-timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" --concurrency 32 \
-  --max_seconds 10 --routing balanced --distinct_inputs 8 > "$OUT/open_$TAG.log" 2>&1
-kill $RSS 2>/dev/null
-peak=$(sort -n "$OUT/rss_$TAG.txt" | tail -1)
-end=$(awk '/VmRSS/ {print $2}' /proc/$PID/status)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+serve unbounded $SEED
+load c1 16 1 400
+load c32 16 32 8000
 stop
-p99u=$(grep -o 'p99=[0-9.]*' "$OUT/c1_$TAG.log" | head -1 | cut -d= -f2)
-echo "overload $TAG: capacity ${cap}/s, offered ${rate}/s; unloaded p99 ${p99u} ms;" \
-  "$(grep -E '^sent=|latency_ms' "$OUT/open_$TAG.log" | tr '\n' ' ')" \
-  "RSS kB before=$rss0 peak=$peak after=$end"
+cap=$(val c32 requests_per_s)
+rate=$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')
+p99u=$(grep -o 'p99=[0-9.]*' "$OUT/load_c1.log" | head -1 | cut -d= -f2)
+for w in ${WAITS:-0.5 0.75 1}; do
+  serve bound_$w $SEED --max_queue_wait_ms "$w"
+  rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
+  ( while kill -0 $SERVER_PID 2>/dev/null; do
+      awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss_$w.txt" &
+  RSS_PID=$!
+  timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+    --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
+    > "$OUT/load_overload_$w.log" 2>&1
+  kill $RSS_PID 2>/dev/null
+  row "overload bound ${w} ms server RSS kB" "before=$rss0 peak=$(sort -n "$OUT/rss_$w.txt" | tail -1) after=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)"
+  row "overload bound ${w} ms rate=${rate}/s (2x ${cap}/s)" "$(grep -E '^sent=|latency_ms' "$OUT/load_overload_$w.log" | tr '\n' ' ')"
+  stop
+  p99o=$(grep -o 'p99=[0-9.]*' "$OUT/load_overload_$w.log" | head -1 | cut -d= -f2)
+  echo "bound $w ms: unloaded p99 $p99u ms, overload answered p99 $p99o ms: x$(awk -v a="$p99o" -v b="$p99u" 'BEGIN { printf "%.2f", a / b }') [< 5]"
+done
