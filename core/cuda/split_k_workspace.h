@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "core/cuda/grow_only_buffer.h"
 
 namespace moeserve {
 
@@ -14,7 +15,6 @@ class SplitKWorkspace {
   // kernels::kMoeGemmSplitWorkspaceBytes on `device`, counters zeroed (synchronously) before it
   // returns: call it where the Experts are made, never while a stream is being captured.
   static absl::StatusOr<std::unique_ptr<SplitKWorkspace>> Create(int device);
-  ~SplitKWorkspace();
   SplitKWorkspace(const SplitKWorkspace&) = delete;
   SplitKWorkspace& operator=(const SplitKWorkspace&) = delete;
 
@@ -22,6 +22,7 @@ class SplitKWorkspace {
 
  private:
   SplitKWorkspace() = default;
+  GrowOnlyBuffer buffer_{GrowOnlyBuffer::Memory::kDevice, 0, false};  // one size, never grown
   void* data_ = nullptr;
 };
 

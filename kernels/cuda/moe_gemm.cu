@@ -252,6 +252,26 @@ struct Unit {
   int e = 0, mt = 0, nt = 0, cnt = 0, row0 = 0;
 };
 
+// The epilogue's store of one accumulator pair of route row `row` (both GEMM tile kinds): an MMA
+// thread holds weight rows r and r + 8 of a column. W13: rows r, r + 8 are the gate and up rows
+// of intermediate column r / 2 (packed 8 gate / 8 up), stored as BF16 SiLU(gate) * up. W2: hidden
+// columns r and r + 8 of output row scatter[row] (FP32), those inside the layer's hidden size.
+template <MoeGemmKind KIND>
+__device__ __forceinline__ void StoreAccPair(const MoeGemmParams& p, int64_t row, int64_t r,
+                                             float lo, float hi) {
+  if constexpr (KIND == MoeGemmKind::kGateUpSilu) {
+    const float v = lo / (1.0f + __expf(-lo)) * hi;
+    // r = 16 q + g' with g' < 8: intermediate column 8 q + g' = (r - g') / 2 + g'.
+    const int64_t j = (r & ~int64_t{15}) / 2 + (r & 7);
+    static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] = __float2bfloat16_rn(v);
+  } else {
+    const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
+    float* o = static_cast<float*>(p.out) + orow * p.out_stride;
+    if (r < p.layout.hidden) o[r] = lo;
+    if (r + 8 < p.layout.hidden) o[r + 8] = hi;
+  }
+}
+
 // Split-K bounds: a split streams at least kMinSplitStages pipeline stages (its fill and the
 // partial's round trip through L2 must stay small next to it), and the last split reads every
 // other split's partial, so at most kMaxSplits of them.
@@ -541,12 +561,15 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   }
 
   float acc[C::kMI][C::kNI][4];
+  auto zero_acc = [&]() {
 #pragma unroll
-  for (int mi = 0; mi < C::kMI; ++mi)
+    for (int mi = 0; mi < C::kMI; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < C::kNI; ++ni)
+      for (int ni = 0; ni < C::kNI; ++ni)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+        for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+  };
+  zero_acc();
 
   const int warp_m = warp % WM, warp_n = warp / WM;
   const int g = lane / 4, t4 = lane % 4;
@@ -695,22 +718,9 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
         NamedBarrierSync(1, kThreads);
         const bool last = *s_last != 0;
         NamedBarrierSync(1, kThreads);  // s_last is rewritten by the next item
-        if (!last) {
-#pragma unroll
-          for (int mi = 0; mi < C::kMI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < C::kNI; ++ni)
-#pragma unroll
-              for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
-          continue;
-        }
+        zero_acc();  // a split that is not last has stored its partials; the last re-adds them
+        if (!last) continue;
         __threadfence();
-#pragma unroll
-        for (int mi = 0; mi < C::kMI; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < C::kNI; ++ni)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
         const float* first = partials + static_cast<int64_t>(u) * splits * kFrag * kThreads + tid;
         // kChunk partials' loads in flight at once (one L2 round trip each), added in split order.
         constexpr int kChunk = kFrag <= 8 ? 8 : kFrag <= 16 ? 4 : 2;
@@ -745,21 +755,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int n = cu.nt * BN + warp_n * C::kWTN + ni * 8 + 2 * t4 + c;
-            if (n < cu.cnt) {
-              const int64_t row = cu.row0 + n;
-              if (gate_up) {
-                const float gt = acc[mi][ni][c], up = acc[mi][ni][2 + c];
-                const float v = gt / (1.0f + __expf(-gt)) * up;
-                const int64_t j = R0 / 2 + g;
-                static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] = __float2bfloat16_rn(v);
-              } else {
-                const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
-                float* o = static_cast<float*>(p.out) + orow * p.out_stride;
-                const int64_t h0 = R0 + g;
-                if (h0 < p.layout.hidden) o[h0] = acc[mi][ni][c];
-                if (h0 + 8 < p.layout.hidden) o[h0 + 8] = acc[mi][ni][2 + c];
-              }
-            }
+            if (n < cu.cnt) StoreAccPair<KIND>(p, cu.row0 + n, R0 + g, acc[mi][ni][c], acc[mi][ni][2 + c]);
           }
 #pragma unroll
           for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
@@ -1215,21 +1211,7 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int n = cu.nt * BN + ni * 8 + 2 * t4 + c;
-        if (n < cu.cnt) {
-          const int64_t row = cu.row0 + n;
-          if (gate_up) {
-            const float gt = acc[ni][c], up = acc[ni][2 + c];
-            const float v = gt / (1.0f + __expf(-gt)) * up;
-            const int64_t j = R0 / 2 + g;
-            static_cast<__nv_bfloat16*>(p.out)[row * p.out_stride + j] = __float2bfloat16_rn(v);
-          } else {
-            const int64_t orow = p.scatter != nullptr ? p.scatter[row] : row;
-            float* o = static_cast<float*>(p.out) + orow * p.out_stride;
-            const int64_t h0 = R0 + g;
-            if (h0 < p.layout.hidden) o[h0] = acc[ni][c];
-            if (h0 + 8 < p.layout.hidden) o[h0 + 8] = acc[ni][2 + c];
-          }
-        }
+        if (n < cu.cnt) StoreAccPair<KIND>(p, cu.row0 + n, R0 + g, acc[ni][c], acc[ni][2 + c]);
       }
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[ni][q] = 0.f;
@@ -1299,11 +1281,15 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   // for the 64-token mma.sync tile, 512 tokens 1040 against 2187 us for the 128-token one; BF16:
   // 128 tokens 717 against 764 us, 256 tokens 746 against 1030 us; tests/benchmarks/cuda/
   // RESULTS.md). Below those counts the mma.sync decode tiles win.
+  // Above 128 routes per expert the 256-token tiles, whatever wgmma_min_routes says (2.0x the
+  // mma.sync tile for MXFP8 even before they were pipelined): a negative or larger threshold
+  // acts as 129.
   {
-    const int from = p.wgmma_min_routes != 0 ? p.wgmma_min_routes
-                     : kFp8                  ? kMxfp8WgmmaMinRoutes
-                                             : kBf16WgmmaMinRoutes;
-    if (from > 0 && avg >= from) {
+    const int asked = p.wgmma_min_routes != 0 ? p.wgmma_min_routes
+                      : kFp8                  ? kMxfp8WgmmaMinRoutes
+                                              : kBf16WgmmaMinRoutes;
+    const int from = asked > 0 && asked <= 128 ? asked : 129;
+    if (avg >= from) {
       if (avg <= 64) return RunWgmmaFor<kFp8, 64, KIND>(p, num_sms, stream, wide);
       if (avg <= 128) return RunWgmmaFor<kFp8, 128, KIND>(p, num_sms, stream, wide);
       return RunWgmmaFor<kFp8, 256, KIND>(p, num_sms, stream, wide);
@@ -1331,11 +1317,6 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     if (avg <= 32) return RunDecode<kFp8, false, 32, KIND>(p, num_sms, stream);
     if (avg <= 64) return RunDecode<kFp8, false, 64, KIND>(p, num_sms, stream);
   }
-#if MOESERVE_CUDA_WGMMA
-  // Above 128 routes per expert the 256-token wgmma tiles, whatever wgmma_min_routes says
-  // (measured 2.0x faster than the mma.sync tile for MXFP8 before they were pipelined).
-  if (avg > 128) return RunWgmmaFor<kFp8, 256, KIND>(p, num_sms, stream, wide);
-#endif
   // Large tiles are MMA-bound: they always take the exact two-multiply dequantization.
   return Run < kFp8, kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND > (p, num_sms, stream);
 }

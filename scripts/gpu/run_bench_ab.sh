@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # One device call, A/B of two builds' expert GEMMs: the kernel tests (EXPERTS=1: and the experts
-# sweep; SANITIZE=1: compute-sanitizer on the wgmma test), then moe_experts_bench of this build
-# ("after", bin/moe_experts_bench) against a "before" build (bin/moe_experts_bench_before),
-# alternating, two rounds each, and (NCU=1) Nsight Compute on the 256-token seed MXFP8 wgmma
-# launches, balanced and hot. Usage: run_bench_ab.sh BUNDLE.tgz. Env: FORMATS (mxfp8,bf16),
-# TOKENS (128,256,512), LAYERS (seed,dsv3), PATHS (decode). Writes under $OUT.
+# sweep and engine_cuda_test; SANITIZE=1: compute-sanitizer on the wgmma and split-K tests),
+# then moe_experts_bench of this build ("after", bin/moe_experts_bench) against a "before" build
+# (bin/moe_experts_bench_before), alternating, two rounds each, and (NCU=1) Nsight Compute on
+# the 256-token seed MXFP8 wgmma launches, balanced and hot. Usage: run_bench_ab.sh BUNDLE.tgz.
+# Env: FORMATS (mxfp8,bf16), TOKENS (128,256,512), LAYERS (seed,dsv3), PATHS (decode). Writes
+# under $OUT.
 set -u
 source "$(dirname "$0")/bundle_lib.sh"
 start_device_script "$1" || exit 1
 run_gtest cuda_kernels_test 120
-if [ "${EXPERTS:-0}" = 1 ]; then run_gtest cuda_experts_test 300; fi
+if [ "${EXPERTS:-0}" = 1 ]; then
+  run_gtest cuda_experts_test 300
+  run_gtest engine_cuda_test 200
+fi
 if command -v compute-sanitizer > /dev/null && [ "${SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck synccheck; do
     timeout 150 compute-sanitizer --tool $tool "$B/cuda_kernels_test" \
-      --gtest_filter='*Wgmma*' > "$OUT/sanitizer_$tool.txt" 2>&1
+      --gtest_filter='*Wgmma*:*SplitK*' > "$OUT/sanitizer_$tool.txt" 2>&1
     echo "sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"
   done
 fi

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@ namespace moeserve::kernels {
 namespace {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
+#define CUDA_EXPECT(x) EXPECT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
 
 bool HaveGpu() {
   int n = 0;
@@ -340,6 +342,168 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
   }
 }
 
+// One problem for LaunchMoeGroupedGemm (the split-K and the wgmma tile tests): random weights
+// (BF16 of N(0, 0.05^2), or E4M3 codes without NaN with E8M0 scales in [scale_lo, scale_lo +
+// scale_span)), packed on the device, and BF16 N(0, 1) activations for `counts` routes per
+// expert; the down GEMM's intermediate padding columns are zero, as the W13 output leaves them.
+class GemmProblem {
+ public:
+  GemmProblem(MoeGemmKind kind, bool fp8, int64_t h, int64_t n, std::vector<int32_t> counts,
+              int scale_lo, int scale_span, std::mt19937& rng)
+      : gate_up(kind == MoeGemmKind::kGateUpSilu),
+        fp8(fp8),
+        e(static_cast<int64_t>(counts.size())),
+        h(h),
+        n(n),
+        l(MakeMoePackedLayout(h, n)),
+        w_rows(gate_up ? 2 * n : h),
+        w_k(gate_up ? h : n),
+        act_k(gate_up ? h : l.intermediate_padded),
+        out_cols(gate_up ? l.intermediate_padded : h),
+        counts_(std::move(counts)),
+        offsets_(e) {
+    for (int64_t x = 0; x < e; ++x) {
+      offsets_[x] = static_cast<int32_t>(rows);
+      rows += counts_[x];
+    }
+    std::normal_distribution<float> nd;
+    std::vector<uint8_t> w(e * w_rows * w_k), sc(e * w_rows * ((w_k + 31) / 32));
+    deq.resize(w.size());
+    if (fp8) {
+      for (auto& v : w) {
+        v = static_cast<uint8_t>(rng());
+        if ((v & 0x7f) == 0x7f) v &= 0xfe;
+      }
+      for (auto& v : sc) v = static_cast<uint8_t>(scale_lo + rng() % scale_span);
+      DequantizeMxfp8ToBf16Ref(w.data(), sc.data(), e * w_rows, w_k, deq.data());
+    } else {
+      for (auto& v : deq) v = FloatToBf16(0.05f * nd(rng));
+    }
+    const int esize = fp8 ? 1 : 2;
+    Dev<uint8_t> dw(w.size() * esize), dsc(sc);
+    CUDA_EXPECT(cudaMemcpy(dw.p, fp8 ? static_cast<const void*>(w.data()) : deq.data(),
+                           w.size() * esize, cudaMemcpyHostToDevice));
+    packed_ = std::make_unique<Dev<uint8_t>>(
+        e * (gate_up ? l.w13_elems_per_expert() : l.w2_elems_per_expert()) * esize);
+    pscale_ = std::make_unique<Dev<uint8_t>>(
+        fp8 ? e * (gate_up ? l.w13_scales_per_expert() : l.w2_scales_per_expert()) : 1);
+    Dev<int32_t> d_max(std::vector<int32_t>{0});
+    uint8_t* const scales = fp8 ? pscale_->p : nullptr;
+    const cudaError_t packed =
+        gate_up ? LaunchPackMoeW13(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed_->p, scales,
+                                   nullptr, fp8 ? d_max.p : nullptr)
+                : LaunchPackMoeW2(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed_->p, scales,
+                                  nullptr, fp8 ? d_max.p : nullptr);
+    CUDA_EXPECT(packed);
+    max_code = fp8 ? d_max.Get()[0] : 255;
+    act.assign(rows * act_k, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < w_k; ++k) act[r * act_k + k] = FloatToBf16(nd(rng));
+    d_act_ = std::make_unique<Dev<uint16_t>>(act);
+    d_counts_ = std::make_unique<Dev<int32_t>>(counts_);
+    d_offsets_ = std::make_unique<Dev<int32_t>>(offsets_);
+  }
+
+  // Everything but out, split_workspace and wgmma_min_routes.
+  MoeGemmParams Params() const {
+    MoeGemmParams p;
+    p.kind = gate_up ? MoeGemmKind::kGateUpSilu : MoeGemmKind::kDown;
+    p.mxfp8 = fp8;
+    p.mxfp8_max_scale_code = max_code;
+    p.num_experts = static_cast<int>(e);
+    p.layout = l;
+    p.weights = packed_->p;
+    p.scales = fp8 ? pscale_->p : nullptr;
+    p.act = d_act_->p;
+    p.act_stride = act_k;
+    p.expert_counts = d_counts_->p;
+    p.expert_offsets = d_offsets_->p;
+    p.out_stride = out_cols;
+    p.max_rows_hint = rows;
+    p.total_rows_hint = rows;
+    return p;
+  }
+
+  // Runs `p` into a fresh output and returns it as floats ([rows, n] BF16 gate-up values, whose
+  // padding columns must stay zero, or [rows, h] FP32).
+  std::vector<float> Run(MoeGemmParams p, int num_sms) const {
+    Dev<uint16_t> out(rows * out_cols * (gate_up ? 1 : 2));  // in 16-bit units
+    p.out = out.p;
+    EXPECT_EQ(LaunchMoeGroupedGemm(p, num_sms, nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> raw = out.Get();
+    std::vector<float> f;
+    if (gate_up) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < n; ++j) f.push_back(Bf16ToFloat(raw[r * out_cols + j]));
+        for (int64_t j = n; j < out_cols; ++j) EXPECT_EQ(raw[r * out_cols + j], 0) << j;
+      }
+    } else {
+      f.resize(rows * h);
+      std::memcpy(f.data(), raw.data(), f.size() * sizeof(float));
+    }
+    return f;
+  }
+
+  // Expert x's rows times its weights as the GEMM sees them, in double.
+  std::vector<float> Reference() const {
+    std::vector<float> ref;
+    for (int64_t x = 0; x < e; ++x) {
+      for (int64_t r = offsets_[x]; r < offsets_[x] + counts_[x]; ++r) {
+        auto dot = [&](int64_t wrow) {
+          double acc = 0;
+          for (int64_t k = 0; k < w_k; ++k) {
+            acc += static_cast<double>(Bf16ToFloat(act[r * act_k + k])) *
+                   Bf16ToFloat(deq[(x * w_rows + wrow) * w_k + k]);
+          }
+          return acc;
+        };
+        if (gate_up) {
+          for (int64_t j = 0; j < n; ++j) {
+            const double gt = dot(j), up = dot(n + j);
+            ref.push_back(static_cast<float>(gt / (1.0 + std::exp(-gt)) * up));
+          }
+        } else {
+          for (int64_t j = 0; j < h; ++j) ref.push_back(static_cast<float>(dot(j)));
+        }
+      }
+    }
+    return ref;
+  }
+
+  std::string Name() const {
+    return std::string(fp8 ? "mxfp8 " : "bf16 ") + (gate_up ? "w13" : "w2") + " H" +
+           std::to_string(h) + " I" + std::to_string(n) + " rows " + std::to_string(rows);
+  }
+
+  const bool gate_up, fp8;
+  const int64_t e, h, n;
+  const MoePackedLayout l;
+  const int64_t w_rows, w_k, act_k, out_cols;
+  int64_t rows = 0;
+  int32_t max_code = 255;     // the packed scales' largest code (255 for BF16)
+  std::vector<uint16_t> deq;  // [e][w_rows][w_k]: the weights as the GEMM sees them (BF16)
+  std::vector<uint16_t> act;  // [rows][act_k]
+
+ private:
+  std::vector<int32_t> counts_, offsets_;
+  std::unique_ptr<Dev<uint8_t>> packed_, pscale_;
+  std::unique_ptr<Dev<uint16_t>> d_act_;
+  std::unique_ptr<Dev<int32_t>> d_counts_, d_offsets_;
+};
+
+struct GemmShape {
+  MoeGemmKind kind;
+  int64_t h, n;
+  std::vector<int32_t> counts;
+};
+
+int NumSms() {
+  int num_sms = 0;
+  cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+  return num_sms;
+}
+
 // Split-K: with a workspace, few units of long K are split over several CTAs and the last one
 // adds the partial sums in split order. Against the unsplit launch of the same inputs: BF16
 // gate-up output within one BF16 rounding (relative L2 < 4e-3, sums in another order), FP32 down
@@ -347,106 +511,23 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
 // is caught (it writes none); every launch leaves the counters zero, and repeats are bit-equal.
 TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
   std::mt19937 rng(33);
-  std::normal_distribution<float> nd;
-  int num_sms = 0;
-  CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  struct Shape {
-    MoeGemmKind kind;
-    int64_t h, n;
-    std::vector<int32_t> counts;
-  };
-  const std::vector<Shape> shapes = {
+  const int num_sms = NumSms();
+  const std::vector<GemmShape> shapes = {
       {MoeGemmKind::kGateUpSilu, 4096, 64, {1, 0, 2, 1}},  // one token's narrow experts
       {MoeGemmKind::kGateUpSilu, 1000, 200, {3, 1}},       // K padded inside its last block
       {MoeGemmKind::kDown, 256, 4096, {2, 1}},             // W2 of long K
       {MoeGemmKind::kDown, 200, 1000, {1, 5, 0}}};
   for (const bool fp8 : {false, true}) {
-    for (const Shape& sh : shapes) {
-      const bool gate_up = sh.kind == MoeGemmKind::kGateUpSilu;
-      const int64_t e = static_cast<int64_t>(sh.counts.size()), h = sh.h, n = sh.n;
-      const MoePackedLayout l = MakeMoePackedLayout(h, n);
-      const int64_t w_rows = gate_up ? 2 * n : h, w_k = gate_up ? h : n;
-      std::vector<int32_t> offsets(e);
-      int64_t rows = 0;
-      for (int64_t x = 0; x < e; ++x) {
-        offsets[x] = static_cast<int32_t>(rows);
-        rows += sh.counts[x];
-      }
-      const int esize = fp8 ? 1 : 2;
-      std::vector<uint8_t> w(e * w_rows * w_k * esize),
-          sc(fp8 ? e * w_rows * ((w_k + 31) / 32) : 0);
-      for (size_t i = 0; i < w.size(); i += esize) {
-        if (fp8) {
-          w[i] = static_cast<uint8_t>(rng());
-          if ((w[i] & 0x7f) == 0x7f) w[i] &= 0xfe;
-        } else {
-          const uint16_t v = FloatToBf16(0.05f * nd(rng));
-          std::memcpy(&w[i], &v, 2);
-        }
-      }
-      for (auto& v : sc) v = static_cast<uint8_t>(110 + rng() % 10);
-      Dev<uint8_t> dw(w), dsc(sc.empty() ? std::vector<uint8_t>{0} : sc);
-      const int64_t packed_elems = gate_up ? l.w13_elems_per_expert() : l.w2_elems_per_expert();
-      const int64_t packed_scales = gate_up ? l.w13_scales_per_expert() : l.w2_scales_per_expert();
-      Dev<uint8_t> packed(e * packed_elems * esize), pscale(fp8 ? e * packed_scales : 1);
-      Dev<int32_t> d_max(std::vector<int32_t>{0});
-      if (gate_up) {
-        CUDA_OK(LaunchPackMoeW13(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p,
-                                 fp8 ? pscale.p : nullptr, nullptr, fp8 ? d_max.p : nullptr));
-      } else {
-        CUDA_OK(LaunchPackMoeW2(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p,
-                                fp8 ? pscale.p : nullptr, nullptr, fp8 ? d_max.p : nullptr));
-      }
-      const int64_t act_k = gate_up ? h : l.intermediate_padded;
-      std::vector<uint16_t> act(rows * act_k);
-      for (auto& v : act) v = FloatToBf16(nd(rng));
-      if (!gate_up) {  // the down GEMM reads the intermediate's padding columns: zero
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t k = n; k < act_k; ++k) act[r * act_k + k] = 0;
-      }
-      Dev<uint16_t> d_act(act);
-      Dev<int32_t> d_counts(sh.counts), d_offsets(offsets);
-      const int64_t out_cols = gate_up ? l.intermediate_padded : h;
-      const int64_t out_elems = rows * out_cols * (gate_up ? 1 : 2);  // in 16-bit units
-      MoeGemmParams p;
-      p.kind = sh.kind;
-      p.mxfp8 = fp8;
-      p.mxfp8_max_scale_code = fp8 ? d_max.Get()[0] : 255;
-      p.num_experts = static_cast<int>(e);
-      p.layout = l;
-      p.weights = packed.p;
-      p.scales = fp8 ? pscale.p : nullptr;
-      p.act = d_act.p;
-      p.act_stride = act_k;
-      p.expert_counts = d_counts.p;
-      p.expert_offsets = d_offsets.p;
-      p.out_stride = out_cols;
-      p.max_rows_hint = rows;
-      p.total_rows_hint = rows;
-      auto run = [&](void* ws) {
-        Dev<uint16_t> out(out_elems);
-        p.out = out.p;
-        p.split_workspace = ws;
-        EXPECT_EQ(LaunchMoeGroupedGemm(p, num_sms, nullptr), cudaSuccess);
-        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        std::vector<float> f;
-        const std::vector<uint16_t> raw = out.Get();
-        if (gate_up) {
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < n; ++j) f.push_back(Bf16ToFloat(raw[r * out_cols + j]));
-        } else {
-          f.resize(rows * h);
-          std::memcpy(f.data(), raw.data(), f.size() * sizeof(float));
-        }
-        return f;
-      };
-      const std::vector<float> ref = run(nullptr);
+    for (const GemmShape& sh : shapes) {
+      const GemmProblem pr(sh.kind, fp8, sh.h, sh.n, sh.counts, 110, 10, rng);
+      MoeGemmParams p = pr.Params();
+      const std::vector<float> ref = pr.Run(p, num_sms);
       Dev<uint8_t> ws(kMoeGemmSplitWorkspaceBytes, 0xff);
       CUDA_OK(cudaMemset(ws.p, 0, sizeof(int32_t) * kMoeGemmSplitCounters));
-      const std::vector<float> got = run(ws.p);
-      const std::string name = std::string(fp8 ? "mxfp8 " : "bf16 ") + (gate_up ? "w13" : "w2") +
-                               " H" + std::to_string(h) + " I" + std::to_string(n);
-      EXPECT_LT(RelL2(got, ref), gate_up ? 4e-3 : 1e-5) << name;
+      p.split_workspace = ws.p;
+      const std::vector<float> got = pr.Run(p, num_sms);
+      const std::string name = pr.Name();
+      EXPECT_LT(RelL2(got, ref), pr.gate_up ? 4e-3 : 1e-5) << name;
       // The first partial was written (the launch split), and the counters are zero again.
       const std::vector<uint8_t> after = ws.Get();
       float first = 0;
@@ -456,7 +537,7 @@ TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
       for (int i = 0; i < kMoeGemmSplitCounters * 4; ++i) nonzero += after[i] != 0;
       EXPECT_EQ(nonzero, 0) << name;
       for (int rep = 0; rep < 3; ++rep) {
-        const std::vector<float> again = run(ws.p);
+        const std::vector<float> again = pr.Run(p, num_sms);
         EXPECT_EQ(std::memcmp(again.data(), got.data(), got.size() * sizeof(float)), 0)
             << name << " repeat " << rep;
       }
@@ -474,15 +555,8 @@ TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
 // rounding), 1e-5 for the FP32 down output.
 TEST_F(CudaKernelsTest, GroupedGemmWgmmaTilesMatchReference) {
   std::mt19937 rng(47);
-  std::normal_distribution<float> nd;
-  int num_sms = 0;
-  CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  struct Shape {
-    MoeGemmKind kind;
-    int64_t h, n;
-    std::vector<int32_t> counts;
-  };
-  const std::vector<Shape> shapes = {
+  const int num_sms = NumSms();
+  const std::vector<GemmShape> shapes = {
       {MoeGemmKind::kGateUpSilu, 448, 128, {64, 70, 0, 5}},  // 64 wide, 7 stages, a second tile
       {MoeGemmKind::kGateUpSilu, 1000, 200, {100, 90}},      // 128 wide, K padded
       {MoeGemmKind::kGateUpSilu, 256, 64, {200, 160}},       // 256 wide
@@ -490,116 +564,18 @@ TEST_F(CudaKernelsTest, GroupedGemmWgmmaTilesMatchReference) {
       {MoeGemmKind::kDown, 256, 256, {130, 120, 0}},         // 128 wide, 130 > 128
       {MoeGemmKind::kDown, 128, 1000, {300, 1}}};            // 256 wide, two token tiles
   for (const bool fp8 : {true, false}) {
-    for (const Shape& sh : shapes) {
-      const bool gate_up = sh.kind == MoeGemmKind::kGateUpSilu;
-      const int64_t e = static_cast<int64_t>(sh.counts.size()), h = sh.h, n = sh.n;
-      const MoePackedLayout l = MakeMoePackedLayout(h, n);
-      const int64_t w_rows = gate_up ? 2 * n : h, w_k = gate_up ? h : n, kblocks = (w_k + 31) / 32;
-      std::vector<int32_t> offsets(e);
-      int64_t rows = 0;
-      for (int64_t x = 0; x < e; ++x) {
-        offsets[x] = static_cast<int32_t>(rows);
-        rows += sh.counts[x];
-      }
-      std::vector<uint8_t> w(e * w_rows * w_k), sc(e * w_rows * kblocks);
-      for (auto& v : w) {
-        v = static_cast<uint8_t>(rng());
-        if ((v & 0x7f) == 0x7f) v &= 0xfe;
-      }
-      for (auto& v : sc) v = static_cast<uint8_t>(112 + rng() % 8);
-      std::vector<uint16_t> deq(w.size());  // the weights as the GEMM sees them (BF16)
-      if (fp8) {
-        DequantizeMxfp8ToBf16Ref(w.data(), sc.data(), e * w_rows, w_k, deq.data());
-      } else {
-        for (auto& v : deq) v = FloatToBf16(0.05f * nd(rng));
-      }
-      const int esize = fp8 ? 1 : 2;
-      Dev<uint8_t> dw(fp8 ? w : std::vector<uint8_t>(deq.size() * 2)), dsc(sc);
-      if (!fp8) CUDA_OK(cudaMemcpy(dw.p, deq.data(), deq.size() * 2, cudaMemcpyHostToDevice));
-      const int64_t packed_elems = gate_up ? l.w13_elems_per_expert() : l.w2_elems_per_expert();
-      const int64_t packed_scales = gate_up ? l.w13_scales_per_expert() : l.w2_scales_per_expert();
-      Dev<uint8_t> packed(e * packed_elems * esize), pscale(e * packed_scales);
-      uint8_t* const scales = fp8 ? pscale.p : nullptr;
-      if (gate_up) {
-        CUDA_OK(
-            LaunchPackMoeW13(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p, scales, nullptr));
-      } else {
-        CUDA_OK(
-            LaunchPackMoeW2(dw.p, fp8 ? dsc.p : nullptr, e, l, esize, packed.p, scales, nullptr));
-      }
-      const int64_t act_k = gate_up ? h : l.intermediate_padded;
-      std::vector<uint16_t> act(rows * act_k, 0);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < w_k; ++k) act[r * act_k + k] = FloatToBf16(nd(rng));
-      // Host reference: expert x's rows times its dequantized weights, in double.
-      const int64_t out_cols = gate_up ? l.intermediate_padded : h;
-      std::vector<float> ref;
-      for (int64_t x = 0; x < e; ++x) {
-        for (int64_t r = offsets[x]; r < offsets[x] + sh.counts[x]; ++r) {
-          auto dot = [&](int64_t wrow) {
-            double acc = 0;
-            for (int64_t k = 0; k < w_k; ++k) {
-              acc += static_cast<double>(Bf16ToFloat(act[r * act_k + k])) *
-                     Bf16ToFloat(deq[(x * w_rows + wrow) * w_k + k]);
-            }
-            return acc;
-          };
-          if (gate_up) {
-            for (int64_t j = 0; j < n; ++j) {
-              const double gt = dot(j), up = dot(n + j);
-              ref.push_back(static_cast<float>(gt / (1.0 + std::exp(-gt)) * up));
-            }
-          } else {
-            for (int64_t j = 0; j < h; ++j) ref.push_back(static_cast<float>(dot(j)));
-          }
-        }
-      }
-      Dev<uint16_t> d_act(act);
-      Dev<int32_t> d_counts(sh.counts), d_offsets(offsets);
-      const int64_t out_elems = rows * out_cols * (gate_up ? 1 : 2);  // in 16-bit units
-      MoeGemmParams p;
-      p.kind = sh.kind;
-      p.mxfp8 = fp8;
-      p.num_experts = static_cast<int>(e);
-      p.layout = l;
-      p.weights = packed.p;
-      p.scales = scales;
-      p.act = d_act.p;
-      p.act_stride = act_k;
-      p.expert_counts = d_counts.p;
-      p.expert_offsets = d_offsets.p;
-      p.out_stride = out_cols;
-      p.max_rows_hint = rows;
-      p.total_rows_hint = rows;
-      auto run = [&]() {
-        Dev<uint16_t> out(out_elems);
-        p.out = out.p;
-        EXPECT_EQ(LaunchMoeGroupedGemm(p, num_sms, nullptr), cudaSuccess);
-        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        std::vector<float> f;
-        const std::vector<uint16_t> raw = out.Get();
-        if (gate_up) {
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t j = 0; j < n; ++j) f.push_back(Bf16ToFloat(raw[r * out_cols + j]));
-            for (int64_t j = n; j < out_cols; ++j) EXPECT_EQ(raw[r * out_cols + j], 0) << j;
-          }
-        } else {
-          f.resize(rows * h);
-          std::memcpy(f.data(), raw.data(), f.size() * sizeof(float));
-        }
-        return f;
-      };
-      const std::string name = std::string(fp8 ? "mxfp8 " : "bf16 ") + (gate_up ? "w13" : "w2") +
-                               " H" + std::to_string(h) + " I" + std::to_string(n) + " rows " +
-                               std::to_string(rows);
-      const double tol = gate_up ? 4e-3 : 1e-5;
+    for (const GemmShape& sh : shapes) {
+      const GemmProblem pr(sh.kind, fp8, sh.h, sh.n, sh.counts, 112, 8, rng);
+      const std::vector<float> ref = pr.Reference();
+      MoeGemmParams p = pr.Params();
+      const double tol = pr.gate_up ? 4e-3 : 1e-5;
       for (const int min_routes : {1, 0, -1}) {
         for (const int max_code : {kMxfp8NarrowScaleMax, 255}) {
           if (!fp8 && max_code != 255) continue;
           p.wgmma_min_routes = min_routes;
           p.mxfp8_max_scale_code = max_code;
-          EXPECT_LT(RelL2(run(), ref), tol)
-              << name << " min_routes=" << min_routes << " max_code=" << max_code;
+          EXPECT_LT(RelL2(pr.Run(p, num_sms), ref), tol)
+              << pr.Name() << " min_routes=" << min_routes << " max_code=" << max_code;
         }
       }
     }
