@@ -755,7 +755,8 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int n = cu.nt * BN + warp_n * C::kWTN + ni * 8 + 2 * t4 + c;
-            if (n < cu.cnt) StoreAccPair<KIND>(p, cu.row0 + n, R0 + g, acc[mi][ni][c], acc[mi][ni][2 + c]);
+            if (n < cu.cnt)
+              StoreAccPair<KIND>(p, cu.row0 + n, R0 + g, acc[mi][ni][c], acc[mi][ni][2 + c]);
           }
 #pragma unroll
           for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;

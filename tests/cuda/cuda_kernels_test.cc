@@ -126,7 +126,8 @@ TEST_F(CudaKernelsTest, StageRoutingMatchesRefAndReportsFirstOffenders) {
         Dev<float> d_w(w), d_out_w(pr);
         RoutingReport* rep = nullptr;
         CUDA_OK(cudaMallocHost(&rep, sizeof(RoutingReport)));
-        std::memset(rep, 0x5A, sizeof(RoutingReport));  // poisoned: must be written in full
+        // Poisoned: the kernel must write it in full.
+        std::memset(static_cast<void*>(rep), 0x5A, sizeof(RoutingReport));
         CUDA_OK(LaunchStageRouting(d_ids.p, d_w.p, m, topk, padded, e, mapped ? d_map.p : nullptr,
                                    mapped ? e / 2 : e, 1e4f, d_out_ids.p, d_out_w.p, rep, nullptr));
         CUDA_OK(cudaDeviceSynchronize());
@@ -139,7 +140,9 @@ TEST_F(CudaKernelsTest, StageRoutingMatchesRefAndReportsFirstOffenders) {
         }
         EXPECT_EQ(rep->bad_id_route, ref.bad_id_route) << where;
         EXPECT_EQ(rep->bad_weight_route, ref.bad_weight_route) << where;
-        if (ref.bad_id_route >= 0) EXPECT_EQ(rep->bad_id_value, ref.bad_id_value) << where;
+        if (ref.bad_id_route >= 0) {
+          EXPECT_EQ(rep->bad_id_value, ref.bad_id_value) << where;
+        }
         if (ref.bad_weight_route >= 0) {
           EXPECT_EQ(std::memcmp(&rep->bad_weight_value, &ref.bad_weight_value, 4), 0) << where;
         }
@@ -337,7 +340,9 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
         }
       }
       EXPECT_EQ(mismatches, 0) << "max_code=" << max_code << " counts=" << name;
-      if (wide) EXPECT_EQ(nan_rows, counts[nan_expert]) << "counts=" << name;
+      if (wide) {
+        EXPECT_EQ(nan_rows, counts[nan_expert]) << "counts=" << name;
+      }
     }
   }
 }
