@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -470,6 +471,12 @@ TEST(RegionRegistry, ConcurrentLeasesAndUnregister) {
         (void)b;
       }
     });
+  }
+  // The callers must be running before the unregisters start: on a loaded machine the loop
+  // below can finish before any of them is scheduled (seen on the 2-core CI machine).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (acquired.load() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
   }
   int unregistered = 0, refused = 0;
   for (int i = 0; i < 300; ++i) {
