@@ -1037,7 +1037,6 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
   const int total_units = s_prefix[E];
   if (static_cast<int>(blockIdx.x) >= total_units) return;
   const int my_units = (total_units - blockIdx.x + gridDim.x - 1) / gridDim.x;
-  const int total_iters = my_units * num_kb;
 
   auto decode = [&](int i) {
     const int u = blockIdx.x + i * gridDim.x;
@@ -1066,7 +1065,7 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
   const uint8_t* s_src = nullptr;
   const uint16_t* b_src[C::kBChunks];  // this thread's activation chunk of the stage, or null
   const int b_cc = tid % 8;
-  int ld_it = 0, ld_kb = 0, ld_unit = 0, ld_slot = 0;
+  int ld_kb = 0, ld_unit = 0, ld_slot = 0;
   auto producer_unit = [&](int i) {
     const Unit pu = decode(i);
     a_src = static_cast<const unsigned char*>(p.weights) +
@@ -1085,8 +1084,8 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
       }
     }
   };
-  auto load = [&]() {  // the next stage, ld_it
-    if (ld_it < total_iters) {
+  auto load = [&]() {  // the next stage: block ld_kb of this CTA's unit ld_unit
+    if (ld_unit < my_units) {
       if (ld_kb == 0) producer_unit(ld_unit);
       unsigned char* st = smem + ld_slot * C::kStageBytes;
       const uint32_t b_dst = SmemAddr(st);
@@ -1110,7 +1109,6 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
         CpAsync16(SmemAddr(st + C::kBBytes + C::kABytes) + tid * 16,
                   s_src + ld_kb * (kBM * 2) + tid * 16, 16);
       }
-      ++ld_it;
       ld_slot = ld_slot + 1 == STAGES ? 0 : ld_slot + 1;
       if (++ld_kb == num_kb) {
         ld_kb = 0;

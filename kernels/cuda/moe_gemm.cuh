@@ -117,8 +117,8 @@ struct MoeGemmParams {
   int mxfp8_max_scale_code = 255;
   // From this average of routes per expert on, the warpgroup-MMA tiles (64, 128 or 256 tokens
   // wide by the average) instead of the mma.sync decode tiles, where built (sm_90a). 0: the
-  // measured default of the format (kMxfp8WgmmaMinRoutes, kBf16WgmmaMinRoutes); negative: only
-  // above 128 routes.
+  // measured default of the format (kMxfp8WgmmaMinRoutes, kBf16WgmmaMinRoutes); negative or
+  // above 128: only above 128 routes (where they always serve).
   int wgmma_min_routes = 0;
   const uint16_t* act = nullptr;  // BF16 activation rows
   int64_t act_stride = 0;         // elements between activation rows

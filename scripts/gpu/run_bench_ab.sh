@@ -31,22 +31,7 @@ for round in 1 2; do
       awk -F, -v f=$build -v r=$round '{print f","r","$0}' >> "$OUT/bench.csv"
   done
 done
-python3 - "$OUT/bench.csv" <<'PY'
-import csv, sys, collections
-t = collections.defaultdict(lambda: collections.defaultdict(list))
-order = []
-for row in csv.reader(open(sys.argv[1])):
-    f, r, layer, fmt, tokens, routing, us = row[:7]
-    key = (layer, fmt, int(tokens), routing, row[-1])
-    if key not in t: order.append(key)
-    t[key][f].append(float(us))
-print("layer fmt   tokens routing   path    | before us (2 rounds) | after us | after/before")
-for key in order:
-    b, a = t[key].get("before", []), t[key].get("after", [])
-    ratio = min(a) / min(b) if a and b else float("nan")
-    print(f"{key[0]:5} {key[1]:5} {key[2]:5} {key[3]:9} {key[4]:7} | " + " ".join(f"{v:7.1f}" for v in b) +
-          " | " + " ".join(f"{v:7.1f}" for v in a) + f" | {ratio:.3f}")
-PY
+python3 "$(dirname "$0")/bench_table.py" --ratio before after "$OUT/bench.csv"
 if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
   for routing in balanced hot; do
     MOESERVE_BENCH_FORMATS=mxfp8 MOESERVE_BENCH_TOKENS=256 MOESERVE_BENCH_LAYERS=seed \

@@ -19,19 +19,7 @@ if [ -n "${SMALL:-}" ]; then
   MOESERVE_BENCH_WGMMA_FROM=1 MOESERVE_BENCH_TOKENS=$SMALL timeout 200 \
     "$B/moe_experts_bench" 2>/dev/null | tail -n +2 | awk -F, '{print "1,1,"$0}' >> "$OUT/bench.csv"
 fi
-python3 - "$OUT/bench.csv" <<'PY'
-import csv, sys, collections
-t = collections.defaultdict(lambda: collections.defaultdict(list))
-order = []
-for row in csv.reader(open(sys.argv[1])):
-    f, r, layer, fmt, tokens, routing, us = row[:7]
-    key = (layer, int(tokens), routing)
-    if key not in t: order.append(key)
-    t[key][f].append(float(us))
-for key in order:
-    print(f"{key[0]:5} {key[1]:5} {key[2]:9} | " + " | ".join(
-        f"from={f}: " + " ".join(f"{v:7.1f}" for v in vs) for f, vs in sorted(t[key].items())))
-PY
+python3 "$(dirname "$0")/bench_table.py" --ratio -1 "${WGMMA_FROM:-0}" "$OUT/bench.csv"
 if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
   MOESERVE_BENCH_WGMMA_FROM=${WGMMA_FROM:-0} MOESERVE_BENCH_TOKENS=256 \
     MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_ROUTING=${NCU_ROUTING:-balanced} \
