@@ -19,6 +19,7 @@ struct ForwardBatcher::Call {
   Done done;
   absl::Time enqueued;
   int64_t tokens = 0;
+  uint64_t caller = 0;
   // Contiguous views can share a step (their rows are copied into the merged buffers).
   bool mergeable = false;
 };
@@ -37,11 +38,13 @@ absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
         "inline_max_tokens must be >= 0 (0: never run inline), got ", options.inline_max_tokens));
   }
   if (options.max_batch_tokens <= 0 || options.max_queued_tokens <= 0 ||
-      options.max_batch_delay < absl::ZeroDuration()) {
+      options.max_batch_delay < absl::ZeroDuration() ||
+      options.company_wait < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_batch_tokens (", options.max_batch_tokens, ") and max_queued_tokens (",
-                     options.max_queued_tokens, ") must be > 0 and max_batch_delay (",
-                     absl::FormatDuration(options.max_batch_delay), ") >= 0"));
+                     options.max_queued_tokens, ") must be > 0, max_batch_delay (",
+                     absl::FormatDuration(options.max_batch_delay), ") and company_wait (",
+                     absl::FormatDuration(options.company_wait), ") >= 0"));
   }
   return std::unique_ptr<ForwardBatcher>(new ForwardBatcher(engine, options));
 }
@@ -72,13 +75,33 @@ ForwardBatcherStats ForwardBatcher::stats() const {
   return stats_;
 }
 
+ForwardBatcher::Company ForwardBatcher::ExpectedCompanyLocked(int layer) const {
+  Company company;
+  if (options_.company_wait <= absl::ZeroDuration()) return company;
+  const auto it = history_.find(layer);
+  if (it == history_.end()) return company;
+  const LayerHistory& h = it->second;
+  for (const int64_t calls : h.calls) company.calls = std::max(company.calls, calls);
+  absl::InlinedVector<uint64_t, 16> callers;
+  for (int back = 1; back <= kCallerSteps; ++back) {
+    const auto& step = h.callers[(h.next - back + kHistorySteps) % kHistorySteps];
+    callers.insert(callers.end(), step.begin(), step.end());
+  }
+  std::sort(callers.begin(), callers.end());
+  const int64_t distinct = std::unique(callers.begin(), callers.end()) - callers.begin();
+  company.calls = std::max(company.calls, distinct);
+  if (company.calls > 1) company.wait = std::min(options_.company_wait, 2 * h.last_step);
+  return company;
+}
+
 bool ForwardBatcher::Joins(const Call& head, const Call& c) {
   return c.mergeable && head.mergeable && c.input.layer == head.input.layer &&
          c.input.hidden_states.dtype() == head.input.hidden_states.dtype();
 }
 
 void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
-                            absl::Time deadline, std::function<bool()> cancelled, Done done) {
+                            absl::Time deadline, std::function<bool()> cancelled, Done done,
+                            uint64_t caller) {
   const ForwardTimings no_timings;
   const EngineInfo& info = engine_->info();
   if (absl::Status s = ValidateForwardInput(info.model, info.max_tokens_per_request, input);
@@ -105,6 +128,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   call->done = std::move(done);
   call->enqueued = absl::Now();
   call->tokens = m;
+  call->caller = caller;
   // Device tensors (a CUDA region) run alone: the merged buffers are host memory.
   call->mergeable = input.hidden_states.is_contiguous() && input.topk_ids.is_contiguous() &&
                     input.topk_weights.is_contiguous() && input.hidden_states.device().is_host() &&
@@ -140,9 +164,12 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     }
     // A call that cannot share a step (device tensors) gains nothing from waiting or from a
     // scheduling thread, whatever its size.
-    const bool run_here = options_.inline_max_tokens > 0 && queue_.empty() && running_ == 0 &&
-                          (!call->mergeable || (m <= options_.inline_max_tokens &&
-                                                options_.max_batch_delay == absl::ZeroDuration()));
+    // Nor does a small call whose layer has no company to expect.
+    const bool run_here =
+        options_.inline_max_tokens > 0 && queue_.empty() && running_ == 0 &&
+        (!call->mergeable ||
+         (m <= options_.inline_max_tokens && options_.max_batch_delay == absl::ZeroDuration() &&
+          ExpectedCompanyLocked(input.layer).wait == absl::ZeroDuration()));
     if (run_here) {
       // Nothing running and nothing to merge with: run here. Calls arriving meanwhile queue
       // and merge as usual (a second step only with half a step of work, see Loop).
@@ -179,13 +206,24 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     if (stop_) break;
     // Wait for company until the head's delay is spent or its step is full. Another scheduling
     // thread may take the head meanwhile: look again after every wait.
-    bool take = false;
+    bool take = false, waited_for_company = false;
     while (!stop_ && !queue_.empty()) {
       const Call& head = *queue_.front();
-      const absl::Time ready_at = head.enqueued + options_.max_batch_delay;
-      int64_t tokens = 0;
+      absl::Time ready_at = head.enqueued + options_.max_batch_delay;
+      int64_t tokens = 0, calls = 0;
       for (const auto& c : queue_) {
-        if (c.get() == &head || Joins(head, *c)) tokens += c->tokens;
+        if (c.get() == &head || Joins(head, *c)) {
+          tokens += c->tokens;
+          ++calls;
+        }
+      }
+      if (head.mergeable) {
+        // Callers that shared the layer's recent steps are likely on their way back.
+        const Company company = ExpectedCompanyLocked(head.input.layer);
+        if (calls < company.calls && head.enqueued + company.wait > ready_at) {
+          ready_at = head.enqueued + company.wait;
+          waited_for_company = waited_for_company || absl::Now() < ready_at;
+        }
       }
       // While another step runs, a second one starts only with at least half a step of work:
       // decode steps are bound by reading the weights, so one merged step beats two small
@@ -219,6 +257,7 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       }
     }
     stats_.queued_tokens -= tokens;
+    if (waited_for_company) ++stats_.company_waits;
     ++running_;
     lock.unlock();
     RunTimedStep(std::move(step), buffers);
@@ -312,6 +351,16 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
       const double us = absl::ToDoubleMicroseconds(took) / static_cast<double>(step_tokens);
       us_per_token_ = us_per_token_ == 0 ? us : 0.8 * us_per_token_ + 0.2 * us;
     }
+    if (options_.company_wait > absl::ZeroDuration() && live[0]->mergeable) {
+      LayerHistory& h = history_[live[0]->input.layer];
+      h.calls[h.next] = static_cast<int64_t>(live.size());
+      h.callers[h.next].clear();
+      for (const auto& c : live) {
+        if (c->caller != 0) h.callers[h.next].push_back(c->caller);
+      }
+      h.next = (h.next + 1) % kHistorySteps;
+      if (!stopped) h.last_step = took;
+    }
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());
     if (live.size() > 1) stats_.merged_calls += static_cast<int64_t>(live.size());
@@ -323,7 +372,8 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
     options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }
   const absl::Time end = absl::Now();
-  for (auto& c : live) {
+  for (size_t i = 0; i < live.size(); ++i) {
+    std::unique_ptr<Call>& c = live[i];
     ForwardTimings mine = timings;
     mine.queue_us += MicrosBetween(c->enqueued, start);
     absl::Status mine_status = status;
@@ -335,6 +385,16 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
       }
     }
     if (stopped && options_.observer) options_.observer->OnRefused(mine_status.code());
+    if (i + 1 < live.size() && options_.answer_executor) {
+      auto task = [call = std::shared_ptr<Call>(std::move(c)), mine_status, mine] {
+        call->done(mine_status, mine);
+      };
+      // A task not taken still holds the call: answer it here.
+      std::function<void()> run = task;
+      if (options_.answer_executor(std::move(run))) continue;
+      task();
+      continue;
+    }
     c->done(mine_status, mine);
   }
 }

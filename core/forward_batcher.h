@@ -5,7 +5,9 @@
 // A scheduling thread takes the oldest queued call (arrival order across layers, so no
 // layer starves), then every queued call of the same layer and hidden dtype in arrival order
 // while the step stays within max_batch_tokens, waiting up to max_batch_delay after the oldest
-// call's arrival for more to come. Calls whose deadline passed or that were cancelled are
+// call's arrival for more to come, or, where the layer's recent steps merged several calls,
+// until as many have come (company_wait: callers that shared a step come back together, while
+// a lone caller never waits). Calls whose deadline passed or that were cancelled are
 // answered (DEADLINE_EXCEEDED / CANCELLED) without running; a running step stops between its
 // stages once every call in it has given up (Engine::Forward's `stop`), and each of its calls
 // gets its own DEADLINE_EXCEEDED or CANCELLED. The queue is bounded in tokens:
@@ -33,6 +35,8 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -60,6 +64,16 @@ struct ForwardBatcherOptions {
   // How long the oldest queued call may wait for others to join its step. 0: never wait (merge
   // only what is already queued).
   absl::Duration max_batch_delay = absl::Microseconds(200);
+  // How long the oldest queued call of a layer may wait for company that is likely to come.
+  // The company expected is the most calls one of the layer's last kHistorySteps steps merged,
+  // or, where calls name their caller, the distinct callers of its last kCallerSteps steps
+  // (closed-loop callers that split into two groups, one step each, merge again). While fewer
+  // are queued, the oldest waits until they are (or the step is full), at most this long after
+  // its arrival and never longer than twice the layer's last step (the cost of the step a late
+  // caller would wait for). A lone caller's layer never waits. 0: off (the default: it pays
+  // where a step's time barely grows with its tokens, e.g. BF16 decode, and costs where it
+  // grows, e.g. MXFP8 decode; tests/benchmarks/serving/RESULTS.md).
+  absl::Duration company_wait = absl::ZeroDuration();
   // Most tokens queued and not yet running; beyond it calls are refused.
   int64_t max_queued_tokens = 16384;
   // Refuse a call when the queue (with it) holds more than this much work, estimated from the
@@ -73,6 +87,11 @@ struct ForwardBatcherOptions {
   // running. 0: never.
   int64_t inline_max_tokens = 64;
   ForwardBatcherObserver* observer = nullptr;  // optional
+  // Where the answers of a merged step run, all but the last (which runs on the step's
+  // thread): e.g. a worker pool, so that a step's callers are answered at once rather than one
+  // after another (answering a gRPC call sends it, tens of us each). Returns false when it
+  // cannot take the task, which then runs on the step's thread. Null: all on the step's thread.
+  std::function<bool(std::function<void()>)> answer_executor;
 };
 
 // Counters since creation (a snapshot).
@@ -87,11 +106,15 @@ struct ForwardBatcherStats {
   int64_t stopped = 0;        // calls of steps stopped between stages (every caller gave up)
   int64_t queued_tokens = 0;  // now
   int64_t inline_steps = 0;   // steps run on the submitting thread (inline_max_tokens)
+  int64_t company_waits = 0;  // steps whose head waited for expected company (company_wait)
 };
 
 class ForwardBatcher {
  public:
   struct Call;  // one queued call (forward_batcher.cc)
+  // Steps of a layer remembered for company_wait: their call counts, and their callers.
+  static constexpr int kHistorySteps = 4;
+  static constexpr int kCallerSteps = 2;
   using Done = std::function<void(absl::Status status, const ForwardTimings& timings)>;
 
   // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits.
@@ -101,13 +124,14 @@ class ForwardBatcher {
   // is running finishes first).
   ~ForwardBatcher();
 
-  // Queues one call (or runs it at once, see inline_max_tokens). `input` and `output` (as
-  // Engine::Forward: output [M, hidden] in the hidden dtype, host memory or, where the engine takes
-  // them, CUDA device memory; such calls run alone) must stay valid until `done` runs; `done` runs
-  // exactly once. `cancelled` (may be null) is polled before the call runs and between the stages
-  // of its step. timings.queue_us is the time from Submit to the start of its step.
+  // Queues one call (or runs it at once, see inline_max_tokens). `caller` names where the
+  // call came from (a connection, a stream; 0: unknown), for company_wait only. `input` and
+  // `output` (as Engine::Forward: output [M, hidden] in the hidden dtype, host memory or, where the
+  // engine takes them, CUDA device memory; such calls run alone) must stay valid until `done` runs;
+  // `done` runs exactly once. `cancelled` (may be null) is polled before the call runs and between
+  // the stages of its step. timings.queue_us is the time from Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
-              std::function<bool()> cancelled, Done done);
+              std::function<bool()> cancelled, Done done, uint64_t caller = 0);
 
   ForwardBatcherStats stats() const;
   const ForwardBatcherOptions& options() const { return options_; }
@@ -118,6 +142,20 @@ class ForwardBatcher {
     HostBuffer hidden, ids, weights, output;
   };
   using Step = std::vector<std::unique_ptr<Call>>;
+  // A layer's last steps: how many calls each merged and how long the last one took.
+  struct LayerHistory {
+    int64_t calls[kHistorySteps] = {};
+    absl::InlinedVector<uint64_t, 8> callers[kHistorySteps];  // known callers (not 0)
+    int next = 0;
+    absl::Duration last_step;
+  };
+  // The company the oldest queued call of `layer` should wait for: the most calls of its last
+  // steps, and how long after arrival it may wait for them (zero: do not wait). Under mu_.
+  struct Company {
+    int64_t calls = 1;
+    absl::Duration wait;
+  };
+  Company ExpectedCompanyLocked(int layer) const;
   ForwardBatcher(Engine* engine, ForwardBatcherOptions options);
   // Whether `c` may share `head`'s step.
   static bool Joins(const Call& head, const Call& c);
@@ -143,6 +181,7 @@ class ForwardBatcher {
   const int runners_;        // scheduling threads = engine steps in flight
   int running_ = 0;          // steps running now (guarded by mu_)
   double us_per_token_ = 0;  // running average of step time per token (guarded by mu_)
+  absl::flat_hash_map<int, LayerHistory> history_;     // by layer (guarded by mu_)
   std::vector<std::unique_ptr<StepBuffers>> buffers_;  // one per scheduling thread
   std::vector<std::thread> threads_;
 };

@@ -291,7 +291,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
     state_->SubmitForward(
         "ModelInfer", pending->input, static_cast<int64_t>(raw_request->Length()),
         CallDeadline(context->deadline()), [context] { return context->IsCancelled(); },
-        std::move(done), region_output);
+        std::move(done), region_output, CallerKey(context->peer()));
   };
   if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("ModelInfer: the server is shutting down"), 0);

@@ -141,6 +141,13 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   if (shut_down_) return absl::FailedPreconditionError("AttachEngine: the server is shut down");
   ForwardBatcherOptions batcher_options = options_.batcher;
   batcher_options.observer = metrics_.get();
+  if (options_.parallel_answers) {
+    // A merged step's answers go out on the workers (the state owns the batcher: it outlives
+    // it; once draining, SubmitWork refuses and the step's thread answers).
+    batcher_options.answer_executor = [state = state_.get()](std::function<void()> task) {
+      return state->SubmitWork(std::move(task));
+    };
+  }
   MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
                             ForwardBatcher::Create(engine, batcher_options));
   engine_ = engine;

@@ -44,7 +44,10 @@ inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
   std::vector<std::string> listen_addresses = {kDefaultListenAddress};
-  int server_threads = 2;                // Forward / ModelInfer worker threads
+  int server_threads = 2;  // Forward / ModelInfer worker threads
+  // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
+  // answer_executor), not one after another from the step's thread.
+  bool parallel_answers = true;
   int64_t max_message_bytes = 64 << 20;  // the logical limit (ModelInfo; checked per request)
   // What gRPC refuses by itself, receive and send (server/limits.h); 0: max_message_bytes.
   int64_t grpc_limit_bytes = 0;

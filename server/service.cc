@@ -78,7 +78,8 @@ void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
 
 void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                                 std::function<bool()> cancelled, Clock::time_point start,
-                                const std::string& peer, const HoldFn& hold, AnswerFn answer) {
+                                const std::string& peer, uint64_t caller, const HoldFn& hold,
+                                AnswerFn answer) {
   const double server_queue_us = MicrosSince(start);
   if (deadline <= absl::Now()) {
     return answer(absl::DeadlineExceededError(
@@ -199,7 +200,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   };
   // The same admission as ModelInfer: shapes, the message size, routing counts, the batcher.
   state_->SubmitForward("Forward", pending->input, message_bytes, deadline, std::move(cancelled),
-                        std::move(done), region_output);
+                        std::move(done), region_output, caller);
 }
 
 absl::Status MoeServiceImpl::HoldRefused(absl::string_view method, int64_t bytes,
@@ -248,7 +249,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   auto task = [this, context, raw_request, response, start, finish, hold]() {
     RunForward(
         *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
-        context->peer(), hold,
+        context->peer(), CallerKey(context->peer()), hold,
         [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
                            const std::string&) {
           if (status.ok()) response->Swap(&encoded);
@@ -336,7 +337,7 @@ class MoeServiceImpl::StreamReactor final
     auto task = [this, request, start, hold, answer]() {
       service_->RunForward(
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
-          peer_, hold, answer);
+          peer_, reinterpret_cast<uintptr_t>(this), hold, answer);
     };
     if (!service_->state_->SubmitWork(task)) {
       answer(absl::UnavailableError("ForwardStream: the server is shutting down"), {}, 0, "");

@@ -198,7 +198,7 @@ class MoeServiceImpl final : public MoeServiceBase {
   using HoldFn = std::function<absl::Status(int64_t bytes, absl::string_view what)>;
   void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                   std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
-                  const std::string& peer, const HoldFn& hold, AnswerFn answer);
+                  const std::string& peer, uint64_t caller, const HoldFn& hold, AnswerFn answer);
   // The one access check of every MoeService call (ServingState::Authorize: UNAUTHENTICATED
   // naming `method`).
   absl::Status Authorize(const grpc::CallbackServerContext& context,

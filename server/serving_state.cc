@@ -1,5 +1,7 @@
 #include "server/serving_state.h"
 
+#include <functional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -42,7 +44,7 @@ absl::Status ServingState::NotReady(absl::string_view method) const {
 void ServingState::SubmitForward(absl::string_view method, const ForwardInput& input,
                                  int64_t message_bytes, absl::Time deadline,
                                  std::function<bool()> cancelled, ForwardDone done,
-                                 std::optional<TensorView> region_output) {
+                                 std::optional<TensorView> region_output, uint64_t caller) {
   Engine* engine = this->engine();
   if (engine == nullptr) return done(NotReady(method), ForwardAnswer());
   // Shapes before sizing the output (it comes from hidden_states); the batcher checks values.
@@ -90,7 +92,8 @@ void ServingState::SubmitForward(absl::string_view method, const ForwardInput& i
         if (metrics_ != nullptr) metrics_->RecordRouting(layer, m, rank_tokens);
         answer->timings = timings;
         done(absl::OkStatus(), std::move(*answer));
-      });
+      },
+      caller);
 }
 
 absl::Status RouteOnServer(Engine& engine, ForwardInput* input,
@@ -114,6 +117,11 @@ absl::Status RouteOnServer(Engine& engine, ForwardInput* input,
   input->topk_ids = TensorView(base, DType::kINT32, {rows, info.model.topk});
   input->topk_weights = TensorView(base + routes * 4, DType::kFP32, {rows, info.model.topk});
   return engine.Route(input->layer, x, input->topk_ids, input->topk_weights);
+}
+
+uint64_t CallerKey(absl::string_view peer, absl::string_view within) {
+  const uint64_t key = std::hash<std::string>()(absl::StrCat(peer, "/", within));
+  return key == 0 ? 1 : key;
 }
 
 absl::Time CallDeadline(std::chrono::system_clock::time_point deadline) {

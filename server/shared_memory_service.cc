@@ -139,7 +139,7 @@ ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name
       return absl::OkStatus();
     };
     RunForward(
-        request, deadline, /*cancelled=*/nullptr, start, peer, hold,
+        request, deadline, /*cancelled=*/nullptr, start, peer, CallerKey(peer, name), hold,
         [metrics, start, received, answer = std::move(answer)](const absl::Status& status,
                                                                grpc::ByteBuffer encoded,
                                                                int64_t tokens, const std::string&) {

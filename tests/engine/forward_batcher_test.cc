@@ -378,6 +378,168 @@ TEST(ForwardBatcherTest, IdleUnmergeableCallsRunOnTheSubmittingThread) {
   }
 }
 
+// Closed-loop callers that shared a step come back a little apart. The first one back waits
+// (company_wait) until as many calls of its layer are queued as its layer's recent steps merged
+// or, for calls that name their caller, as the distinct callers of its last two steps (callers
+// that split into two groups merge again). A layer without such history never waits (its call
+// runs inline), and the expectation ages out after kHistorySteps steps of one call.
+TEST(ForwardBatcherTest, CompanyWaitKeepsCallersThatSharedAStepTogether) {
+  auto engine = ReferenceEngine();
+  auto oracle = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 512,
+                                                        .max_batch_delay = absl::ZeroDuration(),
+                                                        .company_wait = absl::Seconds(20),
+                                                        .inline_max_tokens = 64});
+  std::mt19937 rng(16);
+  auto check = [&](const Call& c) {
+    Tensor alone = Tensor::Empty(c.out.dtype(), c.out.shape());
+    ASSERT_TRUE(oracle->Forward(c.input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), c.out.data<void>(), alone.nbytes()), 0);
+  };
+  using Result = std::pair<absl::Status, ForwardTimings>;
+  auto submit = [&](const Call& c, uint64_t caller, std::function<bool()> cancelled = nullptr) {
+    auto promise = std::make_shared<std::promise<Result>>();
+    auto future = promise->get_future();
+    batcher->Submit(
+        c.input(), c.out.view(), absl::InfiniteFuture(), std::move(cancelled),
+        [promise](absl::Status s, const ForwardTimings& t) {
+          promise->set_value({s, t});
+        },
+        caller);
+    return future;
+  };
+
+  // Round 1: caller 1's call runs inline and is held; callers 2, 3, 4 queue behind it and
+  // share the next step, which is made to take about 2 s (its first call's cancellation check
+  // sleeps) so that the later waits' cap (twice the last step) is long.
+  Call x = MakeCall(m, 4, 0, DType::kBF16, rng);
+  std::promise<void> release_x;
+  std::shared_future<void> x_released = release_x.get_future().share();
+  std::promise<void> x_running;
+  std::thread tx([&] {
+    batcher->Submit(
+        x.input(), x.out.view(), absl::InfiniteFuture(), nullptr,
+        [&](absl::Status s, const ForwardTimings&) {
+          EXPECT_TRUE(s.ok()) << s;
+          x_running.set_value();
+          x_released.wait();  // the step (running_) ends after this returns
+        },
+        /*caller=*/1);
+  });
+  x_running.get_future().wait();
+  std::vector<Call> round1;
+  for (int i = 0; i < 3; ++i) round1.push_back(MakeCall(m, 2 + i, 0, DType::kBF16, rng));
+  std::atomic<bool> slept{false};
+  std::vector<std::future<Result>> f1;
+  f1.push_back(submit(round1[0], 2, [&slept] {
+    if (!slept.exchange(true)) absl::SleepFor(absl::Seconds(2));
+    return false;
+  }));
+  for (int i = 1; i < 3; ++i) f1.push_back(submit(round1[i], 2 + i));
+  release_x.set_value();
+  tx.join();
+  for (auto& f : f1) ASSERT_TRUE(f.get().first.ok());
+  ForwardBatcherStats stats = batcher->stats();
+  ASSERT_EQ(stats.steps, 2) << "the three queued calls should have shared one step";
+  EXPECT_EQ(stats.max_step_calls, 3);
+  EXPECT_EQ(stats.company_waits, 0);  // the layer had only a one-call step before
+
+  // Round 2: callers 1-4 come back 100 ms apart. At most 3 calls shared a step, but 4 callers
+  // served the last two: one step of 4, whose first call waited about 300 ms.
+  std::vector<Call> round2;
+  for (int i = 0; i < 4; ++i) round2.push_back(MakeCall(m, 1 + 2 * i, 0, DType::kBF16, rng));
+  std::vector<std::future<Result>> f2;
+  for (int i = 0; i < 4; ++i) {
+    if (i > 0) absl::SleepFor(absl::Milliseconds(100));
+    f2.push_back(submit(round2[i], 1 + i));
+  }
+  std::vector<ForwardTimings> t2;
+  for (auto& f : f2) {
+    auto [status, timings] = f.get();
+    ASSERT_TRUE(status.ok()) << status;
+    t2.push_back(timings);
+  }
+  for (const Call& c : round2) check(c);
+  stats = batcher->stats();
+  EXPECT_EQ(stats.steps, 3) << "the round should have been one step";
+  EXPECT_EQ(stats.max_step_calls, 4);
+  EXPECT_EQ(stats.company_waits, 1);
+  EXPECT_GE(t2[0].queue_us, 290e3);
+  EXPECT_LT(t2[0].queue_us, 3e6);  // not the whole cap: it went once the company came
+
+  // A layer without history: inline, no wait.
+  Call lone = MakeCall(m, 3, 1, DType::kBF16, rng);
+  const int64_t inline_before = stats.inline_steps;
+  auto [ls, lt] = submit(lone, 1).get();
+  ASSERT_TRUE(ls.ok()) << ls;
+  check(lone);
+  EXPECT_EQ(batcher->stats().inline_steps, inline_before + 1);
+
+  // Layer 0 now called by caller 1 alone: each call waits at most twice the layer's last step
+  // (round 2's, short), never company_wait; after kHistorySteps lone steps the layer expects no
+  // company and its calls run inline again.
+  for (int i = 0; i < ForwardBatcher::kHistorySteps + 1; ++i) {
+    Call c = MakeCall(m, 2, 0, DType::kBF16, rng);
+    const int64_t inline_now = batcher->stats().inline_steps;
+    auto [s, t] = submit(c, 1).get();
+    ASSERT_TRUE(s.ok()) << s;
+    check(c);
+    EXPECT_LT(t.queue_us, 3e6) << "call " << i;
+    EXPECT_EQ(batcher->stats().inline_steps, inline_now + (i == ForwardBatcher::kHistorySteps))
+        << "call " << i;
+  }
+  // (Those waits are short: on a loaded machine the scheduling thread may wake after them.)
+  EXPECT_LE(batcher->stats().company_waits, 1 + ForwardBatcher::kHistorySteps);
+
+  auto bad = ForwardBatcher::Create(engine.get(), {.company_wait = absl::Microseconds(-1)});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("company_wait"), absl::string_view::npos) << bad.status();
+}
+
+// A merged step's answers but the last go to answer_executor (the server's workers), so its
+// callers hear back at once; a task the executor does not take is answered on the step's
+// thread. Every call gets its rows either way.
+TEST(ForwardBatcherTest, AnswerExecutorTakesAllButTheLastAnswerOfAStep) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  for (const bool take : {true, false}) {
+    SCOPED_TRACE(take ? "executor takes the tasks" : "executor refuses the tasks");
+    std::mutex mu;
+    std::vector<std::thread> threads;
+    int offered = 0;
+    auto batcher =
+        *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 256,
+                                               .max_batch_delay = absl::Milliseconds(50),
+                                               .company_wait = absl::ZeroDuration(),
+                                               .answer_executor = [&](std::function<void()> task) {
+                                                 std::lock_guard<std::mutex> lock(mu);
+                                                 ++offered;
+                                                 if (!take) return false;
+                                                 threads.emplace_back(std::move(task));
+                                                 return true;
+                                               }});
+    std::mt19937 rng(17);
+    std::vector<Call> calls;
+    for (int i = 0; i < 6; ++i) calls.push_back(MakeCall(m, 1 + 3 * i, 0, DType::kBF16, rng));
+    std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+    for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const absl::Status s = futures[i].get().first;
+      ASSERT_TRUE(s.ok()) << s;
+      Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
+      ASSERT_TRUE(engine->Forward(calls[i].input(), alone.view()).ok());
+      EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0)
+          << "call " << i;
+    }
+    const ForwardBatcherStats stats = batcher->stats();
+    EXPECT_GE(stats.max_step_calls, 2);  // a 50 ms delay lets the quickly submitted calls meet
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(offered, stats.calls - stats.steps);
+    for (std::thread& t : threads) t.join();
+  }
+}
+
 // A negative inline_max_tokens is refused, naming the option.
 TEST(ForwardBatcherTest, NegativeInlineMaxTokensIsRefused) {
   auto engine = ReferenceEngine();

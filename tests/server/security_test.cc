@@ -327,11 +327,15 @@ TEST_F(SecurityTest, BearerTokenGuardsMoeServiceNotHealth) {
       v1::ForwardResponse answer;
       const bool got = stream->Read(&answer);
       EXPECT_EQ(got, right);
-      if (got) EXPECT_EQ(answer.error_code(), 0) << answer.error_message();
+      if (got) {
+        EXPECT_EQ(answer.error_code(), 0) << answer.error_message();
+      }
       stream->WritesDone();
       grpc::Status fs = stream->Finish();
       EXPECT_EQ(fs.error_code(), right ? grpc::StatusCode::OK : grpc::StatusCode::UNAUTHENTICATED);
-      if (!right) EXPECT_THAT(fs.error_message(), HasSubstr("ForwardStream"));
+      if (!right) {
+        EXPECT_THAT(fs.error_message(), HasSubstr("ForwardStream"));
+      }
     }
 
     grpc::ClientContext wctx;
