@@ -7,7 +7,7 @@
 #   - trivial experts (I=64, H7168): the server's own cost of a 1-token call;
 #   - an open-loop overload run at 2x the capacity (32 closed-loop callers at M=16, measured on
 #     the server without a queue bound, which would refuse some of them) for 10 s on a server
-#     with --max_queue_wait_ms 0.75: every call must answer correctly (checked against its
+#     with --max_queue_wait_ms 0.5: every call must answer correctly (checked against its
 #     unloaded answer) or be refused RESOURCE_EXHAUSTED; answered p99 against the unloaded p99;
 #     server RSS sampled throughout.
 # Usage: run_serving_bench.sh [BIN_DIR]   (moeserve, moeserve-cli; LD_LIBRARY_PATH set)
@@ -35,7 +35,7 @@ for wf in ${WFS:-mxfp8 bf16}; do
   [ $wf = mxfp8 ] && load "${wf}_M16_c32" 16 32 8000
   stop
   if [ $wf = mxfp8 ]; then
-    serve seed_${wf}_bounded $SEED --weight_format $wf --max_queue_wait_ms 0.75
+    serve seed_${wf}_bounded $SEED --weight_format $wf --max_queue_wait_ms 0.5
     # Overload: 2x the 32-caller capacity, open loop, 10 s; RSS sampled every 0.25 s.
     cap=$(val mxfp8_M16_c32 requests_per_s)
     rate=$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')
