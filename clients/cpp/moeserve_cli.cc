@@ -63,6 +63,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "clients/cpp/dtype_convert.h"
@@ -1035,6 +1036,8 @@ int RunLoad() {
 }  // namespace moeserve::client
 
 int main(int argc, char** argv) {
+  // As the server (server/main.cc): no lock-order graph on gRPC's absl::Mutexes per call.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
       "moeserve-cli <health|info|forward|load> [--flags]\n"
       "  health   print SERVING/NOT_SERVING (exit 0 only if SERVING)\n"
