@@ -6,6 +6,10 @@
 #                         moeserve-cli load (balanced routing, LOAD_MAX_SECONDS, default 60) ->
 #                         $OUT/load_TAG.log, then `row TAG SUMMARY` (the caller defines row)
 #   val TAG KEY           the first KEY=value of $OUT/load_TAG.log (e.g. val x requests_per_s)
+#   overload TAG RATE     issue 12's overload: an open loop of RATE calls/s at M=16 for 10 s over
+#                         32 connections (every answer checked against its unloaded answer),
+#                         server RSS sampled every 0.25 s -> $OUT/load_TAG.log, $OUT/rss_TAG.txt;
+#                         `row` for the outcomes and for the RSS (before, peak, after)
 # Needs B (the folder of moeserve and moeserve-cli), OUT and PORT.
 serve() {
   local name=$1
@@ -31,3 +35,17 @@ load() {
     sed 's/tokens_per_s=.*//' | tr '\n' ' ')"
 }
 val() { grep -o "$2=[0-9.]*" "$OUT/load_$1.log" | head -1 | cut -d= -f2; }
+overload() {
+  local tag=$1 rate=$2 rss0 rss_pid
+  rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
+  ( while kill -0 $SERVER_PID 2>/dev/null; do
+      awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss_$tag.txt" &
+  rss_pid=$!
+  timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+    --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
+    > "$OUT/load_$tag.log" 2>&1
+  echo "exit=$?" >> "$OUT/load_$tag.log"
+  kill $rss_pid 2>/dev/null
+  row "$tag rate=${rate}/s" "$(grep -E '^sent=|latency_ms' "$OUT/load_$tag.log" | tr '\n' ' ')"
+  row "$tag server RSS kB" "before=$rss0 peak=$(sort -n "$OUT/rss_$tag.txt" | tail -1) after=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)"
+}

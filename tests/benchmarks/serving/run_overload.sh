@@ -25,16 +25,7 @@ rate=$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')
 p99u=$(grep -o 'p99=[0-9.]*' "$OUT/load_c1.log" | head -1 | cut -d= -f2)
 for w in ${WAITS:-0.5 0.75 1}; do
   serve bound_$w $SEED --max_queue_wait_ms "$w"
-  rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
-  ( while kill -0 $SERVER_PID 2>/dev/null; do
-      awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss_$w.txt" &
-  RSS_PID=$!
-  timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
-    --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
-    > "$OUT/load_overload_$w.log" 2>&1
-  kill $RSS_PID 2>/dev/null
-  row "overload bound ${w} ms server RSS kB" "before=$rss0 peak=$(sort -n "$OUT/rss_$w.txt" | tail -1) after=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)"
-  row "overload bound ${w} ms rate=${rate}/s (2x ${cap}/s)" "$(grep -E '^sent=|latency_ms' "$OUT/load_overload_$w.log" | tr '\n' ' ')"
+  overload "overload_$w" "$rate"  # 2x $cap
   stop
   p99o=$(grep -o 'p99=[0-9.]*' "$OUT/load_overload_$w.log" | head -1 | cut -d= -f2)
   echo "bound $w ms: unloaded p99 $p99u ms, overload answered p99 $p99o ms: x$(awk -v a="$p99o" -v b="$p99u" 'BEGIN { printf "%.2f", a / b }') [< 5]"

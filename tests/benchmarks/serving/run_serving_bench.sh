@@ -36,21 +36,9 @@ for wf in ${WFS:-mxfp8 bf16}; do
   stop
   if [ $wf = mxfp8 ]; then
     serve seed_${wf}_bounded $SEED --weight_format $wf --max_queue_wait_ms 0.5
-    # Overload: 2x the 32-caller capacity, open loop, 10 s; RSS sampled every 0.25 s.
+    # Overload: 2x the 32-caller capacity (measured without a bound).
     cap=$(val mxfp8_M16_c32 requests_per_s)
-    rate=$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')
-    rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
-    ( while kill -0 $SERVER_PID 2>/dev/null; do
-        awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss.txt" &
-    RSS_PID=$!
-    timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" --concurrency 32 \
-      --max_seconds 10 --routing balanced --distinct_inputs 8 > "$OUT/load_overload.log" 2>&1
-    echo "exit=$?" >> "$OUT/load_overload.log"
-    kill $RSS_PID 2>/dev/null
-    rss_peak=$(sort -n "$OUT/rss.txt" | tail -1)
-    rss_end=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
-    row "overload rate=${rate}/s (2x ${cap}/s)" "$(grep -E '^sent=|latency_ms' "$OUT/load_overload.log" | tr '\n' ' ')"
-    row "overload server RSS kB" "before=$rss0 peak=$rss_peak after=$rss_end"
+    overload overload "$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')"
     stop
   fi
   serve seed_${wf}_1lane $SEED --weight_format $wf --steps_in_flight 1
