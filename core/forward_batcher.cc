@@ -80,18 +80,29 @@ ForwardBatcher::Company ForwardBatcher::ExpectedCompanyLocked(int layer) const {
   if (options_.company_wait <= absl::ZeroDuration()) return company;
   const auto it = history_.find(layer);
   if (it == history_.end()) return company;
-  const LayerHistory& h = it->second;
-  for (const int64_t calls : h.calls) company.calls = std::max(company.calls, calls);
+  company.calls = it->second.expected_calls;
+  if (company.calls > 1) company.wait = std::min(options_.company_wait, 2 * it->second.last_step);
+  return company;
+}
+
+void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, bool stopped) {
+  static_assert(kCallerSteps <= kHistorySteps);
+  LayerHistory& h = history_[live[0]->input.layer];
+  h.calls[h.next] = static_cast<int64_t>(live.size());
+  h.callers[h.next].clear();
+  for (const auto& c : live) {
+    if (c->caller != 0) h.callers[h.next].push_back(c->caller);
+  }
+  h.next = (h.next + 1) % kHistorySteps;
+  if (!stopped) h.last_step = took;
   absl::InlinedVector<uint64_t, 16> callers;
   for (int back = 1; back <= kCallerSteps; ++back) {
     const auto& step = h.callers[(h.next - back + kHistorySteps) % kHistorySteps];
     callers.insert(callers.end(), step.begin(), step.end());
   }
   std::sort(callers.begin(), callers.end());
-  const int64_t distinct = std::unique(callers.begin(), callers.end()) - callers.begin();
-  company.calls = std::max(company.calls, distinct);
-  if (company.calls > 1) company.wait = std::min(options_.company_wait, 2 * h.last_step);
-  return company;
+  h.expected_calls = std::unique(callers.begin(), callers.end()) - callers.begin();
+  for (const int64_t calls : h.calls) h.expected_calls = std::max(h.expected_calls, calls);
 }
 
 bool ForwardBatcher::Joins(const Call& head, const Call& c) {
@@ -352,14 +363,7 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
       us_per_token_ = us_per_token_ == 0 ? us : 0.8 * us_per_token_ + 0.2 * us;
     }
     if (options_.company_wait > absl::ZeroDuration() && live[0]->mergeable) {
-      LayerHistory& h = history_[live[0]->input.layer];
-      h.calls[h.next] = static_cast<int64_t>(live.size());
-      h.callers[h.next].clear();
-      for (const auto& c : live) {
-        if (c->caller != 0) h.callers[h.next].push_back(c->caller);
-      }
-      h.next = (h.next + 1) % kHistorySteps;
-      if (!stopped) h.last_step = took;
+      RecordStepLocked(live, took, stopped);
     }
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());
@@ -386,13 +390,10 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
     }
     if (stopped && options_.observer) options_.observer->OnRefused(mine_status.code());
     if (i + 1 < live.size() && options_.answer_executor) {
-      auto task = [call = std::shared_ptr<Call>(std::move(c)), mine_status, mine] {
-        call->done(mine_status, mine);
-      };
-      // A task not taken still holds the call: answer it here.
-      std::function<void()> run = task;
-      if (options_.answer_executor(std::move(run))) continue;
-      task();
+      // The executor gets a copy: a task it does not take is answered here.
+      std::function<void()> answer = [call = std::shared_ptr<Call>(std::move(c)), mine_status,
+                                      mine] { call->done(mine_status, mine); };
+      if (!options_.answer_executor(answer)) answer();
       continue;
     }
     c->done(mine_status, mine);

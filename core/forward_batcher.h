@@ -91,7 +91,7 @@ struct ForwardBatcherOptions {
   // thread): e.g. a worker pool, so that a step's callers are answered at once rather than one
   // after another (answering a gRPC call sends it, tens of us each). Returns false when it
   // cannot take the task, which then runs on the step's thread. Null: all on the step's thread.
-  std::function<bool(std::function<void()>)> answer_executor;
+  std::function<bool(std::function<void()>)> answer_executor = nullptr;
 };
 
 // Counters since creation (a snapshot).
@@ -142,13 +142,17 @@ class ForwardBatcher {
     HostBuffer hidden, ids, weights, output;
   };
   using Step = std::vector<std::unique_ptr<Call>>;
-  // A layer's last steps: how many calls each merged and how long the last one took.
+  // A layer's last steps: how many calls each merged, their known callers (not 0), how long
+  // the last one took, and the company that history expects (updated once per step).
   struct LayerHistory {
     int64_t calls[kHistorySteps] = {};
-    absl::InlinedVector<uint64_t, 8> callers[kHistorySteps];  // known callers (not 0)
+    absl::InlinedVector<uint64_t, 8> callers[kHistorySteps];
     int next = 0;
     absl::Duration last_step;
+    int64_t expected_calls = 1;  // most calls of a step, or distinct callers of kCallerSteps
   };
+  // Records a step of `live` calls that took `took` (`stopped`: ran only part of its work).
+  void RecordStepLocked(const Step& live, absl::Duration took, bool stopped);
   // The company the oldest queued call of `layer` should wait for: the most calls of its last
   // steps, and how long after arrival it may wait for them (zero: do not wait). Under mu_.
   struct Company {

@@ -247,9 +247,10 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     return reactor;
   }
   auto task = [this, context, raw_request, response, start, finish, hold]() {
+    const std::string peer = context->peer();
     RunForward(
         *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
-        context->peer(), CallerKey(context->peer()), hold,
+        peer, CallerKey(peer), hold,
         [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
                            const std::string&) {
           if (status.ok()) response->Swap(&encoded);

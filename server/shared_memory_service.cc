@@ -121,7 +121,8 @@ absl::Status Prefixed(absl::string_view method, const absl::Status& s) {
 }  // namespace
 
 ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name) {
-  return [this, peer = std::move(peer), name = std::move(name)](
+  const uint64_t caller = CallerKey(peer, name);
+  return [this, caller, peer = std::move(peer), name = std::move(name)](
              grpc::ByteBuffer request, absl::Time deadline, int64_t max_answer_bytes,
              ChannelAnswerFn answer) {
     const auto start = std::chrono::steady_clock::now();
@@ -139,7 +140,7 @@ ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name
       return absl::OkStatus();
     };
     RunForward(
-        request, deadline, /*cancelled=*/nullptr, start, peer, CallerKey(peer, name), hold,
+        request, deadline, /*cancelled=*/nullptr, start, peer, caller, hold,
         [metrics, start, received, answer = std::move(answer)](const absl::Status& status,
                                                                grpc::ByteBuffer encoded,
                                                                int64_t tokens, const std::string&) {

@@ -10,6 +10,9 @@
 #                         32 connections (every answer checked against its unloaded answer),
 #                         server RSS sampled every 0.25 s -> $OUT/load_TAG.log, $OUT/rss_TAG.txt;
 #                         `row` for the outcomes and for the RSS (before, peak, after)
+#   ratio A B             A / B to two decimals ("n/a" when B is not positive)
+#   use_bundle FILE       unpacks a transport bundle (make_bundle.sh's .tar.xz) into /tmp/tb and
+#                         sets B and LD_LIBRARY_PATH to it
 # Needs B (the folder of moeserve and moeserve-cli), OUT and PORT.
 serve() {
   local name=$1
@@ -35,6 +38,12 @@ load() {
     sed 's/tokens_per_s=.*//' | tr '\n' ' ')"
 }
 val() { grep -o "$2=[0-9.]*" "$OUT/load_$1.log" | head -1 | cut -d= -f2; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+use_bundle() {
+  rm -rf /tmp/tb && mkdir -p /tmp/tb && tar -C /tmp/tb -xJf "$1" || return 1
+  B=/tmp/tb/transport/bin
+  export LD_LIBRARY_PATH=/tmp/tb/transport/lib
+}
 overload() {
   local tag=$1 rate=$2 rss0 rss_pid
   rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)

@@ -187,7 +187,9 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         "--backend=tpu", "--max_tokens_per_request=0", "--listen=", "--listen=not-an-address:99999",
         // Sizes that used to crash (SIGSEGV) or start serving.
         "--hidden=1073741824", "--hidden=9223372036854775807", "--intermediate=1073741824",
-        "--num_experts=100000"}) {
+        "--num_experts=100000",
+        // Batcher settings the batcher refuses (after the weights load).
+        "--company_wait_us=-1", "--max_batch_delay_us=-1"}) {
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad});
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;

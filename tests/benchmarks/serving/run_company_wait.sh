@@ -12,18 +12,13 @@
 #   MODEL_FLAGS (default the seed layer).
 set -uo pipefail
 OUT=${OUT:-/tmp/serving}; mkdir -p "$OUT"
-if [[ "${1:-}" == *.tar.xz ]]; then
-  rm -rf /tmp/tb && mkdir -p /tmp/tb && tar -C /tmp/tb -xJf "$1" || exit 1
-  B=/tmp/tb/transport/bin
-  export LD_LIBRARY_PATH=/tmp/tb/transport/lib
-else
-  B=${1:-build/bin}
-fi
+source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
+B=${1:-build/bin}
+if [[ "$B" == *.tar.xz ]]; then use_bundle "$B" || exit 1; fi
 PORT=50151
 SEED=${MODEL_FLAGS:-"--model seed-megamoe --num_experts 32 --num_layers 1"}
 declare -a ROWS
 row() { ROWS+=("$(printf '%-28s %s' "$1" "$2")"); echo "== $1: $2"; }
-source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
 # sum and count of moeserve_batch_calls now
 batch_calls() {
   python3 - "$PORT" <<'PY'
@@ -58,9 +53,7 @@ for wf in ${WFS:-mxfp8 bf16}; do
       b1=$(batch_calls)
       t1=$(val "${t}_c1" requests_per_s); t8=$(val "${t}_c8" requests_per_s)
       p1=$(val "${t}_c1" p50); p8=$(val "${t}_c8" p50)
-      r8=$(awk -v a="$t8" -v b="$t1" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }')
-      rp=$(awk -v a="$p8" -v b="$p1" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }')
-      SUMMARY+=("| $wf | ${configs[$ci]} | $rep | $t1 | $t8 (${r8}x) | $p1 / $p8 | ${rp}x | $(mean_calls "$b0" "$b1") |")
+      SUMMARY+=("| $wf | ${configs[$ci]} | $rep | $t1 | $t8 ($(ratio "$t8" "$t1")x) | $p1 / $p8 | $(ratio "$p8" "$p1")x | $(mean_calls "$b0" "$b1") |")
     done
     stop
   done

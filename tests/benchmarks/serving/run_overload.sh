@@ -8,13 +8,11 @@
 # (make_bundle.sh). Writes under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-rm -rf /tmp/tb && mkdir -p /tmp/tb && tar -C /tmp/tb -xJf "$1" || exit 1
-B=/tmp/tb/transport/bin
-export LD_LIBRARY_PATH=/tmp/tb/transport/lib
 PORT=50171
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 row() { echo "== $1: $2"; }
 source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
+use_bundle "$1" || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 serve unbounded $SEED
 load c1 16 1 400
@@ -28,5 +26,5 @@ for w in ${WAITS:-0.5 0.75 1}; do
   overload "overload_$w" "$rate"  # 2x $cap
   stop
   p99o=$(grep -o 'p99=[0-9.]*' "$OUT/load_overload_$w.log" | head -1 | cut -d= -f2)
-  echo "bound $w ms: unloaded p99 $p99u ms, overload answered p99 $p99o ms: x$(awk -v a="$p99o" -v b="$p99u" 'BEGIN { printf "%.2f", a / b }') [< 5]"
+  echo "bound $w ms: unloaded p99 $p99u ms, overload answered p99 $p99o ms: x$(ratio "$p99o" "$p99u") [< 5]"
 done

@@ -22,7 +22,6 @@ TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 
 declare -a ROWS
 row() { ROWS+=("$(printf '%-46s %s' "$1" "$2")"); echo "== $1: $2"; }
 source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; date -u
 for wf in ${WFS:-mxfp8 bf16}; do
