@@ -72,7 +72,9 @@ ForwardBatcher::~ForwardBatcher() {
 
 ForwardBatcherStats ForwardBatcher::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  ForwardBatcherStats s = stats_;
+  s.running = running_;
+  return s;
 }
 
 ForwardBatcher::Company ForwardBatcher::ExpectedCompanyLocked(int layer) const {

@@ -107,6 +107,7 @@ struct ForwardBatcherStats {
   int64_t queued_tokens = 0;  // now
   int64_t inline_steps = 0;   // steps run on the submitting thread (inline_max_tokens)
   int64_t company_waits = 0;  // steps whose head waited for expected company (company_wait)
+  int64_t running = 0;        // steps running now (a call is answered before its step ends)
 };
 
 class ForwardBatcher {

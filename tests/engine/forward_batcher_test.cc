@@ -481,6 +481,10 @@ TEST(ForwardBatcherTest, CompanyWaitKeepsCallersThatSharedAStepTogether) {
   // company and its calls run inline again.
   for (int i = 0; i < ForwardBatcher::kHistorySteps + 1; ++i) {
     Call c = MakeCall(m, 2, 0, DType::kBF16, rng);
+    // The last call was answered before its step ended: only an idle batcher runs inline.
+    for (int w = 0; w < 1000 && batcher->stats().running != 0; ++w) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
     const int64_t inline_now = batcher->stats().inline_steps;
     auto [s, t] = submit(c, 1).get();
     ASSERT_TRUE(s.ok()) << s;
