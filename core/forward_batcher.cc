@@ -114,7 +114,7 @@ bool ForwardBatcher::Joins(const Call& head, const Call& c) {
 
 void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
                             absl::Time deadline, std::function<bool()> cancelled, Done done,
-                            uint64_t caller) {
+                            CallSource source) {
   const ForwardTimings no_timings;
   const EngineInfo& info = engine_->info();
   if (absl::Status s = ValidateForwardInput(info.model, info.max_tokens_per_request, input);
@@ -141,7 +141,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   call->done = std::move(done);
   call->enqueued = absl::Now();
   call->tokens = m;
-  call->caller = caller;
+  call->caller = source.caller;
   // Device tensors (a CUDA region) run alone: the merged buffers are host memory.
   call->mergeable = input.hidden_states.is_contiguous() && input.topk_ids.is_contiguous() &&
                     input.topk_weights.is_contiguous() && input.hidden_states.device().is_host() &&
@@ -179,7 +179,8 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     // scheduling thread, whatever its size.
     // Nor does a small call whose layer has no company to expect.
     const bool run_here =
-        options_.inline_max_tokens > 0 && queue_.empty() && running_ == 0 &&
+        source.may_run_inline && options_.inline_max_tokens > 0 && queue_.empty() &&
+        running_ == 0 &&
         (!call->mergeable ||
          (m <= options_.inline_max_tokens && options_.max_batch_delay == absl::ZeroDuration() &&
           ExpectedCompanyLocked(input.layer).wait == absl::ZeroDuration()));

@@ -94,6 +94,17 @@ struct ForwardBatcherOptions {
   std::function<bool(std::function<void()>)> answer_executor = nullptr;
 };
 
+// Where a call comes from, for scheduling it.
+struct CallSource {
+  // Names the caller (a connection, a stream, a channel; 0: unknown), for company_wait.
+  uint64_t caller = 0;
+  // Whether the call's step may run on the submitting thread (inline_max_tokens). A thread that
+  // polls for its next call (a forward channel's) should take it; a gRPC thread should hand it
+  // off: on an H200 host a single gRPC caller's round trip was shorter with the step on a
+  // scheduling thread (tests/benchmarks/serving/RESULTS.md, 2026-12-02 18:34).
+  bool may_run_inline = true;
+};
+
 // Counters since creation (a snapshot).
 struct ForwardBatcherStats {
   int64_t steps = 0;           // engine steps run
@@ -125,14 +136,13 @@ class ForwardBatcher {
   // is running finishes first).
   ~ForwardBatcher();
 
-  // Queues one call (or runs it at once, see inline_max_tokens). `caller` names where the
-  // call came from (a connection, a stream; 0: unknown), for company_wait only. `input` and
+  // Queues one call (or runs it at once, see inline_max_tokens and CallSource). `input` and
   // `output` (as Engine::Forward: output [M, hidden] in the hidden dtype, host memory or, where the
   // engine takes them, CUDA device memory; such calls run alone) must stay valid until `done` runs;
   // `done` runs exactly once. `cancelled` (may be null) is polled before the call runs and between
   // the stages of its step. timings.queue_us is the time from Submit to the start of its step.
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
-              std::function<bool()> cancelled, Done done, uint64_t caller = 0);
+              std::function<bool()> cancelled, Done done, CallSource source = {});
 
   ForwardBatcherStats stats() const;
   const ForwardBatcherOptions& options() const { return options_; }

@@ -291,7 +291,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
     state_->SubmitForward(
         "ModelInfer", pending->input, static_cast<int64_t>(raw_request->Length()),
         CallDeadline(context->deadline()), [context] { return context->IsCancelled(); },
-        std::move(done), region_output, CallerKey(context->peer()));
+        std::move(done), region_output,
+        CallSource{.caller = CallerKey(context->peer()), .may_run_inline = false});
   };
   if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("ModelInfer: the server is shutting down"), 0);

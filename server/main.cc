@@ -61,9 +61,9 @@ ABSL_FLAG(int32_t, steps_in_flight, 0,
           "copies overlap another's experts; 0: auto (2 on a single GPU without expert "
           "parallelism, else 1)");
 ABSL_FLAG(int64_t, inline_max_tokens, 64,
-          "A call of at most this many tokens that finds the server idle (and "
-          "--max_batch_delay_us 0) runs on the thread that received it, without a hand-off to a "
-          "scheduling thread; 0: always hand off");
+          "A forward-channel call of at most this many tokens that finds the server idle (and "
+          "--max_batch_delay_us 0) runs on the channel's thread, without a hand-off to a "
+          "scheduling thread (gRPC calls always hand off: measured faster); 0: always hand off");
 ABSL_FLAG(int64_t, cuda_graph_max_tokens, -1,
           "Engine steps of at most this many tokens per rank replay CUDA graphs (captured per "
           "layer and padded size on first use); -1: auto (1024 on a GPU where the kernels can be "

@@ -78,7 +78,7 @@ void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
 
 void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                                 std::function<bool()> cancelled, Clock::time_point start,
-                                const std::string& peer, uint64_t caller, const HoldFn& hold,
+                                const std::string& peer, CallSource source, const HoldFn& hold,
                                 AnswerFn answer) {
   const double server_queue_us = MicrosSince(start);
   if (deadline <= absl::Now()) {
@@ -200,7 +200,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   };
   // The same admission as ModelInfer: shapes, the message size, routing counts, the batcher.
   state_->SubmitForward("Forward", pending->input, message_bytes, deadline, std::move(cancelled),
-                        std::move(done), region_output, caller);
+                        std::move(done), region_output, source);
 }
 
 absl::Status MoeServiceImpl::HoldRefused(absl::string_view method, int64_t bytes,
@@ -250,7 +250,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     const std::string peer = context->peer();
     RunForward(
         *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
-        peer, CallerKey(peer), hold,
+        peer, CallSource{.caller = CallerKey(peer), .may_run_inline = false}, hold,
         [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
                            const std::string&) {
           if (status.ok()) response->Swap(&encoded);
@@ -338,7 +338,8 @@ class MoeServiceImpl::StreamReactor final
     auto task = [this, request, start, hold, answer]() {
       service_->RunForward(
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
-          peer_, reinterpret_cast<uintptr_t>(this), hold, answer);
+          peer_, CallSource{.caller = reinterpret_cast<uintptr_t>(this), .may_run_inline = false},
+          hold, answer);
     };
     if (!service_->state_->SubmitWork(task)) {
       answer(absl::UnavailableError("ForwardStream: the server is shutting down"), {}, 0, "");

@@ -192,13 +192,14 @@ class MoeServiceImpl final : public MoeServiceBase {
                                       int64_t tokens, const std::string& request_id)>;
   // Decodes, validates and submits one serialized ForwardRequest to the batcher. `raw_request`
   // is read before this returns (the decoded call keeps its slices). Worker threads.
-  // `peer`: the client (ServerContext::peer()), for the shared-memory check.
+  // `peer`: the client (ServerContext::peer()), for the shared-memory check; `source`: for the
+  // batcher (who calls, and whether the step may run on this thread).
   // `hold` (may be null: unbounded) takes the answer's bytes once its size is known, or refuses
   // (RESOURCE_EXHAUSTED, see HoldRefused), which is then the call's answer.
   using HoldFn = std::function<absl::Status(int64_t bytes, absl::string_view what)>;
   void RunForward(const grpc::ByteBuffer& raw_request, absl::Time deadline,
                   std::function<bool()> cancelled, std::chrono::steady_clock::time_point start,
-                  const std::string& peer, uint64_t caller, const HoldFn& hold, AnswerFn answer);
+                  const std::string& peer, CallSource source, const HoldFn& hold, AnswerFn answer);
   // The one access check of every MoeService call (ServingState::Authorize: UNAUTHENTICATED
   // naming `method`).
   absl::Status Authorize(const grpc::CallbackServerContext& context,

@@ -44,7 +44,7 @@ absl::Status ServingState::NotReady(absl::string_view method) const {
 void ServingState::SubmitForward(absl::string_view method, const ForwardInput& input,
                                  int64_t message_bytes, absl::Time deadline,
                                  std::function<bool()> cancelled, ForwardDone done,
-                                 std::optional<TensorView> region_output, uint64_t caller) {
+                                 std::optional<TensorView> region_output, CallSource source) {
   Engine* engine = this->engine();
   if (engine == nullptr) return done(NotReady(method), ForwardAnswer());
   // Shapes before sizing the output (it comes from hidden_states); the batcher checks values.
@@ -93,7 +93,7 @@ void ServingState::SubmitForward(absl::string_view method, const ForwardInput& i
         answer->timings = timings;
         done(absl::OkStatus(), std::move(*answer));
       },
-      caller);
+      source);
 }
 
 absl::Status RouteOnServer(Engine& engine, ForwardInput* input,

@@ -84,7 +84,7 @@ class ServingState {
   using ForwardDone = std::function<void(absl::Status status, ForwardAnswer answer)>;
   void SubmitForward(absl::string_view method, const ForwardInput& input, int64_t message_bytes,
                      absl::Time deadline, std::function<bool()> cancelled, ForwardDone done,
-                     std::optional<TensorView> output = std::nullopt, uint64_t caller = 0);
+                     std::optional<TensorView> output = std::nullopt, CallSource source = {});
 
  private:
   Metrics* const metrics_;
@@ -108,7 +108,7 @@ absl::Status RouteOnServer(Engine& engine, ForwardInput* input,
 absl::Time CallDeadline(std::chrono::system_clock::time_point deadline);
 
 // A nonzero key naming where calls come from (a connection's peer, plus e.g. a channel's name),
-// for the batcher's company_wait (ForwardBatcher::Submit's `caller`).
+// for the batcher's company_wait (CallSource::caller).
 uint64_t CallerKey(absl::string_view peer, absl::string_view within = "");
 
 }  // namespace moeserve

@@ -140,7 +140,7 @@ ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name
       return absl::OkStatus();
     };
     RunForward(
-        request, deadline, /*cancelled=*/nullptr, start, peer, caller, hold,
+        request, deadline, /*cancelled=*/nullptr, start, peer, CallSource{.caller = caller}, hold,
         [metrics, start, received, answer = std::move(answer)](const absl::Status& status,
                                                                grpc::ByteBuffer encoded,
                                                                int64_t tokens, const std::string&) {

@@ -305,8 +305,9 @@ TEST(ForwardBatcherTest, TwoStepsInFlightKeepEveryCallsRows) {
 }
 
 // An idle batcher without a batch delay runs a small call on the submitting thread (no
-// hand-off); a larger call, a batch delay, or inline_max_tokens = 0 go through a scheduling
-// thread. Both answer exactly what the engine alone answers.
+// hand-off); a larger call, a batch delay, inline_max_tokens = 0 or a source that may not run
+// inline (a gRPC thread) go through a scheduling thread. Both answer exactly what the engine alone
+// answers.
 TEST(ForwardBatcherTest, IdleSmallCallsRunOnTheSubmittingThread) {
   auto engine = ReferenceEngine();
   auto oracle = ReferenceEngine();
@@ -316,24 +317,29 @@ TEST(ForwardBatcherTest, IdleSmallCallsRunOnTheSubmittingThread) {
     int64_t tokens;
     ForwardBatcherOptions options;
     bool inline_expected;
+    bool may_run_inline = true;  // CallSource: false for a gRPC thread
   };
   const Case cases[] = {
       {4, {.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 8}, true},
       {9, {.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 8}, false},
       {4, {.max_batch_delay = absl::Microseconds(10), .inline_max_tokens = 8}, false},
       {4, {.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 0}, false},
+      {4, {.max_batch_delay = absl::ZeroDuration(), .inline_max_tokens = 8}, false, false},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(absl::StrCat(c.tokens, " tokens, inline_max_tokens ", c.options.inline_max_tokens,
-                              ", delay ", absl::FormatDuration(c.options.max_batch_delay)));
+                              ", delay ", absl::FormatDuration(c.options.max_batch_delay),
+                              ", may_run_inline ", c.may_run_inline));
     auto batcher = *ForwardBatcher::Create(engine.get(), c.options);
     Call call = MakeCall(m, c.tokens, 1, DType::kBF16, rng);
     std::promise<std::thread::id> answered_on;
-    batcher->Submit(call.input(), call.out.view(), absl::InfiniteFuture(), nullptr,
-                    [&](absl::Status s, const ForwardTimings&) {
-                      EXPECT_TRUE(s.ok()) << s;
-                      answered_on.set_value(std::this_thread::get_id());
-                    });
+    batcher->Submit(
+        call.input(), call.out.view(), absl::InfiniteFuture(), nullptr,
+        [&](absl::Status s, const ForwardTimings&) {
+          EXPECT_TRUE(s.ok()) << s;
+          answered_on.set_value(std::this_thread::get_id());
+        },
+        CallSource{.may_run_inline = c.may_run_inline});
     const std::thread::id id = answered_on.get_future().get();
     EXPECT_EQ(id == std::this_thread::get_id(), c.inline_expected);
     EXPECT_EQ(batcher->stats().inline_steps, c.inline_expected ? 1 : 0);
@@ -406,7 +412,7 @@ TEST(ForwardBatcherTest, CompanyWaitKeepsCallersThatSharedAStepTogether) {
         [promise](absl::Status s, const ForwardTimings& t) {
           promise->set_value({s, t});
         },
-        caller);
+        CallSource{.caller = caller});
     return future;
   };
 
@@ -425,7 +431,7 @@ TEST(ForwardBatcherTest, CompanyWaitKeepsCallersThatSharedAStepTogether) {
           x_running.set_value();
           x_released.wait();  // the step (running_) ends after this returns
         },
-        /*caller=*/1);
+        CallSource{.caller = 1});
   });
   x_running.get_future().wait();
   std::vector<Call> round1;
