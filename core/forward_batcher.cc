@@ -201,16 +201,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   }
   Step step;
   step.push_back(std::move(call));
-  RunTimedStep(std::move(step), nullptr);
-}
-
-void ForwardBatcher::RunTimedStep(Step step, StepBuffers* buffers) {
-  RunStep(std::move(step), buffers);  // learns the time per token before answering
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    --running_;
-  }
-  cv_.notify_all();  // a waiting scheduling thread may start its step now
+  RunStep(std::move(step), nullptr);
 }
 
 void ForwardBatcher::Loop(StepBuffers* buffers) {
@@ -274,7 +265,7 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     if (waited_for_company) ++stats_.company_waits;
     ++running_;
     lock.unlock();
-    RunTimedStep(std::move(step), buffers);
+    RunStep(std::move(step), buffers);
     lock.lock();
   }
   // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
@@ -323,7 +314,9 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.dropped_deadline += deadline_drops;
     stats_.dropped_cancelled += cancel_drops;
+    if (live.empty()) --running_;  // no step after all
   }
+  if (live.empty()) cv_.notify_all();
   for (auto& [c, status] : dropped) {
     if (options_.observer) options_.observer->OnRefused(status.code());
     c->done(std::move(status), ForwardTimings());
@@ -374,7 +367,11 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
     stats_.max_step_calls = std::max<int64_t>(stats_.max_step_calls, live.size());
     if (stopped) stats_.stopped += static_cast<int64_t>(live.size());
     queued_tokens = stats_.queued_tokens;
+    // The engine is done with the step: the next one may start (on another scheduling
+    // thread) while this thread answers, which costs tens of us per gRPC call.
+    --running_;
   }
+  cv_.notify_all();
   if (options_.observer) {
     options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }

@@ -118,7 +118,7 @@ struct ForwardBatcherStats {
   int64_t queued_tokens = 0;  // now
   int64_t inline_steps = 0;   // steps run on the submitting thread (inline_max_tokens)
   int64_t company_waits = 0;  // steps whose head waited for expected company (company_wait)
-  int64_t running = 0;        // steps running now (a call is answered before its step ends)
+  int64_t running = 0;        // steps running now (ended before their calls are answered)
 };
 
 class ForwardBatcher {
@@ -176,11 +176,10 @@ class ForwardBatcher {
   static bool Joins(const Call& head, const Call& c);
   // One scheduling thread: forms steps and runs them with `buffers`.
   void Loop(StepBuffers* buffers);
-  // Runs the calls of one step (same layer and dtype) and answers them. `buffers` (for a
-  // merged step) may be null for a single call.
+  // Runs the calls of one step (same layer and dtype) begun with ++running_, ends it (under
+  // mu_) once the engine is done, then answers the calls. `buffers` (for a merged step) may
+  // be null for a single call.
   void RunStep(Step calls, StepBuffers* buffers);
-  // RunStep, then (under mu_) ends the step begun with ++running_.
-  void RunTimedStep(Step calls, StepBuffers* buffers);
   // Several calls as one engine step through `buffers` (the merged input and output).
   absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
                            const StopCheck& stop);

@@ -416,21 +416,26 @@ TEST(ForwardBatcherTest, CompanyWaitKeepsCallersThatSharedAStepTogether) {
     return future;
   };
 
-  // Round 1: caller 1's call runs inline and is held; callers 2, 3, 4 queue behind it and
-  // share the next step, which is made to take about 2 s (its first call's cancellation check
-  // sleeps) so that the later waits' cap (twice the last step) is long.
+  // Round 1: caller 1's call runs inline and is held in its step (its first cancellation
+  // check waits); callers 2, 3, 4 queue behind it and share the next step, which is made to
+  // take about 2 s (its first call's cancellation check sleeps) so that the later waits' cap
+  // (twice the last step) is long.
   Call x = MakeCall(m, 4, 0, DType::kBF16, rng);
   std::promise<void> release_x;
   std::shared_future<void> x_released = release_x.get_future().share();
   std::promise<void> x_running;
+  std::atomic<bool> x_held{false};
   std::thread tx([&] {
     batcher->Submit(
-        x.input(), x.out.view(), absl::InfiniteFuture(), nullptr,
-        [&](absl::Status s, const ForwardTimings&) {
-          EXPECT_TRUE(s.ok()) << s;
-          x_running.set_value();
-          x_released.wait();  // the step (running_) ends after this returns
+        x.input(), x.out.view(), absl::InfiniteFuture(),
+        [&] {
+          if (!x_held.exchange(true)) {
+            x_running.set_value();
+            x_released.wait();
+          }
+          return false;
         },
+        [&](absl::Status s, const ForwardTimings&) { EXPECT_TRUE(s.ok()) << s; },
         CallSource{.caller = 1});
   });
   x_running.get_future().wait();
@@ -487,10 +492,8 @@ TEST(ForwardBatcherTest, CompanyWaitKeepsCallersThatSharedAStepTogether) {
   // company and its calls run inline again.
   for (int i = 0; i < ForwardBatcher::kHistorySteps + 1; ++i) {
     Call c = MakeCall(m, 2, 0, DType::kBF16, rng);
-    // The last call was answered before its step ended: only an idle batcher runs inline.
-    for (int w = 0; w < 1000 && batcher->stats().running != 0; ++w) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
+    // A step ends before its calls are answered: the batcher is idle again.
+    ASSERT_EQ(batcher->stats().running, 0) << "call " << i;
     const int64_t inline_now = batcher->stats().inline_steps;
     auto [s, t] = submit(c, 1).get();
     ASSERT_TRUE(s.ok()) << s;
