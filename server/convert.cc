@@ -1,6 +1,7 @@
 #include "server/convert.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <limits>
@@ -194,10 +195,21 @@ absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
 
 }  // namespace
 
+namespace {
+std::atomic<int> gather_threads{0};
+}  // namespace
+
+void SetGatherThreads(int threads) { gather_threads.store(threads); }
+
 void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, uint8_t* dst) {
   // One copier for every gRPC thread; concurrent gathers take turns on its threads.
-  static ParallelCopier* copier = new ParallelCopier(
-      std::max(1, std::min(4, static_cast<int>(std::thread::hardware_concurrency()) / 2)));
+  static ParallelCopier* copier = [] {
+    int threads = gather_threads.load();
+    if (threads <= 0) {
+      threads = std::max(1, std::min(4, static_cast<int>(std::thread::hardware_concurrency()) / 2));
+    }
+    return new ParallelCopier(threads);
+  }();
   copier->Gather(pieces, size, dst);
 }
 

@@ -74,6 +74,9 @@ ABSL_FLAG(int32_t, health_poll_ms, 500,
 ABSL_FLAG(int32_t, recover_after_ms, 5000,
           "Unhealthy engine: try Engine::Recover() this often (0: never; stay NOT_SERVING)");
 ABSL_FLAG(int32_t, server_threads, 2, "Worker threads decoding and queueing Forward calls");
+ABSL_FLAG(int32_t, gather_threads, 0,
+          "Threads that copy a large request's pieces (gRPC slices, forward-channel slots) into "
+          "one buffer, page-locked for a GPU; 0: auto (min(4, cores / 2))");
 ABSL_FLAG(int64_t, max_batch_tokens, 1024,
           "Most tokens in one engine step: concurrent Forward calls for the same layer are "
           "merged up to this many tokens (a larger call runs alone)");
@@ -291,6 +294,11 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   ServerOptions& server = options.server;
   server.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
   server.server_threads = absl::GetFlag(FLAGS_server_threads);
+  server.gather_threads = absl::GetFlag(FLAGS_gather_threads);
+  if (server.gather_threads < 0 || server.gather_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gather_threads: got ", server.gather_threads, ", expected 0 (auto) to 64"));
+  }
   server.parallel_answers = absl::GetFlag(FLAGS_parallel_answers);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));

@@ -15,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
 #include "server/call_accounting.h"
+#include "server/convert.h"
 
 namespace moeserve {
 
@@ -56,6 +57,11 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
           absl::StrCat(name, ": got ", value, ", expected a positive value"));
     }
   }
+  if (options.gather_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gather_threads: got ", options.gather_threads, ", expected >= 0 (0: auto)"));
+  }
+  SetGatherThreads(options.gather_threads);
   auto server = std::unique_ptr<MoeServer>(new MoeServer());
   server->options_ = options;
   // Credentials first: bad certificate files fail before anything listens.

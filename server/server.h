@@ -45,6 +45,9 @@ struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
   std::vector<std::string> listen_addresses = {kDefaultListenAddress};
   int server_threads = 2;  // Forward / ModelInfer worker threads
+  // Threads copying a large request's pieces into one buffer (GatherPieces); 0: auto. The
+  // first server of the process sets it.
+  int gather_threads = 0;
   // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
   // answer_executor), not one after another from the step's thread.
   bool parallel_answers = true;

@@ -189,7 +189,8 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         "--hidden=1073741824", "--hidden=9223372036854775807", "--intermediate=1073741824",
         "--num_experts=100000",
         // Batcher settings the batcher refuses (after the weights load).
-        "--company_wait_us=-1", "--max_batch_delay_us=-1"}) {
+        "--company_wait_us=-1", "--max_batch_delay_us=-1", "--gather_threads=-1",
+        "--gather_threads=65"}) {
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad});
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
