@@ -33,6 +33,11 @@ double MicrosBetween(absl::Time a, absl::Time b) { return absl::ToDoubleMicrosec
 absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
     Engine* engine, ForwardBatcherOptions options) {
   if (engine == nullptr) return absl::InvalidArgumentError("ForwardBatcher: no engine");
+  MOESERVE_RETURN_IF_ERROR(CheckOptions(options));
+  return std::unique_ptr<ForwardBatcher>(new ForwardBatcher(engine, options));
+}
+
+absl::Status ForwardBatcher::CheckOptions(const ForwardBatcherOptions& options) {
   if (options.inline_max_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "inline_max_tokens must be >= 0 (0: never run inline), got ", options.inline_max_tokens));
@@ -46,7 +51,11 @@ absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
                      absl::FormatDuration(options.max_batch_delay), ") and company_wait (",
                      absl::FormatDuration(options.company_wait), ") >= 0"));
   }
-  return std::unique_ptr<ForwardBatcher>(new ForwardBatcher(engine, options));
+  if (options.max_queue_wait < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("max_queue_wait must be >= 0 (0: off), got ",
+                                                   absl::FormatDuration(options.max_queue_wait)));
+  }
+  return absl::OkStatus();
 }
 
 ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)

@@ -129,9 +129,12 @@ class ForwardBatcher {
   static constexpr int kCallerSteps = 2;
   using Done = std::function<void(absl::Status status, const ForwardTimings& timings)>;
 
-  // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits.
+  // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits (CheckOptions).
   static absl::StatusOr<std::unique_ptr<ForwardBatcher>> Create(Engine* engine,
                                                                 ForwardBatcherOptions options);
+  // The checks of `options` that need no engine: INVALID_ARGUMENT naming the option, so that a
+  // server refuses bad settings before it loads any weights.
+  static absl::Status CheckOptions(const ForwardBatcherOptions& options);
   // Answers every queued call with UNAVAILABLE, then joins the scheduling threads (a step that
   // is running finishes first).
   ~ForwardBatcher();

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/engine.h"
+#include "core/forward_batcher.h"
 #include "core/model_config.h"
 #include "core/status_macros.h"
 #include "moeserve_build_info.h"
@@ -311,6 +312,13 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   }
   server.batcher.max_queue_wait =
       absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_ms) * 1000.0);
+  // Refused here, before anything listens or loads (the batcher starts after the weights).
+  if (absl::Status s = ForwardBatcher::CheckOptions(server.batcher); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batcher flags (--max_batch_tokens, --max_batch_delay_us, --company_wait_us, "
+                     "--max_queued_tokens, --inline_max_tokens): ",
+                     s.message()));
+  }
   server.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   if (absl::GetFlag(FLAGS_max_forward_channels) < 1 ||
       absl::GetFlag(FLAGS_forward_channel_spin_us) < 0) {

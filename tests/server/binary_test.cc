@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -188,12 +189,31 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         // Sizes that used to crash (SIGSEGV) or start serving.
         "--hidden=1073741824", "--hidden=9223372036854775807", "--intermediate=1073741824",
         "--num_experts=100000",
-        // Batcher settings the batcher refuses (after the weights load).
+        // Batcher settings (refused with the flags, see below).
         "--company_wait_us=-1", "--max_batch_delay_us=-1", "--gather_threads=-1",
         "--gather_threads=65"}) {
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad});
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
+  }
+}
+
+// Batcher settings the batcher would refuse are refused with the flags, before the server
+// listens or loads a weight (they used to pass until the weights had loaded).
+TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
+  for (const char* bad : {"--company_wait_us=-1", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
+                          "--max_queued_tokens=0", "--inline_max_tokens=-1"}) {
+    const std::string log = ::testing::TempDir() + "/bad_batcher_flag.log";
+    Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
+               "--threads=1", bad},
+              log);
+    ASSERT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
+    std::ifstream in(log);
+    const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(out.find("bad flags"), std::string::npos) << bad << ": " << out;
+    EXPECT_NE(out.find("batcher flags"), std::string::npos) << bad << ": " << out;
+    EXPECT_EQ(out.find("listening"), std::string::npos) << bad << ": " << out;
+    std::remove(log.c_str());
   }
 }
 
