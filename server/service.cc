@@ -1,5 +1,3 @@
-#include <atomic>
-#include <cstdio>
 #include "server/service.h"
 
 #include <algorithm>
@@ -39,9 +37,6 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
   return CallDeadline(context.deadline());
 }
 
-struct Probe { std::atomic<int64_t> ns[12]; std::atomic<int64_t> n{0}; } g_probe;
-inline void ProbeAdd(int i, Clock::time_point a, Clock::time_point b) { g_probe.ns[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count(); }
-void ProbeDump() { if (++g_probe.n % 2000 == 0) { std::string out = "PROBE"; for (int i = 0; i < 12; ++i) { out += " " + std::to_string(i) + "=" + std::to_string(g_probe.ns[i].exchange(0) / 2000 / 1000.0); } fprintf(stderr, "%s\n", out.c_str()); } }
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
 }
@@ -86,7 +81,6 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
                                 const std::string& peer, CallSource source, const HoldFn& hold,
                                 AnswerFn answer) {
   const double server_queue_us = MicrosSince(start);
-  const Clock::time_point p2 = Clock::now(); ProbeAdd(0, start, p2);
   if (deadline <= absl::Now()) {
     return answer(absl::DeadlineExceededError(
                       absl::StrCat("Forward: the deadline passed after ", server_queue_us,
@@ -106,9 +100,6 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
                   {}, 0, "");
   }
   std::string request_id = request->header.request_id();
-  const Clock::time_point p3 = Clock::now(); ProbeAdd(1, p2, p3);
-  g_probe.ns[10] += 1000 * static_cast<int64_t>(request->slices.size());
-  { const Clock::time_point q0 = Clock::now(); auto again = v1wire::DecodeForwardRequest(raw_request); ProbeAdd(11, q0, Clock::now()); }
   GatheredBytes gathered;
   // Tensors in shared-memory regions hold their regions until the answer is ready; released
   // before the call is answered, so the client may unregister as soon as it has the answer.
@@ -129,7 +120,6 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   absl::StatusOr<ForwardInput> input = ForwardInputFromWire(
       *request, &gathered, regions_.get(), info.device_tensors, &regions, info.device_routing);
   if (!input.ok()) return fail(input.status());
-  const Clock::time_point p4 = Clock::now(); ProbeAdd(2, p3, p4);
   // No topk tensors: the server routes with the layer's gate, into a recycled buffer that
   // lives as long as the call (ids INT32 [M, topk], then weights FP32 [M, topk]).
   std::unique_ptr<PooledBuffer> routing;
@@ -175,12 +165,8 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   std::optional<TensorView> region_output;
   if (pending->regions.output.has_value()) region_output = pending->regions.output->view();
   Metrics* const metrics = metrics_;
-  const Clock::time_point p5 = Clock::now(); ProbeAdd(3, p4, p5);
-  auto done = [pending, metrics, start, server_queue_us, route_us, p5, answer = std::move(answer)](
+  auto done = [pending, metrics, start, server_queue_us, route_us, answer = std::move(answer)](
                   absl::Status status, ServingState::ForwardAnswer result) {
-    const Clock::time_point p6 = Clock::now(); ProbeAdd(4, p5, p6);
-    g_probe.ns[5] += static_cast<int64_t>(result.timings.engine_us * 1000);
-    g_probe.ns[6] += static_cast<int64_t>(result.timings.queue_us * 1000);
     const std::string& id = pending->request.header.request_id();
     if (status.ok() && pending->regions.output.has_value()) {
       status = pending->regions.output->Flush();
@@ -210,9 +196,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     }
     absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, data);
     if (!encoded.ok()) return answer(absl::InternalError(encoded.status().message()), {}, 0, id);
-    const Clock::time_point p7 = Clock::now(); ProbeAdd(7, p6, p7); ProbeAdd(8, start, p7);
     answer(absl::OkStatus(), std::move(*encoded), result.shape[0], id);
-    ProbeAdd(9, p7, Clock::now()); ProbeDump();
   };
   // The same admission as ModelInfer: shapes, the message size, routing counts, the batcher.
   state_->SubmitForward("Forward", pending->input, message_bytes, deadline, std::move(cancelled),
