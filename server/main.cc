@@ -295,28 +295,20 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   ServerOptions& server = options.server;
   server.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
   server.server_threads = absl::GetFlag(FLAGS_server_threads);
-  server.gather_threads = absl::GetFlag(FLAGS_gather_threads);
-  if (server.gather_threads < 0 || server.gather_threads > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--gather_threads: got ", server.gather_threads, ", expected 0 (auto) to 64"));
-  }
+  server.gather_threads = absl::GetFlag(FLAGS_gather_threads);  // checked by MoeServer::Bind
   server.parallel_answers = absl::GetFlag(FLAGS_parallel_answers);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server.batcher.company_wait = absl::Microseconds(absl::GetFlag(FLAGS_company_wait_us));
   server.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
   server.batcher.inline_max_tokens = absl::GetFlag(FLAGS_inline_max_tokens);
-  if (const double wait_ms = absl::GetFlag(FLAGS_max_queue_wait_ms); wait_ms < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max_queue_wait_ms: got ", wait_ms, ", expected >= 0 (0: off)"));
-  }
   server.batcher.max_queue_wait =
       absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_ms) * 1000.0);
   // Refused here, before anything listens or loads (the batcher starts after the weights).
   if (absl::Status s = ForwardBatcher::CheckOptions(server.batcher); !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("batcher flags (--max_batch_tokens, --max_batch_delay_us, --company_wait_us, "
-                     "--max_queued_tokens, --inline_max_tokens): ",
+                     "--max_queued_tokens, --inline_max_tokens, --max_queue_wait_ms): ",
                      s.message()));
   }
   server.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);

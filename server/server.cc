@@ -57,9 +57,9 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
           absl::StrCat(name, ": got ", value, ", expected a positive value"));
     }
   }
-  if (options.gather_threads < 0) {
+  if (options.gather_threads < 0 || options.gather_threads > 64) {
     return absl::InvalidArgumentError(
-        absl::StrCat("gather_threads: got ", options.gather_threads, ", expected >= 0 (0: auto)"));
+        absl::StrCat("gather_threads: got ", options.gather_threads, ", expected 0 (auto) to 64"));
   }
   SetGatherThreads(options.gather_threads);
   auto server = std::unique_ptr<MoeServer>(new MoeServer());

@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -95,6 +94,13 @@ class Process {
   pid_t pid_ = -1;
   bool exited_ = false;
 };
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
 
 // The ready file's lines once it exists (empty if the process exits or 120 s pass first).
 std::vector<std::string> WaitForReadyFile(Process& p, const std::string& path) {
@@ -201,15 +207,15 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
 // Batcher settings the batcher would refuse are refused with the flags, before the server
 // listens or loads a weight (they used to pass until the weights had loaded).
 TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
-  for (const char* bad : {"--company_wait_us=-1", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
-                          "--max_queued_tokens=0", "--inline_max_tokens=-1"}) {
+  for (const char* bad :
+       {"--company_wait_us=-1", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
+        "--max_queued_tokens=0", "--inline_max_tokens=-1", "--max_queue_wait_ms=-1"}) {
     const std::string log = ::testing::TempDir() + "/bad_batcher_flag.log";
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad},
               log);
     ASSERT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
-    std::ifstream in(log);
-    const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string out = ReadFile(log);
     EXPECT_NE(out.find("bad flags"), std::string::npos) << bad << ": " << out;
     EXPECT_NE(out.find("batcher flags"), std::string::npos) << bad << ": " << out;
     EXPECT_EQ(out.find("listening"), std::string::npos) << bad << ": " << out;
@@ -325,13 +331,6 @@ TEST(BinaryTest, PortInUseExitsOne) {
   first.Signal(SIGTERM);
   EXPECT_EQ(first.Wait(std::chrono::seconds(60)), 0);
   std::remove(ready.c_str());
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
 }
 
 // Every ABSL_FLAG name defined in a source file.
