@@ -119,9 +119,7 @@ cudaError_t LaunchMoeGroupedSm90Gemm(const MoeGroupedSm90Gemm& g, void* workspac
   SetupKernel<<<(g.num_experts + 127) / 128, 128, 0, stream>>>(g, a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  // 64-row tiles while the average expert has at most 64 rows (a 128-row tile would do twice
-  // the MMA work on the same weight bytes), 128-row tiles above.
-  if (g.total_rows_hint <= int64_t{kMoeGroupedSm90SmallTileRows} * g.num_experts) {
+  if (MoeGroupedSm90UsesSmallTiles(g.total_rows_hint, g.num_experts)) {
     return grouped_sm90::RunPingpong(a, g.num_experts, device, num_sms, stream);
   }
   return grouped_sm90::RunCooperative(a, g.num_experts, device, num_sms, stream);

@@ -74,11 +74,23 @@ struct MoeGroupedSm90Gemm {
   int64_t b_expert_stride = 0;
   uint16_t* d = nullptr;
   int64_t ldd = 0;
-  // Host-side hint (no device read): the rows over all experts (M * topk). It picks the tile:
-  // 64-row tiles while it is at most kMoeGroupedSm90SmallTileRows per expert, 128-row above.
+  // Host-side hint (no device read): the rows over all experts (M * topk). It picks the tile
+  // rows by the average expert's padding (MoeGroupedSm90UsesSmallTiles).
   int64_t total_rows_hint = 0;
 };
-inline constexpr int kMoeGroupedSm90SmallTileRows = 64;
+
+// Whether a grouped GEMM of `total_rows` over `num_experts` takes the 64-row tiles: when the
+// average expert's rows, padded to 64-row tiles, are at most 4/5 of their padding to 128-row
+// tiles. That is up to 64 rows per expert (a 128-row tile would do twice the MMA work on the
+// same weight bytes) and 129-192 (three 64-row tiles against two of 128). H200, seed and DSV3
+// BF16 MLPs (tests/benchmarks/cuda/RESULTS.md, 2026-12-02 22:30): 130 and 150 rows per expert
+// 11-14% faster on 64-row tiles; 256 and 512 rows 3-6% slower; 260-320 rows mixed (-19% to
+// +7%), so they stay on 128-row tiles.
+inline bool MoeGroupedSm90UsesSmallTiles(int64_t total_rows, int num_experts) {
+  if (num_experts <= 0) return true;
+  const int64_t avg = (total_rows + num_experts - 1) / num_experts;
+  return 5 * ((avg + 63) / 64 * 64) <= 4 * ((avg + 127) / 128 * 128);
+}
 
 // Device scratch the launcher needs (argument arrays and CUTLASS's workspace), 256-byte aligned.
 size_t MoeGroupedSm90WorkspaceBytes(int num_experts, int num_sms);

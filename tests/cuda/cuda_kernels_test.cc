@@ -15,6 +15,7 @@
 #include "kernels/cpu/moe_routing_ref.h"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/moe_gemm.cuh"
+#include "kernels/cuda/moe_grouped_sm90.cuh"
 #include "kernels/cuda/moe_routing.cuh"
 
 namespace moeserve::kernels {
@@ -585,6 +586,96 @@ TEST_F(CudaKernelsTest, GroupedGemmWgmmaTilesMatchReference) {
       }
     }
   }
+}
+
+// The grouped GEMM's tile rows by the average expert's rows (no device needed): 64-row tiles up
+// to 64 and from 129 to 192 rows per expert, 128-row tiles otherwise.
+TEST(GroupedSm90TileChoiceTest, SmallTilesWhereTheyPadLess) {
+  const int e = 32;
+  for (int64_t avg = 1; avg <= 600; ++avg) {
+    const bool small = avg <= 64 || (avg >= 129 && avg <= 192);
+    EXPECT_EQ(MoeGroupedSm90UsesSmallTiles(avg * e, e), small) << avg;
+  }
+  EXPECT_TRUE(MoeGroupedSm90UsesSmallTiles(64 * e - 5, e));   // the average rounds up
+  EXPECT_FALSE(MoeGroupedSm90UsesSmallTiles(64 * e + 1, e));  // 65 rows on average
+  EXPECT_TRUE(MoeGroupedSm90UsesSmallTiles(0, e));
+  EXPECT_TRUE(MoeGroupedSm90UsesSmallTiles(100, 0));
+}
+
+// The CUTLASS grouped GEMM (sm_90a) on its own, against a double-precision host GEMM of the
+// same BF16 inputs: an expert of 300 rows (three 128-row tiles, the last partial), an empty one,
+// one of a single row, 129 rows; K = 200 (not a multiple of the 64-wide K tile); N = 384 (the
+// last 256-wide N tile half empty). Both tile configurations (the row hint picks them). Rows
+// past the last expert are poisoned and must stay so (an epilogue that wrote past an expert's
+// rows would also overwrite its neighbour's). Tolerance: relative L2 4e-3 (one BF16 rounding of
+// the output). Misaligned strides are refused.
+TEST_F(CudaKernelsTest, GroupedSm90GemmMatchesReference) {
+  if (const char* why = MoeGroupedSm90Unsupported(0)) GTEST_SKIP() << why;
+  std::mt19937 rng(59);
+  std::normal_distribution<float> nd;
+  const std::vector<int32_t> counts = {300, 0, 1, 129, 64};
+  const int e = static_cast<int>(counts.size());
+  const int64_t k = 200, n = 384, guard = 8;
+  std::vector<int32_t> offsets(e);
+  int64_t rows = 0;
+  for (int x = 0; x < e; ++x) {
+    offsets[x] = static_cast<int32_t>(rows);
+    rows += counts[x];
+  }
+  std::vector<uint16_t> a(rows * k), b(e * n * k);
+  for (auto& v : a) v = FloatToBf16(nd(rng));
+  for (auto& v : b) v = FloatToBf16(0.05f * nd(rng));
+  // y[r, j] of each row's expert, in double.
+  std::vector<double> y(rows * n);
+  for (int x = 0; x < e; ++x) {
+    for (int64_t r = offsets[x]; r < offsets[x] + counts[x]; ++r) {
+      for (int64_t j = 0; j < n; ++j) {
+        double acc = 0;
+        for (int64_t q = 0; q < k; ++q) {
+          acc += double(Bf16ToFloat(a[r * k + q])) * Bf16ToFloat(b[(x * n + j) * k + q]);
+        }
+        y[r * n + j] = acc;
+      }
+    }
+  }
+  const int num_sms = NumSms();
+  Dev<uint16_t> d_a(a), d_b(b);
+  Dev<int32_t> d_counts(counts), d_offsets(offsets);
+  const size_t ws_bytes = MoeGroupedSm90WorkspaceBytes(e, num_sms);
+  Dev<uint8_t> ws(ws_bytes);
+  MoeGroupedSm90Gemm g;
+  g.num_experts = e;
+  g.expert_counts = d_counts.p;
+  g.expert_offsets = d_offsets.p;
+  g.n = n;
+  g.k = k;
+  g.a = d_a.p;
+  g.lda = k;
+  g.b = d_b.p;
+  g.ldb = k;
+  g.b_expert_stride = n * k;
+  auto run = [&](int64_t width) {
+    Dev<uint16_t> d((rows + guard) * width);  // poisoned 0xABAB
+    g.d = d.p;
+    g.ldd = width;
+    EXPECT_EQ(LaunchMoeGroupedSm90Gemm(g, ws.p, ws_bytes, 0, num_sms, nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> raw = d.Get();
+    int64_t touched = 0;
+    for (int64_t i = rows * width; i < (rows + guard) * width; ++i) touched += raw[i] != 0xABAB;
+    EXPECT_EQ(touched, 0) << "rows past the last expert were written";
+    std::vector<float> got(rows * width);
+    for (int64_t i = 0; i < rows * width; ++i) got[i] = Bf16ToFloat(raw[i]);
+    return got;
+  };
+  const std::vector<float> ref(y.begin(), y.end());
+  for (const int64_t hint : {rows, int64_t{8}}) {  // 128-row tiles, then the 64-row ones
+    g.total_rows_hint = hint;
+    EXPECT_LT(RelL2(run(n), ref), 4e-3) << "hint " << hint;
+  }
+  g.ldd = n + 4;  // not a multiple of 8 elements
+  EXPECT_EQ(LaunchMoeGroupedSm90Gemm(g, ws.p, ws_bytes, 0, num_sms, nullptr),
+            cudaErrorInvalidValue);
 }
 
 // The answer's FP32 -> BF16 / FP16 conversion and the FP16 -> BF16 input conversion on the device

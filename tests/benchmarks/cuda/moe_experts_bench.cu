@@ -14,7 +14,8 @@
 // MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches),
 // MOESERVE_BENCH_SPLIT_K=0 (the decode GEMMs without their split-K workspace),
 // MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3, MOESERVE_BENCH_WGMMA_FROM=N (warpgroup-MMA tiles
-// from N routes per expert on).
+// from N routes per expert on), MOESERVE_BENCH_GROUPED_TILE=64 or 128 (the grouped GEMMs' tile
+// rows, whatever the row count would pick).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -254,6 +255,9 @@ int main(int argc, char** argv) {
           q1.d = d1;
           q1.ldd = 2 * l.intermediate_padded;
           q1.total_rows_hint = R;
+          if (const char* tile = std::getenv("MOESERVE_BENCH_GROUPED_TILE")) {
+            q1.total_rows_hint = std::atoi(tile) == 64 ? int64_t{64} * E : int64_t{256} * E;
+          }
           MoeGroupedSm90Gemm q2 = q1;
           q2.n = s.h;
           q2.k = l.intermediate_padded;
