@@ -58,7 +58,7 @@ cudaError_t LaunchUnpackMoeWeightsPlain(const void* packed_w13, const uint8_t* p
                                         int elem_bytes, void* plain_w13, void* plain_w2,
                                         cudaStream_t stream);
 
-// One grouped GEMM: for each expert e with c = min(counts[e], count_cap) rows starting at row
+// One grouped GEMM: for each expert e with c = max(counts[e], 0) rows starting at row
 // o = offsets[e]:  d[o + i, j] = sum_k a[o + i, k] * b[e][j, k]  (i < c, j < n), BF16 in,
 // FP32 accumulation, BF16 out. b[e] = b + e * b_expert_stride, rows ldb apart. Device pointers;
 // a, b, d 16-byte aligned, lda / ldb / ldd multiples of 8 elements, k % 8 == 0.
