@@ -52,12 +52,16 @@ def ceilings():
     return copy_bw, 2 * n**3 / (t * 1e-6)
 
 
-def routing(tokens, hot, k, gen):
+def routing(tokens, mode, k, gen):
+    """mode: balanced (every expert the same count), hot (expert 0 in every token) or random
+    (top-k drawn uniformly without repeats), as moe_experts_bench.cu routes."""
     ids = torch.empty(tokens, TOPK, dtype=torch.int64)
     for t in range(tokens):
-        if not hot:
+        if mode == "balanced":
             for j in range(TOPK):
                 ids[t, j] = ((t * 8 + j) * 73 + 19 + k) % E
+        elif mode == "random":
+            ids[t] = torch.randperm(E, generator=gen)[:TOPK]
         else:
             ids[t, 0] = 0
             ids[t, 1:] = 1 + torch.randperm(E - 1, generator=gen)[: TOPK - 1]
@@ -66,13 +70,13 @@ def routing(tokens, hot, k, gen):
     return int(padded.sum()), torch.cumsum(padded, 0).to(torch.int32)
 
 
-def torch_mlp(h, i, fmt, tokens, hot):
+def torch_mlp(h, i, fmt, tokens, mode):
     w13 = (torch.randn(E, 2 * i, h, device="cuda") / h**0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, h, i, device="cuda") / i**0.5).to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(tokens * 7 + hot)
+    gen = torch.Generator().manual_seed(tokens * 7 + ("balanced", "hot", "random").index(mode))
     sets = []
     for k in range(4):
-        rows, offs = routing(tokens, hot, k, gen)
+        rows, offs = routing(tokens, mode, k, gen)
         sets.append((torch.randn(rows, h, device="cuda", dtype=torch.bfloat16), offs.cuda()))
     if fmt == "bf16":
         w13t, w2t = w13.transpose(-2, -1), w2.transpose(-2, -1)
@@ -124,12 +128,12 @@ def main():
     torch_us = {}
     for r in ours:
         h, i = SHAPES[r["layer"]]
-        tokens, hot = int(r["tokens"]), r["routing"] == "hot"
+        tokens, mode = int(r["tokens"]), r["routing"]
         path = r.get("path") or "decode"
-        key = (r["layer"], r["format"], tokens, hot)
+        key = (r["layer"], r["format"], tokens, mode)
         if key not in torch_us:
             try:
-                torch_us[key] = torch_mlp(h, i, r["format"], tokens, hot)
+                torch_us[key] = torch_mlp(h, i, r["format"], tokens, mode)
             except Exception as ex:  # report, keep going
                 print("torch failed:", r, repr(ex)[:300], flush=True)
                 torch_us[key] = float("nan")
@@ -163,7 +167,7 @@ def main():
     cross = []
     for layer in SHAPES:
         for fmt in ("bf16", "mxfp8"):
-            for routing in ("balanced", "hot"):
+            for routing in ("balanced", "hot", "random"):
                 t = {}
                 for r in rows:
                     if (r["layer"], r["fmt"], r["routing"]) == (layer, fmt, routing):

@@ -11,7 +11,9 @@
 //   layer,format,tokens,routing,median_us,weight_bytes,routes,path
 // Environment (optional): MOESERVE_BENCH_TOKENS=16,64,... (default 16,32,64,128,256,1024),
 // MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped,
-// MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches),
+// MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches;
+// also "random": every token's top-k experts drawn uniformly without repeats, so that counts
+// vary around the average as real routing does; balanced gives every expert the same count),
 // MOESERVE_BENCH_SPLIT_K=0 (the decode GEMMs without their split-K workspace),
 // MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3, MOESERVE_BENCH_WGMMA_FROM=N (warpgroup-MMA tiles
 // from N routes per expert on), MOESERVE_BENCH_GROUPED_TILE=64 or 128 (the grouped GEMMs' tile
@@ -163,8 +165,11 @@ int main(int argc, char** argv) {
         CK(LaunchUnpackMoeWeightsPlain(w13, s13, w2, s2, E, l, es, p13, p2, stream));
       }
       for (int tokens : token_list) {
-        for (int hot = 0; hot < 2; ++hot) {
-          if (!Has(routings, hot ? "hot" : "balanced")) continue;
+        for (int mode = 0; mode < 3; ++mode) {
+          static const char* const kRoutingNames[] = {"balanced", "hot", "random"};
+          const char* routing_name = kRoutingNames[mode];
+          if (!Has(routings, routing_name)) continue;
+          const int hot = mode;  // the seed; 1: expert 0 in every token
           const int64_t R = int64_t{tokens} * topk;
           std::mt19937 rng(tokens * 7 + hot);
           // Inputs: kSets rotations of x [tokens, H] and ids [tokens, topk].
@@ -178,8 +183,12 @@ int main(int argc, char** argv) {
               std::vector<int> used;
               for (int j = 0; j < topk; ++j) {
                 int v;
-                if (!hot) {
+                if (mode == 0) {
                   v = ((t * 8 + j) * 73 + 19 + k) % E;
+                } else if (mode == 2) {
+                  do {
+                    v = static_cast<int>(rng() % E);
+                  } while (std::count(used.begin(), used.end(), v));
                 } else if (j == 0) {
                   v = 0;
                 } else {
@@ -298,8 +307,8 @@ int main(int argc, char** argv) {
             }
             std::sort(times.begin(), times.end());
             std::printf("%s,%s,%d,%s,%.2f,%lld,%lld,%s\n", s.name, fp8 ? "mxfp8" : "bf16", tokens,
-                        hot ? "hot" : "balanced", times[times.size() / 2], (long long)bytes,
-                        (long long)R, path.c_str());
+                        routing_name, times[times.size() / 2], (long long)bytes, (long long)R,
+                        path.c_str());
             std::fflush(stdout);
           }
           CK(cudaEventDestroy(e0));
