@@ -8,7 +8,8 @@ same run and shown as a "before us" column (matched on layer, format, tokens, ro
 a baseline without a path column is the decode path). Rows: one per path the binary measured
 (decode: the decode kernels; grouped: the sm_90a grouped GEMM, see moe_experts_bench.cu); the
 PyTorch peer is measured once per shape and shown on each. MOESERVE_BENCH_TOKENS /
-MOESERVE_BENCH_FORMATS (comma lists) restrict both. Last, the measured crossover: per layer,
+MOESERVE_BENCH_FORMATS / MOESERVE_BENCH_ROUTING (comma lists; routings balanced, hot and
+random, default balanced,hot) restrict both. Last, the measured crossover: per layer,
 format and routing, the fewest tokens from which the grouped path was faster at every measured
 size.
 PyTorch peers, same routing and shapes, weights resident, tokens already grouped by expert
