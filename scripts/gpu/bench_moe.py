@@ -25,6 +25,7 @@ import torch
 E, TOPK = 32, 8
 SHAPES = {"seed": (3072, 5120), "dsv3": (7168, 2048)}
 TOKENS = [16, 32, 64, 128, 256, 1024]
+ROUTINGS = ("balanced", "hot", "random")  # moe_experts_bench.cu's order (it seeds by index)
 
 
 def timed(fn, sets, warm=5, iters=40):
@@ -74,7 +75,7 @@ def routing(tokens, mode, k, gen):
 def torch_mlp(h, i, fmt, tokens, mode):
     w13 = (torch.randn(E, 2 * i, h, device="cuda") / h**0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, h, i, device="cuda") / i**0.5).to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(tokens * 7 + ("balanced", "hot", "random").index(mode))
+    gen = torch.Generator().manual_seed(tokens * 7 + ROUTINGS.index(mode))
     sets = []
     for k in range(4):
         rows, offs = routing(tokens, mode, k, gen)
@@ -168,7 +169,7 @@ def main():
     cross = []
     for layer in SHAPES:
         for fmt in ("bf16", "mxfp8"):
-            for routing in ("balanced", "hot", "random"):
+            for routing in ROUTINGS:
                 t = {}
                 for r in rows:
                     if (r["layer"], r["fmt"], r["routing"]) == (layer, fmt, routing):

@@ -625,8 +625,7 @@ TEST_F(CudaKernelsTest, GroupedSm90GemmMatchesReference) {
   std::vector<uint16_t> a(rows * k), b(e * n * k);
   for (auto& v : a) v = FloatToBf16(nd(rng));
   for (auto& v : b) v = FloatToBf16(0.05f * nd(rng));
-  // y[r, j] of each row's expert, in double.
-  std::vector<double> y(rows * n);
+  std::vector<float> ref(rows * n);  // each row times its expert's weights, in double
   for (int x = 0; x < e; ++x) {
     for (int64_t r = offsets[x]; r < offsets[x] + counts[x]; ++r) {
       for (int64_t j = 0; j < n; ++j) {
@@ -634,7 +633,7 @@ TEST_F(CudaKernelsTest, GroupedSm90GemmMatchesReference) {
         for (int64_t q = 0; q < k; ++q) {
           acc += double(Bf16ToFloat(a[r * k + q])) * Bf16ToFloat(b[(x * n + j) * k + q]);
         }
-        y[r * n + j] = acc;
+        ref[r * n + j] = static_cast<float>(acc);
       }
     }
   }
@@ -654,24 +653,20 @@ TEST_F(CudaKernelsTest, GroupedSm90GemmMatchesReference) {
   g.b = d_b.p;
   g.ldb = k;
   g.b_expert_stride = n * k;
-  auto run = [&](int64_t width) {
-    Dev<uint16_t> d((rows + guard) * width);  // poisoned 0xABAB
+  g.ldd = n;
+  for (const int64_t hint : {rows, int64_t{8}}) {  // 128-row tiles, then the 64-row ones
+    g.total_rows_hint = hint;
+    Dev<uint16_t> d((rows + guard) * n);  // poisoned 0xABAB
     g.d = d.p;
-    g.ldd = width;
     EXPECT_EQ(LaunchMoeGroupedSm90Gemm(g, ws.p, ws_bytes, 0, num_sms, nullptr), cudaSuccess);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<uint16_t> raw = d.Get();
     int64_t touched = 0;
-    for (int64_t i = rows * width; i < (rows + guard) * width; ++i) touched += raw[i] != 0xABAB;
-    EXPECT_EQ(touched, 0) << "rows past the last expert were written";
-    std::vector<float> got(rows * width);
-    for (int64_t i = 0; i < rows * width; ++i) got[i] = Bf16ToFloat(raw[i]);
-    return got;
-  };
-  const std::vector<float> ref(y.begin(), y.end());
-  for (const int64_t hint : {rows, int64_t{8}}) {  // 128-row tiles, then the 64-row ones
-    g.total_rows_hint = hint;
-    EXPECT_LT(RelL2(run(n), ref), 4e-3) << "hint " << hint;
+    for (int64_t i = rows * n; i < (rows + guard) * n; ++i) touched += raw[i] != 0xABAB;
+    EXPECT_EQ(touched, 0) << "hint " << hint << ": rows past the last expert were written";
+    std::vector<float> got(rows * n);
+    for (int64_t i = 0; i < rows * n; ++i) got[i] = Bf16ToFloat(raw[i]);
+    EXPECT_LT(RelL2(got, ref), 4e-3) << "hint " << hint;
   }
   g.ldd = n + 4;  // not a multiple of 8 elements
   EXPECT_EQ(LaunchMoeGroupedSm90Gemm(g, ws.p, ws_bytes, 0, num_sms, nullptr),

@@ -165,13 +165,13 @@ int main(int argc, char** argv) {
         CK(LaunchUnpackMoeWeightsPlain(w13, s13, w2, s2, E, l, es, p13, p2, stream));
       }
       for (int tokens : token_list) {
+        // mode 0 balanced, 1 hot (expert 0 in every token), 2 random; the seed as before.
         for (int mode = 0; mode < 3; ++mode) {
           static const char* const kRoutingNames[] = {"balanced", "hot", "random"};
           const char* routing_name = kRoutingNames[mode];
           if (!Has(routings, routing_name)) continue;
-          const int hot = mode;  // the seed; 1: expert 0 in every token
           const int64_t R = int64_t{tokens} * topk;
-          std::mt19937 rng(tokens * 7 + hot);
+          std::mt19937 rng(tokens * 7 + mode);
           // Inputs: kSets rotations of x [tokens, H] and ids [tokens, topk].
           std::vector<uint16_t*> xs(kSets);
           std::vector<int32_t*> idss(kSets);
