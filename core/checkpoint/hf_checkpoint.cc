@@ -227,8 +227,9 @@ absl::StatusOr<ModelConfig> ModelConfigFromHfConfigJson(absl::string_view json_t
   MOESERVE_ASSIGN_OR_RETURN(c.hidden, GetInt(j, path, {"hidden_size"}, 1, kMaxInt));
   MOESERVE_ASSIGN_OR_RETURN(
       c.intermediate, GetInt(j, path, {"moe_intermediate_size", "intermediate_size"}, 1, kMaxInt));
+  // Bounded here, not only by Validate: the per-layer lists below are built from it.
   MOESERVE_ASSIGN_OR_RETURN(const int64_t layers,
-                            GetInt(j, path, {"num_hidden_layers"}, 1, kMaxInt));
+                            GetInt(j, path, {"num_hidden_layers"}, 1, ModelConfig::kMaxLayers));
   c.num_layers = static_cast<int>(layers);
 
   std::vector<int> moe;

@@ -103,6 +103,13 @@ TEST(HfConfig, BadConfigsNameTheFileAndTheKey) {
            {R"({"num_experts":4,"num_experts_per_tok":2,"hidden_size":8,
                 "intermediate_size":4,"num_hidden_layers":2,"mlp_only_layers":"0"})",
             "mlp_only_layers"},
+           // Found by fuzz_hf_config: 2 GiB of layer ids before Validate saw the count.
+           {R"({"num_experts":4,"num_experts_per_tok":2,"hidden_size":8,
+                "intermediate_size":4,"num_hidden_layers":555555553,"mlp_only_layers":[5]})",
+            "'num_hidden_layers' is 555555553; expected an integer in [1, 1024]"},
+           {R"({"num_experts":4,"num_experts_per_tok":2,"hidden_size":8,
+                "intermediate_size":4,"num_hidden_layers":1025})",
+            "'num_hidden_layers' is 1025"},
            {R"({"num_experts":4,)", "not well-formed JSON"},
            {R"([1])", "not a JSON object"}}) {
     auto r = Parse(c.json);
