@@ -15,11 +15,20 @@ namespace moeserve {
 
 class ThreadPool;
 
+// memcpy(dst, src, bytes) with non-temporal (streaming) stores on x86-64, ending with a store
+// fence; plain memcpy elsewhere. For a copy that the next reader is a DMA engine or another
+// core, not this core's caches: ordinary stores first read every destination line (read for
+// ownership) and leave it dirty in the caches; streaming stores write whole lines to memory.
+// Faster beyond the last-level cache, slower within it (gather_bench).
+void StreamingCopy(void* dst, const void* src, size_t bytes);
+
 // Thread-safe: concurrent copies take turns on the pool, each still spread over its threads.
 class ParallelCopier {
  public:
   // num_threads <= 1: plain memcpy. Threads start lazily, at the first large copy.
-  explicit ParallelCopier(int num_threads);
+  // streaming_stores: the parallel copies (from kMinParallelBytes / two chunks on) write with
+  // StreamingCopy, not memcpy.
+  explicit ParallelCopier(int num_threads, bool streaming_stores = false);
   ~ParallelCopier();
   ParallelCopier(const ParallelCopier&) = delete;
   ParallelCopier& operator=(const ParallelCopier&) = delete;
@@ -37,7 +46,10 @@ class ParallelCopier {
  private:
   ThreadPool* Pool();  // started at the first parallel copy
 
+  void CopyPart(void* dst, const void* src, size_t bytes) const;
+
   const int num_threads_;
+  const bool streaming_stores_;
   std::once_flag pool_once_;
   std::unique_ptr<ThreadPool> pool_;
 };

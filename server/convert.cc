@@ -197,9 +197,13 @@ absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
 
 namespace {
 std::atomic<int> gather_threads{0};
+std::atomic<bool> gather_streaming_stores{false};
 }  // namespace
 
-void SetGatherThreads(int threads) { gather_threads.store(threads); }
+void SetGatherOptions(int threads, bool streaming_stores) {
+  gather_threads.store(threads);
+  gather_streaming_stores.store(streaming_stores);
+}
 
 void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, uint8_t* dst) {
   // One copier for every gRPC thread; concurrent gathers take turns on its threads.
@@ -208,7 +212,7 @@ void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t s
     if (threads <= 0) {
       threads = std::max(1, std::min(4, static_cast<int>(std::thread::hardware_concurrency()) / 2));
     }
-    return new ParallelCopier(threads);
+    return new ParallelCopier(threads, gather_streaming_stores.load());
   }();
   copier->Gather(pieces, size, dst);
 }

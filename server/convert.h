@@ -53,12 +53,15 @@ TensorView AllocateProtoTensor(DType dtype, const Shape& shape, v1::Tensor* tens
 absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& request);
 
 // Copies `pieces` back to back into `dst` (`size` bytes in all): one ParallelCopier shared by
-// every caller, from 2 MB on over up to 4 threads by default (SetGatherThreads; one core copies
-// about 10 GB/s, so 14.7 MB would take 1.5 ms alone). Blocks until done; thread-safe.
+// every caller, from 2 MB on over up to 4 threads by default (SetGatherOptions; one core copies
+// about 10 GB/s, so 14.7 MB would take 1.5 ms alone), optionally with streaming stores (the
+// bytes are read next by the engine's DMA or copy, not from this core's caches). Blocks until
+// done; thread-safe.
 void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, uint8_t* dst);
-// Threads GatherPieces copies large requests on (0: auto, min(4, cores / 2)). Takes effect only
-// before the first gather (the server's flags set it at startup).
-void SetGatherThreads(int threads);
+// Threads GatherPieces copies large requests on (0: auto, min(4, cores / 2)) and whether they
+// write with StreamingCopy. Takes effect only before the first gather (the server's flags set
+// it at startup).
+void SetGatherOptions(int threads, bool streaming_stores);
 
 // Storage for request tensors whose bytes had to be gathered; 16-byte aligned, recycled.
 using GatheredBytes = std::vector<std::unique_ptr<PooledBuffer>>;

@@ -78,6 +78,10 @@ ABSL_FLAG(int32_t, server_threads, 2, "Worker threads decoding and queueing Forw
 ABSL_FLAG(int32_t, gather_threads, 0,
           "Threads that copy a large request's pieces (gRPC slices, forward-channel slots) into "
           "one buffer, page-locked for a GPU; 0: auto (min(4, cores / 2))");
+ABSL_FLAG(bool, gather_streaming_stores, false,
+          "The gather threads write with non-temporal stores (x86-64): the bytes go to memory "
+          "for the GPU's DMA without a read of each line first or a dirty copy in the caches "
+          "(faster beyond the caches, slower within them; to be measured on a GPU host)");
 ABSL_FLAG(int64_t, max_batch_tokens, 1024,
           "Most tokens in one engine step: concurrent Forward calls for the same layer are "
           "merged up to this many tokens (a larger call runs alone)");
@@ -296,6 +300,7 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.listen_addresses = SplitListenAddresses(absl::GetFlag(FLAGS_listen));
   server.server_threads = absl::GetFlag(FLAGS_server_threads);
   server.gather_threads = absl::GetFlag(FLAGS_gather_threads);  // checked by MoeServer::Bind
+  server.gather_streaming_stores = absl::GetFlag(FLAGS_gather_streaming_stores);
   server.parallel_answers = absl::GetFlag(FLAGS_parallel_answers);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));

@@ -61,7 +61,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
     return absl::InvalidArgumentError(
         absl::StrCat("gather_threads: got ", options.gather_threads, ", expected 0 (auto) to 64"));
   }
-  SetGatherThreads(options.gather_threads);
+  SetGatherOptions(options.gather_threads, options.gather_streaming_stores);
   auto server = std::unique_ptr<MoeServer>(new MoeServer());
   server->options_ = options;
   // Credentials first: bad certificate files fail before anything listens.

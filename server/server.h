@@ -48,6 +48,9 @@ struct ServerOptions {
   // Threads copying a large request's pieces into one buffer (GatherPieces); 0: auto. The
   // first server of the process sets it.
   int gather_threads = 0;
+  // ... writing with streaming (non-temporal) stores (StreamingCopy). Off until measured
+  // on a GPU host (tests/benchmarks/transport/RESULTS.md).
+  bool gather_streaming_stores = false;
   // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
   // answer_executor), not one after another from the step's thread.
   bool parallel_answers = true;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -37,8 +38,9 @@ TEST(ThreadPoolTest, EveryIndexRunsOnceOnAValidThread) {
 TEST(ParallelCopierTest, CopiesEveryByteExactly) {
   std::mt19937 rng(9);
   const size_t big = ParallelCopier::kMinParallelBytes;
-  for (int threads : {1, 3, 8}) {
-    ParallelCopier copier(threads);
+  for (const auto& [threads, streaming] :
+       std::vector<std::pair<int, bool>>{{1, false}, {3, false}, {8, false}, {3, true}}) {
+    ParallelCopier copier(threads, streaming);
     for (size_t bytes :
          {size_t{0}, size_t{1}, size_t{4095}, big - 1, big, big + 7, 3 * big + 4097}) {
       for (size_t offset : {size_t{0}, size_t{3}}) {
@@ -46,7 +48,7 @@ TEST(ParallelCopierTest, CopiesEveryByteExactly) {
         for (auto& b : src) b = static_cast<uint8_t>(rng());
         copier.Copy(dst.data() + offset, src.data() + offset, bytes);
         EXPECT_TRUE(std::equal(src.begin() + offset, src.end(), dst.begin() + offset))
-            << threads << " threads, " << bytes << " bytes";
+            << threads << " threads, " << bytes << " bytes, streaming " << streaming;
         for (size_t i = 0; i < offset; ++i) EXPECT_EQ(dst[i], 0xEE);
         for (size_t i = bytes + offset; i < dst.size(); ++i) ASSERT_EQ(dst[i], 0xEE);
       }
@@ -57,8 +59,10 @@ TEST(ParallelCopierTest, CopiesEveryByteExactly) {
 // Gather: pieces of every size (empty ones, ones crossing chunk boundaries) land back to back,
 // below and above the parallel threshold; several threads gathering through one copier at once
 // (as gRPC's threads do) each get exactly their bytes.
-TEST(ParallelCopierTest, GatherConcatenatesPiecesFromConcurrentCallers) {
-  ParallelCopier copier(3);
+class GatherTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GatherTest, ConcatenatesPiecesFromConcurrentCallers) {
+  ParallelCopier copier(3, /*streaming_stores=*/GetParam());
   auto run = [&copier](uint32_t seed, size_t total) {
     std::mt19937 rng(seed);
     std::vector<uint8_t> src(total);
@@ -90,6 +94,32 @@ TEST(ParallelCopierTest, GatherConcatenatesPiecesFromConcurrentCallers) {
   }
   for (auto& c : callers) c.join();
   EXPECT_EQ(good.load(), 20);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stores, GatherTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Streaming" : "Cached";
+                         });
+
+// StreamingCopy alone: every size around its 16-byte head and 64-byte body, every alignment of
+// source and destination; bytes around the destination stay untouched.
+TEST(StreamingCopyTest, CopiesEveryByteAtEveryAlignment) {
+  std::mt19937 rng(17);
+  std::vector<uint8_t> src(4096 + 64), dst(4096 + 128);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  for (size_t bytes : {0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 200, 1000, 4096}) {
+    for (size_t src_off = 0; src_off < 16; src_off += 5) {
+      for (size_t dst_off = 0; dst_off < 32; dst_off += 3) {
+        std::fill(dst.begin(), dst.end(), 0xEE);
+        StreamingCopy(dst.data() + dst_off, src.data() + src_off, bytes);
+        ASSERT_TRUE(
+            std::equal(src.begin() + src_off, src.begin() + src_off + bytes, dst.begin() + dst_off))
+            << bytes << " bytes, offsets " << src_off << "/" << dst_off;
+        for (size_t i = 0; i < dst_off; ++i) ASSERT_EQ(dst[i], 0xEE);
+        for (size_t i = dst_off + bytes; i < dst.size(); ++i) ASSERT_EQ(dst[i], 0xEE);
+      }
+    }
+  }
 }
 
 }  // namespace
