@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <type_traits>
 
 #include "kernels/cuda/moe_gemm.cuh"
@@ -313,7 +314,9 @@ struct GemmCfg {
 // its cold neighbours alike, and the hot expert's weights stream once; for balanced routing the
 // fixed narrow tile is 5-11% faster. `gate`: the kernel returns at once unless its expert counts'
 // maximum is above gate.x and at most gate.y, so that a narrow and a wide launch can be queued
-// together and the counts (on the device) choose which one works.
+// together and the counts (on the device) choose which one works. With `per_expert`, the gate
+// applies to each expert instead: this launch serves only the experts whose counts are in
+// (gate.x, gate.y], so a narrow and a wide launch split the experts between them.
 // kTma: a ninth warp produces: one bulk copy (TMA) for each stage's weight tile and one for its
 // scales, cp.async for the activation rows, completing on the stage's "full" mbarrier; the 8 MMA
 // warps wait on it and release the slot on its "empty" mbarrier, so they issue no load
@@ -323,7 +326,7 @@ struct GemmCfg {
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
           bool kAdaptive, bool kTma, int KB>
 __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 : 1)
-    MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots) {
+    MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots, bool per_expert) {
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
@@ -346,6 +349,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   for (int e = tid; e < E; e += blockDim.x) {
     int c = p.expert_counts[e];
     c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
+    if (per_expert && (c <= gate.x || c > gate.y)) c = 0;  // the other launch's expert
     s_cnt[e] = c;
     s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
                                             : static_cast<int32_t>(e * p.offset_stride);
@@ -382,7 +386,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   }
   __syncthreads();
   const int total_units = s_prefix[E];
-  if (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y) return;
+  if (!per_expert && (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y)) return;
   const int num_st = (num_kb + KB - 1) / KB;  // stages per unit; the last may hold one block
   // Split-K (decode tiles, with a workspace): when the units cannot fill the `split_slots` CTA
   // slots (a few experts of long K, e.g. one token), each unit's stages are split over `splits`
@@ -770,7 +774,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
           bool kAdaptive = false, bool kTma = false, int KB = 1>
 cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
-                int2 gate = int2{-1, INT_MAX}) {
+                int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
   auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive, kTma, KB>;
   const size_t smem = C::SmemBytes(p.num_experts);
@@ -809,7 +813,7 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
   // instructions and gain from two CTAs per SM, BF16 tiles stream as fast with one (measured on
   // the H200: splitting BF16 units over both slots of an SM lost 6%).
   const int split_slots = static_cast<int>(kFp8 ? grid : std::min<int64_t>(grid, num_sms));
-  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate, split_slots);
+  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate, split_slots, per_expert);
   return cudaGetLastError();
 }
 
@@ -1255,10 +1259,10 @@ struct DecodeTile {
 };
 template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND, bool kAdaptive = false>
 cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
-                      int2 gate = int2{-1, INT_MAX}) {
+                      int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
   using T = DecodeTile<kFp8, BN>;
   return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB>(p, num_sms, stream,
-                                                                               gate);
+                                                                               gate, per_expert);
 }
 
 template <bool kFp8, int BN, MoeGemmKind KIND>
@@ -1266,6 +1270,16 @@ cudaError_t RunWgmmaFor(const MoeGemmParams& p, int num_sms, cudaStream_t stream
   if constexpr (!kFp8) return RunWgmma<false, false, BN, KIND>(p, num_sms, stream);
   return wide ? RunWgmma<true, true, BN, KIND>(p, num_sms, stream)
               : RunWgmma<true, false, BN, KIND>(p, num_sms, stream);
+}
+
+// Experiment switch for the device A/B (scripts/gpu/run_decode_split_ab.sh), off until
+// measured: MOESERVE_DECODE_SPLIT=1 splits the MXFP8 decode experts per expert. Read once.
+bool MoeGemmSplitDecodeByExpert() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESERVE_DECODE_SPLIT");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
 }
 
 template <bool kFp8, MoeGemmKind KIND>
@@ -1305,11 +1319,17 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     // slower (its 64-token tile has 6 stages) and is not used.
     if constexpr (kFp8) {
       if (avg <= 16) {
-        const cudaError_t err = RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16});
+        // Per expert: the narrow tile serves the experts of at most 16 routes, the adaptive one
+        // the rest, so spread counts (random or hot routing) keep most experts on the narrow
+        // tile instead of moving all of them to the wide one.
+        const bool per_expert = MoeGemmSplitDecodeByExpert();
+        const cudaError_t err =
+            RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16}, per_expert);
         // No expert can exceed the narrow tile (the host's bound says so, e.g. one or two decode
         // tokens): the adaptive launch would return at once, and costs ~3 us of launch.
         if (err != cudaSuccess || (p.max_rows_hint > 0 && p.max_rows_hint <= 16)) return err;
-        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX});
+        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX},
+                                                      per_expert);
       }
     }
     if (avg <= 16) return RunDecode<kFp8, false, 16, KIND>(p, num_sms, stream);
