@@ -740,7 +740,7 @@ void ModelMetadataToKServe(const EngineInfo& info, absl::string_view name,
                            inference::ModelMetadataResponse* out) {
   const ModelConfig& m = info.model;
   out->set_name(std::string(name));
-  out->add_versions(kKServeModelVersion);
+  out->add_versions(std::string(kKServeModelVersion));
   out->set_platform("moeserve");
   auto add = [](auto* list, const char* tensor, const char* datatype,
                 std::initializer_list<int64_t> shape) {

@@ -149,7 +149,9 @@ void CheckNearest(Encode encode, Decode decode, float max_abs, uint64_t seed) {
       if (!std::isfinite(nf) || std::signbit(nf) != std::signbit(decode(b))) continue;
       const double nerr = std::fabs(static_cast<double>(nf) - f);
       ASSERT_LE(err, nerr) << f;
-      if (err == nerr) ASSERT_EQ(b & 1, 0) << "tie not to even for " << f;
+      if (err == nerr) {
+        ASSERT_EQ(b & 1, 0) << "tie not to even for " << f;
+      }
     }
   }
 }

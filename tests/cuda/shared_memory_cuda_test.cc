@@ -164,7 +164,9 @@ class SharedMemoryCudaTest : public ::testing::Test {
     ASSERT_EQ(info->backend(), "cuda");
   }
   void TearDown() override {
-    if (client_ != nullptr) EXPECT_TRUE(client_->UnregisterSharedMemory("").ok());
+    if (client_ != nullptr) {
+      EXPECT_TRUE(client_->UnregisterSharedMemory("").ok());
+    }
   }
 
   Case Random(int64_t m, v1::DType dtype, int layer) {

@@ -6,8 +6,8 @@
 //
 //   moeserve-mk-check --list
 //   moeserve-mk-check --prepare_finalize=all2all_batched --experts=batched_blas --ranks=4
-//   moeserve-mk-check --prepare_finalize=AllToAllContiguous --experts=BlasExperts --ranks=16 \
-//       --tokens=256 --profile
+//   moeserve-mk-check --prepare_finalize=AllToAllContiguous --experts=BlasExperts --ranks=16
+//       --tokens=256 --profile   (one command line)
 //
 // Exit status: 0 listed, or compatible and correct (or profiled), 1 incompatible, 2 mismatch,
 // 3 bad usage or runtime error.
