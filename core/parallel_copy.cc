@@ -77,6 +77,14 @@ void ParallelCopier::Copy(void* dst, const void* src, size_t bytes) {
   });
 }
 
+void ParallelCopier::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
+  if (num_threads_ == 1 || n <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  Pool()->ParallelFor(n, [&fn](int64_t i, int) { fn(i); });
+}
+
 void ParallelCopier::Gather(absl::Span<const absl::Span<const uint8_t>> pieces, size_t size,
                             void* dst) {
   uint8_t* out = static_cast<uint8_t*>(dst);

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -39,6 +40,10 @@ class ParallelCopier {
   // Concatenates `pieces` (`size` bytes in all, e.g. a gRPC message's slices) into dst, in
   // chunks of kChunkBytes spread over the threads from two chunks on.
   void Gather(absl::Span<const absl::Span<const uint8_t>> pieces, size_t size, void* dst);
+  // Runs fn(i) for every i in [0, n) on the copier's threads (the caller's among them) and
+  // returns when all are done: work that copies in its own way (core/device_upload.h).
+  void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
+  int num_threads() const { return num_threads_; }
 
   static constexpr size_t kMinParallelBytes = size_t{1} << 20;
   static constexpr size_t kChunkBytes = size_t{1} << 20;

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/comm/communicator.h"
+#include "core/device_upload.h"
 #include "core/engine_plan.h"
 #include "core/modular_kernel.h"
 
@@ -102,6 +103,9 @@ struct BackendProvider {
   std::function<absl::StatusOr<std::unique_ptr<MemoryRegion>>(absl::string_view raw_handle,
                                                               int device_id, int64_t byte_size)>
       open_ipc_region;
+  // Large request bytes uploaded to device memory, the gather overlapping the copy
+  // (core/device_upload.h); null: unsupported.
+  UploadHostPiecesFn upload_host_pieces;
 };
 
 class ProviderRegistry {

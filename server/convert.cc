@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -149,13 +150,49 @@ absl::Status CheckForwardTensorsPresent(bool hidden_states, bool topk_ids, bool 
   return absl::OkStatus();
 }
 
+// The installed device upload (InstallDeviceUpload); null until then.
+struct DeviceUpload {
+  UploadHostPiecesFn upload;
+  int device = 0;
+  int64_t min_bytes = 0;
+};
+std::atomic<const DeviceUpload*> device_upload{nullptr};
+
+// `pieces` uploaded to the device, when the installed upload applies and succeeds; null
+// otherwise (the caller gathers on the host).
+DeviceBytes* MaybeUpload(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size,
+                         GatheredBytes* gathered) {
+  const DeviceUpload* up = device_upload.load(std::memory_order_acquire);
+  if (up == nullptr || size == 0 || static_cast<int64_t>(size) < up->min_bytes) return nullptr;
+  ParallelCopier& copier = GatherCopier();
+  absl::StatusOr<std::unique_ptr<DeviceBytes>> bytes = up->upload(
+      up->device, pieces, size,
+      [&copier](int64_t n, const std::function<void(int64_t)>& task) {
+        copier.ParallelFor(n, task);
+      },
+      copier.num_threads());
+  if (!bytes.ok()) {
+    static std::atomic<bool> noted{false};
+    if (!noted.exchange(true)) {
+      std::fprintf(stderr,
+                   "moeserve: uploading a request to device %d failed (%s); such requests are "
+                   "gathered on the host instead\n",
+                   up->device, std::string(bytes.status().message()).c_str());
+    }
+    return nullptr;
+  }
+  gathered->device.push_back(std::move(*bytes));
+  return gathered->device.back().get();
+}
+
 // A view of tensor bytes given as pieces of gRPC slices: in place when they are one suitably
 // aligned piece, else gathered once (into page-locked memory where the pool pins, so that a
-// GPU engine reads it by DMA).
+// GPU engine reads it by DMA), or, where `device_ok` and the request is large, uploaded to
+// device memory as it is gathered (InstallDeviceUpload).
 absl::StatusOr<TensorView> TensorViewFromPieces(
     int dtype_value, absl::Span<const int64_t> shape,
     const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, absl::string_view field,
-    GatheredBytes* gathered) {
+    GatheredBytes* gathered, bool device_ok = false) {
   // Any non-null, 8-byte aligned address serves for empty data.
   static const uint64_t kEmpty = 0;
   const void* data = nullptr;
@@ -176,10 +213,21 @@ absl::StatusOr<TensorView> TensorViewFromPieces(
       return absl::InternalError(
           absl::StrCat(field, ": pieces hold ", total, " bytes, expected ", size));
     }
-    gathered->push_back(PooledBuffer::Acquire(size));
-    GatherPieces(pieces, size, static_cast<uint8_t*>(gathered->back()->data()));
-    data = gathered->back()->data();
-    pinned = gathered->back()->pinned();
+    if (device_ok) {
+      // Shapes first: nothing is uploaded for a request that is refused anyway.
+      MOESERVE_RETURN_IF_ERROR(
+          TensorViewFromParts(dtype_value, shape, &kEmpty, size, field).status());
+      if (DeviceBytes* on_device = MaybeUpload(pieces, size, gathered)) {
+        MOESERVE_ASSIGN_OR_RETURN(
+            TensorView view,
+            TensorViewFromParts(dtype_value, shape, on_device->data(), size, field));
+        return TensorView(view.raw_data(), view.dtype(), view.shape(), on_device->device());
+      }
+    }
+    gathered->host.push_back(PooledBuffer::Acquire(size));
+    GatherPieces(pieces, size, static_cast<uint8_t*>(gathered->host.back()->data()));
+    data = gathered->host.back()->data();
+    pinned = gathered->host.back()->pinned();
   }
   MOESERVE_ASSIGN_OR_RETURN(TensorView view,
                             TensorViewFromParts(dtype_value, shape, data, size, field));
@@ -188,9 +236,10 @@ absl::StatusOr<TensorView> TensorViewFromPieces(
 }
 
 absl::StatusOr<TensorView> TensorViewFromWire(const v1wire::WireTensor& tensor,
-                                              absl::string_view field, GatheredBytes* gathered) {
+                                              absl::string_view field, GatheredBytes* gathered,
+                                              bool device_ok = false) {
   return TensorViewFromPieces(tensor.header.dtype(), tensor.header.shape(), tensor.data,
-                              tensor.data_size, field, gathered);
+                              tensor.data_size, field, gathered, device_ok);
 }
 
 }  // namespace
@@ -205,7 +254,14 @@ void SetGatherOptions(int threads, bool streaming_stores) {
   gather_streaming_stores.store(streaming_stores);
 }
 
-void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, uint8_t* dst) {
+void InstallDeviceUpload(UploadHostPiecesFn upload, int device, int64_t min_bytes) {
+  if (!upload || min_bytes <= 0 || device_upload.load() != nullptr) return;
+  auto* up = new DeviceUpload{std::move(upload), device, min_bytes};  // process-wide, kept
+  const DeviceUpload* expected = nullptr;
+  if (!device_upload.compare_exchange_strong(expected, up)) delete up;
+}
+
+ParallelCopier& GatherCopier() {
   // One copier for every gRPC thread; concurrent gathers take turns on its threads.
   static ParallelCopier* copier = [] {
     int threads = gather_threads.load();
@@ -214,7 +270,11 @@ void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t s
     }
     return new ParallelCopier(threads, gather_streaming_stores.load());
   }();
-  copier->Gather(pieces, size, dst);
+  return *copier;
+}
+
+void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, uint8_t* dst) {
+  GatherCopier().Gather(pieces, size, dst);
 }
 
 absl::Status SharedMemoryDisabledError(absl::string_view what) {
@@ -299,7 +359,10 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
       return TensorViewFromRegion(tensor, field, regions, access, device_ok, held,
                                   /*defer_copy=*/true);
     }
-    return TensorViewFromWire(tensor, field, gathered);
+    return TensorViewFromWire(
+        tensor, field, gathered,
+        // server-side routing reads hidden_states on the host
+        device_ok && &tensor == &request.hidden_states && request.topk_ids.present);
   };
   MOESERVE_ASSIGN_OR_RETURN(input.hidden_states, view(request.hidden_states, "hidden_states",
                                                       RegionAccess::kRead, device_hidden_ok));
@@ -693,6 +756,9 @@ absl::StatusOr<ForwardInput> ForwardInputFromKServe(
   TensorView* const views[] = {&input.hidden_states, &input.topk_ids, &input.topk_weights};
   bool seen[3] = {false, false, false};
   size_t raw = 0;  // the next raw_input_contents entry
+  // Server-side routing (no topk_ids) reads hidden_states on the host: no upload then.
+  bool client_routing = false;
+  for (int i = 0; i < h.inputs_size(); ++i) client_routing |= h.inputs(i).name() == names[1];
   for (int i = 0; i < h.inputs_size(); ++i) {
     const inference::ModelInferRequest::InferInputTensor& in = h.inputs(i);
     int which = -1;
@@ -714,7 +780,8 @@ absl::StatusOr<ForwardInput> ForwardInputFromKServe(
       MOESERVE_ASSIGN_OR_RETURN(
           *views[which],
           TensorViewFromPieces(DTypeToProto(dtype), in.shape(), request.raw[raw].data,
-                               request.raw[raw].size, names[which], gathered));
+                               request.raw[raw].size, names[which], gathered,
+                               which == 0 && device_hidden_ok && client_routing));
       ++raw;
       continue;
     }

@@ -14,9 +14,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "core/device_upload.h"
 #include "core/dtype.h"
 #include "core/engine.h"
 #include "core/memory_region.h"
+#include "core/parallel_copy.h"
 #include "core/tensor.h"
 #include "inference/grpc_service.pb.h"
 #include "inference/infer_wire.h"
@@ -58,13 +60,26 @@ absl::StatusOr<ForwardInput> ForwardInputFromProto(const v1::ForwardRequest& req
 // bytes are read next by the engine's DMA or copy, not from this core's caches). Blocks until
 // done; thread-safe.
 void GatherPieces(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size, uint8_t* dst);
+// The copier GatherPieces (and the device upload) runs on: process-wide, made at first use.
+ParallelCopier& GatherCopier();
 // Threads GatherPieces copies large requests on (0: auto, min(4, cores / 2)) and whether they
 // write with StreamingCopy. Takes effect only before the first gather (the server's flags set
 // it at startup).
 void SetGatherOptions(int threads, bool streaming_stores);
 
-// Storage for request tensors whose bytes had to be gathered; 16-byte aligned, recycled.
-using GatheredBytes = std::vector<std::unique_ptr<PooledBuffer>>;
+// Large request tensors the engine reads in device memory (hidden_states of a GPU engine) are
+// uploaded as they are gathered (core/device_upload.h) from `min_bytes` on, to device
+// `device`, with `upload` (the backend's BackendProvider::upload_host_pieces). Installed once,
+// before calls come (later calls are ignored); min_bytes <= 0 or a null `upload`: never. An
+// upload that fails falls back to the host gather (noted once on stderr).
+void InstallDeviceUpload(UploadHostPiecesFn upload, int device, int64_t min_bytes);
+
+// Storage for request tensors whose bytes had to be gathered: in recycled host buffers
+// (16-byte aligned, page-locked for a GPU engine) or uploaded to device memory.
+struct GatheredBytes {
+  std::vector<std::unique_ptr<PooledBuffer>> host;
+  std::vector<std::unique_ptr<DeviceBytes>> device;
+};
 // As ForwardInputFromProto, for a request decoded from gRPC slices: a tensor whose bytes sit in
 // one slice, aligned to its itemsize, is viewed in place; any other is copied once into a buffer
 // appended to `gathered`. The views need `request` and `gathered` alive and unmodified.

@@ -92,6 +92,11 @@ ABSL_FLAG(bool, gather_streaming_stores, false,
           "The gather threads write with non-temporal stores (x86-64): the bytes go to memory "
           "for the GPU's DMA without a read of each line first or a dirty copy in the caches "
           "(faster beyond the caches, slower within them; to be measured on a GPU host)");
+ABSL_FLAG(int64_t, upload_min_bytes, 0,
+          "GPU engine: hidden_states of at least this many bytes sent as gRPC bytes go to the "
+          "device while they are gathered (one part per gather thread, each part's chunk copied "
+          "while its next chunk is gathered) instead of being gathered whole and copied in the "
+          "engine's step; 0: never (the default until measured on a GPU host)");
 ABSL_FLAG(int64_t, max_batch_tokens, 1024,
           "Most tokens in one engine step: concurrent Forward calls for the same layer are "
           "merged up to this many tokens (a larger call runs alone)");
@@ -311,6 +316,7 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.server_threads = absl::GetFlag(FLAGS_server_threads);
   server.gather_threads = absl::GetFlag(FLAGS_gather_threads);  // checked by MoeServer::Bind
   server.gather_streaming_stores = absl::GetFlag(FLAGS_gather_streaming_stores);
+  server.upload_min_bytes = absl::GetFlag(FLAGS_upload_min_bytes);  // checked by MoeServer::Bind
   server.parallel_answers = absl::GetFlag(FLAGS_parallel_answers);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));

@@ -57,6 +57,10 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
           absl::StrCat(name, ": got ", value, ", expected a positive value"));
     }
   }
+  if (options.upload_min_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "upload_min_bytes: got ", options.upload_min_bytes, ", expected 0 (off) or more"));
+  }
   if (options.gather_threads < 0 || options.gather_threads > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("gather_threads: got ", options.gather_threads, ", expected 0 (auto) to 64"));
@@ -80,6 +84,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   service_options.max_forward_channels = options.max_forward_channels;
   service_options.forward_channel_spin = options.forward_channel_spin;
   service_options.max_expert_weight_calls = options.max_expert_weight_calls;
+  service_options.upload_min_bytes = options.upload_min_bytes;
   server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get(), service_options);
   server->inference_service_ = std::make_unique<InferenceServiceImpl>(
       server->state_.get(), server->service_.get(), [s = server.get()] { return s->serving(); });

@@ -51,6 +51,9 @@ struct ServerOptions {
   // ... writing with streaming (non-temporal) stores (StreamingCopy). Off until measured
   // on a GPU host (tests/benchmarks/transport/RESULTS.md).
   bool gather_streaming_stores = false;
+  // A GPU engine's large hidden_states (from this many bytes; 0: never) are uploaded to the
+  // device as they are gathered (ServiceOptions::upload_min_bytes).
+  int64_t upload_min_bytes = 0;
   // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
   // answer_executor), not one after another from the step's thread.
   bool parallel_answers = true;

@@ -66,6 +66,14 @@ void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
           cuda->unregister_host_memory);
     }
   }
+  if (engine.info().backend == "cuda" && engine.info().device_tensors &&
+      options_.upload_min_bytes > 0) {
+    const BackendProvider* cuda = ProviderRegistry::Global().FindBackend(Backend::kCuda);
+    // Device 0: the single-process GPU engine's first rank (EngineInfo::device_tensors).
+    if (cuda != nullptr && cuda->upload_host_pieces) {
+      InstallDeviceUpload(cuda->upload_host_pieces, 0, options_.upload_min_bytes);
+    }
+  }
   if (options_.enable_shared_memory && regions_ == nullptr) {
     RegionRegistryOptions regions;
     regions.backend = engine.info().backend == "cuda" ? Backend::kCuda : Backend::kCpu;

@@ -66,6 +66,11 @@ struct ServiceOptions {
   // Expert-weight calls in flight at once (each holds a whole expert, 88 MiB for DeepSeek-V3,
   // until its client has read it); more are RESOURCE_EXHAUSTED.
   int max_expert_weight_calls = 4;
+  // A GPU engine that reads hidden_states in device memory gets those of at least this many
+  // bytes (given as gRPC bytes, with client-side routing) uploaded while they are gathered,
+  // the gather of a chunk overlapping the copy of the one before (core/device_upload.h);
+  // smaller ones are gathered into page-locked memory and copied in the engine's step. 0: never.
+  int64_t upload_min_bytes = 0;
 };
 
 // Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",

@@ -13,6 +13,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/cuda/device_scope.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -21,26 +22,6 @@ static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleBytes,
               "kCudaIpcHandleBytes must match cudaIpcMemHandle_t");
 
 namespace {
-
-// Makes `device` current for the scope; restores the caller's device after.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      cudaGetLastError();
-      previous_ = -1;
-    }
-    status_ = cudaSetDevice(device);
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
 
 // An opened IPC handle. CUDA opens a given handle once per process, so regions naming the same
 // allocation share it (by the handle's bytes); closed when the last region goes.

@@ -7,6 +7,7 @@
 #include "core/comm/nccl_communicator.h"
 #include "core/cuda/cuda_backend.h"
 #include "core/cuda/cuda_memory_region.h"
+#include "core/cuda/host_upload.h"
 #include "core/status_macros.h"
 #include "core/weight_loader.h"
 #ifdef MOESERVE_HAVE_NCCL
@@ -200,6 +201,7 @@ void RegisterCudaBackend(ProviderRegistry& registry) {
   cuda.register_host_memory = CudaRegisterHostMemory;
   cuda.unregister_host_memory = CudaUnregisterHostMemory;
   cuda.open_ipc_region = OpenCudaIpcRegion;
+  cuda.upload_host_pieces = CudaUploadHostPieces;
 #ifdef MOESERVE_HAVE_NCCL
   cuda.new_collective_id = NcclCommGroup::NewUniqueId;
 #endif

@@ -134,7 +134,9 @@ class SharedMemoryCudaTest : public ::testing::Test {
          "--num_layers=" + std::to_string(kLayers), "--num_experts=" + std::to_string(kExperts),
          "--topk=" + std::to_string(kTopk), "--hidden=" + std::to_string(kHidden),
          "--intermediate=" + std::to_string(kIntermediate), "--seed=" + std::to_string(kSeed),
-         "--listen=unix:" + socket_, "--metrics_address=", "--ready_file=" + ready_});
+         "--listen=unix:" + socket_, "--metrics_address=", "--ready_file=" + ready_,
+         // 64 KiB: this small model's larger calls take the upload (off by default)
+         "--upload_min_bytes=65536"});
     EngineOptions options;
     options.model = TestModel();
     options.seed = kSeed;
@@ -323,6 +325,36 @@ TEST_F(SharedMemoryCudaTest, CudaRegionInAndOutMatchesReference) {
     }
   }
   EXPECT_TRUE(client_->UnregisterSharedMemory("gpu0").ok());
+}
+
+// gRPC bytes of hidden_states from --upload_min_bytes on go to the device while they are
+// gathered (the rest through page-locked memory): both sides of it, every wire dtype, sizes
+// twice (a CUDA graph's replay must read the new bytes), against the reference.
+TEST_F(SharedMemoryCudaTest, GrpcBytesUploadedWhileGatheredMatchReference) {
+  for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP16, v1::DTYPE_FP32}) {
+    for (int64_t m : {16, 300, 300, 1024, 1024}) {  // 8 KB .. 1 MB of hidden states
+      const Case c = Random(m, dtype, static_cast<int>(m % kLayers));
+      client::ForwardArgs a;
+      a.layer = c.layer;
+      a.hidden_dtype = c.dtype;
+      a.num_tokens = m;
+      a.hidden = kHidden;
+      a.hidden_bytes = c.hidden;
+      a.topk = kTopk;
+      a.topk_ids = c.ids;
+      a.topk_weights = c.weights;
+      a.return_timings = true;
+      auto result = client_->Forward(a);
+      ASSERT_TRUE(result.ok()) << result.status();
+      ASSERT_EQ(result->output.data().size(), c.hidden.size());
+      const double err = testing::RelativeL2Error(
+          DecodeHidden(result->output.data().data(), m * kHidden, dtype), c.expected);
+      EXPECT_LT(err, kTolerance) << v1::DType_Name(dtype) << " M=" << m;
+      std::printf("grpc bytes %s M=%lld: relative_l2=%.3g server total_us=%.1f prepare_us=%.1f\n",
+                  v1::DType_Name(dtype).c_str(), static_cast<long long>(m), err,
+                  result->timings.total_us(), result->timings.prepare_us());
+    }
+  }
 }
 
 TEST_F(SharedMemoryCudaTest, SystemRegionOnTheCudaEngineMatchesReference) {

@@ -217,7 +217,7 @@ TEST(ConvertTest, GatheredTensorsKeepEveryByte) {
     GatheredBytes gathered;
     auto input = ForwardInputFromWire(*request, &gathered);
     ASSERT_TRUE(input.ok()) << input.status();
-    EXPECT_FALSE(gathered.empty()) << "a tensor over several slices should be gathered";
+    EXPECT_FALSE(gathered.host.empty()) << "a tensor over several slices should be gathered";
     ASSERT_EQ(input->hidden_states.nbytes(), x.size());
     EXPECT_EQ(std::memcmp(input->hidden_states.raw_data(), x.data(), x.size()), 0) << "m=" << m;
     EXPECT_EQ(std::memcmp(input->topk_ids.raw_data(), ids.data(), ids.size()), 0);
