@@ -245,10 +245,24 @@ void Metrics::SetLoadProgress(int64_t planned_bytes, int64_t loaded_bytes, doubl
 
 void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
 
-void Metrics::AddBytes(absl::string_view method, int64_t received, int64_t sent) {
+Metrics::MethodSeries& Metrics::SeriesOf(absl::string_view method) {
+  std::lock_guard<std::mutex> lock(series_mu_);
+  auto it = series_.find(method);
+  if (it != series_.end()) return *it->second;
+  auto series = std::make_unique<MethodSeries>();
   const std::string m(method);
-  received_bytes_->Add({{"method", m}}).Increment(static_cast<double>(received));
-  sent_bytes_->Add({{"method", m}}).Increment(static_cast<double>(sent));
+  series->received = &received_bytes_->Add({{"method", m}});
+  series->sent = &sent_bytes_->Add({{"method", m}});
+  series->latency = &latency_->Add({{"method", m}}, LatencyBuckets());
+  MethodSeries& out = *series;
+  series_.emplace(m, std::move(series));
+  return out;
+}
+
+void Metrics::AddBytes(absl::string_view method, int64_t received, int64_t sent) {
+  MethodSeries& s = SeriesOf(method);
+  s.received->Increment(static_cast<double>(received));
+  s.sent->Increment(static_cast<double>(sent));
 }
 
 std::vector<int64_t> Metrics::RankTokens(const TensorView& topk_ids) const {
@@ -283,9 +297,22 @@ void Metrics::RecordRouting(int layer, int64_t tokens, const std::vector<int64_t
 }
 
 void Metrics::RecordRequest(absl::string_view method, grpc::StatusCode code, double seconds) {
-  const std::string m(method);
-  requests_->Add({{"method", m}, {"code", std::string(GrpcCodeName(code))}}).Increment();
-  latency_->Add({{"method", m}}, LatencyBuckets()).Observe(seconds);
+  MethodSeries& s = SeriesOf(method);
+  const int c = static_cast<int>(code);
+  prometheus::Counter* counter = nullptr;
+  if (c >= 0 && c < static_cast<int>(s.by_code.size())) {
+    counter = s.by_code[c].load(std::memory_order_acquire);
+    if (counter == nullptr) {  // Family::Add returns the same series for the same labels
+      counter = &requests_->Add(
+          {{"method", std::string(method)}, {"code", std::string(GrpcCodeName(code))}});
+      s.by_code[c].store(counter, std::memory_order_release);
+    }
+  } else {
+    counter = &requests_->Add(
+        {{"method", std::string(method)}, {"code", std::string(GrpcCodeName(code))}});
+  }
+  counter->Increment();
+  s.latency->Observe(seconds);
 }
 
 void Metrics::AddTokens(int64_t tokens) { tokens_->Increment(static_cast<double>(tokens)); }

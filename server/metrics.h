@@ -11,11 +11,15 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/engine.h"
@@ -115,6 +119,18 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Family<prometheus::Counter>* received_bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* sent_bytes_ = nullptr;
   // Set once by SetModelInfo, read-only afterwards.
+  // A method's series, looked up once: Family::Add builds a label map, hashes it and locks the
+  // family on every call (a few thousand instructions per Forward otherwise).
+  struct MethodSeries {
+    prometheus::Counter* received = nullptr;
+    prometheus::Counter* sent = nullptr;
+    prometheus::Histogram* latency = nullptr;
+    std::array<std::atomic<prometheus::Counter*>, 17> by_code{};  // grpc::StatusCode 0..16
+  };
+  MethodSeries& SeriesOf(absl::string_view method);
+  std::mutex series_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<MethodSeries>> series_;  // by method
+
   std::vector<prometheus::Counter*> layer_tokens_;  // by model layer; null for dense layers
   std::vector<prometheus::Counter*> rank_tokens_;   // by global rank
   std::vector<int> expert_rank_;                    // global expert -> rank hosting it
