@@ -92,11 +92,12 @@ ABSL_FLAG(bool, gather_streaming_stores, false,
           "The gather threads write with non-temporal stores (x86-64): the bytes go to memory "
           "for the GPU's DMA without a read of each line first or a dirty copy in the caches "
           "(faster beyond the caches, slower within them; to be measured on a GPU host)");
-ABSL_FLAG(int64_t, upload_min_bytes, 0,
+ABSL_FLAG(int64_t, upload_min_bytes, int64_t{4} << 20,
           "GPU engine: hidden_states of at least this many bytes sent as gRPC bytes go to the "
-          "device while they are gathered (one part per gather thread, each part's chunk copied "
-          "while its next chunk is gathered) instead of being gathered whole and copied in the "
-          "engine's step; 0: never (the default until measured on a GPU host)");
+          "device while they are gathered (one part per gather thread, each part's 1 MiB chunk "
+          "copied while its next chunk is gathered) instead of being gathered whole and copied "
+          "in the engine's step (14.8 MB: 685 us against 777 us one after the other on an H200 "
+          "host, tests/benchmarks/transport/RESULTS.md); 0: never");
 ABSL_FLAG(int64_t, max_batch_tokens, 1024,
           "Most tokens in one engine step: concurrent Forward calls for the same layer are "
           "merged up to this many tokens (a larger call runs alone)");

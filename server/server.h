@@ -53,7 +53,7 @@ struct ServerOptions {
   bool gather_streaming_stores = false;
   // A GPU engine's large hidden_states (from this many bytes; 0: never) are uploaded to the
   // device as they are gathered (ServiceOptions::upload_min_bytes).
-  int64_t upload_min_bytes = 0;
+  int64_t upload_min_bytes = int64_t{4} << 20;
   // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
   // answer_executor), not one after another from the step's thread.
   bool parallel_answers = true;

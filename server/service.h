@@ -70,7 +70,7 @@ struct ServiceOptions {
   // bytes (given as gRPC bytes, with client-side routing) uploaded while they are gathered,
   // the gather of a chunk overlapping the copy of the one before (core/device_upload.h);
   // smaller ones are gathered into page-locked memory and copied in the engine's step. 0: never.
-  int64_t upload_min_bytes = 0;
+  int64_t upload_min_bytes = int64_t{4} << 20;
 };
 
 // Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",

@@ -135,7 +135,7 @@ class SharedMemoryCudaTest : public ::testing::Test {
          "--topk=" + std::to_string(kTopk), "--hidden=" + std::to_string(kHidden),
          "--intermediate=" + std::to_string(kIntermediate), "--seed=" + std::to_string(kSeed),
          "--listen=unix:" + socket_, "--metrics_address=", "--ready_file=" + ready_,
-         // 64 KiB: this small model's larger calls take the upload (off by default)
+         // 64 KiB: this small model's larger calls take the upload (4 MiB by default)
          "--upload_min_bytes=65536"});
     EngineOptions options;
     options.model = TestModel();
@@ -332,7 +332,8 @@ TEST_F(SharedMemoryCudaTest, CudaRegionInAndOutMatchesReference) {
 // twice (a CUDA graph's replay must read the new bytes), against the reference.
 TEST_F(SharedMemoryCudaTest, GrpcBytesUploadedWhileGatheredMatchReference) {
   for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP16, v1::DTYPE_FP32}) {
-    for (int64_t m : {16, 300, 300, 1024, 1024}) {  // 8 KB .. 1 MB of hidden states
+    // 8 KB .. 4 MB of hidden states: one chunk, then several (one part per gather thread).
+    for (int64_t m : {16, 300, 300, 1024, 1024, 4096, 4096}) {
       const Case c = Random(m, dtype, static_cast<int>(m % kLayers));
       client::ForwardArgs a;
       a.layer = c.layer;
