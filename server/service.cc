@@ -102,6 +102,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   Engine* const engine = state_->engine();  // acquire: regions_ is set before it
   if (engine == nullptr) return answer(state_->NotReady("Forward"), {}, 0, "");
   const int64_t message_bytes = static_cast<int64_t>(raw_request.Length());
+  const Clock::time_point input_start = Clock::now();
   absl::StatusOr<v1wire::ForwardRequestView> request = v1wire::DecodeForwardRequest(raw_request);
   if (!request.ok()) {
     return answer(absl::InvalidArgumentError(absl::StrCat("Forward: ", request.status().message())),
@@ -128,6 +129,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   absl::StatusOr<ForwardInput> input = ForwardInputFromWire(
       *request, &gathered, regions_.get(), info.device_tensors, &regions, info.device_routing);
   if (!input.ok()) return fail(input.status());
+  const double input_us = MicrosSince(input_start);
   // No topk tensors: the server routes with the layer's gate, into a recycled buffer that
   // lives as long as the call (ids INT32 [M, topk], then weights FP32 [M, topk]).
   std::unique_ptr<PooledBuffer> routing;
@@ -173,8 +175,9 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
   std::optional<TensorView> region_output;
   if (pending->regions.output.has_value()) region_output = pending->regions.output->view();
   Metrics* const metrics = metrics_;
-  auto done = [pending, metrics, start, server_queue_us, route_us, answer = std::move(answer)](
-                  absl::Status status, ServingState::ForwardAnswer result) {
+  auto done = [pending, metrics, start, server_queue_us, route_us, input_us,
+               answer = std::move(answer)](absl::Status status,
+                                           ServingState::ForwardAnswer result) {
     const std::string& id = pending->request.header.request_id();
     if (status.ok() && pending->regions.output.has_value()) {
       status = pending->regions.output->Flush();
@@ -192,6 +195,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
       ForwardTimingsToProto(result.timings, server_queue_us, MicrosSince(start),
                             header.mutable_timings());
       header.mutable_timings()->set_route_us(route_us);
+      header.mutable_timings()->set_input_us(input_us);
     }
     if (pending->request.header.return_routing()) {
       RoutingToProto(pending->input, header.mutable_topk_ids(), header.mutable_topk_weights());

@@ -254,6 +254,9 @@ TEST_F(ServiceTest, TimingsWhenAsked) {
   EXPECT_GE(t.finalize_us(), 0);
   EXPECT_GT(t.total_us(), 0);
   EXPECT_GE(t.total_us(), t.prepare_us() + t.experts_us() + t.finalize_us());
+  // Decoding and viewing the request's tensors, inside the total.
+  EXPECT_GT(t.input_us(), 0);
+  EXPECT_LT(t.input_us(), t.total_us());
 }
 
 TEST_F(ServiceTest, ZeroTokensReturnsEmptyOutput) {
