@@ -38,9 +38,7 @@ std::atomic<uint32_t>* Word(std::byte* p) { return reinterpret_cast<std::atomic<
 class RawChannel {
  public:
   RawChannel(int num_slots, uint64_t slot_bytes)
-      : num_slots_(num_slots),
-        slot_bytes_(slot_bytes),
-        shm_(ch::ForwardChannelBytes(num_slots, slot_bytes)) {
+      : slot_bytes_(slot_bytes), shm_(ch::ForwardChannelBytes(num_slots, slot_bytes)) {
     if (!shm_.ok()) return;
     Put<uint32_t>(ch::kMagicOffset, ch::kForwardChannelMagic);
     Put<uint32_t>(ch::kVersionOffset, ch::kForwardChannelVersion);
@@ -114,7 +112,6 @@ class RawChannel {
   }
 
  private:
-  int num_slots_;
   uint64_t slot_bytes_;
   ShmObject shm_;
 };
