@@ -163,7 +163,7 @@ std::atomic<const DeviceUpload*> device_upload{nullptr};
 DeviceBytes* MaybeUpload(const std::vector<absl::Span<const uint8_t>>& pieces, size_t size,
                          GatheredBytes* gathered) {
   const DeviceUpload* up = device_upload.load(std::memory_order_acquire);
-  if (up == nullptr || size == 0 || static_cast<int64_t>(size) < up->min_bytes) return nullptr;
+  if (up == nullptr || static_cast<int64_t>(size) < up->min_bytes) return nullptr;
   ParallelCopier& copier = GatherCopier();
   absl::StatusOr<std::unique_ptr<DeviceBytes>> bytes = up->upload(
       up->device, pieces, size,
@@ -215,13 +215,10 @@ absl::StatusOr<TensorView> TensorViewFromPieces(
     }
     if (device_ok) {
       // Shapes first: nothing is uploaded for a request that is refused anyway.
-      MOESERVE_RETURN_IF_ERROR(
-          TensorViewFromParts(dtype_value, shape, &kEmpty, size, field).status());
+      MOESERVE_ASSIGN_OR_RETURN(TensorView checked,
+                                TensorViewFromParts(dtype_value, shape, &kEmpty, size, field));
       if (DeviceBytes* on_device = MaybeUpload(pieces, size, gathered)) {
-        MOESERVE_ASSIGN_OR_RETURN(
-            TensorView view,
-            TensorViewFromParts(dtype_value, shape, on_device->data(), size, field));
-        return TensorView(view.raw_data(), view.dtype(), view.shape(), on_device->device());
+        return TensorView(on_device->data(), checked.dtype(), checked.shape(), on_device->device());
       }
     }
     gathered->host.push_back(PooledBuffer::Acquire(size));

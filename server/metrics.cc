@@ -299,17 +299,12 @@ void Metrics::RecordRouting(int layer, int64_t tokens, const std::vector<int64_t
 void Metrics::RecordRequest(absl::string_view method, grpc::StatusCode code, double seconds) {
   MethodSeries& s = SeriesOf(method);
   const int c = static_cast<int>(code);
-  prometheus::Counter* counter = nullptr;
-  if (c >= 0 && c < static_cast<int>(s.by_code.size())) {
-    counter = s.by_code[c].load(std::memory_order_acquire);
-    if (counter == nullptr) {  // Family::Add returns the same series for the same labels
-      counter = &requests_->Add(
-          {{"method", std::string(method)}, {"code", std::string(GrpcCodeName(code))}});
-      s.by_code[c].store(counter, std::memory_order_release);
-    }
-  } else {
+  const bool cached = c >= 0 && c < static_cast<int>(s.by_code.size());
+  prometheus::Counter* counter = cached ? s.by_code[c].load(std::memory_order_acquire) : nullptr;
+  if (counter == nullptr) {  // Family::Add returns the same series for the same labels
     counter = &requests_->Add(
         {{"method", std::string(method)}, {"code", std::string(GrpcCodeName(code))}});
+    if (cached) s.by_code[c].store(counter, std::memory_order_release);
   }
   counter->Increment();
   s.latency->Observe(seconds);

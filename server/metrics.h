@@ -118,7 +118,6 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Gauge* serving_ = nullptr;
   prometheus::Family<prometheus::Counter>* received_bytes_ = nullptr;
   prometheus::Family<prometheus::Counter>* sent_bytes_ = nullptr;
-  // Set once by SetModelInfo, read-only afterwards.
   // A method's series, looked up once: Family::Add builds a label map, hashes it and locks the
   // family on every call (a few thousand instructions per Forward otherwise).
   struct MethodSeries {
@@ -131,6 +130,7 @@ class Metrics : public ForwardBatcherObserver {
   std::mutex series_mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<MethodSeries>> series_;  // by method
 
+  // Set once by SetModelInfo, read-only afterwards.
   std::vector<prometheus::Counter*> layer_tokens_;  // by model layer; null for dense layers
   std::vector<prometheus::Counter*> rank_tokens_;   // by global rank
   std::vector<int> expert_rank_;                    // global expert -> rank hosting it

@@ -13,6 +13,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/cuda/cuda_backend.h"
 #include "core/cuda/device_scope.h"
 #include "core/status_macros.h"
 
@@ -236,11 +237,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> OpenCudaIpcRegion(absl::string_vie
                                                    " bytes, expected a ", kCudaIpcHandleBytes,
                                                    "-byte cudaIpcMemHandle_t"));
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    count = 0;
-  }
+  const int count = CudaDeviceCount();
   if (device_id < 0 || device_id >= count) {
     return absl::InvalidArgumentError(
         absl::StrCat("device_id: got ", device_id, ", the server sees ", count, " CUDA device(s)"));

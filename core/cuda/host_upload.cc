@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/cuda/cuda_backend.h"
 #include "core/cuda/device_scope.h"
 #include "core/status_macros.h"
 
@@ -207,11 +208,7 @@ absl::StatusOr<std::unique_ptr<DeviceBytes>> CudaUploadHostPiecesInChunks(
                                                    ", expected a multiple of 4096 up to ",
                                                    kUploadMaxChunkBytes));
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    count = 0;
-  }
+  const int count = CudaDeviceCount();
   if (device < 0 || device >= count) {
     return absl::InvalidArgumentError(
         absl::StrCat("upload: device ", device, " is not visible (", count, " devices)"));
@@ -238,8 +235,7 @@ absl::StatusOr<std::unique_ptr<DeviceBytes>> CudaUploadHostPiecesInChunks(
       PartStage& p = stager->parts[i];
       const size_t begin = std::min(size, static_cast<size_t>(i) * chunks_per_part * chunk_bytes);
       const size_t end = std::min(size, begin + chunks_per_part * chunk_bytes);
-      HostPieces mine = SubPieces(pieces, begin, end - begin);
-      size_t piece = 0, within = 0;  // where the next byte of `mine` is
+      const HostPieces mine = SubPieces(pieces, begin, end - begin);
       int k = 0;
       for (size_t offset = begin; offset < end; offset += chunk_bytes, ++k) {
         const size_t n = std::min(chunk_bytes, end - offset);
@@ -247,15 +243,10 @@ absl::StatusOr<std::unique_ptr<DeviceBytes>> CudaUploadHostPiecesInChunks(
         // The slot's previous chunk must be on the device before it is overwritten.
         if (k >= kUploadSlots) MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(p.copied[slot]));
         auto* staged = static_cast<uint8_t*>(p.slots[slot]);
-        for (size_t done = 0; done < n;) {
-          const size_t take = std::min(n - done, mine[piece].size() - within);
-          std::memcpy(staged + done, mine[piece].data() + within, take);
-          done += take;
-          within += take;
-          if (within == mine[piece].size()) {
-            ++piece;
-            within = 0;
-          }
+        size_t done = 0;
+        for (const absl::Span<const uint8_t> piece : SubPieces(mine, offset - begin, n)) {
+          std::memcpy(staged + done, piece.data(), piece.size());
+          done += piece.size();
         }
         MOESERVE_CUDA_RETURN_IF_ERROR(
             cudaMemcpyAsync(dst + offset, staged, n, cudaMemcpyHostToDevice, p.stream));

@@ -14,20 +14,12 @@
 #include <thread>
 #include <vector>
 
+#include "core/cuda/cuda_backend.h"
 #include "core/device_upload.h"
 #include "core/parallel_copy.h"
 
 namespace moeserve {
 namespace {
-
-int GpuCount() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
 
 // The parts on a copier's threads, as the server runs them.
 ParallelCopier& Copier() {
@@ -68,7 +60,7 @@ std::vector<uint8_t> ReadBack(DeviceBytes& d) {
 }
 
 TEST(HostUploadTest, EveryByteArrivesAcrossChunksAndSlots) {
-  if (GpuCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(5);
   const size_t chunk = kUploadChunkBytes;
   // One byte, within a chunk, exactly one, one more, more chunks than parts, and more chunks
@@ -91,7 +83,7 @@ TEST(HostUploadTest, EveryByteArrivesAcrossChunksAndSlots) {
 }
 
 TEST(HostUploadTest, ConcurrentUploadsDoNotMix) {
-  if (GpuCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   constexpr int kThreads = 4;
   std::vector<std::thread> threads;
   std::vector<int> failures(kThreads, 0);
@@ -112,7 +104,7 @@ TEST(HostUploadTest, ConcurrentUploadsDoNotMix) {
 }
 
 TEST(HostUploadTest, BuffersAndStagersAreRecycled) {
-  if (GpuCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(6);
   Source src = MakeSource(5 << 20, 40, rng);
   void* first = nullptr;
@@ -132,12 +124,12 @@ TEST(HostUploadTest, BuffersAndStagersAreRecycled) {
 }
 
 TEST(HostUploadTest, BadArgumentsAreRefused) {
-  if (GpuCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(7);
   Source src = MakeSource(1000, 3, rng);
   auto none = CudaUploadHostPieces(0, src.pieces, 0, OnCopier, 4);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
-  auto far = CudaUploadHostPieces(GpuCount(), src.pieces, 1000, OnCopier, 4);
+  auto far = CudaUploadHostPieces(CudaDeviceCount(), src.pieces, 1000, OnCopier, 4);
   EXPECT_EQ(far.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(far.status().message().find("not visible"), std::string::npos) << far.status();
   auto negative = CudaUploadHostPieces(-1, src.pieces, 1000, OnCopier, 4);

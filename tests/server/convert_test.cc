@@ -18,6 +18,7 @@
 #include "core/memory_region.h"
 #include "moeserve/v1/forward_wire.h"
 #include "server/status.h"
+#include "tests/server/test_util.h"
 
 namespace moeserve {
 namespace {
@@ -166,27 +167,11 @@ TEST(ConvertTest, TimingsAddServerQueue) {
 // The request's bytes cut into `pieces` slices of random sizes, as gRPC may deliver them.
 absl::StatusOr<v1wire::ForwardRequestView> Recut(const grpc::ByteBuffer& buffer, int pieces,
                                                  std::mt19937& rng) {
-  std::vector<grpc::Slice> slices;
-  if (!buffer.Dump(&slices).ok()) return absl::InternalError("Dump");
-  std::string all;
-  for (const grpc::Slice& s : slices)
-    all.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  std::vector<size_t> cuts = {0, all.size()};
-  std::uniform_int_distribution<size_t> at(1, all.size() - 1);
-  for (int i = 1; i < pieces; ++i) cuts.push_back(at(rng));
-  std::sort(cuts.begin(), cuts.end());
-  std::vector<grpc::Slice> out;
-  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
-    if (cuts[i + 1] > cuts[i]) out.emplace_back(all.data() + cuts[i], cuts[i + 1] - cuts[i]);
-  }
-  return v1wire::DecodeForwardRequest(std::move(out));
+  return v1wire::DecodeForwardRequest(testing::RecutSlices(buffer, pieces, rng));
 }
 
 v1::Tensor Header(v1::DType dtype, std::initializer_list<int64_t> shape) {
-  v1::Tensor t;
-  t.set_dtype(dtype);
-  for (int64_t d : shape) t.add_shape(d);
-  return t;
+  return testing::TensorHeader(dtype, shape);
 }
 
 // A tensor split over many slices is gathered once, byte for byte, also when it is large

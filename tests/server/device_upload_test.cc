@@ -18,6 +18,7 @@
 #include "inference/infer_wire.h"
 #include "moeserve/v1/forward_wire.h"
 #include "server/convert.h"
+#include "tests/server/test_util.h"
 
 namespace moeserve {
 namespace {
@@ -79,31 +80,6 @@ class DeviceUploadTest : public ::testing::Test {
   }
 };
 
-v1::Tensor Header(v1::DType dtype, std::initializer_list<int64_t> shape) {
-  v1::Tensor t;
-  t.set_dtype(dtype);
-  for (int64_t d : shape) t.add_shape(d);
-  return t;
-}
-
-// The message's bytes cut at random into `pieces` slices, as gRPC may deliver them.
-std::vector<grpc::Slice> Recut(const grpc::ByteBuffer& buffer, int pieces, std::mt19937& rng) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string all;
-  for (const grpc::Slice& s : slices)
-    all.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  std::vector<size_t> cuts = {0, all.size()};
-  std::uniform_int_distribution<size_t> at(1, all.size() - 1);
-  for (int i = 1; i < pieces; ++i) cuts.push_back(at(rng));
-  std::sort(cuts.begin(), cuts.end());
-  std::vector<grpc::Slice> out;
-  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
-    if (cuts[i + 1] > cuts[i]) out.emplace_back(all.data() + cuts[i], cuts[i + 1] - cuts[i]);
-  }
-  return out;
-}
-
 struct Request {
   std::string x, ids, w;
   std::vector<grpc::Slice> slices;
@@ -126,20 +102,20 @@ Request MakeRequest(int64_t m, int64_t hidden, int pieces, bool server_routing, 
     std::memcpy(&r.w[i * 4], &wt, 4);
   }
   v1::ForwardRequest header;
-  *header.mutable_hidden_states() = Header(v1::DTYPE_BF16, {m, hidden});
+  *header.mutable_hidden_states() = testing::TensorHeader(v1::DTYPE_BF16, {m, hidden});
   absl::StatusOr<grpc::ByteBuffer> encoded;
   if (server_routing) {
     encoded = v1wire::EncodeForwardRequest(header, grpc::Slice(r.x.data(), r.x.size()),
                                            grpc::Slice(), grpc::Slice());
   } else {
-    *header.mutable_topk_ids() = Header(v1::DTYPE_INT32, {m, topk});
-    *header.mutable_topk_weights() = Header(v1::DTYPE_FP32, {m, topk});
+    *header.mutable_topk_ids() = testing::TensorHeader(v1::DTYPE_INT32, {m, topk});
+    *header.mutable_topk_weights() = testing::TensorHeader(v1::DTYPE_FP32, {m, topk});
     encoded = v1wire::EncodeForwardRequest(header, grpc::Slice(r.x.data(), r.x.size()),
                                            grpc::Slice(r.ids.data(), r.ids.size()),
                                            grpc::Slice(r.w.data(), r.w.size()));
   }
   EXPECT_TRUE(encoded.ok()) << encoded.status();
-  r.slices = Recut(*encoded, pieces, rng);
+  r.slices = testing::RecutSlices(*encoded, pieces, rng);
   return r;
 }
 
@@ -255,7 +231,7 @@ TEST_F(DeviceUploadTest, KServeHiddenStatesAreUploadedToo) {
     }
     absl::StatusOr<grpc::ByteBuffer> encoded = inference_wire::EncodeModelInferRequest(header, raw);
     ASSERT_TRUE(encoded.ok()) << encoded.status();
-    std::vector<grpc::Slice> slices = Recut(*encoded, 200, rng);
+    std::vector<grpc::Slice> slices = testing::RecutSlices(*encoded, 200, rng);
     grpc::ByteBuffer buffer(slices.data(), slices.size());
     absl::StatusOr<inference_wire::ModelInferRequestView> view =
         inference_wire::DecodeModelInferRequest(buffer);

@@ -3,6 +3,8 @@
 #define MOESERVE_TESTS_SERVER_TEST_UTIL_H_
 
 #include <arpa/inet.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -203,6 +205,34 @@ inline double MetricValue(const std::string& text, const std::string& name,
     found = true;
   }
   return found ? sum : -1;
+}
+
+// The message's bytes cut at random into `pieces` slices, as gRPC may deliver them.
+inline std::vector<grpc::Slice> RecutSlices(const grpc::ByteBuffer& buffer, int pieces,
+                                            std::mt19937& rng) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string all;
+  for (const grpc::Slice& s : slices) {
+    all.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  std::vector<size_t> cuts = {0, all.size()};
+  std::uniform_int_distribution<size_t> at(1, all.size() - 1);
+  for (int i = 1; i < pieces; ++i) cuts.push_back(at(rng));
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<grpc::Slice> out;
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    if (cuts[i + 1] > cuts[i]) out.emplace_back(all.data() + cuts[i], cuts[i + 1] - cuts[i]);
+  }
+  return out;
+}
+
+// A tensor header (dtype and shape, no data).
+inline v1::Tensor TensorHeader(v1::DType dtype, std::initializer_list<int64_t> shape) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  return t;
 }
 
 }  // namespace moeserve::testing

@@ -21,19 +21,11 @@
 
 #include "absl/types/span.h"
 #include "core/parallel_copy.h"
+#include "tests/benchmarks/transport/bench_flags.h"
 
 namespace {
 
-std::vector<int64_t> ParseList(const char* text) {
-  std::vector<int64_t> out;
-  for (const char* p = text; *p != '\0';) {
-    char* end = nullptr;
-    out.push_back(std::strtoll(p, &end, 10));
-    if (end == p) break;
-    p = *end == ',' ? end + 1 : end;
-  }
-  return out;
-}
+using ::moeserve::bench::ParseList;
 
 template <typename F>
 double MedianMicros(int iters, F&& f) {

@@ -30,19 +30,11 @@
 #include "absl/types/span.h"
 #include "core/cuda/host_upload.h"
 #include "core/parallel_copy.h"
+#include "tests/benchmarks/transport/bench_flags.h"
 
 namespace {
 
-std::vector<int64_t> ParseList(const char* text) {
-  std::vector<int64_t> out;
-  for (const char* p = text; *p != '\0';) {
-    char* end = nullptr;
-    out.push_back(std::strtoll(p, &end, 10));
-    if (end == p) break;
-    p = *end == ',' ? end + 1 : end;
-  }
-  return out;
-}
+using ::moeserve::bench::ParseList;
 
 double Micros(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
