@@ -44,8 +44,10 @@ struct EngineOptions {
   std::string backend = "cpu";
   // A name or alias from the provider registry (core/provider_registry.h; `moeserve-mk-check
   // --list` prints them): "reference" | "blas" (Standard format) | "batched_reference" |
-  // "batched_blas" (BatchedExperts format) | "cuda" | "cuda_batched". On another backend than the
-  // named provider's, a CPU name picks that backend's Experts of the same activation format.
+  // "batched_blas" (BatchedExperts format) | "cuda" | "cuda_batched" | "cuda_grouped_sm90" |
+  // "cuda_w8a8" (MXFP8 weights, FP8 activations; core/cuda/cuda_grouped_experts.h). On another
+  // backend than the named provider's, a CPU name picks that backend's Experts of the same
+  // activation format.
   std::string experts = "blas";
   // "auto" (no_ep for one rank, all2all_contiguous for more; all2all_batched for the GPU's
   // batched Experts) | "no_ep" (one rank only) | "all2all_contiguous" | "all2all_batched"; class

@@ -46,8 +46,10 @@ ABSL_FLAG(uint64_t, seed, 0, "Seed of the synthetic weights");
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: cpu, cuda, or auto (cuda where a GPU exists, else cpu)");
 ABSL_FLAG(std::string, experts, "blas",
-          "Experts: reference, blas, batched_reference, batched_blas, cuda or cuda_batched (or a "
-          "class name; moeserve-mk-check --list prints every provider)");
+          "Experts: reference, blas, batched_reference, batched_blas, cuda, cuda_batched, "
+          "cuda_grouped_sm90 or cuda_w8a8 (MXFP8 weights with FP8 activations: faster from 64 "
+          "tokens per rank, about 4% relative L2 from the BF16 path) (or a class name; "
+          "moeserve-mk-check --list prints every provider)");
 ABSL_FLAG(std::string, weight_format, "bf16", "Expert weight format: bf16 or mxfp8");
 ABSL_FLAG(std::string, checkpoint, "",
           "Hugging Face checkpoint directory (empty: synthetic weights from --seed)");

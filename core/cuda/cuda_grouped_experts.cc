@@ -27,7 +27,8 @@ absl::Status CudaGroupedSm90Supported(int device) {
   return absl::OkStatus();
 }
 
-int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightFormat format) {
+int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightFormat format,
+                                   bool fp8_activations) {
   // Average routes per expert from which the grouped path won, per (hidden, intermediate) and
   // weight format, measured on an H200 with 32 experts, top-8 (tests/benchmarks/cuda/RESULTS.md,
   // 2026-12-01): BF16 decode won at 16 routes per expert (64 tokens, the decode kernels at
@@ -37,12 +38,17 @@ int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightF
   // grouped path's BF16 copy) wins up to 64 since its 64-token warpgroup-MMA tile (2026-12-02:
   // 256 tokens, seed 615 against 810 us, DSV3 590 against 775 us) and loses at 128 (512 tokens,
   // 1036 against 879 us): grouped from 65.
+  // W8A8 (the grouped GEMM reads FP8 weights too; 2026-12-03 10:20, three routings): the decode
+  // kernels win at 16 routes per expert balanced (64 tokens: seed 426 against 469 us, DSV3 394
+  // against 428) and lose with spread counts (random: 489 against 453, DSV3 452 against 428);
+  // from 32 routes the W8A8 path wins every routing (128 tokens: 470 against 508 / 655 / 756):
+  // grouped from 17.
   struct Row {
-    int64_t hidden, intermediate, bf16_routes, mxfp8_routes;
+    int64_t hidden, intermediate, bf16_routes, mxfp8_routes, w8a8_routes;
   };
   static constexpr Row kTable[] = {
-      {3072, 5120, 65, 65},  // seed layer
-      {7168, 2048, 65, 65},  // DeepSeek-V3
+      {3072, 5120, 65, 65, 17},  // seed layer
+      {7168, 2048, 65, 65, 17},  // DeepSeek-V3
   };
   // Nearest measured shape by weight elements per expert.
   auto distance = [&](const Row& r) {
@@ -53,7 +59,8 @@ int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightF
   for (const Row& r : kTable) {
     if (distance(r) < distance(*best)) best = &r;
   }
-  return format == WeightFormat::kMXFP8 ? best->mxfp8_routes : best->bf16_routes;
+  if (format != WeightFormat::kMXFP8) return best->bf16_routes;
+  return fp8_activations ? best->w8a8_routes : best->mxfp8_routes;
 }
 
 namespace {
@@ -63,21 +70,39 @@ cudaStream_t StreamOf(const CudaContext& ctx) { return static_cast<cudaStream_t>
 constexpr int64_t kAlignBytes = 256;
 int64_t AlignUp(int64_t x) { return (x + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
 
-// A layer's plain BF16 copy for the grouped GEMM (device memory, owned); MXFP8 layers are
-// dequantized into it.
+// A layer's plain copy for the grouped GEMM (device memory, owned): BF16 (MXFP8 layers
+// dequantized into it), or for W8A8 an MXFP8 layer's plain E4M3 values with one FP32 scale per
+// row per 128 K (kernels::LaunchUnpackMoeWeightsPlainFp8).
 struct PlainLayer {
-  void* w13 = nullptr;
+  bool fp8 = false;
+  void* w13 = nullptr;  // BF16 or E4M3
   void* w2 = nullptr;
+  float* w13_scale = nullptr;  // fp8 only
+  float* w2_scale = nullptr;
   ~PlainLayer() {
-    if (w13 != nullptr) cudaFree(w13);
-    if (w2 != nullptr) cudaFree(w2);
+    for (void* p : {w13, w2, static_cast<void*>(w13_scale), static_cast<void*>(w2_scale)}) {
+      if (p != nullptr) cudaFree(p);
+    }
   }
 };
 
+// Device bytes of a layer's plain copy.
+int64_t PlainLayerBytes(const DevicePackedLayer& l, bool fp8) {
+  if (fp8) {
+    const int64_t elems =
+        kernels::PlainFp8W13ElemsPerExpert(l.layout) + kernels::PlainFp8W2ElemsPerExpert(l.layout);
+    return l.num_local_experts * (elems + elems / kernels::kMoeFp8ScaleK * 4);
+  }
+  return l.num_local_experts *
+         (kernels::PlainW13ElemsPerExpert(l.layout) + kernels::PlainW2ElemsPerExpert(l.layout)) * 2;
+}
+
 // Every layer's copy for one DeviceWeightStore, shared by all the Experts made over that store
-// (an engine's lanes share their rank's weights, so they share this copy too).
+// (an engine's lanes share their rank's weights, so they share this copy too). `fp8`: MXFP8
+// layers in the W8A8 layout (BF16 layers stay BF16).
 struct PlainStore {
   int device = 0;
+  bool fp8 = false;
   std::vector<std::unique_ptr<PlainLayer>> layers;  // per layer; null: no experts there
   ~PlainStore() {
     cudaSetDevice(device);
@@ -90,7 +115,7 @@ struct PlainStore {
 // `must` is false; RESOURCE_EXHAUSTED naming the sizes when `must`.
 absl::StatusOr<std::shared_ptr<const PlainStore>> SharedPlainStore(
     const std::shared_ptr<const DeviceWeightStore>& weights, const CudaContext& ctx,
-    absl::string_view who, bool must) {
+    absl::string_view who, bool must, bool fp8) {
   static std::mutex mu;
   static auto* cache = new std::vector<
       std::pair<std::weak_ptr<const DeviceWeightStore>, std::weak_ptr<const PlainStore>>>();
@@ -103,7 +128,7 @@ absl::StatusOr<std::shared_ptr<const PlainStore>> SharedPlainStore(
       it = cache->erase(it);
       continue;
     }
-    if (w == weights) found = p;
+    if (w == weights && p->fp8 == fp8) found = p;
     ++it;
   }
   if (found != nullptr) return found;
@@ -112,21 +137,20 @@ absl::StatusOr<std::shared_ptr<const PlainStore>> SharedPlainStore(
   for (int i = 0; i < weights->num_layers(); ++i) {
     const DevicePackedLayer* l = weights->layer(i);
     if (l == nullptr) continue;
-    need +=
-        l->num_local_experts *
-        (kernels::PlainW13ElemsPerExpert(l->layout) + kernels::PlainW2ElemsPerExpert(l->layout)) *
-        2;
+    need += PlainLayerBytes(*l, fp8 && l->format == WeightFormat::kMXFP8);
   }
   size_t free_bytes = 0, total_bytes = 0;
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   if (need > static_cast<int64_t>(free_bytes) / 4 * 3) {
     if (!must) return std::shared_ptr<const PlainStore>();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        who, ": the grouped GEMM's BF16 weight copy needs ", need, " bytes on ",
-        DeviceName(ctx.tensor_device()), ", more than 3/4 of the ", free_bytes, " free"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(who, ": the grouped GEMM's ", fp8 ? "FP8" : "BF16", " weight copy needs ",
+                     need, " bytes on ", DeviceName(ctx.tensor_device()), ", more than 3/4 of the ",
+                     free_bytes, " free"));
   }
   auto store = std::make_shared<PlainStore>();
   store->device = ctx.device();
+  store->fp8 = fp8;
   store->layers.resize(weights->num_layers());
   const cudaStream_t stream = StreamOf(ctx);
   for (int i = 0; i < weights->num_layers(); ++i) {
@@ -134,6 +158,23 @@ absl::StatusOr<std::shared_ptr<const PlainStore>> SharedPlainStore(
     if (l == nullptr) continue;
     auto p = std::make_unique<PlainLayer>();
     const int64_t e = l->num_local_experts;
+    if (fp8 && l->format == WeightFormat::kMXFP8) {
+      p->fp8 = true;
+      const int64_t n13 = e * kernels::PlainFp8W13ElemsPerExpert(l->layout);
+      const int64_t n2 = e * kernels::PlainFp8W2ElemsPerExpert(l->layout);
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->w13, n13));
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->w2, n2));
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaMalloc(&p->w13_scale, n13 / kernels::kMoeFp8ScaleK * sizeof(float)));
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaMalloc(&p->w2_scale, n2 / kernels::kMoeFp8ScaleK * sizeof(float)));
+      MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchUnpackMoeWeightsPlainFp8(
+          static_cast<const uint8_t*>(l->w13), l->w13_scale, static_cast<const uint8_t*>(l->w2),
+          l->w2_scale, e, l->layout, static_cast<uint8_t*>(p->w13), p->w13_scale,
+          static_cast<uint8_t*>(p->w2), p->w2_scale, stream));
+      store->layers[i] = std::move(p);
+      continue;
+    }
     MOESERVE_CUDA_RETURN_IF_ERROR(
         cudaMalloc(&p->w13, e * kernels::PlainW13ElemsPerExpert(l->layout) * 2));
     MOESERVE_CUDA_RETURN_IF_ERROR(
@@ -168,16 +209,28 @@ class CudaGroupedExperts final : public Experts {
   //   [rows, Ip] SiLU-and-mul; decode [rows, Ip] W13 output | FP32 [rows, H] per route.
   // workspace2 (INT32): the routing (counts | offsets | sorted | slot), then the grouped GEMM's
   //   argument arrays and CUTLASS workspace. output: FP32 [M, H], reduced.
+  // W8A8 (MXFP8 layers with options_.fp8_activations), in the same workspace13: E4M3 [rows, K1]
+  //   quantized rows, then the BF16 W2 output [rows, H] | BF16 [rows, 2 Ip] W13 output | E4M3
+  //   [rows, K2] quantized intermediate; workspace2 also holds their FP32 scales (rows * (K1 +
+  //   K2) / 128) after the CUTLASS workspace.
   WorkspaceShapes GetWorkspaceShapes(const MoeProblem& p) const override {
     const int64_t rows = std::max<int64_t>(p.num_tokens * p.topk, 1);
-    const int64_t ip = kernels::MakeMoePackedLayout(p.hidden, p.intermediate).intermediate_padded;
+    const auto l = kernels::MakeMoePackedLayout(p.hidden, p.intermediate);
+    const int64_t ip = l.intermediate_padded;
     const int64_t h = p.hidden;
     WorkspaceShapes s;
-    s.workspace13 = {rows, std::max(h + 3 * ip, ip + 2 * h)};
+    int64_t row_elems = std::max(h + 3 * ip, ip + 2 * h);
+    int64_t scales = 0;
+    if (options_.fp8_activations) {
+      const int64_t k1 = kernels::Fp8PaddedK(l.hidden_padded), k2 = kernels::Fp8PaddedK(ip);
+      row_elems = std::max(row_elems, Fp8RegionA(h, k1) + 2 * ip + k2 / 2);
+      scales = AlignUp(rows * (k1 + k2) / kernels::kMoeFp8ScaleK * 4);
+    }
+    s.workspace13 = {rows, row_elems};
     s.workspace13_dtype = DType::kBF16;
     const int64_t e = p.num_local_experts;
     const int64_t routing = AlignUp((2 * e + 2 + 2 * rows) * 4);
-    s.workspace2 = {(routing + GemmWorkspaceBytes(e)) / 4 + 1};
+    s.workspace2 = {(routing + GemmWorkspaceBytes(e) + scales) / 4 + 1};
     s.workspace2_dtype = DType::kINT32;
     s.output = {p.num_tokens, p.hidden};
     return s;
@@ -192,9 +245,18 @@ class CudaGroupedExperts final : public Experts {
  private:
   int64_t GemmWorkspaceBytes(int64_t e) const {
     if (!grouped_available_) return 0;
-    return AlignUp(static_cast<int64_t>(
-        kernels::MoeGroupedSm90WorkspaceBytes(static_cast<int>(e), ctx_->num_sms())));
+    size_t bytes = kernels::MoeGroupedSm90WorkspaceBytes(static_cast<int>(e), ctx_->num_sms());
+    if (options_.fp8_activations) {
+      bytes = std::max(
+          bytes, kernels::MoeGroupedSm90Fp8WorkspaceBytes(static_cast<int>(e), ctx_->num_sms()));
+    }
+    return AlignUp(static_cast<int64_t>(bytes));
   }
+  // BF16 elements per row of the W8A8 region that holds the quantized rows, then the W2 output.
+  static int64_t Fp8RegionA(int64_t h, int64_t k1) { return std::max(h, k1 / 2); }
+  absl::Status RunGroupedFp8(const ExpertsApplyArgs& args, const DevicePackedLayer& layer,
+                             const PlainLayer& plain, int32_t* counts, int32_t* offsets,
+                             int32_t* sorted, int32_t* slot, void* gemm_ws, size_t gemm_ws_bytes);
   absl::Status RunGrouped(const ExpertsApplyArgs& args, const DevicePackedLayer& layer,
                           const PlainLayer& plain, int32_t* counts, int32_t* offsets,
                           int32_t* sorted, int32_t* slot, void* gemm_ws, size_t gemm_ws_bytes);
@@ -217,7 +279,8 @@ absl::Status CudaGroupedExperts::Init() {
     if (must) return supported;
     return absl::OkStatus();  // crossover: the decode kernels serve every call
   }
-  MOESERVE_ASSIGN_OR_RETURN(plain_, SharedPlainStore(weights_, *ctx_, name(), must));
+  MOESERVE_ASSIGN_OR_RETURN(
+      plain_, SharedPlainStore(weights_, *ctx_, name(), must, options_.fp8_activations));
   grouped_available_ = plain_ != nullptr;
   return absl::OkStatus();
 }
@@ -281,10 +344,15 @@ absl::Status CudaGroupedExperts::Apply(const ExpertsApplyArgs& args) {
                                                         sorted, slot, stream));
   const bool grouped =
       plain != nullptr &&
-      (must || rows >= CudaGroupedCrossoverRoutes(h, l.intermediate, layer->format) * e);
+      (must ||
+       rows >= CudaGroupedCrossoverRoutes(h, l.intermediate, layer->format, plain->fp8) * e);
   if (grouped) {
     const int64_t routing = AlignUp((2 * e + 2 + 2 * rows) * 4);
     char* ws2 = static_cast<char*>(args.workspace2.raw_data());
+    if (plain->fp8) {
+      return RunGroupedFp8(args, *layer, *plain, counts, offsets, sorted, slot, ws2 + routing,
+                           args.workspace2.nbytes() - routing);
+    }
     return RunGrouped(args, *layer, *plain, counts, offsets, sorted, slot, ws2 + routing,
                       args.workspace2.nbytes() - routing);
   }
@@ -339,6 +407,69 @@ absl::Status CudaGroupedExperts::RunGrouped(const ExpertsApplyArgs& args,
       g2, gemm_ws, gemm_ws_bytes, ctx_->device(), ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeUnpermuteReduce(
       x_rows, p.topk_ids.data<int32_t>(), p.topk_weights.data<float>(), offsets, slot, m,
+      static_cast<int>(topk), h, e, args.output.data<float>(), stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroupedExperts::RunGroupedFp8(const ExpertsApplyArgs& args,
+                                               const DevicePackedLayer& layer,
+                                               const PlainLayer& plain, int32_t* counts,
+                                               int32_t* offsets, int32_t* sorted, int32_t* slot,
+                                               void* gemm_ws, size_t gemm_ws_bytes) {
+  const PreparedActivations& p = *args.prepared;
+  const auto& l = layer.layout;
+  const int64_t h = l.hidden, ip = l.intermediate_padded;
+  const int64_t k1 = kernels::Fp8PaddedK(l.hidden_padded), k2 = kernels::Fp8PaddedK(ip);
+  const int e = static_cast<int>(layer.num_local_experts);
+  const int64_t m = p.problem.num_tokens, topk = p.problem.topk, rows = m * topk;
+  const cudaStream_t stream = StreamOf(*ctx_);
+  // workspace13 as GetWorkspaceShapes lays it out; every region starts 16-byte aligned.
+  auto* ws13 = args.workspace13.data<uint16_t>();
+  auto* a1q = reinterpret_cast<uint8_t*>(ws13);                // E4M3 [rows, K1], then:
+  uint16_t* d2 = ws13;                                         // BF16 [rows, H]
+  uint16_t* d1 = ws13 + rows * Fp8RegionA(h, k1);              // BF16 [rows, 2 Ip]
+  auto* a2q = reinterpret_cast<uint8_t*>(d1 + rows * 2 * ip);  // E4M3 [rows, K2]
+  const size_t cutlass_bytes = static_cast<size_t>(GemmWorkspaceBytes(e));
+  if (gemm_ws_bytes < cutlass_bytes + rows * (k1 + k2) / kernels::kMoeFp8ScaleK * 4) {
+    return absl::InternalError(absl::StrCat(name(), ": workspace2 too small for W8A8"));
+  }
+  float* a1s = reinterpret_cast<float*>(static_cast<char*>(gemm_ws) + cutlass_bytes);
+  float* a2s = a1s + rows * (k1 / kernels::kMoeFp8ScaleK);
+  MOESERVE_CUDA_RETURN_IF_ERROR(
+      kernels::LaunchMoeGatherQuantizeRows(p.a1q.data<uint16_t>(), sorted, counts, offsets, e, rows,
+                                           static_cast<int>(topk), h, a1q, a1s, stream));
+  kernels::MoeGroupedSm90Fp8Gemm g1;
+  g1.num_experts = e;
+  g1.expert_counts = counts;
+  g1.expert_offsets = offsets;
+  g1.n = 2 * ip;
+  g1.k = k1;
+  g1.a = a1q;
+  g1.a_scale = a1s;
+  g1.b = static_cast<const uint8_t*>(plain.w13);
+  g1.b_scale = plain.w13_scale;
+  g1.b_expert_stride = kernels::PlainFp8W13ElemsPerExpert(l);
+  g1.d = d1;
+  g1.ldd = 2 * ip;
+  g1.total_rows_hint = rows;
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedSm90Fp8Gemm(
+      g1, gemm_ws, cutlass_bytes, ctx_->device(), ctx_->num_sms(), stream));
+  MOESERVE_CUDA_RETURN_IF_ERROR(
+      kernels::LaunchMoeSiluMulQuantize(d1, counts, offsets, e, rows, ip, a2q, a2s, stream));
+  kernels::MoeGroupedSm90Fp8Gemm g2 = g1;
+  g2.n = h;
+  g2.k = k2;
+  g2.a = a2q;
+  g2.a_scale = a2s;
+  g2.b = static_cast<const uint8_t*>(plain.w2);
+  g2.b_scale = plain.w2_scale;
+  g2.b_expert_stride = kernels::PlainFp8W2ElemsPerExpert(l);
+  g2.d = d2;
+  g2.ldd = h;
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedSm90Fp8Gemm(
+      g2, gemm_ws, cutlass_bytes, ctx_->device(), ctx_->num_sms(), stream));
+  MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeUnpermuteReduce(
+      d2, p.topk_ids.data<int32_t>(), p.topk_weights.data<float>(), offsets, slot, m,
       static_cast<int>(topk), h, e, args.output.data<float>(), stream));
   return absl::OkStatus();
 }

@@ -21,8 +21,14 @@
 // dequantize in registers). Device memory: BF16 weights take twice their size, MXFP8 weights
 // three times. Kind kCrossover makes the copy only when it takes at most 3/4 of the device's
 // free memory (else every call takes the decode path); kind kGrouped fails Create with
-// RESOURCE_EXHAUSTED when it does not fit. (Grouped MXFP8 without the BF16 copy, W8A8 or
-// dequantization in the GEMM's producer, is not done: issue 13.)
+// RESOURCE_EXHAUSTED when it does not fit.
+//
+// W8A8 (options.fp8_activations, opt-in): MXFP8 layers take the grouped path on FP8 tensor cores
+// instead (kernels/cuda/moe_grouped_sm90.cuh, "W8A8"): their copy is plain E4M3 with one FP32
+// scale per row per 128 K (about 1.03x the MXFP8 bytes, not a BF16 copy), and the gathered rows
+// and the SiLU-and-mul output are quantized to E4M3 per row per 128 K on the way in. Not exact
+// against the BF16 path (E4M3 activations: a few percent relative L2, measured in
+// tests/benchmarks/cuda/RESULTS.md); BF16 layers are unaffected.
 //
 // Thread-safety: as every Experts, one caller at a time.
 #ifndef MOESERVE_CORE_CUDA_CUDA_GROUPED_EXPERTS_H_
@@ -46,12 +52,14 @@ absl::Status CudaGroupedSm90Supported(int device);
 
 // Average routes per local expert from which the grouped path is faster than the decode kernels
 // for this expert shape and weight format (a measured table; shapes not in it take the nearest
-// measured one).
-int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightFormat format);
+// measured one). fp8_activations: the W8A8 grouped path's crossover (MXFP8 only).
+int64_t CudaGroupedCrossoverRoutes(int64_t hidden, int64_t intermediate, WeightFormat format,
+                                   bool fp8_activations = false);
 
 struct CudaGroupedExpertsOptions {
   enum class Path { kGrouped, kCrossover };
   Path path = Path::kCrossover;
+  bool fp8_activations = false;                 // W8A8 for MXFP8 layers (above)
   std::string name = "CudaGroupedSm90Experts";  // Experts::name()
 };
 

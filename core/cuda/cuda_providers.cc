@@ -127,6 +127,39 @@ ExpertsProvider CudaGroupedSm90() {
   return p;
 }
 
+// W8A8 for MXFP8 weights (opt-in, not exact against the BF16 path): the FP8 grouped GEMM with
+// activations quantized per row per 128 K above the measured crossover, the decode kernels below
+// it (core/cuda/cuda_grouped_experts.h). Compute capability 9.0 GPUs.
+ExpertsProvider CudaW8A8() {
+  ExpertsProvider p;
+  p.name = "CudaW8A8Experts";
+  p.aliases = {"cuda_w8a8"};
+  p.backend = Backend::kCuda;
+  p.format = ActivationFormat::kStandard;
+  p.supports_ep = true;
+  p.supports = [name = p.name](const EnginePlan& plan) -> absl::Status {
+    MOESERVE_RETURN_IF_ERROR(HiddenMultipleOf8(name, plan));
+    if (plan.weights.format != WeightFormat::kMXFP8) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " serves MXFP8 weights (W8A8); the weights here are ",
+          WeightFormatName(plan.weights.format), " (use --weight_format mxfp8, or experts cuda)"));
+    }
+    const absl::Status s = CudaGroupedSm90Supported(0);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
+    return absl::OkStatus();
+  };
+  p.create = [name = p.name](
+                 const EnginePlan&,
+                 const RankResources& rank) -> absl::StatusOr<std::unique_ptr<Experts>> {
+    CudaGroupedExpertsOptions options;
+    options.path = CudaGroupedExpertsOptions::Path::kCrossover;
+    options.fp8_activations = true;
+    options.name = name;
+    return CreateCudaGroupedExperts(rank.cuda, rank.device_weights, options);
+  };
+  return p;
+}
+
 // core_cuda registers itself: linked whole-archive (moeserve_backends), so this object and its
 // initializer are kept although nothing refers to them.
 const bool kRegistered = [] {
@@ -144,6 +177,7 @@ void RegisterCudaProviders(ProviderRegistry& registry) {
   (void)registry.Register(CudaExperts(ActivationFormat::kStandard));
   (void)registry.Register(CudaExperts(ActivationFormat::kBatchedExperts));
   (void)registry.Register(CudaGroupedSm90());
+  (void)registry.Register(CudaW8A8());
 }
 
 }  // namespace moeserve

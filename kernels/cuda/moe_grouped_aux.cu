@@ -150,6 +150,183 @@ __global__ void UnpermuteReduceKernel(const uint4* __restrict__ d2, const int32_
   }
 }
 
+// ---- W8A8 ----
+
+constexpr float kE4m3Max = 448.0f;
+
+// Fp8PaddedK, callable on the device.
+__host__ __device__ __forceinline__ int64_t PadK128(int64_t k) {
+  return (k + kMoeFp8ScaleK - 1) / kMoeFp8ScaleK * kMoeFp8ScaleK;
+}
+
+__device__ __forceinline__ float E4m3ToFloat(uint8_t v) {
+  return __half2float(
+      __half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), __NV_E4M3)));
+}
+__device__ __forceinline__ uint32_t FloatToE4m3(float f) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3));
+}
+// 2^(code - 127) as a float (code 0: the subnormal 2^-127), NaN for code 255.
+__device__ __forceinline__ float E8m0ToFloat(uint32_t code) {
+  return code == 255 ? __uint_as_float(0x7fc00000u)
+                     : __uint_as_float(code != 0 ? (code << 23) : 0x00400000u);
+}
+
+// One warp per (row, 128-K block) of the plain FP8 layout; lane l holds K [4 l, 4 l + 4) of it,
+// which lie in the 32-block l / 8 of the packed layout.
+__global__ void UnpackFp8Kernel(const uint8_t* __restrict__ pw13, const uint8_t* __restrict__ s13,
+                                const uint8_t* __restrict__ pw2, const uint8_t* __restrict__ s2,
+                                int64_t num_experts, MoePackedLayout l, uint8_t* __restrict__ w13,
+                                float* __restrict__ w13s, uint8_t* __restrict__ w2,
+                                float* __restrict__ w2s) {
+  const int64_t ip = l.intermediate_padded, hp = l.hidden_padded, h = l.hidden;
+  const int64_t k1 = PadK128(hp), k2 = PadK128(ip);
+  const int64_t kb1 = k1 / kMoeFp8ScaleK, kb2 = k2 / kMoeFp8ScaleK;
+  const int64_t n13 = num_experts * 2 * ip * kb1, n2 = num_experts * h * kb2;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < n13 + n2;
+       w += warps) {
+    const bool is13 = w < n13;
+    const int64_t i = is13 ? w : w - n13;
+    const int64_t kb_n = is13 ? kb1 : kb2, n = is13 ? 2 * ip : h, kp = is13 ? hp : ip;
+    const int64_t kb = i % kb_n, r = (i / kb_n) % n, e = i / (kb_n * n);
+    int64_t prow = r;
+    if (is13) {  // packed W13 rows come in groups of 16: 8 gate rows, then the 8 matching up rows
+      const int64_t j = r % ip;
+      prow = (j / 8) * 16 + (r >= ip ? 8 : 0) + j % 8;
+    }
+    const int64_t rows = is13 ? 2 * ip : l.w2_rows;
+    const uint8_t* pw = is13 ? pw13 : pw2;
+    const uint8_t* ps = is13 ? s13 : s2;
+    const int64_t k0 = kb * kMoeFp8ScaleK + 4 * lane;
+    // A 32-block's code counts where the block holds logical K (padding blocks' codes do not).
+    const bool present = k0 / 32 * 32 < (is13 ? h : l.intermediate);
+    uint32_t code = 0;
+    if (present) {
+      const int64_t mtiles = rows / kMoeGemmTileRows, num_kb = kp / kMoeGemmTileK;
+      code = ps[(((e * mtiles + prow / 128) * num_kb + k0 / 64) * 128 + prow % 128) * 2 +
+                (k0 / 32) % 2];
+    }
+    const uint32_t cmax = __reduce_max_sync(0xffffffffu, code);
+    uint32_t packed = 0;
+    if (present) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float f = E4m3ToFloat(pw[PackedIndex(e, prow, k0 + q, rows, kp, true)]);
+        packed |= FloatToE4m3(ldexpf(f, static_cast<int>(code) - static_cast<int>(cmax)))
+                  << (8 * q);
+      }
+    }
+    uint8_t* dst = (is13 ? w13 : w2) + (e * n + r) * (is13 ? k1 : k2) + k0;
+    *reinterpret_cast<uint32_t*>(dst) = packed;
+    if (lane == 0) (is13 ? w13s : w2s)[(e * kb_n + kb) * n + r] = E8m0ToFloat(cmax);
+  }
+}
+
+// Scale slot of row p, K block kb, in the per-expert [kb_n, count] layout of
+// LaunchMoeGatherQuantizeRows (expert: the last e with offsets[e] <= p; p < offsets[E]).
+__device__ __forceinline__ int64_t ActScaleIndex(int64_t p, int64_t kb, int64_t kb_n,
+                                                 const int32_t* counts, const int32_t* offsets,
+                                                 int num_experts) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= p) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int64_t o = offsets[lo];
+  return o * kb_n + kb * counts[lo] + (p - o);
+}
+
+// Quantizes a warp's 128 values (4 per lane) to E4M3 with scale amax / 448; the block's scale is
+// NaN when any value is NaN. Returns the lane's 4 codes, packed.
+__device__ __forceinline__ uint32_t QuantizeBlock(const float (&v)[4], float* scale) {
+  float amax = 0.0f;
+  bool nan = false;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    amax = fmaxf(amax, fabsf(v[q]));
+    nan |= v[q] != v[q];
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+  nan = __any_sync(0xffffffffu, nan);
+  const float inv = amax > 0.0f ? kE4m3Max / amax : 0.0f;
+  uint32_t packed = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) packed |= FloatToE4m3(v[q] * inv) << (8 * q);
+  *scale = nan ? __uint_as_float(0x7fc00000u) : amax / kE4m3Max;
+  return packed;
+}
+
+__global__ void GatherQuantizeKernel(const uint16_t* __restrict__ x,
+                                     const int32_t* __restrict__ sorted,
+                                     const int32_t* __restrict__ counts,
+                                     const int32_t* __restrict__ offsets, int num_experts,
+                                     int64_t max_rows, int topk, int64_t h,
+                                     uint8_t* __restrict__ aq, float* __restrict__ as) {
+  const int64_t rows = min(static_cast<int64_t>(offsets[num_experts]), max_rows);
+  const int64_t kp = PadK128(h), kb_n = kp / kMoeFp8ScaleK;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+       w < rows * kb_n; w += warps) {
+    const int64_t p = w / kb_n, kb = w % kb_n, k0 = kb * kMoeFp8ScaleK + 4 * lane;
+    float v[4] = {0, 0, 0, 0};
+    if (k0 < h) {  // h % 8 == 0: a lane's 4 values are all in or all out
+      const uint2 raw =
+          *reinterpret_cast<const uint2*>(x + static_cast<int64_t>(sorted[p] / topk) * h + k0);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    }
+    float scale;
+    const uint32_t packed = QuantizeBlock(v, &scale);
+    *reinterpret_cast<uint32_t*>(aq + p * kp + k0) = packed;
+    if (lane == 0) as[ActScaleIndex(p, kb, kb_n, counts, offsets, num_experts)] = scale;
+  }
+}
+
+__global__ void SiluMulQuantizeKernel(const uint16_t* __restrict__ d1,
+                                      const int32_t* __restrict__ counts,
+                                      const int32_t* __restrict__ offsets, int num_experts,
+                                      int64_t max_rows, int64_t ip, uint8_t* __restrict__ aq,
+                                      float* __restrict__ as) {
+  const int64_t rows = min(static_cast<int64_t>(offsets[num_experts]), max_rows);
+  const int64_t kp = PadK128(ip), kb_n = kp / kMoeFp8ScaleK;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+       w < rows * kb_n; w += warps) {
+    const int64_t p = w / kb_n, kb = w % kb_n, k0 = kb * kMoeFp8ScaleK + 4 * lane;
+    float v[4] = {0, 0, 0, 0};
+    if (k0 < ip) {
+      const uint2 g = *reinterpret_cast<const uint2*>(d1 + p * 2 * ip + k0);
+      const uint2 u = *reinterpret_cast<const uint2*>(d1 + p * 2 * ip + ip + k0);
+      const float2 g0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g.x));
+      const float2 g1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g.y));
+      const float2 u0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 u1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      v[0] = SiluMul(g0.x, u0.x), v[1] = SiluMul(g0.y, u0.y);
+      v[2] = SiluMul(g1.x, u1.x), v[3] = SiluMul(g1.y, u1.y);
+    }
+    float scale;
+    const uint32_t packed = QuantizeBlock(v, &scale);
+    *reinterpret_cast<uint32_t*>(aq + p * kp + k0) = packed;
+    if (lane == 0) as[ActScaleIndex(p, kb, kb_n, counts, offsets, num_experts)] = scale;
+  }
+}
+
+// Blocks for a warp-per-item kernel: 8 warps each, at most 8192 blocks (they stride beyond).
+int WarpGrid(int64_t items) {
+  const int64_t blocks = (items + kThreads / 32 - 1) / (kThreads / 32);
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > 8192 ? 8192 : blocks));
+}
+
 }  // namespace
 
 cudaError_t LaunchUnpackMoeWeightsPlain(const void* packed_w13, const uint8_t* packed_w13_scale,
@@ -210,6 +387,50 @@ cudaError_t LaunchMoeUnpermuteReduce(const uint16_t* d2, const int32_t* topk_ids
   UnpermuteReduceKernel<<<GridFor(num_tokens * chunks), kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(d2), topk_ids, topk_weights, expert_offsets, route_slot,
       num_tokens, topk, chunks, num_experts, reinterpret_cast<float4*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchUnpackMoeWeightsPlainFp8(const uint8_t* packed_w13,
+                                           const uint8_t* packed_w13_scale,
+                                           const uint8_t* packed_w2, const uint8_t* packed_w2_scale,
+                                           int64_t num_experts, const MoePackedLayout& layout,
+                                           uint8_t* w13, float* w13_scale, uint8_t* w2,
+                                           float* w2_scale, cudaStream_t stream) {
+  if (packed_w13_scale == nullptr || packed_w2_scale == nullptr || num_experts < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t items = num_experts *
+                        (2 * layout.intermediate_padded * Fp8PaddedK(layout.hidden_padded) +
+                         layout.hidden * Fp8PaddedK(layout.intermediate_padded)) /
+                        kMoeFp8ScaleK;
+  if (items == 0) return cudaSuccess;
+  UnpackFp8Kernel<<<WarpGrid(items), kThreads, 0, stream>>>(packed_w13, packed_w13_scale, packed_w2,
+                                                            packed_w2_scale, num_experts, layout,
+                                                            w13, w13_scale, w2, w2_scale);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMoeGatherQuantizeRows(const uint16_t* x, const int32_t* sorted_routes,
+                                        const int32_t* expert_counts, const int32_t* expert_offsets,
+                                        int num_experts, int64_t max_rows, int topk, int64_t h,
+                                        uint8_t* a1q, float* a1_scale, cudaStream_t stream) {
+  if (h % 8 != 0 || topk <= 0 || num_experts <= 0) return cudaErrorInvalidValue;
+  if (max_rows == 0 || h == 0) return cudaSuccess;
+  GatherQuantizeKernel<<<WarpGrid(max_rows * (Fp8PaddedK(h) / kMoeFp8ScaleK)), kThreads, 0,
+                         stream>>>(x, sorted_routes, expert_counts, expert_offsets, num_experts,
+                                   max_rows, topk, h, a1q, a1_scale);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMoeSiluMulQuantize(const uint16_t* d1, const int32_t* expert_counts,
+                                     const int32_t* expert_offsets, int num_experts,
+                                     int64_t max_rows, int64_t ip, uint8_t* a2q, float* a2_scale,
+                                     cudaStream_t stream) {
+  if (ip % 8 != 0 || num_experts <= 0) return cudaErrorInvalidValue;
+  if (max_rows == 0 || ip == 0) return cudaSuccess;
+  SiluMulQuantizeKernel<<<WarpGrid(max_rows * (Fp8PaddedK(ip) / kMoeFp8ScaleK)), kThreads, 0,
+                          stream>>>(d1, expert_counts, expert_offsets, num_experts, max_rows, ip,
+                                    a2q, a2_scale);
   return cudaGetLastError();
 }
 

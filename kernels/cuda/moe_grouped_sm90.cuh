@@ -119,6 +119,90 @@ cudaError_t LaunchMoeUnpermuteReduce(const uint16_t* d2, const int32_t* topk_ids
                                      const int32_t* route_slot, int64_t num_tokens, int topk,
                                      int64_t h, int num_experts, float* out, cudaStream_t stream);
 
+// ---- W8A8: MXFP8 weights and activations quantized to FP8 on the fly (issue 13) ----
+//
+// The same MLP with both GEMMs on FP8 tensor cores (CUTLASS's sm90 ptr-array grouped GEMM with
+// blockwise scaling: FP8 wgmma, each 128-deep K block's partial sum promoted to FP32 times its two
+// scales). Scales are FP32, one per row per 128 K:
+//   activations: LaunchMoeGatherQuantizeRows / LaunchMoeSiluMulQuantize quantize each 128 K
+//     block of a row to E4M3 with scale amax / 448 (a block with a NaN gets a NaN scale);
+//   weights: LaunchUnpackMoeWeightsPlainFp8 turns each row's four E8M0 32-block scales into one
+//     scale per 128 (the largest of the four) and shifts the values of the other blocks by the
+//     power of two between them, rounding to E4M3 (exact unless a value falls below E4M3's
+//     normal range there).
+// Not exact against the BF16 path: the activations carry E4M3's 3 mantissa bits (about 2-4%
+// relative L2 on a layer; measured in tests/benchmarks/cuda/RESULTS.md). Hence opt-in.
+//
+// K of the FP8 path is padded to the 128-wide scale block with zeros.
+inline constexpr int64_t kMoeFp8ScaleK = 128;
+inline int64_t Fp8PaddedK(int64_t k) {
+  return (k + kMoeFp8ScaleK - 1) / kMoeFp8ScaleK * kMoeFp8ScaleK;
+}
+// Plain FP8 weights (E4M3, row-major, K contiguous) and their scales (FP32, row index fastest:
+// CUTLASS's MN-major scale layout):
+//   w13 [E, 2 Ip, K1], K1 = Fp8PaddedK(Hp); w13 scales [E, K1 / 128, 2 Ip]
+//   w2  [E, H, K2],    K2 = Fp8PaddedK(Ip); w2 scales  [E, K2 / 128, H]
+inline int64_t PlainFp8W13ElemsPerExpert(const MoePackedLayout& l) {
+  return 2 * l.intermediate_padded * Fp8PaddedK(l.hidden_padded);
+}
+inline int64_t PlainFp8W2ElemsPerExpert(const MoePackedLayout& l) {
+  return l.hidden * Fp8PaddedK(l.intermediate_padded);
+}
+
+// Packed MXFP8 weights (LaunchPackMoeW13 / W2 layout, with scales) -> the plain FP8 layout above.
+cudaError_t LaunchUnpackMoeWeightsPlainFp8(const uint8_t* packed_w13,
+                                           const uint8_t* packed_w13_scale,
+                                           const uint8_t* packed_w2, const uint8_t* packed_w2_scale,
+                                           int64_t num_experts, const MoePackedLayout& layout,
+                                           uint8_t* w13, float* w13_scale, uint8_t* w2,
+                                           float* w2_scale, cudaStream_t stream);
+
+// Activation scales of a grouped FP8 GEMM over K (kb = K / 128 blocks): expert e's rows
+// [o, o + c) (o = offsets[e], c = counts[e]) own scales [o * kb, (o + c) * kb), row r of the
+// expert's block j at o * kb + j * c + r (the expert's [kb, c] matrix, row index fastest).
+//
+// a1q[p, :] = E4M3(x[sorted_routes[p] / topk, :] / s[p, j]) for p < offsets[num_experts], K
+// padded to kp = Fp8PaddedK(h) with zeros; s in the layout above. x [M, h] BF16, h % 8 == 0.
+cudaError_t LaunchMoeGatherQuantizeRows(const uint16_t* x, const int32_t* sorted_routes,
+                                        const int32_t* expert_counts, const int32_t* expert_offsets,
+                                        int num_experts, int64_t max_rows, int topk, int64_t h,
+                                        uint8_t* a1q, float* a1_scale, cudaStream_t stream);
+
+// a2 = silu(d1[:, :ip]) * d1[:, ip:] (FP32) quantized as above to a2q [R, Fp8PaddedK(ip)] E4M3
+// and its scales; d1 [R, 2 ip] BF16, ip % 8 == 0.
+cudaError_t LaunchMoeSiluMulQuantize(const uint16_t* d1, const int32_t* expert_counts,
+                                     const int32_t* expert_offsets, int num_experts,
+                                     int64_t max_rows, int64_t ip, uint8_t* a2q, float* a2_scale,
+                                     cudaStream_t stream);
+
+// One grouped FP8 GEMM: for expert e with c = counts[e] rows from row o = offsets[e]:
+//   d[o + i, j] = sum over K blocks b of sa(i, b) * sb_e(j, b) * sum_{k in b} a[o + i, k] * w_e[j,
+//   k]
+// a E4M3 [R, k] (lda = k), its scales as LaunchMoeGatherQuantizeRows lays them out; w_e = b +
+// e * b_expert_stride E4M3 [n, k] (ldb = k), its scales b_scale + e * (k / 128) * n, [k / 128,
+// n]; d BF16, rows ldd apart. k % 128 == 0, n % 8 == 0 (16-byte rows of d), ldd % 8 == 0.
+struct MoeGroupedSm90Fp8Gemm {
+  int num_experts = 0;
+  const int32_t* expert_counts = nullptr;   // [E]
+  const int32_t* expert_offsets = nullptr;  // [E]
+  int64_t n = 0, k = 0;
+  const uint8_t* a = nullptr;
+  const float* a_scale = nullptr;
+  const uint8_t* b = nullptr;
+  const float* b_scale = nullptr;
+  int64_t b_expert_stride = 0;  // elements
+  uint16_t* d = nullptr;
+  int64_t ldd = 0;
+  int64_t total_rows_hint = 0;  // as MoeGroupedSm90Gemm's: picks the tile rows
+};
+
+size_t MoeGroupedSm90Fp8WorkspaceBytes(int num_experts, int num_sms);
+
+// Asynchronous on `stream`; cudaErrorNotSupported where MoeGroupedSm90Unsupported(device) says so.
+cudaError_t LaunchMoeGroupedSm90Fp8Gemm(const MoeGroupedSm90Fp8Gemm& g, void* workspace,
+                                        size_t workspace_bytes, int device, int num_sms,
+                                        cudaStream_t stream);
+
 }  // namespace moeserve::kernels
 
 #endif  // MOESERVE_KERNELS_CUDA_MOE_GROUPED_SM90_CUH_

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "kernels/cpu/dtype_convert.h"
 #include "kernels/cpu/moe_ref.h"
 #include "kernels/cpu/moe_routing_ref.h"
+#include "kernels/cpu/mxfp8.h"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_grouped_sm90.cuh"
@@ -671,6 +673,163 @@ TEST_F(CudaKernelsTest, GroupedSm90GemmMatchesReference) {
   g.ldd = n + 4;  // not a multiple of 8 elements
   EXPECT_EQ(LaunchMoeGroupedSm90Gemm(g, ws.p, ws_bytes, 0, num_sms, nullptr),
             cudaErrorInvalidValue);
+}
+
+// The FP8 grouped GEMM with blockwise scaling (W8A8) on its own, against a double-precision host
+// GEMM of the same E4M3 codes and FP32 scales: experts of 300 / 0 / 1 / 129 / 64 rows, K = 256
+// (two scale blocks), N = 384; both tile configurations; rows past the last expert poisoned and
+// untouched. Tolerance: relative L2 4e-3 (one BF16 rounding of the output). Bad arguments
+// (K not a multiple of 128, no scales, misaligned ldd) are refused.
+TEST_F(CudaKernelsTest, GroupedSm90Fp8GemmMatchesReference) {
+  if (const char* why = MoeGroupedSm90Unsupported(0)) GTEST_SKIP() << why;
+  std::mt19937 rng(61);
+  std::uniform_int_distribution<int> code(0, 255);
+  std::uniform_real_distribution<float> sd(0.25f, 4.0f);
+  const std::vector<int32_t> counts = {300, 0, 1, 129, 64};
+  const int e = static_cast<int>(counts.size());
+  const int64_t k = 256, n = 384, kb = k / kMoeFp8ScaleK, guard = 8;
+  std::vector<int32_t> offsets(e);
+  int64_t rows = 0;
+  for (int x = 0; x < e; ++x) {
+    offsets[x] = static_cast<int32_t>(rows);
+    rows += counts[x];
+  }
+  auto e4m3 = [&] {
+    uint8_t c = static_cast<uint8_t>(code(rng));
+    return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c - 1) : c;  // no NaN
+  };
+  std::vector<uint8_t> a(rows * k), b(e * n * k);
+  for (auto& v : a) v = e4m3();
+  for (auto& v : b) v = e4m3();
+  // Activation scales in the per-expert [kb, count] layout; weight scales [E, kb, n].
+  std::vector<float> sa(rows * kb), sb(e * kb * n);
+  for (auto& v : sa) v = sd(rng) / 448.0f;
+  for (auto& v : sb) v = sd(rng) / 448.0f;
+  std::vector<float> ref(rows * n);
+  for (int x = 0; x < e; ++x) {
+    for (int64_t i = 0; i < counts[x]; ++i) {
+      const int64_t r = offsets[x] + i;
+      for (int64_t j = 0; j < n; ++j) {
+        double acc = 0;
+        for (int64_t blk = 0; blk < kb; ++blk) {
+          double part = 0;
+          for (int64_t q = blk * 128; q < (blk + 1) * 128; ++q) {
+            part += double(E4M3ToFloat(a[r * k + q])) * E4M3ToFloat(b[(x * n + j) * k + q]);
+          }
+          acc += part * sa[offsets[x] * kb + blk * counts[x] + i] * sb[(x * kb + blk) * n + j];
+        }
+        ref[r * n + j] = static_cast<float>(acc);
+      }
+    }
+  }
+  const int num_sms = NumSms();
+  Dev<uint8_t> d_a(a), d_b(b);
+  Dev<float> d_sa(sa), d_sb(sb);
+  Dev<int32_t> d_counts(counts), d_offsets(offsets);
+  const size_t ws_bytes = MoeGroupedSm90Fp8WorkspaceBytes(e, num_sms);
+  Dev<uint8_t> ws(ws_bytes);
+  MoeGroupedSm90Fp8Gemm g;
+  g.num_experts = e;
+  g.expert_counts = d_counts.p;
+  g.expert_offsets = d_offsets.p;
+  g.n = n;
+  g.k = k;
+  g.a = d_a.p;
+  g.a_scale = d_sa.p;
+  g.b = d_b.p;
+  g.b_scale = d_sb.p;
+  g.b_expert_stride = n * k;
+  g.ldd = n;
+  for (const int64_t hint : {rows, int64_t{8}}) {  // 128-row tiles, then the 64-row ones
+    g.total_rows_hint = hint;
+    Dev<uint16_t> d((rows + guard) * n);  // poisoned 0xABAB
+    g.d = d.p;
+    EXPECT_EQ(LaunchMoeGroupedSm90Fp8Gemm(g, ws.p, ws_bytes, 0, num_sms, nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> raw = d.Get();
+    int64_t touched = 0;
+    for (int64_t i = rows * n; i < (rows + guard) * n; ++i) touched += raw[i] != 0xABAB;
+    EXPECT_EQ(touched, 0) << "hint " << hint << ": rows past the last expert were written";
+    std::vector<float> got(rows * n);
+    for (int64_t i = 0; i < rows * n; ++i) got[i] = Bf16ToFloat(raw[i]);
+    EXPECT_LT(RelL2(got, ref), 4e-3) << "hint " << hint;
+  }
+  MoeGroupedSm90Fp8Gemm bad = g;
+  bad.k = 200;
+  EXPECT_EQ(LaunchMoeGroupedSm90Fp8Gemm(bad, ws.p, ws_bytes, 0, num_sms, nullptr),
+            cudaErrorInvalidValue);
+  bad = g;
+  bad.a_scale = nullptr;
+  EXPECT_EQ(LaunchMoeGroupedSm90Fp8Gemm(bad, ws.p, ws_bytes, 0, num_sms, nullptr),
+            cudaErrorInvalidValue);
+  bad = g;
+  bad.ldd = n + 4;
+  EXPECT_EQ(LaunchMoeGroupedSm90Fp8Gemm(bad, ws.p, ws_bytes, 0, num_sms, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchMoeGroupedSm90Fp8Gemm(g, ws.p, ws_bytes - 256, 0, num_sms, nullptr),
+            cudaErrorInvalidValue);
+}
+
+// LaunchMoeGatherQuantizeRows equals its definition bit for bit: rows gathered by the sorted
+// routes, each 128 K block to E4M3 at 448 / amax, scale amax / 448 in the per-expert layout; K
+// padded with zero codes (h = 200 -> 256); an all-zero row (scale 0, codes 0) and a row with a
+// NaN (its block's scale NaN).
+TEST_F(CudaKernelsTest, GatherQuantizeRowsMatchesDefinition) {
+  std::mt19937 rng(67);
+  std::normal_distribution<float> nd;
+  const int64_t m = 40, h = 200, kp = Fp8PaddedK(h), kb = kp / kMoeFp8ScaleK;
+  const int topk = 2, e = 3;
+  std::vector<uint16_t> x(m * h);
+  for (auto& v : x) v = FloatToBf16(std::ldexp(nd(rng), static_cast<int>(rng() % 9) - 4));
+  for (int64_t i = 0; i < h; ++i) x[5 * h + i] = 0;  // token 5: zeros
+  x[7 * h + 150] = 0x7fc0;                           // token 7: a NaN in block 1
+  // Routes: token t, slot s -> expert (t + s) % e; grouped by expert, ascending route.
+  std::vector<int32_t> counts(e, 0), offsets(e + 1, 0), sorted;
+  for (int x_ = 0; x_ < e; ++x_) {
+    offsets[x_] = static_cast<int32_t>(sorted.size());
+    for (int64_t r = 0; r < m * topk; ++r) {
+      if ((r / topk + r % topk) % e == x_) sorted.push_back(static_cast<int32_t>(r));
+    }
+    counts[x_] = static_cast<int32_t>(sorted.size()) - offsets[x_];
+  }
+  offsets[e] = static_cast<int32_t>(sorted.size());
+  const int64_t rows = m * topk;
+  Dev<uint16_t> d_x(x);
+  Dev<int32_t> d_sorted(sorted), d_counts(counts), d_offsets(offsets);
+  Dev<uint8_t> d_q(rows * kp);
+  Dev<float> d_s(rows * kb);
+  ASSERT_EQ(LaunchMoeGatherQuantizeRows(d_x.p, d_sorted.p, d_counts.p, d_offsets.p, e, rows, topk,
+                                        h, d_q.p, d_s.p, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> q = d_q.Get();
+  const std::vector<float> sc = d_s.Get();
+  int64_t bad_codes = 0, bad_scales = 0;
+  for (int x_ = 0; x_ < e; ++x_) {
+    for (int64_t i = 0; i < counts[x_]; ++i) {
+      const int64_t p = offsets[x_] + i, t = sorted[p] / topk;
+      for (int64_t blk = 0; blk < kb; ++blk) {
+        float amax = 0;
+        bool nan = false;
+        for (int64_t c = blk * 128; c < std::min(h, (blk + 1) * 128); ++c) {
+          const float v = Bf16ToFloat(x[t * h + c]);
+          amax = std::max(amax, std::fabs(v));
+          nan |= std::isnan(v);
+        }
+        const float inv = amax > 0 ? 448.0f / amax : 0.0f;
+        const float want_scale = amax / 448.0f;
+        const float got_scale = sc[offsets[x_] * kb + blk * counts[x_] + i];
+        bad_scales += nan ? !std::isnan(got_scale) : got_scale != want_scale;
+        if (nan) continue;
+        for (int64_t c = blk * 128; c < (blk + 1) * 128; ++c) {
+          const uint8_t want = c < h ? FloatToE4M3(Bf16ToFloat(x[t * h + c]) * inv) : 0;
+          bad_codes += q[p * kp + c] != want;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad_codes, 0);
+  EXPECT_EQ(bad_scales, 0);
 }
 
 // The answer's FP32 -> BF16 / FP16 conversion and the FP16 -> BF16 input conversion on the device

@@ -4,6 +4,7 @@
 // backend must be refused with FAILED_PRECONDITION and "auto" must pick cpu (those run in CI).
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -393,6 +394,71 @@ TEST(EngineCuda, GroupedSm90ProviderRefusesWithReason) {
   } else {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(s.message(), HasSubstr("unavailable on CUDA device 0"));
+  }
+}
+
+// W8A8 (cuda_w8a8): MXFP8 weights only; on BF16 weights the provider says so (runs in CI).
+TEST(EngineCuda, W8A8ProviderRefusesBf16Weights) {
+  const ExpertsProvider* p = ProviderRegistry::Global().FindExperts("cuda_w8a8");
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(p->name, "CudaW8A8Experts");
+  EnginePlan plan;
+  plan.model = Small("cuda", "cuda_w8a8", WeightFormat::kBF16).model;
+  plan.backend = Backend::kCuda;
+  plan.weights.format = WeightFormat::kBF16;
+  const absl::Status s = p->Supports(plan);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("serves MXFP8 weights"));
+  plan.weights.format = WeightFormat::kMXFP8;
+  const absl::Status m = p->Supports(plan);
+  if (CudaGroupedSm90Supported(0).ok()) {
+    EXPECT_TRUE(m.ok()) << m;
+  } else {
+    EXPECT_EQ(m.code(), absl::StatusCode::kInvalidArgument) << m;
+    EXPECT_THAT(m.message(), HasSubstr("unavailable on CUDA device 0"));
+  }
+}
+
+// W8A8 through the engine, on both sides of its crossover (decode kernels at 1 token, the FP8
+// grouped GEMM from its crossover), against the CPU reference. Tolerance: relative L2 <
+// kW8A8Tolerance where the FP8 path ran (E4M3 activations; tests/cuda/cuda_experts_test.cc says
+// why), the BF16 one below.
+TEST(EngineCuda, W8A8MatchesCpuReference) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!CudaGroupedSm90Supported(0).ok()) GTEST_SKIP() << CudaGroupedSm90Supported(0);
+  constexpr double kW8A8Tolerance = 6e-2;
+  auto reference = Engine::Create(Small("cpu", "reference", WeightFormat::kMXFP8));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EngineOptions o = Small("cuda", "cuda_w8a8", WeightFormat::kMXFP8);
+  o.num_ranks = 1;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->info().experts, "CudaW8A8Experts");
+  const ModelConfig& model = (*engine)->info().model;
+  std::mt19937 rng(7);
+  for (int64_t m : {1, 37, 512, 4096}) {
+    for (Routing routing : {Routing::kUniform, Routing::kHotExpert}) {
+      SCOPED_TRACE(absl::StrCat("M=", m, " ", ep_testing::RoutingName(routing)));
+      const Tensor x = ToBf16(ep_testing::RandomNormal({m, model.hidden}, rng));
+      const Tensor ids =
+          ep_testing::MakeRouting(routing, m, model.topk, model.num_experts, {3, 4, 5, 6}, rng);
+      const Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+      ForwardInput in{
+          .layer = 1, .hidden_states = x.view(), .topk_ids = ids.view(), .topk_weights = w.view()};
+      Tensor got = Tensor::Empty(DType::kBF16, {m, model.hidden});
+      Tensor want = Tensor::Empty(DType::kBF16, {m, model.hidden});
+      ASSERT_TRUE((*engine)->Forward(in, got.view()).ok());
+      ASSERT_TRUE((*reference)->Forward(in, want.view()).ok());
+      const std::vector<float> g = Bf16ToFloats(got), r = Bf16ToFloats(want);
+      const double err = ep_testing::RelativeL2Error(g.data(), r.data(), g.size());
+      const bool fp8_path =
+          m * model.topk >=
+          CudaGroupedCrossoverRoutes(model.hidden, model.intermediate, WeightFormat::kMXFP8, true) *
+              model.num_experts;
+      EXPECT_LT(err, fp8_path ? kW8A8Tolerance : kBf16Tolerance);
+      std::printf("w8a8 engine M=%lld %s rel_l2 %.5f (%s)\n", static_cast<long long>(m),
+                  ep_testing::RoutingName(routing), err, fp8_path ? "fp8 grouped" : "decode");
+    }
   }
 }
 

@@ -7,10 +7,13 @@
 //                 unpermute with the top-k weighting and reduction (sm_90a;
 //                 kernels/cuda/moe_grouped_sm90.cuh), everything up to the reduced FP32 output;
 //                 MXFP8 weights through their BF16 copy (dequantized once, before timing)
+//   path w8a8:    MXFP8 only: the grouped path on FP8 tensor cores (W8A8: the gathered rows and
+//                 the SiLU-and-mul output quantized to E4M3 per row per 128 K by their kernels;
+//                 weights in their plain FP8 copy, made once before timing)
 // Prints CSV lines:
 //   layer,format,tokens,routing,median_us,weight_bytes,routes,path
 // Environment (optional): MOESERVE_BENCH_TOKENS=16,64,... (default 16,32,64,128,256,1024),
-// MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped,
+// MOESERVE_BENCH_FORMATS=bf16,mxfp8, MOESERVE_BENCH_PATHS=decode,grouped,w8a8,
 // MOESERVE_BENCH_ROUTING=balanced,hot (e.g. to point Nsight Compute at one routing's launches;
 // also "random": every token's top-k experts drawn uniformly without repeats, so that counts
 // vary around the average as real routing does; balanced gives every expert the same count),
@@ -117,9 +120,11 @@ int main(int argc, char** argv) {
   const std::vector<std::string> routings = EnvList("MOESERVE_BENCH_ROUTING", "balanced,hot");
   int device = 0;
   CK(cudaGetDevice(&device));
-  if (Has(paths, "grouped") && MoeGroupedSm90Unsupported(device) != nullptr) {
-    std::fprintf(stderr, "grouped path skipped: %s\n", MoeGroupedSm90Unsupported(device));
-    paths.erase(std::find(paths.begin(), paths.end(), "grouped"));
+  for (const char* p : {"grouped", "w8a8"}) {
+    if (Has(paths, p) && MoeGroupedSm90Unsupported(device) != nullptr) {
+      std::fprintf(stderr, "%s path skipped: %s\n", p, MoeGroupedSm90Unsupported(device));
+      paths.erase(std::find(paths.begin(), paths.end(), p));
+    }
   }
   // The decode GEMMs' split-K workspace, as the server's Experts pass it (MOESERVE_BENCH_SPLIT_K=0:
   // none, the launches before split-K).
@@ -163,6 +168,24 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&p2, E * PlainW2ElemsPerExpert(l) * 2));
         CK(cudaMalloc(&gws, gws_bytes));
         CK(LaunchUnpackMoeWeightsPlain(w13, s13, w2, s2, E, l, es, p13, p2, stream));
+      }
+      // The W8A8 path's plain FP8 copy and scales (MXFP8 only).
+      const bool w8a8 = fp8 && Has(paths, "w8a8");
+      const int64_t k1 = Fp8PaddedK(l.hidden_padded), k2 = Fp8PaddedK(l.intermediate_padded);
+      uint8_t *f13 = nullptr, *f2 = nullptr;
+      float *f13s = nullptr, *f2s = nullptr;
+      void* fws = nullptr;
+      const size_t fws_bytes = w8a8 ? MoeGroupedSm90Fp8WorkspaceBytes(E, num_sms) : 0;
+      if (w8a8) {
+        const int64_t e13 = E * PlainFp8W13ElemsPerExpert(l), e2 = E * PlainFp8W2ElemsPerExpert(l);
+        CK(cudaMalloc(&f13, e13));
+        CK(cudaMalloc(&f2, e2));
+        CK(cudaMalloc(&f13s, e13 / kMoeFp8ScaleK * 4));
+        CK(cudaMalloc(&f2s, e2 / kMoeFp8ScaleK * 4));
+        CK(cudaMalloc(&fws, fws_bytes));
+        CK(LaunchUnpackMoeWeightsPlainFp8(static_cast<const uint8_t*>(w13), s13,
+                                          static_cast<const uint8_t*>(w2), s2, E, l, f13, f13s, f2,
+                                          f2s, stream));
       }
       for (int tokens : token_list) {
         // mode 0 balanced, 1 hot (expert 0 in every token), 2 random; the seed as before.
@@ -241,7 +264,15 @@ int main(int argc, char** argv) {
           // reduced FP32 [tokens, H] and router weights.
           uint16_t *xr = nullptr, *d1 = nullptr, *a2 = nullptr;
           float *reduced = nullptr, *tw = nullptr;
-          if (grouped) {
+          uint8_t *a1q = nullptr, *a2q = nullptr;
+          float *a1s = nullptr, *a2s = nullptr;
+          if (w8a8) {
+            CK(cudaMalloc(&a1q, R * k1));
+            CK(cudaMalloc(&a2q, R * k2));
+            CK(cudaMalloc(&a1s, R * (k1 / kMoeFp8ScaleK) * 4));
+            CK(cudaMalloc(&a2s, R * (k2 / kMoeFp8ScaleK) * 4));
+          }
+          if (grouped || w8a8) {
             CK(cudaMalloc(&xr, R * s.h * 2));
             CK(cudaMalloc(&d1, R * 2 * l.intermediate_padded * 2));
             CK(cudaMalloc(&a2, R * l.intermediate_padded * 2));
@@ -277,11 +308,36 @@ int main(int argc, char** argv) {
           q2.b_expert_stride = PlainW2ElemsPerExpert(l);
           q2.d = xr;
           q2.ldd = s.h;
+          MoeGroupedSm90Fp8Gemm f1;
+          f1.num_experts = E;
+          f1.expert_counts = counts;
+          f1.expert_offsets = offsets;
+          f1.n = 2 * l.intermediate_padded;
+          f1.k = k1;
+          f1.a = a1q;
+          f1.a_scale = a1s;
+          f1.b = f13;
+          f1.b_scale = f13s;
+          f1.b_expert_stride = PlainFp8W13ElemsPerExpert(l);
+          f1.d = d1;
+          f1.ldd = 2 * l.intermediate_padded;
+          f1.total_rows_hint = q1.total_rows_hint;
+          MoeGroupedSm90Fp8Gemm f2g = f1;
+          f2g.n = s.h;
+          f2g.k = k2;
+          f2g.a = a2q;
+          f2g.a_scale = a2s;
+          f2g.b = f2;
+          f2g.b_scale = f2s;
+          f2g.b_expert_stride = PlainFp8W2ElemsPerExpert(l);
+          f2g.d = xr;
+          f2g.ldd = s.h;
           cudaEvent_t e0, e1;
           CK(cudaEventCreate(&e0));
           CK(cudaEventCreate(&e1));
           for (const std::string& path : paths) {
             if (path == "grouped" && !grouped) continue;
+            if (path == "w8a8" && !w8a8) continue;
             std::vector<float> times;
             for (int it = 0; it < kWarm + kIters; ++it) {
               const int k = it % kSets;
@@ -291,6 +347,15 @@ int main(int argc, char** argv) {
               if (path == "decode") {
                 CK(LaunchMoeGroupedGemm(g1, num_sms, stream));
                 CK(LaunchMoeGroupedGemm(g2, num_sms, stream));
+              } else if (path == "w8a8") {
+                CK(LaunchMoeGatherQuantizeRows(xs[k], sorted, counts, offsets, E, R, topk, s.h, a1q,
+                                               a1s, stream));
+                CK(LaunchMoeGroupedSm90Fp8Gemm(f1, fws, fws_bytes, device, num_sms, stream));
+                CK(LaunchMoeSiluMulQuantize(d1, counts, offsets, E, R, l.intermediate_padded, a2q,
+                                            a2s, stream));
+                CK(LaunchMoeGroupedSm90Fp8Gemm(f2g, fws, fws_bytes, device, num_sms, stream));
+                CK(LaunchMoeUnpermuteReduce(xr, idss[k], tw, offsets, slot, tokens, topk, s.h, E,
+                                            reduced, stream));
               } else {
                 CK(LaunchMoeGatherRows(xs[k], sorted, offsets + E, R, topk, s.h, xr, stream));
                 CK(LaunchMoeGroupedSm90Gemm(q1, gws, gws_bytes, device, num_sms, stream));
@@ -313,8 +378,10 @@ int main(int argc, char** argv) {
           }
           CK(cudaEventDestroy(e0));
           CK(cudaEventDestroy(e1));
-          for (void* p : {static_cast<void*>(xr), static_cast<void*>(d1), static_cast<void*>(a2),
-                          static_cast<void*>(reduced), static_cast<void*>(tw)}) {
+          for (void* p :
+               {static_cast<void*>(xr), static_cast<void*>(d1), static_cast<void*>(a2),
+                static_cast<void*>(reduced), static_cast<void*>(tw), static_cast<void*>(a1q),
+                static_cast<void*>(a2q), static_cast<void*>(a1s), static_cast<void*>(a2s)}) {
             if (p != nullptr) CK(cudaFree(p));
           }
           for (int k = 0; k < kSets; ++k) {
@@ -328,7 +395,8 @@ int main(int argc, char** argv) {
       }
       CK(cudaFree(w13));
       CK(cudaFree(w2));
-      for (void* p : {p13, p2, gws}) {
+      for (void* p : {p13, p2, gws, static_cast<void*>(f13), static_cast<void*>(f2),
+                      static_cast<void*>(f13s), static_cast<void*>(f2s), fws}) {
         if (p != nullptr) CK(cudaFree(p));
       }
       if (fp8) {
