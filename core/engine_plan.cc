@@ -1,7 +1,9 @@
 #include "core/engine_plan.h"
 
 #include <algorithm>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -56,23 +58,33 @@ std::string EpChoices(const ProviderRegistry& registry, Backend backend) {
 }
 
 // Backend "auto": the GPU where one is visible and the GPU providers serve these options;
-// a reference oracle stays on the CPU, where it is the oracle.
+// a reference oracle stays on the CPU, where it is the oracle. `why_cpu` (optional) says why
+// the CPU was chosen.
 Backend ChooseBackend(const EngineOptions& options, const ProviderRegistry& registry,
-                      int visible_gpus) {
-  if (visible_gpus <= 0 || registry.FindBackend(Backend::kCuda) == nullptr) return Backend::kCpu;
+                      int visible_gpus, std::string* why_cpu = nullptr) {
+  auto cpu = [why_cpu](std::string why) {
+    if (why_cpu != nullptr) *why_cpu = std::move(why);
+    return Backend::kCpu;
+  };
+  if (visible_gpus <= 0) return cpu("no CUDA device is visible");
+  if (registry.FindBackend(Backend::kCuda) == nullptr) return cpu("this build has no CUDA");
   const ExpertsProvider* named = registry.FindExperts(options.experts);
-  if (named != nullptr && named->reference) return Backend::kCpu;
+  if (named != nullptr && named->reference) return cpu("a reference oracle runs on the CPU");
   EnginePlan probe;
   probe.model = options.model;
   probe.backend = Backend::kCuda;
+  probe.weights.format = options.weight_format;
   if (named != nullptr) {
     const ExpertsProvider* cuda = ExpertsOn(registry, *named, Backend::kCuda);
-    if (cuda == nullptr || !cuda->Supports(probe).ok()) return Backend::kCpu;
+    if (cuda == nullptr) return cpu(absl::StrCat(named->name, " has no GPU counterpart"));
+    const absl::Status s = cuda->Supports(probe);
+    if (!s.ok()) return cpu(std::string(s.message()));
   } else {
-    // An unknown name: refused on the GPU as on the CPU; any GPU Experts decides.
+    // An unknown name: refused on the GPU as on the CPU; the GPU if any GPU Experts serves.
     for (const ExpertsProvider* p : registry.experts()) {
-      if (p->backend == Backend::kCuda && !p->Supports(probe).ok()) return Backend::kCpu;
+      if (p->backend == Backend::kCuda && p->Supports(probe).ok()) return Backend::kCuda;
     }
+    return cpu("no GPU Experts serves this model");
   }
   return Backend::kCuda;
 }
@@ -90,8 +102,10 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   MOESERVE_RETURN_IF_ERROR(plan.model.Validate());
 
   // Backend.
+  std::string why_cpu = "backend cpu was asked for";
   if (options.backend == "auto") {
-    plan.backend = ChooseBackend(options, registry, visible_gpus);
+    plan.backend = ChooseBackend(options, registry, visible_gpus, &why_cpu);
+    why_cpu = absl::StrCat("backend auto chose cpu: ", why_cpu);
   } else if (options.backend == "cpu") {
     plan.backend = Backend::kCpu;
   } else if (options.backend == "cuda") {
@@ -179,7 +193,14 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   plan.max_tokens_per_request = options.max_tokens_per_request;
 
   // Providers: the names pick providers of this backend, or CPU ones whose format picks this
-  // backend's.
+  // backend's. A GPU-only name on the CPU says why the CPU it is.
+  if (!cuda) {
+    const ExpertsProvider* gpu_only = registry.FindExperts(options.experts);
+    if (gpu_only != nullptr && gpu_only->backend == Backend::kCuda) {
+      return Invalid(absl::StrCat("experts: '", options.experts, "' (", gpu_only->name,
+                                  ") runs on the cuda backend, but ", why_cpu));
+    }
+  }
   MOESERVE_ASSIGN_OR_RETURN(const ExpertsProvider* named_experts,
                             registry.LookupExperts(options.experts, plan.backend));
   const ExpertsProvider* experts = ExpertsOn(registry, *named_experts, plan.backend);

@@ -68,6 +68,20 @@ const ProviderRegistry& WithGpu() {
       p.create = never_experts;
       EXPECT_TRUE(r->Register(p).ok());
     }
+    // A GPU-only Experts for MXFP8 weights alone (as cuda_w8a8).
+    ExpertsProvider fp8;
+    fp8.name = "GpuFp8Experts";
+    fp8.aliases = {"gpu_fp8"};
+    fp8.backend = Backend::kCuda;
+    fp8.format = ActivationFormat::kStandard;
+    fp8.supports_ep = true;
+    fp8.supports = [](const EnginePlan& plan) {
+      return plan.weights.format == WeightFormat::kMXFP8
+                 ? absl::OkStatus()
+                 : absl::InvalidArgumentError("GpuFp8Experts serves MXFP8 weights");
+    };
+    fp8.create = never_experts;
+    EXPECT_TRUE(r->Register(fp8).ok());
     BackendProvider gpu;
     gpu.backend = Backend::kCuda;
     gpu.create_rank_group =
@@ -110,6 +124,42 @@ TEST(ResolveEngineConfig, Defaults) {
   EXPECT_EQ(plan->max_tokens_per_rank, 8192);  // no-EP: the request limit
   EXPECT_EQ(plan->dispatch, AllToAllOptions::Dispatch::kPerRank);
   EXPECT_EQ(plan->placement->num_ranks(), 1);
+}
+
+// "auto" asks the GPU providers with the weight format too: a GPU-only provider for MXFP8
+// weights gets the GPU for MXFP8, and for BF16 the refusal says why the backend is the CPU.
+TEST(ResolveEngineConfig, AutoAsksGpuProvidersWithTheWeightFormat) {
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EngineOptions o = Tiny();
+  o.backend = "auto";
+  o.experts = "gpu_fp8";
+  o.weight_format = WeightFormat::kMXFP8;
+  auto plan = ResolveEngineConfig(o, WithGpu(), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->backend, Backend::kCuda);
+  EXPECT_EQ(plan->experts, "GpuFp8Experts");
+  o.weight_format = WeightFormat::kBF16;
+  ExpectRefused(o, kInvalid,
+                "experts: 'gpu_fp8' (GpuFp8Experts) runs on the cuda backend, but backend auto "
+                "chose cpu: GpuFp8Experts serves MXFP8 weights",
+                WithGpu(), 1);
+  ExpectRefused(o, kInvalid,
+                "experts: 'gpu_fp8' (GpuFp8Experts) runs on the cuda backend, but backend auto "
+                "chose cpu: no CUDA device is visible",
+                WithGpu(), 0);
+  o.backend = "cpu";
+  o.weight_format = WeightFormat::kMXFP8;
+  ExpectRefused(o, kInvalid,
+                "experts: 'gpu_fp8' (GpuFp8Experts) runs on the cuda backend, but backend cpu was "
+                "asked for",
+                WithGpu(), 1);
+  // Other names still pick the GPU under auto (any GPU Experts that serves decides).
+  o = Tiny();
+  o.backend = "auto";
+  plan = ResolveEngineConfig(o, WithGpu(), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->backend, Backend::kCuda);
+  EXPECT_EQ(plan->experts, "GpuExperts");
 }
 
 TEST(ResolveEngineConfig, ExpertParallelChoices) {
