@@ -263,57 +263,55 @@ __device__ __forceinline__ uint32_t QuantizeBlock(const float (&v)[4], float* sc
   return packed;
 }
 
-__global__ void GatherQuantizeKernel(const uint16_t* __restrict__ x,
-                                     const int32_t* __restrict__ sorted,
-                                     const int32_t* __restrict__ counts,
-                                     const int32_t* __restrict__ offsets, int num_experts,
-                                     int64_t max_rows, int topk, int64_t h,
-                                     uint8_t* __restrict__ aq, float* __restrict__ as) {
-  const int64_t rows = min(static_cast<int64_t>(offsets[num_experts]), max_rows);
-  const int64_t kp = PadK128(h), kb_n = kp / kMoeFp8ScaleK;
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
-       w < rows * kb_n; w += warps) {
-    const int64_t p = w / kb_n, kb = w % kb_n, k0 = kb * kMoeFp8ScaleK + 4 * lane;
-    float v[4] = {0, 0, 0, 0};
-    if (k0 < h) {  // h % 8 == 0: a lane's 4 values are all in or all out
-      const uint2 raw =
-          *reinterpret_cast<const uint2*>(x + static_cast<int64_t>(sorted[p] / topk) * h + k0);
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-    }
-    float scale;
-    const uint32_t packed = QuantizeBlock(v, &scale);
-    *reinterpret_cast<uint32_t*>(aq + p * kp + k0) = packed;
-    if (lane == 0) as[ActScaleIndex(p, kb, kb_n, counts, offsets, num_experts)] = scale;
-  }
+// Four BF16 values at p -> floats.
+__device__ __forceinline__ void LoadBf16x4(const uint16_t* p, float (&v)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
 }
 
-__global__ void SiluMulQuantizeKernel(const uint16_t* __restrict__ d1,
-                                      const int32_t* __restrict__ counts,
-                                      const int32_t* __restrict__ offsets, int num_experts,
-                                      int64_t max_rows, int64_t ip, uint8_t* __restrict__ aq,
-                                      float* __restrict__ as) {
+// Row p's values [k0, k0 + 4) of the gathered rows: x[sorted[p] / topk].
+struct GatheredRows {
+  const uint16_t* x;
+  const int32_t* sorted;
+  int topk;
+  int64_t k;  // h
+  __device__ void Load(int64_t p, int64_t k0, float (&v)[4]) const {
+    LoadBf16x4(x + static_cast<int64_t>(sorted[p] / topk) * k + k0, v);
+  }
+};
+
+// Row p's values [k0, k0 + 4) of silu(d1[:, :ip]) * d1[:, ip:].
+struct SiluMulRows {
+  const uint16_t* d1;
+  int64_t k;  // ip
+  __device__ void Load(int64_t p, int64_t k0, float (&v)[4]) const {
+    float g[4], u[4];
+    LoadBf16x4(d1 + p * 2 * k + k0, g);
+    LoadBf16x4(d1 + p * 2 * k + k + k0, u);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] = SiluMul(g[q], u[q]);
+  }
+};
+
+// One warp per (row, 128-K block) of the served rows: the rows' K (rows.k, a multiple of 8, so a
+// lane's 4 values are all in or all out) padded to 128 with zero codes; scales in the
+// per-expert layout of LaunchMoeGatherQuantizeRows.
+template <class Rows>
+__global__ void QuantizeRowsKernel(Rows src, const int32_t* __restrict__ counts,
+                                   const int32_t* __restrict__ offsets, int num_experts,
+                                   int64_t max_rows, uint8_t* __restrict__ aq,
+                                   float* __restrict__ as) {
   const int64_t rows = min(static_cast<int64_t>(offsets[num_experts]), max_rows);
-  const int64_t kp = PadK128(ip), kb_n = kp / kMoeFp8ScaleK;
+  const int64_t kp = PadK128(src.k), kb_n = kp / kMoeFp8ScaleK;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
        w < rows * kb_n; w += warps) {
     const int64_t p = w / kb_n, kb = w % kb_n, k0 = kb * kMoeFp8ScaleK + 4 * lane;
     float v[4] = {0, 0, 0, 0};
-    if (k0 < ip) {
-      const uint2 g = *reinterpret_cast<const uint2*>(d1 + p * 2 * ip + k0);
-      const uint2 u = *reinterpret_cast<const uint2*>(d1 + p * 2 * ip + ip + k0);
-      const float2 g0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g.x));
-      const float2 g1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g.y));
-      const float2 u0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-      const float2 u1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-      v[0] = SiluMul(g0.x, u0.x), v[1] = SiluMul(g0.y, u0.y);
-      v[2] = SiluMul(g1.x, u1.x), v[3] = SiluMul(g1.y, u1.y);
-    }
+    if (k0 < src.k) src.Load(p, k0, v);
     float scale;
     const uint32_t packed = QuantizeBlock(v, &scale);
     *reinterpret_cast<uint32_t*>(aq + p * kp + k0) = packed;
@@ -416,9 +414,9 @@ cudaError_t LaunchMoeGatherQuantizeRows(const uint16_t* x, const int32_t* sorted
                                         uint8_t* a1q, float* a1_scale, cudaStream_t stream) {
   if (h % 8 != 0 || topk <= 0 || num_experts <= 0) return cudaErrorInvalidValue;
   if (max_rows == 0 || h == 0) return cudaSuccess;
-  GatherQuantizeKernel<<<WarpGrid(max_rows * (Fp8PaddedK(h) / kMoeFp8ScaleK)), kThreads, 0,
-                         stream>>>(x, sorted_routes, expert_counts, expert_offsets, num_experts,
-                                   max_rows, topk, h, a1q, a1_scale);
+  QuantizeRowsKernel<<<WarpGrid(max_rows * (Fp8PaddedK(h) / kMoeFp8ScaleK)), kThreads, 0, stream>>>(
+      GatheredRows{x, sorted_routes, topk, h}, expert_counts, expert_offsets, num_experts, max_rows,
+      a1q, a1_scale);
   return cudaGetLastError();
 }
 
@@ -428,9 +426,9 @@ cudaError_t LaunchMoeSiluMulQuantize(const uint16_t* d1, const int32_t* expert_c
                                      cudaStream_t stream) {
   if (ip % 8 != 0 || num_experts <= 0) return cudaErrorInvalidValue;
   if (max_rows == 0 || ip == 0) return cudaSuccess;
-  SiluMulQuantizeKernel<<<WarpGrid(max_rows * (Fp8PaddedK(ip) / kMoeFp8ScaleK)), kThreads, 0,
-                          stream>>>(d1, expert_counts, expert_offsets, num_experts, max_rows, ip,
-                                    a2q, a2_scale);
+  QuantizeRowsKernel<<<WarpGrid(max_rows * (Fp8PaddedK(ip) / kMoeFp8ScaleK)), kThreads, 0,
+                       stream>>>(SiluMulRows{d1, ip}, expert_counts, expert_offsets, num_experts,
+                                 max_rows, a2q, a2_scale);
   return cudaGetLastError();
 }
 

@@ -17,6 +17,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "kernels/cuda/cutlass_run.cuh"
 
 namespace moeserve::kernels::grouped_sm90 {
 
@@ -69,9 +70,7 @@ struct Config {
 
   static typename Gemm::Arguments Arguments(const ArgArrays& a, int num_experts, int device,
                                             int num_sms) {
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = device;
-    hw.sm_count = num_sms;
+    const cutlass::KernelHardwareInfo hw = CutlassHardware(device, num_sms);
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                   {num_experts, a.shapes, nullptr},  // shapes on the device only
                                   {a.ptr_a, a.stride_a, a.ptr_b, a.stride_b},
@@ -88,15 +87,8 @@ struct Config {
 
   static cudaError_t Run(const ArgArrays& a, int num_experts, int device, int num_sms,
                          cudaStream_t stream) {
-    typename Gemm::Arguments args = Arguments(a, num_experts, device, num_sms);
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-    if (gemm.initialize(args, a.cutlass_workspace, stream) != cutlass::Status::kSuccess ||
-        gemm.run(stream) != cutlass::Status::kSuccess) {
-      const cudaError_t err = cudaGetLastError();
-      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-    }
-    return cudaGetLastError();
+    return RunCutlassGemm<Gemm>(Arguments(a, num_experts, device, num_sms), a.cutlass_workspace,
+                                stream);
   }
 };
 
