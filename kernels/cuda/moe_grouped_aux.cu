@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <cfloat>
 #include <climits>
 
 #include "kernels/cuda/moe_grouped_sm90.cuh"
@@ -255,7 +256,8 @@ __device__ __forceinline__ uint32_t QuantizeBlock(const float (&v)[4], float* sc
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
   nan = __any_sync(0xffffffffu, nan);
-  const float inv = amax > 0.0f ? kE4m3Max / amax : 0.0f;
+  // A block of subnormals would overflow 448 / amax to Inf (and 0 * Inf is NaN): clamp it.
+  const float inv = amax > 0.0f ? fminf(kE4m3Max / amax, FLT_MAX) : 0.0f;
   uint32_t packed = 0;
 #pragma unroll
   for (int q = 0; q < 4; ++q) packed |= FloatToE4m3(v[q] * inv) << (8 * q);

@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -161,7 +162,7 @@ void QuantizeDequantizeE4m3(const float* v, int64_t k, float* out) {
       amax = std::max(amax, std::fabs(v[i]));
       nan |= std::isnan(v[i]);
     }
-    const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
+    const float inv = amax > 0.0f ? std::min(448.0f / amax, FLT_MAX) : 0.0f;
     const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 448.0f;
     for (int64_t i = b; i < end; ++i) {
       out[i] = kernels::E4M3ToFloat(kernels::FloatToE4M3(v[i] * inv)) * scale;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -772,8 +773,8 @@ TEST_F(CudaKernelsTest, GroupedSm90Fp8GemmMatchesReference) {
 
 // LaunchMoeGatherQuantizeRows equals its definition bit for bit: rows gathered by the sorted
 // routes, each 128 K block to E4M3 at 448 / amax, scale amax / 448 in the per-expert layout; K
-// padded with zero codes (h = 200 -> 256); an all-zero row (scale 0, codes 0) and a row with a
-// NaN (its block's scale NaN).
+// padded with zero codes (h = 200 -> 256); an all-zero row (scale 0, codes 0), a row with a
+// NaN (its block's scale NaN) and a row of subnormals (448 / amax clamped: no NaN codes).
 TEST_F(CudaKernelsTest, GatherQuantizeRowsMatchesDefinition) {
   std::mt19937 rng(67);
   std::normal_distribution<float> nd;
@@ -783,6 +784,7 @@ TEST_F(CudaKernelsTest, GatherQuantizeRowsMatchesDefinition) {
   for (auto& v : x) v = FloatToBf16(std::ldexp(nd(rng), static_cast<int>(rng() % 9) - 4));
   for (int64_t i = 0; i < h; ++i) x[5 * h + i] = 0;  // token 5: zeros
   x[7 * h + 150] = 0x7fc0;                           // token 7: a NaN in block 1
+  for (int64_t i = 0; i < h; ++i) x[9 * h + i] = static_cast<uint16_t>(1 + i % 5);  // subnormals
   // Routes: token t, slot s -> expert (t + s) % e; grouped by expert, ascending route.
   std::vector<int32_t> counts(e, 0), offsets(e + 1, 0), sorted;
   for (int x_ = 0; x_ < e; ++x_) {
@@ -816,14 +818,14 @@ TEST_F(CudaKernelsTest, GatherQuantizeRowsMatchesDefinition) {
           amax = std::max(amax, std::fabs(v));
           nan |= std::isnan(v);
         }
-        const float inv = amax > 0 ? 448.0f / amax : 0.0f;
+        const float inv = amax > 0 ? std::min(448.0f / amax, FLT_MAX) : 0.0f;
         const float want_scale = amax / 448.0f;
         const float got_scale = sc[offsets[x_] * kb + blk * counts[x_] + i];
         bad_scales += nan ? !std::isnan(got_scale) : got_scale != want_scale;
         if (nan) continue;
         for (int64_t c = blk * 128; c < (blk + 1) * 128; ++c) {
           const uint8_t want = c < h ? FloatToE4M3(Bf16ToFloat(x[t * h + c]) * inv) : 0;
-          bad_codes += q[p * kp + c] != want;
+          bad_codes += q[p * kp + c] != want || (q[p * kp + c] & 0x7f) == 0x7f;
         }
       }
     }
