@@ -6,7 +6,7 @@
 //   moeserve-cli forward --target HOST:PORT --layer L --tokens M --dtype bf16|fp16|fp32 --seed S
 //                        [--input_file F] [--output_file F] [--check --tolerance T]
 //   moeserve-cli load    --target HOST:PORT --requests N --concurrency C --tokens M
-//                        [--max_seconds S]
+//                        [--max_seconds S] [--check_answers]
 // Every command takes --tls / --tls_ca / --tls_cert / --tls_key / --tls_server_name and
 // --auth_token_file for servers that require them (docs/security.md). forward --check needs a
 // server started with --enable_get_expert_weights; experts larger than a message are streamed.
@@ -104,7 +104,8 @@ ABSL_FLAG(std::string, request_id, "", "forward: request id (default: cli-<seed>
 ABSL_FLAG(bool, return_timings, true, "forward/load: ask the server for stage timings");
 ABSL_FLAG(bool, check, false,
           "forward: fetch the touched experts' weights and compare with a local reference");
-ABSL_FLAG(double, tolerance, 1e-2, "forward --check: max relative L2 error");
+ABSL_FLAG(double, tolerance, 1e-2,
+          "forward --check, load --check_answers and load --rate: max relative L2 error");
 ABSL_FLAG(int64_t, requests, 100, "load: total requests");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent closed-loop workers");
 ABSL_FLAG(int32_t, connections, 0,
@@ -120,6 +121,10 @@ ABSL_FLAG(bool, stream, false,
           "load: each worker sends its calls on one ForwardStream (one request, then its answer) "
           "instead of one unary Forward per call");
 ABSL_FLAG(int32_t, distinct_inputs, 8, "load: distinct random requests cycled through");
+ABSL_FLAG(bool, check_answers, false,
+          "load (closed loop, gRPC bytes): every answer must match the first, unloaded answer to "
+          "the same request within --tolerance (relative L2); mismatches are counted and fail the "
+          "run (a server A/B then doubles as a consistency run)");
 ABSL_FLAG(bool, channel, false,
           "load: send the calls through a forward channel (shared memory polled by the server, "
           "no gRPC per call; needs --enable_shared_memory and a same-host server); combine with "
@@ -789,6 +794,14 @@ int RunLoad() {
   if (cuda_region && absl::GetFlag(FLAGS_shm)) {
     return Fail(absl::InvalidArgumentError("--shm and --cuda_region: pick one way in"), "flags");
   }
+  const bool check_answers = absl::GetFlag(FLAGS_check_answers);
+  if (check_answers && (cuda_region || absl::GetFlag(FLAGS_shm) || absl::GetFlag(FLAGS_channel) ||
+                        absl::GetFlag(FLAGS_rate) > 0)) {
+    return Fail(absl::InvalidArgumentError(
+                    "--check_answers checks closed-loop answers that come back as gRPC bytes: not "
+                    "with --shm, --cuda_region, --channel or --rate (--rate checks its own)"),
+                "flags");
+  }
   auto client = MakeClient();
   if (!client.ok()) return Fail(client.status(), "create client");
   auto info = (*client)->GetModelInfo();
@@ -864,6 +877,18 @@ int RunLoad() {
     if (!created.ok()) return Fail(created.status(), "RegisterForwardChannel");
     channel = std::move(*created);
   }
+
+  // The unloaded answer to each distinct request, before the measured loop.
+  std::vector<std::string> expected;
+  if (check_answers) {
+    for (const grpc::ByteBuffer& r : requests[0]) {
+      auto result = (*client)->Forward(r, /*copy_output=*/true);
+      if (!result.ok()) return Fail(result.status(), "unloaded Forward (--check_answers)");
+      expected.push_back(result->output.data());
+    }
+  }
+  const double tolerance = absl::GetFlag(FLAGS_tolerance);
+  std::atomic<int64_t> checked{0}, wrong{0};
 
   if (absl::GetFlag(FLAGS_rate) > 0) {
     if (shm) {
@@ -941,7 +966,12 @@ int RunLoad() {
       for (;;) {
         const int64_t i = next.fetch_add(1);
         if (i >= num_requests || absl::Now() >= stop_at) break;
-        auto result = call(mine[static_cast<size_t>(i) % mine.size()]);
+        const size_t which = static_cast<size_t>(i) % mine.size();
+        auto result = call(mine[which]);
+        if (result.ok() && check_answers) {
+          checked.fetch_add(1);
+          if (!(AnswerDistance(*result, expected[which], *dtype) <= tolerance)) wrong.fetch_add(1);
+        }
         if (result.ok()) {
           local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
           local_server_us.push_back(result->timings.total_us());
@@ -1031,7 +1061,12 @@ int RunLoad() {
   std::printf("throughput: requests_per_s=%.1f tokens_per_s=%.1f\n", wall_s > 0 ? ok / wall_s : 0.0,
               wall_s > 0 ? static_cast<double>(ok * num_tokens) / wall_s : 0.0);
   if (not_sent > 0) std::printf("stopped by --max_seconds=%.1f\n", max_seconds);
-  return (num_errors == 0 && ok > 0) ? kExitOk : kExitFailed;
+  if (check_answers) {
+    std::printf("answers: checked=%lld wrong=%lld (tolerance %.3g against the unloaded answer)\n",
+                static_cast<long long>(checked.load()), static_cast<long long>(wrong.load()),
+                tolerance);
+  }
+  return (num_errors == 0 && ok > 0 && wrong.load() == 0) ? kExitOk : kExitFailed;
 }
 
 }  // namespace

@@ -243,6 +243,20 @@ def case_load(server, cli, workdir):
     check(0 < p50 <= p90 <= p99, f"percentiles out of order: {p50} {p90} {p99}")
     m = re.search(r"tokens_per_s=(\S+)", r.stdout)
     check(m is not None and float(m.group(1)) > 0, f"no tokens/s:\n{r.stdout}")
+    # --check_answers: every answer against the unloaded answer to the same request (unary and
+    # stream); a tolerance no answer can meet shows that each one is counted and fails the run.
+    for extra in ([], ["--stream"]):
+        r = cli.run("load", "--requests=48", "--concurrency=4", "--tokens=8", "--distinct_inputs=3",
+                    "--check_answers", *extra)
+        check(re.search(r"^answers: checked=48 wrong=0 ", r.stdout, re.M) is not None,
+              f"load --check_answers {extra}:\n{r.stdout}")
+    r = cli.run("load", "--requests=12", "--concurrency=2", "--tokens=4", "--check_answers",
+                "--tolerance=-1", allow_fail=True)
+    check(r.returncode == 1 and re.search(r"^answers: checked=12 wrong=12 ", r.stdout, re.M),
+          f"load --check_answers --tolerance=-1: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+    r = cli.run("load", "--shm", "--check_answers", "--requests=4", allow_fail=True)
+    check(r.returncode == 2 and "--check_answers checks closed-loop answers" in r.stderr,
+          f"load --shm --check_answers: exit {r.returncode}\n{r.stderr}")
     # Bounded by time: a tiny --max_seconds stops early and says so, without errors.
     r = cli.run("load", "--requests=1000000", "--concurrency=2", "--tokens=4",
                 "--max_seconds=0.5", allow_fail=True)

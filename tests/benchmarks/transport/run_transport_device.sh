@@ -157,7 +157,8 @@ stop() {
 }
 declare -A RT SRV EXP WHY
 load() {  # layer way M
-  local layer=$1 way=$2 m=$3 target=127.0.0.1:$PORT flags=()
+  # gRPC bytes: every answer is also checked against the unloaded answer to its request.
+  local layer=$1 way=$2 m=$3 target=127.0.0.1:$PORT flags=(--check_answers)
   case $way in
     unix) target=unix:$SOCK_DIR/moe.sock ;;
     shm) target=unix:$SOCK_DIR/moe.sock; flags=(--shm) ;;
@@ -178,7 +179,7 @@ load() {  # layer way M
   local rc=$?
   if [ $rc -ne 0 ] || ! grep -q '^latency_ms' "$f"; then
     local why
-    why=$(grep -m1 -E 'error|first error' "$f" | cut -c1-110)
+    why=$(grep -m1 -E 'error|first error|wrong=[1-9]' "$f" | cut -c1-110)
     log "$layer $way M=$m FAILED (exit $rc): ${why:-see $f}"
     RT["$layer:$way:$m"]="failed"
     WHY["$layer:$way:$m"]=$(echo "${why:-exit $rc}" | sed 's/^error: //; s/|/ /g' | cut -c1-80)
