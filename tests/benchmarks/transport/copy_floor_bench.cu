@@ -94,7 +94,9 @@ int main(int argc, char** argv) {
   }
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const auto& [h2d, d2h] : sizes) {
+  for (const auto& size : sizes) {
+    // Plain copies, not structured bindings: lambdas capture those only from C++20 on.
+    const int64_t h2d = size.first, d2h = size.second;
     const int64_t n = std::max(h2d, d2h);
     void *host_in = nullptr, *host_out = nullptr, *dev = nullptr;
     CHECK_CUDA(cudaHostAlloc(&host_in, n, cudaHostAllocDefault));
