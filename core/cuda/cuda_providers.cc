@@ -3,6 +3,8 @@
 // kernels, and on Hopper the grouped GEMM above the measured crossover), "cuda_batched", and
 // "cuda_grouped_sm90" (the grouped GEMM at every size, Hopper only).
 #include <memory>
+#include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_backend.h"
@@ -100,64 +102,53 @@ ExpertsProvider CudaExperts(ActivationFormat format) {
   return p;
 }
 
-// The grouped GEMM at every batch size, on a compute capability 9.0 GPU (MXFP8 weights through
-// a BF16 copy dequantized once: core/cuda/cuda_grouped_experts.h).
-ExpertsProvider CudaGroupedSm90() {
+// An Experts over CreateCudaGroupedExperts with `options` (its name becomes options.name), on
+// compute capability 9.0 GPUs; `mxfp8_only` refuses any other weight format.
+ExpertsProvider CudaGroupedProvider(std::string name, std::string alias,
+                                    CudaGroupedExpertsOptions options, bool mxfp8_only) {
   ExpertsProvider p;
-  p.name = "CudaGroupedSm90Experts";
-  p.aliases = {"cuda_grouped_sm90"};
+  p.name = std::move(name);
+  p.aliases = {std::move(alias)};
   p.backend = Backend::kCuda;
   p.format = ActivationFormat::kStandard;
   p.supports_ep = true;
-  p.supports = [name = p.name](const EnginePlan& plan) -> absl::Status {
+  p.supports = [name = p.name, mxfp8_only](const EnginePlan& plan) -> absl::Status {
     MOESERVE_RETURN_IF_ERROR(HiddenMultipleOf8(name, plan));
+    if (mxfp8_only && plan.weights.format != WeightFormat::kMXFP8) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " serves MXFP8 weights (W8A8); the weights here are ",
+          WeightFormatName(plan.weights.format), " (use --weight_format mxfp8, or experts cuda)"));
+    }
     // Every rank's GPU is checked again when its Experts are made; device 0 speaks for them.
     const absl::Status s = CudaGroupedSm90Supported(0);
     if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
     return absl::OkStatus();
   };
-  p.create = [name = p.name](
-                 const EnginePlan&,
-                 const RankResources& rank) -> absl::StatusOr<std::unique_ptr<Experts>> {
-    CudaGroupedExpertsOptions options;
-    options.path = CudaGroupedExpertsOptions::Path::kGrouped;
-    options.name = name;
+  options.name = p.name;
+  p.create = [options](const EnginePlan&,
+                       const RankResources& rank) -> absl::StatusOr<std::unique_ptr<Experts>> {
     return CreateCudaGroupedExperts(rank.cuda, rank.device_weights, options);
   };
   return p;
 }
 
+// The grouped GEMM at every batch size (MXFP8 weights through a BF16 copy dequantized once:
+// core/cuda/cuda_grouped_experts.h).
+ExpertsProvider CudaGroupedSm90() {
+  CudaGroupedExpertsOptions options;
+  options.path = CudaGroupedExpertsOptions::Path::kGrouped;
+  return CudaGroupedProvider("CudaGroupedSm90Experts", "cuda_grouped_sm90", options,
+                             /*mxfp8_only=*/false);
+}
+
 // W8A8 for MXFP8 weights (opt-in, not exact against the BF16 path): the FP8 grouped GEMM with
 // activations quantized per row per 128 K above the measured crossover, the decode kernels below
-// it (core/cuda/cuda_grouped_experts.h). Compute capability 9.0 GPUs.
+// it (core/cuda/cuda_grouped_experts.h).
 ExpertsProvider CudaW8A8() {
-  ExpertsProvider p;
-  p.name = "CudaW8A8Experts";
-  p.aliases = {"cuda_w8a8"};
-  p.backend = Backend::kCuda;
-  p.format = ActivationFormat::kStandard;
-  p.supports_ep = true;
-  p.supports = [name = p.name](const EnginePlan& plan) -> absl::Status {
-    MOESERVE_RETURN_IF_ERROR(HiddenMultipleOf8(name, plan));
-    if (plan.weights.format != WeightFormat::kMXFP8) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " serves MXFP8 weights (W8A8); the weights here are ",
-          WeightFormatName(plan.weights.format), " (use --weight_format mxfp8, or experts cuda)"));
-    }
-    const absl::Status s = CudaGroupedSm90Supported(0);
-    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
-    return absl::OkStatus();
-  };
-  p.create = [name = p.name](
-                 const EnginePlan&,
-                 const RankResources& rank) -> absl::StatusOr<std::unique_ptr<Experts>> {
-    CudaGroupedExpertsOptions options;
-    options.path = CudaGroupedExpertsOptions::Path::kCrossover;
-    options.fp8_activations = true;
-    options.name = name;
-    return CreateCudaGroupedExperts(rank.cuda, rank.device_weights, options);
-  };
-  return p;
+  CudaGroupedExpertsOptions options;
+  options.path = CudaGroupedExpertsOptions::Path::kCrossover;
+  options.fp8_activations = true;
+  return CudaGroupedProvider("CudaW8A8Experts", "cuda_w8a8", options, /*mxfp8_only=*/true);
 }
 
 // core_cuda registers itself: linked whole-archive (moeserve_backends), so this object and its
