@@ -29,22 +29,17 @@ using grouped_sm90::UnderlyingShape;
 size_t Align256(size_t x) { return (x + 255) / 256 * 256; }
 
 ArgArrays Carve(void* base, int e) {
+  cutlass_grouped::WorkspaceCarver c(base);
   ArgArrays a;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    void* p = static_cast<char*>(base) + off;
-    off += Align256(bytes);
-    return p;
-  };
-  a.shapes = static_cast<UnderlyingShape*>(take(sizeof(UnderlyingShape) * e));
-  a.ptr_a = static_cast<const Element**>(take(sizeof(void*) * e));
-  a.ptr_b = static_cast<const Element**>(take(sizeof(void*) * e));
-  a.ptr_d = static_cast<Element**>(take(sizeof(void*) * e));
-  a.stride_a = static_cast<Stride*>(take(sizeof(Stride) * e));
-  a.stride_b = static_cast<Stride*>(take(sizeof(Stride) * e));
-  a.stride_d = static_cast<Stride*>(take(sizeof(Stride) * e));
-  a.end = off;
-  a.cutlass_workspace = static_cast<char*>(base) + off;
+  a.shapes = c.Take<UnderlyingShape>(e);
+  a.ptr_a = c.Take<const Element*>(e);
+  a.ptr_b = c.Take<const Element*>(e);
+  a.ptr_d = c.Take<Element*>(e);
+  a.stride_a = c.Take<Stride>(e);
+  a.stride_b = c.Take<Stride>(e);
+  a.stride_d = c.Take<Stride>(e);
+  a.end = c.used();
+  a.cutlass_workspace = c.next();
   return a;
 }
 

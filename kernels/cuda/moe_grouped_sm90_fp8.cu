@@ -20,26 +20,21 @@ using namespace grouped_sm90_fp8;
 size_t Align256(size_t x) { return (x + 255) / 256 * 256; }
 
 ArgArrays Carve(void* base, int e) {
+  cutlass_grouped::WorkspaceCarver c(base);
   ArgArrays a;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    void* p = static_cast<char*>(base) + off;
-    off += Align256(bytes);
-    return p;
-  };
-  a.shapes = static_cast<UnderlyingShape*>(take(sizeof(UnderlyingShape) * e));
-  a.ptr_a = static_cast<const ElementAB**>(take(sizeof(void*) * e));
-  a.ptr_b = static_cast<const ElementAB**>(take(sizeof(void*) * e));
-  a.ptr_d = static_cast<ElementD**>(take(sizeof(void*) * e));
-  a.ptr_sfa = static_cast<const float**>(take(sizeof(void*) * e));
-  a.ptr_sfb = static_cast<const float**>(take(sizeof(void*) * e));
-  a.stride_a = static_cast<Stride*>(take(sizeof(Stride) * e));
-  a.stride_b = static_cast<Stride*>(take(sizeof(Stride) * e));
-  a.stride_d = static_cast<Stride*>(take(sizeof(Stride) * e));
-  a.layout_sfa = static_cast<LayoutSFA*>(take(sizeof(LayoutSFA) * e));
-  a.layout_sfb = static_cast<LayoutSFB*>(take(sizeof(LayoutSFB) * e));
-  a.end = off;
-  a.cutlass_workspace = static_cast<char*>(base) + off;
+  a.shapes = c.Take<UnderlyingShape>(e);
+  a.ptr_a = c.Take<const ElementAB*>(e);
+  a.ptr_b = c.Take<const ElementAB*>(e);
+  a.ptr_d = c.Take<ElementD*>(e);
+  a.ptr_sfa = c.Take<const float*>(e);
+  a.ptr_sfb = c.Take<const float*>(e);
+  a.stride_a = c.Take<Stride>(e);
+  a.stride_b = c.Take<Stride>(e);
+  a.stride_d = c.Take<Stride>(e);
+  a.layout_sfa = c.Take<LayoutSFA>(e);
+  a.layout_sfb = c.Take<LayoutSFB>(e);
+  a.end = c.used();
+  a.cutlass_workspace = c.next();
   return a;
 }
 
