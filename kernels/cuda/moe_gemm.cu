@@ -389,17 +389,16 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   if (!per_expert && (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y)) return;
   const int num_st = (num_kb + KB - 1) / KB;  // stages per unit; the last may hold one block
   // Split-K (decode tiles, with a workspace): when the units cannot fill the `split_slots` CTA
-  // slots (a few experts of long K, e.g. one token), or would leave the last round of them
-  // mostly idle (one token's eight experts), each unit's stages are split over `splits` CTAs
-  // (MoeGemmSplitCount). Every CTA computes the same value from the same counts.
+  // slots (a few experts of long K, e.g. one token), each unit's stages are split over `splits`
+  // CTAs. Every CTA computes the same value from the same counts.
   int splits = 1;
   if constexpr (kTma) {
     if (p.split_workspace != nullptr && total_units > 0 && total_units <= kMoeGemmSplitCounters) {
       const int64_t by_mem =
           kMoeGemmSplitPartialFloats / (static_cast<int64_t>(total_units) * kBM * BN);
-      splits = MoeGemmSplitCount(total_units, split_slots,
-                                 min(num_st / kMinSplitStages,
-                                     static_cast<int>(by_mem < kMaxSplits ? by_mem : kMaxSplits)));
+      splits = min(min(split_slots / total_units, num_st / kMinSplitStages),
+                   static_cast<int>(by_mem < kMaxSplits ? by_mem : kMaxSplits));
+      splits = max(splits, 1);
     }
   }
   const int total_items = total_units * splits;

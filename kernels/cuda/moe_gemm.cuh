@@ -45,38 +45,9 @@ inline constexpr int kBf16WgmmaMinRoutes = 32;
 // Split-K workspace (MoeGemmParams::split_workspace): kMoeGemmSplitCounters int32 counters,
 // then kMoeGemmSplitPartialFloats FP32 partial sums.
 inline constexpr int kMoeGemmSplitCounters = 1024;
-// 16 MB: one token's MXFP8 W13 of the seed layer (640 units of 128 x 16 partial sums) split
-// two ways, its W2 (192 units) four ways.
-inline constexpr int64_t kMoeGemmSplitPartialFloats = int64_t{1} << 22;
+inline constexpr int64_t kMoeGemmSplitPartialFloats = int64_t{5} << 18;  // 5 MB
 inline constexpr size_t kMoeGemmSplitWorkspaceBytes =
     sizeof(int32_t) * kMoeGemmSplitCounters + sizeof(float) * kMoeGemmSplitPartialFloats;
-
-// How many ways the decode tiles split each of `units` work units along K, over `ctas`
-// persistent CTAs that take the (unit, split) items round-robin, at most `most` ways: the count
-// whose schedule is shortest when every item costs 1/s of a unit plus 1/16 of one (its pipeline
-// fill and its partial sums' round trip) and the CTA with the most items decides, if it saves at
-// least 1/16 of the unsplit schedule. Few units fill the CTAs (floor(ctas / units) ways); a count
-// that leaves the last round mostly idle splits so that it fills: one token's seed W2, 192 units
-// on 264 CTAs, takes 3 items of a quarter each (0.94 of a unit's time against 1.06 unsplit), its
-// W13, 640 units, 5 items of a half (2.8 against 3.2). Same answer on the host and the device
-// (every CTA computes it from the same counts).
-__host__ __device__ inline int MoeGemmSplitCount(int units, int ctas, int most) {
-  if (units <= 0 || ctas <= 0 || most <= 1) return 1;
-  const int64_t whole = (static_cast<int64_t>(units) + ctas - 1) / ctas;
-  int best = 1;
-  int64_t best_rounds = whole;
-  for (int s = 2; s <= most; ++s) {
-    const int64_t rounds = (static_cast<int64_t>(units) * s + ctas - 1) / ctas;
-    // rounds * (16 + s) / s < best_rounds * (16 + best) / best, in integers.
-    if (rounds * (16 + s) * best < best_rounds * (16 + best) * s) {
-      best = s;
-      best_rounds = rounds;
-    }
-  }
-  // A split that saves less than 1/16 of the unsplit schedule is not worth its partial sums.
-  if (best_rounds * (16 + best) * 16 > whole * 17 * 15 * best) return 1;
-  return best;
-}
 
 // Packed sizes for an expert MLP of hidden H and intermediate I.
 struct MoePackedLayout {

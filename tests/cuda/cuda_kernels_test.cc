@@ -525,10 +525,7 @@ TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
       {MoeGemmKind::kGateUpSilu, 4096, 64, {1, 0, 2, 1}},  // one token's narrow experts
       {MoeGemmKind::kGateUpSilu, 1000, 200, {3, 1}},       // K padded inside its last block
       {MoeGemmKind::kDown, 256, 4096, {2, 1}},             // W2 of long K
-      {MoeGemmKind::kDown, 200, 1000, {1, 5, 0}},
-      // More units than half the CTAs (8 one-token experts of 24 row tiles: 192 units; 132
-      // SMs): split so that the last round fills (MoeGemmSplitCount), unsplit before.
-      {MoeGemmKind::kDown, 3072, 4096, {1, 1, 1, 1, 1, 1, 1, 1}}};
+      {MoeGemmKind::kDown, 200, 1000, {1, 5, 0}}};
   for (const bool fp8 : {false, true}) {
     for (const GemmShape& sh : shapes) {
       const GemmProblem pr(sh.kind, fp8, sh.h, sh.n, sh.counts, 110, 10, rng);
@@ -596,36 +593,6 @@ TEST_F(CudaKernelsTest, GroupedGemmWgmmaTilesMatchReference) {
 
 // The grouped GEMM's tile rows by the average expert's rows (no device needed): 64-row tiles up
 // to 64 and from 129 to 192 rows per expert, 128-row tiles otherwise.
-// The split-K count (no GPU needed): few units fill the CTAs, as many as the bounds allow;
-// units a little above the CTAs, or above half of them, split so that the last round fills;
-// many units, or a split that would not shorten the busiest CTA's work, stay whole.
-TEST(MoeGemmSplitCountTest, FillsTheCtasAndEvensTheLastRound) {
-  EXPECT_EQ(MoeGemmSplitCount(4, 264, 16), 16);   // one token's trivial experts, capped
-  EXPECT_EQ(MoeGemmSplitCount(4, 264, 3), 3);     // K too short for more
-  EXPECT_EQ(MoeGemmSplitCount(20, 264, 16), 13);  // floor(264 / 20): one round
-  EXPECT_EQ(MoeGemmSplitCount(192, 264, 10), 4);  // seed W2, one token: 3 items of 1/4
-  EXPECT_EQ(MoeGemmSplitCount(640, 264, 6), 2);   // seed W13, one token: 5 items of 1/2
-  EXPECT_EQ(MoeGemmSplitCount(192, 132, 10), 2);  // BF16: one CTA per SM
-  EXPECT_EQ(MoeGemmSplitCount(200, 264, 10), 1);  // 5 ways would save only 1%
-  EXPECT_EQ(MoeGemmSplitCount(448, 264, 4), 1);   // 4 ways: 3% longer
-  EXPECT_EQ(MoeGemmSplitCount(768, 264, 10), 1);  // 16 tokens' W2: 2.9 rounds
-  EXPECT_EQ(MoeGemmSplitCount(1024, 264, 4), 1);
-  EXPECT_EQ(MoeGemmSplitCount(192, 264, 1), 1);
-  EXPECT_EQ(MoeGemmSplitCount(0, 264, 16), 1);
-  EXPECT_EQ(MoeGemmSplitCount(5, 0, 16), 1);
-  // Never a longer schedule than unsplit, in the cost model it minimizes.
-  for (int units = 1; units <= 1024; units += 7) {
-    for (int ctas : {66, 132, 264}) {
-      const int s = MoeGemmSplitCount(units, ctas, 16);
-      ASSERT_GE(s, 1);
-      ASSERT_LE(s, 16);
-      const int64_t whole = (units + ctas - 1) / ctas * 17 * s;
-      const int64_t split = (static_cast<int64_t>(units) * s + ctas - 1) / ctas * (16 + s);
-      EXPECT_LE(split, whole) << units << " units on " << ctas;
-    }
-  }
-}
-
 TEST(GroupedSm90TileChoiceTest, SmallTilesWhereTheyPadLess) {
   const int e = 32;
   for (int64_t avg = 1; avg <= 600; ++avg) {
