@@ -23,6 +23,10 @@ import csv, io, os, statistics, subprocess, sys
 import torch
 
 E, TOPK = 32, 8
+# MOESERVE_PEER_PERMUTE=1: the BF16 peer also gathers each expert's rows from the tokens
+# (index_select) and adds the weighted outputs back per token (index_add_ in FP32), as
+# moeserve's grouped path does (its align, gather and unpermute are timed).
+PEER_PERMUTE = os.environ.get("MOESERVE_PEER_PERMUTE") == "1"
 SHAPES = {"seed": (3072, 5120), "dsv3": (7168, 2048)}
 TOKENS = [16, 32, 64, 128, 256, 1024]
 ROUTINGS = ("balanced", "hot", "random")  # moe_experts_bench.cu's order (it seeds by index)
@@ -69,6 +73,15 @@ def routing(tokens, mode, k, gen):
             ids[t, 1:] = 1 + torch.randperm(E - 1, generator=gen)[: TOPK - 1]
     counts = torch.bincount(ids.flatten(), minlength=E)
     padded = ((counts + 15) // 16) * 16
+    # The permutation a frontend would run around the peer (PEER_PERMUTE): each grouped row's
+    # token (padding rows: token 0, weight 0) and its top-k weight (1/TOPK here).
+    src, wts = [], []
+    for e in range(E):
+        toks = (ids == e).any(dim=1).nonzero().flatten().tolist()
+        pad = int(padded[e]) - len(toks)
+        src += toks + [0] * pad
+        wts += [1.0 / TOPK] * len(toks) + [0.0] * pad
+    routing.last = (torch.tensor(src, dtype=torch.int64), torch.tensor(wts))
     return int(padded.sum()), torch.cumsum(padded, 0).to(torch.int32)
 
 
@@ -79,12 +92,26 @@ def torch_mlp(h, i, fmt, tokens, mode):
     sets = []
     for k in range(4):
         rows, offs = routing(tokens, mode, k, gen)
-        sets.append((torch.randn(rows, h, device="cuda", dtype=torch.bfloat16), offs.cuda()))
-    if fmt == "bf16":
+        src, wts = routing.last
+        sets.append((torch.randn(rows, h, device="cuda", dtype=torch.bfloat16), offs.cuda(),
+                     torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16), src.cuda(),
+                     wts.cuda()))
+    if fmt == "bf16" and PEER_PERMUTE:
+        w13t, w2t = w13.transpose(-2, -1), w2.transpose(-2, -1)
+
+        def fn(s):  # the same work as moeserve's grouped path: gather, MLP, weighted scatter-add
+            _, offs, xt, src, wts = s
+            x = xt.index_select(0, src)
+            g = torch._grouped_mm(x, w13t, offs=offs)
+            a = torch.nn.functional.silu(g[:, :i]) * g[:, i:]
+            y = torch._grouped_mm(a, w2t, offs=offs)
+            out = torch.zeros(xt.shape, device="cuda", dtype=torch.float32)
+            return out.index_add_(0, src, y.float() * wts[:, None])
+    elif fmt == "bf16":
         w13t, w2t = w13.transpose(-2, -1), w2.transpose(-2, -1)
 
         def fn(s):
-            x, offs = s
+            x, offs = s[0], s[1]
             g = torch._grouped_mm(x, w13t, offs=offs)
             a = torch.nn.functional.silu(g[:, :i]) * g[:, i:]
             return torch._grouped_mm(a, w2t, offs=offs)
@@ -101,7 +128,7 @@ def torch_mlp(h, i, fmt, tokens, mode):
         del w13, w2
 
         def fn(s):
-            x, offs = s
+            x, offs = s[0], s[1]
             xq, xs = q_rows(x)
             g = torch._scaled_grouped_mm(xq, w13qt, xs, w13s, offs=offs, out_dtype=torch.bfloat16,
                                          use_fast_accum=True)
@@ -164,7 +191,8 @@ def main():
                      f"{r['torch']:.1f} | {r['ratio']:.2f}x |")
     head = (f"device: {dev}; measured copy {copy_bw/1e12:.2f} TB/s, BF16 matmul 8192^3 "
             f"{bf16_rate/1e12:.0f} TFLOP/s; floor = max(weight bytes / 4.3 TB/s, FLOPs / measured "
-            f"BF16 rate). PyTorch peer: bf16 -> torch._grouped_mm MLP, mxfp8 -> "
+            f"BF16 rate). PyTorch peer: bf16 -> torch._grouped_mm MLP"
+            f"{' with the gather and the weighted scatter-add' if PEER_PERMUTE else ''}, mxfp8 -> "
             f"torch._scaled_grouped_mm FP8-rowwise MLP.")
     # Crossover: the fewest tokens from which grouped beat decode at every measured size.
     cross = []
