@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cuda/moe_gemm.cuh"
@@ -284,27 +285,207 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// Warpgroup MMA (wgmma, sm_90a) helpers: the decode tiles (kWg) and the wide tiles below.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOESERVE_WGMMA_DEVICE 1
+#endif
+
+__device__ __forceinline__ void WgmmaFence() {
+#ifdef MOESERVE_WGMMA_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WgmmaCommit() {
+#ifdef MOESERVE_WGMMA_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+#ifdef MOESERVE_WGMMA_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
+__device__ __forceinline__ void WgmmaFenceOperands(float* d, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ uint32_t LdSharedU16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint2 LdSharedV2(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 LdSharedV4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#ifdef MOESERVE_WGMMA_DEVICE
+// m64n16k16 and m64n32k16: the decode tiles (16 and 32 tokens, or 16 of a 32-wide tile).
+__device__ __forceinline__ void Wgmma16(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void Wgmma32(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void Wgmma64(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void Wgmma128(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void Wgmma256(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+#endif
+
+template <int BN>
+__device__ __forceinline__ void Wgmma(float* d, const uint32_t* a, uint64_t desc) {
+#ifdef MOESERVE_WGMMA_DEVICE
+  if constexpr (BN == 16) Wgmma16(d, a, desc);
+  if constexpr (BN == 32) Wgmma32(d, a, desc);
+  if constexpr (BN == 64) Wgmma64(d, a, desc);
+  if constexpr (BN == 128) Wgmma128(d, a, desc);
+  if constexpr (BN == 256) Wgmma256(d, a, desc);
+#else
+  __trap();  // built without sm_90a: the host never launches this path (MOESERVE_CUDA_WGMMA)
+#endif
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t SmemDescSw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
 // KB: 64-K blocks per pipeline stage (2 only with kTma): a stage is KB consecutive packed blocks,
 // one contiguous copy, and its activation rows are KB x 64 wide.
-template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND, int KB = 1>
+// kWg (decode tiles with the producer warp): the MMA warps issue warpgroup MMAs (m64nBNk16,
+// A fragments from registers) instead of mma.sync, and a stage holds the activations first, as
+// KB blocks of [BN rows][64 K] in the 128-byte swizzled K-major layout (row n at n * 128, its
+// 16-byte chunk c at (c ^ (n % 8)) * 16), 1024-aligned; then the weights and their scales.
+template <bool kFp8, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND, int KB = 1,
+          bool kWg = false>
 struct GemmCfg {
   static constexpr int kEsize = kFp8 ? 1 : 2;
   static constexpr int kABlock = kBM * kBK * kEsize;  // one 64-K block of the weight tile
   static constexpr int kSBlock = kFp8 ? kBM * 2 : 0;  // its scales
   static constexpr int kABytes = kABlock * KB;
   static constexpr int kSBytes = kSBlock * KB;
-  static constexpr int kBStride = kBK * KB + 8;  // BF16 per B row (16 B pad: no bank conflicts)
-  static constexpr int kBBytes = BN * kBStride * 2;
-  static constexpr int kStageBytes = (kABytes + kSBytes + kBBytes + 127) / 128 * 128;
+  // mma.sync: BF16 per B row (16 B pad: no bank conflicts).
+  static constexpr int kBStride = kBK * KB + 8;
+  static constexpr int kBSub = BN * kBK * 2;  // kWg: one 64-K block of activations
+  static constexpr int kBBytes = kWg ? kBSub * KB : BN * kBStride * 2;
+  // Byte offsets inside a stage: weights (A), their scales (S), activations (B).
+  static constexpr int kAOff = kWg ? kBBytes : 0;
+  static constexpr int kSOff = kAOff + kABytes;
+  static constexpr int kBOff = kWg ? 0 : kABytes + kSBytes;
+  static constexpr int kStageAlign = kWg ? 1024 : 128;
+  static constexpr int kStageBytes =
+      (kABytes + kSBytes + kBBytes + kStageAlign - 1) / kStageAlign * kStageAlign;
   static constexpr int kPipeBytes = kStageBytes * STAGES;
   static constexpr int kWTM = kBM / WM, kWTN = BN / WN;
   static constexpr int kMI = kWTM / 16, kNI = kWTN / 8;
   static constexpr int kBChunks = (BN * 8 + kThreads - 1) / kThreads;
   static_assert(WM * WN * 32 == kThreads, "8 warps");
   static_assert(kNI % 2 == 0, "ldmatrix.x4 loads two n-fragments");
+  static_assert(!kWg || (WM == 8 && KB == 2 && (BN == 16 || BN == 32 || BN == 64)),
+                "warpgroup-MMA decode tiles: 16 rows per warp, two 64-K blocks per stage");
   static constexpr int kBarBytes = 2 * STAGES * 8;  // kTma: full and empty mbarrier per stage
   static size_t SmemBytes(int num_experts) {
-    return kPipeBytes + kBarBytes + static_cast<size_t>(3 * num_experts + 3) * sizeof(int32_t);
+    return (kWg ? 1024 : 0) + kPipeBytes + kBarBytes +
+           static_cast<size_t>(3 * num_experts + 3) * sizeof(int32_t);
   }
 };
 
@@ -323,14 +504,23 @@ struct GemmCfg {
 // instructions and meet at no block barrier. Per-thread cp.async took 54 of the MXFP8 decode
 // loop's ~185 instructions per stage per warp, and that loop is bound by its instruction count
 // (docs/gpu.md).
+// kWg (GemmCfg): the MMA warps issue one warpgroup MMA per 16 K where mma.sync took one per 8
+// tokens, and a 64-K block's MMAs run while the next block is dequantized (two sets of A
+// registers); a stage's slot is released once its MMAs have completed.
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
-          bool kAdaptive, bool kTma, int KB>
+          bool kAdaptive, bool kTma, int KB, int kWg = 0>
 __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 : 1)
     MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots, bool per_expert) {
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
-  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
-  extern __shared__ __align__(128) unsigned char smem[];
+  static_assert(!kWg || kTma, "the warpgroup-MMA decode tile has a producer warp");
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg != 0>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // kWg: the swizzled activation blocks need 1024-byte alignment (SmemBytes reserves it).
+  unsigned char* const smem =
+      kWg ? reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023))
+          : smem_raw;
   const int E = p.num_experts;
   // kTma: stage s's full mbarrier at full0 + 8 s, its empty one at empty0 + 8 s.
   const uint32_t full0 = SmemAddr(smem + C::kPipeBytes), empty0 = full0 + 8 * STAGES;
@@ -474,8 +664,8 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
         const int c = tid + i2 * kThreads;
         CpAsync16(a_dst + c * 16, a_ptr + c * 16, 16);
       }
-      if (kFp8 && tid < 16) CpAsync16(SmemAddr(st + C::kABytes) + tid * 16, s_ptr + tid * 16, 16);
-      const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
+      if (kFp8 && tid < 16) CpAsync16(SmemAddr(st + C::kSOff) + tid * 16, s_ptr + tid * 16, 16);
+      const uint32_t b_dst = SmemAddr(st + C::kBOff);
       const bool k_ok = p_k < k_valid;
 #pragma unroll
       for (int i2 = 0; i2 < C::kBChunks; ++i2) {
@@ -541,15 +731,17 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
           const uint32_t full = full0 + 8 * slot;
           if (lane == 0) {
             MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
-            BulkCopy(SmemAddr(st), a_ptr, C::kABlock * nblk, full);
-            if (kFp8) BulkCopy(SmemAddr(st + C::kABytes), s_ptr, C::kSBlock * nblk, full);
+            BulkCopy(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full);
+            if (kFp8) BulkCopy(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full);
           }
-          const uint32_t b_dst = SmemAddr(st + C::kABytes + C::kSBytes);
+          const uint32_t b_dst = SmemAddr(st + C::kBOff);
           const bool k_ok = static_cast<int64_t>(kb) * KB * kBK + cc * 8 < k_valid && cc < 8 * nblk;
 #pragma unroll
           for (int i = 0; i < kChunks; ++i) {
+            const int n = lane / kRowChunks + kRowStep * i;
             const uint32_t dst =
-                b_dst + ((lane / kRowChunks + kRowStep * i) * C::kBStride + cc * 8) * 2;
+                kWg ? b_dst + (cc / 8) * C::kBSub + n * 128 + (((cc % 8) ^ (n % 8)) << 4)
+                    : b_dst + (n * C::kBStride + cc * 8) * 2;
             if (!kAdaptive || src_bytes[i] != 0) CpAsync16(dst, src[i], k_ok ? src_bytes[i] : 0);
             src[i] += src_bytes[i] != 0 ? KB * kBK : 0;
           }
@@ -586,113 +778,182 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
 
   int c_slot = 0;
   const int wcol0 = (warp / WM) * C::kWTN;
+  // kWg: a warp-uniform bound (see below).
+  const int c_items = kWg ? __shfl_sync(0xffffffffu, my_items, 0) : my_items;
 #pragma unroll 1
-  for (int item = 0; item < my_items; ++item) {
+  for (int item = 0; item < c_items; ++item) {
     const int w = item_of(item);
     const Unit cu = decode(w / splits);
     const int tile_cols = min(BN, cu.cnt - cu.nt * BN) - wcol0;  // this warp's live columns
     const int kb_hi = split_hi(w);
+    if constexpr (kWg) {
+      // Bounds from shuffles and parameters: ptxas serializes warpgroup MMAs behind branches it
+      // cannot prove warp-uniform (C7518).
+      const int kb_lo_u = __shfl_sync(0xffffffffu, split_lo(w), 0);
+      const int kb_hi_u = __shfl_sync(0xffffffffu, kb_hi, 0);
+      // Groups of two MMAs (one 32-K half of a 64-K block) alternate between two sets of A
+      // registers: a group is dequantized while the previous one's MMAs run.
+      uint32_t a[2][2][4];  // [group parity][k16 step][fragment]
+      const int r0 = warp * 16 + g;
+      int held = -1;  // a slot whose last MMAs may still be reading it
 #pragma unroll 1
-    for (int c_kb = split_lo(w); c_kb < kb_hi; ++c_kb) {
-      if constexpr (kTma) {
+      for (int c_kb = kb_lo_u; c_kb < kb_hi_u; ++c_kb) {
         MbarWait(full0 + 8 * c_slot, c_phase);
-      } else {
-        CpAsyncWait<STAGES - 2>();
-        __syncthreads();
-        load();
-      }
-      const unsigned char* st_base = smem + c_slot * C::kStageBytes;
-      // Sub-block sb of the stage: its 64-K block of weights, scales and activation columns.
-      auto block_math = [&](int sb) {
-        const unsigned char* st = st_base + sb * C::kABlock;
-        const unsigned char* st_s = st_base + C::kABytes + sb * C::kSBlock;
-        const uint32_t b_base = SmemAddr(st_base + C::kABytes + C::kSBytes) + sb * kBK * 2;
-        // MXFP8: both 32-K blocks' scale codes of rows r0 and r0 + 8, one 16-bit load each.
-        uint32_t codes[C::kMI][2];
-        if (kFp8) {
+        FenceProxyAsyncShared();  // the producer's cp.async rows -> read by the tensor cores
+        const uint32_t st = SmemAddr(smem + c_slot * C::kStageBytes);
+        // Block sb's 32-K half kc: dequantize into a[(2 sb + kc) % 2], issue, commit.
+        auto group = [&](auto sb_c, auto kc_c) {
+          constexpr int SB = decltype(sb_c)::value, KC = decltype(kc_c)::value;
+          constexpr int P = KC;
+          const uint32_t sa = st + C::kAOff + SB * C::kABlock;
+          const uint32_t ss = st + C::kSOff + SB * C::kSBlock;
+          const uint32_t c0 = LdSharedU16(ss + r0 * 2), c1 = LdSharedU16(ss + (r0 + 8) * 2);
+          const uint2 ra = LdSharedV2(sa + (KC * kBM + r0) * 32 + t4 * 8);
+          const uint2 rb = LdSharedV2(sa + (KC * kBM + r0 + 8) * 32 + t4 * 8);
+          const Fp8Scale fa = MakeFp8Scale<kWide>(KC == 0 ? c0 & 0xffu : c0 >> 8);
+          const Fp8Scale fb = MakeFp8Scale<kWide>(KC == 0 ? c1 & 0xffu : c1 >> 8);
+          Fp8x4ToBf16<kWide>(ra.x, fa, a[P][0][0], a[P][0][2]);
+          Fp8x4ToBf16<kWide>(rb.x, fb, a[P][0][1], a[P][0][3]);
+          Fp8x4ToBf16<kWide>(ra.y, fa, a[P][1][0], a[P][1][2]);
+          Fp8x4ToBf16<kWide>(rb.y, fb, a[P][1][1], a[P][1][3]);
+          const uint64_t desc = SmemDescSw128(st + C::kBOff + SB * C::kBSub);
+          WgmmaFence();  // the new A registers (and zeroed accumulators) before the MMAs
 #pragma unroll
-          for (int mi = 0; mi < C::kMI; ++mi) {
-            const int r0 = warp_m * C::kWTM + mi * 16 + g;
-            codes[mi][0] = *reinterpret_cast<const uint16_t*>(st_s + r0 * 2);
-            codes[mi][1] = *reinterpret_cast<const uint16_t*>(st_s + (r0 + 8) * 2);
+          for (int ks = 0; ks < 2; ++ks) {
+            // k16 step 2 KC + ks sits 32 bytes further along the swizzled 128-byte rows.
+            Wgmma<BN>(&acc[0][0][0], a[P][ks], desc + static_cast<uint64_t>((KC * 2 + ks) * 2));
           }
+          WgmmaCommit();
+        };
+        using I0 = std::integral_constant<int, 0>;
+        using I1 = std::integral_constant<int, 1>;
+        group(I0(), I0());
+        WgmmaWait<1>();  // the previous stage's MMAs are done: its slot and registers are free
+        if (held >= 0) MbarArrive(empty0 + 8 * held);
+        group(I0(), I1());
+        if (2 * c_kb + 1 < num_kb) {  // not the odd last block of the unit
+          WgmmaWait<1>();
+          group(I1(), I0());
+          WgmmaWait<1>();
+          group(I1(), I1());
+          WgmmaWait<1>();
+          held = c_slot;
+        } else {
+          WgmmaWait<0>();
+          MbarArrive(empty0 + 8 * c_slot);
+          held = -1;
         }
-        auto stage_math = [&](auto npa) {
-          constexpr int NPA = decltype(npa)::value;  // pairs of 8-token fragments computed
-#pragma unroll
-          for (int kc = 0; kc < 2; ++kc) {
-            uint32_t a[C::kMI][2][4];
+        if (++c_slot == STAGES) {
+          c_slot = 0;
+          c_phase ^= 1;
+        }
+      }
+      WgmmaWait<0>();
+      WgmmaFenceOperands(&acc[0][0][0], C::kNI * 4);
+      if (held >= 0) MbarArrive(empty0 + 8 * held);
+    } else {
+#pragma unroll 1
+      for (int c_kb = split_lo(w); c_kb < kb_hi; ++c_kb) {
+        if constexpr (kTma) {
+          MbarWait(full0 + 8 * c_slot, c_phase);
+        } else {
+          CpAsyncWait<STAGES - 2>();
+          __syncthreads();
+          load();
+        }
+        const unsigned char* st_base = smem + c_slot * C::kStageBytes;
+        // Sub-block sb of the stage: its 64-K block of weights, scales and activation columns.
+        auto block_math = [&](int sb) {
+          const unsigned char* st = st_base + sb * C::kABlock;
+          const unsigned char* st_s = st_base + C::kABytes + sb * C::kSBlock;
+          const uint32_t b_base = SmemAddr(st_base + C::kABytes + C::kSBytes) + sb * kBK * 2;
+          // MXFP8: both 32-K blocks' scale codes of rows r0 and r0 + 8, one 16-bit load each.
+          uint32_t codes[C::kMI][2];
+          if (kFp8) {
 #pragma unroll
             for (int mi = 0; mi < C::kMI; ++mi) {
               const int r0 = warp_m * C::kWTM + mi * 16 + g;
-              if (kFp8) {
-                const uint2 ra =
-                    *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
-                const uint2 rb =
-                    *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-                const Fp8Scale sa =
-                    MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
-                const Fp8Scale sb =
-                    MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
-                Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
-                Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
-                Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
-                Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
-              } else {
-                const uint4 ra =
-                    *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
-                const uint4 rb =
-                    *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
-                a[mi][0][0] = ra.x;
-                a[mi][0][1] = rb.x;
-                a[mi][0][2] = ra.y;
-                a[mi][0][3] = rb.y;
-                a[mi][1][0] = ra.z;
-                a[mi][1][1] = rb.z;
-                a[mi][1][2] = ra.w;
-                a[mi][1][3] = rb.w;
-              }
-            }
-#pragma unroll
-            for (int ks = 0; ks < 2; ++ks) {
-              uint32_t b[C::kNI][2];
-#pragma unroll
-              for (int np = 0; np < NPA; ++np) {
-                const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
-                const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
-                uint32_t r[4];
-                Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
-                b[2 * np][0] = r[0];
-                b[2 * np][1] = r[1];
-                b[2 * np + 1][0] = r[2];
-                b[2 * np + 1][1] = r[3];
-              }
-#pragma unroll
-              for (int mi = 0; mi < C::kMI; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < 2 * NPA; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
+              codes[mi][0] = *reinterpret_cast<const uint16_t*>(st_s + r0 * 2);
+              codes[mi][1] = *reinterpret_cast<const uint16_t*>(st_s + (r0 + 8) * 2);
             }
           }
+          auto stage_math = [&](auto npa) {
+            constexpr int NPA = decltype(npa)::value;  // pairs of 8-token fragments computed
+#pragma unroll
+            for (int kc = 0; kc < 2; ++kc) {
+              uint32_t a[C::kMI][2][4];
+#pragma unroll
+              for (int mi = 0; mi < C::kMI; ++mi) {
+                const int r0 = warp_m * C::kWTM + mi * 16 + g;
+                if (kFp8) {
+                  const uint2 ra =
+                      *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
+                  const uint2 rb =
+                      *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+                  const Fp8Scale sa =
+                      MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
+                  const Fp8Scale sb =
+                      MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
+                  Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
+                  Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
+                  Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
+                  Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
+                } else {
+                  const uint4 ra =
+                      *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
+                  const uint4 rb =
+                      *reinterpret_cast<const uint4*>(st + (kc * kBM + r0 + 8) * 64 + t4 * 16);
+                  a[mi][0][0] = ra.x;
+                  a[mi][0][1] = rb.x;
+                  a[mi][0][2] = ra.y;
+                  a[mi][0][3] = rb.y;
+                  a[mi][1][0] = ra.z;
+                  a[mi][1][1] = rb.z;
+                  a[mi][1][2] = ra.w;
+                  a[mi][1][3] = rb.w;
+                }
+              }
+#pragma unroll
+              for (int ks = 0; ks < 2; ++ks) {
+                uint32_t b[C::kNI][2];
+#pragma unroll
+                for (int np = 0; np < NPA; ++np) {
+                  const int n = warp_n * C::kWTN + np * 16 + (lane / 16) * 8 + lane % 8;
+                  const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
+                  uint32_t r[4];
+                  Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
+                  b[2 * np][0] = r[0];
+                  b[2 * np][1] = r[1];
+                  b[2 * np + 1][0] = r[2];
+                  b[2 * np + 1][1] = r[3];
+                }
+#pragma unroll
+                for (int mi = 0; mi < C::kMI; ++mi)
+#pragma unroll
+                  for (int ni = 0; ni < 2 * NPA; ++ni) Mma(acc[mi][ni], a[mi][ks], b[ni]);
+              }
+            }
+          };
+          constexpr int kPairs = C::kNI / 2;
+          if (!kAdaptive || kPairs == 1) {
+            stage_math(std::integral_constant<int, kPairs>{});
+          } else if (tile_cols <= 16) {
+            stage_math(std::integral_constant<int, 1>{});
+          } else if (kPairs > 2 && tile_cols <= 32) {
+            stage_math(std::integral_constant<int, (kPairs > 2 ? 2 : kPairs)>{});
+          } else {
+            stage_math(std::integral_constant<int, kPairs>{});
+          }
         };
-        constexpr int kPairs = C::kNI / 2;
-        if (!kAdaptive || kPairs == 1) {
-          stage_math(std::integral_constant<int, kPairs>{});
-        } else if (tile_cols <= 16) {
-          stage_math(std::integral_constant<int, 1>{});
-        } else if (kPairs > 2 && tile_cols <= 32) {
-          stage_math(std::integral_constant<int, (kPairs > 2 ? 2 : kPairs)>{});
-        } else {
-          stage_math(std::integral_constant<int, kPairs>{});
+        block_math(0);
+        if constexpr (KB == 2) {
+          if (2 * c_kb + 1 < num_kb) block_math(1);  // not the odd last block of the unit
         }
-      };
-      block_math(0);
-      if constexpr (KB == 2) {
-        if (2 * c_kb + 1 < num_kb) block_math(1);  // not the odd last block of the unit
-      }
-      if constexpr (kTma) MbarArrive(empty0 + 8 * c_slot);  // this thread is done with the slot
-      if (++c_slot == STAGES) {
-        c_slot = 0;
-        c_phase ^= 1;
+        if constexpr (kTma) MbarArrive(empty0 + 8 * c_slot);  // this thread is done with the slot
+        if (++c_slot == STAGES) {
+          c_slot = 0;
+          c_phase ^= 1;
+        }
       }
     }
     if constexpr (kTma) {
@@ -772,11 +1033,11 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
 }
 
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
-          bool kAdaptive = false, bool kTma = false, int KB = 1>
+          bool kAdaptive = false, bool kTma = false, int KB = 1, int kWg = 0>
 cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
                 int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
-  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB>;
-  auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive, kTma, KB>;
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg != 0>;
+  auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive, kTma, KB, kWg>;
   const size_t smem = C::SmemBytes(p.num_experts);
   const int threads = kTma ? kThreads + 32 : kThreads;
   // Per device: a function attribute belongs to the current device's context, and EP ranks
@@ -830,144 +1091,6 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
 // A-fragment registers, wgmma.wait_group 1), and the loop's branches are provably warp-uniform
 // (ptxas serializes wgmmas behind divergent branches, C7518). Shared memory is read with
 // ld.shared (the aligned dynamic pointer would otherwise compile to generic loads).
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MOESERVE_WGMMA_DEVICE 1
-#endif
-
-__device__ __forceinline__ void WgmmaFence() {
-#ifdef MOESERVE_WGMMA_DEVICE
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void WgmmaCommit() {
-#ifdef MOESERVE_WGMMA_DEVICE
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void WgmmaWait() {
-#ifdef MOESERVE_WGMMA_DEVICE
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
-__device__ __forceinline__ void WgmmaFenceOperands(float* d, int n) {
-#pragma unroll
-  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ uint32_t LdSharedU16(uint32_t addr) {
-  uint16_t v;
-  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint2 LdSharedV2(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 LdSharedV4(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-#ifdef MOESERVE_WGMMA_DEVICE
-__device__ __forceinline__ void Wgmma64(float* d, const uint32_t* a, uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-__device__ __forceinline__ void Wgmma128(float* d, const uint32_t* a, uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-__device__ __forceinline__ void Wgmma256(float* d, const uint32_t* a, uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
-        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
-        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
-        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
-        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-#endif
-
-template <int BN>
-__device__ __forceinline__ void Wgmma(float* d, const uint32_t* a, uint64_t desc) {
-#ifdef MOESERVE_WGMMA_DEVICE
-  if constexpr (BN == 64) Wgmma64(d, a, desc);
-  if constexpr (BN == 128) Wgmma128(d, a, desc);
-  if constexpr (BN == 256) Wgmma256(d, a, desc);
-#else
-  __trap();  // built without sm_90a: the host never launches this path (MOESERVE_CUDA_WGMMA)
-#endif
-}
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t SmemDescSw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1024 >> 4) << 32) |
-         (1ull << 62);
-}
-
 constexpr int kWgPipeBudget = 196608;  // shared memory per SM for the pipelines
 
 template <bool kFp8, int BN>
@@ -1257,12 +1380,42 @@ struct DecodeTile {
   static constexpr int kKB = kFp8 ? 2 : 1;
   static constexpr int kStages = kFp8 ? (BN == 16 ? 5 : BN == 32 ? 4 : 5) : 6;
 };
+// wg: 1 for the warpgroup-MMA form of the tile (sm_90a builds; DecodeWgmma). Built for the MXFP8
+// 32-token tile only: the 16-token and adaptive tiles were slower in it (cuda/RESULTS.md).
 template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND, bool kAdaptive = false>
-cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
+cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream, int wg,
                       int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
   using T = DecodeTile<kFp8, BN>;
+#if MOESERVE_CUDA_WGMMA
+  if constexpr (kFp8 && !kWide && BN == 32 && !kAdaptive) {
+    if (wg == 1) {
+      return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB, 1>(
+          p, num_sms, stream, gate, per_expert);
+    }
+  }
+#endif
   return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB>(p, num_sms, stream,
                                                                                gate, per_expert);
+}
+
+// Which MMA the MXFP8 32-token decode tile issues (0: mma.sync, 1: warpgroup MMAs):
+// MoeGemmParams::decode_mma, else MOESERVE_DECODE_MMA=wgmma|sync (read once; for benchmarks'
+// A/Bs), else `measured_default`.
+int DecodeWgmma(const MoeGemmParams& p, bool measured_default) {
+#if MOESERVE_CUDA_WGMMA
+  if (p.decode_mma == MoeDecodeMma::kWgmma) return 1;
+  if (p.decode_mma == MoeDecodeMma::kMmaSync) return 0;
+  static const int from_env = [] {
+    const char* v = std::getenv("MOESERVE_DECODE_MMA");
+    if (v == nullptr) return -1;
+    return std::strcmp(v, "wgmma") == 0 ? 1 : std::strcmp(v, "sync") == 0 ? 0 : -1;
+  }();
+  return from_env >= 0 ? from_env : measured_default ? 1 : 0;
+#else
+  (void)p;
+  (void)measured_default;
+  return 0;
+#endif
 }
 
 template <bool kFp8, int BN, MoeGemmKind KIND>
@@ -1282,12 +1435,23 @@ bool MoeGemmSplitDecodeByExpert() {
   return on;
 }
 
+// Routes per expert from which the warpgroup-MMA tiles serve (Dispatch).
+int WgmmaFromRoutes(const MoeGemmParams& p) {
+  const int asked = p.wgmma_min_routes != 0 ? p.wgmma_min_routes
+                    : p.mxfp8               ? kMxfp8WgmmaMinRoutes
+                                            : kBf16WgmmaMinRoutes;
+  return asked > 0 && asked <= 128 ? asked : 129;
+}
+
 template <bool kFp8, MoeGemmKind KIND>
 cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
   // MXFP8 scale codes above kMxfp8NarrowScaleMax (or NaN blocks) need the two-multiply
   // dequantization; one decode tile shape serves every count there (rare in real checkpoints).
   const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
+  // The MXFP8 32-token decode tile (17-32 routes per expert) issues warpgroup MMAs, where they
+  // won on the H200; the other decode tiles mma.sync (tests/benchmarks/cuda/RESULTS.md).
+  const int wg = kFp8 && MoeGemmUsesDecodeWgmma(p) ? 1 : 0;
 #if MOESERVE_CUDA_WGMMA
   // From kMxfp8WgmmaMinRoutes / kBf16WgmmaMinRoutes routes per expert: the pipelined wgmma
   // tiles, as wide as the average (H200, seed layer, MXFP8: 256 tokens/rank 620 us against 915 us
@@ -1298,18 +1462,14 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   // mma.sync tile for MXFP8 even before they were pipelined): a negative or larger threshold
   // acts as 129.
   {
-    const int asked = p.wgmma_min_routes != 0 ? p.wgmma_min_routes
-                      : kFp8                  ? kMxfp8WgmmaMinRoutes
-                                              : kBf16WgmmaMinRoutes;
-    const int from = asked > 0 && asked <= 128 ? asked : 129;
-    if (avg >= from) {
+    if (avg >= WgmmaFromRoutes(p)) {
       if (avg <= 64) return RunWgmmaFor<kFp8, 64, KIND>(p, num_sms, stream, wide);
       if (avg <= 128) return RunWgmmaFor<kFp8, 128, KIND>(p, num_sms, stream, wide);
       return RunWgmmaFor<kFp8, 256, KIND>(p, num_sms, stream, wide);
     }
   }
 #endif
-  if (wide && avg <= 64) return RunDecode<kFp8, true, 64, KIND>(p, num_sms, stream);
+  if (wide && avg <= 64) return RunDecode<kFp8, true, 64, KIND>(p, num_sms, stream, wg);
   if (!wide) {
     // A hot expert (more routes than the narrow tile holds) would stream its weights once per
     // narrow tile: the narrow launch works only if every count fits it, else the adaptive wide
@@ -1324,17 +1484,17 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
         // tile instead of moving all of them to the wide one.
         const bool per_expert = MoeGemmSplitDecodeByExpert();
         const cudaError_t err =
-            RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16}, per_expert);
+            RunDecode<true, false, 16, KIND>(p, num_sms, stream, wg, int2{-1, 16}, per_expert);
         // No expert can exceed the narrow tile (the host's bound says so, e.g. one or two decode
         // tokens): the adaptive launch would return at once, and costs ~3 us of launch.
         if (err != cudaSuccess || (p.max_rows_hint > 0 && p.max_rows_hint <= 16)) return err;
-        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX},
+        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, wg, int2{16, INT_MAX},
                                                       per_expert);
       }
     }
-    if (avg <= 16) return RunDecode<kFp8, false, 16, KIND>(p, num_sms, stream);
-    if (avg <= 32) return RunDecode<kFp8, false, 32, KIND>(p, num_sms, stream);
-    if (avg <= 64) return RunDecode<kFp8, false, 64, KIND>(p, num_sms, stream);
+    if (avg <= 16) return RunDecode<kFp8, false, 16, KIND>(p, num_sms, stream, wg);
+    if (avg <= 32) return RunDecode<kFp8, false, 32, KIND>(p, num_sms, stream, wg);
+    if (avg <= 64) return RunDecode<kFp8, false, 64, KIND>(p, num_sms, stream, wg);
   }
   // Large tiles are MMA-bound: they always take the exact two-multiply dequantization.
   return Run < kFp8, kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND > (p, num_sms, stream);
@@ -1365,6 +1525,16 @@ cudaError_t LaunchDequantizeMxfp8ToBf16(const uint8_t* q, const uint8_t* scales,
   const int blocks = static_cast<int>(n / 256 + 1 < 65535 ? n / 256 + 1 : 65535);
   DequantKernel<<<blocks, 256, 0, stream>>>(q, scales, rows, k, out);
   return cudaGetLastError();
+}
+
+bool MoeGemmUsesDecodeWgmma(const MoeGemmParams& p) {
+  if (!p.mxfp8 || p.num_experts <= 0 || p.total_rows_hint <= 0) return false;
+  const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
+  if (p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax || avg <= 16 || avg > 32) return false;
+#if MOESERVE_CUDA_WGMMA
+  if (avg >= WgmmaFromRoutes(p)) return false;  // the warpgroup-MMA tiles serve
+#endif
+  return DecodeWgmma(p, avg >= kMxfp8DecodeWgmmaMinRoutes) == 1;
 }
 
 cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {

@@ -6,7 +6,8 @@
 // (16..256 tokens per tile), so decode-sized batches (1-64 tokens per expert) still stream every
 // weight byte once, several stages in flight, over a persistent grid whose tile schedule is read
 // on the device from per-expert counts (no host synchronization). Decode tiles have a producer
-// warp (bulk copies and cp.async completing on mbarriers) beside 8 mma.sync warps; from 32-33
+// warp (bulk copies and cp.async completing on mbarriers) beside 8 mma.sync warps (MXFP8 32-token
+// tiles: 2 warpgroups issuing wgmma, kMxfp8DecodeWgmmaMinRoutes); from 32-33
 // routes per expert warpgroup-MMA (wgmma, sm_90a) tiles 64-256 tokens wide take over, with the
 // (dequantized) A fragments in registers, software-pipelined (see docs/gpu.md).
 //
@@ -40,6 +41,12 @@ inline constexpr int kMxfp8NarrowScaleMax = 134;
 // routes (256 tokens/rank) 615 us against 905 us, 32 routes 593 us against 514 us. BF16: 32
 // routes 717 us against 764 us; at 16 the decode tile is at the HBM floor.
 inline constexpr int kMxfp8WgmmaMinRoutes = 33;
+// From this average of routes per expert, the MXFP8 32-token decode tile (17-32 routes) issues
+// warpgroup MMAs (m64n32k16, A dequantized into registers) instead of mma.sync by default
+// (MoeGemmParams::decode_mma). Measured on the H200 (tests/benchmarks/cuda/RESULTS.md,
+// 2026-12-03 16:20-16:55): 96-128 tokens/rank 2-15% faster; the 16-token and adaptive tiles
+// (1-64 tokens) were 1-15% slower in that form and keep mma.sync.
+inline constexpr int kMxfp8DecodeWgmmaMinRoutes = 17;
 inline constexpr int kBf16WgmmaMinRoutes = 32;
 
 // Split-K workspace (MoeGemmParams::split_workspace): kMoeGemmSplitCounters int32 counters,
@@ -94,6 +101,14 @@ cudaError_t LaunchPackMoeW2(const void* w2, const uint8_t* w2_scale, int64_t num
 cudaError_t LaunchDequantizeMxfp8ToBf16(const uint8_t* q, const uint8_t* scales, int64_t rows,
                                         int64_t k, uint16_t* out, cudaStream_t stream);
 
+// Which MMA the MXFP8 32-token decode tile issues (sm_90a builds; others always take mma.sync).
+enum class MoeDecodeMma {
+  kDefault,  // MOESERVE_DECODE_MMA=wgmma|sync if set (benchmarks' A/Bs), else by
+             // kMxfp8DecodeWgmmaMinRoutes
+  kMmaSync,
+  kWgmma,
+};
+
 enum class MoeGemmKind {
   kGateUpSilu,  // packed W13 x activations -> silu(gate) * up, BF16 [rows, Ip]
   kDown,        // packed W2 x intermediate  -> FP32 [rows, H]
@@ -120,6 +135,7 @@ struct MoeGemmParams {
   // measured default of the format (kMxfp8WgmmaMinRoutes, kBf16WgmmaMinRoutes); negative or
   // above 128: only above 128 routes (where they always serve).
   int wgmma_min_routes = 0;
+  MoeDecodeMma decode_mma = MoeDecodeMma::kDefault;
   const uint16_t* act = nullptr;  // BF16 activation rows
   int64_t act_stride = 0;         // elements between activation rows
   const int32_t* expert_counts = nullptr;
@@ -146,6 +162,10 @@ struct MoeGemmParams {
 
 // Asynchronous on `stream`. num_sms: the device's multiprocessor count (persistent grid).
 cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& params, int num_sms, cudaStream_t stream);
+
+// Whether LaunchMoeGroupedGemm(params) runs the MXFP8 32-token decode tile with warpgroup MMAs
+// (host only; for tests and benchmarks).
+bool MoeGemmUsesDecodeWgmma(const MoeGemmParams& params);
 
 }  // namespace moeserve::kernels
 

@@ -591,6 +591,56 @@ TEST_F(CudaKernelsTest, GroupedGemmWgmmaTilesMatchReference) {
   }
 }
 
+// The MXFP8 32-token decode tile (17-32 routes per expert) with warpgroup MMAs
+// (MoeDecodeMma::kWgmma, its default) and with mma.sync, against a double-precision host GEMM of
+// the dequantized weights: both kinds, odd numbers of 64-K blocks (a stage's second block
+// absent), K padded, H not a tile multiple, a count above the tile width (two token tiles), an
+// expert of one route, split-K, and the two-multiply dequantization (served by the 64-token
+// mma.sync tile whatever decode_mma says). Tolerances: relative L2 4e-3 for the BF16 gate-up
+// output (one BF16 rounding), 1e-5 for the FP32 down output.
+TEST_F(CudaKernelsTest, GroupedGemmDecodeWgmmaMatchesReference) {
+  std::mt19937 rng(53);
+  const int num_sms = NumSms();
+  int major = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  const std::vector<GemmShape> shapes = {
+      {MoeGemmKind::kGateUpSilu, 448, 128, {32, 17, 24, 29}},  // 7 blocks
+      {MoeGemmKind::kGateUpSilu, 1000, 200, {20, 25, 31}},     // K padded
+      {MoeGemmKind::kGateUpSilu, 256, 64, {40, 2}},            // two token tiles
+      {MoeGemmKind::kDown, 296, 192, {30, 20, 1}},             // 3 blocks, H = 296
+      {MoeGemmKind::kDown, 128, 4096, {20, 18}}};              // long K: split-K below
+  for (const GemmShape& sh : shapes) {
+    const GemmProblem pr(sh.kind, true, sh.h, sh.n, sh.counts, 112, 8, rng);
+    const std::vector<float> ref = pr.Reference();
+    const double tol = pr.gate_up ? 4e-3 : 1e-5;
+    Dev<uint8_t> ws(kMoeGemmSplitWorkspaceBytes, 0);
+    MoeGemmParams probe = pr.Params();
+    probe.wgmma_min_routes = -1;
+    const bool built = MoeGemmUsesDecodeWgmma(probe);  // the default: wgmma at 17-32 routes
+    if (major == 9) {
+      EXPECT_TRUE(built) << pr.Name() << ": an sm_90 device, no sm_90a build?";
+    }
+    for (const MoeDecodeMma mma : {MoeDecodeMma::kWgmma, MoeDecodeMma::kMmaSync}) {
+      for (const int max_code : {kMxfp8NarrowScaleMax, 255}) {
+        for (const bool split : {false, true}) {
+          MoeGemmParams p = pr.Params();
+          p.decode_mma = mma;
+          p.wgmma_min_routes = -1;  // the decode tiles up to 64 routes per expert
+          p.mxfp8_max_scale_code = max_code;
+          p.split_workspace = split ? ws.p : nullptr;
+          // The wgmma form serves where asked, with narrow scales (every shape: 17-32 routes).
+          EXPECT_EQ(MoeGemmUsesDecodeWgmma(p),
+                    built && mma == MoeDecodeMma::kWgmma && max_code == kMxfp8NarrowScaleMax)
+              << pr.Name();
+          EXPECT_LT(RelL2(pr.Run(p, num_sms), ref), tol)
+              << pr.Name() << (mma == MoeDecodeMma::kWgmma ? " wgmma" : " mma.sync")
+              << " max_code=" << max_code << " split=" << split;
+        }
+      }
+    }
+  }
+}
+
 // The grouped GEMM's tile rows by the average expert's rows (no device needed): 64-row tiles up
 // to 64 and from 129 to 192 rows per expert, 128-row tiles otherwise.
 TEST(GroupedSm90TileChoiceTest, SmallTilesWhereTheyPadLess) {
