@@ -505,16 +505,16 @@ struct GemmCfg {
 // loop's ~185 instructions per stage per warp, and that loop is bound by its instruction count
 // (docs/gpu.md).
 // kWg (GemmCfg): the MMA warps issue one warpgroup MMA per 16 K where mma.sync took one per 8
-// tokens, and a 64-K block's MMAs run while the next block is dequantized (two sets of A
+// tokens, and a 32-K half's MMAs run while the next half is dequantized (two sets of A
 // registers); a stage's slot is released once its MMAs have completed.
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
-          bool kAdaptive, bool kTma, int KB, int kWg = 0>
+          bool kAdaptive, bool kTma, int KB, bool kWg = false>
 __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 : 1)
     MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots, bool per_expert) {
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   static_assert(!kWg || kTma, "the warpgroup-MMA decode tile has a producer warp");
-  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg != 0>;
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // kWg: the swizzled activation blocks need 1024-byte alignment (SmemBytes reserves it).
   unsigned char* const smem =
@@ -1033,10 +1033,10 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
 }
 
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
-          bool kAdaptive = false, bool kTma = false, int KB = 1, int kWg = 0>
+          bool kAdaptive = false, bool kTma = false, int KB = 1, bool kWg = false>
 cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
                 int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
-  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg != 0>;
+  using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg>;
   auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive, kTma, KB, kWg>;
   const size_t smem = C::SmemBytes(p.num_experts);
   const int threads = kTma ? kThreads + 32 : kThreads;
@@ -1380,16 +1380,16 @@ struct DecodeTile {
   static constexpr int kKB = kFp8 ? 2 : 1;
   static constexpr int kStages = kFp8 ? (BN == 16 ? 5 : BN == 32 ? 4 : 5) : 6;
 };
-// wg: 1 for the warpgroup-MMA form of the tile (sm_90a builds; DecodeWgmma). Built for the MXFP8
+// wg: the warpgroup-MMA form of the tile (sm_90a builds; DecodeWgmma). Built for the MXFP8
 // 32-token tile only: the 16-token and adaptive tiles were slower in it (cuda/RESULTS.md).
 template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND, bool kAdaptive = false>
-cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream, int wg,
+cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream, bool wg,
                       int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
   using T = DecodeTile<kFp8, BN>;
 #if MOESERVE_CUDA_WGMMA
   if constexpr (kFp8 && !kWide && BN == 32 && !kAdaptive) {
-    if (wg == 1) {
-      return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB, 1>(
+    if (wg) {
+      return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB, true>(
           p, num_sms, stream, gate, per_expert);
     }
   }
@@ -1398,23 +1398,23 @@ cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream, 
                                                                                gate, per_expert);
 }
 
-// Which MMA the MXFP8 32-token decode tile issues (0: mma.sync, 1: warpgroup MMAs):
+// Whether the MXFP8 32-token decode tile issues warpgroup MMAs (else mma.sync):
 // MoeGemmParams::decode_mma, else MOESERVE_DECODE_MMA=wgmma|sync (read once; for benchmarks'
 // A/Bs), else `measured_default`.
-int DecodeWgmma(const MoeGemmParams& p, bool measured_default) {
+bool DecodeWgmma(const MoeGemmParams& p, bool measured_default) {
 #if MOESERVE_CUDA_WGMMA
-  if (p.decode_mma == MoeDecodeMma::kWgmma) return 1;
-  if (p.decode_mma == MoeDecodeMma::kMmaSync) return 0;
+  if (p.decode_mma == MoeDecodeMma::kWgmma) return true;
+  if (p.decode_mma == MoeDecodeMma::kMmaSync) return false;
   static const int from_env = [] {
     const char* v = std::getenv("MOESERVE_DECODE_MMA");
     if (v == nullptr) return -1;
     return std::strcmp(v, "wgmma") == 0 ? 1 : std::strcmp(v, "sync") == 0 ? 0 : -1;
   }();
-  return from_env >= 0 ? from_env : measured_default ? 1 : 0;
+  return from_env >= 0 ? from_env == 1 : measured_default;
 #else
   (void)p;
   (void)measured_default;
-  return 0;
+  return false;
 #endif
 }
 
@@ -1451,7 +1451,7 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
   // The MXFP8 32-token decode tile (17-32 routes per expert) issues warpgroup MMAs, where they
   // won on the H200; the other decode tiles mma.sync (tests/benchmarks/cuda/RESULTS.md).
-  const int wg = kFp8 && MoeGemmUsesDecodeWgmma(p) ? 1 : 0;
+  const bool wg = kFp8 && MoeGemmUsesDecodeWgmma(p);
 #if MOESERVE_CUDA_WGMMA
   // From kMxfp8WgmmaMinRoutes / kBf16WgmmaMinRoutes routes per expert: the pipelined wgmma
   // tiles, as wide as the average (H200, seed layer, MXFP8: 256 tokens/rank 620 us against 915 us
@@ -1534,7 +1534,7 @@ bool MoeGemmUsesDecodeWgmma(const MoeGemmParams& p) {
 #if MOESERVE_CUDA_WGMMA
   if (avg >= WgmmaFromRoutes(p)) return false;  // the warpgroup-MMA tiles serve
 #endif
-  return DecodeWgmma(p, avg >= kMxfp8DecodeWgmmaMinRoutes) == 1;
+  return DecodeWgmma(p, avg >= kMxfp8DecodeWgmmaMinRoutes);
 }
 
 cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
