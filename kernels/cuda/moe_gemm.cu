@@ -172,6 +172,20 @@ __device__ __forceinline__ void Fp8x4ToBf16(uint32_t q, const Fp8Scale& s, uint3
   }
 }
 
+// One MMA warp's A fragments of a 32-K half of a packed E4M3 weight tile: `ra`, `rb` are its
+// 8 bytes of rows r and r + 8 (the packed order), `code_a`, `code_b` those rows' E8M0 scale codes;
+// a[ks] are the fragments of the half's two k16 steps (rows r, r + 8 in mma.sync's / wgmma's
+// register order). Shared by the decode tiles (both MMA forms) and the wide wgmma tiles.
+template <bool kWide>
+__device__ __forceinline__ void Fp8HalfFragments(uint2 ra, uint2 rb, uint32_t code_a,
+                                                 uint32_t code_b, uint32_t (&a)[2][4]) {
+  const Fp8Scale fa = MakeFp8Scale<kWide>(code_a), fb = MakeFp8Scale<kWide>(code_b);
+  Fp8x4ToBf16<kWide>(ra.x, fa, a[0][0], a[0][2]);
+  Fp8x4ToBf16<kWide>(rb.x, fb, a[0][1], a[0][3]);
+  Fp8x4ToBf16<kWide>(ra.y, fa, a[1][0], a[1][2]);
+  Fp8x4ToBf16<kWide>(rb.y, fb, a[1][1], a[1][3]);
+}
+
 __global__ void DequantKernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ scales,
                               int64_t rows, int64_t k, uint16_t* __restrict__ out) {
   const int64_t blocks = (k + 31) / 32;
@@ -334,17 +348,7 @@ __device__ __forceinline__ void FenceProxyAsyncShared() {
 }
 
 #ifdef MOESERVE_WGMMA_DEVICE
-// m64n16k16 and m64n32k16: the decode tiles (16 and 32 tokens, or 16 of a 32-wide tile).
-__device__ __forceinline__ void Wgmma16(float* d, const uint32_t* a, uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
+// m64n32k16: the MXFP8 32-token decode tile.
 __device__ __forceinline__ void Wgmma32(float* d, const uint32_t* a, uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
@@ -433,7 +437,7 @@ __device__ __forceinline__ void Wgmma256(float* d, const uint32_t* a, uint64_t d
 template <int BN>
 __device__ __forceinline__ void Wgmma(float* d, const uint32_t* a, uint64_t desc) {
 #ifdef MOESERVE_WGMMA_DEVICE
-  if constexpr (BN == 16) Wgmma16(d, a, desc);
+  static_assert(BN == 32 || BN == 64 || BN == 128 || BN == 256, "no wgmma wrapper for this N");
   if constexpr (BN == 32) Wgmma32(d, a, desc);
   if constexpr (BN == 64) Wgmma64(d, a, desc);
   if constexpr (BN == 128) Wgmma128(d, a, desc);
@@ -480,7 +484,7 @@ struct GemmCfg {
   static constexpr int kBChunks = (BN * 8 + kThreads - 1) / kThreads;
   static_assert(WM * WN * 32 == kThreads, "8 warps");
   static_assert(kNI % 2 == 0, "ldmatrix.x4 loads two n-fragments");
-  static_assert(!kWg || (WM == 8 && KB == 2 && (BN == 16 || BN == 32 || BN == 64)),
+  static_assert(!kWg || (WM == 8 && KB == 2 && (BN == 32 || BN == 64)),
                 "warpgroup-MMA decode tiles: 16 rows per warp, two 64-K blocks per stage");
   static constexpr int kBarBytes = 2 * STAGES * 8;  // kTma: full and empty mbarrier per stage
   static size_t SmemBytes(int num_experts) {
@@ -793,7 +797,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
       const int kb_hi_u = __shfl_sync(0xffffffffu, kb_hi, 0);
       // Groups of two MMAs (one 32-K half of a 64-K block) alternate between two sets of A
       // registers: a group is dequantized while the previous one's MMAs run.
-      uint32_t a[2][2][4];  // [group parity][k16 step][fragment]
+      uint32_t a[2][2][4];  // [32-K half][k16 step][fragment]
       const int r0 = warp * 16 + g;
       int held = -1;  // a slot whose last MMAs may still be reading it
 #pragma unroll 1
@@ -801,27 +805,22 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
         MbarWait(full0 + 8 * c_slot, c_phase);
         FenceProxyAsyncShared();  // the producer's cp.async rows -> read by the tensor cores
         const uint32_t st = SmemAddr(smem + c_slot * C::kStageBytes);
-        // Block sb's 32-K half kc: dequantize into a[(2 sb + kc) % 2], issue, commit.
+        // Block sb's 32-K half kc: dequantize into a[kc], issue, commit.
         auto group = [&](auto sb_c, auto kc_c) {
           constexpr int SB = decltype(sb_c)::value, KC = decltype(kc_c)::value;
-          constexpr int P = KC;
           const uint32_t sa = st + C::kAOff + SB * C::kABlock;
           const uint32_t ss = st + C::kSOff + SB * C::kSBlock;
           const uint32_t c0 = LdSharedU16(ss + r0 * 2), c1 = LdSharedU16(ss + (r0 + 8) * 2);
           const uint2 ra = LdSharedV2(sa + (KC * kBM + r0) * 32 + t4 * 8);
           const uint2 rb = LdSharedV2(sa + (KC * kBM + r0 + 8) * 32 + t4 * 8);
-          const Fp8Scale fa = MakeFp8Scale<kWide>(KC == 0 ? c0 & 0xffu : c0 >> 8);
-          const Fp8Scale fb = MakeFp8Scale<kWide>(KC == 0 ? c1 & 0xffu : c1 >> 8);
-          Fp8x4ToBf16<kWide>(ra.x, fa, a[P][0][0], a[P][0][2]);
-          Fp8x4ToBf16<kWide>(rb.x, fb, a[P][0][1], a[P][0][3]);
-          Fp8x4ToBf16<kWide>(ra.y, fa, a[P][1][0], a[P][1][2]);
-          Fp8x4ToBf16<kWide>(rb.y, fb, a[P][1][1], a[P][1][3]);
+          Fp8HalfFragments<kWide>(ra, rb, KC == 0 ? c0 & 0xffu : c0 >> 8,
+                                  KC == 0 ? c1 & 0xffu : c1 >> 8, a[KC]);
           const uint64_t desc = SmemDescSw128(st + C::kBOff + SB * C::kBSub);
           WgmmaFence();  // the new A registers (and zeroed accumulators) before the MMAs
 #pragma unroll
           for (int ks = 0; ks < 2; ++ks) {
             // k16 step 2 KC + ks sits 32 bytes further along the swizzled 128-byte rows.
-            Wgmma<BN>(&acc[0][0][0], a[P][ks], desc + static_cast<uint64_t>((KC * 2 + ks) * 2));
+            Wgmma<BN>(&acc[0][0][0], a[KC][ks], desc + static_cast<uint64_t>((KC * 2 + ks) * 2));
           }
           WgmmaCommit();
         };
@@ -890,14 +889,9 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
                       *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
                   const uint2 rb =
                       *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-                  const Fp8Scale sa =
-                      MakeFp8Scale<kWide>(kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8);
-                  const Fp8Scale sb =
-                      MakeFp8Scale<kWide>(kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8);
-                  Fp8x4ToBf16<kWide>(ra.x, sa, a[mi][0][0], a[mi][0][2]);
-                  Fp8x4ToBf16<kWide>(rb.x, sb, a[mi][0][1], a[mi][0][3]);
-                  Fp8x4ToBf16<kWide>(ra.y, sa, a[mi][1][0], a[mi][1][2]);
-                  Fp8x4ToBf16<kWide>(rb.y, sb, a[mi][1][1], a[mi][1][3]);
+                  Fp8HalfFragments<kWide>(
+                      ra, rb, kc == 0 ? codes[mi][0] & 0xffu : codes[mi][0] >> 8,
+                      kc == 0 ? codes[mi][1] & 0xffu : codes[mi][1] >> 8, a[mi]);
                 } else {
                   const uint4 ra =
                       *reinterpret_cast<const uint4*>(st + (kc * kBM + r0) * 64 + t4 * 16);
@@ -1288,12 +1282,8 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
       if (kFp8) {
         const uint2 ra = LdSharedV2(sa + (kc * kBM + r0) * 32 + t4 * 8);
         const uint2 rb = LdSharedV2(sa + (kc * kBM + r0 + 8) * 32 + t4 * 8);
-        const Fp8Scale fa = MakeFp8Scale<kWide>(kc == 0 ? codes[0] & 0xffu : codes[0] >> 8);
-        const Fp8Scale fb = MakeFp8Scale<kWide>(kc == 0 ? codes[1] & 0xffu : codes[1] >> 8);
-        Fp8x4ToBf16<kWide>(ra.x, fa, a[P][kc][0][0], a[P][kc][0][2]);
-        Fp8x4ToBf16<kWide>(rb.x, fb, a[P][kc][0][1], a[P][kc][0][3]);
-        Fp8x4ToBf16<kWide>(ra.y, fa, a[P][kc][1][0], a[P][kc][1][2]);
-        Fp8x4ToBf16<kWide>(rb.y, fb, a[P][kc][1][1], a[P][kc][1][3]);
+        Fp8HalfFragments<kWide>(ra, rb, kc == 0 ? codes[0] & 0xffu : codes[0] >> 8,
+                                kc == 0 ? codes[1] & 0xffu : codes[1] >> 8, a[P][kc]);
       } else {
         const uint4 ra = LdSharedV4(sa + (kc * kBM + r0) * 64 + t4 * 16);
         const uint4 rb = LdSharedV4(sa + (kc * kBM + r0 + 8) * 64 + t4 * 16);
@@ -1380,22 +1370,14 @@ struct DecodeTile {
   static constexpr int kKB = kFp8 ? 2 : 1;
   static constexpr int kStages = kFp8 ? (BN == 16 ? 5 : BN == 32 ? 4 : 5) : 6;
 };
-// wg: the warpgroup-MMA form of the tile (sm_90a builds; DecodeWgmma). Built for the MXFP8
-// 32-token tile only: the 16-token and adaptive tiles were slower in it (cuda/RESULTS.md).
-template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND, bool kAdaptive = false>
-cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream, bool wg,
+// kWg: the warpgroup-MMA form of the tile (sm_90a builds; only the MXFP8 32-token tile takes it,
+// MoeGemmUsesDecodeWgmma).
+template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND, bool kAdaptive = false, bool kWg = false>
+cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
                       int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
   using T = DecodeTile<kFp8, BN>;
-#if MOESERVE_CUDA_WGMMA
-  if constexpr (kFp8 && !kWide && BN == 32 && !kAdaptive) {
-    if (wg) {
-      return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB, true>(
-          p, num_sms, stream, gate, per_expert);
-    }
-  }
-#endif
-  return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB>(p, num_sms, stream,
-                                                                               gate, per_expert);
+  return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB, kWg>(
+      p, num_sms, stream, gate, per_expert);
 }
 
 // Whether the MXFP8 32-token decode tile issues warpgroup MMAs (else mma.sync):
@@ -1449,9 +1431,6 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   // MXFP8 scale codes above kMxfp8NarrowScaleMax (or NaN blocks) need the two-multiply
   // dequantization; one decode tile shape serves every count there (rare in real checkpoints).
   const bool wide = kFp8 && p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax;
-  // The MXFP8 32-token decode tile (17-32 routes per expert) issues warpgroup MMAs, where they
-  // won on the H200; the other decode tiles mma.sync (tests/benchmarks/cuda/RESULTS.md).
-  const bool wg = kFp8 && MoeGemmUsesDecodeWgmma(p);
 #if MOESERVE_CUDA_WGMMA
   // From kMxfp8WgmmaMinRoutes / kBf16WgmmaMinRoutes routes per expert: the pipelined wgmma
   // tiles, as wide as the average (H200, seed layer, MXFP8: 256 tokens/rank 620 us against 915 us
@@ -1469,7 +1448,7 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     }
   }
 #endif
-  if (wide && avg <= 64) return RunDecode<kFp8, true, 64, KIND>(p, num_sms, stream, wg);
+  if (wide && avg <= 64) return RunDecode<kFp8, true, 64, KIND>(p, num_sms, stream);
   if (!wide) {
     // A hot expert (more routes than the narrow tile holds) would stream its weights once per
     // narrow tile: the narrow launch works only if every count fits it, else the adaptive wide
@@ -1484,17 +1463,28 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
         // tile instead of moving all of them to the wide one.
         const bool per_expert = MoeGemmSplitDecodeByExpert();
         const cudaError_t err =
-            RunDecode<true, false, 16, KIND>(p, num_sms, stream, wg, int2{-1, 16}, per_expert);
+            RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16}, per_expert);
         // No expert can exceed the narrow tile (the host's bound says so, e.g. one or two decode
         // tokens): the adaptive launch would return at once, and costs ~3 us of launch.
         if (err != cudaSuccess || (p.max_rows_hint > 0 && p.max_rows_hint <= 16)) return err;
-        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, wg, int2{16, INT_MAX},
+        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX},
                                                       per_expert);
       }
     }
-    if (avg <= 16) return RunDecode<kFp8, false, 16, KIND>(p, num_sms, stream, wg);
-    if (avg <= 32) return RunDecode<kFp8, false, 32, KIND>(p, num_sms, stream, wg);
-    if (avg <= 64) return RunDecode<kFp8, false, 64, KIND>(p, num_sms, stream, wg);
+    if (avg <= 16) return RunDecode<kFp8, false, 16, KIND>(p, num_sms, stream);
+    if (avg <= 32) {
+#if MOESERVE_CUDA_WGMMA
+      // MXFP8: warpgroup MMAs, where they won on the H200; the other decode tiles keep mma.sync
+      // (tests/benchmarks/cuda/RESULTS.md, 2026-12-03 16:20).
+      if constexpr (kFp8) {
+        if (MoeGemmUsesDecodeWgmma(p)) {
+          return RunDecode<true, false, 32, KIND, false, true>(p, num_sms, stream);
+        }
+      }
+#endif
+      return RunDecode<kFp8, false, 32, KIND>(p, num_sms, stream);
+    }
+    if (avg <= 64) return RunDecode<kFp8, false, 64, KIND>(p, num_sms, stream);
   }
   // Large tiles are MMA-bound: they always take the exact two-multiply dequantization.
   return Run < kFp8, kFp8, 128, 2, 4, kFp8 ? 5 : 4, KIND > (p, num_sms, stream);

@@ -6,9 +6,9 @@
 // (16..256 tokens per tile), so decode-sized batches (1-64 tokens per expert) still stream every
 // weight byte once, several stages in flight, over a persistent grid whose tile schedule is read
 // on the device from per-expert counts (no host synchronization). Decode tiles have a producer
-// warp (bulk copies and cp.async completing on mbarriers) beside 8 mma.sync warps (MXFP8 32-token
-// tiles: 2 warpgroups issuing wgmma, kMxfp8DecodeWgmmaMinRoutes); from 32-33
-// routes per expert warpgroup-MMA (wgmma, sm_90a) tiles 64-256 tokens wide take over, with the
+// warp (bulk copies and cp.async completing on mbarriers) beside 8 mma.sync warps (the MXFP8
+// 32-token tile: 2 warpgroups issuing wgmma, kMxfp8DecodeWgmmaMinRoutes); from 32-33 routes per
+// expert warpgroup-MMA (wgmma, sm_90a) tiles 64-256 tokens wide take over, with the
 // (dequantized) A fragments in registers, software-pipelined (see docs/gpu.md).
 //
 // Weights live in a packed device layout made once by LaunchPackMoeW13 / LaunchPackMoeW2
