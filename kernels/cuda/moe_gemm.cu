@@ -1361,6 +1361,352 @@ cudaError_t RunWgmma(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Two-CTA cluster decode tile (MXFP8, 16 tokens per CTA; opt-in, MoeDecodePair).
+//
+// The narrow decode tile serves experts of at most 16 routes and a second, adaptive launch the
+// rest; an expert above 16 routes then runs alone in a launch that cannot fill the GPU (32 tokens,
+// hot routing: 477 us against 410 here). Here both CTAs of a cluster run the 16-wide tile in
+// lockstep over "pair units" of one schedule (every unit of a GEMM has the same number of
+// stages):
+// - an expert of n > 1 token tiles: per 128-row weight tile, ceil(n / 2) pair units; CTA r takes
+//   token tile 2q + r and the leader bulk-copies each weight stage once, multicast into both;
+// - an expert of one token tile: two weight tiles per pair unit (CTA r takes 2q + r), each CTA
+//   copying its own.
+// A slot's "empty" barrier counts every MMA thread of its own CTA and one arrive per MMA warp of
+// the peer (lane 0 after __syncwarp, through mapa). Neither producer can run a round ahead, so
+// a producer refills a slot, in its CTA or by multicast in both, only when both CTAs are done
+// with it. (Remote arrives from the follower alone let it run a round ahead; its arrives then
+// completed the leader's phases early and the kernel hung on the H200, 2026-12-03 19:50.)
+// The cluster's CTAs each dequantize the multicast weights, which is what makes the tile lose
+// from 16 routes per expert on average (64 tokens/rank, hot and random routing, 4-10% slower).
+// Off by default (kMxfp8DecodePairOnByDefault): compute-sanitizer racecheck reports the
+// multicast copies into the follower as racing with its MMA warps' reads. Those reads are
+// ordered before the lane-0 remote arrive by __syncwarp, which racecheck may not credit; until
+// an arrive by every thread is measured clean and no slower, it stays an opt-in.
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t MapaShared(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void MbarArriveCluster(uint32_t cluster_addr) {
+  // Release at CTA scope (the default; the warp's reads are ordered before it by __syncwarp):
+  // .release.cluster put a memory barrier in every stage of every MMA warp (ncu: 41% of their
+  // stall cycles, the tile 1.5x slower).
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+// One bulk copy into the same offset of every CTA in `mask`, completing on each one's `bar`.
+__device__ __forceinline__ void BulkCopyMulticast(uint32_t dst, const void* src, uint32_t bytes,
+                                                  uint32_t bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+      : "memory");
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MOESERVE_CLUSTER_DEVICE 1
+#endif
+
+struct PairUnit {
+  int e = 0, cnt = 0, row0 = 0, mt = 0, nt = 0;
+  bool weights = false;    // this CTA's stages carry weights (its own copy or the multicast)
+  bool multicast = false;  // the leader copies the weights into both CTAs
+  bool compute = false;    // this CTA has a weight tile and live token columns
+};
+
+constexpr int kPairStages = 5;
+
+// Launched in clusters of two CTAs (RunPair's launch attribute), two CTAs per SM.
+template <bool kWide, MoeGemmKind KIND>
+__global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeGemmParams p) {
+#ifndef MOESERVE_CLUSTER_DEVICE
+  __trap();  // built without sm_90: the host never launches this path (MOESERVE_CUDA_WGMMA)
+#else
+  constexpr int BN = 16, KB = 2, STAGES = kPairStages;
+  using C = GemmCfg<true, BN, 8, 1, STAGES, KIND, KB>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int E = p.num_experts;
+  const uint32_t full0 = SmemAddr(smem + C::kPipeBytes), empty0 = full0 + 8 * STAGES;
+  int32_t* s_cnt = reinterpret_cast<int32_t*>(smem + C::kPipeBytes + C::kBarBytes);
+  int32_t* s_row0 = s_cnt + E;
+  int32_t* s_prefix = s_row0 + E;  // [E + 1] pair units before expert e
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const uint32_t rank = ClusterCtaRank(), peer = rank ^ 1u;
+  const int cluster = static_cast<int>(blockIdx.x) / 2, clusters = static_cast<int>(gridDim.x) / 2;
+  const bool gate_up = KIND == MoeGemmKind::kGateUpSilu;
+  const int64_t kp = gate_up ? p.layout.hidden_padded : p.layout.intermediate_padded;
+  const int64_t rows_packed = gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows;
+  const int64_t k_valid = gate_up ? p.layout.hidden : p.layout.intermediate_padded;
+  const int mtiles = static_cast<int>(rows_packed / kBM);
+  const int num_kb = static_cast<int>(kp / kBK);
+  const int num_st = (num_kb + 1) / 2;
+  const int mpairs = (mtiles + 1) / 2;
+
+  for (int e = tid; e < E; e += blockDim.x) {
+    int c = p.expert_counts[e];
+    c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
+    s_cnt[e] = c;
+    s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
+                                            : static_cast<int32_t>(e * p.offset_stride);
+  }
+  if (tid < STAGES) {
+    MbarInit(full0 + 8 * tid, 32);             // the producer's 32 lanes (cp.async arrivals)
+    MbarInit(empty0 + 8 * tid, kThreads + 8);  // this CTA's MMA threads, the peer's MMA warps
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto pair_units = [&](int c) {
+    const int nt = (c + BN - 1) / BN;
+    return nt <= 1 ? nt * mpairs : mtiles * ((nt + 1) / 2);
+  };
+  if (warp == 0) {
+    const int chunk = (E + 31) / 32;
+    const int lo = lane * chunk, hi = min(E, lo + chunk);
+    int sum = 0;
+    for (int e = lo; e < hi; ++e) sum += pair_units(s_cnt[e]);
+    int inc = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    int run = inc - sum;
+    for (int e = lo; e < hi; ++e) {
+      s_prefix[e] = run;
+      run += pair_units(s_cnt[e]);
+    }
+    if (lane == 31) s_prefix[E] = inc;
+  }
+  __syncthreads();
+  ClusterSync();  // the peer's barriers are initialized before any remote arrive or multicast
+  const int total = s_prefix[E];
+  const int my_items = cluster < total ? (total - cluster + clusters - 1) / clusters : 0;
+  auto decode = [&](int u) {
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (s_prefix[mid] <= u)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    PairUnit un;
+    un.e = lo;
+    un.cnt = s_cnt[lo];
+    un.row0 = s_row0[lo];
+    const int nt = (un.cnt + BN - 1) / BN;
+    const int local = u - s_prefix[lo];
+    if (nt <= 1) {
+      un.mt = 2 * local + static_cast<int>(rank);
+      un.nt = 0;
+      un.weights = un.mt < mtiles;
+      un.compute = un.weights;
+    } else {
+      const int q = (nt + 1) / 2;
+      un.mt = local / q;
+      un.nt = 2 * (local % q) + static_cast<int>(rank);
+      un.weights = true;
+      un.multicast = true;
+      un.compute = un.nt < nt;
+    }
+    return un;
+  };
+
+  if (warp == kThreads / 32) {
+    // The producer warp: as MoeGemmKernel's, plus the multicast.
+    constexpr int kRowChunks = 8 * KB;
+    constexpr int kChunks = BN * kRowChunks / 32;
+    constexpr int kRowStep = 32 / kRowChunks;
+    const int cc = lane % kRowChunks;
+    int it = 0, slot = 0;
+#pragma unroll 1
+    for (int item = 0; item < my_items; ++item) {
+      const PairUnit pu = decode(cluster + item * clusters);
+      const int64_t tile = static_cast<int64_t>(pu.e) * mtiles + (pu.mt < mtiles ? pu.mt : 0);
+      const unsigned char* a_ptr =
+          static_cast<const unsigned char*>(p.weights) + tile * num_kb * C::kABlock;
+      const uint8_t* s_ptr = p.scales + tile * num_kb * C::kSBlock;
+      const uint16_t* src[kChunks];
+      uint32_t src_bytes[kChunks];
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int j = pu.nt * BN + lane / kRowChunks + kRowStep * i;
+        src[i] = p.act;
+        src_bytes[i] = 0;
+        if (pu.compute && j < pu.cnt) {
+          const int row = pu.row0 + j;
+          const int64_t arow = p.gather != nullptr ? p.gather[row] / p.gather_div : row;
+          src[i] = p.act + arow * p.act_stride + cc * 8;
+          src_bytes[i] = 16;
+        }
+      }
+#pragma unroll 1
+      for (int kb = 0; kb < num_st; ++kb, ++it) {
+        if (it >= STAGES) MbarWait(empty0 + 8 * slot, ((it / STAGES) & 1) ^ 1);
+        const int nblk = 2 * kb + 1 == num_kb ? 1 : KB;
+        unsigned char* st = smem + slot * C::kStageBytes;
+        const uint32_t full = full0 + 8 * slot;
+        if (lane == 0 && pu.weights) {
+          MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
+          if (!pu.multicast) {
+            BulkCopy(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full);
+            BulkCopy(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full);
+          } else if (rank == 0) {
+            BulkCopyMulticast(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full, 0x3);
+            BulkCopyMulticast(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full, 0x3);
+          }
+        }
+        const uint32_t b_dst = SmemAddr(st + C::kBOff);
+        const bool k_ok = static_cast<int64_t>(kb) * KB * kBK + cc * 8 < k_valid && cc < 8 * nblk;
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+          const int n = lane / kRowChunks + kRowStep * i;
+          CpAsync16(b_dst + (n * C::kBStride + cc * 8) * 2, src[i], k_ok ? src_bytes[i] : 0);
+          src[i] += src_bytes[i] != 0 ? KB * kBK : 0;
+        }
+        CpAsyncArriveNoinc(full);
+        a_ptr += C::kABytes;
+        s_ptr += C::kSBytes;
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+      }
+    }
+    CpAsyncWait<0>();
+  } else {
+    const int g = lane / 4, t4 = lane % 4;
+    const uint32_t empty_peer0 = MapaShared(empty0, peer);
+    float acc[2][4] = {};
+    uint32_t c_phase = 0;
+    int c_slot = 0;
+#pragma unroll 1
+    for (int item = 0; item < my_items; ++item) {
+      const PairUnit cu = decode(cluster + item * clusters);
+#pragma unroll 1
+      for (int c_kb = 0; c_kb < num_st; ++c_kb) {
+        MbarWait(full0 + 8 * c_slot, c_phase);
+        if (cu.compute) {
+          const unsigned char* st_base = smem + c_slot * C::kStageBytes;
+          auto block_math = [&](int sb) {
+            const unsigned char* st = st_base + C::kAOff + sb * C::kABlock;
+            const unsigned char* st_s = st_base + C::kSOff + sb * C::kSBlock;
+            const uint32_t b_base = SmemAddr(st_base + C::kBOff) + sb * kBK * 2;
+            const int r0 = warp * 16 + g;
+            const uint32_t codes0 = *reinterpret_cast<const uint16_t*>(st_s + r0 * 2);
+            const uint32_t codes1 = *reinterpret_cast<const uint16_t*>(st_s + (r0 + 8) * 2);
+#pragma unroll
+            for (int kc = 0; kc < 2; ++kc) {
+              uint32_t a[2][4];
+              const uint2 ra = *reinterpret_cast<const uint2*>(st + (kc * kBM + r0) * 32 + t4 * 8);
+              const uint2 rb =
+                  *reinterpret_cast<const uint2*>(st + (kc * kBM + r0 + 8) * 32 + t4 * 8);
+              Fp8HalfFragments<kWide>(ra, rb, kc == 0 ? codes0 & 0xffu : codes0 >> 8,
+                                      kc == 0 ? codes1 & 0xffu : codes1 >> 8, a);
+#pragma unroll
+              for (int ks = 0; ks < 2; ++ks) {
+                const int n = (lane / 16) * 8 + lane % 8;
+                const int k = kc * 32 + ks * 16 + ((lane / 8) % 2) * 8;
+                uint32_t r[4];
+                Ldmatrix4(r, b_base + (n * C::kBStride + k) * 2);
+                const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                Mma(acc[0], a[ks], b0);
+                Mma(acc[1], a[ks], b1);
+              }
+            }
+          };
+          block_math(0);
+          if (2 * c_kb + 1 < num_kb) block_math(1);
+        }
+        MbarArrive(empty0 + 8 * c_slot);
+        __syncwarp();
+        if (lane == 0) MbarArriveCluster(empty_peer0 + 8 * c_slot);
+        if (++c_slot == STAGES) {
+          c_slot = 0;
+          c_phase ^= 1;
+        }
+      }
+      if (cu.compute) {
+        const int64_t R0 = static_cast<int64_t>(cu.mt) * kBM + warp * 16;
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = cu.nt * BN + ni * 8 + 2 * t4 + c;
+            if (n < cu.cnt) StoreAccPair<KIND>(p, cu.row0 + n, R0 + g, acc[ni][c], acc[ni][2 + c]);
+          }
+        }
+      }
+#pragma unroll
+      for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[ni][q] = 0.f;
+    }
+  }
+  ClusterSync();  // neither CTA exits while its peer may still arrive on its barriers
+#endif
+}
+
+template <bool kWide, MoeGemmKind KIND>
+cudaError_t RunPair(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
+  using C = GemmCfg<true, 16, 8, 1, kPairStages, KIND, 2>;
+  auto kernel = MoeGemmPairKernel<kWide, KIND>;
+  const size_t smem = C::SmemBytes(p.num_experts);
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) device = 0;
+  static size_t configured_on[64] = {};
+  size_t& configured = configured_on[device];
+  if (smem > configured) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    configured = smem;
+  }
+  const bool gate_up = KIND == MoeGemmKind::kGateUpSilu;
+  const int64_t mtiles = (gate_up ? 2 * p.layout.intermediate_padded : p.layout.w2_rows) / kBM;
+  // Pair units: at most one per weight tile and two token tiles of each expert, plus one per
+  // expert for rounding.
+  const int64_t units = (mtiles + 1) * (p.num_experts + (p.total_rows_hint + 31) / 32);
+  int64_t clusters = num_sms;  // two CTAs per SM (1 per SM would halve the bytes in flight)
+  if (units < clusters) clusters = units;
+  if (clusters < 1) clusters = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(2 * clusters));
+  cfg.blockDim = dim3(kThreads + 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+#if MOESERVE_CUDA_WGMMA
+// Whether an MXFP8 decode GEMM runs the two-CTA cluster tile: MoeGemmParams::decode_pair, else
+// MOESERVE_DECODE_PAIR=1|0 (read once; for benchmarks' A/Bs), else `measured_default`.
+bool DecodePair(const MoeGemmParams& p, bool measured_default) {
+  if (p.decode_pair == MoeDecodePair::kOn) return true;
+  if (p.decode_pair == MoeDecodePair::kOff) return false;
+  static const int from_env = [] {
+    const char* v = std::getenv("MOESERVE_DECODE_PAIR");
+    if (v == nullptr || (v[0] != '0' && v[0] != '1') || v[1] != '\0') return -1;
+    return v[0] - '0';
+  }();
+  return from_env >= 0 ? from_env == 1 : measured_default;
+}
+#endif
+
 // Decode tiles (a 128-row weight tile by 16-64 tokens): the producer warp fills stages of KB
 // 64-K blocks. MXFP8 stages hold two blocks, 16 KB of weights like a BF16 stage, so the per-stage
 // work of both warp roles is spread over twice the bytes. Stage counts: as many as fit two
@@ -1425,6 +1771,20 @@ int WgmmaFromRoutes(const MoeGemmParams& p) {
   return asked > 0 && asked <= 128 ? asked : 129;
 }
 
+// Whether Dispatch runs the two-CTA cluster tile (sm_90a builds; below the warpgroup-MMA tiles'
+// threshold, which Dispatch tests first).
+bool PairServes(const MoeGemmParams& p, int64_t avg, bool wide) {
+#if MOESERVE_CUDA_WGMMA
+  if (!p.mxfp8 || avg > 32 || avg >= WgmmaFromRoutes(p)) return false;
+  return DecodePair(p, kMxfp8DecodePairOnByDefault && !wide && avg <= kMxfp8DecodePairMaxRoutes);
+#else
+  (void)p;
+  (void)avg;
+  (void)wide;
+  return false;
+#endif
+}
+
 template <bool kFp8, MoeGemmKind KIND>
 cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
@@ -1445,6 +1805,14 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
       if (avg <= 64) return RunWgmmaFor<kFp8, 64, KIND>(p, num_sms, stream, wide);
       if (avg <= 128) return RunWgmmaFor<kFp8, 128, KIND>(p, num_sms, stream, wide);
       return RunWgmmaFor<kFp8, 256, KIND>(p, num_sms, stream, wide);
+    }
+  }
+#endif
+#if MOESERVE_CUDA_WGMMA
+  if constexpr (kFp8) {
+    if (PairServes(p, avg, wide)) {
+      return wide ? RunPair<true, KIND>(p, num_sms, stream)
+                  : RunPair<false, KIND>(p, num_sms, stream);
     }
   }
 #endif
@@ -1524,7 +1892,14 @@ bool MoeGemmUsesDecodeWgmma(const MoeGemmParams& p) {
 #if MOESERVE_CUDA_WGMMA
   if (avg >= WgmmaFromRoutes(p)) return false;  // the warpgroup-MMA tiles serve
 #endif
+  if (PairServes(p, avg, false)) return false;
   return DecodeWgmma(p, avg >= kMxfp8DecodeWgmmaMinRoutes);
+}
+
+bool MoeGemmUsesDecodePair(const MoeGemmParams& p) {
+  if (!p.mxfp8 || p.num_experts <= 0 || p.total_rows_hint <= 0) return false;
+  const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
+  return PairServes(p, avg, p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax);
 }
 
 cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {

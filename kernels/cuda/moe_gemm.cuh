@@ -48,6 +48,15 @@ inline constexpr int kMxfp8WgmmaMinRoutes = 33;
 // (1-64 tokens) were 1-15% slower in that form and keep mma.sync.
 inline constexpr int kMxfp8DecodeWgmmaMinRoutes = 17;
 inline constexpr int kBf16WgmmaMinRoutes = 32;
+// The two-CTA cluster decode tile for MXFP8 (MoeGemmParams::decode_pair): both CTAs of a cluster
+// take 16-token tiles of one schedule, and an expert of more than 16 routes has its weights
+// multicast to both, so a hot expert rides in the same launch as the rest. Measured on the H200
+// (tests/benchmarks/cuda/RESULTS.md, 2026-12-03 19:10), against the narrow and adaptive decode
+// launches: 1-48 tokens/rank (top-8 of 32 experts: up to 12 routes per expert) 0-16% faster
+// (24 tokens hot 483 -> 414 us); 64 tokens hot and random 4-10% slower. Where it wins it would
+// serve by default, but it is off until racecheck is clean on its multicast units (moe_gemm.cu).
+inline constexpr int kMxfp8DecodePairMaxRoutes = 12;
+inline constexpr bool kMxfp8DecodePairOnByDefault = false;
 
 // Split-K workspace (MoeGemmParams::split_workspace): kMoeGemmSplitCounters int32 counters,
 // then kMoeGemmSplitPartialFloats FP32 partial sums.
@@ -102,6 +111,14 @@ cudaError_t LaunchDequantizeMxfp8ToBf16(const uint8_t* q, const uint8_t* scales,
                                         int64_t k, uint16_t* out, cudaStream_t stream);
 
 // Which MMA the MXFP8 32-token decode tile issues (sm_90a builds; others always take mma.sync).
+// Whether MXFP8 decode GEMMs run the two-CTA cluster tile (sm_90 builds).
+enum class MoeDecodePair {
+  kDefault,  // MOESERVE_DECODE_PAIR=1|0 if set (benchmarks' A/Bs: 1 = on up to 32 routes per
+             // expert), else kMxfp8DecodePairOnByDefault up to kMxfp8DecodePairMaxRoutes
+  kOff,
+  kOn,  // every MXFP8 decode GEMM up to 32 routes per expert (tests)
+};
+
 enum class MoeDecodeMma {
   kDefault,  // MOESERVE_DECODE_MMA=wgmma|sync if set (benchmarks' A/Bs), else by
              // kMxfp8DecodeWgmmaMinRoutes
@@ -136,6 +153,7 @@ struct MoeGemmParams {
   // above 128: only above 128 routes (where they always serve).
   int wgmma_min_routes = 0;
   MoeDecodeMma decode_mma = MoeDecodeMma::kDefault;
+  MoeDecodePair decode_pair = MoeDecodePair::kDefault;
   const uint16_t* act = nullptr;  // BF16 activation rows
   int64_t act_stride = 0;         // elements between activation rows
   const int32_t* expert_counts = nullptr;
@@ -166,6 +184,10 @@ cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& params, int num_sms, cudaS
 // Whether LaunchMoeGroupedGemm(params) runs the MXFP8 32-token decode tile with warpgroup MMAs
 // (host only; for tests and benchmarks).
 bool MoeGemmUsesDecodeWgmma(const MoeGemmParams& params);
+
+// Whether LaunchMoeGroupedGemm(params) runs the two-CTA cluster decode tile (host only; for tests
+// and benchmarks).
+bool MoeGemmUsesDecodePair(const MoeGemmParams& params);
 
 }  // namespace moeserve::kernels
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -530,6 +531,7 @@ TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
     for (const GemmShape& sh : shapes) {
       const GemmProblem pr(sh.kind, fp8, sh.h, sh.n, sh.counts, 110, 10, rng);
       MoeGemmParams p = pr.Params();
+      p.decode_pair = MoeDecodePair::kOff;  // the cluster tile never splits
       const std::vector<float> ref = pr.Run(p, num_sms);
       Dev<uint8_t> ws(kMoeGemmSplitWorkspaceBytes, 0xff);
       CUDA_OK(cudaMemset(ws.p, 0, sizeof(int32_t) * kMoeGemmSplitCounters));
@@ -637,6 +639,51 @@ TEST_F(CudaKernelsTest, GroupedGemmDecodeWgmmaMatchesReference) {
               << " max_code=" << max_code << " split=" << split;
         }
       }
+    }
+  }
+}
+
+// The two-CTA cluster decode tile (MoeDecodePair::kOn), against a double-precision host GEMM of
+// the dequantized weights: experts of one token tile (two weight tiles per cluster unit; odd
+// numbers of weight tiles leave a CTA idle), of two (weights multicast into both CTAs) and of
+// three token tiles (the second unit's peer idles), empty experts, odd numbers of 64-K blocks, K
+// padded, H = 296, a split-K workspace (which the tile leaves alone), and both dequantizations.
+// By default it serves where kMxfp8DecodePairOnByDefault and kMxfp8DecodePairMaxRoutes say.
+// Tolerances: relative L2 4e-3 for the BF16 gate-up output, 1e-5 for the FP32 down output.
+TEST_F(CudaKernelsTest, GroupedGemmDecodePairMatchesReference) {
+  std::mt19937 rng(71);
+  const int num_sms = NumSms();
+  int major = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  const std::vector<GemmShape> shapes = {
+      {MoeGemmKind::kGateUpSilu, 448, 128, {3, 0, 1, 5}},     // 7 blocks, one token tile each
+      {MoeGemmKind::kGateUpSilu, 1000, 200, {20, 0, 31, 2}},  // K padded, multicast
+      {MoeGemmKind::kGateUpSilu, 256, 64, {40, 1}},           // three token tiles
+      {MoeGemmKind::kDown, 296, 192, {30, 9, 1}},             // 3 weight tiles, H = 296
+      {MoeGemmKind::kDown, 128, 4096, {2, 18}}};              // long K
+  const bool env_set = std::getenv("MOESERVE_DECODE_PAIR") != nullptr;
+  for (const GemmShape& sh : shapes) {
+    const GemmProblem pr(sh.kind, true, sh.h, sh.n, sh.counts, 112, 8, rng);
+    const std::vector<float> ref = pr.Reference();
+    const double tol = pr.gate_up ? 4e-3 : 1e-5;
+    Dev<uint8_t> ws(kMoeGemmSplitWorkspaceBytes, 0);
+    for (const int max_code : {kMxfp8NarrowScaleMax, 255}) {
+      MoeGemmParams p = pr.Params();
+      p.wgmma_min_routes = -1;  // the decode tiles up to 64 routes per expert
+      p.mxfp8_max_scale_code = max_code;
+      p.split_workspace = ws.p;
+      const int64_t avg = (pr.rows + pr.e - 1) / pr.e;
+      if (!env_set && major == 9) {
+        EXPECT_EQ(MoeGemmUsesDecodePair(p), kMxfp8DecodePairOnByDefault &&
+                                                max_code == kMxfp8NarrowScaleMax &&
+                                                avg <= kMxfp8DecodePairMaxRoutes)
+            << pr.Name() << " max_code=" << max_code << ": the default (no sm_90a build?)";
+      }
+      p.decode_pair = MoeDecodePair::kOn;
+      if (major == 9) {
+        EXPECT_TRUE(MoeGemmUsesDecodePair(p)) << pr.Name() << ": an sm_90 device, no sm_90a build?";
+      }
+      EXPECT_LT(RelL2(pr.Run(p, num_sms), ref), tol) << pr.Name() << " max_code=" << max_code;
     }
   }
 }
