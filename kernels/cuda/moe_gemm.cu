@@ -268,6 +268,21 @@ struct Unit {
   int e = 0, mt = 0, nt = 0, cnt = 0, row0 = 0;
 };
 
+// The expert that work unit `u` belongs to: the last e with prefix[e] <= u, where prefix[e] is
+// the number of units before expert e (non-decreasing; an expert without units shares the next
+// one's prefix, and the search passes over it).
+__device__ __forceinline__ int ExpertOfUnit(const int32_t* prefix, int num_experts, int u) {
+  int lo = 0, hi = num_experts;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (prefix[mid] <= u)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 // The epilogue's store of one accumulator pair of route row `row` (both GEMM tile kinds): an MMA
 // thread holds weight rows r and r + 8 of a column. W13: rows r, r + 8 are the gate and up rows
 // of intermediate column r / 2 (packed 8 gate / 8 up), stored as BF16 SiLU(gate) * up. W2: hidden
@@ -607,14 +622,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   const int total_iters = my_items * num_st;  // !kTma (never split)
 
   auto decode = [&](int u) {
-    int lo = 0, hi = E;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (s_prefix[mid] <= u)
-        lo = mid;
-      else
-        hi = mid;
-    }
+    const int lo = ExpertOfUnit(s_prefix, E, u);
     Unit un;
     un.e = lo;
     un.cnt = s_cnt[lo];
@@ -1161,14 +1169,7 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
 
   auto decode = [&](int i) {
     const int u = blockIdx.x + i * gridDim.x;
-    int lo = 0, hi = E;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (s_prefix[mid] <= u)
-        lo = mid;
-      else
-        hi = mid;
-    }
+    const int lo = ExpertOfUnit(s_prefix, E, u);
     Unit un;
     un.e = lo;
     un.cnt = s_cnt[lo];
@@ -1492,14 +1493,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
   const int total = s_prefix[E];
   const int my_items = cluster < total ? (total - cluster + clusters - 1) / clusters : 0;
   auto decode = [&](int u) {
-    int lo = 0, hi = E;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (s_prefix[mid] <= u)
-        lo = mid;
-      else
-        hi = mid;
-    }
+    const int lo = ExpertOfUnit(s_prefix, E, u);
     PairUnit un;
     un.e = lo;
     un.cnt = s_cnt[lo];
@@ -1807,8 +1801,6 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
       return RunWgmmaFor<kFp8, 256, KIND>(p, num_sms, stream, wide);
     }
   }
-#endif
-#if MOESERVE_CUDA_WGMMA
   if constexpr (kFp8) {
     if (PairServes(p, avg, wide)) {
       return wide ? RunPair<true, KIND>(p, num_sms, stream)

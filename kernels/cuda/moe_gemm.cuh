@@ -110,8 +110,7 @@ cudaError_t LaunchPackMoeW2(const void* w2, const uint8_t* w2_scale, int64_t num
 cudaError_t LaunchDequantizeMxfp8ToBf16(const uint8_t* q, const uint8_t* scales, int64_t rows,
                                         int64_t k, uint16_t* out, cudaStream_t stream);
 
-// Which MMA the MXFP8 32-token decode tile issues (sm_90a builds; others always take mma.sync).
-// Whether MXFP8 decode GEMMs run the two-CTA cluster tile (sm_90 builds).
+// Whether MXFP8 decode GEMMs run the two-CTA cluster tile (sm_90a builds).
 enum class MoeDecodePair {
   kDefault,  // MOESERVE_DECODE_PAIR=1|0 if set (benchmarks' A/Bs: 1 = on up to 32 routes per
              // expert), else kMxfp8DecodePairOnByDefault up to kMxfp8DecodePairMaxRoutes
@@ -119,6 +118,7 @@ enum class MoeDecodePair {
   kOn,  // every MXFP8 decode GEMM up to 32 routes per expert (tests)
 };
 
+// Which MMA the MXFP8 32-token decode tile issues (sm_90a builds; others always take mma.sync).
 enum class MoeDecodeMma {
   kDefault,  // MOESERVE_DECODE_MMA=wgmma|sync if set (benchmarks' A/Bs), else by
              // kMxfp8DecodeWgmmaMinRoutes

@@ -30,3 +30,42 @@ run_gtest() {
   echo "$name rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')"
   grep -E -A3 '^\[  FAILED |Failure' "$OUT/$name.log" | head -20
 }
+
+# decode_ab VAR CSV SETTING...: moe_experts_bench on the decode path (MXFP8, LAYERS (default
+# seed,dsv3), TOKENS, balanced / hot / random routing) once per SETTING with VAR=SETTING
+# ("default": VAR unset), settings alternating, ROUNDS rounds (default 2); its rows go to CSV with
+# the setting in front. Prints, per (layer, tokens, routing), each setting's median us, its share
+# of the floor (all experts' weight bytes over 4.3 TB/s) and its ratio to the first setting.
+decode_ab() {
+  local var=$1 csv=$2
+  shift 2
+  export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=mxfp8 \
+    MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3} MOESERVE_BENCH_ROUTING=balanced,hot,random \
+    MOESERVE_BENCH_TOKENS=$TOKENS
+  local round set
+  for round in $(seq "${ROUNDS:-2}"); do for set in "$@"; do
+    if [ "$set" = default ]; then unset "$var"; else export "$var=$set"; fi
+    timeout 150 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
+      awk -F, -v s="$set" '{print s","$0}' >> "$csv"
+  done; done
+  unset "$var"
+  python3 - "$csv" "$@" <<'PY'
+import sys, collections, statistics
+sets = sys.argv[2:]
+t = collections.defaultdict(list)
+floor = {}
+for line in open(sys.argv[1]):
+    f = line.strip().split(",")
+    if len(f) < 7: continue
+    t[(f[1], int(f[3]), f[4], f[0])].append(float(f[5]))
+    floor[(f[1], int(f[3]), f[4])] = float(f[6]) / 4.3e6  # us
+print("layer tokens routing | " + " | ".join(f"{s}: us (% floor, /{sets[0]})" for s in sets))
+for k in sorted({k[:3] for k in t}):
+    base = statistics.median(t[k + (sets[0],)])
+    cells = []
+    for s in sets:
+        b = statistics.median(t[k + (s,)])
+        cells.append(f"{b:.0f} ({100 * floor[k] / b:.0f}%, {b / base:.3f})")
+    print(*k, "| " + " | ".join(cells))
+PY
+}

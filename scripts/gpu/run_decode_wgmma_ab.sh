@@ -2,9 +2,8 @@
 # The MXFP8 32-token decode tile (17-32 routes per expert) with warpgroup MMAs against mma.sync.
 # One device call: the kernel tests (the decode-wgmma test under memcheck and racecheck too), the
 # experts sweep's MXFP8 cases with MOESERVE_DECODE_MMA=wgmma (FULL=1: also the whole sweep in four
-# shards with the default dispatch, and engine_cuda_test), then moe_experts_bench, decode path,
-# MXFP8, TOKENS tokens, balanced / hot / random routing, SETTINGS alternating
-# (MOESERVE_DECODE_MMA=sync|wgmma, or "default": unset), ROUNDS rounds, medians. Usage:
+# shards with the default dispatch, and engine_cuda_test), then decode_ab (bundle_lib.sh) over
+# SETTINGS (MOESERVE_DECODE_MMA=sync|wgmma, or "default": unset). Usage:
 # run_decode_wgmma_ab.sh BUNDLE.tgz (bin/: moe_experts_bench, cuda_kernels_test,
 # cuda_experts_test, engine_cuda_test; lib/: bundle-libs.sh). Results: tests/benchmarks/cuda/
 # RESULTS.md, 2026-12-03 16:20.
@@ -34,30 +33,5 @@ if [ "${FULL:-0}" = 1 ]; then
   grep -h -E '^\[  FAILED|Failure' -A4 "$OUT"/experts_*.log | head -20
   run_gtest engine_cuda_test 250
 fi
-export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=mxfp8 \
-  MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3} MOESERVE_BENCH_ROUTING=balanced,hot,random \
-  MOESERVE_BENCH_TOKENS=${TOKENS:-1,16,32,64,128}
-for round in $(seq "${ROUNDS:-2}"); do for set in ${SETTINGS:-sync wgmma}; do
-  if [ "$set" = default ]; then unset MOESERVE_DECODE_MMA; else export MOESERVE_DECODE_MMA=$set; fi
-  timeout 150 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
-    awk -F, -v s=$set '{print s","$0}' >> "$OUT/wg.csv"
-done; done
-python3 - "$OUT/wg.csv" <<'PY'
-import sys, collections, statistics
-t = collections.defaultdict(list)
-floor = {}
-for line in open(sys.argv[1]):
-    f = line.strip().split(",")
-    if len(f) < 7: continue
-    t[(f[1], int(f[3]), f[4], f[0])].append(float(f[5]))
-    floor[(f[1], int(f[3]), f[4])] = float(f[6]) / 4.3e6  # all experts' bytes / 4.3 TB/s, us
-sets = sorted({k[3] for k in t}, key=lambda x: (x != "sync", x))
-print("layer tokens routing | " + " | ".join(f"{s} us (% floor, /sync)" for s in sets))
-for k in sorted({k[:3] for k in t}):
-    a = statistics.median(t[k + ("sync",)])
-    cells = []
-    for s in sets:
-        b = statistics.median(t[k + (s,)])
-        cells.append(f"{b:.0f} ({100*floor[k]/b:.0f}%, {b/a:.3f})")
-    print(*k, "| " + " | ".join(cells))
-PY
+# shellcheck disable=SC2086  # SETTINGS is a list
+TOKENS=${TOKENS:-1,16,32,64,128} decode_ab MOESERVE_DECODE_MMA "$OUT/wg.csv" ${SETTINGS:-sync wgmma}
