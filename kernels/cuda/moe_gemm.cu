@@ -1363,28 +1363,27 @@ cudaError_t RunWgmma(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Two-CTA cluster decode tile (MXFP8, 16 tokens per CTA; opt-in, MoeDecodePair).
+// Two-CTA cluster decode tile (MXFP8, 16 tokens per CTA; MoeDecodePair, on by default up to
+// kMxfp8DecodePairMaxRoutes routes per expert).
 //
 // The narrow decode tile serves experts of at most 16 routes and a second, adaptive launch the
 // rest; an expert above 16 routes then runs alone in a launch that cannot fill the GPU (32 tokens,
-// hot routing: 477 us against 410 here). Here both CTAs of a cluster run the 16-wide tile in
+// hot routing: 499 us against 430 here). Here both CTAs of a cluster run the 16-wide tile in
 // lockstep over "pair units" of one schedule (every unit of a GEMM has the same number of
 // stages):
 // - an expert of n > 1 token tiles: per 128-row weight tile, ceil(n / 2) pair units; CTA r takes
 //   token tile 2q + r and the leader bulk-copies each weight stage once, multicast into both;
 // - an expert of one token tile: two weight tiles per pair unit (CTA r takes 2q + r), each CTA
 //   copying its own.
-// A slot's "empty" barrier counts every MMA thread of its own CTA and one arrive per MMA warp of
-// the peer (lane 0 after __syncwarp, through mapa). Neither producer can run a round ahead, so
-// a producer refills a slot, in its CTA or by multicast in both, only when both CTAs are done
-// with it. (Remote arrives from the follower alone let it run a round ahead; its arrives then
-// completed the leader's phases early and the kernel hung on the H200, 2026-12-03 19:50.)
+// A slot's "empty" barrier counts every MMA thread of both CTAs: each arrives on its own CTA's
+// barrier and, through mapa, on the peer's. Neither producer can run a round ahead, so a
+// producer refills a slot, in its CTA or by multicast in both, only when both CTAs are done with
+// it. (Remote arrives from the follower alone let it run a round ahead; its arrives then
+// completed the leader's phases early and the kernel hung on the H200, 2026-12-03 19:50. One
+// remote arrive per warp after __syncwarp measured the same speed, but racecheck saw the
+// multicast copies into the follower race with its reads: it credits a thread's own arrive.)
 // The cluster's CTAs each dequantize the multicast weights, which is what makes the tile lose
-// from 16 routes per expert on average (64 tokens/rank, hot and random routing, 4-10% slower).
-// Off by default (kMxfp8DecodePairOnByDefault): compute-sanitizer racecheck reports the
-// multicast copies into the follower as racing with its MMA warps' reads. Those reads are
-// ordered before the lane-0 remote arrive by __syncwarp, which racecheck may not credit; until
-// an arrive by every thread is measured clean and no slower, it stays an opt-in.
+// from 16 routes per expert on average (64 tokens/rank, hot and random routing, 3-9% slower).
 __device__ __forceinline__ uint32_t ClusterCtaRank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -1463,7 +1462,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
   }
   if (tid < STAGES) {
     MbarInit(full0 + 8 * tid, 32);             // the producer's 32 lanes (cp.async arrivals)
-    MbarInit(empty0 + 8 * tid, kThreads + 8);  // this CTA's MMA threads, the peer's MMA warps
+    MbarInit(empty0 + 8 * tid, 2 * kThreads);  // the MMA threads of this CTA and of the peer
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -1620,8 +1619,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
           if (2 * c_kb + 1 < num_kb) block_math(1);
         }
         MbarArrive(empty0 + 8 * c_slot);
-        __syncwarp();
-        if (lane == 0) MbarArriveCluster(empty_peer0 + 8 * c_slot);
+        MbarArriveCluster(empty_peer0 + 8 * c_slot);
         if (++c_slot == STAGES) {
           c_slot = 0;
           c_phase ^= 1;

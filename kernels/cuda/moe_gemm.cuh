@@ -51,12 +51,12 @@ inline constexpr int kBf16WgmmaMinRoutes = 32;
 // The two-CTA cluster decode tile for MXFP8 (MoeGemmParams::decode_pair): both CTAs of a cluster
 // take 16-token tiles of one schedule, and an expert of more than 16 routes has its weights
 // multicast to both, so a hot expert rides in the same launch as the rest. Measured on the H200
-// (tests/benchmarks/cuda/RESULTS.md, 2026-12-03 19:10), against the narrow and adaptive decode
-// launches: 1-48 tokens/rank (top-8 of 32 experts: up to 12 routes per expert) 0-16% faster
-// (24 tokens hot 483 -> 414 us); 64 tokens hot and random 4-10% slower. Where it wins it would
-// serve by default, but it is off until racecheck is clean on its multicast units (moe_gemm.cu).
+// (tests/benchmarks/cuda/RESULTS.md, 2026-12-03 19:10 and 2026-12-04 01:35), against the narrow
+// and adaptive decode launches: 1-48 tokens/rank (top-8 of 32 experts: up to 12 routes per
+// expert) up to 16% faster (24-32 tokens hot 495 -> 431 us), 64 tokens hot and random 3-9%
+// slower. So it serves by default up to 12 routes per expert.
 inline constexpr int kMxfp8DecodePairMaxRoutes = 12;
-inline constexpr bool kMxfp8DecodePairOnByDefault = false;
+inline constexpr bool kMxfp8DecodePairOnByDefault = true;
 
 // Split-K workspace (MoeGemmParams::split_workspace): kMoeGemmSplitCounters int32 counters,
 // then kMoeGemmSplitPartialFloats FP32 partial sums.

@@ -268,6 +268,7 @@ TEST_F(CudaKernelsTest, DequantizeMxfp8IsExact) {
 // the two-multiply path. The NaN makes its row's dot products NaN, as in the reference GEMM.
 // Tile families: mma.sync decode (16 and 64 routes per expert), the adaptive wide decode tile
 // that takes over when one expert has more routes than the narrow tile holds (30 + 2, 40 + 8),
+// the two-CTA cluster tile (5 + 12: two weight tiles per cluster; 20 + 3: weights multicast),
 // and the large tiles (192: wgmma where built).
 TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
   std::mt19937 rng(21);
@@ -278,7 +279,7 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
     // Routes per expert: uniform (the narrow decode tiles, and 192: the large tiles), and a hot
     // expert beside a cold one (the adaptive wide tile that the device-side gate picks).
     for (const std::vector<int32_t>& counts :
-         {std::vector<int32_t>{16, 16}, {64, 64}, {192, 192}, {30, 2}, {40, 8}}) {
+         {std::vector<int32_t>{16, 16}, {64, 64}, {192, 192}, {30, 2}, {40, 8}, {5, 12}, {20, 3}}) {
       const std::string name = std::to_string(counts[0]) + "," + std::to_string(counts[1]);
       std::vector<int32_t> offsets = {0, counts[0]};
       const int64_t rows = counts[0] + counts[1];
@@ -327,6 +328,8 @@ TEST_F(CudaKernelsTest, GroupedGemmDequantizesMxfp8BitForBit) {
       p.out_stride = h;
       p.max_rows_hint = rows;
       p.total_rows_hint = rows;
+      // At most 12 routes per expert on average: the cluster tile, with either dequantization.
+      if (rows <= 24) p.decode_pair = MoeDecodePair::kOn;
       CUDA_OK(LaunchMoeGroupedGemm(p, num_sms, nullptr));
       CUDA_OK(cudaDeviceSynchronize());
       const std::vector<float> out = d_out.Get();

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# What limits the MXFP8 decode at 64 tokens/rank (issue 13: 80% of the HBM floor): Nsight Compute
+# on the seed layer's decode GEMM launches, balanced routing (the narrow 16-token tile does the
+# work) against random and hot routing (experts above 16 routes: the adaptive 32-wide tile does
+# it). Then the GPU tests with the build's defaults and racecheck on the bit-exact and cluster-tile
+# kernel tests. Usage: diag_decode64.sh BUNDLE.tgz (bin/: moe_experts_bench, cuda_kernels_test,
+# cuda_experts_test, engine_cuda_test).
+set -u
+source "$(dirname "$0")/bundle_lib.sh"
+start_device_script "$1" || exit 1
+export MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_TOKENS=64 MOESERVE_BENCH_FORMATS=mxfp8 \
+  MOESERVE_BENCH_PATHS=decode
+for routing in balanced random hot; do
+  # Each timed iteration launches four GEMM kernels (narrow and adaptive, W13 and W2); the one
+  # whose class the counts are not returns at once. Skip the warm-up, keep two iterations.
+  MOESERVE_BENCH_ROUTING=$routing timeout 200 ncu --clock-control none -k regex:MoeGemmKernel \
+    --launch-skip 16 -c 8 --section SpeedOfLight --section SchedulerStats --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section InstructionStats \
+    --section MemoryWorkloadAnalysis "$B/moe_experts_bench" > "$OUT/ncu_$routing.txt" 2>&1
+  echo "== $routing rc=$?"
+  python3 - "$OUT/ncu_$routing.txt" <<'PY'
+import re, sys
+keys = ["Duration", "DRAM Throughput", "Memory Throughput", "Issue Slots Busy", "Executed Ipc Active",
+        "No Eligible", "Warp Cycles Per Issued Instruction", "Achieved Occupancy", "Registers Per Thread",
+        "Dynamic Shared Memory Per Block", "Grid Size", "Executed Instructions", "L2 Hit Rate",
+        "Stall Long Scoreboard", "Stall Barrier"]
+cur = None
+for line in open(sys.argv[1]):
+    m = re.search(r"MoeGemmKernel<([^>]*)>", line)
+    if m and "(" in line:
+        args = m.group(1).split(",")
+        cur = "BN=%s stages=%s adaptive=%s" % (args[2].strip(), args[5].strip(), args[7].strip())
+        print("--", cur)
+        continue
+    for k in keys:
+        if line.strip().startswith(k):
+            print("   ", " ".join(line.split()))
+PY
+done
+run_gtest cuda_kernels_test 200
+run_gtest cuda_experts_test 400
+run_gtest engine_cuda_test 300
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$CS" ]; then
+  timeout 240 "$CS" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
+    --gtest_filter='*DecodePair*:*BitForBit*' > "$OUT/racecheck.log" 2>&1
+  echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
+fi

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Two builds of the MXFP8 decode GEMMs A/B'd in one device call: bin/moe_experts_bench_a and
+# bin/moe_experts_bench_b alternate (ROUNDS rounds, default 2) on the decode path (LAYERS, default
+# seed,dsv3; TOKENS, default 1,16,32,48,64,96,128; balanced / hot / random routing), and the
+# summary gives each build's median us, share of the floor and ratio to build a. Then Nsight
+# Compute's stall reasons for both builds' seed W13 launch at 64 tokens, balanced (the narrow
+# tile) and random (the adaptive tile). Usage: run_decode_build_ab.sh BUNDLE.tgz.
+set -u
+source "$(dirname "$0")/bundle_lib.sh"
+start_device_script "$1" || exit 1
+export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=mxfp8 \
+  MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3} MOESERVE_BENCH_ROUTING=balanced,hot,random \
+  MOESERVE_BENCH_TOKENS=${TOKENS:-1,16,32,48,64,96,128}
+CSV=$OUT/build_ab.csv
+for round in $(seq "${ROUNDS:-2}"); do for set in a b; do
+  timeout 150 "$B/moe_experts_bench_$set" 2>/dev/null | tail -n +2 |
+    awk -F, -v s="$set" '{print s","$0}' >> "$CSV"
+done; done
+python3 - "$CSV" a b <<'PY'
+import sys, collections, statistics
+sets = sys.argv[2:]
+t = collections.defaultdict(list)
+floor = {}
+for line in open(sys.argv[1]):
+    f = line.strip().split(",")
+    if len(f) < 7: continue
+    t[(f[1], int(f[3]), f[4], f[0])].append(float(f[5]))
+    floor[(f[1], int(f[3]), f[4])] = float(f[6]) / 4.3e6  # us
+print("layer tokens routing | " + " | ".join(f"{s}: us (% floor, /{sets[0]})" for s in sets))
+for k in sorted({k[:3] for k in t}):
+    base = statistics.median(t[k + (sets[0],)])
+    cells = []
+    for s in sets:
+        b = statistics.median(t[k + (s,)])
+        cells.append(f"{b:.0f} ({100 * floor[k] / b:.0f}%, {b / base:.3f})")
+    print(*k, "| " + " | ".join(cells))
+PY
+export MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_TOKENS=64
+for set in a b; do for routing in balanced random; do
+  # Launch order per iteration: narrow W13, adaptive W13, narrow W2, adaptive W2.
+  skip=16; [ $routing = random ] && skip=17
+  MOESERVE_BENCH_ROUTING=$routing timeout 120 ncu --clock-control none -k regex:MoeGemmKernel \
+    --launch-skip $skip -c 1 --section SpeedOfLight --section WarpStateStats \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    "$B/moe_experts_bench_$set" > "$OUT/ncu_${set}_$routing.txt" 2>&1
+  echo "== build $set $routing rc=$? $(grep -E 'Duration|Executed Ipc A' "$OUT/ncu_${set}_$routing.txt" | tr -s ' ' | tr '\n' ' ')"
+  grep -E "issue_stalled" "$OUT/ncu_${set}_$routing.txt" | awk '$NF+0 > 0.2 {print "   ", $1, $NF}' |
+    sed 's/smsp__average_warps_issue_stalled_//;s/_per_issue_active.ratio//' | sort -k2,2nr | head -8
+done; done
