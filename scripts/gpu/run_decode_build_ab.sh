@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# Two builds of the MXFP8 decode GEMMs A/B'd in one device call: bin/moe_experts_bench_a and
-# bin/moe_experts_bench_b alternate (ROUNDS rounds, default 2) on the decode path (LAYERS, default
+# Builds of the MXFP8 decode GEMMs A/B'd in one device call: bin/moe_experts_bench_<s> for s in
+# SETS (default "a b") alternate (ROUNDS rounds, default 2) on the decode path (LAYERS, default
 # seed,dsv3; TOKENS, default 1,16,32,48,64,96,128; balanced / hot / random routing), and the
-# summary gives each build's median us, share of the floor and ratio to build a. Then Nsight
-# Compute's stall reasons for both builds' seed W13 launch at 64 tokens, balanced (the narrow
-# tile) and random (the adaptive tile). Usage: run_decode_build_ab.sh BUNDLE.tgz.
+# summary gives each build's median us, share of the floor and ratio to the first. Then Nsight
+# Compute's stall reasons for each build's seed W13 launch at 64 tokens, balanced (the narrow
+# tile) and random (the adaptive tile). If the bundle has the GPU test binaries (the last
+# build's), they run first, with racecheck on the decode-tile kernel tests.
+# Usage: run_decode_build_ab.sh BUNDLE.tgz.
 set -u
 source "$(dirname "$0")/bundle_lib.sh"
 start_device_script "$1" || exit 1
+SETS=${SETS:-a b}
+if [ -x "$B/cuda_kernels_test" ]; then
+  run_gtest cuda_kernels_test 200
+  run_gtest cuda_experts_test 400
+  run_gtest engine_cuda_test 300
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$CS" ]; then
+    timeout 240 "$CS" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
+      --gtest_filter='*BitForBit*:*SplitK*:*DecodeWgmma*' > "$OUT/racecheck.log" 2>&1
+    echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
+  fi
+fi
 export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=mxfp8 \
   MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3} MOESERVE_BENCH_ROUTING=balanced,hot,random \
   MOESERVE_BENCH_TOKENS=${TOKENS:-1,16,32,48,64,96,128}
 CSV=$OUT/build_ab.csv
-for round in $(seq "${ROUNDS:-2}"); do for set in a b; do
+for round in $(seq "${ROUNDS:-2}"); do for set in $SETS; do
   timeout 150 "$B/moe_experts_bench_$set" 2>/dev/null | tail -n +2 |
     awk -F, -v s="$set" '{print s","$0}' >> "$CSV"
 done; done
-python3 - "$CSV" a b <<'PY'
+python3 - "$CSV" $SETS <<'PY'
 import sys, collections, statistics
 sets = sys.argv[2:]
 t = collections.defaultdict(list)
@@ -36,7 +50,7 @@ for k in sorted({k[:3] for k in t}):
     print(*k, "| " + " | ".join(cells))
 PY
 export MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_TOKENS=64
-for set in a b; do for routing in balanced random; do
+for set in $SETS; do for routing in balanced random; do
   # Launch order per iteration: narrow W13, adaptive W13, narrow W2, adaptive W2.
   skip=16; [ $routing = random ] && skip=17
   MOESERVE_BENCH_ROUTING=$routing timeout 120 ncu --clock-control none -k regex:MoeGemmKernel \
