@@ -283,6 +283,48 @@ __device__ __forceinline__ int ExpertOfUnit(const int32_t* prefix, int num_exper
   return lo;
 }
 
+// The persistent grids' schedule, in shared memory. Every thread: each expert's count, clamped
+// to [0, count_cap], and its first route row.
+__device__ __forceinline__ void LoadExpertCounts(const MoeGemmParams& p, int32_t* s_cnt,
+                                                 int32_t* s_row0) {
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
+    int c = p.expert_counts[e];
+    c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
+    s_cnt[e] = c;
+    s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
+                                            : static_cast<int32_t>(e * p.offset_stride);
+  }
+}
+// Warp 0, once the counts are in shared memory: s_prefix[e] = the work units before expert e
+// (units_of(count) per expert), s_prefix[E] = all of them and, with kMost, s_prefix[E + 1] = the
+// largest count.
+template <bool kMost, class UnitsOf>
+__device__ __forceinline__ void PrefixUnits(const int32_t* s_cnt, int32_t* s_prefix, int E,
+                                            int lane, UnitsOf units_of) {
+  const int chunk = (E + 31) / 32;
+  const int lo = lane * chunk, hi = min(E, lo + chunk);
+  int sum = 0, most = 0;
+  for (int e = lo; e < hi; ++e) {
+    sum += units_of(s_cnt[e]);
+    if (kMost) most = max(most, s_cnt[e]);
+  }
+  int inc = sum;
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, inc, d);
+    if (lane >= d) inc += v;
+  }
+  if (kMost) most = __reduce_max_sync(0xffffffffu, most);
+  int run = inc - sum;
+  for (int e = lo; e < hi; ++e) {
+    s_prefix[e] = run;
+    run += units_of(s_cnt[e]);
+  }
+  if (lane == 31) {
+    s_prefix[E] = inc;
+    if (kMost) s_prefix[E + 1] = most;
+  }
+}
+
 // The epilogue's store of one accumulator pair of route row `row` (both GEMM tile kinds): an MMA
 // thread holds weight rows r and r + 8 of a column. W13: rows r, r + 8 are the gate and up rows
 // of intermediate column r / 2 (packed 8 gate / 8 up), stored as BF16 SiLU(gate) * up. W2: hidden
@@ -514,9 +556,8 @@ struct GemmCfg {
 // its cold neighbours alike, and the hot expert's weights stream once; for balanced routing the
 // fixed narrow tile is 5-11% faster. `gate`: the kernel returns at once unless its expert counts'
 // maximum is above gate.x and at most gate.y, so that a narrow and a wide launch can be queued
-// together and the counts (on the device) choose which one works. With `per_expert`, the gate
-// applies to each expert instead: this launch serves only the experts whose counts are in
-// (gate.x, gate.y], so a narrow and a wide launch split the experts between them.
+// together and the counts (on the device) choose which one works. (Splitting the experts
+// between the two launches by their counts measured no better: cuda/RESULTS.md, 2026-12-03 07:00.)
 // kTma: a ninth warp produces: one bulk copy (TMA) for each stage's weight tile and one for its
 // scales, cp.async for the activation rows, completing on the stage's "full" mbarrier; the 8 MMA
 // warps wait on it and release the slot on its "empty" mbarrier, so they issue no load
@@ -529,7 +570,7 @@ struct GemmCfg {
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
           bool kAdaptive, bool kTma, int KB, bool kWg = false>
 __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 : 1)
-    MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots, bool per_expert) {
+    MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots) {
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   static_assert(!kWg || kTma, "the warpgroup-MMA decode tile has a producer warp");
@@ -555,14 +596,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   const int mtiles = static_cast<int>(rows_packed / kBM);
   const int num_kb = static_cast<int>(kp / kBK);
 
-  for (int e = tid; e < E; e += blockDim.x) {
-    int c = p.expert_counts[e];
-    c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
-    if (per_expert && (c <= gate.x || c > gate.y)) c = 0;  // the other launch's expert
-    s_cnt[e] = c;
-    s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
-                                            : static_cast<int32_t>(e * p.offset_stride);
-  }
+  LoadExpertCounts(p, s_cnt, s_row0);
   if (kTma && tid < STAGES) {
     MbarInit(full0 + 8 * tid, 32);         // the producer's 32 lanes (cp.async arrivals)
     MbarInit(empty0 + 8 * tid, kThreads);  // every MMA thread
@@ -570,32 +604,11 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   }
   __syncthreads();
   if (warp == 0) {
-    const int chunk = (E + 31) / 32;
-    const int lo = lane * chunk, hi = min(E, lo + chunk);
-    int sum = 0, most = 0;
-    for (int e = lo; e < hi; ++e) {
-      sum += (s_cnt[e] + BN - 1) / BN * mtiles;
-      most = max(most, s_cnt[e]);
-    }
-    int inc = sum;
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += v;
-    }
-    most = __reduce_max_sync(0xffffffffu, most);
-    int run = inc - sum;
-    for (int e = lo; e < hi; ++e) {
-      s_prefix[e] = run;
-      run += (s_cnt[e] + BN - 1) / BN * mtiles;
-    }
-    if (lane == 31) {
-      s_prefix[E] = inc;
-      s_prefix[E + 1] = most;
-    }
+    PrefixUnits<true>(s_cnt, s_prefix, E, lane, [&](int c) { return (c + BN - 1) / BN * mtiles; });
   }
   __syncthreads();
   const int total_units = s_prefix[E];
-  if (!per_expert && (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y)) return;
+  if (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y) return;
   const int num_st = (num_kb + KB - 1) / KB;  // stages per unit; the last may hold one block
   // Split-K (decode tiles, with a workspace): when the units cannot fill the `split_slots` CTA
   // slots (a few experts of long K, e.g. one token), each unit's stages are split over `splits`
@@ -1037,7 +1050,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
           bool kAdaptive = false, bool kTma = false, int KB = 1, bool kWg = false>
 cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
-                int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
+                int2 gate = int2{-1, INT_MAX}) {
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg>;
   auto kernel = MoeGemmKernel<kFp8, kWide, BN, WM, WN, STAGES, KIND, kAdaptive, kTma, KB, kWg>;
   const size_t smem = C::SmemBytes(p.num_experts);
@@ -1076,7 +1089,7 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
   // instructions and gain from two CTAs per SM, BF16 tiles stream as fast with one (measured on
   // the H200: splitting BF16 units over both slots of an SM lost 6%).
   const int split_slots = static_cast<int>(kFp8 ? grid : std::min<int64_t>(grid, num_sms));
-  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate, split_slots, per_expert);
+  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate, split_slots);
   return cudaGetLastError();
 }
 
@@ -1137,30 +1150,10 @@ __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
   const int mtiles = static_cast<int>(rows_packed / kBM);
   const int num_kb = static_cast<int>(kp / kBK);
 
-  for (int e = tid; e < E; e += kThreads) {
-    int c = p.expert_counts[e];
-    c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
-    s_cnt[e] = c;
-    s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
-                                            : static_cast<int32_t>(e * p.offset_stride);
-  }
+  LoadExpertCounts(p, s_cnt, s_row0);
   __syncthreads();
   if (warp == 0) {
-    const int chunk = (E + 31) / 32;
-    const int lo = lane * chunk, hi = min(E, lo + chunk);
-    int sum = 0;
-    for (int e = lo; e < hi; ++e) sum += (s_cnt[e] + BN - 1) / BN * mtiles;
-    int inc = sum;
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += v;
-    }
-    int run = inc - sum;
-    for (int e = lo; e < hi; ++e) {
-      s_prefix[e] = run;
-      run += (s_cnt[e] + BN - 1) / BN * mtiles;
-    }
-    if (lane == 31) s_prefix[E] = inc;
+    PrefixUnits<false>(s_cnt, s_prefix, E, lane, [&](int c) { return (c + BN - 1) / BN * mtiles; });
   }
   __syncthreads();
   const int total_units = s_prefix[E];
@@ -1453,13 +1446,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
   const int num_st = (num_kb + 1) / 2;
   const int mpairs = (mtiles + 1) / 2;
 
-  for (int e = tid; e < E; e += blockDim.x) {
-    int c = p.expert_counts[e];
-    c = c < 0 ? 0 : (c > p.count_cap ? p.count_cap : c);
-    s_cnt[e] = c;
-    s_row0[e] = p.expert_offsets != nullptr ? p.expert_offsets[e]
-                                            : static_cast<int32_t>(e * p.offset_stride);
-  }
+  LoadExpertCounts(p, s_cnt, s_row0);
   if (tid < STAGES) {
     MbarInit(full0 + 8 * tid, 32);             // the producer's 32 lanes (cp.async arrivals)
     MbarInit(empty0 + 8 * tid, 2 * kThreads);  // the MMA threads of this CTA and of the peer
@@ -1470,23 +1457,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
     const int nt = (c + BN - 1) / BN;
     return nt <= 1 ? nt * mpairs : mtiles * ((nt + 1) / 2);
   };
-  if (warp == 0) {
-    const int chunk = (E + 31) / 32;
-    const int lo = lane * chunk, hi = min(E, lo + chunk);
-    int sum = 0;
-    for (int e = lo; e < hi; ++e) sum += pair_units(s_cnt[e]);
-    int inc = sum;
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += v;
-    }
-    int run = inc - sum;
-    for (int e = lo; e < hi; ++e) {
-      s_prefix[e] = run;
-      run += pair_units(s_cnt[e]);
-    }
-    if (lane == 31) s_prefix[E] = inc;
-  }
+  if (warp == 0) PrefixUnits<false>(s_cnt, s_prefix, E, lane, pair_units);
   __syncthreads();
   ClusterSync();  // the peer's barriers are initialized before any remote arrive or multicast
   const int total = s_prefix[E];
@@ -1712,10 +1683,10 @@ struct DecodeTile {
 // MoeGemmUsesDecodeWgmma).
 template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND, bool kAdaptive = false, bool kWg = false>
 cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
-                      int2 gate = int2{-1, INT_MAX}, bool per_expert = false) {
+                      int2 gate = int2{-1, INT_MAX}) {
   using T = DecodeTile<kFp8, BN>;
-  return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB, kWg>(
-      p, num_sms, stream, gate, per_expert);
+  return Run<kFp8, kWide, BN, 8, 1, T::kStages, KIND, kAdaptive, true, T::kKB, kWg>(p, num_sms,
+                                                                                    stream, gate);
 }
 
 // Whether the MXFP8 32-token decode tile issues warpgroup MMAs (else mma.sync):
@@ -1743,16 +1714,6 @@ cudaError_t RunWgmmaFor(const MoeGemmParams& p, int num_sms, cudaStream_t stream
   if constexpr (!kFp8) return RunWgmma<false, false, BN, KIND>(p, num_sms, stream);
   return wide ? RunWgmma<true, true, BN, KIND>(p, num_sms, stream)
               : RunWgmma<true, false, BN, KIND>(p, num_sms, stream);
-}
-
-// Experiment switch for the device A/B (scripts/gpu/run_decode_split_ab.sh), off until
-// measured: MOESERVE_DECODE_SPLIT=1 splits the MXFP8 decode experts per expert. Read once.
-bool MoeGemmSplitDecodeByExpert() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOESERVE_DECODE_SPLIT");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on;
 }
 
 // Routes per expert from which the warpgroup-MMA tiles serve (Dispatch).
@@ -1816,17 +1777,11 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
     // slower (its 64-token tile has 6 stages) and is not used.
     if constexpr (kFp8) {
       if (avg <= 16) {
-        // Per expert: the narrow tile serves the experts of at most 16 routes, the adaptive one
-        // the rest, so spread counts (random or hot routing) keep most experts on the narrow
-        // tile instead of moving all of them to the wide one.
-        const bool per_expert = MoeGemmSplitDecodeByExpert();
-        const cudaError_t err =
-            RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16}, per_expert);
+        const cudaError_t err = RunDecode<true, false, 16, KIND>(p, num_sms, stream, int2{-1, 16});
         // No expert can exceed the narrow tile (the host's bound says so, e.g. one or two decode
         // tokens): the adaptive launch would return at once, and costs ~3 us of launch.
         if (err != cudaSuccess || (p.max_rows_hint > 0 && p.max_rows_hint <= 16)) return err;
-        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX},
-                                                      per_expert);
+        return RunDecode<true, false, 32, KIND, true>(p, num_sms, stream, int2{16, INT_MAX});
       }
     }
     if (avg <= 16) return RunDecode<kFp8, false, 16, KIND>(p, num_sms, stream);
