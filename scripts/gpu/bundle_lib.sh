@@ -31,25 +31,33 @@ run_gtest() {
   grep -E -A3 '^\[  FAILED |Failure' "$OUT/$name.log" | head -20
 }
 
-# decode_ab VAR CSV SETTING...: moe_experts_bench on the decode path (MXFP8, LAYERS (default
-# seed,dsv3), TOKENS, balanced / hot / random routing) once per SETTING with VAR=SETTING
-# ("default": VAR unset), settings alternating, ROUNDS rounds (default 2); its rows go to CSV with
-# the setting in front. Prints, per (layer, tokens, routing), each setting's median us, its share
-# of the floor (all experts' weight bytes over 4.3 TB/s) and its ratio to the first setting.
-decode_ab() {
-  local var=$1 csv=$2
-  shift 2
+# gpu_suites FILTER: the bundle's GPU test binaries (cuda_kernels_test, cuda_experts_test,
+# engine_cuda_test), then compute-sanitizer racecheck on cuda_kernels_test's FILTER.
+gpu_suites() {
+  run_gtest cuda_kernels_test 200
+  run_gtest cuda_experts_test 400
+  run_gtest engine_cuda_test 300
+  local cs
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  [ -n "$cs" ] || return 0
+  timeout 240 "$cs" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
+    --gtest_filter="$1" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
+}
+
+# decode_bench_env: moe_experts_bench on the decode path: MXFP8, LAYERS (default seed,dsv3),
+# TOKENS, balanced / hot / random routing.
+decode_bench_env() {
   export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=mxfp8 \
     MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3} MOESERVE_BENCH_ROUTING=balanced,hot,random \
     MOESERVE_BENCH_TOKENS=$TOKENS
-  local round set
-  for round in $(seq "${ROUNDS:-2}"); do for set in "$@"; do
-    if [ "$set" = default ]; then unset "$var"; else export "$var=$set"; fi
-    timeout 150 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
-      awk -F, -v s="$set" '{print s","$0}' >> "$csv"
-  done; done
-  unset "$var"
-  python3 - "$csv" "$@" <<'PY'
+}
+
+# decode_summary CSV SETTING...: CSV holds moe_experts_bench rows with a setting in front. Prints,
+# per (layer, tokens, routing), each setting's median us, its share of the floor (all experts'
+# weight bytes over 4.3 TB/s) and its ratio to the first setting.
+decode_summary() {
+  python3 - "$@" <<'PY'
 import sys, collections, statistics
 sets = sys.argv[2:]
 t = collections.defaultdict(list)
@@ -68,4 +76,21 @@ for k in sorted({k[:3] for k in t}):
         cells.append(f"{b:.0f} ({100 * floor[k] / b:.0f}%, {b / base:.3f})")
     print(*k, "| " + " | ".join(cells))
 PY
+}
+
+# decode_ab VAR CSV SETTING...: the decode bench (decode_bench_env) once per SETTING with
+# VAR=SETTING ("default": VAR unset), settings alternating, ROUNDS rounds (default 2); its rows go
+# to CSV with the setting in front, then decode_summary.
+decode_ab() {
+  local var=$1 csv=$2
+  shift 2
+  decode_bench_env
+  local round set
+  for round in $(seq "${ROUNDS:-2}"); do for set in "$@"; do
+    if [ "$set" = default ]; then unset "$var"; else export "$var=$set"; fi
+    timeout 150 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
+      awk -F, -v s="$set" '{print s","$0}' >> "$csv"
+  done; done
+  unset "$var"
+  decode_summary "$csv" "$@"
 }

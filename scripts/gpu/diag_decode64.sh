@@ -37,12 +37,4 @@ for line in open(sys.argv[1]):
             print("   ", " ".join(line.split()))
 PY
 done
-run_gtest cuda_kernels_test 200
-run_gtest cuda_experts_test 400
-run_gtest engine_cuda_test 300
-CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-if [ -n "$CS" ]; then
-  timeout 240 "$CS" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
-    --gtest_filter='*DecodePair*:*BitForBit*' > "$OUT/racecheck.log" 2>&1
-  echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
-fi
+gpu_suites '*DecodePair*:*BitForBit*'

@@ -11,44 +11,14 @@ set -u
 source "$(dirname "$0")/bundle_lib.sh"
 start_device_script "$1" || exit 1
 SETS=${SETS:-a b}
-if [ -x "$B/cuda_kernels_test" ]; then
-  run_gtest cuda_kernels_test 200
-  run_gtest cuda_experts_test 400
-  run_gtest engine_cuda_test 300
-  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  if [ -n "$CS" ]; then
-    timeout 240 "$CS" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
-      --gtest_filter='*BitForBit*:*SplitK*:*DecodeWgmma*' > "$OUT/racecheck.log" 2>&1
-    echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
-  fi
-fi
-export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=mxfp8 \
-  MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3} MOESERVE_BENCH_ROUTING=balanced,hot,random \
-  MOESERVE_BENCH_TOKENS=${TOKENS:-1,16,32,48,64,96,128}
+[ -x "$B/cuda_kernels_test" ] && gpu_suites '*BitForBit*:*SplitK*:*DecodeWgmma*'
+TOKENS=${TOKENS:-1,16,32,48,64,96,128} decode_bench_env
 CSV=$OUT/build_ab.csv
 for round in $(seq "${ROUNDS:-2}"); do for set in $SETS; do
   timeout 150 "$B/moe_experts_bench_$set" 2>/dev/null | tail -n +2 |
     awk -F, -v s="$set" '{print s","$0}' >> "$CSV"
 done; done
-python3 - "$CSV" $SETS <<'PY'
-import sys, collections, statistics
-sets = sys.argv[2:]
-t = collections.defaultdict(list)
-floor = {}
-for line in open(sys.argv[1]):
-    f = line.strip().split(",")
-    if len(f) < 7: continue
-    t[(f[1], int(f[3]), f[4], f[0])].append(float(f[5]))
-    floor[(f[1], int(f[3]), f[4])] = float(f[6]) / 4.3e6  # us
-print("layer tokens routing | " + " | ".join(f"{s}: us (% floor, /{sets[0]})" for s in sets))
-for k in sorted({k[:3] for k in t}):
-    base = statistics.median(t[k + (sets[0],)])
-    cells = []
-    for s in sets:
-        b = statistics.median(t[k + (s,)])
-        cells.append(f"{b:.0f} ({100 * floor[k] / b:.0f}%, {b / base:.3f})")
-    print(*k, "| " + " | ".join(cells))
-PY
+decode_summary "$CSV" $SETS
 export MOESERVE_BENCH_LAYERS=seed MOESERVE_BENCH_TOKENS=64
 for set in $SETS; do for routing in balanced random; do
   # Launch order per iteration: narrow W13, adaptive W13, narrow W2, adaptive W2.
