@@ -32,17 +32,20 @@ run_gtest() {
 }
 
 # gpu_suites FILTER: the bundle's GPU test binaries (cuda_kernels_test, cuda_experts_test,
-# engine_cuda_test), then compute-sanitizer racecheck on cuda_kernels_test's FILTER.
+# engine_cuda_test), then compute-sanitizer on cuda_kernels_test's FILTER with each tool of
+# SANITIZERS (default racecheck), into $OUT/TOOL.log.
 gpu_suites() {
   run_gtest cuda_kernels_test 200
   run_gtest cuda_experts_test 400
   run_gtest engine_cuda_test 300
-  local cs
+  local cs tool
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   [ -n "$cs" ] || return 0
-  timeout 240 "$cs" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
-    --gtest_filter="$1" > "$OUT/racecheck.log" 2>&1
-  echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
+  for tool in ${SANITIZERS:-racecheck}; do
+    timeout 240 "$cs" --tool "$tool" --error-exitcode 3 "$B/cuda_kernels_test" \
+      --gtest_filter="$1" > "$OUT/$tool.log" 2>&1
+    echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/$tool.log" | tr '\n' ' ')"
+  done
 }
 
 # decode_bench_env: moe_experts_bench on the decode path: MXFP8, LAYERS (default seed,dsv3),

@@ -20,17 +20,14 @@ for routing in balanced random hot; do
   echo "== $routing rc=$?"
   python3 - "$OUT/ncu_$routing.txt" <<'PY'
 import re, sys
-keys = ["Duration", "DRAM Throughput", "Memory Throughput", "Issue Slots Busy", "Executed Ipc Active",
-        "No Eligible", "Warp Cycles Per Issued Instruction", "Achieved Occupancy", "Registers Per Thread",
-        "Dynamic Shared Memory Per Block", "Grid Size", "Executed Instructions", "L2 Hit Rate",
-        "Stall Long Scoreboard", "Stall Barrier"]
-cur = None
+keys = ["Duration", "DRAM Throughput", "Memory Throughput", "No Eligible",
+        "Warp Cycles Per Issued Instruction", "Achieved Occupancy", "Registers Per Thread",
+        "Dynamic Shared Memory Per Block", "Grid Size", "Executed Instructions", "L2 Hit Rate"]
 for line in open(sys.argv[1]):
     m = re.search(r"MoeGemmKernel<([^>]*)>", line)
     if m and "(" in line:
         args = m.group(1).split(",")
-        cur = "BN=%s stages=%s adaptive=%s" % (args[2].strip(), args[5].strip(), args[7].strip())
-        print("--", cur)
+        print("-- BN=%s stages=%s adaptive=%s" % (args[2].strip(), args[5].strip(), args[7].strip()))
         continue
     for k in keys:
         if line.strip().startswith(k):

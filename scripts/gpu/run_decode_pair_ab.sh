@@ -10,15 +10,5 @@ set -u
 source "$(dirname "$0")/bundle_lib.sh"
 OUT=${OUT:-/tmp/pair_out}
 start_device_script "$1" || exit 1
-run_gtest cuda_kernels_test 200
-run_gtest cuda_experts_test 400
-run_gtest engine_cuda_test 300
-CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-if [ -n "$CS" ]; then
-  for tool in memcheck racecheck; do
-    timeout 200 "$CS" --tool $tool --error-exitcode 3 \
-      "$B/cuda_kernels_test" --gtest_filter='*DecodePair*' > "$OUT/$tool.log" 2>&1
-    echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/$tool.log" | tr '\n' ' ')"
-  done
-fi
+SANITIZERS='memcheck racecheck' gpu_suites '*DecodePair*'
 TOKENS=${TOKENS:-1,4,8,16,24,32,48,64} decode_ab MOESERVE_DECODE_PAIR "$OUT/pair.csv" 0 1
