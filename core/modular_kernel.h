@@ -248,8 +248,8 @@ class PrepareAndFinalize {
                                       const TopKWeightAndReduce& weight_and_reduce);
   // Host: waits for the device, then copies the first output.dim(0) staged rows into `output`
   // (host memory, or device memory where accepts_device_tensors). `timer` (null when untimed):
-  // an implementation whose device work ends before its wait, with no host work after it, may
-  // Stop() the timer just before waiting, so that timing adds no second wait.
+  // an implementation whose device work ends before its wait may Stop() the timer just before
+  // waiting, so that timing adds no second wait (host work after the wait is then not timed).
   virtual absl::Status CollectOutput(const TensorView& output, StageTimer* timer);
 };
 

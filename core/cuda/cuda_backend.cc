@@ -3,10 +3,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/cuda/answer_copy.h"
 #include "core/cuda/device_packed_layer.h"
@@ -48,6 +50,17 @@ absl::Status ConvertWireToBf16(absl::string_view who, const void* src, DType wir
 
 // Threads per rank for the staging copies between request bytes and pinned memory.
 constexpr int kStagingCopyThreads = 4;
+
+// A copy-engine node costs a captured step several us at any size, the SMs' PCIe reads and
+// writes of page-locked memory well under that for small copies (one token's hidden states
+// and answer). MOESERVE_GRAPH_SM_COPY_MAX_BYTES overrides the limit for A/B runs (0: never).
+constexpr size_t kGraphSmCopyMaxBytes = size_t{256} << 10;
+size_t GraphSmCopyMaxBytes() {
+  const char* v = std::getenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
+  size_t bytes = 0;
+  if (v != nullptr && absl::SimpleAtoi(v, &bytes)) return bytes;
+  return kGraphSmCopyMaxBytes;
+}
 
 }  // namespace
 
@@ -339,7 +352,10 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
  public:
   CudaNoEpPrepareAndFinalize(std::shared_ptr<CudaContext> ctx, int64_t max_num_tokens,
                              ActivationFormat format)
-      : ctx_(std::move(ctx)), max_num_tokens_(max_num_tokens), format_(format) {
+      : ctx_(std::move(ctx)),
+        max_num_tokens_(max_num_tokens),
+        format_(format),
+        sm_copy_max_bytes_(GraphSmCopyMaxBytes()) {
     quant_.activation_dtype = DType::kBF16;
   }
   absl::string_view name() const override {
@@ -404,6 +420,9 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   std::shared_ptr<CudaContext> ctx_;
   int64_t max_num_tokens_;
   ActivationFormat format_;
+  // Graph path: staged copies between page-locked and device memory of at most this many bytes
+  // run on the SMs (kernels::LaunchCopyBytes), larger ones on a copy engine.
+  size_t sm_copy_max_bytes_;
   QuantConfig quant_;
   std::vector<int32_t> host_counts_;
   // Graph path: buffers sized once for graph_capacity_ rows of graph_hidden_ (4-byte elements)
@@ -781,7 +800,12 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
   // routing) does not cross here.
   const size_t from = args.hidden_states.device().space != MemorySpace::kHost ? l.ids : 0;
   const size_t to = DeviceRouting(args) ? l.ids : l.bytes;
-  if (to > from) {
+  if (to > from && to - from <= sm_copy_max_bytes_) {
+    // Small: the SMs read the page-locked staging (no copy-engine node in the graph).
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchCopyBytes(static_cast<uint8_t*>(g_dev_in_) + from,
+                                                           static_cast<uint8_t*>(g_pin_in_) + from,
+                                                           to - from, stream));
+  } else if (to > from) {
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint8_t*>(g_dev_in_) + from,
                                                   static_cast<uint8_t*>(g_pin_in_) + from,
                                                   to - from, cudaMemcpyHostToDevice, stream));
@@ -832,6 +856,15 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
       return absl::FailedPreconditionError(
           absl::StrCat(name(), ": the graph path reduces Standard-format expert output only"));
   }
+  const size_t out_bytes = static_cast<size_t>(p * k) * DTypeSize(dtype);
+  if (output_device.space == MemorySpace::kHost && out_bytes <= sm_copy_max_bytes_) {
+    // Small: the SMs write the answer straight into the page-locked staging.
+    if (dtype != DType::kFP32) {
+      return ConvertAnswerOnDevice(answer, dtype, g_pin_out_, p * k, stream);
+    }
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchCopyBytes(g_pin_out_, answer, out_bytes, stream));
+    return absl::OkStatus();
+  }
   const void* src = answer;
   if (dtype != DType::kFP32) {
     MOESERVE_RETURN_IF_ERROR(ConvertAnswerOnDevice(answer, dtype, g_dev_out_, p * k, stream));
@@ -847,9 +880,8 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
     }
     return absl::OkStatus();
   }
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g_pin_out_, src,
-                                                static_cast<size_t>(p * k) * DTypeSize(dtype),
-                                                cudaMemcpyDeviceToHost, stream));
+  MOESERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(g_pin_out_, src, out_bytes, cudaMemcpyDeviceToHost, stream));
   return absl::OkStatus();
 }
 
@@ -873,6 +905,9 @@ absl::Status CudaNoEpPrepareAndFinalize::CollectOutput(const TensorView& output,
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
     return RoutingVerdict();
   }
+  // The graph's last node put the answer in g_pin_out_: the last event goes in before the wait
+  // here too (the host copy below is not timed).
+  if (timer != nullptr) MOESERVE_RETURN_IF_ERROR(timer->Stop());
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(StreamOf(*ctx_)));
   MOESERVE_RETURN_IF_ERROR(RoutingVerdict());
   copier_.Copy(output.raw_data(), g_pin_out_, output.nbytes());

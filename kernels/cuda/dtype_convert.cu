@@ -1,6 +1,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/fp16_bits.h"
 
@@ -42,6 +45,22 @@ __global__ void Fp16ToBf16Kernel(const uint16_t* __restrict__ in, uint16_t* __re
   }
 }
 
+__global__ void CopyBytes16Kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                  int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = src[i];
+  }
+}
+
+__global__ void CopyBytes1Kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                 int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = src[i];
+  }
+}
+
 int NumBlocks(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < 65535 ? blocks : 65535);
@@ -74,6 +93,21 @@ cudaError_t LaunchConvertFp16ToBf16(const uint16_t* in, uint16_t* out, int64_t n
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   Fp16ToBf16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCopyBytes(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (aligned(dst) && aligned(src) && bytes % 16 == 0) {
+    const auto n = static_cast<int64_t>(bytes / 16);
+    CopyBytes16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(static_cast<const uint4*>(src),
+                                                             static_cast<uint4*>(dst), n);
+  } else {
+    const auto n = static_cast<int64_t>(bytes);
+    CopyBytes1Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(static_cast<const uint8_t*>(src),
+                                                            static_cast<uint8_t*>(dst), n);
+  }
   return cudaGetLastError();
 }
 

@@ -18,6 +18,12 @@ cudaError_t LaunchConvertFp32ToFp16(const float* in, uint16_t* out, int64_t n, c
 cudaError_t LaunchConvertFp16ToBf16(const uint16_t* in, uint16_t* out, int64_t n,
                                     cudaStream_t stream);
 
+// Copies `bytes` from src to dst on the SMs (16 bytes per thread where both pointers and the
+// size are 16-byte aligned, else 1). Either side may be page-locked host memory, which the
+// kernel reads or writes over PCIe (unified addressing): a small staged copy then needs no
+// copy-engine node in a captured graph. The CPU twin is std::memcpy.
+cudaError_t LaunchCopyBytes(void* dst, const void* src, size_t bytes, cudaStream_t stream);
+
 }  // namespace moeserve::kernels
 
 #endif  // MOESERVE_KERNELS_CUDA_DTYPE_CONVERT_CUH_

@@ -5,8 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -179,58 +181,71 @@ TEST(EngineCuda, StepsInFlightMatchCpuReference) {
 // Every answer matches the CPU reference, over fresh inputs on every replay, every input dtype,
 // alternating layers and routing, and after a larger eager step has grown (moved) the workspaces
 // under the graphs captured before it.
+// Staged copies of host inputs and answers on the SMs (the default at these sizes) and, with
+// MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0, on a copy engine.
 TEST(EngineCuda, GraphReplayMatchesCpuReference) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
-    auto reference = Engine::Create(Small("cpu", "reference", wf));
-    ASSERT_TRUE(reference.ok()) << reference.status();
-    for (const std::string experts : {"cuda", "cuda_grouped_sm90"}) {
-      if (experts == "cuda_grouped_sm90" && !CudaGroupedSm90Supported(0).ok()) continue;
-      EngineOptions o = Small("cuda", experts, wf);
-      o.num_ranks = 1;
-      o.steps_in_flight = 1;
-      o.graph_max_tokens = 64;
-      auto engine = Engine::Create(o);
-      ASSERT_TRUE(engine.ok()) << engine.status();
-      ASSERT_EQ((*engine)->info().graph_max_tokens, 64);
-      const ModelConfig& model = (*engine)->info().model;
-      std::mt19937 rng(wf == WeightFormat::kBF16 ? 5 : 6);
-      const DType dtypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
-      const int64_t sizes[] = {1, 3, 8, 9, 17, 64, 1, 3, 300, 3, 17, 64, 9, 1};
-      int i = 0;
-      for (int pass = 0; pass < 2; ++pass) {
-        for (int64_t m : sizes) {
-          SCOPED_TRACE(absl::StrCat(WeightFormatName(wf), " ", experts, " pass ", pass, " m=", m));
-          const DType dtype = dtypes[i % 3];
-          const int layer = i % model.num_layers;
-          ++i;
-          Tensor f = ep_testing::RandomNormal({m, model.hidden}, rng);
-          Tensor x = Tensor::Empty(dtype, {m, model.hidden});
-          ASSERT_TRUE(ConvertTensor(f.view(), x.view()).ok());
-          Tensor ids = ep_testing::MakeRouting(i % 2 ? Routing::kHotExpert : Routing::kUniform, m,
-                                               model.topk, model.num_experts, {3, 4, 5, 6}, rng);
-          Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
-          Tensor got = Tensor::Empty(dtype, {m, model.hidden});
-          Tensor want = Tensor::Empty(dtype, {m, model.hidden});
-          ASSERT_TRUE((*engine)->Forward({layer, x.view(), ids.view(), w.view()}, got.view()).ok());
-          ASSERT_TRUE(
-              (*reference)->Forward({layer, x.view(), ids.view(), w.view()}, want.view()).ok());
-          Tensor g = Tensor::Empty(DType::kFP32, got.shape());
-          Tensor r = Tensor::Empty(DType::kFP32, want.shape());
-          ASSERT_TRUE(ConvertTensor(got.view(), g.view()).ok());
-          ASSERT_TRUE(ConvertTensor(want.view(), r.view()).ok());
-          EXPECT_LT(ep_testing::RelativeL2Error(g.data<float>(), r.data<float>(), g.numel()),
-                    kBf16Tolerance);
+  for (const char* sm_copy : {"default", "0"}) {
+    if (std::string(sm_copy) == "0") {
+      setenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES", "0", 1);
+    } else {
+      unsetenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
+    }
+    for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
+      auto reference = Engine::Create(Small("cpu", "reference", wf));
+      ASSERT_TRUE(reference.ok()) << reference.status();
+      for (const std::string experts : {"cuda", "cuda_grouped_sm90"}) {
+        if (experts == "cuda_grouped_sm90" && !CudaGroupedSm90Supported(0).ok()) continue;
+        SCOPED_TRACE(absl::StrCat("SM copies up to ", sm_copy, " bytes"));
+        EngineOptions o = Small("cuda", experts, wf);
+        o.num_ranks = 1;
+        o.steps_in_flight = 1;
+        o.graph_max_tokens = 64;
+        auto engine = Engine::Create(o);
+        ASSERT_TRUE(engine.ok()) << engine.status();
+        ASSERT_EQ((*engine)->info().graph_max_tokens, 64);
+        const ModelConfig& model = (*engine)->info().model;
+        std::mt19937 rng(wf == WeightFormat::kBF16 ? 5 : 6);
+        const DType dtypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+        const int64_t sizes[] = {1, 3, 8, 9, 17, 64, 1, 3, 300, 3, 17, 64, 9, 1};
+        int i = 0;
+        for (int pass = 0; pass < 2; ++pass) {
+          for (int64_t m : sizes) {
+            SCOPED_TRACE(
+                absl::StrCat(WeightFormatName(wf), " ", experts, " pass ", pass, " m=", m));
+            const DType dtype = dtypes[i % 3];
+            const int layer = i % model.num_layers;
+            ++i;
+            Tensor f = ep_testing::RandomNormal({m, model.hidden}, rng);
+            Tensor x = Tensor::Empty(dtype, {m, model.hidden});
+            ASSERT_TRUE(ConvertTensor(f.view(), x.view()).ok());
+            Tensor ids = ep_testing::MakeRouting(i % 2 ? Routing::kHotExpert : Routing::kUniform, m,
+                                                 model.topk, model.num_experts, {3, 4, 5, 6}, rng);
+            Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+            Tensor got = Tensor::Empty(dtype, {m, model.hidden});
+            Tensor want = Tensor::Empty(dtype, {m, model.hidden});
+            ASSERT_TRUE(
+                (*engine)->Forward({layer, x.view(), ids.view(), w.view()}, got.view()).ok());
+            ASSERT_TRUE(
+                (*reference)->Forward({layer, x.view(), ids.view(), w.view()}, want.view()).ok());
+            Tensor g = Tensor::Empty(DType::kFP32, got.shape());
+            Tensor r = Tensor::Empty(DType::kFP32, want.shape());
+            ASSERT_TRUE(ConvertTensor(got.view(), g.view()).ok());
+            ASSERT_TRUE(ConvertTensor(want.view(), r.view()).ok());
+            EXPECT_LT(ep_testing::RelativeL2Error(g.data<float>(), r.data<float>(), g.numel()),
+                      kBf16Tolerance);
+          }
         }
+        const GraphStats stats = (*engine)->graph_stats();
+        EXPECT_TRUE(stats.disabled_reason.empty()) << stats.disabled_reason;
+        EXPECT_EQ(stats.eager, 2);  // the two 300-token steps
+        EXPECT_GT(stats.captures, 0);
+        EXPECT_GT(stats.replays, 0);
+        EXPECT_EQ(stats.replays + stats.captures + stats.eager, 2 * std::size(sizes));
       }
-      const GraphStats stats = (*engine)->graph_stats();
-      EXPECT_TRUE(stats.disabled_reason.empty()) << stats.disabled_reason;
-      EXPECT_EQ(stats.eager, 2);  // the two 300-token steps
-      EXPECT_GT(stats.captures, 0);
-      EXPECT_GT(stats.replays, 0);
-      EXPECT_EQ(stats.replays + stats.captures + stats.eager, 2 * std::size(sizes));
     }
   }
+  unsetenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
 }
 
 // A device copy of a host tensor (freed with the object).

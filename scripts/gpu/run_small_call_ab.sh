@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# A small call's cost, before and after a change to the graphed step (issues 11/12: server total
+# at M=1). The bundle holds two builds: bin/{moeserve,engine_forward_bench}_a and _b, one
+# moeserve-cli, and the last build's GPU test binaries (LAST, default b). A variant is a build
+# letter, optionally followed by 0 (MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0: staged copies on a copy
+# engine) or 1m (the SMs copy up to 1 MiB); VARIANTS, default "a b0 b".
+# 1. the GPU suites (memcheck on the copy kernel's test), host_upload_test and
+#    shared_memory_cuda_test against the last build's server;
+# 2. engine_forward_bench (Engine::Forward in-process), trivial layer BF16 at 1/16/64 tokens,
+#    timed and untimed, and the seed layer MXFP8 at 1/16, ROUNDS alternating rounds;
+# 3. the server: moeserve-cli load at concurrency 1 on the trivial layer, M = 1, 16, 64.
+# Ends with a table of medians. Usage: run_small_call_ab.sh BUNDLE.tgz (writes under $OUT).
+set -u
+source "$(dirname "$0")/bundle_lib.sh"
+start_device_script "$1" || exit 1
+SANITIZERS=memcheck gpu_suites '*CopyBytes*:*Fp32ToHalf*'
+# gRPC bytes (page-locked request buffers) and shared-memory regions against the last build.
+for t in host_upload_test shared_memory_cuda_test; do
+  [ -x "$B/$t" ] && MOESERVE_BINARY=$B/moeserve_${LAST:-b} run_gtest $t 300
+done
+VARIANTS=${VARIANTS:-a b0 b}
+PORT=50171
+TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 --num_layers 1"
+row() { :; }
+source "$(dirname "$0")/serve_lib.sh"
+env_of() {
+  case $1 in
+    ?0) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0 ;;
+    ?1m) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576 ;;
+    *) echo MOESERVE_UNUSED=1 ;;
+  esac
+}
+bin_of() { echo "${1:0:1}"; }
+CSV=$OUT/engine.csv
+[ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
+  for timed in 1 0; do
+    env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
+      --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |
+      awk -F, -v v=$v -v t=$timed '{print v",trivial,"t","$0}' >> "$CSV"
+  done
+  env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model seed \
+    --weight_format mxfp8 --tokens 1,16 --iters 400 --timed 1 | grep -v '^#\|^tokens' |
+    awk -F, -v v=$v '{print v",seed,1,"$0}' >> "$CSV"
+done; done
+SCSV=$OUT/server.csv
+for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
+  ln -sf "$B/moeserve_$(bin_of $v)" "$B/moeserve"
+  export "$(env_of $v)"
+  serve "${v}_r$round" $TRIVIAL
+  for m in 1 16 64; do
+    n=2000; [ $m = 64 ] && n=600
+    load "${v}_r${round}_M$m" $m 1 $n
+    echo "$v,$m,$(val ${v}_r${round}_M$m p50),$(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_${v}_r${round}_M$m.log" | cut -d= -f2),$(grep -o 'server_stages_us_p50: .*' "$OUT/load_${v}_r${round}_M$m.log" | tr ' ' ';')" >> "$SCSV"
+  done
+  stop
+  unset MOESERVE_GRAPH_SM_COPY_MAX_BYTES MOESERVE_UNUSED
+done; done
+echo "== engine_forward_bench p50 wall us (median over rounds): variant layer timed tokens -> wall, experts stage"
+[ -s "$CSV" ] && python3 - "$CSV" <<'PY'
+import sys, collections, statistics
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.strip().split(",")
+    if len(f) < 9: continue
+    v, layer, timed, tokens, wall, _, _, exp, _ = f[:9]
+    t[(layer, timed, int(tokens), v)].append((float(wall), float(exp)))
+for key in sorted(t):
+    w = statistics.median(x[0] for x in t[key]); e = statistics.median(x[1] for x in t[key])
+    print(f"{key[0]:8s} timed={key[1]} tokens={key[2]:3d} {key[3]:3s}: wall {w:7.1f} experts {e:6.1f}")
+PY
+echo "== server, trivial layer, concurrency 1 (median over rounds): variant M -> round trip ms, server total us"
+python3 - "$SCSV" <<'PY'
+import sys, collections, statistics
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.strip().split(",")
+    if len(f) < 4 or not f[2] or not f[3]: continue
+    t[(int(f[1]), f[0])].append((float(f[2]), float(f[3]), f[4] if len(f) > 4 else ""))
+for key in sorted(t):
+    rt = statistics.median(x[0] for x in t[key]); st = statistics.median(x[1] for x in t[key])
+    print(f"M={key[0]:3d} {key[1]:3s}: rt {rt:.3f} ms, server {st:6.1f} us  [{t[key][-1][2]}]")
+PY
