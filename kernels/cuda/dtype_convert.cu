@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/dtype_convert.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/fp16_bits.h"
 
 namespace moeserve::kernels {
@@ -14,6 +15,8 @@ constexpr int kThreads = 256;
 
 __global__ void Bf16ToFp32Kernel(const uint16_t* __restrict__ in, float* __restrict__ out,
                                  int64_t n) {
+  PdlWait();
+  PdlLaunchDependents();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
@@ -22,6 +25,8 @@ __global__ void Bf16ToFp32Kernel(const uint16_t* __restrict__ in, float* __restr
 
 __global__ void Fp32ToBf16Kernel(const float* __restrict__ in, uint16_t* __restrict__ out,
                                  int64_t n) {
+  PdlWait();
+  PdlLaunchDependents();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
@@ -30,6 +35,8 @@ __global__ void Fp32ToBf16Kernel(const float* __restrict__ in, uint16_t* __restr
 
 __global__ void Fp32ToFp16Kernel(const float* __restrict__ in, uint16_t* __restrict__ out,
                                  int64_t n) {
+  PdlWait();
+  PdlLaunchDependents();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = Fp32BitsToFp16Bits(__float_as_uint(in[i]));  // as the host twin
@@ -38,6 +45,8 @@ __global__ void Fp32ToFp16Kernel(const float* __restrict__ in, uint16_t* __restr
 
 __global__ void Fp16ToBf16Kernel(const uint16_t* __restrict__ in, uint16_t* __restrict__ out,
                                  int64_t n) {
+  PdlWait();
+  PdlLaunchDependents();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float f = __half2float(__ushort_as_half(in[i]));
@@ -47,6 +56,8 @@ __global__ void Fp16ToBf16Kernel(const uint16_t* __restrict__ in, uint16_t* __re
 
 __global__ void CopyBytes16Kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
                                   int64_t n) {
+  PdlWait();
+  PdlLaunchDependents();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     dst[i] = src[i];
@@ -55,6 +66,8 @@ __global__ void CopyBytes16Kernel(const uint4* __restrict__ src, uint4* __restri
 
 __global__ void CopyBytes1Kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
                                  int64_t n) {
+  PdlWait();
+  PdlLaunchDependents();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     dst[i] = src[i];
@@ -71,29 +84,25 @@ int NumBlocks(int64_t n) {
 cudaError_t LaunchConvertBf16ToFp32(const uint16_t* in, float* out, int64_t n,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Bf16ToFp32Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
-  return cudaGetLastError();
+  return LaunchPdl(Bf16ToFp32Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream, in, out, n);
 }
 
 cudaError_t LaunchConvertFp32ToBf16(const float* in, uint16_t* out, int64_t n,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Fp32ToBf16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
-  return cudaGetLastError();
+  return LaunchPdl(Fp32ToBf16Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream, in, out, n);
 }
 
 cudaError_t LaunchConvertFp32ToFp16(const float* in, uint16_t* out, int64_t n,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Fp32ToFp16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
-  return cudaGetLastError();
+  return LaunchPdl(Fp32ToFp16Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream, in, out, n);
 }
 
 cudaError_t LaunchConvertFp16ToBf16(const uint16_t* in, uint16_t* out, int64_t n,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Fp16ToBf16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(in, out, n);
-  return cudaGetLastError();
+  return LaunchPdl(Fp16ToBf16Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream, in, out, n);
 }
 
 cudaError_t LaunchCopyBytes(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
@@ -101,14 +110,12 @@ cudaError_t LaunchCopyBytes(void* dst, const void* src, size_t bytes, cudaStream
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (aligned(dst) && aligned(src) && bytes % 16 == 0) {
     const auto n = static_cast<int64_t>(bytes / 16);
-    CopyBytes16Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(static_cast<const uint4*>(src),
-                                                             static_cast<uint4*>(dst), n);
-  } else {
-    const auto n = static_cast<int64_t>(bytes);
-    CopyBytes1Kernel<<<NumBlocks(n), kThreads, 0, stream>>>(static_cast<const uint8_t*>(src),
-                                                            static_cast<uint8_t*>(dst), n);
+    return LaunchPdl(CopyBytes16Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream,
+                     static_cast<const uint4*>(src), static_cast<uint4*>(dst), n);
   }
-  return cudaGetLastError();
+  const auto n = static_cast<int64_t>(bytes);
+  return LaunchPdl(CopyBytes1Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream,
+                   static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), n);
 }
 
 }  // namespace moeserve::kernels

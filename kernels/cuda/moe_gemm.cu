@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/moe_gemm.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace moeserve::kernels {
 namespace {
@@ -574,6 +575,8 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   static_assert(!kWg || kTma, "the warpgroup-MMA decode tile has a producer warp");
+  PdlWait();  // launched early (LaunchPdl): the counts and activations come from the kernel before
+  PdlLaunchDependents();
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // kWg: the swizzled activation blocks need 1024-byte alignment (SmemBytes reserves it).
@@ -1089,8 +1092,8 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
   // instructions and gain from two CTAs per SM, BF16 tiles stream as fast with one (measured on
   // the H200: splitting BF16 units over both slots of an SM lost 6%).
   const int split_slots = static_cast<int>(kFp8 ? grid : std::min<int64_t>(grid, num_sms));
-  kernel<<<static_cast<int>(grid), threads, smem, stream>>>(p, gate, split_slots);
-  return cudaGetLastError();
+  return LaunchPdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), smem, stream, p, gate,
+                   split_slots);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1132,6 +1135,8 @@ struct WgCfg {
 template <bool kFp8, bool kWide, int BN, MoeGemmKind KIND>
 __global__ void __launch_bounds__(kThreads, (WgCfg<kFp8, BN>::kCtasPerSm))
     MoeGemmWgmmaKernel(const MoeGemmParams p) {
+  PdlWait();
+  PdlLaunchDependents();
   using C = WgCfg<kFp8, BN>;
   constexpr int STAGES = C::kStages;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -1351,8 +1356,7 @@ cudaError_t RunWgmma(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   int64_t grid = static_cast<int64_t>(num_sms) * C::kCtasPerSm;
   if (units < grid) grid = units;
   if (grid < 1) grid = 1;
-  kernel<<<static_cast<int>(grid), kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchPdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem, stream, p);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1425,6 +1429,8 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
 #ifndef MOESERVE_CLUSTER_DEVICE
   __trap();  // built without sm_90: the host never launches this path (MOESERVE_CUDA_WGMMA)
 #else
+  PdlWait();
+  PdlLaunchDependents();
   constexpr int BN = 16, KB = 2, STAGES = kPairStages;
   using C = GemmCfg<true, BN, 8, 1, STAGES, KIND, KB>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -1645,13 +1651,15 @@ cudaError_t RunPair(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   cfg.blockDim = dim3(kThreads + 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 2;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // as LaunchPdl
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = PdlEnabled() ? 2 : 1;
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 

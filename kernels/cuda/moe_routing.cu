@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/moe_routing.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace moeserve::kernels {
 namespace {
@@ -11,6 +12,8 @@ namespace {
 __global__ void MoeAlignKernel(const int32_t* __restrict__ ids, int64_t num_routes, int num_experts,
                                int32_t* __restrict__ counts, int32_t* __restrict__ offsets,
                                int32_t* __restrict__ sorted, int32_t* __restrict__ slot) {
+  PdlWait();
+  PdlLaunchDependents();
   extern __shared__ int32_t smem[];
   const int num_warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -117,6 +120,8 @@ __global__ void TopKReduceKernel(const float* __restrict__ in, const float* __re
                                  const int32_t* __restrict__ ids, const int32_t* __restrict__ slot,
                                  int64_t num_tokens, int topk, int64_t hidden, int num_experts,
                                  int64_t max_tokens, float* __restrict__ out) {
+  PdlWait();
+  PdlLaunchDependents();
   const bool vec = hidden % 4 == 0;
   const int64_t per_row = vec ? hidden / 4 : hidden;
   const int64_t total = num_tokens * per_row;
@@ -171,9 +176,8 @@ cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_
   if (useful < warps) warps = static_cast<int>(useful);
   warps = warps < 1 ? 1 : (warps > 32 ? 32 : warps);
   const size_t smem = static_cast<size_t>(warps + 1) * num_experts * sizeof(int32_t);
-  MoeAlignKernel<<<1, warps * 32, smem, stream>>>(topk_ids, num_routes, num_experts, expert_counts,
-                                                  expert_offsets, sorted_routes, route_slot);
-  return cudaGetLastError();
+  return LaunchPdl(MoeAlignKernel, dim3(1), dim3(warps * 32), smem, stream, topk_ids, num_routes,
+                   num_experts, expert_counts, expert_offsets, sorted_routes, route_slot);
 }
 
 cudaError_t LaunchPermuteToBatched(const uint16_t* x, const int32_t* topk_ids,
@@ -194,9 +198,9 @@ cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* to
                                                 float* out, cudaStream_t stream) {
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
-  TopKReduceKernel<false><<<ReduceBlocks(n), 256, 0, stream>>>(
-      in, topk_weights, topk_ids, nullptr, num_tokens, topk, hidden, num_experts, 0, out);
-  return cudaGetLastError();
+  return LaunchPdl(TopKReduceKernel<false>, dim3(ReduceBlocks(n)), dim3(256), 0, stream, in,
+                   topk_weights, topk_ids, static_cast<const int32_t*>(nullptr), num_tokens, topk,
+                   hidden, num_experts, int64_t{0}, out);
 }
 
 cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* topk_weights,
@@ -208,10 +212,9 @@ cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* 
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   if (topk_ids == nullptr || route_slot == nullptr) return cudaErrorInvalidValue;
   const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
-  TopKReduceKernel<true><<<ReduceBlocks(n), 256, 0, stream>>>(in, topk_weights, topk_ids,
-                                                              route_slot, num_tokens, topk, hidden,
-                                                              num_experts, max_tokens, out);
-  return cudaGetLastError();
+  return LaunchPdl(TopKReduceKernel<true>, dim3(ReduceBlocks(n)), dim3(256), 0, stream, in,
+                   topk_weights, topk_ids, route_slot, num_tokens, topk, hidden, num_experts,
+                   max_tokens, out);
 }
 
 namespace {
