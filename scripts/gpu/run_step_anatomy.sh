@@ -33,7 +33,8 @@ ki, vi, ui = hdr.index("Kernel Name"), hdr.index("Metric Value"), hdr.index("Met
 vals = []
 for r in rows:
     v = float(r[vi].replace(",", ""))
-    v = v / 1000 if r[ui] == "nsecond" else v * 1000 if r[ui] == "msecond" else v
+    # Nsight Compute names the unit "nsecond" or (2025 on) "ns".
+    v = v / 1000 if r[ui] in ("nsecond", "ns") else v * 1000 if r[ui] in ("msecond", "ms") else v
     vals.append((r[ki].split("(")[0][:70], v))
 for name, v in vals[-16:]:
     print(f"{v:8.2f}  {name}")
