@@ -54,18 +54,9 @@ __global__ void Fp16ToBf16Kernel(const uint16_t* __restrict__ in, uint16_t* __re
   }
 }
 
-__global__ void CopyBytes16Kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                  int64_t n) {
-  PdlWait();
-  PdlLaunchDependents();
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = src[i];
-  }
-}
-
-__global__ void CopyBytes1Kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
-                                 int64_t n) {
+// T = uint4 (16 bytes a thread) or uint8_t.
+template <typename T>
+__global__ void CopyKernel(const T* __restrict__ src, T* __restrict__ dst, int64_t n) {
   PdlWait();
   PdlLaunchDependents();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -110,11 +101,11 @@ cudaError_t LaunchCopyBytes(void* dst, const void* src, size_t bytes, cudaStream
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (aligned(dst) && aligned(src) && bytes % 16 == 0) {
     const auto n = static_cast<int64_t>(bytes / 16);
-    return LaunchPdl(CopyBytes16Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream,
+    return LaunchPdl(CopyKernel<uint4>, dim3(NumBlocks(n)), dim3(kThreads), 0, stream,
                      static_cast<const uint4*>(src), static_cast<uint4*>(dst), n);
   }
   const auto n = static_cast<int64_t>(bytes);
-  return LaunchPdl(CopyBytes1Kernel, dim3(NumBlocks(n)), dim3(kThreads), 0, stream,
+  return LaunchPdl(CopyKernel<uint8_t>, dim3(NumBlocks(n)), dim3(kThreads), 0, stream,
                    static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), n);
 }
 
