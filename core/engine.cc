@@ -338,6 +338,10 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
         st.prepare_us = std::max(st.prepare_us, t.prepare_us);
         st.experts_us = std::max(st.experts_us, t.experts_us);
         st.finalize_us = std::max(st.finalize_us, t.finalize_us);
+        st.host_stage_us = std::max(st.host_stage_us, t.host_stage_us);
+        st.host_launch_us = std::max(st.host_launch_us, t.host_launch_us);
+        st.host_collect_us = std::max(st.host_collect_us, t.host_collect_us);
+        st.host_timer_us = std::max(st.host_timer_us, t.host_timer_us);
         st.num_chunks = std::max(st.num_chunks, t.num_chunks);
         st.transfer.dispatch_bytes_sent += t.transfer.dispatch_bytes_sent;
         st.transfer.dispatch_bytes_received += t.transfer.dispatch_bytes_received;

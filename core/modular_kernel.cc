@@ -1,6 +1,7 @@
 #include "core/modular_kernel.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,15 @@
 #include "core/status_macros.h"
 
 namespace moeserve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double MicrosBetweenTimes(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::micro>(to - from).count();
+}
+double MicrosSince(Clock::time_point from) { return MicrosBetweenTimes(from, Clock::now()); }
+
+}  // namespace
 
 absl::string_view ActivationFormatName(ActivationFormat format) {
   return format == ActivationFormat::kStandard ? "Standard" : "BatchedExperts";
@@ -189,13 +199,15 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
     MOESERVE_ASSIGN_OR_RETURN(answer, output32_.TryGet(DType::kFP32, {m, k}));
   }
   bool graphed = false;
+  StageTimings host;  // host clock of a graphed step
   if (graph_options_.max_tokens > 0 && !convert && bounds.size() == 2 && m > 0 &&
       m <= graph_options_.max_tokens && (output.device().is_host() || device_io)) {
     // One check for the whole replayed step (a graph runs to its end once launched).
     if (args.stop != nullptr) {
       MOESERVE_RETURN_IF_ERROR(args.stop->Check(0, "prepare of round 1/1"));
     }
-    MOESERVE_RETURN_IF_ERROR(RunGraphed(args, pargs, answer, timer, &graphed));
+    MOESERVE_RETURN_IF_ERROR(
+        RunGraphed(args, pargs, answer, timer, &graphed, timer != nullptr ? &host : nullptr));
   }
   if (!graphed) {
     if (graph_options_.max_tokens > 0) ++eager_;
@@ -203,9 +215,16 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   }
   if (convert) MOESERVE_RETURN_IF_ERROR(ConvertTensor(answer, output));
   if (timer) {
+    const Clock::time_point timer_start = Clock::now();
     MOESERVE_RETURN_IF_ERROR(timer->Stop());
     MOESERVE_ASSIGN_OR_RETURN(const auto us, timer->ElapsedUs());
     *timings = StageTimings();
+    if (graphed) {
+      timings->host_stage_us = host.host_stage_us;
+      timings->host_launch_us = host.host_launch_us;
+      timings->host_collect_us = host.host_collect_us;
+      timings->host_timer_us = MicrosSince(timer_start);
+    }
     timings->prepare_us = us[StageTimer::kPrepare];
     timings->experts_us = us[StageTimer::kExperts];
     timings->finalize_us = us[StageTimer::kFinalize];
@@ -267,12 +286,15 @@ GraphStats ModularKernel::graph_stats() const {
 }
 
 absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const PrepareArgs& pargs,
-                                       const TensorView& output, StageTimer* timer, bool* ran) {
+                                       const TensorView& output, StageTimer* timer, bool* ran,
+                                       StageTimings* host) {
   const int64_t m = pargs.hidden_states.dim(0), k = pargs.hidden_states.dim(1);
   const std::vector<int64_t>& sizes = graph_options_.sizes;
   const int64_t padded = *std::lower_bound(sizes.begin(), sizes.end(), m);
+  const Clock::time_point stage_start = Clock::now();
   MOESERVE_ASSIGN_OR_RETURN(*ran, prepare_finalize_->StageInputs(pargs, padded, sizes.back()));
   if (!*ran) return absl::OkStatus();
+  if (host) host->host_stage_us = MicrosSince(stage_start);
   MoeProblem problem;
   problem.num_tokens = padded;
   problem.hidden = k;
@@ -332,6 +354,7 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
                      pargs.hidden_states.device().space,
                      output.device().space,
                      pargs.topk_ids.device().space};
+  const Clock::time_point launch_start = Clock::now();
   auto it = graphs_.find(key);
   if (it != graphs_.end() && it->second.workspaces == addresses) {
     MOESERVE_RETURN_IF_ERROR(it->second.graph->Launch());
@@ -359,7 +382,11 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
     }
   }
   if (timer) MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kFinalize));
-  return prepare_finalize_->CollectOutput(output, timer);
+  const Clock::time_point collect_start = Clock::now();
+  if (host) host->host_launch_us = MicrosBetweenTimes(launch_start, collect_start);
+  MOESERVE_RETURN_IF_ERROR(prepare_finalize_->CollectOutput(output, timer));
+  if (host) host->host_collect_us = MicrosSince(collect_start);
+  return absl::OkStatus();
 }
 
 absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const TensorView& output,

@@ -301,6 +301,13 @@ struct StageTimings {
   double prepare_us = 0;
   double experts_us = 0;
   double finalize_us = 0;
+  // Host clock of a graphed step (zero for an eager one): StageInputs, the graph's launch (or
+  // its first eager run and capture), CollectOutput (the wait for the device and the copy out),
+  // and reading the stage timer. What a step costs the host beyond its device time.
+  double host_stage_us = 0;
+  double host_launch_us = 0;
+  double host_collect_us = 0;
+  double host_timer_us = 0;
   int64_t num_chunks = 0;  // rounds of prepare -> apply -> finalize (PlanChunks)
   TransferStats transfer;  // bytes this rank exchanged with its peers in this forward
 };
@@ -384,8 +391,10 @@ class ModularKernel {
                          const std::vector<int64_t>& bounds, StageTimer* timer);
   // One round of m <= graph_options_.max_tokens tokens through a graph. *ran = false (and
   // nothing done) when the inputs cannot be staged.
+  // `host` (null when untimed): its host_* times are set when the step ran graphed.
   absl::Status RunGraphed(const ModularKernelArgs& args, const PrepareArgs& pargs,
-                          const TensorView& output, StageTimer* timer, bool* ran);
+                          const TensorView& output, StageTimer* timer, bool* ran,
+                          StageTimings* host);
   struct GraphKey {
     int layer;
     int64_t tokens;

@@ -506,6 +506,10 @@ void ForwardTimingsToProto(const ForwardTimings& timings, double server_queue_us
   out->set_experts_us(timings.stages.experts_us);
   out->set_finalize_us(timings.stages.finalize_us);
   out->set_engine_us(timings.engine_us);
+  out->set_host_stage_us(timings.stages.host_stage_us);
+  out->set_host_launch_us(timings.stages.host_launch_us);
+  out->set_host_collect_us(timings.stages.host_collect_us);
+  out->set_host_timer_us(timings.stages.host_timer_us);
   out->set_total_us(total_us);
 }
 

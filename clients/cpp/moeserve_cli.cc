@@ -928,7 +928,7 @@ int RunLoad() {
   std::string first_error;
   std::vector<double> server_total_us;
   // Server stage times per call (queue, prepare, experts, finalize), for the breakdown line.
-  std::array<std::vector<double>, 6> server_stage_us;
+  std::array<std::vector<double>, 10> server_stage_us;
   const absl::Time start = absl::Now();
   const absl::Time stop_at = start + absl::Seconds(max_seconds);
   std::vector<std::thread> workers;
@@ -939,7 +939,7 @@ int RunLoad() {
       MoeClient* const mine_client =
           connections.empty() ? client->get() : connections[w % connections.size()].get();
       std::vector<double> local_ms, local_server_us;
-      std::array<std::vector<double>, 6> local_stage_us;
+      std::array<std::vector<double>, 10> local_stage_us;
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
       std::unique_ptr<ForwardStream> stream;
@@ -982,6 +982,10 @@ int RunLoad() {
           local_stage_us[3].push_back(t.finalize_us());
           local_stage_us[4].push_back(t.engine_us());
           local_stage_us[5].push_back(t.input_us());
+          local_stage_us[6].push_back(t.host_stage_us());
+          local_stage_us[7].push_back(t.host_launch_us());
+          local_stage_us[8].push_back(t.host_collect_us());
+          local_stage_us[9].push_back(t.host_timer_us());
         } else {
           ++local_errors[absl::StatusCodeToString(result.status().code())];
           if (local_first_error.empty()) local_first_error = result.status().ToString();
@@ -1053,10 +1057,12 @@ int RunLoad() {
                 Percentile(server_total_us, 99));
     std::printf(
         "server_stages_us_p50: queue=%.1f prepare=%.1f experts=%.1f finalize=%.1f engine=%.1f "
-        "input=%.1f\n",
+        "input=%.1f host_stage=%.1f host_launch=%.1f host_collect=%.1f host_timer=%.1f\n",
         Percentile(server_stage_us[0], 50), Percentile(server_stage_us[1], 50),
         Percentile(server_stage_us[2], 50), Percentile(server_stage_us[3], 50),
-        Percentile(server_stage_us[4], 50), Percentile(server_stage_us[5], 50));
+        Percentile(server_stage_us[4], 50), Percentile(server_stage_us[5], 50),
+        Percentile(server_stage_us[6], 50), Percentile(server_stage_us[7], 50),
+        Percentile(server_stage_us[8], 50), Percentile(server_stage_us[9], 50));
   }
   std::printf("throughput: requests_per_s=%.1f tokens_per_s=%.1f\n", wall_s > 0 ? ok / wall_s : 0.0,
               wall_s > 0 ? static_cast<double>(ok * num_tokens) / wall_s : 0.0);

@@ -248,7 +248,9 @@ std::unique_ptr<Fixture> MakeFixture() {
 constexpr int64_t kHidden = 16, kTopk = 2, kExperts = 8;
 
 // One forward of m fresh random tokens on `layer`, checked against the formula.
-void ForwardAndCheck(Fixture& f, int layer, int64_t m, std::mt19937& rng) {
+// `timings`, when given, receives the forward's stage timings.
+void ForwardAndCheck(Fixture& f, int layer, int64_t m, std::mt19937& rng,
+                     StageTimings* timings_out = nullptr) {
   std::normal_distribution<float> normal;
   std::uniform_int_distribution<int32_t> expert(0, kExperts - 1);
   std::vector<float> x(m * kHidden), w(m * kTopk), out(m * kHidden, -7.0f);
@@ -274,6 +276,7 @@ void ForwardAndCheck(Fixture& f, int layer, int64_t m, std::mt19937& rng) {
           << "m=" << m << " token " << t << " column " << c;
     }
   }
+  if (timings_out != nullptr) *timings_out = timings;
 }
 
 TEST(ModularKernelGraphs, DefaultSizesPadAtMostAQuarterAboveEight) {
@@ -314,10 +317,19 @@ TEST(ModularKernelGraphs, LargerStepsRunEagerlyAndMovedWorkspacesAreRecaptured) 
   ASSERT_TRUE(f->kernel->EnableGraphs({.max_tokens = 8}).ok());
   std::mt19937 rng(4);
   ForwardAndCheck(*f, 0, 8, rng);  // capture at 8
-  ForwardAndCheck(*f, 0, 8, rng);  // replay
+  StageTimings replayed, eager;
+  ForwardAndCheck(*f, 0, 8, rng, &replayed);  // replay
   EXPECT_EQ(f->kernel->graph_stats().replays, 1);
-  ForwardAndCheck(*f, 0, 100, rng);  // eager; grows (moves) every workspace
+  // A graphed step reports its host clock (staging, launch, collection, timer); an eager one
+  // none.
+  EXPECT_GT(replayed.host_stage_us, 0);
+  EXPECT_GT(replayed.host_launch_us, 0);
+  EXPECT_GT(replayed.host_collect_us, 0);
+  EXPECT_GT(replayed.host_timer_us, 0);
+  ForwardAndCheck(*f, 0, 100, rng, &eager);  // eager; grows (moves) every workspace
   EXPECT_EQ(f->kernel->graph_stats().eager, 1);
+  EXPECT_EQ(
+      eager.host_stage_us + eager.host_launch_us + eager.host_collect_us + eager.host_timer_us, 0);
   ForwardAndCheck(*f, 0, 7, rng);  // the graph at 8 holds stale addresses: captured again
   ForwardAndCheck(*f, 0, 6, rng);
   const GraphStats s = f->kernel->graph_stats();

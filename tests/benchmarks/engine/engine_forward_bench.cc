@@ -3,7 +3,9 @@
 // (moeserve-cli load). Seed per-rank layer by default: 32 local experts, top-8, hidden 3072,
 // intermediate 5120, balanced routing (route slot s = token * topk + k goes to expert
 // (73 s + 19) mod E, the seed's rule). Prints one CSV line per token count:
-//   tokens,wall_p50_us,wall_p90_us,prepare_p50_us,experts_p50_us,finalize_p50_us
+//   tokens,wall_p50_us,wall_p90_us,prepare_p50_us,experts_p50_us,finalize_p50_us,
+//   engine_p50_us,host_stage_p50_us,host_launch_p50_us,host_collect_p50_us,host_timer_p50_us
+// (engine: the engine step's wall; host_*: a graphed step's host clock, StageTimings).
 //
 //   engine_forward_bench [--backend auto] [--weight_format mxfp8] [--dtype bf16]
 //                        [--tokens 1,16,64,1024] [--iters 200] [--timed 1]
@@ -91,7 +93,10 @@ int Main(int argc, char** argv) {
               model_name.c_str(), (*engine)->info().backend.c_str(),
               (*engine)->info().experts.c_str(), weight_format.c_str(), dtype_name.c_str(),
               static_cast<long long>((*engine)->info().graph_max_tokens));
-  std::printf("tokens,wall_p50_us,wall_p90_us,prepare_p50_us,experts_p50_us,finalize_p50_us\n");
+  std::printf(
+      "tokens,wall_p50_us,wall_p90_us,prepare_p50_us,experts_p50_us,finalize_p50_us,"
+      "engine_p50_us,host_stage_p50_us,host_launch_p50_us,host_collect_p50_us,"
+      "host_timer_p50_us\n");
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
   for (const absl::string_view t : absl::StrSplit(tokens_arg, ',')) {
@@ -115,7 +120,7 @@ int Main(int argc, char** argv) {
                     .topk_ids = TensorView(ids.data(), DType::kINT32, {n, m.topk}),
                     .topk_weights = TensorView(w.data(), DType::kFP32, {n, m.topk})};
     const TensorView output(out.data(), *dtype, {n, m.hidden});
-    std::vector<double> wall, prep, exp, fin;
+    std::vector<double> wall, prep, exp, fin, eng, h_stage, h_launch, h_collect, h_timer;
     for (int i = 0; i < iters + 10; ++i) {
       ForwardTimings timings;
       const auto t0 = std::chrono::steady_clock::now();
@@ -131,10 +136,17 @@ int Main(int argc, char** argv) {
       prep.push_back(timings.stages.prepare_us);
       exp.push_back(timings.stages.experts_us);
       fin.push_back(timings.stages.finalize_us);
+      eng.push_back(timings.engine_us);
+      h_stage.push_back(timings.stages.host_stage_us);
+      h_launch.push_back(timings.stages.host_launch_us);
+      h_collect.push_back(timings.stages.host_collect_us);
+      h_timer.push_back(timings.stages.host_timer_us);
     }
-    std::printf("%lld,%.1f,%.1f,%.1f,%.1f,%.1f\n", static_cast<long long>(n), Percentile(wall, 50),
-                Percentile(wall, 90), Percentile(prep, 50), Percentile(exp, 50),
-                Percentile(fin, 50));
+    std::printf("%lld,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f\n",
+                static_cast<long long>(n), Percentile(wall, 50), Percentile(wall, 90),
+                Percentile(prep, 50), Percentile(exp, 50), Percentile(fin, 50), Percentile(eng, 50),
+                Percentile(h_stage, 50), Percentile(h_launch, 50), Percentile(h_collect, 50),
+                Percentile(h_timer, 50));
   }
   return 0;
 }
