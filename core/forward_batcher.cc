@@ -55,6 +55,10 @@ absl::Status ForwardBatcher::CheckOptions(const ForwardBatcherOptions& options) 
     return absl::InvalidArgumentError(absl::StrCat("max_queue_wait must be >= 0 (0: off), got ",
                                                    absl::FormatDuration(options.max_queue_wait)));
   }
+  if (options.idle_spin < absl::ZeroDuration() || options.idle_spin > absl::Seconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat("idle_spin must be in [0, 1s] (0: off), got ",
+                                                   absl::FormatDuration(options.idle_spin)));
+  }
   return absl::OkStatus();
 }
 
@@ -74,6 +78,7 @@ ForwardBatcher::~ForwardBatcher() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    stopping_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
   for (std::thread& t : threads_) t.join();
@@ -156,6 +161,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
                     input.topk_weights.is_contiguous() && input.hidden_states.device().is_host() &&
                     input.topk_ids.device().is_host() && input.topk_weights.device().is_host() &&
                     output.device().is_host();
+  bool wake = true;
   {
     std::unique_lock<std::mutex> lock(mu_);
     absl::Status refused;
@@ -201,11 +207,15 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     } else {
       stats_.queued_tokens += m;
       queue_.push_back(std::move(call));
+      queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
       call = nullptr;
+      // A polling thread takes it: no wake-up (the other threads sleep on, as they would after
+      // a notify that the poller answers first).
+      wake = !spinning_;
     }
   }
   if (call == nullptr) {
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     return;
   }
   Step step;
@@ -216,6 +226,14 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
 void ForwardBatcher::Loop(StepBuffers* buffers) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
+    if (queue_.empty() && !stop_ && !spinning_ && options_.idle_spin > absl::ZeroDuration()) {
+      spinning_ = true;
+      lock.unlock();
+      const bool found = PollForCall();
+      lock.lock();
+      spinning_ = false;
+      if (found && !queue_.empty()) ++stats_.spin_takes;
+    }
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (stop_) break;
     // Wait for company until the head's delay is spent or its step is full. Another scheduling
@@ -271,6 +289,7 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       }
     }
     stats_.queued_tokens -= tokens;
+    queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
     if (waited_for_company) ++stats_.company_waits;
     ++running_;
     lock.unlock();
@@ -281,9 +300,37 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
   std::deque<std::unique_ptr<Call>> left;
   left.swap(queue_);
   stats_.queued_tokens = 0;
+  queued_calls_.store(0, std::memory_order_release);
   lock.unlock();
   for (auto& c : left) {
     c->done(absl::UnavailableError("Forward: the server is shutting down"), ForwardTimings());
+  }
+}
+
+namespace {
+
+// A spin-wait hint: lets the sibling hyperthread run and saves power while polling.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+}  // namespace
+
+bool ForwardBatcher::PollForCall() const {
+  const auto until =
+      std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.idle_spin);
+  while (true) {
+    // The clock is read once per 64 looks: a look is a load, the clock tens of ns.
+    for (int i = 0; i < 64; ++i) {
+      if (queued_calls_.load(std::memory_order_acquire) > 0) return true;
+      if (stopping_.load(std::memory_order_acquire)) return false;
+      CpuRelax();
+    }
+    if (std::chrono::steady_clock::now() >= until) return false;
   }
 }
 

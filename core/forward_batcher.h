@@ -27,6 +27,7 @@
 #ifndef MOESERVE_CORE_FORWARD_BATCHER_H_
 #define MOESERVE_CORE_FORWARD_BATCHER_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -86,6 +87,10 @@ struct ForwardBatcherOptions {
   // size that cannot be merged (device tensors) and finds the queue empty and no step
   // running. 0: never.
   int64_t inline_max_tokens = 64;
+  // How long an idle scheduling thread polls the queue before it sleeps (one thread at a
+  // time; the others sleep). A sleeping thread's wake-up costs a call tens of us on a server
+  // host; polling costs a core while calls keep coming within this window. 0: never poll.
+  absl::Duration idle_spin = absl::ZeroDuration();
   ForwardBatcherObserver* observer = nullptr;  // optional
   // Where the answers of a merged step run, all but the last (which runs on the step's
   // thread): e.g. a worker pool, so that a step's callers are answered at once rather than one
@@ -119,6 +124,7 @@ struct ForwardBatcherStats {
   int64_t inline_steps = 0;   // steps run on the submitting thread (inline_max_tokens)
   int64_t company_waits = 0;  // steps whose head waited for expected company (company_wait)
   int64_t running = 0;        // steps running now (ended before their calls are answered)
+  int64_t spin_takes = 0;     // times a polling thread (idle_spin) found a call queued
 };
 
 class ForwardBatcher {
@@ -179,6 +185,9 @@ class ForwardBatcher {
   static bool Joins(const Call& head, const Call& c);
   // One scheduling thread: forms steps and runs them with `buffers`.
   void Loop(StepBuffers* buffers);
+  // idle_spin: polls (without mu_) until a call is queued, the batcher stops or idle_spin has
+  // passed. True when a call is queued.
+  bool PollForCall() const;
   // Runs the calls of one step (same layer and dtype) begun with ++running_, ends it (under
   // mu_) once the engine is done, then answers the calls. `buffers` (for a merged step) may
   // be null for a single call.
@@ -194,6 +203,11 @@ class ForwardBatcher {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Call>> queue_;
   bool stop_ = false;
+  // idle_spin: queue_.size() and stop_ as a polling thread reads them without mu_ (written
+  // under it), and whether a thread polls now (guarded by mu_; Submit need not wake anyone).
+  std::atomic<int64_t> queued_calls_{0};
+  std::atomic<bool> stopping_{false};
+  bool spinning_ = false;
   ForwardBatcherStats stats_;
   const int runners_;        // scheduling threads = engine steps in flight
   int running_ = 0;          // steps running now (guarded by mu_)

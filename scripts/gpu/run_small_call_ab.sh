@@ -3,7 +3,8 @@
 # at M=1). The bundle holds two builds: bin/{moeserve,engine_forward_bench}_a and _b, one
 # moeserve-cli, and the last build's GPU test binaries (LAST, default b). A variant is a build
 # letter, optionally followed by 0 (MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0: staged copies on a copy
-# engine) or 1m (the SMs copy up to 1 MiB); VARIANTS, default "a b0 b".
+# engine), 1m (the SMs copy up to 1 MiB) or s (the server polls for calls: --step_spin_us=SPIN_US,
+# default 2000); VARIANTS, default "a b0 b".
 # 1. the GPU suites (memcheck on the copy kernel's test), host_upload_test and
 #    shared_memory_cuda_test against the last build's server;
 # 2. engine_forward_bench (Engine::Forward in-process), trivial layer BF16 at 1/16/64 tokens,
@@ -31,8 +32,10 @@ env_of() {
   esac
 }
 bin_of() { echo "${1:0:1}"; }
+flags_of() { case $1 in ?s) echo "--step_spin_us=${SPIN_US:-2000}" ;; esac; }
 CSV=$OUT/engine.csv
 [ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
+  case $v in ?s) continue ;; esac  # a server flag: the in-process bench is the same
   for timed in 1 0; do
     env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
       --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |
@@ -46,7 +49,8 @@ SCSV=$OUT/server.csv
 for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
   ln -sf "$B/moeserve_$(bin_of $v)" "$B/moeserve"
   export "$(env_of $v)"
-  serve "${v}_r$round" $TRIVIAL
+  # shellcheck disable=SC2046
+  serve "${v}_r$round" $TRIVIAL $(flags_of $v)
   for m in 1 16 64; do
     n=2000; [ $m = 64 ] && n=600
     load "${v}_r${round}_M$m" $m 1 $n

@@ -554,6 +554,48 @@ TEST(ForwardBatcherTest, AnswerExecutorTakesAllButTheLastAnswerOfAStep) {
 }
 
 // A negative inline_max_tokens is refused, naming the option.
+// idle_spin: a caller that calls again soon after its answer finds a polling scheduling thread
+// (no wake-up), answers stay exact, concurrent callers still merge, and the destructor ends a
+// thread that is polling. Bad settings are refused.
+TEST(ForwardBatcherTest, IdleSpinTakesCallsWithoutAWakeUp) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(21);
+  {
+    auto batcher = *ForwardBatcher::Create(
+        engine.get(), {.inline_max_tokens = 0, .idle_spin = absl::Milliseconds(500)});
+    for (int i = 0; i < 20; ++i) {
+      Call c = MakeCall(m, 1 + i % 3, i % 2, i % 2 ? DType::kBF16 : DType::kFP32, rng);
+      auto [status, timings] = SubmitAsync(*batcher, c).get();
+      ASSERT_TRUE(status.ok()) << status;
+      Tensor alone = Tensor::Empty(c.out.dtype(), c.out.shape());
+      ASSERT_TRUE(engine->Forward(c.input(), alone.view()).ok());
+      EXPECT_EQ(std::memcmp(alone.data<void>(), c.out.data<void>(), alone.nbytes()), 0) << i;
+    }
+    // The first call may find the thread asleep; later ones come within the window (a busy
+    // 2-core machine may deschedule the poller now and then, hence not all 19).
+    EXPECT_GE(batcher->stats().spin_takes, 5);
+    EXPECT_EQ(batcher->stats().steps, 20);
+    // Concurrent calls still share steps while a thread polls.
+    std::vector<Call> calls;
+    for (int i = 0; i < 8; ++i) calls.push_back(MakeCall(m, 3, 1, DType::kBF16, rng));
+    std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+    for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+    for (auto& f : futures) EXPECT_TRUE(f.get().first.ok());
+  }  // destroyed while its thread polls: must not hang
+  {
+    auto off = *ForwardBatcher::Create(engine.get(), {.inline_max_tokens = 0});
+    Call c = MakeCall(m, 2, 0, DType::kBF16, rng);
+    ASSERT_TRUE(SubmitAsync(*off, c).get().first.ok());
+    EXPECT_EQ(off->stats().spin_takes, 0);
+  }
+  for (absl::Duration bad : {absl::Microseconds(-1), absl::Seconds(2)}) {
+    auto refused = ForwardBatcher::Create(engine.get(), {.idle_spin = bad});
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find("idle_spin"), std::string::npos);
+  }
+}
+
 TEST(ForwardBatcherTest, NegativeInlineMaxTokensIsRefused) {
   auto engine = ReferenceEngine();
   auto b = ForwardBatcher::Create(engine.get(), {.inline_max_tokens = -1});
