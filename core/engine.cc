@@ -240,7 +240,7 @@ absl::Status Engine::Forward(const ForwardInput& input, const TensorView& output
 }
 
 absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorView& output,
-                                      ForwardTimings* timings, StopCheck stop) {
+                                      ForwardTimings* timings, StopCheck stop, bool time_stages) {
   const ModelConfig& model = plan_.model;
   MOESERVE_RETURN_IF_ERROR(ValidateForwardShapes(model, plan_.max_tokens_per_request, input));
   const int64_t m = input.hidden_states.dim(0), k = model.hidden;
@@ -290,7 +290,7 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
   ForwardStep step;
   step.layer = input.layer;
   step.lane = lane;
-  step.timed = timings != nullptr;
+  step.timed = timings != nullptr && time_stages;
   step.hidden_states = input.hidden_states;
   step.topk_ids = input.topk_ids;
   if (step.topk_ids.dtype() == DType::kINT64) {
@@ -325,7 +325,8 @@ absl::Status Engine::ForwardValidated(const ForwardInput& input, const TensorVie
   }
   if (latch && !latch->stopped().ok()) return latch->stopped();  // the caller's own code
   if (!s.ok()) return ClientStatusForFailedStep(s);
-  if (timings) {
+  if (step.timed) {
+    timings->stages_timed = true;
     for (int r = 0; r < ranks_->num_local_ranks(); ++r) {
       timings->rank_stages.push_back(ranks_->timings(r, lane));
     }

@@ -44,6 +44,9 @@ struct ForwardTimings {
   // summed over ranks (each rank's bytes to/from other ranks).
   StageTimings stages;
   std::vector<StageTimings> rank_stages;  // per rank
+  // Whether stages and rank_stages were measured: false (and they are zero) when the step ran
+  // without its stage timers (ForwardValidated's time_stages).
+  bool stages_timed = false;
 };
 
 struct EngineInfo {
@@ -116,8 +119,12 @@ class Engine {
   // Forward for a caller that has already run ValidateForwardInput on `input` (with this
   // engine's model and max_tokens_per_request), e.g. the batcher: the O(M * topk) value scan is
   // not repeated. Shapes and the output are still checked.
+  // `time_stages` false skips the stage timers while still filling the host-clock timings
+  // (queue_us, engine_us): a GPU rank's timers record device events, about 6 us of a one-token
+  // step on an H200 (tests/benchmarks/engine/RESULTS.md, 2026-12-04 07:12).
   absl::Status ForwardValidated(const ForwardInput& input, const TensorView& output,
-                                ForwardTimings* timings = nullptr, StopCheck stop = nullptr);
+                                ForwardTimings* timings = nullptr, StopCheck stop = nullptr,
+                                bool time_stages = true);
 
   // Server-side routing: the layer's gate on hidden_states -> topk_ids and topk_weights
   // (core/router.h for the semantics). hidden [M, hidden] BF16/FP16/FP32, topk_ids INT32

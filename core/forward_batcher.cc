@@ -22,6 +22,7 @@ struct ForwardBatcher::Call {
   uint64_t caller = 0;
   // Contiguous views can share a step (their rows are copied into the merged buffers).
   bool mergeable = false;
+  bool stage_timings = true;  // CallSource::stage_timings
 };
 
 namespace {
@@ -54,6 +55,10 @@ absl::Status ForwardBatcher::CheckOptions(const ForwardBatcherOptions& options) 
   if (options.max_queue_wait < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("max_queue_wait must be >= 0 (0: off), got ",
                                                    absl::FormatDuration(options.max_queue_wait)));
+  }
+  if (options.stage_timing_every < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stage_timing_every must be >= 1 (1: every step), got ", options.stage_timing_every));
   }
   if (options.idle_spin < absl::ZeroDuration() || options.idle_spin > absl::Seconds(1)) {
     return absl::InvalidArgumentError(absl::StrCat("idle_spin must be in [0, 1s] (0: off), got ",
@@ -156,6 +161,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   call->enqueued = absl::Now();
   call->tokens = m;
   call->caller = source.caller;
+  call->stage_timings = source.stage_timings;
   // Device tensors (a CUDA region) run alone: the merged buffers are host memory.
   call->mergeable = input.hidden_states.is_contiguous() && input.topk_ids.is_contiguous() &&
                     input.topk_weights.is_contiguous() && input.hidden_states.device().is_host() &&
@@ -395,11 +401,13 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
   };
   ForwardTimings timings;
   absl::Status status;
+  const bool time_stages = TimeStages(live);
   if (live.size() == 1) {
     // Alone: straight from and into the caller's buffers.
-    status = engine_->ForwardValidated(live[0]->input, live[0]->output, &timings, stop);
+    status =
+        engine_->ForwardValidated(live[0]->input, live[0]->output, &timings, stop, time_stages);
   } else {
-    status = MergeAndRun(live, buffers, &timings, stop);
+    status = MergeAndRun(live, buffers, &timings, stop, time_stages);
   }
   const absl::Duration took = absl::Now() - start;
   const bool stopped = status.code() == absl::StatusCode::kDeadlineExceeded ||
@@ -456,8 +464,22 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
   }
 }
 
+bool ForwardBatcher::TimeStages(const Step& live) {
+  const bool asked =
+      std::any_of(live.begin(), live.end(), [](const auto& c) { return c->stage_timings; });
+  std::lock_guard<std::mutex> lock(mu_);
+  // A step a caller asked for counts as the sample (the next one is due `every` steps later).
+  const bool timed = asked || ++untimed_run_ >= options_.stage_timing_every;
+  if (timed) {
+    untimed_run_ = 0;
+    ++stats_.timed_steps;
+  }
+  return timed;
+}
+
 absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
-                                         ForwardTimings* timings, const StopCheck& stop) {
+                                         ForwardTimings* timings, const StopCheck& stop,
+                                         bool time_stages) {
   const ForwardInput& first = live[0]->input;
   const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
   const DType dtype = first.hidden_states.dtype();
@@ -488,7 +510,7 @@ absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
                 n * topk * sizeof(float));
     at += n;
   }
-  MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop));
+  MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop, time_stages));
   at = 0;
   for (const auto& c : live) {
     std::memcpy(c->output.raw_data(), output.data<std::byte>() + at * row, c->tokens * row);

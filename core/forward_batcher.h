@@ -87,6 +87,10 @@ struct ForwardBatcherOptions {
   // size that cannot be merged (device tensors) and finds the queue empty and no step
   // running. 0: never.
   int64_t inline_max_tokens = 64;
+  // Steps that run their stage timers: every call that asks (CallSource::stage_timings) has its
+  // step timed, and of the others one step in this many (what metrics then sample). A GPU
+  // step's timers record device events: about 6 us of a one-token step on an H200. 1: all.
+  int64_t stage_timing_every = 1;
   // How long an idle scheduling thread polls the queue before it sleeps (one thread at a
   // time; the others sleep). A sleeping thread's wake-up costs a call tens of us on a server
   // host; polling costs a core while calls keep coming within this window. 0: never poll.
@@ -108,6 +112,9 @@ struct CallSource {
   // off: on an H200 host a single gRPC caller's round trip was shorter with the step on a
   // scheduling thread (tests/benchmarks/serving/RESULTS.md, 2026-12-02 18:34).
   bool may_run_inline = true;
+  // Whether the caller reads its step's stage timings (e.g. a request's return_timings); such
+  // a call's step always runs its stage timers (see stage_timing_every).
+  bool stage_timings = true;
 };
 
 // Counters since creation (a snapshot).
@@ -125,6 +132,7 @@ struct ForwardBatcherStats {
   int64_t company_waits = 0;  // steps whose head waited for expected company (company_wait)
   int64_t running = 0;        // steps running now (ended before their calls are answered)
   int64_t spin_takes = 0;     // times a polling thread (idle_spin) found a call queued
+  int64_t timed_steps = 0;    // steps that ran their stage timers (stage_timing_every)
 };
 
 class ForwardBatcher {
@@ -194,7 +202,9 @@ class ForwardBatcher {
   void RunStep(Step calls, StepBuffers* buffers);
   // Several calls as one engine step through `buffers` (the merged input and output).
   absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
-                           const StopCheck& stop);
+                           const StopCheck& stop, bool time_stages);
+  // Whether the step of `live` runs its stage timers (stage_timing_every); counts it.
+  bool TimeStages(const Step& live);
 
   Engine* const engine_;
   const ForwardBatcherOptions options_;
@@ -208,6 +218,7 @@ class ForwardBatcher {
   std::atomic<int64_t> queued_calls_{0};
   std::atomic<bool> stopping_{false};
   bool spinning_ = false;
+  int64_t untimed_run_ = 0;  // steps since the last timed one (guarded by mu_)
   ForwardBatcherStats stats_;
   const int runners_;        // scheduling threads = engine steps in flight
   int running_ = 0;          // steps running now (guarded by mu_)

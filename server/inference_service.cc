@@ -266,7 +266,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
         p[kKServeShmOffset].set_int64_param(out_ref->offset);
       }
       const double queue_us = server_queue_us + answer.timings.queue_us;
-      if (metrics) metrics->RecordStages(queue_us, answer.timings.stages);
+      if (metrics) metrics->RecordStages(queue_us, answer.timings);
       if (WantsTimings(req)) {
         auto& p = *header.mutable_parameters();
         p["queue_us"].set_double_param(queue_us);
@@ -292,7 +292,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
         "ModelInfer", pending->input, static_cast<int64_t>(raw_request->Length()),
         CallDeadline(context->deadline()), [context] { return context->IsCancelled(); },
         std::move(done), region_output,
-        CallSource{.caller = CallerKey(context->peer()), .may_run_inline = false});
+        CallSource{.caller = CallerKey(context->peer()),
+                   .may_run_inline = false,
+                   .stage_timings = WantsTimings(pending->request.header)});
   };
   if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("ModelInfer: the server is shutting down"), 0);

@@ -325,8 +325,10 @@ void Metrics::OnRefused(absl::StatusCode reason) {
   refused_->Add({{"reason", name}}).Increment();
 }
 
-void Metrics::RecordStages(double queue_us, const StageTimings& stages) {
+void Metrics::RecordStages(double queue_us, const ForwardTimings& timings) {
   stage_queue_->Observe(queue_us * 1e-6);
+  if (!timings.stages_timed) return;  // a step that ran without its stage timers
+  const StageTimings& stages = timings.stages;
   stage_prepare_->Observe(stages.prepare_us * 1e-6);
   stage_experts_->Observe(stages.experts_us * 1e-6);
   stage_finalize_->Observe(stages.finalize_us * 1e-6);

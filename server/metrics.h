@@ -68,8 +68,9 @@ class Metrics : public ForwardBatcherObserver {
   // Tokens answered by successful Forwards: moeserve_tokens_total.
   void AddTokens(int64_t tokens);
   // moeserve_forward_stage_seconds{stage=queue|prepare|experts|finalize}; queue_us includes
-  // the wait for a server worker.
-  void RecordStages(double queue_us, const StageTimings& stages);
+  // the wait for a server worker. The engine stages only of steps that ran their stage timers
+  // (timings.stages_timed; --stage_timing_every samples them), the queue of every call.
+  void RecordStages(double queue_us, const ForwardTimings& timings);
   void OnStep(int64_t calls, int64_t tokens, int64_t queued_tokens) override;
   void OnRefused(absl::StatusCode reason) override;
   // moeserve_inflight_requests.

@@ -109,6 +109,8 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
                   {}, 0, "");
   }
   std::string request_id = request->header.request_id();
+  // A caller that reads its timings gets its step's stages measured; others are sampled.
+  source.stage_timings = request->header.return_timings();
   GatheredBytes gathered;
   // Tensors in shared-memory regions hold their regions until the answer is ready; released
   // before the call is answered, so the client may unregister as soon as it has the answer.
@@ -189,7 +191,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     for (int64_t d : result.shape) header.mutable_output()->add_shape(d);
     header.set_request_id(id);
     if (metrics) {
-      metrics->RecordStages(server_queue_us + result.timings.queue_us, result.timings.stages);
+      metrics->RecordStages(server_queue_us + result.timings.queue_us, result.timings);
     }
     if (pending->request.header.return_timings()) {
       ForwardTimingsToProto(result.timings, server_queue_us, MicrosSince(start),

@@ -3,8 +3,10 @@
 # at M=1). The bundle holds two builds: bin/{moeserve,engine_forward_bench}_a and _b, one
 # moeserve-cli, and the last build's GPU test binaries (LAST, default b). A variant is a build
 # letter, optionally followed by 0 (MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0: staged copies on a copy
-# engine), 1m (the SMs copy up to 1 MiB) or s (the server polls for calls: --step_spin_us=SPIN_US,
-# default 2000); VARIANTS, default "a b0 b".
+# engine) or 1m (the SMs copy up to 1 MiB), and by s (the server polls for calls:
+# --step_spin_us=SPIN_US, default 2000) and/or q (the load asks for no timings, so the server
+# skips the stage timers on all but --stage_timing_every's sampled steps; the round trip only);
+# VARIANTS, default "a b0 b".
 # 1. the GPU suites (memcheck on the copy kernel's test), host_upload_test and
 #    shared_memory_cuda_test against the last build's server;
 # 2. engine_forward_bench (Engine::Forward in-process), trivial layer BF16 at 1/16/64 tokens,
@@ -32,10 +34,11 @@ env_of() {
   esac
 }
 bin_of() { echo "${1:0:1}"; }
-flags_of() { case $1 in ?s) echo "--step_spin_us=${SPIN_US:-2000}" ;; esac; }
+flags_of() { [[ ${1:1} == *s* ]] && echo "--step_spin_us=${SPIN_US:-2000}"; }
+load_flags_of() { [[ ${1:1} == *q* ]] && echo "--return_timings=false"; }
 CSV=$OUT/engine.csv
 [ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
-  case $v in ?s) continue ;; esac  # a server flag: the in-process bench is the same
+  [[ ${v:1} == *[sq]* ]] && continue  # server or load flags: the in-process bench is the same
   for timed in 1 0; do
     env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
       --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |
@@ -53,7 +56,8 @@ for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
   serve "${v}_r$round" $TRIVIAL $(flags_of $v)
   for m in 1 16 64; do
     n=2000; [ $m = 64 ] && n=600
-    load "${v}_r${round}_M$m" $m 1 $n
+    # shellcheck disable=SC2046
+    load "${v}_r${round}_M$m" $m 1 $n $(load_flags_of $v)
     echo "$v,$m,$(val ${v}_r${round}_M$m p50),$(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_${v}_r${round}_M$m.log" | cut -d= -f2),$(grep -o 'server_stages_us_p50: .*' "$OUT/load_${v}_r${round}_M$m.log" | tr ' ' ';')" >> "$SCSV"
   done
   stop
@@ -78,9 +82,9 @@ import sys, collections, statistics
 t = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     f = line.strip().split(",")
-    if len(f) < 4 or not f[2] or not f[3]: continue
-    t[(int(f[1]), f[0])].append((float(f[2]), float(f[3]), f[4] if len(f) > 4 else ""))
+    if len(f) < 4 or not f[2]: continue  # q variants: no server total
+    t[(int(f[1]), f[0])].append((float(f[2]), float(f[3] or "nan"), f[4] if len(f) > 4 else ""))
 for key in sorted(t):
     rt = statistics.median(x[0] for x in t[key]); st = statistics.median(x[1] for x in t[key])
-    print(f"M={key[0]:3d} {key[1]:3s}: rt {rt:.3f} ms, server {st:6.1f} us  [{t[key][-1][2]}]")
+    print(f"M={key[0]:3d} {key[1]:4s}: rt {rt:.3f} ms, server {st:6.1f} us  [{t[key][-1][2]}]")
 PY

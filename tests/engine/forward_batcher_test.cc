@@ -38,13 +38,15 @@ Call MakeCall(const ModelConfig& m, int64_t tokens, int layer, DType dtype, std:
 // Submits and returns a future of (status, timings).
 std::future<std::pair<absl::Status, ForwardTimings>> SubmitAsync(
     ForwardBatcher& batcher, const Call& call, absl::Time deadline = absl::InfiniteFuture(),
-    std::function<bool()> cancelled = nullptr) {
+    std::function<bool()> cancelled = nullptr, CallSource source = {}) {
   auto promise = std::make_shared<std::promise<std::pair<absl::Status, ForwardTimings>>>();
   auto future = promise->get_future();
-  batcher.Submit(call.input(), call.out.view(), deadline, std::move(cancelled),
-                 [promise](absl::Status s, const ForwardTimings& t) {
-                   promise->set_value({std::move(s), t});
-                 });
+  batcher.Submit(
+      call.input(), call.out.view(), deadline, std::move(cancelled),
+      [promise](absl::Status s, const ForwardTimings& t) {
+        promise->set_value({std::move(s), t});
+      },
+      source);
   return future;
 }
 
@@ -594,6 +596,47 @@ TEST(ForwardBatcherTest, IdleSpinTakesCallsWithoutAWakeUp) {
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(refused.status().message().find("idle_spin"), std::string::npos);
   }
+}
+
+// stage_timing_every: calls that do not read their stages have one step in N timed (the
+// others report host-clock timings only, stages zero and stages_timed false); a call that asks
+// always has its step timed. Answers are the same either way.
+TEST(ForwardBatcherTest, StageTimersRunOnSampledStepsAndWhereAsked) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(22);
+  auto batcher =
+      *ForwardBatcher::Create(engine.get(), {.inline_max_tokens = 0, .stage_timing_every = 4});
+  const CallSource quiet{.stage_timings = false}, asking{.stage_timings = true};
+  std::vector<bool> timed;
+  for (int i = 0; i < 8; ++i) {
+    Call c = MakeCall(m, 2, 0, DType::kBF16, rng);
+    auto [status, t] = SubmitAsync(*batcher, c, absl::InfiniteFuture(), nullptr, quiet).get();
+    ASSERT_TRUE(status.ok()) << status;
+    timed.push_back(t.stages_timed);
+    EXPECT_GT(t.engine_us, 0);  // host clock, always
+    if (t.stages_timed) {
+      EXPECT_GT(t.stages.experts_us, 0);
+    } else {
+      EXPECT_EQ(t.stages.experts_us, 0);
+      EXPECT_TRUE(t.rank_stages.empty());
+    }
+    Tensor alone = Tensor::Empty(c.out.dtype(), c.out.shape());
+    ASSERT_TRUE(engine->Forward(c.input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), c.out.data<void>(), alone.nbytes()), 0) << i;
+  }
+  EXPECT_EQ(timed, (std::vector<bool>{false, false, false, true, false, false, false, true}));
+  for (int i = 0; i < 3; ++i) {
+    Call c = MakeCall(m, 1, 0, DType::kFP32, rng);
+    auto [status, t] = SubmitAsync(*batcher, c, absl::InfiniteFuture(), nullptr, asking).get();
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_TRUE(t.stages_timed) << i;
+    EXPECT_GT(t.stages.experts_us, 0);
+  }
+  EXPECT_EQ(batcher->stats().timed_steps, 5);
+  auto refused = ForwardBatcher::Create(engine.get(), {.stage_timing_every = 0});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("stage_timing_every"), std::string::npos);
 }
 
 TEST(ForwardBatcherTest, NegativeInlineMaxTokensIsRefused) {

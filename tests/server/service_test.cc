@@ -769,6 +769,67 @@ TEST_F(ServiceTest, MetricsMove) {
   EXPECT_EQ(MetricValue(after, "moeserve_inflight_requests"), 0);
 }
 
+// --stage_timing_every: calls without return_timings run untimed steps (their queue is still
+// observed, the engine stages are not) while a call that asks gets its stages measured; the
+// answers are the same.
+TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem) {
+  EngineOptions options;
+  options.model = TestModel();
+  options.seed = 12;
+  options.num_threads = 2;
+  options.max_tokens_per_request = kMaxTokens;
+  options.experts = "reference";
+  std::unique_ptr<Engine> engine = Engine::Create(options).value();
+  ServerOptions server_options;
+  server_options.listen_addresses = {"127.0.0.1:0"};
+  server_options.metrics_address = "127.0.0.1:0";
+  server_options.batcher.stage_timing_every = 1000;
+  absl::StatusOr<std::unique_ptr<MoeServer>> server =
+      MoeServer::Start(engine.get(), server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::MoeService::NewStub(
+      grpc::CreateChannel((*server)->bound_addresses()[0], grpc::InsecureChannelCredentials()));
+  const int port = (*server)->metrics().port();
+  auto count = [port](const char* stage) {
+    return std::max(0.0, MetricValue(HttpGetMetrics(port), "moeserve_forward_stage_seconds_count",
+                                     {std::string("stage=\"") + stage + "\""}));
+  };
+  std::mt19937_64 rng(5);
+  auto call = [&](bool timings, v1::ForwardResponse* resp) {
+    v1::ForwardRequest r = RandomRequest(rng, 0, 3, options.model.hidden, options.model.num_experts,
+                                         options.model.topk, v1::DTYPE_BF16, v1::DTYPE_INT32);
+    r.set_return_timings(timings);
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->Forward(&ctx, r, resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ForwardInput in;
+    in.hidden_states = TensorView(static_cast<const void*>(r.hidden_states().data().data()),
+                                  DType::kBF16, {3, options.model.hidden});
+    in.topk_ids = TensorView(static_cast<const void*>(r.topk_ids().data().data()), DType::kINT32,
+                             {3, options.model.topk});
+    in.topk_weights = TensorView(static_cast<const void*>(r.topk_weights().data().data()),
+                                 DType::kFP32, {3, options.model.topk});
+    Tensor out = Tensor::Empty(DType::kBF16, {3, options.model.hidden});
+    ASSERT_TRUE(engine->Forward(in, out.view()).ok());
+    EXPECT_EQ(resp->output().data(), std::string(out.data<char>(), out.nbytes()));
+  };
+  const double queue0 = count("queue"), experts0 = count("experts");
+  for (int i = 0; i < 4; ++i) {
+    v1::ForwardResponse resp;
+    call(false, &resp);
+    EXPECT_FALSE(resp.has_timings());
+  }
+  EXPECT_EQ(count("queue") - queue0, 4);
+  EXPECT_EQ(count("experts") - experts0, 0);
+  v1::ForwardResponse timed;
+  call(true, &timed);
+  EXPECT_GT(timed.timings().experts_us(), 0);
+  EXPECT_GT(timed.timings().total_us(), 0);
+  EXPECT_EQ(count("experts") - experts0, 1);
+  EXPECT_EQ(count("queue") - queue0, 5);
+  (*server)->Shutdown(std::chrono::seconds(5));
+}
+
 // Two CPU ranks with round-robin placement behind the same service: placement is reported
 // and answers still match the one-rank reference.
 TEST(ServiceEpTest, TwoRanksMatchReference) {
