@@ -92,8 +92,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
   auto& stages = prometheus::BuildHistogram()
                      .Name("moeserve_forward_stage_seconds")
                      .Help(
-                         "Time per Forward stage: queue (worker + engine), prepare, experts, "
-                         "finalize")
+                         "Time per Forward stage: queue (worker + engine) of every call; "
+                         "prepare, experts, finalize of the steps that ran their stage timers "
+                         "(--stage_timing_every samples them)")
                      .Register(r);
   m->stage_queue_ = &stages.Add({{"stage", "queue"}}, StageBuckets());
   m->stage_prepare_ = &stages.Add({{"stage", "prepare"}}, StageBuckets());
