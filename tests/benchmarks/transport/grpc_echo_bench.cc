@@ -38,6 +38,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 
+ABSL_FLAG(std::string, wait, "queue",
+          "client: how a call is waited for: queue (the caller polls a completion queue, as "
+          "MoeClient::Forward does since 2026-12-04) or callback (gRPC's callback thread wakes "
+          "the caller, as both did before)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "server: comma-separated addresses to listen on");
 ABSL_FLAG(std::string, ready_file, "", "server: written with the first address once serving");
 ABSL_FLAG(bool, corrupt, false,
@@ -152,6 +156,27 @@ grpc::Status Call(grpc::GenericStub& stub, const grpc::ByteBuffer& request,
   return status;
 }
 
+// The same call waited for on a completion queue that the calling thread polls: gRPC's reads and
+// writes for it happen on this thread, with no hand-off from a callback thread.
+grpc::Status CallOnQueue(grpc::GenericStub& stub, const grpc::ByteBuffer& request,
+                         grpc::ByteBuffer* response) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::CompletionQueue cq;
+  grpc::Status status;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      stub.PrepareUnaryCall(&context, "/moeserve.bench.Echo/Echo", request, &cq);
+  call->StartCall();
+  call->Finish(response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  if (!cq.Next(&tag, &ok) || !ok) return grpc::Status(grpc::StatusCode::INTERNAL, "cq failed");
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
 // Whether `response` holds exactly `expected`.
 bool SameBytes(const grpc::ByteBuffer& response, const std::string& expected) {
   std::vector<grpc::Slice> slices;
@@ -188,6 +213,12 @@ int RunClient() {
                                            grpc::InsecureChannelCredentials(), args);
   grpc::GenericStub stub(channel);
   const bool check = absl::GetFlag(FLAGS_check);
+  const std::string wait = absl::GetFlag(FLAGS_wait);
+  if (wait != "queue" && wait != "callback") {
+    std::fprintf(stderr, "error: --wait: '%s' is not queue or callback\n", wait.c_str());
+    return 2;
+  }
+  const bool on_queue = wait == "queue";
   std::mt19937_64 rng(20261201);
   int failures = 0;
   for (int64_t n : sizes) {
@@ -201,7 +232,8 @@ int RunClient() {
     for (int i = 0; i < warmup + calls; ++i) {
       grpc::ByteBuffer response;
       const auto t0 = std::chrono::steady_clock::now();
-      const grpc::Status s = Call(stub, request, &response);
+      const grpc::Status s =
+          on_queue ? CallOnQueue(stub, request, &response) : Call(stub, request, &response);
       const auto t1 = std::chrono::steady_clock::now();
       if (!s.ok()) {
         ++errors;
