@@ -178,9 +178,12 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   const TransferStats stats0 = prepare_finalize_->transfer_stats();
   // Stage marks only when the caller wants timings (device timers record events).
   StageTimer* timer = timings != nullptr ? timer_.get() : nullptr;
+  // A step that may replay a graph marks only around the graph (RunGraphed); if it runs
+  // eagerly after all, RunRounds marks its stages itself.
+  const bool may_graph = graph_options_.max_tokens > 0 && m > 0 && m <= graph_options_.max_tokens;
   if (timer) {
     timer->Reset();
-    MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kPrepare));
+    if (!may_graph) MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kPrepare));
   }
   MOESERVE_ASSIGN_OR_RETURN(const std::vector<int64_t> bounds,
                             prepare_finalize_->PlanChunks(pargs));
@@ -225,7 +228,7 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
       timings->host_collect_us = host.host_collect_us;
       timings->host_timer_us = MicrosSince(timer_start);
     }
-    timings->prepare_us = us[StageTimer::kPrepare];
+    timings->prepare_us = graphed ? host.host_stage_us : us[StageTimer::kPrepare];
     timings->experts_us = us[StageTimer::kExperts];
     timings->finalize_us = us[StageTimer::kFinalize];
     const TransferStats stats1 = prepare_finalize_->transfer_stats();
@@ -381,7 +384,8 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
       held_ = 0;
     }
   }
-  if (timer) MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kFinalize));
+  // No mark after the launch: the graph holds the finalize too, and CollectOutput's Stop ends
+  // the interval before its wait.
   const Clock::time_point collect_start = Clock::now();
   if (host) host->host_launch_us = MicrosBetweenTimes(launch_start, collect_start);
   MOESERVE_RETURN_IF_ERROR(prepare_finalize_->CollectOutput(output, timer));

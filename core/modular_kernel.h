@@ -296,7 +296,10 @@ class Experts {
   virtual bool supports_graphs() const { return false; }
 };
 
-// Stage times: host wall clock for host kernels, device time (events) for device ones.
+// Stage times: host wall clock for host kernels, device time (events) for device ones. A
+// graphed step's device work is one graph (its copies, routing, GEMMs and reduce): experts_us is
+// that graph's device time, prepare_us its host staging (= host_stage_us) and finalize_us 0, so
+// that timing it records two device events, not four.
 struct StageTimings {
   double prepare_us = 0;
   double experts_us = 0;

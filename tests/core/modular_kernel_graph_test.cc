@@ -326,10 +326,19 @@ TEST(ModularKernelGraphs, LargerStepsRunEagerlyAndMovedWorkspacesAreRecaptured) 
   EXPECT_GT(replayed.host_launch_us, 0);
   EXPECT_GT(replayed.host_collect_us, 0);
   EXPECT_GT(replayed.host_timer_us, 0);
+  // Its device work is one graph, timed as a whole (two marks): experts is the graph, prepare
+  // the host staging, finalize nothing.
+  EXPECT_GT(replayed.experts_us, 0);
+  EXPECT_EQ(replayed.prepare_us, replayed.host_stage_us);
+  EXPECT_EQ(replayed.finalize_us, 0);
   ForwardAndCheck(*f, 0, 100, rng, &eager);  // eager; grows (moves) every workspace
   EXPECT_EQ(f->kernel->graph_stats().eager, 1);
   EXPECT_EQ(
       eager.host_stage_us + eager.host_launch_us + eager.host_collect_us + eager.host_timer_us, 0);
+  // An eager step (though graphs are on) marks its three stages.
+  EXPECT_GT(eager.prepare_us, 0);
+  EXPECT_GT(eager.experts_us, 0);
+  EXPECT_GT(eager.finalize_us, 0);
   ForwardAndCheck(*f, 0, 7, rng);  // the graph at 8 holds stale addresses: captured again
   ForwardAndCheck(*f, 0, 6, rng);
   const GraphStats s = f->kernel->graph_stats();
