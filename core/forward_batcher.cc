@@ -29,6 +29,15 @@ namespace {
 
 double MicrosBetween(absl::Time a, absl::Time b) { return absl::ToDoubleMicroseconds(b - a); }
 
+// A spin-wait hint: lets the sibling hyperthread run and saves power while polling.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
@@ -312,19 +321,6 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     c->done(absl::UnavailableError("Forward: the server is shutting down"), ForwardTimings());
   }
 }
-
-namespace {
-
-// A spin-wait hint: lets the sibling hyperthread run and saves power while polling.
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
-}  // namespace
 
 bool ForwardBatcher::PollForCall() const {
   const auto until =

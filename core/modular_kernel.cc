@@ -203,8 +203,7 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
   }
   bool graphed = false;
   StageTimings host;  // host clock of a graphed step
-  if (graph_options_.max_tokens > 0 && !convert && bounds.size() == 2 && m > 0 &&
-      m <= graph_options_.max_tokens && (output.device().is_host() || device_io)) {
+  if (may_graph && !convert && bounds.size() == 2 && (output.device().is_host() || device_io)) {
     // One check for the whole replayed step (a graph runs to its end once launched).
     if (args.stop != nullptr) {
       MOESERVE_RETURN_IF_ERROR(args.stop->Check(0, "prepare of round 1/1"));

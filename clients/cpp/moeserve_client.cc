@@ -459,7 +459,7 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
   {
     // Waited for on a completion queue that this thread polls, so gRPC reads the answer on this
     // thread: a callback would run on one of gRPC's threads and then have to wake this one
-    // (echo of 14 KB on the development VM: p50 175-189 us against 196-222).
+    // (tests/benchmarks/transport/RESULTS.md, 2026-12-04 11:05).
     grpc::CompletionQueue cq;
     std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
         generic_stub_->PrepareUnaryCall(&context, "/moeserve.v1.MoeService/Forward", request, &cq);

@@ -769,6 +769,21 @@ TEST_F(ServiceTest, MetricsMove) {
   EXPECT_EQ(MetricValue(after, "moeserve_inflight_requests"), 0);
 }
 
+// A request's tensors as an engine input (views of its bytes): hidden [m, hidden] in `hidden`,
+// ids [m, topk] in `ids`, weights FP32.
+ForwardInput InputOfRequest(const v1::ForwardRequest& r, const ModelConfig& model, int64_t m,
+                            DType hidden, DType ids) {
+  ForwardInput in;
+  in.layer = r.layer();
+  in.hidden_states = TensorView(static_cast<const void*>(r.hidden_states().data().data()), hidden,
+                                {m, model.hidden});
+  in.topk_ids =
+      TensorView(static_cast<const void*>(r.topk_ids().data().data()), ids, {m, model.topk});
+  in.topk_weights = TensorView(static_cast<const void*>(r.topk_weights().data().data()),
+                               DType::kFP32, {m, model.topk});
+  return in;
+}
+
 // --stage_timing_every: calls without return_timings run untimed steps (their queue is still
 // observed, the engine stages are not) while a call that asks gets its stages measured; the
 // answers are the same.
@@ -802,13 +817,7 @@ TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem)
     grpc::ClientContext ctx;
     grpc::Status s = stub->Forward(&ctx, r, resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
-    ForwardInput in;
-    in.hidden_states = TensorView(static_cast<const void*>(r.hidden_states().data().data()),
-                                  DType::kBF16, {3, options.model.hidden});
-    in.topk_ids = TensorView(static_cast<const void*>(r.topk_ids().data().data()), DType::kINT32,
-                             {3, options.model.topk});
-    in.topk_weights = TensorView(static_cast<const void*>(r.topk_weights().data().data()),
-                                 DType::kFP32, {3, options.model.topk});
+    const ForwardInput in = InputOfRequest(r, options.model, 3, DType::kBF16, DType::kINT32);
     Tensor out = Tensor::Empty(DType::kBF16, {3, options.model.hidden});
     ASSERT_TRUE(engine->Forward(in, out.view()).ok());
     EXPECT_EQ(resp->output().data(), std::string(out.data<char>(), out.nbytes()));
@@ -877,15 +886,9 @@ TEST(ServiceEpTest, TwoRanksMatchReference) {
       grpc::Status s = stub->Forward(&ctx, r, &resp);
       ASSERT_TRUE(s.ok()) << s.error_message();
       EXPECT_TRUE(resp.has_timings());
-      ForwardInput in;
-      in.layer = 0;
-      in.hidden_states = TensorView(static_cast<const void*>(r.hidden_states().data().data()),
-                                    dtype == v1::DTYPE_BF16 ? DType::kBF16 : DType::kFP32,
-                                    {m, options.model.hidden});
-      in.topk_ids = TensorView(static_cast<const void*>(r.topk_ids().data().data()), DType::kINT64,
-                               {m, options.model.topk});
-      in.topk_weights = TensorView(static_cast<const void*>(r.topk_weights().data().data()),
-                                   DType::kFP32, {m, options.model.topk});
+      const ForwardInput in =
+          InputOfRequest(r, options.model, m, dtype == v1::DTYPE_BF16 ? DType::kBF16 : DType::kFP32,
+                         DType::kINT64);
       Tensor out = Tensor::Empty(in.hidden_states.dtype(), {m, options.model.hidden});
       ASSERT_TRUE(reference->Forward(in, out.view()).ok());
       const std::vector<float> want =

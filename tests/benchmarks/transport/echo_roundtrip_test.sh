@@ -1,7 +1,8 @@
 #!/bin/bash
 # CTest grpc_echo_bench_roundtrip: grpc_echo_bench's client against its server over TCP
 # loopback and a unix socket, checking every answer byte (sizes of a Forward at M=1 and M=16,
-# H7168 BF16, top-8); then against a server that corrupts its answers, where --check must fail.
+# H7168 BF16, top-8), with both waits (--wait queue|callback) and a refused --wait; then
+# against a server that corrupts its answers, where --check must fail.
 set -uo pipefail
 bin=$1
 dir=$(mktemp -d)
@@ -18,9 +19,14 @@ sizes=$((1 * (7168 * 2 + 64))),$((16 * (7168 * 2 + 64)))
 start "$dir/ok" --listen "127.0.0.1:0,unix:$dir/echo.sock"
 tcp=$(head -1 "$dir/ok")
 for target in "$tcp" "unix:$dir/echo.sock"; do
-  "$bin" client --target "$target" --bytes "$sizes" --calls 5 --warmup 1 --check ||
-    { echo "FAIL: echo over $target"; exit 1; }
+  for wait in queue callback; do
+    "$bin" client --target "$target" --bytes "$sizes" --calls 5 --warmup 1 --check --wait $wait ||
+      { echo "FAIL: echo over $target, --wait $wait"; exit 1; }
+  done
 done
+"$bin" client --target "$tcp" --bytes 100 --calls 1 --wait sometimes 2> "$dir/wait.err"
+[ $? -eq 2 ] && grep -q "not queue or callback" "$dir/wait.err" ||
+  { echo "FAIL: --wait sometimes was not refused: $(cat "$dir/wait.err")"; exit 1; }
 start "$dir/bad" --listen "unix:$dir/bad.sock" --corrupt
 if "$bin" client --target "unix:$dir/bad.sock" --bytes 100 --calls 2 --warmup 0 --check; then
   echo "FAIL: --check did not catch a corrupted answer"; exit 1

@@ -135,45 +135,40 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[i];
 }
 
-// One blocking unary call through the generic stub; returns its status.
+// One blocking unary call through the generic stub; returns its status. `on_queue`: waited for
+// on a completion queue that this thread polls (gRPC reads and writes on this thread); else
+// through a callback on one of gRPC's threads that then wakes this one.
 grpc::Status Call(grpc::GenericStub& stub, const grpc::ByteBuffer& request,
-                  grpc::ByteBuffer* response) {
+                  grpc::ByteBuffer* response, bool on_queue) {
+  constexpr const char* kMethod = "/moeserve.bench.Echo/Echo";
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::Status status;
+  if (on_queue) {
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+        stub.PrepareUnaryCall(&context, kMethod, request, &cq);
+    call->StartCall();
+    call->Finish(response, &status, nullptr);
+    void* tag = nullptr;
+    bool ok = false;
+    const bool got = cq.Next(&tag, &ok);
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return got ? status : grpc::Status(grpc::StatusCode::INTERNAL, "completion queue shut down");
+  }
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/moeserve.bench.Echo/Echo", grpc::StubOptions(), &request, response,
-                 [&](grpc::Status s) {
-                   std::lock_guard<std::mutex> lock(mu);
-                   status = std::move(s);
-                   done = true;
-                   cv.notify_one();
-                 });
+  stub.UnaryCall(&context, kMethod, grpc::StubOptions(), &request, response, [&](grpc::Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    status = std::move(s);
+    done = true;
+    cv.notify_one();
+  });
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return done; });
-  return status;
-}
-
-// The same call waited for on a completion queue that the calling thread polls: gRPC's reads and
-// writes for it happen on this thread, with no hand-off from a callback thread.
-grpc::Status CallOnQueue(grpc::GenericStub& stub, const grpc::ByteBuffer& request,
-                         grpc::ByteBuffer* response) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  grpc::CompletionQueue cq;
-  grpc::Status status;
-  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
-      stub.PrepareUnaryCall(&context, "/moeserve.bench.Echo/Echo", request, &cq);
-  call->StartCall();
-  call->Finish(response, &status, reinterpret_cast<void*>(1));
-  void* tag = nullptr;
-  bool ok = false;
-  if (!cq.Next(&tag, &ok) || !ok) return grpc::Status(grpc::StatusCode::INTERNAL, "cq failed");
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
   return status;
 }
 
@@ -232,8 +227,7 @@ int RunClient() {
     for (int i = 0; i < warmup + calls; ++i) {
       grpc::ByteBuffer response;
       const auto t0 = std::chrono::steady_clock::now();
-      const grpc::Status s =
-          on_queue ? CallOnQueue(stub, request, &response) : Call(stub, request, &response);
+      const grpc::Status s = Call(stub, request, &response, on_queue);
       const auto t1 = std::chrono::steady_clock::now();
       if (!s.ok()) {
         ++errors;
