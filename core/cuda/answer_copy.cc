@@ -35,34 +35,39 @@ absl::Status ConvertAnswerOnDevice(const float* d_answer, DType dtype, void* d_o
 }
 
 absl::Status AnswerCopy::Enqueue(const float* d_answer, const TensorView& output, void* stream) {
+  pending_bytes_ = 0;
+  if (output.dtype() == DType::kFP32 || output.numel() == 0) {
+    return EnqueueInOutputDtype(d_answer, output, stream);
+  }
+  MOESERVE_ASSIGN_OR_RETURN(void* d, converted_.Get(output.nbytes()));
+  MOESERVE_RETURN_IF_ERROR(
+      ConvertAnswerOnDevice(d_answer, output.dtype(), d, output.numel(), stream));
+  return EnqueueInOutputDtype(d, output, stream);
+}
+
+absl::Status AnswerCopy::EnqueueInOutputDtype(const void* d_answer, const TensorView& output,
+                                              void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   pending_bytes_ = 0;
   if (!output.is_contiguous()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the answer must go to contiguous memory, got ", output.DebugString()));
   }
-  const int64_t n = output.numel();
   const size_t bytes = output.nbytes();
-  if (n == 0) return absl::OkStatus();
-  const void* src = d_answer;
-  if (output.dtype() != DType::kFP32) {
-    MOESERVE_ASSIGN_OR_RETURN(void* d, converted_.Get(bytes));
-    MOESERVE_RETURN_IF_ERROR(ConvertAnswerOnDevice(d_answer, output.dtype(), d, n, stream));
-    src = d;
-  }
+  if (bytes == 0) return absl::OkStatus();
   if (output.device().space == MemorySpace::kCuda) {
     // A client's CUDA region: device to device (peer copy if it is another GPU).
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(output.raw_data(), src, bytes, cudaMemcpyDefault, s));
+        cudaMemcpyAsync(output.raw_data(), d_answer, bytes, cudaMemcpyDefault, s));
     return absl::OkStatus();
   }
   if (output.device().space == MemorySpace::kPinnedHost || IsPinnedHostPointer(output.raw_data())) {
     MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(output.raw_data(), src, bytes, cudaMemcpyDeviceToHost, s));
+        cudaMemcpyAsync(output.raw_data(), d_answer, bytes, cudaMemcpyDeviceToHost, s));
     return absl::OkStatus();
   }
   MOESERVE_ASSIGN_OR_RETURN(void* pin, staging_.Get(bytes));
-  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pin, src, bytes, cudaMemcpyDeviceToHost, s));
+  MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pin, d_answer, bytes, cudaMemcpyDeviceToHost, s));
   pending_dst_ = output.raw_data();
   pending_src_ = pin;
   pending_bytes_ = bytes;

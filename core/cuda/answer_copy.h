@@ -26,6 +26,9 @@ class AnswerCopy {
   // memory of any GPU, copied device to device).
   // The caller synchronizes the stream, then calls Finish().
   absl::Status Enqueue(const float* d_answer, const TensorView& output, void* stream);
+  // The same for an answer already in output.dtype() on the device (e.g. a reduce that rounded
+  // as it stored): the copy alone.
+  absl::Status EnqueueInOutputDtype(const void* d_answer, const TensorView& output, void* stream);
   // After the stream synchronized: moves staged bytes into the output (nothing when direct).
   void Finish();
 

@@ -54,6 +54,18 @@ constexpr int kStagingCopyThreads = 4;
 // A copy-engine node costs a captured step several us at any size, the SMs' PCIe reads and
 // writes of page-locked memory well under that for small copies (one token's hidden states
 // and answer). MOESERVE_GRAPH_SM_COPY_MAX_BYTES overrides the limit for A/B runs (0: never).
+// The reduce's output kind for an answer dtype (FP32, BF16 or FP16: writes_output_dtype).
+kernels::ReduceOutput ReduceOutputOf(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return kernels::ReduceOutput::kBf16;
+    case DType::kFP16:
+      return kernels::ReduceOutput::kFp16;
+    default:
+      return kernels::ReduceOutput::kFp32;
+  }
+}
+
 constexpr size_t kGraphSmCopyMaxBytes = size_t{256} << 10;
 size_t GraphSmCopyMaxBytes() {
   const char* v = std::getenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
@@ -416,6 +428,8 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   // After the stream's wait: INVALID_ARGUMENT for the first bad route StageDeviceRouting found
   // in this forward, else OK (also when the routing was host memory).
   absl::Status RoutingVerdict();
+  // Finalize's end: waits for `stream`, moves a staged answer into place, then the verdict.
+  absl::Status FinishAnswer(cudaStream_t stream);
 
   std::shared_ptr<CudaContext> ctx_;
   int64_t max_num_tokens_;
@@ -432,10 +446,9 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   void* g_pin_in_ = nullptr;
   void* g_dev_in_ = nullptr;
   void* g_dev_x_ = nullptr;
-  void* g_reduced_ = nullptr;
   void* g_dev_out_ = nullptr;
   void* g_pin_out_ = nullptr;
-  DeviceBuffer g_dev_in_buf_, g_dev_x_buf_, g_reduced_buf_, g_dev_out_buf_;
+  DeviceBuffer g_dev_in_buf_, g_dev_x_buf_, g_dev_out_buf_;
   PinnedBuffer g_pin_in_buf_, g_pin_out_buf_;
   // Prepare's outputs (valid until the next Prepare) and Finalize's reduce target.
   DeviceBuffer hidden_, wire_, ids_, weights_, batched_a1q_, align_, reduced_;
@@ -685,12 +698,13 @@ absl::Status CudaNoEpPrepareAndFinalize::Finalize(const TensorView& output,
         return absl::FailedPreconditionError(
             absl::StrCat(name(), ": Contiguous reduce needs Standard-format expert output"));
       }
-      MOESERVE_ASSIGN_OR_RETURN(void* d_out, reduced_.Get(m * k * 4));
+      // Rounded to the answer's dtype as it is stored: the copy alone follows.
+      MOESERVE_ASSIGN_OR_RETURN(void* d_out, reduced_.Get(output.nbytes()));
       MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceContiguous(
-          fused, w, ids, m, static_cast<int>(topk), k, static_cast<int>(e),
-          static_cast<float*>(d_out), stream));
-      answer = static_cast<float*>(d_out);
-      break;
+          fused, w, ids, m, static_cast<int>(topk), k, static_cast<int>(e), d_out,
+          ReduceOutputOf(output.dtype()), stream));
+      MOESERVE_RETURN_IF_ERROR(answer_.EnqueueInOutputDtype(d_out, output, stream));
+      return FinishAnswer(stream);
     }
     case TopKWeightAndReduce::Kind::kNaiveBatched: {
       if (format_ != ActivationFormat::kBatchedExperts) {
@@ -708,6 +722,10 @@ absl::Status CudaNoEpPrepareAndFinalize::Finalize(const TensorView& output,
       return absl::InternalError("unresolved TopKWeightAndReduce");
   }
   MOESERVE_RETURN_IF_ERROR(answer_.Enqueue(answer, output, stream));
+  return FinishAnswer(stream);
+}
+
+absl::Status CudaNoEpPrepareAndFinalize::FinishAnswer(cudaStream_t stream) {
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   answer_.Finish();
   return RoutingVerdict();
@@ -745,7 +763,6 @@ absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& 
     MOESERVE_ASSIGN_OR_RETURN(g_pin_in_, g_pin_in_buf_.Get(in));
     MOESERVE_ASSIGN_OR_RETURN(g_dev_in_, g_dev_in_buf_.Get(in));
     MOESERVE_ASSIGN_OR_RETURN(g_dev_x_, g_dev_x_buf_.Get(rows * 2));
-    MOESERVE_ASSIGN_OR_RETURN(g_reduced_, g_reduced_buf_.Get(rows * 4));
     MOESERVE_ASSIGN_OR_RETURN(g_dev_out_, g_dev_out_buf_.Get(rows * 4));
     MOESERVE_ASSIGN_OR_RETURN(g_pin_out_, g_pin_out_buf_.Get(rows * 4));
     graph_capacity_ = capacity_tokens;
@@ -837,6 +854,13 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
         absl::StrCat(name(), ": cannot stage ", p, " rows of ", DTypeName(dtype)));
   }
   const cudaStream_t stream = StreamOf(*ctx_);
+  const size_t out_bytes = static_cast<size_t>(p * k) * DTypeSize(dtype);
+  const bool host_output = output_device.space == MemorySpace::kHost;
+  // Small host answers: the SMs write the page-locked staging (no copy-engine node in the
+  // graph). Else the answer waits in g_dev_out_: CollectOutput copies it straight to a device or
+  // page-locked output, and for other host outputs the graph's last node copies it to staging.
+  void* const target = host_output && out_bytes <= sm_copy_max_bytes_ ? g_pin_out_ : g_dev_out_;
+  const bool then_to_staging = host_output && target == g_dev_out_;
   const float* answer = fused_expert_output.data<float>();
   switch (ResolveWeightAndReduce(weight_and_reduce.kind(), format_)) {
     case TopKWeightAndReduce::Kind::kNoOp:
@@ -845,43 +869,30 @@ absl::Status CudaNoEpPrepareAndFinalize::FinalizeStaged(
                                                        "] expert output, got ",
                                                        fused_expert_output.DebugString()));
       }
+      if (dtype != DType::kFP32) {
+        MOESERVE_RETURN_IF_ERROR(ConvertAnswerOnDevice(answer, dtype, target, p * k, stream));
+      } else if (target == g_pin_out_) {
+        MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchCopyBytes(target, answer, out_bytes, stream));
+      } else {
+        MOESERVE_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(target, answer, out_bytes, cudaMemcpyDeviceToDevice, stream));
+      }
       break;
     case TopKWeightAndReduce::Kind::kContiguous:
+      // The reduce rounds to the answer's dtype as it stores: no FP32 answer in memory, no
+      // conversion kernel after it.
       MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceContiguous(
           answer, prepared.topk_weights.data<float>(), prepared.topk_ids.data<int32_t>(), p,
-          static_cast<int>(topk), k, static_cast<int>(e), static_cast<float*>(g_reduced_), stream));
-      answer = static_cast<const float*>(g_reduced_);
+          static_cast<int>(topk), k, static_cast<int>(e), target, ReduceOutputOf(dtype), stream));
       break;
     default:
       return absl::FailedPreconditionError(
           absl::StrCat(name(), ": the graph path reduces Standard-format expert output only"));
   }
-  const size_t out_bytes = static_cast<size_t>(p * k) * DTypeSize(dtype);
-  if (output_device.space == MemorySpace::kHost && out_bytes <= sm_copy_max_bytes_) {
-    // Small: the SMs write the answer straight into the page-locked staging.
-    if (dtype != DType::kFP32) {
-      return ConvertAnswerOnDevice(answer, dtype, g_pin_out_, p * k, stream);
-    }
-    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchCopyBytes(g_pin_out_, answer, out_bytes, stream));
-    return absl::OkStatus();
+  if (then_to_staging) {
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(g_pin_out_, g_dev_out_, out_bytes, cudaMemcpyDeviceToHost, stream));
   }
-  const void* src = answer;
-  if (dtype != DType::kFP32) {
-    MOESERVE_RETURN_IF_ERROR(ConvertAnswerOnDevice(answer, dtype, g_dev_out_, p * k, stream));
-    src = g_dev_out_;
-  }
-  if (output_device.space != MemorySpace::kHost) {
-    // Device or page-locked output: the answer waits in g_dev_out_ and CollectOutput copies it
-    // straight to where it goes (no pinned staging, no host copy).
-    if (src != g_dev_out_) {
-      MOESERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g_dev_out_, src,
-                                                    static_cast<size_t>(p * k) * DTypeSize(dtype),
-                                                    cudaMemcpyDeviceToDevice, stream));
-    }
-    return absl::OkStatus();
-  }
-  MOESERVE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(g_pin_out_, src, out_bytes, cudaMemcpyDeviceToHost, stream));
   return absl::OkStatus();
 }
 

@@ -1,7 +1,10 @@
+#include <cuda_bf16.h>
+
 #include <algorithm>
 
 #include "kernels/cuda/moe_routing.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/fp16_bits.h"
 
 namespace moeserve::kernels {
 namespace {
@@ -115,11 +118,43 @@ __global__ void PermuteToBatchedKernel(const uint16_t* __restrict__ x,
   }
 }
 
-template <bool kBatched>
+// Rounds the FP32 sums to the output: BF16 to nearest even, FP16 as the host twin
+// (ConvertFp32ToFp16Ref), so that reduce-then-convert and the fused form agree bit for bit.
+template <ReduceOutput kOut>
+__device__ __forceinline__ uint16_t RoundHalf(float x) {
+  if constexpr (kOut == ReduceOutput::kBf16) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  } else {
+    return Fp32BitsToFp16Bits(__float_as_uint(x));
+  }
+}
+
+template <ReduceOutput kOut>
+__device__ __forceinline__ void StoreReduced(void* out, int64_t index, float4 acc, bool vec) {
+  if constexpr (kOut == ReduceOutput::kFp32) {
+    if (vec) {
+      reinterpret_cast<float4*>(out)[index] = acc;
+    } else {
+      static_cast<float*>(out)[index] = acc.x;
+    }
+  } else if (vec) {
+    // 8 bytes a thread: the output may be page-locked host memory written over PCIe.
+    uint2 packed;
+    packed.x = static_cast<uint32_t>(RoundHalf<kOut>(acc.x)) |
+               (static_cast<uint32_t>(RoundHalf<kOut>(acc.y)) << 16);
+    packed.y = static_cast<uint32_t>(RoundHalf<kOut>(acc.z)) |
+               (static_cast<uint32_t>(RoundHalf<kOut>(acc.w)) << 16);
+    reinterpret_cast<uint2*>(out)[index] = packed;
+  } else {
+    static_cast<uint16_t*>(out)[index] = RoundHalf<kOut>(acc.x);
+  }
+}
+
+template <bool kBatched, ReduceOutput kOut>
 __global__ void TopKReduceKernel(const float* __restrict__ in, const float* __restrict__ w,
                                  const int32_t* __restrict__ ids, const int32_t* __restrict__ slot,
                                  int64_t num_tokens, int topk, int64_t hidden, int num_experts,
-                                 int64_t max_tokens, float* __restrict__ out) {
+                                 int64_t max_tokens, void* __restrict__ out) {
   PdlWait();
   PdlLaunchDependents();
   const bool vec = hidden % 4 == 0;
@@ -150,11 +185,8 @@ __global__ void TopKReduceKernel(const float* __restrict__ in, const float* __re
         acc.x += wt * in[row * hidden + c];
       }
     }
-    if (vec) {
-      reinterpret_cast<float4*>(out + t * hidden)[c] = acc;
-    } else {
-      out[t * hidden + c] = acc.x;
-    }
+    // Element (t, c) of the output: t * per_row + c == i.
+    StoreReduced<kOut>(out, i, acc, vec);
   }
 }
 
@@ -195,12 +227,34 @@ cudaError_t LaunchPermuteToBatched(const uint16_t* x, const int32_t* topk_ids,
 cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* topk_weights,
                                                 const int32_t* topk_ids, int64_t num_tokens,
                                                 int topk, int64_t hidden, int num_experts,
-                                                float* out, cudaStream_t stream) {
+                                                void* out, ReduceOutput out_kind,
+                                                cudaStream_t stream) {
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
-  return LaunchPdl(TopKReduceKernel<false>, dim3(ReduceBlocks(n)), dim3(256), 0, stream, in,
-                   topk_weights, topk_ids, static_cast<const int32_t*>(nullptr), num_tokens, topk,
-                   hidden, num_experts, int64_t{0}, out);
+  const auto* no_slot = static_cast<const int32_t*>(nullptr);
+  switch (out_kind) {
+    case ReduceOutput::kFp32:
+      return LaunchPdl(TopKReduceKernel<false, ReduceOutput::kFp32>, dim3(ReduceBlocks(n)),
+                       dim3(256), 0, stream, in, topk_weights, topk_ids, no_slot, num_tokens, topk,
+                       hidden, num_experts, int64_t{0}, out);
+    case ReduceOutput::kBf16:
+      return LaunchPdl(TopKReduceKernel<false, ReduceOutput::kBf16>, dim3(ReduceBlocks(n)),
+                       dim3(256), 0, stream, in, topk_weights, topk_ids, no_slot, num_tokens, topk,
+                       hidden, num_experts, int64_t{0}, out);
+    case ReduceOutput::kFp16:
+      return LaunchPdl(TopKReduceKernel<false, ReduceOutput::kFp16>, dim3(ReduceBlocks(n)),
+                       dim3(256), 0, stream, in, topk_weights, topk_ids, no_slot, num_tokens, topk,
+                       hidden, num_experts, int64_t{0}, out);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* topk_weights,
+                                                const int32_t* topk_ids, int64_t num_tokens,
+                                                int topk, int64_t hidden, int num_experts,
+                                                float* out, cudaStream_t stream) {
+  return LaunchTopKWeightAndReduceContiguous(in, topk_weights, topk_ids, num_tokens, topk, hidden,
+                                             num_experts, out, ReduceOutput::kFp32, stream);
 }
 
 cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* topk_weights,
@@ -212,9 +266,9 @@ cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* 
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   if (topk_ids == nullptr || route_slot == nullptr) return cudaErrorInvalidValue;
   const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
-  return LaunchPdl(TopKReduceKernel<true>, dim3(ReduceBlocks(n)), dim3(256), 0, stream, in,
-                   topk_weights, topk_ids, route_slot, num_tokens, topk, hidden, num_experts,
-                   max_tokens, out);
+  return LaunchPdl(TopKReduceKernel<true, ReduceOutput::kFp32>, dim3(ReduceBlocks(n)), dim3(256), 0,
+                   stream, in, topk_weights, topk_ids, route_slot, num_tokens, topk, hidden,
+                   num_experts, max_tokens, out);
 }
 
 namespace {

@@ -43,6 +43,17 @@ cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* to
                                                 const int32_t* topk_ids, int64_t num_tokens,
                                                 int topk, int64_t hidden, int num_experts,
                                                 float* out, cudaStream_t stream);
+// The same sums rounded once to out_kind as they are stored (BF16 to nearest even, FP16 as
+// ConvertFp32ToFp16Ref): bit-identical to the FP32 form followed by LaunchConvertFp32ToBf16 /
+// LaunchConvertFp32ToFp16, without the FP32 round trip through memory. `out` may be page-locked
+// host memory (8-byte stores over PCIe where hidden % 4 == 0), so a small answer lands in its
+// host staging with no copy after it.
+enum class ReduceOutput { kFp32, kBf16, kFp16 };
+cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* topk_weights,
+                                                const int32_t* topk_ids, int64_t num_tokens,
+                                                int topk, int64_t hidden, int num_experts,
+                                                void* out, ReduceOutput out_kind,
+                                                cudaStream_t stream);
 cudaError_t LaunchTopKWeightAndReduceNaiveBatched(const float* in, const float* topk_weights,
                                                   const int32_t* topk_ids,
                                                   const int32_t* route_slot, int64_t num_tokens,

@@ -207,6 +207,67 @@ TEST_F(CudaKernelsTest, TopKReduceContiguousAndNaiveBatched) {
   }
 }
 
+// The reduce that rounds as it stores: bit-identical to the FP32 reduce followed by the
+// conversion kernel and to the CPU twins (reduce, then ConvertFp32To{Bf16,Fp16}Ref), into device
+// memory and into page-locked host memory (the graph path's small answers).
+TEST_F(CudaKernelsTest, TopKReduceRoundsToBf16AndFp16AsReduceThenConvert) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> nd;
+  for (int64_t m : {1, 5, 130}) {
+    for (int64_t hidden : {7168, 200, 3}) {
+      const int topk = 4, e = 16;
+      const int64_t r = m * topk, n = m * hidden;
+      std::vector<int32_t> ids(r);
+      std::uniform_int_distribution<int> id(-1, e - 1);
+      for (auto& v : ids) v = id(rng);
+      std::vector<float> w(r), in(r * hidden);
+      for (auto& v : w) v = nd(rng);
+      for (auto& v : in) v = 100.0f * nd(rng);  // large sums: FP16 rounding and overflow paths
+      std::vector<float> ref(n);
+      TopKWeightAndReduceContiguousRef(in.data(), w.data(), ids.data(), m, topk, hidden,
+                                       ref.data());
+      Dev<int32_t> d_ids(ids);
+      Dev<float> d_w(w), d_in(in), d_fp32(n, 0xFF);
+      CUDA_OK(LaunchTopKWeightAndReduceContiguous(d_in.p, d_w.p, d_ids.p, m, topk, hidden, e,
+                                                  d_fp32.p, nullptr));
+      for (ReduceOutput kind : {ReduceOutput::kBf16, ReduceOutput::kFp16}) {
+        SCOPED_TRACE(testing::Message() << "m=" << m << " hidden=" << hidden
+                                        << " fp16=" << (kind == ReduceOutput::kFp16));
+        Dev<uint16_t> d_two_pass(n, 0xCD), d_fused(n, 0xCD);
+        CUDA_OK(kind == ReduceOutput::kBf16
+                    ? LaunchConvertFp32ToBf16(d_fp32.p, d_two_pass.p, n, nullptr)
+                    : LaunchConvertFp32ToFp16(d_fp32.p, d_two_pass.p, n, nullptr));
+        CUDA_OK(LaunchTopKWeightAndReduceContiguous(d_in.p, d_w.p, d_ids.p, m, topk, hidden, e,
+                                                    d_fused.p, kind, nullptr));
+        uint16_t* pinned = nullptr;
+        CUDA_OK(cudaMallocHost(&pinned, n * sizeof(uint16_t)));
+        std::memset(pinned, 0xCD, n * sizeof(uint16_t));
+        CUDA_OK(LaunchTopKWeightAndReduceContiguous(d_in.p, d_w.p, d_ids.p, m, topk, hidden, e,
+                                                    pinned, kind, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<uint16_t> two_pass = d_two_pass.Get(), fused = d_fused.Get();
+        const std::vector<uint16_t> host(pinned, pinned + n);
+        cudaFreeHost(pinned);
+        std::vector<uint16_t> cpu(n);
+        if (kind == ReduceOutput::kBf16) {
+          ConvertFp32ToBf16Ref(d_fp32.Get().data(), cpu.data(), n);
+        } else {
+          ConvertFp32ToFp16Ref(d_fp32.Get().data(), cpu.data(), n);
+        }
+        EXPECT_EQ(fused, two_pass);
+        EXPECT_EQ(host, two_pass);
+        EXPECT_EQ(fused, cpu);
+        // And the sums themselves against the CPU reduce: BF16's rounding, relative L2 1e-2.
+        if (kind == ReduceOutput::kBf16) {
+          std::vector<float> widened(n);
+          for (int64_t i = 0; i < n; ++i) widened[i] = Bf16ToFloat(fused[i]);
+          EXPECT_LT(RelL2(widened, ref), 1e-2);
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaKernelsTest, PermuteToBatchedMatchesRef) {
   std::mt19937 rng(3);
   const int64_t m = 77, hidden = 200;
