@@ -147,11 +147,17 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   return server;
 }
 
+absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backend) {
+  if (configured >= absl::ZeroDuration()) return configured;
+  return backend == "cpu" ? absl::ZeroDuration() : kGpuIdleSpin;
+}
+
 absl::Status MoeServer::AttachEngine(Engine* engine) {
   if (engine_ != nullptr) return absl::FailedPreconditionError("AttachEngine: already attached");
   if (shut_down_) return absl::FailedPreconditionError("AttachEngine: the server is shut down");
   ForwardBatcherOptions batcher_options = options_.batcher;
   batcher_options.observer = metrics_.get();
+  batcher_options.idle_spin = ResolveIdleSpin(batcher_options.idle_spin, engine->info().backend);
   if (options_.parallel_answers) {
     // A merged step's answers go out on the workers (the state owns the batcher: it outlives
     // it; once draining, SubmitWork refuses and the step's thread answers).

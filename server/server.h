@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -40,6 +41,15 @@ inline constexpr char kMoeServiceName[] = "moeserve.v1.MoeService";
 inline constexpr char kDefaultListenAddress[] = "127.0.0.1:50051";
 // 9464 rather than Prometheus's own 9090 (the port OpenTelemetry's Prometheus exporters use).
 inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
+
+// ServerOptions::batcher.idle_spin "by backend" on a GPU engine. H200 host, one-token call of
+// the trivial layer: server total 70.8 -> 54.1 us, round trip 196 -> 159 us
+// (tests/benchmarks/serving/RESULTS.md).
+inline constexpr absl::Duration kGpuIdleSpin = absl::Microseconds(2000);
+
+// The batcher's idle_spin for an engine of `backend` (EngineInfo::backend): `configured`, or
+// when negative, kGpuIdleSpin on a GPU backend and none on "cpu".
+absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backend);
 
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
@@ -79,7 +89,10 @@ struct ServerOptions {
   // keepalive_timeout (a vanished client's calls are cancelled).
   std::chrono::milliseconds keepalive_time{60000};
   std::chrono::milliseconds keepalive_timeout{20000};
-  // Concurrent Forward calls for one layer share engine steps (core/forward_batcher.h).
+  // Concurrent Forward calls for one layer share engine steps (core/forward_batcher.h). A
+  // negative batcher.idle_spin means "by backend": kGpuIdleSpin on a GPU engine (a sleeping
+  // scheduling thread's wake-up is a third of a one-token call there), none on the CPU (whose
+  // steps need the cores).
   ForwardBatcherOptions batcher;
   std::string metrics_address = kDefaultMetricsAddress;  // empty: no metrics endpoint
   // TLS of every listen address (all empty: plaintext); with tls.ca_file, mutual TLS. gRPC

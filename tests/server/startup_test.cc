@@ -170,6 +170,36 @@ TEST(StartupTest, BoundBeforeTheEngineThenServing) {
   EXPECT_FALSE((*server)->serving());
 }
 
+// A negative idle_spin is "by backend": polling on a GPU (where a wake-up is a third of a
+// one-token call), none on the CPU; a set value is kept on both.
+TEST(StartupTest, IdleSpinByBackend) {
+  EXPECT_EQ(ResolveIdleSpin(absl::Microseconds(-1), "cpu"), absl::ZeroDuration());
+  EXPECT_EQ(ResolveIdleSpin(absl::Microseconds(-1), "cuda"), kGpuIdleSpin);
+  EXPECT_GT(kGpuIdleSpin, absl::ZeroDuration());
+  EXPECT_EQ(ResolveIdleSpin(absl::Microseconds(300), "cpu"), absl::Microseconds(300));
+  EXPECT_EQ(ResolveIdleSpin(absl::ZeroDuration(), "cuda"), absl::ZeroDuration());
+
+  // The server resolves it before the batcher sees it (which refuses a negative one).
+  ServerOptions options;
+  options.listen_addresses = {"127.0.0.1:0"};
+  options.metrics_address = "";
+  options.batcher.idle_spin = absl::Microseconds(-1);
+  std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
+  EngineOptions engine_options;
+  ModelOverrides o;
+  o.hidden = 64;
+  o.intermediate = 32;
+  o.num_experts = 4;
+  o.topk = 2;
+  engine_options.model = ApplyOverrides(ModelPreset("tiny").value(), o).value();
+  engine_options.num_threads = 1;
+  std::unique_ptr<Engine> engine = Engine::Create(engine_options).value();
+  absl::Status attached = server->AttachEngine(engine.get());
+  EXPECT_TRUE(attached.ok()) << attached;
+  EXPECT_TRUE(server->serving());
+  server->Shutdown(std::chrono::seconds(5));
+}
+
 TEST(StartupTest, ShutdownWithoutAnEngine) {
   ServerOptions options;
   options.listen_addresses = {"127.0.0.1:0"};
