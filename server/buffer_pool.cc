@@ -53,10 +53,12 @@ std::unique_ptr<PooledBuffer> PooledBuffer::Acquire(size_t bytes) {
   PooledBuffer::Pin pin;
   {
     std::lock_guard<std::mutex> lock(pool.mu);
-    // Best fit among the free buffers, so a small call does not take a large one.
+    // Best fit among the free buffers, so a small call does not take a large one; of equal
+    // fits the one released last, whose lines are likeliest still in the CPU's caches (a call
+    // writes its request into it next).
     auto best = pool.buffers.end();
     for (auto it = pool.buffers.begin(); it != pool.buffers.end(); ++it) {
-      if (it->capacity >= bytes && (best == pool.buffers.end() || it->capacity < best->capacity)) {
+      if (it->capacity >= bytes && (best == pool.buffers.end() || it->capacity <= best->capacity)) {
         best = it;
       }
     }

