@@ -43,8 +43,11 @@ void StreamingCopy(void* dst, const void* src, size_t bytes) {
 #endif
 }
 
-ParallelCopier::ParallelCopier(int num_threads, bool streaming_stores)
-    : num_threads_(std::max(1, num_threads)), streaming_stores_(streaming_stores) {}
+ParallelCopier::ParallelCopier(int num_threads, bool streaming_stores,
+                               size_t gather_min_parallel_bytes)
+    : num_threads_(std::max(1, num_threads)),
+      streaming_stores_(streaming_stores),
+      gather_min_parallel_bytes_(gather_min_parallel_bytes) {}
 
 void ParallelCopier::CopyPart(void* dst, const void* src, size_t bytes) const {
   if (streaming_stores_) {
@@ -88,7 +91,7 @@ void ParallelCopier::ParallelFor(int64_t n, const std::function<void(int64_t)>& 
 void ParallelCopier::Gather(absl::Span<const absl::Span<const uint8_t>> pieces, size_t size,
                             void* dst) {
   uint8_t* out = static_cast<uint8_t*>(dst);
-  if (num_threads_ == 1 || size < 2 * kChunkBytes) {
+  if (num_threads_ == 1 || size < std::max<size_t>(gather_min_parallel_bytes_, 2)) {
     size_t done = 0;
     for (const absl::Span<const uint8_t> piece : pieces) {
       const size_t n = std::min(piece.size(), size - done);
@@ -99,10 +102,17 @@ void ParallelCopier::Gather(absl::Span<const absl::Span<const uint8_t>> pieces, 
   }
   std::vector<size_t> starts(pieces.size() + 1, 0);  // each piece's offset in dst
   for (size_t i = 0; i < pieces.size(); ++i) starts[i + 1] = starts[i] + pieces[i].size();
-  const int64_t chunks = static_cast<int64_t>((size + kChunkBytes - 1) / kChunkBytes);
+  // kChunkBytes chunks from two on; a smaller message (gather_min_parallel_bytes below that)
+  // one chunk per thread, page-rounded so that no two threads write one page.
+  const size_t per_thread = (size + num_threads_ - 1) / num_threads_;
+  const size_t chunk = size >= 2 * kChunkBytes
+                           ? kChunkBytes
+                           : std::clamp<size_t>((per_thread + 4095) / 4096 * 4096,
+                                                kMinGatherChunkBytes, kChunkBytes);
+  const int64_t chunks = static_cast<int64_t>((size + chunk - 1) / chunk);
   Pool()->ParallelFor(chunks, [&](int64_t c, int) {
-    const size_t begin = static_cast<size_t>(c) * kChunkBytes;
-    const size_t end = std::min(size, begin + kChunkBytes);
+    const size_t begin = static_cast<size_t>(c) * chunk;
+    const size_t end = std::min(size, begin + chunk);
     // The pieces overlapping [begin, end).
     size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
     for (; i < pieces.size() && starts[i] < end; ++i) {

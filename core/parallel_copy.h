@@ -29,7 +29,10 @@ class ParallelCopier {
   // num_threads <= 1: plain memcpy. Threads start lazily, at the first large copy.
   // streaming_stores: the parallel copies (from kMinParallelBytes / two chunks on) write with
   // StreamingCopy, not memcpy.
-  explicit ParallelCopier(int num_threads, bool streaming_stores = false);
+  // gather_min_parallel_bytes: Gather spreads a message over the threads from this size on
+  // (below it one memcpy per piece on the calling thread).
+  explicit ParallelCopier(int num_threads, bool streaming_stores = false,
+                          size_t gather_min_parallel_bytes = kGatherMinParallelBytes);
   ~ParallelCopier();
   ParallelCopier(const ParallelCopier&) = delete;
   ParallelCopier& operator=(const ParallelCopier&) = delete;
@@ -37,8 +40,9 @@ class ParallelCopier {
   // memcpy(dst, src, bytes); ranges must not overlap. From kMinParallelBytes on, one equal
   // share (page-rounded) per thread.
   void Copy(void* dst, const void* src, size_t bytes);
-  // Concatenates `pieces` (`size` bytes in all, e.g. a gRPC message's slices) into dst, in
-  // chunks of kChunkBytes spread over the threads from two chunks on.
+  // Concatenates `pieces` (`size` bytes in all, e.g. a gRPC message's slices) into dst, spread
+  // over the threads from gather_min_parallel_bytes on: in kChunkBytes chunks from two of them
+  // on, else one chunk per thread (page-rounded, at least kMinGatherChunkBytes).
   void Gather(absl::Span<const absl::Span<const uint8_t>> pieces, size_t size, void* dst);
   // Runs fn(i) for every i in [0, n) on the copier's threads (the caller's among them) and
   // returns when all are done: work that copies in its own way (core/device_upload.h).
@@ -47,6 +51,9 @@ class ParallelCopier {
 
   static constexpr size_t kMinParallelBytes = size_t{1} << 20;
   static constexpr size_t kChunkBytes = size_t{1} << 20;
+  static constexpr size_t kMinGatherChunkBytes = size_t{64} << 10;
+  static constexpr size_t kGatherMinParallelBytes = 2 * kChunkBytes;
+  size_t gather_min_parallel_bytes() const { return gather_min_parallel_bytes_; }
 
  private:
   ThreadPool* Pool();  // started at the first parallel copy
@@ -55,6 +62,7 @@ class ParallelCopier {
 
   const int num_threads_;
   const bool streaming_stores_;
+  const size_t gather_min_parallel_bytes_;
   std::once_flag pool_once_;
   std::unique_ptr<ThreadPool> pool_;
 };

@@ -6,7 +6,8 @@
 # engine) or 1m (the SMs copy up to 1 MiB), and by s (the server polls for calls:
 # --step_spin_us=SPIN_US, default 2000) and/or q (the load asks for no timings, so the server
 # skips the stage timers on all but --stage_timing_every's sampled steps; the round trip only);
-# VARIANTS, default "a b0 b".
+# VARIANTS, default "a b0 b". A variant ending in g gathers a request's pieces on several threads
+# from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES).
 # 1. the GPU suites (memcheck on the copy kernel's test), host_upload_test and
 #    shared_memory_cuda_test against the last build's server;
 # 2. engine_forward_bench (Engine::Forward in-process), trivial layer BF16 at 1/16/64 tokens,
@@ -30,6 +31,7 @@ env_of() {
   case $1 in
     ?0) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0 ;;
     ?1m) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576 ;;
+    *g) echo MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072} ;;
     *) echo MOESERVE_UNUSED=1 ;;
   esac
 }
@@ -38,7 +40,7 @@ flags_of() { [[ ${1:1} == *s* ]] && echo "--step_spin_us=${SPIN_US:-2000}"; }
 load_flags_of() { [[ ${1:1} == *q* ]] && echo "--return_timings=false"; }
 CSV=$OUT/engine.csv
 [ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
-  [[ ${v:1} == *[sq]* ]] && continue  # server or load flags: the in-process bench is the same
+  [[ ${v:1} == *[sqg]* ]] && continue  # server-only settings: the in-process bench is the same
   for timed in 1 0; do
     env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
       --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |
@@ -61,7 +63,7 @@ for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
     echo "$v,$m,$(val ${v}_r${round}_M$m p50),$(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_${v}_r${round}_M$m.log" | cut -d= -f2),$(grep -o 'server_stages_us_p50: .*' "$OUT/load_${v}_r${round}_M$m.log" | tr ' ' ';')" >> "$SCSV"
   done
   stop
-  unset MOESERVE_GRAPH_SM_COPY_MAX_BYTES MOESERVE_UNUSED
+  unset MOESERVE_GRAPH_SM_COPY_MAX_BYTES MOESERVE_GATHER_PARALLEL_MIN_BYTES MOESERVE_UNUSED
 done; done
 echo "== engine_forward_bench p50 wall us (median over rounds): variant layer timed tokens -> wall, experts stage"
 [ -s "$CSV" ] && python3 - "$CSV" <<'PY'

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <random>
 #include <thread>
 #include <utility>
@@ -59,41 +60,62 @@ TEST(ParallelCopierTest, CopiesEveryByteExactly) {
 // Gather: pieces of every size (empty ones, ones crossing chunk boundaries) land back to back,
 // below and above the parallel threshold; several threads gathering through one copier at once
 // (as gRPC's threads do) each get exactly their bytes.
-class GatherTest : public ::testing::TestWithParam<bool> {};
+// Gathers random pieces (empty ones, ones of up to 700 KiB) of messages of each of `sizes`, then
+// from four threads at once through the same copier (sizes base + t * base / 3, five each); true
+// when every byte landed in place and none past the end.
+bool GatherExactly(ParallelCopier& copier, uint32_t seed, size_t total) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> src(total);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<absl::Span<const uint8_t>> pieces;
+  size_t at = 0;
+  while (at < total) {
+    const size_t n = std::min<size_t>(total - at, rng() % 3 == 0 ? 0 : rng() % (700 * 1024));
+    pieces.emplace_back(src.data() + at, n);
+    at += n;
+  }
+  pieces.emplace_back();  // an empty last piece
+  std::vector<uint8_t> dst(total + 16, 0xEE);
+  copier.Gather(pieces, total, dst.data());
+  bool same = std::equal(src.begin(), src.end(), dst.begin());
+  for (size_t i = total; i < dst.size(); ++i) same = same && dst[i] == 0xEE;
+  return same;
+}
 
-TEST_P(GatherTest, ConcatenatesPiecesFromConcurrentCallers) {
-  ParallelCopier copier(3, /*streaming_stores=*/GetParam());
-  auto run = [&copier](uint32_t seed, size_t total) {
-    std::mt19937 rng(seed);
-    std::vector<uint8_t> src(total);
-    for (auto& b : src) b = static_cast<uint8_t>(rng());
-    std::vector<absl::Span<const uint8_t>> pieces;
-    size_t at = 0;
-    while (at < total) {
-      const size_t n = std::min<size_t>(total - at, rng() % 3 == 0 ? 0 : rng() % (700 * 1024));
-      pieces.emplace_back(src.data() + at, n);
-      at += n;
-    }
-    pieces.emplace_back();  // an empty last piece
-    std::vector<uint8_t> dst(total + 16, 0xEE);
-    copier.Gather(pieces, total, dst.data());
-    bool same = std::equal(src.begin(), src.end(), dst.begin());
-    for (size_t i = total; i < dst.size(); ++i) same = same && dst[i] == 0xEE;
-    return same;
-  };
-  const size_t chunk = ParallelCopier::kChunkBytes;
-  for (size_t total : {size_t{0}, size_t{5000}, 2 * chunk - 1, 2 * chunk, 7 * chunk + 123}) {
-    EXPECT_TRUE(run(static_cast<uint32_t>(total), total)) << total << " bytes";
+void RunGatherCases(ParallelCopier& copier, std::initializer_list<size_t> sizes, size_t base) {
+  for (size_t total : sizes) {
+    EXPECT_TRUE(GatherExactly(copier, static_cast<uint32_t>(total), total)) << total << " bytes";
   }
   std::vector<std::thread> callers;
   std::atomic<int> good{0};
   for (int t = 0; t < 4; ++t) {
     callers.emplace_back([&, t] {
-      for (int rep = 0; rep < 5; ++rep) good += run(100 + 10 * t + rep, (3 + t) << 20);
+      for (int rep = 0; rep < 5; ++rep) {
+        good += GatherExactly(copier, 100 + 10 * t + rep, base + t * (base / 3));
+      }
     });
   }
   for (auto& c : callers) c.join();
   EXPECT_EQ(good.load(), 20);
+}
+
+constexpr size_t kChunk = ParallelCopier::kChunkBytes;
+
+class GatherTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GatherTest, ConcatenatesPiecesFromConcurrentCallers) {
+  ParallelCopier copier(3, /*streaming_stores=*/GetParam());
+  RunGatherCases(copier, {0, 5000, kChunk * 2 - 1, kChunk * 2, kChunk * 7 + 123}, 3 << 20);
+}
+
+// A low parallel threshold spreads medium messages one chunk per thread (64 KiB at least):
+// sizes around those chunk bounds, down to a few bytes.
+TEST_P(GatherTest, MediumMessagesSpreadOverThreads) {
+  ParallelCopier copier(3, /*streaming_stores=*/GetParam(), /*gather_min_parallel_bytes=*/1);
+  RunGatherCases(copier,
+                 {1, 4095, 4097, 64 * 1024 - 1, 64 * 1024 + 1, 3 * 64 * 1024 + 7, 229888, 919552,
+                  kChunk * 3 - 5},
+                 200 * 1024);
 }
 
 INSTANTIATE_TEST_SUITE_P(Stores, GatherTest, ::testing::Bool(),
