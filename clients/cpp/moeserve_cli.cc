@@ -76,6 +76,9 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server gRPC address, HOST:POR
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(30), "Per-call deadline");
 ABSL_FLAG(int64_t, max_message_bytes, 256ll << 20, "Max gRPC message size sent/received");
 ABSL_FLAG(bool, wait_for_ready, false, "Wait for the channel to connect instead of failing fast");
+ABSL_FLAG(int64_t, client_spin_us, 0,
+          "forward/load: a unary Forward polls for its answer this long before it sleeps "
+          "(MoeClientOptions::spin_wait); costs a core per waiting caller");
 ABSL_FLAG(bool, tls, false, "Connect over TLS (implied by --tls_ca / --tls_cert / --tls_key)");
 ABSL_FLAG(std::string, tls_ca, "",
           "PEM roots that verify the server's certificate (empty with --tls: the system's)");
@@ -189,6 +192,11 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient(bool own_connection = fals
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  if (absl::GetFlag(FLAGS_client_spin_us) < 0 || absl::GetFlag(FLAGS_client_spin_us) > 1000000) {
+    return absl::InvalidArgumentError(absl::StrCat("--client_spin_us must be in [0, 1000000], got ",
+                                                   absl::GetFlag(FLAGS_client_spin_us)));
+  }
+  options.spin_wait = absl::Microseconds(absl::GetFlag(FLAGS_client_spin_us));
   options.use_tls = absl::GetFlag(FLAGS_tls);
   options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);

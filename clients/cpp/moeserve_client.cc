@@ -1,5 +1,7 @@
 #include "clients/cpp/moeserve_client.h"
 
+#include <grpc/support/time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -467,7 +469,25 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
     call->Finish(&response, &status, nullptr);
     void* tag = nullptr;
     bool ok = false;
-    const bool got = cq.Next(&tag, &ok);
+    bool got = false;
+    bool shut_down = false;
+    if (options_.spin_wait > absl::ZeroDuration()) {
+      const absl::Time spin_end = start + options_.spin_wait;
+      const gpr_timespec now = gpr_time_0(GPR_CLOCK_MONOTONIC);  // poll: return at once
+      while (!got && !shut_down && absl::Now() < spin_end) {
+        switch (cq.AsyncNext(&tag, &ok, now)) {
+          case grpc::CompletionQueue::GOT_EVENT:
+            got = true;
+            break;
+          case grpc::CompletionQueue::SHUTDOWN:
+            shut_down = true;
+            break;
+          case grpc::CompletionQueue::TIMEOUT:
+            break;
+        }
+      }
+    }
+    if (!got && !shut_down) got = cq.Next(&tag, &ok);
     cq.Shutdown();
     for (void* t; cq.Next(&t, &ok);) {
     }

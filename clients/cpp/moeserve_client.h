@@ -49,6 +49,10 @@ struct MoeClientOptions {
   std::string tls_server_name;
   // Sent as "authorization: Bearer <auth_token>" on every call when not empty.
   std::string auth_token;
+  // Forward (the blocking one) polls its completion queue without sleeping for up to this long
+  // before it blocks: a thread that sleeps through a call of a few hundred us pays its wake-up
+  // on the answer. Costs a core while it polls; 0: block at once.
+  absl::Duration spin_wait = absl::ZeroDuration();
 };
 
 // Inputs of one Forward call. Shapes: hidden_states [num_tokens, hidden] in hidden_dtype

@@ -33,8 +33,9 @@ run_gtest() {
 
 # gpu_suites FILTER: the bundle's GPU test binaries (cuda_kernels_test, cuda_experts_test,
 # engine_cuda_test), then compute-sanitizer on cuda_kernels_test's FILTER with each tool of
-# SANITIZERS (default racecheck), into $OUT/TOOL.log.
+# SANITIZERS (default racecheck), into $OUT/TOOL.log. SKIP_SUITES=1: none of it.
 gpu_suites() {
+  [ -n "${SKIP_SUITES:-}" ] && return 0  # e.g. a second pass of a script in the same call
   run_gtest cuda_kernels_test 200
   run_gtest cuda_experts_test 400
   run_gtest engine_cuda_test 300

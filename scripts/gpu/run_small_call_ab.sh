@@ -7,7 +7,8 @@
 # --step_spin_us=SPIN_US, default 2000) and/or q (the load asks for no timings, so the server
 # skips the stage timers on all but --stage_timing_every's sampled steps; the round trip only);
 # VARIANTS, default "a b0 b". A variant ending in g gathers a request's pieces on several threads
-# from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES).
+# from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES); c: the load's
+# callers poll for their answers (--client_spin_us=CLIENT_SPIN_US, default 2000).
 # 1. the GPU suites (memcheck on the copy kernel's test), host_upload_test and
 #    shared_memory_cuda_test against the last build's server;
 # 2. engine_forward_bench (Engine::Forward in-process), trivial layer BF16 at 1/16/64 tokens,
@@ -20,11 +21,14 @@ start_device_script "$1" || exit 1
 SANITIZERS=memcheck gpu_suites '*CopyBytes*:*Fp32ToHalf*'
 # gRPC bytes (page-locked request buffers) and shared-memory regions against the last build.
 for t in host_upload_test shared_memory_cuda_test; do
-  [ -x "$B/$t" ] && MOESERVE_BINARY=$B/moeserve_${LAST:-b} run_gtest $t 300
+  [ -z "${SKIP_SUITES:-}" ] && [ -x "$B/$t" ] && MOESERVE_BINARY=$B/moeserve_${LAST:-b} run_gtest $t 300
 done
 VARIANTS=${VARIANTS:-a b0 b}
 PORT=50171
 TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 --num_layers 1"
+# SERVER_LAYER=seed: the server runs the seed per-rank layer (MXFP8) instead of the trivial one.
+[ "${SERVER_LAYER:-trivial}" = seed ] &&
+  TRIVIAL="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 row() { :; }
 source "$(dirname "$0")/serve_lib.sh"
 env_of() {
@@ -37,10 +41,14 @@ env_of() {
 }
 bin_of() { echo "${1:0:1}"; }
 flags_of() { [[ ${1:1} == *s* ]] && echo "--step_spin_us=${SPIN_US:-2000}"; }
-load_flags_of() { [[ ${1:1} == *q* ]] && echo "--return_timings=false"; }
+load_flags_of() {
+  [[ ${1:1} == *q* ]] && echo "--return_timings=false"
+  [[ ${1:1} == *c* ]] && echo "--client_spin_us=${CLIENT_SPIN_US:-2000}"
+  true
+}
 CSV=$OUT/engine.csv
 [ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
-  [[ ${v:1} == *[sqg]* ]] && continue  # server-only settings: the in-process bench is the same
+  [[ ${v:1} == *[sqgc]* ]] && continue  # server-only settings: the in-process bench is the same
   for timed in 1 0; do
     env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
       --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "clients/cpp/moeserve_client.h"
 #include "core/engine.h"
 #include "core/model_config.h"
@@ -256,6 +258,33 @@ TEST_F(StreamTest, CancelledStreamLeavesServerServing) {
   ExpectCorrect(r, resp);
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+// The C++ client's unary Forward, blocking at once, polling past the answer (1 s) and polling
+// less than a call takes (1 us, then blocking): the same correct answers, and a refused call's
+// status either way.
+TEST_F(StreamTest, CppClientForwardPollsOrBlocks) {
+  for (absl::Duration spin : {absl::ZeroDuration(), absl::Seconds(1), absl::Microseconds(1)}) {
+    client::MoeClientOptions options;
+    options.spin_wait = spin;
+    auto client = client::MoeClient::Create(server_->bound_addresses()[0], options).value();
+    for (int i = 0; i < 4; ++i) {
+      const v1::ForwardRequest r =
+          Random(1 + 9 * i, i % 2 ? v1::DTYPE_FP32 : v1::DTYPE_BF16, i % model().num_layers,
+                 absl::StrCat("spin-", absl::FormatDuration(spin), "-", i));
+      absl::StatusOr<client::ForwardResult> result = client->Forward(r);
+      ASSERT_TRUE(result.ok()) << absl::FormatDuration(spin) << ": " << result.status();
+      v1::ForwardResponse resp;
+      *resp.mutable_output() = result->output;
+      resp.set_request_id(result->request_id);
+      ExpectCorrect(r, resp);
+    }
+    v1::ForwardRequest bad = Random(2, v1::DTYPE_BF16, 0, "spin-bad");
+    bad.set_layer(-1);
+    absl::StatusOr<client::ForwardResult> refused = client->Forward(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+        << absl::FormatDuration(spin);
+  }
 }
 
 // The C++ client's ForwardStream: answers in order, per-call errors as statuses, the stream's
