@@ -23,7 +23,8 @@
 #   Python without them, grpcio / protobuf / ml_dtypes / numpy wheels for that Python.
 #   OUT (default /tmp/transport): logs. Knobs for a smaller run (the CPU backend): MS="1 16",
 #   N=200 (calls per point; N_BIG=60 at M >= 1024), LAYERS="trivial seed", PY=1 (0: no Python),
-#   BUDGET_S=480 (loads not started by then are skipped and the table printed).
+#   BUDGET_S=480 (loads not started by then are skipped and the table printed); LOAD_FLAGS:
+#   more flags for every moeserve-cli load (e.g. --client_spin_us=2000).
 # Experts' time: the server's own experts stage (StageTimings.experts_us, p50 of the same calls;
 # the grouped expert MLPs). "server - experts" = server total p50 - experts p50; "rt - experts" =
 # client round trip p50 - experts p50 (medians of different quantities: an estimate).
@@ -175,7 +176,7 @@ load() {  # layer way M
   fi
   timeout 120 "$B/moeserve-cli" load --target "$target" --tokens "$m" --dtype bf16 \
     --concurrency 1 --requests "$(calls_for "$m")" --routing balanced --max_seconds 50 \
-    --distinct_inputs 4 "${flags[@]}" > "$f" 2>&1
+    --distinct_inputs 4 "${flags[@]}" ${LOAD_FLAGS:-} > "$f" 2>&1
   local rc=$?
   if [ $rc -ne 0 ] || ! grep -q '^latency_ms' "$f"; then
     local why
