@@ -227,7 +227,9 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
       timings->host_collect_us = host.host_collect_us;
       timings->host_timer_us = MicrosSince(timer_start);
     }
-    timings->prepare_us = graphed ? host.host_stage_us : us[StageTimer::kPrepare];
+    // A graph without event nodes is timed whole (experts); its prepare is the host staging.
+    const bool whole_graph = graphed && !timer->marks_in_graphs();
+    timings->prepare_us = whole_graph ? host.host_stage_us : us[StageTimer::kPrepare];
     timings->experts_us = us[StageTimer::kExperts];
     timings->finalize_us = us[StageTimer::kFinalize];
     const TransferStats stats1 = prepare_finalize_->transfer_stats();
@@ -335,17 +337,31 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
       apply.output, allocator_->Get(WorkspaceAllocator::kFusedOutput, DType::kFP32, shapes.output));
   const std::array<void*, 3> addresses = {apply.workspace13.raw_data(), apply.workspace2.raw_data(),
                                           apply.output.raw_data()};
-  if (timer) MOESERVE_RETURN_IF_ERROR(timer->Mark(StageTimer::kExperts));
+  // A timed step of a timer that marks inside graphs replays a graph with event nodes between
+  // its stages (the prepare stage then starts here, before the launch); with any other timer
+  // the whole graph is its experts stage.
+  const bool marks_in_graph = timer != nullptr && timer->marks_in_graphs();
+  if (timer) {
+    MOESERVE_RETURN_IF_ERROR(
+        timer->Mark(marks_in_graph ? StageTimer::kPrepare : StageTimer::kExperts));
+  }
   const std::unique_ptr<TopKWeightAndReduce> weight_and_reduce =
       experts_->FinalizeWeightAndReduceImpl();
   const DType out_dtype = output.dtype();
+  bool capturing = false;
+  auto mark = [&](StageTimer::Stage stage) -> absl::Status {
+    if (!marks_in_graph) return absl::OkStatus();
+    return capturing ? timer->MarkInGraph(stage) : timer->Mark(stage);
+  };
   // Only enqueues (see PrepareAndFinalize::supports_graphs): run eagerly, or captured.
   auto device_step = [&]() -> absl::Status {
     PreparedActivations prepared;
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->PrepareStaged(pargs, padded, &prepared));
+    MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kExperts));
     ExpertsApplyArgs a = apply;
     a.prepared = &prepared;
     MOESERVE_RETURN_IF_ERROR(experts_->Apply(a));
+    MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kFinalize));
     return prepare_finalize_->FinalizeStaged(out_dtype, output.device(), a.output, prepared,
                                              *weight_and_reduce);
   };
@@ -355,17 +371,24 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
                      out_dtype,
                      pargs.hidden_states.device().space,
                      output.device().space,
-                     pargs.topk_ids.device().space};
+                     pargs.topk_ids.device().space,
+                     marks_in_graph};
   const Clock::time_point launch_start = Clock::now();
   auto it = graphs_.find(key);
   if (it != graphs_.end() && it->second.workspaces == addresses) {
     MOESERVE_RETURN_IF_ERROR(it->second.graph->Launch());
     ++replays_;
+    if (marks_in_graph) {
+      MOESERVE_RETURN_IF_ERROR(timer->MarkReplayed(StageTimer::kExperts));
+      MOESERVE_RETURN_IF_ERROR(timer->MarkReplayed(StageTimer::kFinalize));
+    }
   } else {
     // First use (or the workspaces moved): this forward runs eagerly, which also loads every
     // kernel the capture will record, then the same work is captured for the next ones.
     MOESERVE_RETURN_IF_ERROR(device_step());
+    capturing = true;
     absl::StatusOr<std::unique_ptr<StepGraph>> graph = allocator_->Capture(device_step);
+    capturing = false;
     if (graph.ok()) {
       graphs_[key] = GraphEntry{std::move(*graph), addresses};
       held_ = static_cast<int64_t>(graphs_.size());

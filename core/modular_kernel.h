@@ -403,9 +403,11 @@ class ModularKernel {
     int64_t tokens;
     DType in, out;
     MemorySpace in_space, out_space, routing_space;
+    bool timed;  // with the timer's event nodes between the stages (StageTimer::MarkInGraph)
     bool operator<(const GraphKey& o) const {
-      return std::tie(layer, tokens, in, out, in_space, out_space, routing_space) <
-             std::tie(o.layer, o.tokens, o.in, o.out, o.in_space, o.out_space, o.routing_space);
+      return std::tie(layer, tokens, in, out, in_space, out_space, routing_space, timed) <
+             std::tie(o.layer, o.tokens, o.in, o.out, o.in_space, o.out_space, o.routing_space,
+                      o.timed);
     }
   };
   struct GraphEntry {

@@ -34,6 +34,20 @@ class StageTimer {
   virtual absl::Status Stop() = 0;
   // Microseconds per stage, summed over the intervals. Device timers wait for the last mark.
   virtual absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() = 0;
+
+  // Marks inside a captured graph (StepGraph), for timers that support them (a CUDA timer: an
+  // event node, recorded again at every replay into one event per stage). MarkInGraph is
+  // called while the graph is captured, instead of Mark; after each launch of that graph,
+  // MarkReplayed(stage) for each stage it marked, in the same order, takes the replay's event
+  // as the next mark. Timers without them (the default) keep the stages of a graphed step
+  // outside it.
+  virtual bool marks_in_graphs() const { return false; }
+  virtual absl::Status MarkInGraph(Stage stage) {
+    return absl::UnimplementedError("this timer cannot mark inside a graph");
+  }
+  virtual absl::Status MarkReplayed(Stage stage) {
+    return absl::UnimplementedError("this timer cannot mark inside a graph");
+  }
 };
 
 // Device work captured once and replayed (a CUDA graph): Launch enqueues all of it again, with

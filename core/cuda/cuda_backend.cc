@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -121,52 +122,89 @@ CudaContext::~CudaContext() {
 namespace {
 
 // One event per boundary mark on the context's stream; elapsed times are read once, after the
-// forward's last synchronization, so timing adds no host wait of its own.
+// forward's last synchronization, so timing adds no host wait of its own. Marks inside a graph
+// record one event per stage, which every replay records again (cudaEventRecordExternal).
 class CudaStageTimer final : public StageTimer {
  public:
   explicit CudaStageTimer(std::shared_ptr<CudaContext> ctx) : ctx_(std::move(ctx)) {}
   ~CudaStageTimer() override {
     cudaSetDevice(ctx_->device());
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : graph_events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
   }
-  void Reset() override { marks_.clear(); }
+  void Reset() override {
+    marks_.clear();
+    used_ = 0;
+  }
   absl::Status Mark(Stage stage) override {
-    if (!marks_.empty() && marks_.back() == stage) return absl::OkStatus();
+    if (!marks_.empty() && marks_.back().stage == stage) return absl::OkStatus();
     return Record(stage);
   }
   absl::Status Stop() override {  // idempotent: the first Stop ends the forward's timing
-    if (!marks_.empty() && marks_.back() == kNumStages) return absl::OkStatus();
+    if (!marks_.empty() && marks_.back().stage == kNumStages) return absl::OkStatus();
     return Record(kNumStages);
   }
   absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() override {
     std::array<double, kNumStages> us{};
     if (marks_.empty()) return us;
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
-    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size() - 1]));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(marks_.back().event));
     for (size_t i = 0; i + 1 < marks_.size(); ++i) {
-      if (marks_[i] == kNumStages) continue;  // stopped: no stage ran until the next mark
+      if (marks_[i].stage == kNumStages) continue;  // stopped: no stage ran until the next mark
       float ms = 0;
-      MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
-      us[marks_[i]] += 1000.0 * ms;
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaEventElapsedTime(&ms, marks_[i].event, marks_[i + 1].event));
+      us[marks_[i].stage] += 1000.0 * ms;
     }
     return us;
   }
+  bool marks_in_graphs() const override { return true; }
+  absl::Status MarkInGraph(Stage stage) override {
+    MOESERVE_ASSIGN_OR_RETURN(cudaEvent_t e, GraphEvent(stage));
+    MOESERVE_CUDA_RETURN_IF_ERROR(
+        cudaEventRecordWithFlags(e, StreamOf(*ctx_), cudaEventRecordExternal));
+    return absl::OkStatus();
+  }
+  absl::Status MarkReplayed(Stage stage) override {
+    MOESERVE_ASSIGN_OR_RETURN(cudaEvent_t e, GraphEvent(stage));
+    marks_.push_back({static_cast<int>(stage), e});
+    return absl::OkStatus();
+  }
 
  private:
-  absl::Status Record(int mark) {
+  struct MarkAt {
+    int stage;  // the stage this mark starts; kNumStages: Stop()
+    cudaEvent_t event;
+  };
+  absl::Status Record(int stage) {
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
-    if (marks_.size() == events_.size()) {
+    if (used_ == events_.size()) {
       cudaEvent_t e = nullptr;
       MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
       events_.push_back(e);
     }
-    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[marks_.size()], StreamOf(*ctx_)));
-    marks_.push_back(mark);
+    cudaEvent_t e = events_[used_++];
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(e, StreamOf(*ctx_)));
+    marks_.push_back({stage, e});
     return absl::OkStatus();
   }
+  absl::StatusOr<cudaEvent_t> GraphEvent(Stage stage) {
+    if (stage < 0 || stage >= kNumStages) {
+      return absl::InvalidArgumentError("MarkInGraph: not a stage");
+    }
+    if (graph_events_[stage] == nullptr) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&graph_events_[stage]));
+    }
+    return graph_events_[stage];
+  }
   std::shared_ptr<CudaContext> ctx_;
-  std::vector<cudaEvent_t> events_;  // grow-only pool, one per mark
-  std::vector<int> marks_;           // the stage each mark starts; kNumStages: Stop()
+  std::vector<cudaEvent_t> events_;                     // grow-only pool for host-side marks
+  size_t used_ = 0;                                     // events_ used since Reset
+  std::array<cudaEvent_t, kNumStages> graph_events_{};  // recorded by graphs' event nodes
+  std::vector<MarkAt> marks_;
 };
 
 class CudaWorkspaceAllocator final : public WorkspaceAllocator {

@@ -4,10 +4,12 @@
 // replay runs the recorded ops again. So a test fails if ModularKernel replays a graph over
 // buffers that moved, forgets to stage fresh inputs, pads wrongly or copies out the wrong rows.
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +27,8 @@ constexpr Device kFakeGpu = Device::Cuda(0);
 
 struct FakeStream {
   std::vector<std::function<void()>>* recording = nullptr;
+  // The fake device's clock: the staged copy in adds 1, the experts 10, the copy out 100.
+  int64_t ticks = 0;
   void Enqueue(std::function<void()> op) {
     if (recording != nullptr) {
       recording->push_back(std::move(op));
@@ -46,10 +50,61 @@ class FakeGraph final : public StepGraph {
   std::vector<std::function<void()>> ops_;
 };
 
+// A device timer on the fake stream's clock that marks inside graphs as a CUDA timer does: a
+// mark reads the clock when the stream reaches it; a mark in a graph is an op of the graph that
+// writes its stage's slot at every replay, and MarkReplayed reads that slot.
+class FakeGraphTimer final : public StageTimer {
+ public:
+  explicit FakeGraphTimer(FakeStream* stream) : stream_(stream) {}
+  void Reset() override { marks_.clear(); }
+  absl::Status Mark(Stage stage) override { return Record(stage); }
+  absl::Status Stop() override {
+    if (!marks_.empty() && marks_.back().first == kNumStages) return absl::OkStatus();
+    return Record(kNumStages);
+  }
+  absl::StatusOr<std::array<double, kNumStages>> ElapsedUs() override {
+    std::array<double, kNumStages> us{};
+    for (size_t i = 0; i + 1 < marks_.size(); ++i) {
+      if (marks_[i].first == kNumStages) continue;
+      us[marks_[i].first] += static_cast<double>(*marks_[i + 1].second - *marks_[i].second);
+    }
+    return us;
+  }
+  bool marks_in_graphs() const override { return true; }
+  absl::Status MarkInGraph(Stage stage) override {
+    if (stream_->recording == nullptr) return absl::InternalError("MarkInGraph outside a capture");
+    int64_t* slot = &graph_slots_[stage];
+    FakeStream* stream = stream_;
+    stream_->Enqueue([slot, stream] { *slot = stream->ticks; });
+    ++in_graph_marks;
+    return absl::OkStatus();
+  }
+  absl::Status MarkReplayed(Stage stage) override {
+    marks_.push_back({stage, &graph_slots_[stage]});
+    return absl::OkStatus();
+  }
+  int in_graph_marks = 0;
+
+ private:
+  absl::Status Record(int stage) {
+    auto clock = std::make_shared<int64_t>(0);
+    owned_.push_back(clock);
+    FakeStream* stream = stream_;
+    stream_->Enqueue([clock, stream] { *clock = stream->ticks; });
+    marks_.push_back({stage, clock.get()});
+    return absl::OkStatus();
+  }
+  FakeStream* stream_;
+  std::array<int64_t, kNumStages> graph_slots_{};
+  std::vector<std::shared_ptr<int64_t>> owned_;
+  std::vector<std::pair<int, const int64_t*>> marks_;
+};
+
 // Grow-only buffers that really move when they grow (a new allocation, the old one freed).
 class FakeAllocator final : public WorkspaceAllocator {
  public:
-  explicit FakeAllocator(FakeStream* stream) : stream_(stream) {}
+  explicit FakeAllocator(FakeStream* stream, bool graph_timer = false)
+      : stream_(stream), graph_timer_(graph_timer) {}
   Device device() const override { return kFakeGpu; }
   absl::StatusOr<TensorView> Get(Slot slot, DType dtype, const Shape& shape) override {
     const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
@@ -57,7 +112,10 @@ class FakeAllocator final : public WorkspaceAllocator {
     if (b == nullptr || b->size() < bytes) b = std::make_unique<std::vector<uint8_t>>(bytes);
     return TensorView(b->data(), dtype, shape, kFakeGpu);
   }
-  std::unique_ptr<StageTimer> MakeStageTimer() const override { return MakeHostStageTimer(); }
+  std::unique_ptr<StageTimer> MakeStageTimer() const override {
+    if (graph_timer_) return std::make_unique<FakeGraphTimer>(stream_);
+    return MakeHostStageTimer();
+  }
   absl::StatusOr<std::unique_ptr<StepGraph>> Capture(
       const std::function<absl::Status()>& enqueue) override {
     std::vector<std::function<void()>> ops;
@@ -72,6 +130,7 @@ class FakeAllocator final : public WorkspaceAllocator {
 
  private:
   FakeStream* stream_;
+  const bool graph_timer_;
   std::unique_ptr<std::vector<uint8_t>> buffers_[kNumSlots];
 };
 
@@ -134,7 +193,9 @@ class FakePrepareFinalize final : public PrepareAndFinalize {
     const int64_t k = args.hidden_states.dim(1), topk = args.topk_ids.dim(1);
     float *px = pin_x_.data(), *dx = dev_x_.data(), *pw = pin_w_.data(), *dw = dev_w_.data();
     int32_t *pi = pin_ids_.data(), *di = dev_ids_.data();
+    FakeStream* stream = stream_;
     stream_->Enqueue([=] {
+      stream->ticks += 1;
       std::copy_n(px, padded * k, dx);
       std::copy_n(pi, padded * topk, di);
       std::copy_n(pw, padded * topk, dw);
@@ -148,7 +209,11 @@ class FakePrepareFinalize final : public PrepareAndFinalize {
     const float* src = fused.data<float>();
     float* dst = pin_out_.data();
     const int64_t n = p.problem.num_tokens * p.problem.hidden;
-    stream_->Enqueue([=] { std::copy_n(src, n, dst); });
+    FakeStream* stream = stream_;
+    stream_->Enqueue([=] {
+      stream->ticks += 100;
+      std::copy_n(src, n, dst);
+    });
     return absl::OkStatus();
   }
   absl::Status CollectOutput(const TensorView& output, StageTimer*) override {
@@ -205,7 +270,9 @@ class FakeExperts final : public Experts {
     const int32_t* ids = p.topk_ids.data<int32_t>();
     const float* w = p.topk_weights.data<float>();
     float* out = args.output.data<float>();
+    FakeStream* stream = stream_;
     stream_->Enqueue([=] {
+      stream->ticks += 10;
       for (int64_t t = 0; t < m; ++t) {
         float scale = 0;
         for (int64_t j = 0; j < topk; ++j) {
@@ -229,10 +296,11 @@ struct Fixture {
   LayerWeights weights;
 };
 
-std::unique_ptr<Fixture> MakeFixture() {
+// graph_timer: the kernel's stage timer marks inside graphs (FakeGraphTimer).
+std::unique_ptr<Fixture> MakeFixture(bool graph_timer = false) {
   auto f = std::make_unique<Fixture>();
   auto pf = std::make_unique<FakePrepareFinalize>(&f->stream);
-  auto allocator = std::make_unique<FakeAllocator>(&f->stream);
+  auto allocator = std::make_unique<FakeAllocator>(&f->stream, graph_timer);
   f->pf = pf.get();
   f->allocator = allocator.get();
   auto kernel = ModularKernel::Create(std::move(pf), std::make_unique<FakeExperts>(&f->stream),
@@ -248,9 +316,10 @@ std::unique_ptr<Fixture> MakeFixture() {
 constexpr int64_t kHidden = 16, kTopk = 2, kExperts = 8;
 
 // One forward of m fresh random tokens on `layer`, checked against the formula.
-// `timings`, when given, receives the forward's stage timings.
+// `timings`, when given, receives the forward's stage timings; `timed` false runs it without
+// the stage timers.
 void ForwardAndCheck(Fixture& f, int layer, int64_t m, std::mt19937& rng,
-                     StageTimings* timings_out = nullptr) {
+                     StageTimings* timings_out = nullptr, bool timed = true) {
   std::normal_distribution<float> normal;
   std::uniform_int_distribution<int32_t> expert(0, kExperts - 1);
   std::vector<float> x(m * kHidden), w(m * kTopk), out(m * kHidden, -7.0f);
@@ -266,8 +335,10 @@ void ForwardAndCheck(Fixture& f, int layer, int64_t m, std::mt19937& rng,
   args.weights = &f.weights;
   args.num_experts = kExperts;
   StageTimings timings;
-  ASSERT_TRUE(
-      f.kernel->Forward(args, TensorView(out.data(), DType::kFP32, {m, kHidden}), &timings).ok());
+  ASSERT_TRUE(f.kernel
+                  ->Forward(args, TensorView(out.data(), DType::kFP32, {m, kHidden}),
+                            timed ? &timings : nullptr)
+                  .ok());
   for (int64_t t = 0; t < m; ++t) {
     float scale = 0;
     for (int64_t j = 0; j < kTopk; ++j) scale += w[t * kTopk + j] * (ids[t * kTopk + j] + 1);
@@ -277,6 +348,31 @@ void ForwardAndCheck(Fixture& f, int layer, int64_t m, std::mt19937& rng,
     }
   }
   if (timings_out != nullptr) *timings_out = timings;
+}
+
+// A timer that marks inside graphs gets each stage of a graphed step measured on the device's
+// clock, on the eager first run and on every replay: prepare = the staged copy in, experts =
+// the experts, finalize = the copy out (1, 10 and 100 ticks). Timed and untimed steps replay
+// graphs of their own (the untimed one has no marks).
+TEST(ModularKernelGraphs, TimedStepsMarkTheirStagesInsideTheGraph) {
+  auto f = MakeFixture(/*graph_timer=*/true);
+  ASSERT_TRUE(f->kernel->EnableGraphs({.max_tokens = 32}).ok());
+  std::mt19937 rng(21);
+  for (int step = 0; step < 6; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    const bool timed = step % 3 != 2;  // steps 2 and 5 untimed
+    StageTimings t;
+    ForwardAndCheck(*f, 0, 5, rng, &t, timed);
+    if (timed) {
+      EXPECT_EQ(t.prepare_us, 1);
+      EXPECT_EQ(t.experts_us, 10);
+      EXPECT_EQ(t.finalize_us, 100);
+    }
+  }
+  const GraphStats stats = f->kernel->graph_stats();
+  EXPECT_EQ(stats.captures, 2);  // the timed graph (step 0) and the untimed one (step 2)
+  EXPECT_EQ(stats.replays, 4);
+  EXPECT_EQ(stats.eager, 0);
 }
 
 TEST(ModularKernelGraphs, DefaultSizesPadAtMostAQuarterAboveEight) {

@@ -248,6 +248,57 @@ TEST(EngineCuda, GraphReplayMatchesCpuReference) {
   unsetenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
 }
 
+// A timed graphed step replays a graph with event nodes between its stages, so prepare (the
+// launch and the staged copy in), experts and finalize (the reduce and the copy out) are each
+// measured, and within the step's host wall time; untimed steps replay a graph without them.
+// Both answer as the CPU reference does.
+TEST(EngineCuda, TimedGraphedStepsTimeEachStage) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto reference = Engine::Create(Small("cpu", "reference", WeightFormat::kBF16));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EngineOptions o = Small("cuda", "cuda", WeightFormat::kBF16);
+  o.num_ranks = 1;
+  o.steps_in_flight = 1;
+  o.graph_max_tokens = 64;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const ModelConfig& model = (*engine)->info().model;
+  std::mt19937 rng(9);
+  const int64_t m = 16;
+  for (int step = 0; step < 6; ++step) {
+    const bool timed = step % 2 == 0;
+    SCOPED_TRACE(absl::StrCat("step ", step, timed ? " timed" : " untimed"));
+    const Tensor x = ToBf16(ep_testing::RandomNormal({m, model.hidden}, rng));
+    const Tensor ids = ep_testing::MakeRouting(Routing::kUniform, m, model.topk, model.num_experts,
+                                               {3, 4, 5, 6}, rng);
+    const Tensor w = ep_testing::RandomTopkWeights(m, model.topk, rng);
+    Tensor got = Tensor::Empty(DType::kBF16, {m, model.hidden});
+    Tensor want = Tensor::Empty(DType::kBF16, {m, model.hidden});
+    ForwardTimings t;
+    ASSERT_TRUE((*engine)
+                    ->ForwardValidated({0, x.view(), ids.view(), w.view()}, got.view(), &t, nullptr,
+                                       /*time_stages=*/timed)
+                    .ok());
+    ASSERT_TRUE((*reference)->Forward({0, x.view(), ids.view(), w.view()}, want.view()).ok());
+    const std::vector<float> g = Bf16ToFloats(got), r = Bf16ToFloats(want);
+    EXPECT_LT(ep_testing::RelativeL2Error(g.data(), r.data(), g.size()), kBf16Tolerance);
+    EXPECT_EQ(t.stages_timed, timed);
+    if (timed) {
+      EXPECT_GT(t.stages.prepare_us, 0);
+      EXPECT_GT(t.stages.experts_us, 0);
+      EXPECT_GT(t.stages.finalize_us, 0);
+      EXPECT_LE(t.stages.prepare_us + t.stages.experts_us + t.stages.finalize_us, t.engine_us);
+    } else {
+      EXPECT_EQ(t.stages.experts_us, 0);
+    }
+  }
+  const GraphStats stats = (*engine)->graph_stats();
+  EXPECT_TRUE(stats.disabled_reason.empty()) << stats.disabled_reason;
+  EXPECT_EQ(stats.eager, 0);
+  EXPECT_EQ(stats.captures, 2);  // the timed graph and the untimed one of 16 tokens
+  EXPECT_EQ(stats.replays, 4);
+}
+
 // A device copy of a host tensor (freed with the object).
 struct DeviceCopy {
   void* ptr = nullptr;
