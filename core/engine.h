@@ -120,8 +120,8 @@ class Engine {
   // engine's model and max_tokens_per_request), e.g. the batcher: the O(M * topk) value scan is
   // not repeated. Shapes and the output are still checked.
   // `time_stages` false skips the stage timers while still filling the host-clock timings
-  // (queue_us, engine_us): a GPU rank's timers record device events, about 6 us of a one-token
-  // step on an H200 (tests/benchmarks/engine/RESULTS.md, 2026-12-04 07:12).
+  // (queue_us, engine_us): a GPU rank's timers record device events, about 9 us of a one-token
+  // step on an H200 (tests/benchmarks/engine/RESULTS.md, 2026-12-04 14:23).
   absl::Status ForwardValidated(const ForwardInput& input, const TensorView& output,
                                 ForwardTimings* timings = nullptr, StopCheck stop = nullptr,
                                 bool time_stages = true);

@@ -119,7 +119,8 @@ ABSL_FLAG(int64_t, stage_timing_every, 16,
           "Engine steps that run their stage timers (prepare/experts/finalize in replies and in "
           "moeserve_forward_stage_seconds): the step of every call that asks for timings "
           "(return_timings), and one in this many of the others. On a GPU the timers record "
-          "device events, about 6 us of a one-token step (H200); 1: time every step");
+          "device events, 9 us of a one-token graphed step (H200: 30.7 untimed, 39.4 timed); 1: "
+          "time every step");
 ABSL_FLAG(int64_t, step_spin_us, -1,
           "How long an idle scheduling thread polls for the next gRPC call before it sleeps "
           "(one thread; it keeps a core busy while calls come within this window). A sleeping "
