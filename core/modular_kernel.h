@@ -296,10 +296,10 @@ class Experts {
   virtual bool supports_graphs() const { return false; }
 };
 
-// Stage times: host wall clock for host kernels, device time (events) for device ones. A
-// graphed step's device work is one graph (its copies, routing, GEMMs and reduce): experts_us is
-// that graph's device time, prepare_us its host staging (= host_stage_us) and finalize_us 0, so
-// that timing it records two device events, not four.
+// Stage times: host wall clock for host kernels, device time (events) for device ones. A graphed
+// step with a timer that marks inside graphs (StageTimer::marks_in_graphs, the CUDA one) is timed
+// by event nodes between its stages; with any other timer its whole graph is experts_us,
+// prepare_us its host staging (= host_stage_us) and finalize_us 0.
 struct StageTimings {
   double prepare_us = 0;
   double experts_us = 0;

@@ -53,7 +53,6 @@ class ParallelCopier {
   static constexpr size_t kChunkBytes = size_t{1} << 20;
   static constexpr size_t kMinGatherChunkBytes = size_t{64} << 10;
   static constexpr size_t kGatherMinParallelBytes = 2 * kChunkBytes;
-  size_t gather_min_parallel_bytes() const { return gather_min_parallel_bytes_; }
 
  private:
   ThreadPool* Pool();  // started at the first parallel copy

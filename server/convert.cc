@@ -269,11 +269,9 @@ ParallelCopier& GatherCopier() {
     // MOESERVE_GATHER_PARALLEL_MIN_BYTES: from what size a request's pieces are gathered on
     // several threads (default two 1 MiB chunks); a tuning knob, measured before it is a flag.
     size_t min_parallel = ParallelCopier::kGatherMinParallelBytes;
-    if (const char* env = std::getenv("MOESERVE_GATHER_PARALLEL_MIN_BYTES")) {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(env, &end, 10);
-      if (end != env && *end == '\0') min_parallel = static_cast<size_t>(v);
-    }
+    const char* env = std::getenv("MOESERVE_GATHER_PARALLEL_MIN_BYTES");
+    size_t bytes = 0;
+    if (env != nullptr && absl::SimpleAtoi(env, &bytes)) min_parallel = bytes;
     return new ParallelCopier(threads, gather_streaming_stores.load(), min_parallel);
   }();
   return *copier;

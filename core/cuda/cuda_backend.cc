@@ -55,6 +55,14 @@ constexpr int kStagingCopyThreads = 4;
 // A copy-engine node costs a captured step several us at any size, the SMs' PCIe reads and
 // writes of page-locked memory well under that for small copies (one token's hidden states
 // and answer). MOESERVE_GRAPH_SM_COPY_MAX_BYTES overrides the limit for A/B runs (0: never).
+constexpr size_t kGraphSmCopyMaxBytes = size_t{256} << 10;
+size_t GraphSmCopyMaxBytes() {
+  const char* v = std::getenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
+  size_t bytes = 0;
+  if (v != nullptr && absl::SimpleAtoi(v, &bytes)) return bytes;
+  return kGraphSmCopyMaxBytes;
+}
+
 // The reduce's output kind for an answer dtype (FP32, BF16 or FP16: writes_output_dtype).
 kernels::ReduceOutput ReduceOutputOf(DType dtype) {
   switch (dtype) {
@@ -65,14 +73,6 @@ kernels::ReduceOutput ReduceOutputOf(DType dtype) {
     default:
       return kernels::ReduceOutput::kFp32;
   }
-}
-
-constexpr size_t kGraphSmCopyMaxBytes = size_t{256} << 10;
-size_t GraphSmCopyMaxBytes() {
-  const char* v = std::getenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
-  size_t bytes = 0;
-  if (v != nullptr && absl::SimpleAtoi(v, &bytes)) return bytes;
-  return kGraphSmCopyMaxBytes;
 }
 
 }  // namespace

@@ -231,20 +231,18 @@ cudaError_t LaunchTopKWeightAndReduceContiguous(const float* in, const float* to
                                                 cudaStream_t stream) {
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   const int64_t n = num_tokens * (hidden % 4 == 0 ? hidden / 4 : hidden);
-  const auto* no_slot = static_cast<const int32_t*>(nullptr);
+  auto launch = [&](auto kernel) {
+    return LaunchPdl(kernel, dim3(ReduceBlocks(n)), dim3(256), 0, stream, in, topk_weights,
+                     topk_ids, static_cast<const int32_t*>(nullptr), num_tokens, topk, hidden,
+                     num_experts, int64_t{0}, out);
+  };
   switch (out_kind) {
     case ReduceOutput::kFp32:
-      return LaunchPdl(TopKReduceKernel<false, ReduceOutput::kFp32>, dim3(ReduceBlocks(n)),
-                       dim3(256), 0, stream, in, topk_weights, topk_ids, no_slot, num_tokens, topk,
-                       hidden, num_experts, int64_t{0}, out);
+      return launch(TopKReduceKernel<false, ReduceOutput::kFp32>);
     case ReduceOutput::kBf16:
-      return LaunchPdl(TopKReduceKernel<false, ReduceOutput::kBf16>, dim3(ReduceBlocks(n)),
-                       dim3(256), 0, stream, in, topk_weights, topk_ids, no_slot, num_tokens, topk,
-                       hidden, num_experts, int64_t{0}, out);
+      return launch(TopKReduceKernel<false, ReduceOutput::kBf16>);
     case ReduceOutput::kFp16:
-      return LaunchPdl(TopKReduceKernel<false, ReduceOutput::kFp16>, dim3(ReduceBlocks(n)),
-                       dim3(256), 0, stream, in, topk_weights, topk_ids, no_slot, num_tokens, topk,
-                       hidden, num_experts, int64_t{0}, out);
+      return launch(TopKReduceKernel<false, ReduceOutput::kFp16>);
   }
   return cudaErrorInvalidValue;
 }

@@ -44,6 +44,16 @@ EngineOptions Small(const std::string& backend, const std::string& experts, Weig
   return o;
 }
 
+// Small(...) on one GPU, one step in flight, steps of up to graph_max_tokens graphed.
+EngineOptions GraphedOnOneGpu(const std::string& experts, WeightFormat wf,
+                              int64_t graph_max_tokens) {
+  EngineOptions o = Small("cuda", experts, wf);
+  o.num_ranks = 1;
+  o.steps_in_flight = 1;
+  o.graph_max_tokens = graph_max_tokens;
+  return o;
+}
+
 using ep_testing::Bf16ToFloats;
 using ep_testing::ToBf16;
 
@@ -197,11 +207,7 @@ TEST(EngineCuda, GraphReplayMatchesCpuReference) {
       for (const std::string experts : {"cuda", "cuda_grouped_sm90"}) {
         if (experts == "cuda_grouped_sm90" && !CudaGroupedSm90Supported(0).ok()) continue;
         SCOPED_TRACE(absl::StrCat("SM copies up to ", sm_copy, " bytes"));
-        EngineOptions o = Small("cuda", experts, wf);
-        o.num_ranks = 1;
-        o.steps_in_flight = 1;
-        o.graph_max_tokens = 64;
-        auto engine = Engine::Create(o);
+        auto engine = Engine::Create(GraphedOnOneGpu(experts, wf, 64));
         ASSERT_TRUE(engine.ok()) << engine.status();
         ASSERT_EQ((*engine)->info().graph_max_tokens, 64);
         const ModelConfig& model = (*engine)->info().model;
@@ -256,11 +262,7 @@ TEST(EngineCuda, TimedGraphedStepsTimeEachStage) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   auto reference = Engine::Create(Small("cpu", "reference", WeightFormat::kBF16));
   ASSERT_TRUE(reference.ok()) << reference.status();
-  EngineOptions o = Small("cuda", "cuda", WeightFormat::kBF16);
-  o.num_ranks = 1;
-  o.steps_in_flight = 1;
-  o.graph_max_tokens = 64;
-  auto engine = Engine::Create(o);
+  auto engine = Engine::Create(GraphedOnOneGpu("cuda", WeightFormat::kBF16, 64));
   ASSERT_TRUE(engine.ok()) << engine.status();
   const ModelConfig& model = (*engine)->info().model;
   std::mt19937 rng(9);
@@ -323,11 +325,7 @@ TEST(EngineCuda, DeviceRoutingMatchesReferenceAndRefusesBadValues) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   auto reference = Engine::Create(Small("cpu", "reference", WeightFormat::kBF16));
   ASSERT_TRUE(reference.ok()) << reference.status();
-  EngineOptions o = Small("cuda", "cuda", WeightFormat::kBF16);
-  o.num_ranks = 1;
-  o.steps_in_flight = 1;
-  o.graph_max_tokens = 64;
-  auto engine = Engine::Create(o);
+  auto engine = Engine::Create(GraphedOnOneGpu("cuda", WeightFormat::kBF16, 64));
   ASSERT_TRUE(engine.ok()) << engine.status();
   ASSERT_TRUE((*engine)->info().device_routing);
   const ModelConfig& model = (*engine)->info().model;
@@ -537,11 +535,7 @@ TEST(EngineCuda, W8A8GraphReplayMatchesCpuReference) {
   if (!CudaGroupedSm90Supported(0).ok()) GTEST_SKIP() << CudaGroupedSm90Supported(0);
   auto reference = Engine::Create(Small("cpu", "reference", WeightFormat::kMXFP8));
   ASSERT_TRUE(reference.ok()) << reference.status();
-  EngineOptions o = Small("cuda", "cuda_w8a8", WeightFormat::kMXFP8);
-  o.num_ranks = 1;
-  o.steps_in_flight = 1;
-  o.graph_max_tokens = 256;
-  auto engine = Engine::Create(o);
+  auto engine = Engine::Create(GraphedOnOneGpu("cuda_w8a8", WeightFormat::kMXFP8, 256));
   ASSERT_TRUE(engine.ok()) << engine.status();
   ASSERT_EQ((*engine)->info().graph_max_tokens, 256);
   const ModelConfig& model = (*engine)->info().model;

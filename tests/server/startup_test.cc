@@ -39,6 +39,19 @@ grpc::health::v1::HealthCheckResponse::ServingStatus Health(
   return resp.status();
 }
 
+// A small CPU engine (hidden 64, 4 experts, top-2, one thread) to attach to a server.
+std::unique_ptr<Engine> SmallCpuEngine() {
+  EngineOptions engine_options;
+  ModelOverrides o;
+  o.hidden = 64;
+  o.intermediate = 32;
+  o.num_experts = 4;
+  o.topk = 2;
+  engine_options.model = ApplyOverrides(ModelPreset("tiny").value(), o).value();
+  engine_options.num_threads = 1;
+  return Engine::Create(engine_options).value();
+}
+
 TEST(StartupTest, BoundBeforeTheEngineThenServing) {
   ServerOptions options;
   options.listen_addresses = {"127.0.0.1:0"};
@@ -136,15 +149,7 @@ TEST(StartupTest, BoundBeforeTheEngineThenServing) {
   }
 
   // The engine arrives: SERVING, and the same call is answered.
-  EngineOptions engine_options;
-  ModelOverrides o;
-  o.hidden = 64;
-  o.intermediate = 32;
-  o.num_experts = 4;
-  o.topk = 2;
-  engine_options.model = ApplyOverrides(ModelPreset("tiny").value(), o).value();
-  engine_options.num_threads = 1;
-  std::unique_ptr<Engine> engine = Engine::Create(engine_options).value();
+  std::unique_ptr<Engine> engine = SmallCpuEngine();
   phase = "weights loaded";
   ASSERT_TRUE((*server)->AttachEngine(engine.get()).ok());
   EXPECT_FALSE((*server)->AttachEngine(engine.get()).ok());  // once
@@ -185,15 +190,7 @@ TEST(StartupTest, IdleSpinByBackend) {
   options.metrics_address = "";
   options.batcher.idle_spin = absl::Microseconds(-1);
   std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
-  EngineOptions engine_options;
-  ModelOverrides o;
-  o.hidden = 64;
-  o.intermediate = 32;
-  o.num_experts = 4;
-  o.topk = 2;
-  engine_options.model = ApplyOverrides(ModelPreset("tiny").value(), o).value();
-  engine_options.num_threads = 1;
-  std::unique_ptr<Engine> engine = Engine::Create(engine_options).value();
+  std::unique_ptr<Engine> engine = SmallCpuEngine();
   absl::Status attached = server->AttachEngine(engine.get());
   EXPECT_TRUE(attached.ok()) << attached;
   EXPECT_TRUE(server->serving());
