@@ -362,8 +362,10 @@ absl::Status ModularKernel::RunGraphed(const ModularKernelArgs& args, const Prep
     a.prepared = &prepared;
     MOESERVE_RETURN_IF_ERROR(experts_->Apply(a));
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kFinalize));
-    return prepare_finalize_->FinalizeStaged(out_dtype, output.device(), a.output, prepared,
-                                             *weight_and_reduce);
+    MOESERVE_RETURN_IF_ERROR(prepare_finalize_->FinalizeStaged(out_dtype, output.device(), a.output,
+                                                               prepared, *weight_and_reduce));
+    if (capturing && marks_in_graph) MOESERVE_RETURN_IF_ERROR(timer->EndMarksInGraph());
+    return absl::OkStatus();
   };
   const GraphKey key{args.layer,
                      padded,

@@ -48,6 +48,9 @@ class StageTimer {
   virtual absl::Status MarkReplayed(Stage stage) {
     return absl::UnimplementedError("this timer cannot mark inside a graph");
   }
+  // Called once at the end of a capture that made MarkInGraph calls, before the capture ends
+  // (a CUDA timer joins the side branch its event nodes hang on back into the stream).
+  virtual absl::Status EndMarksInGraph() { return absl::OkStatus(); }
 };
 
 // Device work captured once and replayed (a CUDA graph): Launch enqueues all of it again, with

@@ -123,7 +123,9 @@ namespace {
 
 // One event per boundary mark on the context's stream; elapsed times are read once, after the
 // forward's last synchronization, so timing adds no host wait of its own. Marks inside a graph
-// record one event per stage, which every replay records again (cudaEventRecordExternal).
+// record one event per stage, which every replay records again (cudaEventRecordExternal), on a
+// side branch of the graph: the event node waits for the work before it, but the work after
+// it does not wait for the node, so the kernels keep their programmatic (PDL) edges.
 class CudaStageTimer final : public StageTimer {
  public:
   explicit CudaStageTimer(std::shared_ptr<CudaContext> ctx) : ctx_(std::move(ctx)) {}
@@ -133,6 +135,11 @@ class CudaStageTimer final : public StageTimer {
     for (cudaEvent_t e : graph_events_) {
       if (e != nullptr) cudaEventDestroy(e);
     }
+    for (cudaEvent_t e : forks_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (join_ != nullptr) cudaEventDestroy(join_);
+    if (side_ != nullptr) cudaStreamDestroy(side_);
   }
   void Reset() override {
     marks_.clear();
@@ -163,8 +170,30 @@ class CudaStageTimer final : public StageTimer {
   bool marks_in_graphs() const override { return true; }
   absl::Status MarkInGraph(Stage stage) override {
     MOESERVE_ASSIGN_OR_RETURN(cudaEvent_t e, GraphEvent(stage));
-    MOESERVE_CUDA_RETURN_IF_ERROR(
-        cudaEventRecordWithFlags(e, StreamOf(*ctx_), cudaEventRecordExternal));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+    if (side_ == nullptr) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    }
+    if (forks_[stage] == nullptr) {
+      MOESERVE_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&forks_[stage], cudaEventDisableTiming));
+    }
+    // Fork: the side stream joins the capture after the main stream's work so far.
+    const cudaStream_t main = StreamOf(*ctx_);
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(forks_[stage], main));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, forks_[stage], 0));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventRecordWithFlags(e, side_, cudaEventRecordExternal));
+    forked_ = true;
+    return absl::OkStatus();
+  }
+  absl::Status EndMarksInGraph() override {
+    if (!forked_) return absl::OkStatus();
+    forked_ = false;
+    // Join: a capture must end with every forked stream joined back into its origin.
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(join_, side_));
+    MOESERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(StreamOf(*ctx_), join_, 0));
     return absl::OkStatus();
   }
   absl::Status MarkReplayed(Stage stage) override {
@@ -204,6 +233,11 @@ class CudaStageTimer final : public StageTimer {
   std::vector<cudaEvent_t> events_;                     // grow-only pool for host-side marks
   size_t used_ = 0;                                     // events_ used since Reset
   std::array<cudaEvent_t, kNumStages> graph_events_{};  // recorded by graphs' event nodes
+  // The side branch of a capture: its stream, the fork points, the join.
+  cudaStream_t side_ = nullptr;
+  std::array<cudaEvent_t, kNumStages> forks_{};
+  cudaEvent_t join_ = nullptr;
+  bool forked_ = false;  // a capture forked and has not joined yet
   std::vector<MarkAt> marks_;
 };
 
