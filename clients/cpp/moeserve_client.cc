@@ -86,8 +86,9 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
   return std::unique_ptr<MoeClient>(new MoeClient(target, options, std::move(channel)));
 }
 
-void MoeClient::PrepareContext(grpc::ClientContext* context) const {
-  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+void MoeClient::PrepareContext(grpc::ClientContext* context, absl::Duration deadline) const {
+  if (deadline <= absl::ZeroDuration()) deadline = options_.deadline;
+  context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   context->set_wait_for_ready(options_.wait_for_ready);
   if (!options_.auth_token.empty()) {
     context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
@@ -451,10 +452,10 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const v1::ForwardRequest& reque
   return Forward(*encoded);
 }
 
-absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request,
-                                                 bool copy_output) {
+absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request, bool copy_output,
+                                                 absl::Duration deadline) {
   grpc::ClientContext context;
-  PrepareContext(&context);
+  PrepareContext(&context, deadline);
   grpc::ByteBuffer response;
   grpc::Status status;
   const absl::Time start = absl::Now();
@@ -500,7 +501,7 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
 
 void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
                              std::function<void(absl::StatusOr<ForwardResult>)> done,
-                             bool copy_output) {
+                             bool copy_output, absl::Duration deadline) {
   struct InFlight {
     grpc::ClientContext context;
     grpc::ByteBuffer request;
@@ -508,7 +509,7 @@ void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
     absl::Time start;
   };
   auto call = std::make_shared<InFlight>();
-  PrepareContext(&call->context);
+  PrepareContext(&call->context, deadline);
   call->request = request;  // shares the slices
   call->start = absl::Now();
   generic_stub_->UnaryCall(&call->context, "/moeserve.v1.MoeService/Forward", grpc::StubOptions(),

@@ -129,14 +129,16 @@ class MoeClient {
   // Sends an encoded request, e.g. one built once by EncodeForwardRequest and re-sent by a load
   // generator: its slices are referenced, not copied. With `copy_output` false,
   // ForwardResult::output gets dtype and shape only and the bytes stay in ForwardResult::raw.
-  absl::StatusOr<ForwardResult> Forward(const grpc::ByteBuffer& request, bool copy_output = true);
+  // deadline: this call's (zero: the options').
+  absl::StatusOr<ForwardResult> Forward(const grpc::ByteBuffer& request, bool copy_output = true,
+                                        absl::Duration deadline = absl::ZeroDuration());
 
   // Starts a Forward and returns at once; `done` runs exactly once, on a gRPC thread, with the
   // result (keep it short). `request`'s slices are shared, not copied; ForwardResult::output gets
   // the bytes copied out only with `copy_output`.
   void ForwardAsync(const grpc::ByteBuffer& request,
                     std::function<void(absl::StatusOr<ForwardResult>)> done,
-                    bool copy_output = true);
+                    bool copy_output = true, absl::Duration deadline = absl::ZeroDuration());
 
   // Opens a ForwardStream: layer calls one after another on one HTTP/2 stream (answers in
   // order). The stream has no deadline of its own; the client options' deadline is not applied.
@@ -189,7 +191,9 @@ class MoeClient {
 
  private:
   MoeClient(std::string target, MoeClientOptions options, std::shared_ptr<grpc::Channel> channel);
-  void PrepareContext(grpc::ClientContext* context) const;
+  // deadline: the call's (zero: the options').
+  void PrepareContext(grpc::ClientContext* context,
+                      absl::Duration deadline = absl::ZeroDuration()) const;
 
   std::string target_;
   MoeClientOptions options_;

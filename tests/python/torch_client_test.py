@@ -24,6 +24,10 @@
     to the copying path's and the reference, the answer view in the region and its lifetime
     (rewritten by the next call, a racing call refused), out in a region, chained layers,
     and the copy path for tensors outside regions, strided views and released regions.
+  * the gRPC calls by the C++ client (native=True, $MOESERVE_CLIENT_LIB) against grpcio's: the
+    same answers bytes for bytes (dtypes, id dtypes, `out` contiguous or strided, calls in
+    flight, server routing with return_routing, system regions, CUDA tensors), the same
+    refusals (INVALID_ARGUMENT, DEADLINE_EXCEEDED, a wrong `out`); skipped without the library.
 Exits 77 (CTest: skipped) when torch is not installed.
 
   torch_client_test.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli --source-dir REPO
@@ -31,6 +35,7 @@ Exits 77 (CTest: skipped) when torch is not installed.
 
 import argparse
 import os
+import socket
 import sys
 import tempfile
 import unittest
@@ -601,6 +606,143 @@ class ZeroCopyTest(unittest.TestCase):
             self.assertTrue(fut.zero_copy)
             full = self.npc.forward_full(np_of(x), layer=1, return_routing=True)
             self.assertEqual(np_of(y).tobytes(), full.output.tobytes())
+
+
+class NativeTest(unittest.TestCase):
+    """The gRPC calls by the C++ client (native=True, libmoeserve_client_c at
+    $MOESERVE_CLIENT_LIB) against grpcio's (native=False): the same answers, bytes for bytes,
+    for every dtype, id dtype, blocking and in-flight calls, `out` given or not, header fields,
+    routing on the server, tensors in a system region, CUDA tensors; the same refusals."""
+
+    @classmethod
+    def setUpClass(cls):
+        try:
+            cls.nat = tc.TorchMoeClient(SERVER.target, shared_memory="off", channel=False,
+                                        native=True)
+        except OSError as e:
+            raise unittest.SkipTest(f"no native client library: {e}")
+        cls.grp = tc.TorchMoeClient(SERVER.target, shared_memory="off", channel=False,
+                                    native=False)
+        cls.info = cls.grp.info()
+        cls.seed = int.from_bytes(os.urandom(4), "little")
+        print(f"NativeTest: seed {cls.seed}", file=sys.stderr)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.nat.close()
+        cls.grp.close()
+
+    def inputs(self, m, seed, dtype=torch.bfloat16, ids_dtype=torch.int32):
+        g = torch.Generator().manual_seed(self.seed + seed)
+        h, e, k = self.info.hidden, self.info.num_experts, self.info.topk
+        x = torch.randn(m, h, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).to(ids_dtype)
+        w = torch.softmax(torch.randn(m, k, generator=g), dim=1)
+        return x, ids, w
+
+    def test_same_answers_as_grpcio(self):
+        self.assertTrue(self.nat.uses_native)
+        self.assertFalse(self.grp.uses_native)
+        layer = self.info.num_layers - 1
+        for i, (dtype, ids_dtype) in enumerate(((torch.bfloat16, torch.int32),
+                                                (torch.float16, torch.int64),
+                                                (torch.float32, torch.int16))):
+            x, ids, w = self.inputs(3 + 7 * i, i, dtype, ids_dtype)
+            want = self.grp.forward(x, ids, w, layer=layer)
+            y = self.nat.forward(x, ids, w, layer=layer)
+            self.assertEqual((y.dtype, y.shape), (dtype, x.shape))
+            self.assertEqual(np_of(y).tobytes(), np_of(want).tobytes(), dtype)
+            out = torch.empty_like(x)
+            self.assertIs(self.nat.forward(x, ids, w.double(), layer=layer, out=out), out)
+            self.assertEqual(np_of(out).tobytes(), np_of(want).tobytes())
+            # A strided `out` is filled through a copy.
+            wide = torch.zeros(x.shape[0], 2 * x.shape[1], dtype=dtype)
+            view = wide[:, ::2]
+            self.nat.forward(x, ids, w, layer=layer, out=view)
+            self.assertEqual(np_of(view.contiguous()).tobytes(), np_of(want).tobytes())
+            self.assertEqual(int(wide[:, 1::2].abs().sum()), 0)
+
+    def test_in_flight_header_and_server_routing(self):
+        futs = []
+        for i in range(6):
+            x, ids, w = self.inputs(2 + i, 10 + i)
+            futs.append((self.nat.submit(x, ids, w, layer=i % self.info.num_layers,
+                                         request_id=f"n{i}", return_timings=True), x, ids, w,
+                         i % self.info.num_layers))
+        for fut, x, ids, w, layer in reversed(futs):
+            self.assertIsInstance(fut._call, tc._native.NativeCall)
+            y = self.nat.result(fut)
+            self.assertTrue(fut.done())
+            self.assertEqual(np_of(y).tobytes(), np_of(self.grp.forward(x, ids, w, layer=layer))
+                             .tobytes())
+            self.assertEqual(fut.request_id[0], "n")
+            self.assertGreater(fut.timings["total_us"], 0)
+        x, _, _ = self.inputs(9, 20)
+        a = self.nat.submit(x, return_routing=True)
+        b = self.grp.submit(x, return_routing=True)
+        ya, yb = self.nat.result(a), self.grp.result(b)
+        self.assertEqual(np_of(ya).tobytes(), np_of(yb).tobytes())
+        self.assertTrue(torch.equal(a.topk_ids, b.topk_ids))
+        self.assertTrue(torch.equal(a.topk_weights, b.topk_weights))
+        # A future dropped before its result: freed once answered (it borrows x).
+        self.nat.submit(x)
+
+    def test_same_refusals(self):
+        x, ids, w = self.inputs(4, 30)
+        bad = ids.clone()
+        bad[1, 0] = self.info.num_experts + 1
+        for c in (self.nat, self.grp):
+            with self.assertRaises(grpc.RpcError) as cm:
+                c.forward(x, bad, w)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("topk_ids", cm.exception.details())
+            with self.assertRaisesRegex(ValueError, "out is"):
+                c.forward(x, ids, w, out=torch.empty(3, x.shape[1], dtype=x.dtype))
+        # A server that accepts the connection and never answers: the deadline ends the call.
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            with tc.TorchMoeClient(f"127.0.0.1:{silent.getsockname()[1]}", shared_memory="off",
+                                   channel=False, native=True) as c:
+                with self.assertRaises(grpc.RpcError) as cm:
+                    c.forward(x, ids, w, timeout=0.3)
+                self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        y = self.nat.forward(x, ids, w)  # still works
+        self.assertEqual(np_of(y).tobytes(), np_of(self.grp.forward(x, ids, w)).tobytes())
+
+    def test_system_region_requests_go_native(self):
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=False,
+                               native=True) as c:
+            for m, routed in ((5, True), (3, False)):
+                x, ids, w = self.inputs(m, 40 + m)
+                if routed:
+                    fut = c.submit(x, ids, w, return_timings=True)
+                    y = c.result(fut)
+                    want = self.grp.forward(x, ids, w)
+                else:
+                    fut = c.submit(x, return_timings=True)
+                    y = c.result(fut)
+                    want = self.grp.forward(x)
+                self.assertTrue(fut.used_region, c.region_errors)
+                self.assertIsInstance(fut._call, tc._native.NativeCall)
+                self.assertEqual(np_of(y).tobytes(), np_of(want).tobytes())
+                self.assertEqual(np_of(c.forward(x, ids, w) if routed else c.forward(x))
+                                 .tobytes(), np_of(want).tobytes())
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
+    def test_cuda_tensors_by_bytes(self):
+        x, ids, w = self.inputs(6, 50)
+        want = self.grp.forward(x, ids, w)
+        xd, idsd, wd = x.cuda(), ids.cuda(), w.cuda()
+        y = self.nat.forward(xd, idsd, wd)
+        self.assertEqual(y.device.type, "cuda")
+        self.assertEqual(np_of(y.cpu()).tobytes(), np_of(want).tobytes())
+        futs = [self.nat.submit(xd, idsd, wd) for _ in range(3)]
+        for f in futs:
+            self.assertEqual(np_of(self.nat.result(f).cpu()).tobytes(), np_of(want).tobytes())
+        out = torch.empty_like(xd)
+        self.nat.forward(xd, idsd, wd, out=out)
+        self.assertEqual(np_of(out.cpu()).tobytes(), np_of(want).tobytes())
 
 
 if __name__ == "__main__":

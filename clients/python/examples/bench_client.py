@@ -5,7 +5,10 @@ For each M it times, one call at a time (closed loop, concurrency 1), median of 
   cli     moeserve-cli load (C++: requests prebuilt, answer not copied): the floor
   raw     grpcio's own blocking call with a prebuilt request, answer not decoded: the Python
           floor (what no Python client can go below)
-  torch   TorchMoeClient.forward (moeserve_client.torch_client): tensors in, tensor out
+  torch   TorchMoeClient.forward (moeserve_client.torch_client): tensors in, tensor out; its
+          gRPC calls by the C++ client (moeserve_client.native) when the library is found
+          ($MOESERVE_CLIENT_LIB; --native), else by grpcio
+  grpcio  (when torch used the C++ client) the same torch client with native=False
   numpy   MoeClient.forward (protobuf messages): numpy in, numpy out
   routed  (--server-routing) TorchMoeClient.forward(hidden) without ids and weights: the server
           runs the layer's gate; routed - torch is what server-side routing costs per call
@@ -171,6 +174,9 @@ def main():
     p.add_argument("--zero-copy", action="store_true",
                    help="torch loop: inputs made once in regions of the client, answers read "
                    "in place (no copies per call)")
+    p.add_argument("--native", default="auto", choices=["auto", "on", "off"],
+                   help="the torch client's gRPC calls by the C++ client (libmoeserve_client_c, "
+                   "$MOESERVE_CLIENT_LIB): auto = when found")
     p.add_argument("--profile", type=int, metavar="M",
                    help="profile the torch client's loop at this M (cProfile, to stderr)")
     a = p.parse_args()
@@ -184,9 +190,18 @@ def main():
     if a.shared_memory != "off" or a.zero_copy:
         CLI_EXTRA.append("--cuda_region" if a.device == "cuda" else "--shm")
     try:
+        native = {"auto": "auto", "on": True, "off": False}[a.native]
         client = TorchMoeClient(a.target, shared_memory=a.shared_memory,
                                 channel=True if a.channel else False, spin_us=a.spin_us,
-                                copy_threads=a.copy_threads)
+                                copy_threads=a.copy_threads, native=native)
+        # grpcio's own call ("raw") and the torch client over grpcio, beside the native one.
+        gclient = client
+        if client.uses_native:
+            gclient = TorchMoeClient(a.target, shared_memory=a.shared_memory,
+                                     channel=True if a.channel else False, spin_us=a.spin_us,
+                                     copy_threads=a.copy_threads, native=False)
+        print(f"# torch client gRPC calls: {'C++ client (native)' if client.uses_native else 'grpcio'}"
+              f"{'' if client.native_error is None else f' ({client.native_error})'}")
         npc = mc.MoeClient(a.target)
         info = client.info()
         h, e, k = info.hidden, info.num_experts, info.topk
@@ -199,7 +214,8 @@ def main():
         print(f"{'M':>6} {'cli_ms':>8} {'raw_ms':>8} {'torch_ms':>8} {'numpy_ms':>8} "
               f"{'torch-cli_us':>12} {'torch-raw_us':>12} {'cli_cpu':>8} {'raw_cpu':>8} "
               f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}"
-              + (f" {'routed_ms':>9}" if a.server_routing else ""))
+              + (f" {'routed_ms':>9}" if a.server_routing else "")
+              + (f" {'grpcio_ms':>9}" if gclient is not client else ""))
         for m in (int(t) for t in a.tokens.split(",")):
             calls = a.calls if m < 256 else max(30, a.calls * 64 // m)
             g = torch.Generator().manual_seed(m)
@@ -220,6 +236,8 @@ def main():
             progress(f"M={m}: warm-up")
             for _ in range(5):  # warm up the Python paths
                 client.forward(xd, idsd, wd, layer=a.layer, out=out)
+                if gclient is not client:
+                    gclient.forward(xd, idsd, wd, layer=a.layer, out=out)
                 if not a.no_numpy:
                     npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
             probe = client.submit(xd, idsd, wd, layer=a.layer, out=out)
@@ -228,10 +246,10 @@ def main():
                   f"used_region={probe.used_region} zero_copy={probe.zero_copy} (channel error: {client.channel_error}; "
                   f"region errors: {client.region_errors or '-'})")
             per = max(1, calls // a.rounds)
-            t_cli, t_raw, t_torch, t_np, t_routed = [], [], [], [], []
+            t_cli, t_raw, t_torch, t_np, t_routed, t_grpcio = [], [], [], [], [], []
             c_cli, c_raw, c_torch, c_np = [], [], [], []
             slept = 0
-            prebuilt = b"".join(client._prepare(x, ids, w, a.layer, "", False, False)[1])
+            prebuilt = b"".join(gclient._prepare(x, ids, w, a.layer, "", False, False)[1])
             nan = float("nan")
             for rnd in range(a.rounds):
                 progress(f"M={m} round {rnd}: cli")
@@ -239,7 +257,7 @@ def main():
                     t_cli.append(cli_run(a.cli, a.target, m, per, "bf16", a.layer)[0])
                     c_cli.append(cli_cpu_us_per_call(a.cli, a.target, m, per, "bf16", a.layer))
                 progress(f"M={m} round {rnd}: raw")
-                t, c = time_calls(lambda: client._forward(prebuilt), per)
+                t, c = time_calls(lambda: gclient._forward(prebuilt), per)
                 t_raw += t
                 c_raw.append(c)
                 progress(f"M={m} round {rnd}: torch")
@@ -250,6 +268,10 @@ def main():
                 c_torch.append(c)
                 if client.channel is not None:
                     slept += client.channel.sleeps - sleeps0
+                if gclient is not client:
+                    progress(f"M={m} round {rnd}: torch over grpcio")
+                    t_grpcio += time_calls(
+                        lambda: gclient.forward(xd, idsd, wd, layer=a.layer, out=out), per)[0]
                 if a.server_routing:
                     t_routed += time_calls(lambda: client.forward(xd, layer=a.layer, out=out),
                                            per)[0]
@@ -265,7 +287,8 @@ def main():
                   f"{(torch_ms - cli_ms) * 1e3:>12.1f} {(torch_ms - raw_ms) * 1e3:>12.1f} "
                   f"{med(c_cli):>8.0f} {med(c_raw):>8.0f} {med(c_torch):>9.0f} "
                   f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}"
-                  + (f" {med(t_routed):>9.3f}" if a.server_routing else ""), flush=True)
+                  + (f" {med(t_routed):>9.3f}" if a.server_routing else "")
+                  + (f" {med(t_grpcio):>9.3f}" if gclient is not client else ""), flush=True)
             if a.channel:
                 print(f"# M={m}: torch calls that slept on the channel (answer after the "
                       f"{a.spin_us} us spin): {slept} of {per * a.rounds}", flush=True)
@@ -276,6 +299,8 @@ def main():
                 client.release(xd)
                 client.release(idsd)
         client.close()
+        if gclient is not client:
+            gclient.close()
         npc.close()
     finally:
         if proc is not None:

@@ -57,6 +57,13 @@ How bytes move:
     "auto" falls back to gRPC for good if the server refuses the channel or detaches from it
     (a blocking forward() then repeats its call by gRPC); True raises instead; False: gRPC only.
     Errors come back as grpc.RpcError either way (ChannelError through the channel).
+  * The gRPC call (native="auto" or True): made by the C++ client (moeserve_client.native,
+    libmoeserve_client_c.so at $MOESERVE_CLIENT_LIB) instead of grpcio, when the library is
+    found: one foreign call per Forward, CPU tensor bytes sent in place (no request copy) and
+    the answer copied once, into `out` or a new tensor. "auto" uses grpcio when the library
+    is missing (native_error says why); True raises instead; False: grpcio only.
+    channel_options apply to grpcio's channel only. Errors: native.CallError, a
+    grpc.RpcError with code() and details().
 
 Thread-safety: submit/result may be called from several threads. A future is consumed by one
 result() call.
@@ -77,6 +84,7 @@ import torch
 
 from . import channel as _chan
 from . import client as _client
+from . import native as _native
 from . import shared_memory as _shm
 from . import wire
 from .client import pb, pb_grpc
@@ -158,8 +166,9 @@ class MoeFuture:
     whether hidden was sent in place from a region of the client (alloc_hidden / empty)."""
 
     __slots__ = ("_call", "_chan", "_keep", "_dtype", "_shape", "_device", "_region", "_region_out",
-                 "_start", "_out", "_answer", "_busy", "request_id", "timings", "topk_ids",
-                 "topk_weights", "latency_s", "used_region", "used_channel", "zero_copy")
+                 "_start", "_out", "_answer", "_busy", "_native", "request_id", "timings",
+                 "topk_ids", "topk_weights", "latency_s", "used_region", "used_channel",
+                 "zero_copy")
 
     def __init__(self):
         self._call = None
@@ -170,6 +179,7 @@ class MoeFuture:
         self._out = None     # submit()'s `out`
         self._answer = None  # zero copy: the answer's tensor in a region
         self._busy = None    # zero copy: [(region, its busy entry)] while in flight
+        self._native = None  # a call by the C++ client with tensor addresses: its arguments
         self.request_id = ""
         self.timings = None
         self.topk_ids = None
@@ -633,14 +643,17 @@ class TorchMoeClient:
     channel: "auto" | True | False, or an open moeserve_client.channel.ForwardChannel (used,
     not closed, by this client); channel_slots / channel_slot_bytes / spin_us: the forward
     channel this client opens (see the module docstring). channel_options: extra grpc channel
-    options. copy_threads: threads of its own that share each host copy of 1 MB or more (into
+    options (grpcio's). native: "auto" | True | False, the C++ client for the gRPC calls (see
+    the module docstring); native_spin_us: how long its blocking call polls for the answer
+    before it sleeps (costs a core while it polls). copy_threads: threads of its own that share each host copy of 1 MB or more (into
     and out of a system region, a reply into `out`); None: a quarter of the cores, at most 4;
     0: one memcpy on the calling thread.
     """
 
     def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, shared_memory="auto",
                  channel_options=(), channel="auto", channel_slots=4,
-                 channel_slot_bytes=1 << 20, spin_us=200, copy_threads=None):
+                 channel_slot_bytes=1 << 20, spin_us=200, copy_threads=None, native="auto",
+                 native_spin_us=0):
         if shared_memory not in ("auto", "cuda", "system", "off"):
             raise ValueError(f"shared_memory={shared_memory!r}; expected auto, cuda, system or "
                              "off")
@@ -652,6 +665,20 @@ class TorchMoeClient:
         self._stub = pb_grpc.MoeServiceStub(self._channel)
         # Raw bytes both ways: requests are built by moeserve_client.wire.
         self._forward = self._channel.unary_unary(_FORWARD)
+        # The C++ client, when its library is here (native="auto"), makes the Forward calls.
+        if native not in ("auto", True, False):
+            raise ValueError(f"native={native!r}; expected 'auto', True or False")
+        self._native = None
+        self._native_error = None
+        if native:
+            try:
+                self._native = _native.NativeClient(target, timeout=timeout,
+                                                    max_message_bytes=max_message_bytes,
+                                                    spin_us=native_spin_us)
+            except (OSError, ValueError) as e:
+                if native is True:
+                    raise
+                self._native_error = e
         self._shared_memory = shared_memory
         self._local = _is_local_target(target)
         self._lock = threading.Lock()
@@ -706,6 +733,9 @@ class TorchMoeClient:
             r.close()
         self._memcpy.close()
         self._channel.close()
+        if self._native is not None:
+            self._native.close()
+            self._native = None
 
     def __enter__(self):
         return self
@@ -862,6 +892,16 @@ class TorchMoeClient:
             if r in self._regions_all:
                 key = r.device.index if r.kind == "cuda" else "cpu"
                 self._regions_free.setdefault(key, []).append(r)
+
+    @property
+    def native_error(self):
+        """Why the C++ client is not used (native="auto" and its library missing), or None."""
+        return self._native_error
+
+    @property
+    def uses_native(self):
+        """Whether the gRPC calls go through the C++ client (moeserve_client.native)."""
+        return self._native is not None
 
     @property
     def region_error(self):
@@ -1178,14 +1218,78 @@ class TorchMoeClient:
         timeout = timeout or self.timeout
         fut._start = time.perf_counter()
         try:
-            if not (self._ch_mode and self._try_channel(fut, parts, nbytes, timeout)):
-                fut._call = self._forward.future(b"".join(parts), timeout=timeout)
+            if parts is None:  # by the C++ client, the tensors' bytes in place
+                if fut._device.type != "cpu":
+                    # Staged in this thread's pinned buffer, which the next call reuses.
+                    fut._keep[-1] = fut._keep[-1].clone()
+                    a = fut._native
+                    fut._native = a[:4] + (fut._keep[-1].data_ptr(),) + a[5:]
+                fut._call = self._native.submit(*fut._native, timeout=timeout, keep=fut._keep)
+            elif not (self._ch_mode and self._try_channel(fut, parts, nbytes, timeout)):
+                if self._native is not None:
+                    fut._call = self._native.submit_request(
+                        b"".join(parts), timeout=timeout,
+                        header_cap=self._header_cap(fut, request_id, return_routing))
+                else:
+                    fut._call = self._forward.future(b"".join(parts), timeout=timeout)
         except BaseException:
             self._drop(fut)
             raise
         finally:
-            fut._keep = None  # the bytes are in a slot or in the request now
+            fut._keep = None  # the bytes are in a slot or in the request (or held by the call)
         return fut
+
+    @staticmethod
+    def _header_cap(fut, request_id, return_routing):
+        """Bytes for an answer without its output's bytes (routing: up to 256 per token)."""
+        return 4096 + 2 * len(request_id) + (fut._shape[0] * 256 * 9 if return_routing else 0)
+
+    def _native_target(self, fut, out):
+        """(what to return, where the C++ client writes the answer): `out` itself when it is a
+        contiguous CPU tensor, else a new CPU tensor (pinned when it goes to a GPU next)."""
+        if out is None:
+            out = fut._out
+        dtype, shape = fut._dtype, fut._shape
+        if out is not None:
+            if out.dtype != dtype or tuple(out.shape) != shape:
+                raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; expected {dtype} "
+                                 f"{shape}")
+            if out.device.type == "cpu" and out.is_contiguous():
+                return out, out
+            return out, torch.empty(shape, dtype=dtype, pin_memory=out.device.type == "cuda")
+        if fut._device.type == "cpu":
+            t = torch.empty(shape, dtype=dtype)
+            return t, t
+        return None, torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def _native_done(self, fut, ret, dst, header):
+        """Moves the answer from `dst` to where it goes and reads the header (if asked)."""
+        if ret is None:
+            ret = dst.to(fut._device)
+        elif ret is not dst:
+            ret.copy_(dst)
+        if header is not None:
+            reply = wire.forward_response(header)
+            fut.request_id = reply.request_id
+            fut.timings = reply.timings
+            if reply.topk_ids is not None:
+                fut.topk_ids = _view(header, reply.topk_ids).to(fut._device)
+                fut.topk_weights = _view(header, reply.topk_weights).to(fut._device)
+        return ret
+
+    def _native_forward(self, fut, out, timeout):
+        """The blocking call of a future prepared for the C++ client (fut._native)."""
+        ret, dst = self._native_target(fut, out)
+        a = fut._native
+        want = bool(a[9]) or bool(a[10]) or bool(a[11])
+        try:
+            header = self._native.forward(*a[:9], dst.data_ptr(), dst.nbytes, request_id=a[9],
+                                          return_timings=a[10], return_routing=a[11],
+                                          timeout=timeout, want_header=want)
+        finally:
+            fut.latency_s = time.perf_counter() - fut._start
+            fut._keep = None
+        return self._native_done(fut, ret, dst, header)
 
     def _drop(self, fut):
         region, fut._region = fut._region, None
@@ -1304,6 +1408,16 @@ class TorchMoeClient:
         else:
             host = self._staged(hidden, device, nbytes)
             keep.append(host)
+            if self._native is not None and not self._ch_mode:
+                # The C++ client builds the request around the tensors' bytes (keep them).
+                ids_ptr = keep[0].data_ptr() if routed else None
+                w_ptr = keep[1].data_ptr() if routed else None
+                fut._native = (layer, hid_wire, shape[0], shape[1], host.data_ptr(),
+                               _ID_WIRE[ids_dtype] if routed else 0,
+                               ids_shape[1] if routed else 0, ids_ptr, w_ptr,
+                               request_id.encode() if request_id else b"", return_timings,
+                               return_routing)
+                return fut, None, nbytes
             hid_t = (hid_wire, shape, _host_bytes(host, nbytes))
         parts = wire.forward_request(layer, hid_t, ids_t, weights_t, request_id=request_id,
                                      return_timings=return_timings,
@@ -1321,8 +1435,30 @@ class TorchMoeClient:
         status on failure."""
         if fut._chan is not None:
             return self._channel_result(fut, out)
+        if fut._native is not None:
+            try:
+                ret, dst = self._native_target(fut, out)
+            except BaseException:
+                fut._call._free()  # waits for the answer: the call reads our tensors
+                raise
+            a = fut._native
+            try:
+                header = fut._call.wait(dst.data_ptr(), dst.nbytes, a[1], a[2], a[3],
+                                        bool(a[9]) or bool(a[10]) or bool(a[11]))
+            finally:
+                fut.latency_s = time.perf_counter() - fut._start
+            return self._native_done(fut, ret, dst, header)
         try:
-            raw = fut._call.result()
+            if isinstance(fut._call, _native.NativeCall):
+                if fut._region is None and fut._answer is None:  # the answer's bytes inline
+                    ret, dst = self._native_target(fut, out)
+                    raw = fut._call.wait(dst.data_ptr(), dst.nbytes, _FLOAT_WIRE[fut._dtype],
+                                         fut._shape[0], fut._shape[1], True)
+                    return self._native_done(fut, ret, dst, raw)
+                raw = fut._call.wait(None, 0, _FLOAT_WIRE[fut._dtype], fut._shape[0],
+                                     fut._shape[1], True)
+            else:
+                raw = fut._call.result()
         except BaseException:
             self._drop(fut)
             raise
@@ -1416,6 +1552,8 @@ class TorchMoeClient:
                                            return_timings, False, out)
         timeout = timeout or self.timeout
         fut._start = time.perf_counter()
+        if parts is None:
+            return self._native_forward(fut, out, timeout)
         if self._ch_mode:
             try:
                 started = self._try_channel(fut, parts, nbytes, timeout)
@@ -1430,7 +1568,19 @@ class TorchMoeClient:
                 # may not have run; a Forward has no side effects, so it is repeated by gRPC
                 # (the region, if any, is still registered; `parts` still valid: fut._keep).
         try:
-            raw = self._forward(b"".join(parts), timeout=timeout)
+            if self._native is not None:
+                ret = dst = None
+                if fut._region is None and fut._answer is None:  # the answer's bytes inline
+                    ret, dst = self._native_target(fut, out)
+                raw = self._native.forward_request(
+                    b"".join(parts), _FLOAT_WIRE[fut._dtype], fut._shape[0], fut._shape[1],
+                    out=dst.data_ptr() if dst is not None else None,
+                    out_bytes=dst.nbytes if dst is not None else 0, timeout=timeout,
+                    header_cap=self._header_cap(fut, request_id, False))
+                if dst is not None:
+                    return self._native_done(fut, ret, dst, raw)
+            else:
+                raw = self._forward(b"".join(parts), timeout=timeout)
         except BaseException:
             self._drop(fut)
             raise
