@@ -9,6 +9,10 @@ For each M it times, one call at a time (closed loop, concurrency 1), median of 
           gRPC calls by the C++ client (moeserve_client.native) when the library is found
           ($MOESERVE_CLIENT_LIB; --native), else by grpcio
   grpcio  (when torch used the C++ client) the same torch client with native=False
+  nraw    (when torch used the C++ client) moeserve_client.native's blocking call with the
+          tensors' addresses prepared once: the C++ client from Python without the torch
+          client's own work (nraw - cli: the process and the foreign call; torch - nraw: the
+          torch client's Python)
   numpy   MoeClient.forward (protobuf messages): numpy in, numpy out
   routed  (--server-routing) TorchMoeClient.forward(hidden) without ids and weights: the server
           runs the layer's gate; routed - torch is what server-side routing costs per call
@@ -177,6 +181,8 @@ def main():
     p.add_argument("--native", default="auto", choices=["auto", "on", "off"],
                    help="the torch client's gRPC calls by the C++ client (libmoeserve_client_c, "
                    "$MOESERVE_CLIENT_LIB): auto = when found")
+    p.add_argument("--native-spin-us", type=int, default=0,
+                   help="the torch client's native_spin_us (its C++ client polls that long)")
     p.add_argument("--profile", type=int, metavar="M",
                    help="profile the torch client's loop at this M (cProfile, to stderr)")
     a = p.parse_args()
@@ -187,13 +193,16 @@ def main():
         p.error("give --target or --server")
     if a.channel:
         CLI_EXTRA.append("--channel")
+    if a.native_spin_us > 0:  # the C++ floor polls alike
+        CLI_EXTRA.append(f"--client_spin_us={a.native_spin_us}")
     if a.shared_memory != "off" or a.zero_copy:
         CLI_EXTRA.append("--cuda_region" if a.device == "cuda" else "--shm")
     try:
         native = {"auto": "auto", "on": True, "off": False}[a.native]
         client = TorchMoeClient(a.target, shared_memory=a.shared_memory,
                                 channel=True if a.channel else False, spin_us=a.spin_us,
-                                copy_threads=a.copy_threads, native=native)
+                                copy_threads=a.copy_threads, native=native,
+                                native_spin_us=a.native_spin_us)
         # grpcio's own call ("raw") and the torch client over grpcio, beside the native one.
         gclient = client
         if client.uses_native:
@@ -215,7 +224,7 @@ def main():
               f"{'torch-cli_us':>12} {'torch-raw_us':>12} {'cli_cpu':>8} {'raw_cpu':>8} "
               f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}"
               + (f" {'routed_ms':>9}" if a.server_routing else "")
-              + (f" {'grpcio_ms':>9}" if gclient is not client else ""))
+              + (f" {'grpcio_ms':>9} {'nraw_ms':>8}" if gclient is not client else ""))
         for m in (int(t) for t in a.tokens.split(",")):
             calls = a.calls if m < 256 else max(30, a.calls * 64 // m)
             g = torch.Generator().manual_seed(m)
@@ -246,7 +255,11 @@ def main():
                   f"used_region={probe.used_region} zero_copy={probe.zero_copy} (channel error: {client.channel_error}; "
                   f"region errors: {client.region_errors or '-'})")
             per = max(1, calls // a.rounds)
-            t_cli, t_raw, t_torch, t_np, t_routed, t_grpcio = [], [], [], [], [], []
+            t_cli, t_raw, t_torch, t_np, t_routed, t_grpcio, t_nraw = [], [], [], [], [], [], []
+            xc = x.contiguous()
+            nraw_out = torch.empty_like(xc)
+            nraw_args = (a.layer, 1, m, h, xc.data_ptr(), 4, k, ids.data_ptr(), w.data_ptr(),
+                         nraw_out.data_ptr(), nraw_out.nbytes)  # BF16, INT32 ids
             c_cli, c_raw, c_torch, c_np = [], [], [], []
             slept = 0
             prebuilt = b"".join(gclient._prepare(x, ids, w, a.layer, "", False, False)[1])
@@ -272,6 +285,8 @@ def main():
                     progress(f"M={m} round {rnd}: torch over grpcio")
                     t_grpcio += time_calls(
                         lambda: gclient.forward(xd, idsd, wd, layer=a.layer, out=out), per)[0]
+                    progress(f"M={m} round {rnd}: native raw")
+                    t_nraw += time_calls(lambda: client._native.forward(*nraw_args), per)[0]
                 if a.server_routing:
                     t_routed += time_calls(lambda: client.forward(xd, layer=a.layer, out=out),
                                            per)[0]
@@ -288,7 +303,8 @@ def main():
                   f"{med(c_cli):>8.0f} {med(c_raw):>8.0f} {med(c_torch):>9.0f} "
                   f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}"
                   + (f" {med(t_routed):>9.3f}" if a.server_routing else "")
-                  + (f" {med(t_grpcio):>9.3f}" if gclient is not client else ""), flush=True)
+                  + (f" {med(t_grpcio):>9.3f} {med(t_nraw):>8.3f}" if gclient is not client
+                     else ""), flush=True)
             if a.channel:
                 print(f"# M={m}: torch calls that slept on the channel (answer after the "
                       f"{a.spin_us} us spin): {slept} of {per * a.rounds}", flush=True)

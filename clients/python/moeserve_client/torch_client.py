@@ -1174,9 +1174,10 @@ class TorchMoeClient:
         return fut, parts, total
 
     @staticmethod
-    def _inline_routing(topk_ids, topk_weights, ids_dtype, ids_shape, routes, keep):
+    def _inline_routing(topk_ids, topk_weights, ids_dtype, ids_shape, routes, keep, views=True):
         """The routing as inline bytes (host copies of CUDA tensors), for wire.forward_request;
-        the tensors the bytes view are appended to `keep` (hold it until the request is sent)."""
+        the tensors the bytes view are appended to `keep` (hold it until the request is sent).
+        views=False: only `keep` (contiguous host ids and FP32 weights), for the C++ client."""
         if ids_dtype is not topk_ids.dtype:
             topk_ids = topk_ids.to(ids_dtype)
         if topk_weights.dtype is not torch.float32:
@@ -1189,6 +1190,8 @@ class TorchMoeClient:
         topk_ids = topk_ids.contiguous()
         topk_weights = topk_weights.contiguous()
         keep += [topk_ids, topk_weights]
+        if not views:
+            return None, None
         ids_wire = _ID_WIRE[ids_dtype]
         return ((ids_wire, ids_shape, _host_bytes(topk_ids, routes * wire.ITEMSIZE[ids_wire])),
                 (wire.DTYPE_FP32, ids_shape, _host_bytes(topk_weights, routes * 4)))
@@ -1398,9 +1401,10 @@ class TorchMoeClient:
         # What the parts view (they do not keep it alive): held until the request is sent.
         fut._keep = keep = []
         ids_t = weights_t = None
+        native = region is None and self._native is not None and not self._ch_mode
         if routed:
             ids_t, weights_t = self._inline_routing(topk_ids, topk_weights, ids_dtype, ids_shape,
-                                                    routes, keep)
+                                                    routes, keep, views=not native)
         output_region = None
         if region is not None:
             hid_t = (hid_wire, shape, None, region.ref(0, nbytes))
@@ -1408,7 +1412,7 @@ class TorchMoeClient:
         else:
             host = self._staged(hidden, device, nbytes)
             keep.append(host)
-            if self._native is not None and not self._ch_mode:
+            if native:
                 # The C++ client builds the request around the tensors' bytes (keep them).
                 ids_ptr = keep[0].data_ptr() if routed else None
                 w_ptr = keep[1].data_ptr() if routed else None

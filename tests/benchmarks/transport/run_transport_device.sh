@@ -45,6 +45,8 @@ B=$BUNDLE/bin
 NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=$BUNDLE/lib${NCCL_DIR:+:$NCCL_DIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# The torch client's gRPC calls by the C++ client (moeserve_client.native), when bundled.
+[ -e "$BUNDLE/lib/libmoeserve_client_c.so" ] && export MOESERVE_CLIENT_LIB=$BUNDLE/lib/libmoeserve_client_c.so
 MS=${MS:-1 16 64 256 1024}
 N=${N:-200}
 N_BIG=${N_BIG:-60}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The torch client's gRPC calls by the C++ client (moeserve_client.native) against grpcio and
+# moeserve-cli, on one device call: the transport bundle (tests/benchmarks/transport/make_bundle.sh,
+# with lib/libmoeserve_client_c.so) and the wheels of .gpucarry/wheels; a server of trivial
+# experts (H7168 I64, CUDA) on a unix socket; bench_client.py at M = MS (default "1 16 64"),
+# CPU tensors as gRPC bytes, ROUNDS (3) alternating rounds of N (400) calls; then the same with
+# the C++ client polling (SPIN_US, default 2000, and the cli's --client_spin_us alike); then a
+# cProfile of the torch loop at M=1. Usage: run_torch_native.sh [BUNDLE]   (writes under $OUT)
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+BUNDLE=${1:-$repo/.bundle/transport.tar.xz}
+OUT=${OUT:-/tmp/torch_native}
+mkdir -p "$OUT"
+tar -C "$OUT" -xJf "$BUNDLE" || exit 1
+B=$OUT/transport/bin
+NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=$OUT/transport/lib${NCCL_DIR:+:$NCCL_DIR}
+export MOESERVE_CLIENT_LIB=$OUT/transport/lib/libmoeserve_client_c.so
+python3 "$repo/tests/benchmarks/transport/py_deps.py" "$repo/.gpucarry/wheels" "$OUT/pydeps" \
+  > "$OUT/py_deps.log" 2>&1 || { tail -3 "$OUT/py_deps.log"; exit 1; }
+export PYTHONPATH=$OUT/pydeps
+sock=$(mktemp -d)/moe.sock
+"$B/moeserve" --model tiny --hidden 7168 --intermediate 64 --listen "unix:$sock" \
+  --metrics_address 127.0.0.1:0 > "$OUT/server.log" 2>&1 &
+pid=$!
+for _ in $(seq 120); do [ -S "$sock" ] && break; sleep 1; done
+sleep 2
+bench() {
+  timeout 200 python3 "$repo/clients/python/examples/bench_client.py" --target "unix:$sock" \
+    --cli "$B/moeserve-cli" --tokens "${MS:-1,16,64}" --calls "${N:-400}" \
+    --rounds "${ROUNDS:-3}" --no-numpy "$@" 2>"$OUT/bench_err.log" | grep -v '^# \['
+}
+echo "== torch client, CPU tensors, gRPC bytes (no polling)"
+bench
+echo "== the same, the C++ client polling ${SPIN_US:-2000} us (torch native_spin_us, cli --client_spin_us)"
+bench --native-spin-us "${SPIN_US:-2000}"
+echo "== cProfile of the torch loop at M=1 (top functions)"
+MS=1 N=2000 ROUNDS=1 bench --profile 1 > /dev/null
+grep -A25 "Ordered by: cumulative" "$OUT/bench_err.log" | head -30
+grep -A20 "Ordered by: internal" "$OUT/bench_err.log" | head -24
+kill "$pid"
+wait "$pid" 2>/dev/null
