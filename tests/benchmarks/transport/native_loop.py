@@ -43,10 +43,10 @@ spec.loader.exec_module(native)
 
 import numpy as np  # noqa: E402
 
-h, m = 7168, 1
+h, m = 7168, int(os.environ.get("M", "1"))
 x = np.random.default_rng(0).standard_normal((m, h)).astype(np.float16)
-ids = np.array([[1, 2, 3, 4]], np.int32)
-w = np.full((1, 4), 0.25, np.float32)
+ids = np.array([[(t * 5 + j * 3) % 16 for j in range(4)] for t in range(m)], np.int32)
+w = np.full((m, 4), 0.25, np.float32)
 out = np.empty_like(x)
 n = native.NativeClient(target, spin_us=2000 if variant == "spin" else 0)
 args = (0, 2, m, h, x.ctypes.data, 4, 4, ids.ctypes.data, w.ctypes.data, out.ctypes.data,
@@ -56,8 +56,8 @@ if variant == "busy":
         os.path.dirname(path), "wire.py"))  # (the package's __init__ needs generated stubs)
     wire = importlib.util.module_from_spec(wspec)
     wspec.loader.exec_module(wire)
-    req = b"".join(wire.forward_request(0, (2, (m, h), x.tobytes()), (4, (1, 4), ids.tobytes()),
-                                        (3, (1, 4), w.tobytes())))
+    req = b"".join(wire.forward_request(0, (2, (m, h), x.tobytes()), (4, (m, 4), ids.tobytes()),
+                                        (3, (m, 4), w.tobytes())))
     call = ch.unary_unary("/moeserve.v1.MoeService/Forward")
     for _ in range(2000):
         call(req)
