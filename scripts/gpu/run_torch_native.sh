@@ -22,7 +22,7 @@ python3 "$repo/tests/benchmarks/transport/py_deps.py" "$repo/.gpucarry/wheels" "
 export PYTHONPATH=$OUT/pydeps
 sock=$(mktemp -d)/moe.sock
 "$B/moeserve" --model tiny --hidden 7168 --intermediate 64 --listen "unix:$sock" \
-  --metrics_address 127.0.0.1:0 > "$OUT/server.log" 2>&1 &
+  --metrics_address 127.0.0.1:0 --enable_shared_memory > "$OUT/server.log" 2>&1 &
 pid=$!
 for _ in $(seq 120); do [ -S "$sock" ] && break; sleep 1; done
 sleep 2
@@ -31,13 +31,18 @@ bench() {
     --cli "$B/moeserve-cli" --tokens "${MS:-1,16,64}" --calls "${N:-400}" \
     --rounds "${ROUNDS:-3}" --no-numpy "$@" 2>"$OUT/bench_err.log" | grep -v '^# \['
 }
-echo "== torch client, CPU tensors, gRPC bytes (no polling)"
-bench
-echo "== the same, the C++ client polling ${SPIN_US:-2000} us (torch native_spin_us, cli --client_spin_us)"
-bench --native-spin-us "${SPIN_US:-2000}"
-echo "== cProfile of the torch loop at M=1 (top functions)"
-MS=1 N=2000 ROUNDS=1 bench --profile 1 > /dev/null
-grep -A25 "Ordered by: cumulative" "$OUT/bench_err.log" | head -30
-grep -A20 "Ordered by: internal" "$OUT/bench_err.log" | head -24
+# PROFILE_ONLY=1: only the cProfile, of the bench_client.py flags in EXTRA (e.g. "--device cuda
+# --shared-memory cuda": the CUDA-region path; the server then needs --enable_shared_memory).
+if [ -z "${PROFILE_ONLY:-}" ]; then
+  echo "== torch client, CPU tensors, gRPC bytes (no polling)"
+  bench
+  echo "== the same, the C++ client polling ${SPIN_US:-2000} us (torch native_spin_us, cli --client_spin_us)"
+  bench --native-spin-us "${SPIN_US:-2000}"
+fi
+echo "== cProfile of the torch loop at M=1 (top functions) ${EXTRA:-}"
+# shellcheck disable=SC2086
+MS=1 N=2000 ROUNDS=1 bench --profile 1 ${EXTRA:-}
+grep -A30 "Ordered by: cumulative" "$OUT/bench_err.log" | head -34
+grep -A22 "Ordered by: internal" "$OUT/bench_err.log" | head -26
 kill "$pid"
 wait "$pid" 2>/dev/null
