@@ -209,6 +209,9 @@ def main():
             gclient = TorchMoeClient(a.target, shared_memory=a.shared_memory,
                                      channel=True if a.channel else False, spin_us=a.spin_us,
                                      copy_threads=a.copy_threads, native=False)
+        # (Zero copy: the inputs live in the native client's regions, which grpcio's twin does
+        # not know: no grpcio column then.)
+        grpcio_col = gclient is not client and not a.zero_copy
         print(f"# torch client gRPC calls: {'C++ client (native)' if client.uses_native else 'grpcio'}"
               f"{'' if client.native_error is None else f' ({client.native_error})'}")
         npc = mc.MoeClient(a.target)
@@ -224,7 +227,7 @@ def main():
               f"{'torch-cli_us':>12} {'torch-raw_us':>12} {'cli_cpu':>8} {'raw_cpu':>8} "
               f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}"
               + (f" {'routed_ms':>9}" if a.server_routing else "")
-              + (f" {'grpcio_ms':>9} {'nraw_ms':>8}" if gclient is not client else ""))
+              + (f" {'grpcio_ms':>9} {'nraw_ms':>8}" if grpcio_col else ""))
         for m in (int(t) for t in a.tokens.split(",")):
             calls = a.calls if m < 256 else max(30, a.calls * 64 // m)
             g = torch.Generator().manual_seed(m)
@@ -245,7 +248,7 @@ def main():
             progress(f"M={m}: warm-up")
             for _ in range(5):  # warm up the Python paths
                 client.forward(xd, idsd, wd, layer=a.layer, out=out)
-                if gclient is not client:
+                if grpcio_col:
                     gclient.forward(xd, idsd, wd, layer=a.layer, out=out)
                 if not a.no_numpy:
                     npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
@@ -281,7 +284,7 @@ def main():
                 c_torch.append(c)
                 if client.channel is not None:
                     slept += client.channel.sleeps - sleeps0
-                if gclient is not client:
+                if grpcio_col:
                     progress(f"M={m} round {rnd}: torch over grpcio")
                     t_grpcio += time_calls(
                         lambda: gclient.forward(xd, idsd, wd, layer=a.layer, out=out), per)[0]
@@ -303,7 +306,7 @@ def main():
                   f"{med(c_cli):>8.0f} {med(c_raw):>8.0f} {med(c_torch):>9.0f} "
                   f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}"
                   + (f" {med(t_routed):>9.3f}" if a.server_routing else "")
-                  + (f" {med(t_grpcio):>9.3f} {med(t_nraw):>8.3f}" if gclient is not client
+                  + (f" {med(t_grpcio):>9.3f} {med(t_nraw):>8.3f}" if grpcio_col
                      else ""), flush=True)
             if a.channel:
                 print(f"# M={m}: torch calls that slept on the channel (answer after the "
