@@ -662,6 +662,32 @@ class NativeTest(unittest.TestCase):
             self.assertEqual(np_of(view.contiguous()).tobytes(), np_of(want).tobytes())
             self.assertEqual(int(wide[:, 1::2].abs().sum()), 0)
 
+    def test_common_call_takes_the_fast_path(self):
+        x, ids, w = self.inputs(5, 60)
+        want = self.grp.forward(x, ids, w)
+
+        class Taken(Exception):
+            pass
+
+        def general(*args, **kwargs):
+            raise Taken()
+
+        self.nat._prepare = general  # the general path would raise
+        try:
+            y = self.nat.forward(x, ids, w)
+            self.assertEqual(np_of(y).tobytes(), np_of(want).tobytes())
+            out = torch.empty_like(x)
+            self.assertIs(self.nat.forward(x, ids.long(), w, out=out), out)
+            self.assertEqual(np_of(out).tobytes(), np_of(want).tobytes())
+            # Anything else takes the general path: float64 weights, a strided out, timings.
+            for kwargs in ({"topk_weights": w.double()}, {"out": torch.empty(
+                    x.shape[1], x.shape[0], dtype=x.dtype).t()}, {"return_timings": True}):
+                args = {"topk_ids": ids, "topk_weights": w, **kwargs}
+                with self.assertRaises(Taken, msg=str(kwargs.keys())):
+                    self.nat.forward(x, **args)
+        finally:
+            del self.nat._prepare
+
     def test_in_flight_header_and_server_routing(self):
         futs = []
         for i in range(6):

@@ -1280,6 +1280,33 @@ class TorchMoeClient:
                 fut.topk_weights = _view(header, reply.topk_weights).to(fut._device)
         return ret
 
+    def _fast_forward(self, nat, hidden, topk_ids, topk_weights, layer, out, timeout):
+        """The common blocking call -- CPU tensors, contiguous, routed, float32 weights, `out`
+        None or a contiguous CPU tensor of hidden's dtype and shape -- by the C++ client with
+        as few tensor calls as it takes (each is a call into torch). None when the call is not
+        that case: forward() then takes the general path, which checks and converts."""
+        hid_wire = _FLOAT_WIRE.get(hidden.dtype)
+        ids_wire = _ID_WIRE.get(topk_ids.dtype)
+        if hid_wire is None or ids_wire is None or topk_weights.dtype is not torch.float32 or \
+                not (hidden.is_cpu and topk_ids.is_cpu and topk_weights.is_cpu):
+            return None
+        shape = hidden.shape
+        ids_shape = topk_ids.shape
+        if len(shape) != 2 or len(ids_shape) != 2 or ids_shape[0] != shape[0] or \
+                topk_weights.shape != ids_shape or not hidden.is_contiguous() or \
+                not topk_ids.is_contiguous() or not topk_weights.is_contiguous():
+            return None
+        m, h = shape
+        if out is None:
+            out = torch.empty((m, h), dtype=hidden.dtype)
+        elif out.dtype is not hidden.dtype or not out.is_cpu or out.shape != shape or \
+                not out.is_contiguous():
+            return None
+        nat.forward(layer, hid_wire, m, h, hidden.data_ptr(), ids_wire, ids_shape[1],
+                    topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr(),
+                    m * h * wire.ITEMSIZE[hid_wire], timeout=timeout or self.timeout)
+        return out
+
     def _native_forward(self, fut, out, timeout):
         """The blocking call of a future prepared for the C++ client (fut._native)."""
         ret, dst = self._native_target(fut, out)
@@ -1552,6 +1579,13 @@ class TorchMoeClient:
         the hidden area), or release() / close(): read or copy it before then. A call whose
         answer would overwrite bytes that a call in flight reads or writes raises
         RuntimeError."""
+        nat = self._native
+        if nat is not None and topk_ids is not None and not request_id and \
+                not return_timings and not self._ch_mode and not self._zc and \
+                (self._region_disabled["system"] or not self._local):
+            y = self._fast_forward(nat, hidden, topk_ids, topk_weights, layer, out, timeout)
+            if y is not None:
+                return y
         fut, parts, nbytes = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
                                            return_timings, False, out)
         timeout = timeout or self.timeout
