@@ -9,6 +9,8 @@ against the real server (tiny model, CPU backend), with numpy arrays (no torch):
   * routing on the server (no ids / weights) with return_routing: the ids and weights in the
     answer's header are the numpy client's; request_id echoed; timings with return_timings;
   * a serialized request (wire.forward_request) sent as bytes: the same answer;
+  * answers of 1-4 MB (copied out of their slices by the library's threads): equal to the
+    numpy client's, blocking and several in flight at once;
   * several calls in flight (submit), waited for in reverse order, each its own answer; a call
     freed without a wait; a second wait refused;
   * errors, each with its code and what was wrong: an expert id out of range (the server's
@@ -42,6 +44,9 @@ def setUpModule():
     sys.path.insert(0, os.path.join(ARGS.source_dir, "tests", "integration"))
     sys.path.insert(0, os.path.join(ARGS.source_dir, "clients", "python"))
     os.environ["MOESERVE_CLIENT_LIB"] = ARGS.lib
+    # Answers of 1 MB or more are copied by the library's pool: 3 threads even on a small
+    # machine, so that the split copy runs here.
+    os.environ["MOESERVE_CLIENT_COPY_THREADS"] = "3"
     import grpc as _grpc
     import moeserve_client as _mc
     from moeserve_client import native as _native
@@ -146,6 +151,38 @@ class NativeClientTest(unittest.TestCase):
         out2 = np.empty_like(x)
         call.wait(ptr(out2), out2.nbytes, wire.DTYPE_FP32, 5, x.shape[1], False)
         self.assertEqual(out2.tobytes(), want.tobytes())
+
+    def test_large_answers_copied_by_the_pool(self):
+        h = self.info.hidden
+        for m in (1 + (1 << 20) // (4 * h), 3 * (1 << 20) // (4 * h) + 7):
+            x, ids, w = self.inputs(m)
+            self.assertGreaterEqual(x.nbytes, 1 << 20)
+            y, _ = self.call(x, wire.DTYPE_FP32, ids, w)
+            self.assertEqual(y.tobytes(), self.npc.forward(x, ids, w).tobytes(), m)
+        # Several large answers waited for from threads at once: one uses the pool, the others
+        # copy on their own thread; each gets its own bytes.
+        import threading
+        calls = []
+        for i in range(4):
+            x, ids, w = self.inputs(2 * (1 << 20) // (4 * h) + i)
+            c = self.n.submit(0, wire.DTYPE_FP32, x.shape[0], h, ptr(x), wire.DTYPE_INT32,
+                              ids.shape[1], ptr(ids), ptr(w), keep=(x, ids, w))
+            calls.append((c, x, ids, w, np.empty_like(x)))
+        errors = []
+
+        def wait(c, x, out):
+            try:
+                c.wait(ptr(out), out.nbytes, wire.DTYPE_FP32, x.shape[0], h, False)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=wait, args=(c, x, out)) for c, x, _, _, out in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        for c, x, ids, w, out in calls:
+            self.assertEqual(out.tobytes(), self.npc.forward(x, ids, w).tobytes())
 
     def test_calls_in_flight_answer_each_their_own(self):
         calls = []
