@@ -499,6 +499,16 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(const grpc::ByteBuffer& request
   return DecodeForwardResult(response, copy_output, latency);
 }
 
+void MoeClient::StartForward(const grpc::ByteBuffer& request, grpc::CompletionQueue* cq,
+                             QueuedForward* call, void* tag, absl::Duration deadline) {
+  PrepareContext(&call->context, deadline);
+  call->start = absl::Now();
+  call->reader = generic_stub_->PrepareUnaryCall(&call->context, "/moeserve.v1.MoeService/Forward",
+                                                 request, cq);
+  call->reader->StartCall();
+  call->reader->Finish(&call->response, &call->status, tag);
+}
+
 void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
                              std::function<void(absl::StatusOr<ForwardResult>)> done,
                              bool copy_output, absl::Duration deadline) {

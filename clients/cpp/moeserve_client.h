@@ -140,6 +140,22 @@ class MoeClient {
                     std::function<void(absl::StatusOr<ForwardResult>)> done,
                     bool copy_output = true, absl::Duration deadline = absl::ZeroDuration());
 
+  // A Forward whose completion the caller collects from its own completion queue: the
+  // caller drains `cq` and gets `tag` once the call has ended (then `status` and `response`
+  // are set; DecodeForwardResult reads the response). `call` must stay alive, unmoved, until
+  // then. Unlike ForwardAsync this uses no gRPC callback thread: a client whose last call just
+  // completed may be destroyed at once (the callback API's shared completion queue could be
+  // torn down under its own thread then: gRPC 1.51 aborted in grpc_cq_internal_unref).
+  struct QueuedForward {
+    grpc::ClientContext context;
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    absl::Time start;
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> reader;
+  };
+  void StartForward(const grpc::ByteBuffer& request, grpc::CompletionQueue* cq, QueuedForward* call,
+                    void* tag, absl::Duration deadline = absl::ZeroDuration());
+
   // Opens a ForwardStream: layer calls one after another on one HTTP/2 stream (answers in
   // order). The stream has no deadline of its own; the client options' deadline is not applied.
   absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream();
