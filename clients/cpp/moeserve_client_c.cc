@@ -368,30 +368,40 @@ extern "C" {
 
 int moeserve_client_abi_version(void) { return MOESERVE_CLIENT_C_ABI_VERSION; }
 
-MoeserveClient* moeserve_client_create(const char* target, int64_t max_message_bytes,
-                                       double timeout_s, int64_t spin_us, char* err,
-                                       size_t err_len) {
+MoeserveClient* moeserve_client_create(const char* target, const MoeserveClientOptions* options,
+                                       char* err, size_t err_len) {
   if (target == nullptr) {
     Fail(absl::InvalidArgumentError("target is NULL"), err, err_len);
     return nullptr;
   }
-  if (!(timeout_s > 0) || spin_us < 0) {
-    Fail(absl::InvalidArgumentError(absl::StrCat("timeout_s ", timeout_s, ", spin_us ", spin_us,
-                                                 "; expected > 0 and >= 0")),
+  const MoeserveClientOptions defaults{};
+  const MoeserveClientOptions& o = options != nullptr ? *options : defaults;
+  if (o.timeout_s < 0 || o.spin_us < 0 || o.max_message_bytes < 0) {
+    Fail(absl::InvalidArgumentError(absl::StrCat("timeout_s ", o.timeout_s, ", spin_us ", o.spin_us,
+                                                 ", max_message_bytes ", o.max_message_bytes,
+                                                 "; expected >= 0 (0: the default)")),
          err, err_len);
     return nullptr;
   }
-  MoeClientOptions options;
-  options.max_message_bytes = max_message_bytes;
-  options.deadline = absl::Seconds(timeout_s);
-  options.spin_wait = absl::Microseconds(spin_us);
-  absl::StatusOr<std::unique_ptr<MoeClient>> client = MoeClient::Create(target, options);
+  const auto str = [](const char* s) { return s != nullptr ? std::string(s) : std::string(); };
+  MoeClientOptions client_options;
+  if (o.max_message_bytes > 0) client_options.max_message_bytes = o.max_message_bytes;
+  if (o.timeout_s > 0) client_options.deadline = absl::Seconds(o.timeout_s);
+  client_options.spin_wait = absl::Microseconds(o.spin_us);
+  client_options.auth_token = str(o.auth_token);
+  client_options.use_tls = o.use_tls != 0;
+  client_options.tls_ca_file = str(o.tls_ca_file);
+  client_options.tls_cert_file = str(o.tls_cert_file);
+  client_options.tls_key_file = str(o.tls_key_file);
+  client_options.tls_server_name = str(o.tls_server_name);
+  client_options.wait_for_ready = o.wait_for_ready != 0;
+  absl::StatusOr<std::unique_ptr<MoeClient>> client = MoeClient::Create(target, client_options);
   if (!client.ok()) {
     Fail(client.status(), err, err_len);
     return nullptr;
   }
   Ok(err, err_len);
-  return new MoeserveClient(*std::move(client), options.spin_wait);
+  return new MoeserveClient(*std::move(client), client_options.spin_wait);
 }
 
 void moeserve_client_destroy(MoeserveClient* client) { delete client; }

@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define MOESERVE_CLIENT_C_ABI_VERSION 1
+#define MOESERVE_CLIENT_C_ABI_VERSION 2
 
 /* The library is built with hidden visibility: only these functions are exported (the C++
  * client, gRPC's C++ layer and the proto stubs stay private to it). */
@@ -42,12 +42,26 @@ typedef struct MoeserveCall MoeserveCall;
 /* MOESERVE_CLIENT_C_ABI_VERSION of the library (a loader checks it before binding). */
 MOESERVE_C_API int moeserve_client_abi_version(void);
 
-/* A client for `target` (HOST:PORT, unix:/path or any gRPC target; insecure). timeout_s: each
- * call's default deadline (> 0). spin_us: a blocking call polls for its answer this long before
- * it sleeps (0: sleeps at once). Does not contact the server. NULL on a bad argument. */
-MOESERVE_C_API MoeserveClient* moeserve_client_create(const char* target, int64_t max_message_bytes,
-                                                      double timeout_s, int64_t spin_us, char* err,
-                                                      size_t err_len);
+/* How a client connects. Zero-initialize it, then set what you need: 0 / NULL fields take the
+ * defaults named. Strings are copied (files are read) by moeserve_client_create. */
+typedef struct MoeserveClientOptions {
+  int64_t max_message_bytes; /* largest message either way; 0: 256 MiB */
+  double timeout_s;          /* each call's default deadline; 0: 30 s */
+  int64_t spin_us;           /* a blocking call polls this long before it sleeps; 0: none */
+  const char* auth_token;    /* sent as "authorization: Bearer <token>" on every call */
+  int32_t use_tls;           /* TLS (also on when any tls_* file is set) */
+  const char* tls_ca_file;   /* PEM roots that verify the server (NULL: the system's) */
+  const char* tls_cert_file; /* this client's certificate and key (mutual TLS), together */
+  const char* tls_key_file;
+  const char* tls_server_name; /* the name the server's certificate carries, if not the host */
+  int32_t wait_for_ready;      /* calls wait for the channel to connect instead of failing */
+} MoeserveClientOptions;
+
+/* A client for `target` (HOST:PORT, unix:/path or any gRPC target). options: NULL for the
+ * defaults. Does not contact the server. NULL on a bad argument or an unreadable TLS file. */
+MOESERVE_C_API MoeserveClient* moeserve_client_create(const char* target,
+                                                      const MoeserveClientOptions* options,
+                                                      char* err, size_t err_len);
 MOESERVE_C_API void moeserve_client_destroy(MoeserveClient* client);
 
 /* One layer's inputs. hidden_states: [num_tokens, hidden] in hidden_dtype (BF16/FP16/FP32),

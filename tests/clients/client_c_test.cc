@@ -26,7 +26,9 @@ class ClientCTest : public ::testing::Test {
   void SetUp() override {
     Err err;
     // Nothing listens on port 1: calls fail fast with UNAVAILABLE.
-    client_ = moeserve_client_create("127.0.0.1:1", 1 << 20, 5.0, 0, err.text, sizeof err.text);
+    MoeserveClientOptions options{};
+    options.timeout_s = 5.0;
+    client_ = moeserve_client_create("127.0.0.1:1", &options, err.text, sizeof err.text);
     ASSERT_NE(client_, nullptr) << err.str();
     EXPECT_EQ(err.str(), "");
   }
@@ -57,23 +59,56 @@ TEST_F(ClientCTest, AbiVersion) {
 
 TEST(ClientCCreate, RefusesBadArguments) {
   Err err;
-  EXPECT_EQ(moeserve_client_create(nullptr, 1 << 20, 1.0, 0, err.text, sizeof err.text), nullptr);
+  EXPECT_EQ(moeserve_client_create(nullptr, nullptr, err.text, sizeof err.text), nullptr);
   EXPECT_EQ(err.str(), "target is NULL");
-  EXPECT_EQ(moeserve_client_create("", 1 << 20, 1.0, 0, err.text, sizeof err.text), nullptr);
+  EXPECT_EQ(moeserve_client_create("", nullptr, err.text, sizeof err.text), nullptr);
   EXPECT_NE(err.str().find("target is empty"), std::string::npos) << err.str();
-  EXPECT_EQ(moeserve_client_create("h:1", 1 << 20, 0.0, 0, err.text, sizeof err.text), nullptr);
-  EXPECT_NE(err.str().find("timeout_s 0"), std::string::npos) << err.str();
-  EXPECT_EQ(moeserve_client_create("h:1", 1 << 20, 1.0, -1, err.text, sizeof err.text), nullptr);
-  EXPECT_EQ(moeserve_client_create("h:1", 0, 1.0, 0, err.text, sizeof err.text), nullptr);
-  EXPECT_NE(err.str().find("max_message_bytes"), std::string::npos) << err.str();
+  const struct {
+    const char* name;
+    void (*edit)(MoeserveClientOptions*);
+    const char* message;
+  } cases[] = {
+      {"timeout", [](MoeserveClientOptions* o) { o->timeout_s = -1; }, "timeout_s -1"},
+      {"spin", [](MoeserveClientOptions* o) { o->spin_us = -2; }, "spin_us -2"},
+      {"size", [](MoeserveClientOptions* o) { o->max_message_bytes = -3; }, "max_message_bytes -3"},
+      {"huge", [](MoeserveClientOptions* o) { o->max_message_bytes = int64_t{1} << 40; },
+       "max_message_bytes is 1099511627776"},
+      {"cert alone", [](MoeserveClientOptions* o) { o->tls_cert_file = "/nonexistent.pem"; },
+       "tls_cert_file and tls_key_file go together"},
+      {"unreadable ca", [](MoeserveClientOptions* o) { o->tls_ca_file = "/nonexistent/ca.pem"; },
+       "cannot read '/nonexistent/ca.pem'"},
+  };
+  for (const auto& c : cases) {
+    MoeserveClientOptions o{};
+    c.edit(&o);
+    EXPECT_EQ(moeserve_client_create("h:1", &o, err.text, sizeof err.text), nullptr) << c.name;
+    EXPECT_NE(err.str().find(c.message), std::string::npos) << c.name << ": " << err.str();
+  }
+  // Defaults (NULL options, zeros) and every option set are accepted.
+  MoeserveClient* client = moeserve_client_create("h:1", nullptr, err.text, sizeof err.text);
+  EXPECT_NE(client, nullptr) << err.str();
+  moeserve_client_destroy(client);
+  MoeserveClientOptions all{};
+  all.max_message_bytes = 1 << 20;
+  all.timeout_s = 2;
+  all.spin_us = 100;
+  all.auth_token = "a-token-of-at-least-16-chars";
+  all.use_tls = 1;
+  all.tls_server_name = "moeserve.example";
+  all.wait_for_ready = 1;
+  client = moeserve_client_create("h:1", &all, err.text, sizeof err.text);
+  EXPECT_NE(client, nullptr) << err.str();
+  moeserve_client_destroy(client);
   // No error buffer: still refused, nothing written.
-  EXPECT_EQ(moeserve_client_create(nullptr, 1 << 20, 1.0, 0, nullptr, 0), nullptr);
+  EXPECT_EQ(moeserve_client_create(nullptr, nullptr, nullptr, 0), nullptr);
   moeserve_client_destroy(nullptr);  // a no-op
 }
 
 TEST(ClientCCreate, MessagesAreCutToTheBuffer) {
   char small[8];
-  EXPECT_EQ(moeserve_client_create("h:1", 1 << 20, 0.0, 0, small, sizeof small), nullptr);
+  MoeserveClientOptions o{};
+  o.timeout_s = -1;
+  EXPECT_EQ(moeserve_client_create("h:1", &o, small, sizeof small), nullptr);
   EXPECT_EQ(std::string(small), "timeout");  // 7 characters and the NUL
 }
 

@@ -18,7 +18,9 @@ against the real server (tiny model, CPU backend), with numpy arrays (no torch):
     INVALID_ARGUMENT naming it), a bad dtype code, a NULL hidden pointer, ids without weights
     (INVALID_ARGUMENT before sending), an `out` of the wrong size (INTERNAL naming both
     sizes), a deadline too short (DEADLINE_EXCEEDED), no server (UNAVAILABLE), a bad target
-    or timeout at creation (ValueError), a library of another ABI version (OSError).
+    or timeout at creation (ValueError), a library of another ABI version (OSError);
+  * a server that wants a bearer token: UNAUTHENTICATED without it or with a wrong one, the
+    answer with it (blocking and in flight).
 Exits 77 (CTest: skipped) without --lib.
 
   native_client_test.py --server BIN/moeserve --cli BIN/moeserve-cli --lib BUILD/lib/libmoeserve_client_c.so --source-dir REPO
@@ -290,6 +292,34 @@ class NativeClientTest(unittest.TestCase):
             native.NativeClient(SERVER.target, timeout=0)
         with self.assertRaisesRegex(ValueError, "max_message_bytes"):
             native.NativeClient(SERVER.target, max_message_bytes=0)
+
+    def test_bearer_token(self):
+        token = "a-native-client-token-" + str(SEED)
+        with tempfile.TemporaryDirectory(prefix="moeserve_native_auth_") as d:
+            tokens = os.path.join(d, "tokens")
+            with open(tokens, "w") as f:
+                f.write(f"# tokens\n{token}\n")
+            from run_integration import Cli, Server
+            with Server(ARGS.server, d, extra_args=["--auth_token_file", tokens]) as server:
+                server.wait_ready(Cli(ARGS.cli))
+                x, ids, w = self.inputs(3)
+                out = np.empty_like(x)
+                args = (0, wire.DTYPE_FP32, 3, x.shape[1], ptr(x), wire.DTYPE_INT32,
+                        ids.shape[1], ptr(ids), ptr(w), ptr(out), out.nbytes)
+                for bad in (None, token + "x"):
+                    with native.NativeClient(server.target, auth_token=bad) as n:
+                        with self.assertRaises(native.CallError) as cm:
+                            n.forward(*args)
+                        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAUTHENTICATED,
+                                         cm.exception.details())
+                with native.NativeClient(server.target, auth_token=token) as n:
+                    n.forward(*args)
+                    self.assertEqual(out.tobytes(), self.npc.forward(x, ids, w).tobytes())
+                    c = n.submit(*args[:9], keep=(x, ids, w))
+                    out2 = np.empty_like(x)
+                    c.wait(ptr(out2), out2.nbytes, wire.DTYPE_FP32, 3, x.shape[1], False)
+                    self.assertEqual(out2.tobytes(), out.tobytes())
+                server.terminate_and_check(30)
 
     def test_library_abi_and_exports(self):
         lib = ctypes.CDLL(ARGS.lib)

@@ -27,7 +27,8 @@
   * the gRPC calls by the C++ client (native=True, $MOESERVE_CLIENT_LIB) against grpcio's: the
     same answers bytes for bytes (dtypes, id dtypes, `out` contiguous or strided, calls in
     flight, server routing with return_routing, system regions, CUDA tensors), the same
-    refusals (INVALID_ARGUMENT, DEADLINE_EXCEEDED, a wrong `out`); skipped without the library.
+    refusals (INVALID_ARGUMENT, DEADLINE_EXCEEDED, a wrong `out`), a bearer token sent by
+    both paths (UNAUTHENTICATED without it); skipped without the library.
 Exits 77 (CTest: skipped) when torch is not installed.
 
   torch_client_test.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli --source-dir REPO
@@ -754,6 +755,33 @@ class NativeTest(unittest.TestCase):
                 self.assertEqual(np_of(y).tobytes(), np_of(want).tobytes())
                 self.assertEqual(np_of(c.forward(x, ids, w) if routed else c.forward(x))
                                  .tobytes(), np_of(want).tobytes())
+
+    def test_bearer_token_by_both_paths(self):
+        from run_integration import Cli, Server
+        token = "a-torch-client-token-" + str(self.seed)
+        with tempfile.TemporaryDirectory(prefix="moeserve_torch_auth_") as d:
+            tokens = os.path.join(d, "tokens")
+            with open(tokens, "w") as f:
+                f.write(token + "\n")
+            with Server(ARGS.server, d, extra_args=["--auth_token_file", tokens]) as server:
+                server.wait_ready(Cli(ARGS.cli))
+                x, ids, w = self.inputs(3, 70)
+                want = self.grp.forward(x, ids, w)
+                for native in (True, False):
+                    with tc.TorchMoeClient(server.target, shared_memory="off", channel=False,
+                                           native=native, auth_token=token) as c:
+                        self.assertEqual(c.info().hidden, self.info.hidden)  # grpcio stub
+                        y = c.forward(x, ids, w)
+                        self.assertEqual(np_of(y).tobytes(), np_of(want).tobytes(), native)
+                        self.assertEqual(np_of(c.result(c.submit(x, ids, w))).tobytes(),
+                                         np_of(want).tobytes(), native)
+                    with tc.TorchMoeClient(server.target, shared_memory="off", channel=False,
+                                           native=native) as c:
+                        with self.assertRaises(grpc.RpcError) as cm:
+                            c.forward(x, ids, w)
+                        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAUTHENTICATED,
+                                         native)
+                server.terminate_and_check(30)
 
     @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
     def test_cuda_tensors_by_bytes(self):

@@ -212,7 +212,8 @@ def main():
         # (Zero copy: the inputs live in the native client's regions, which grpcio's twin does
         # not know: no grpcio column then.)
         grpcio_col = gclient is not client and not a.zero_copy
-        print(f"# torch client gRPC calls: {'C++ client (native)' if client.uses_native else 'grpcio'}"
+        way = "C++ client (native)" if client.uses_native else "grpcio"
+        print(f"# torch client gRPC calls: {way}"
               f"{'' if client.native_error is None else f' ({client.native_error})'}")
         npc = mc.MoeClient(a.target)
         info = client.info()

@@ -20,7 +20,7 @@ import threading
 
 import grpc
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_ENV = "MOESERVE_CLIENT_LIB"
 LIB_NAME = "libmoeserve_client_c.so"
 
@@ -43,6 +43,14 @@ class CallError(grpc.RpcError):
 
     def details(self):
         return self.message
+
+
+class _Options(ctypes.Structure):
+    _fields_ = [("max_message_bytes", ctypes.c_int64), ("timeout_s", ctypes.c_double),
+                ("spin_us", ctypes.c_int64), ("auth_token", ctypes.c_char_p),
+                ("use_tls", ctypes.c_int32), ("tls_ca_file", ctypes.c_char_p),
+                ("tls_cert_file", ctypes.c_char_p), ("tls_key_file", ctypes.c_char_p),
+                ("tls_server_name", ctypes.c_char_p), ("wait_for_ready", ctypes.c_int32)]
 
 
 class _Args(ctypes.Structure):
@@ -93,7 +101,7 @@ def load(path=None):
         P, I64, ERR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p
         SZ = ctypes.c_size_t
         lib.moeserve_client_create.restype = P
-        lib.moeserve_client_create.argtypes = [ctypes.c_char_p, I64, ctypes.c_double, I64, ERR,
+        lib.moeserve_client_create.argtypes = [ctypes.c_char_p, ctypes.POINTER(_Options), ERR,
                                                SZ]
         lib.moeserve_client_destroy.restype = None
         lib.moeserve_client_destroy.argtypes = [P]
@@ -191,13 +199,29 @@ _scratch = _Scratch()
 
 
 class NativeClient:
-    """One C++ client (one HTTP/2 channel) for `target`. Thread-safe. close() when done."""
+    """One C++ client (one HTTP/2 channel) for `target`. Thread-safe. close() when done.
 
-    def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, spin_us=0, lib=None):
+    auth_token: sent as "authorization: Bearer <token>" on every call. TLS (tls=True, or any
+    tls_* file): tls_ca_file verifies the server (None: the system's roots), tls_cert_file +
+    tls_key_file present this client's certificate (mutual TLS), tls_server_name is the name
+    the server's certificate carries when it is not the target's host. wait_for_ready: calls
+    wait for the channel to connect instead of failing at once with UNAVAILABLE."""
+
+    def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, spin_us=0, lib=None,
+                 auth_token=None, tls=False, tls_ca_file=None, tls_cert_file=None,
+                 tls_key_file=None, tls_server_name=None, wait_for_ready=False):
         self._lib = lib or load()
         err = ctypes.create_string_buffer(_ERR_BYTES)
-        self._ptr = self._lib.moeserve_client_create(target.encode(), int(max_message_bytes),
-                                                     float(timeout), int(spin_us), err,
+        enc = lambda v: v.encode() if v else None  # noqa: E731
+        if timeout is None or timeout <= 0:
+            raise ValueError(f"native client for {target!r}: timeout_s {timeout}; expected > 0")
+        opts = _Options(int(max_message_bytes), float(timeout), int(spin_us), enc(auth_token),
+                        1 if tls else 0, enc(tls_ca_file), enc(tls_cert_file),
+                        enc(tls_key_file), enc(tls_server_name), 1 if wait_for_ready else 0)
+        if max_message_bytes <= 0:
+            raise ValueError(f"native client for {target!r}: max_message_bytes is "
+                             f"{max_message_bytes}; expected > 0")
+        self._ptr = self._lib.moeserve_client_create(target.encode(), ctypes.byref(opts), err,
                                                      _ERR_BYTES)
         if not self._ptr:
             raise ValueError(f"native client for {target!r}: "

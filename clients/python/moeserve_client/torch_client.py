@@ -69,6 +69,7 @@ Thread-safety: submit/result may be called from several threads. A future is con
 result() call.
 """
 
+import collections
 import ctypes
 import ipaddress
 import mmap
@@ -157,6 +158,25 @@ def _is_local_target(target):
 
 
 _RETRY = object()
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor):
+    """Adds "authorization: Bearer <token>" to every unary call on the channel."""
+
+    class _Details(collections.namedtuple(
+            "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+        pass
+
+    def __init__(self, token):
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def intercept_unary_unary(self, continuation, details, request):
+        d = self._Details(details.method, details.timeout,
+                          list(details.metadata or ()) + [self._entry], details.credentials,
+                          getattr(details, "wait_for_ready", None),
+                          getattr(details, "compression", None))
+        return continuation(d, request)
 
 
 class MoeFuture:
@@ -645,15 +665,17 @@ class TorchMoeClient:
     channel this client opens (see the module docstring). channel_options: extra grpc channel
     options (grpcio's). native: "auto" | True | False, the C++ client for the gRPC calls (see
     the module docstring); native_spin_us: how long its blocking call polls for the answer
-    before it sleeps (costs a core while it polls). copy_threads: threads of its own that share each host copy of 1 MB or more (into
-    and out of a system region, a reply into `out`); None: a quarter of the cores, at most 4;
-    0: one memcpy on the calling thread.
+    before it sleeps (costs a core while it polls). auth_token: sent as "authorization: Bearer
+    <token>" on every call (servers run with --auth_token_file), by both paths. copy_threads:
+    threads of its own that share each host copy of 1 MB or more (into and out of a system
+    region, a reply into `out`); None: a quarter of the cores, at most 4; 0: one memcpy on the
+    calling thread.
     """
 
     def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, shared_memory="auto",
                  channel_options=(), channel="auto", channel_slots=4,
                  channel_slot_bytes=1 << 20, spin_us=200, copy_threads=None, native="auto",
-                 native_spin_us=0):
+                 native_spin_us=0, auth_token=None):
         if shared_memory not in ("auto", "cuda", "system", "off"):
             raise ValueError(f"shared_memory={shared_memory!r}; expected auto, cuda, system or "
                              "off")
@@ -662,6 +684,8 @@ class TorchMoeClient:
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)] + list(channel_options)
         self._channel = grpc.insecure_channel(target, options=options)
+        if auth_token:
+            self._channel = grpc.intercept_channel(self._channel, _BearerToken(auth_token))
         self._stub = pb_grpc.MoeServiceStub(self._channel)
         # Raw bytes both ways: requests are built by moeserve_client.wire.
         self._forward = self._channel.unary_unary(_FORWARD)
@@ -674,7 +698,8 @@ class TorchMoeClient:
             try:
                 self._native = _native.NativeClient(target, timeout=timeout,
                                                     max_message_bytes=max_message_bytes,
-                                                    spin_us=native_spin_us)
+                                                    spin_us=native_spin_us,
+                                                    auth_token=auth_token)
             except (OSError, ValueError) as e:
                 if native is True:
                     raise
