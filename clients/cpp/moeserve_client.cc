@@ -511,7 +511,7 @@ void MoeClient::StartForward(const grpc::ByteBuffer& request, grpc::CompletionQu
 
 void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
                              std::function<void(absl::StatusOr<ForwardResult>)> done,
-                             bool copy_output, absl::Duration deadline) {
+                             bool copy_output) {
   struct InFlight {
     grpc::ClientContext context;
     grpc::ByteBuffer request;
@@ -519,7 +519,7 @@ void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
     absl::Time start;
   };
   auto call = std::make_shared<InFlight>();
-  PrepareContext(&call->context, deadline);
+  PrepareContext(&call->context);
   call->request = request;  // shares the slices
   call->start = absl::Now();
   generic_stub_->UnaryCall(&call->context, "/moeserve.v1.MoeService/Forward", grpc::StubOptions(),

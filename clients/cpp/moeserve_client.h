@@ -138,7 +138,7 @@ class MoeClient {
   // the bytes copied out only with `copy_output`.
   void ForwardAsync(const grpc::ByteBuffer& request,
                     std::function<void(absl::StatusOr<ForwardResult>)> done,
-                    bool copy_output = true, absl::Duration deadline = absl::ZeroDuration());
+                    bool copy_output = true);
 
   // A Forward whose completion the caller collects from its own completion queue: the
   // caller drains `cq` and gets `tag` once the call has ended (then `status` and `response`

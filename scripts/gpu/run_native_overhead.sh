@@ -8,18 +8,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 BUNDLE=${1:-$repo/.bundle/transport.tar.xz}
 OUT=${OUT:-/tmp/native_overhead}
-mkdir -p "$OUT"
-tar -C "$OUT" -xJf "$BUNDLE" || exit 1
-B=$OUT/transport/bin
-NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
-export LD_LIBRARY_PATH=$OUT/transport/lib${NCCL_DIR:+:$NCCL_DIR}
-export MOESERVE_CLIENT_LIB=$OUT/transport/lib/libmoeserve_client_c.so
-sock=$(mktemp -d)/moe.sock
-"$B/moeserve" --model tiny --hidden 7168 --intermediate 64 --listen "unix:$sock" \
-  --metrics_address 127.0.0.1:0 > "$OUT/server.log" 2>&1 &
-pid=$!
-for _ in $(seq 120); do [ -S "$sock" ] && break; sleep 1; done
-sleep 2
+source "$here/transport_lib.sh"
+use_transport_bundle "$BUNDLE" || exit 1
+serve_trivial_unix
 echo "variant p50_us mean_us cpu_us"
 for r in $(seq "${ROUNDS:-2}"); do
   for v in ${VARIANTS:-cli bare grpc chan torch spin clispin}; do

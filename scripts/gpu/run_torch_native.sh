@@ -11,21 +11,12 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 BUNDLE=${1:-$repo/.bundle/transport.tar.xz}
 OUT=${OUT:-/tmp/torch_native}
-mkdir -p "$OUT"
-tar -C "$OUT" -xJf "$BUNDLE" || exit 1
-B=$OUT/transport/bin
-NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
-export LD_LIBRARY_PATH=$OUT/transport/lib${NCCL_DIR:+:$NCCL_DIR}
-export MOESERVE_CLIENT_LIB=$OUT/transport/lib/libmoeserve_client_c.so
+source "$here/transport_lib.sh"
+use_transport_bundle "$BUNDLE" || exit 1
 python3 "$repo/tests/benchmarks/transport/py_deps.py" "$repo/.gpucarry/wheels" "$OUT/pydeps" \
   > "$OUT/py_deps.log" 2>&1 || { tail -3 "$OUT/py_deps.log"; exit 1; }
 export PYTHONPATH=$OUT/pydeps
-sock=$(mktemp -d)/moe.sock
-"$B/moeserve" --model tiny --hidden 7168 --intermediate 64 --listen "unix:$sock" \
-  --metrics_address 127.0.0.1:0 --enable_shared_memory > "$OUT/server.log" 2>&1 &
-pid=$!
-for _ in $(seq 120); do [ -S "$sock" ] && break; sleep 1; done
-sleep 2
+serve_trivial_unix --enable_shared_memory
 bench() {
   timeout 200 python3 "$repo/clients/python/examples/bench_client.py" --target "unix:$sock" \
     --cli "$B/moeserve-cli" --tokens "${MS:-1,16,64}" --calls "${N:-400}" \

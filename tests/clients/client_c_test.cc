@@ -47,7 +47,19 @@ class ClientCTest : public ::testing::Test {
     return a;
   }
 
+  // Where Args()'s answer goes: [2, 4] FP32 into out_.
+  MoeserveResult Result() {
+    MoeserveResult r{};
+    r.out = out_.data();
+    r.out_bytes = static_cast<int64_t>(out_.size() * sizeof(float));
+    r.expect_dtype = 3;
+    r.expect_num_tokens = 2;
+    r.expect_hidden = 4;
+    return r;
+  }
+
   MoeserveClient* client_ = nullptr;
+  std::vector<float> out_ = std::vector<float>(8);
   std::vector<float> hidden_ = std::vector<float>(8, 0.5f);
   std::vector<int32_t> ids_ = {0, 1, 1, 0};
   std::vector<float> weights_ = {0.5f, 0.5f, 0.25f, 0.75f};
@@ -114,13 +126,7 @@ TEST(ClientCCreate, MessagesAreCutToTheBuffer) {
 
 TEST_F(ClientCTest, RefusesBadArgsBeforeSending) {
   Err err;
-  std::vector<float> out(8);
-  MoeserveResult r{};
-  r.out = out.data();
-  r.out_bytes = 32;
-  r.expect_dtype = 3;
-  r.expect_num_tokens = 2;
-  r.expect_hidden = 4;
+  MoeserveResult r = Result();
   struct Case {
     const char* name;
     void (*edit)(MoeserveForwardArgs*);
@@ -169,13 +175,7 @@ TEST_F(ClientCTest, RefusesBadArgsBeforeSending) {
 
 TEST_F(ClientCTest, NoServerIsUnavailableBlockingAndInFlight) {
   Err err;
-  std::vector<float> out(8);
-  MoeserveResult r{};
-  r.out = out.data();
-  r.out_bytes = 32;
-  r.expect_dtype = 3;
-  r.expect_num_tokens = 2;
-  r.expect_hidden = 4;
+  MoeserveResult r = Result();
   MoeserveForwardArgs a = Args();
   EXPECT_EQ(moeserve_forward(client_, &a, &r, err.text, sizeof err.text), kUnavailable)
       << err.str();

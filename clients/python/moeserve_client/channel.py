@@ -41,6 +41,8 @@ import time
 import grpc
 import numpy as np
 
+from .status import StatusError
+
 # proto/moeserve/v1/forward_channel.h
 MAGIC = 0x4346534D
 VERSION = 1
@@ -61,7 +63,6 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def channel_bytes(num_slots, slot_bytes):
@@ -69,21 +70,10 @@ def channel_bytes(num_slots, slot_bytes):
     return SLOTS_OFFSET + num_slots * slot_bytes
 
 
-class ChannelError(grpc.RpcError):
+class ChannelError(StatusError):
     """A call through the channel failed: the server's status (code() / details(), as a
     grpc.RpcError of a unary call has them), or the channel's own (UNAVAILABLE: the server
     detached; DEADLINE_EXCEEDED; RESOURCE_EXHAUSTED: the request does not fit a slot)."""
-
-    def __init__(self, status_code, message):
-        super().__init__(f"{_CODES.get(status_code, status_code)}: {message}")
-        self.status_code = status_code
-        self.message = message
-
-    def code(self):
-        return _CODES.get(self.status_code, grpc.StatusCode.UNKNOWN)
-
-    def details(self):
-        return self.message
 
 
 # ---- futex ----

@@ -18,31 +18,16 @@ import ctypes
 import os
 import threading
 
-import grpc
+from .status import StatusError
 
 ABI_VERSION = 2
 LIB_ENV = "MOESERVE_CLIENT_LIB"
 LIB_NAME = "libmoeserve_client_c.so"
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class CallError(grpc.RpcError):
+class CallError(StatusError):
     """A call through the C++ client failed: the server's status (code() / details()) or the
     client's own (UNAVAILABLE: no server; DEADLINE_EXCEEDED; INVALID_ARGUMENT: a bad argument,
     found before sending)."""
-
-    def __init__(self, status_code, message):
-        code = _CODES.get(status_code, grpc.StatusCode.UNKNOWN)
-        super().__init__(f"{code}: {message}")
-        self.status_code = status_code
-        self.message = message
-
-    def code(self):
-        return _CODES.get(self.status_code, grpc.StatusCode.UNKNOWN)
-
-    def details(self):
-        return self.message
 
 
 class _Options(ctypes.Structure):

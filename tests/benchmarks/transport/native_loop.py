@@ -14,7 +14,7 @@ a process set up as VARIANT, to find what a Python process adds to the same C++ 
 Prints: VARIANT p50_us mean_us cpu_us (per call; CPU of the whole process).
 """
 
-import importlib.util
+import importlib
 import os
 import sys
 import time
@@ -36,10 +36,11 @@ if variant in ("bare", "spin"):
     fake.RpcError = Exception
     fake.StatusCode = []
     sys.modules["grpc"] = fake
-path = os.path.join(here, "..", "..", "..", "clients", "python", "moeserve_client", "native.py")
-spec = importlib.util.spec_from_file_location("native_loop_native", path)
-native = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(native)
+# The package without its __init__, which needs the generated stubs (not on the device).
+pkg = types.ModuleType("moeserve_client")
+pkg.__path__ = [os.path.join(here, "..", "..", "..", "clients", "python", "moeserve_client")]
+sys.modules["moeserve_client"] = pkg
+native = importlib.import_module("moeserve_client.native")
 
 import numpy as np  # noqa: E402
 
@@ -52,10 +53,7 @@ n = native.NativeClient(target, spin_us=2000 if variant == "spin" else 0)
 args = (0, 2, m, h, x.ctypes.data, 4, 4, ids.ctypes.data, w.ctypes.data, out.ctypes.data,
         out.nbytes)
 if variant == "busy":
-    wspec = importlib.util.spec_from_file_location("native_loop_wire", os.path.join(
-        os.path.dirname(path), "wire.py"))  # (the package's __init__ needs generated stubs)
-    wire = importlib.util.module_from_spec(wspec)
-    wspec.loader.exec_module(wire)
+    wire = importlib.import_module("moeserve_client.wire")
     req = b"".join(wire.forward_request(0, (2, (m, h), x.tobytes()), (4, (m, 4), ids.tobytes()),
                                         (3, (m, 4), w.tobytes())))
     call = ch.unary_unary("/moeserve.v1.MoeService/Forward")
