@@ -179,6 +179,17 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor):
         return continuation(d, request)
 
 
+class _NativeArgs(collections.namedtuple(
+        "_NativeArgs", ("layer", "hidden_dtype", "num_tokens", "hidden", "hidden_ptr",
+                        "ids_dtype", "topk", "ids_ptr", "weights_ptr", "request_id",
+                        "return_timings", "return_routing"))):
+    """A call for the C++ client (NativeClient.submit's arguments): wire dtypes, addresses."""
+
+    @property
+    def want_header(self):
+        return bool(self.request_id or self.return_timings or self.return_routing)
+
+
 class MoeFuture:
     """A Forward call in flight (TorchMoeClient.submit). After result(): request_id, timings
     (dict, with return_timings), topk_ids / topk_weights (with return_routing). used_region /
@@ -1250,8 +1261,7 @@ class TorchMoeClient:
                 if fut._device.type != "cpu":
                     # Staged in this thread's pinned buffer, which the next call reuses.
                     fut._keep[-1] = fut._keep[-1].clone()
-                    a = fut._native
-                    fut._native = a[:4] + (fut._keep[-1].data_ptr(),) + a[5:]
+                    fut._native = fut._native._replace(hidden_ptr=fut._keep[-1].data_ptr())
                 fut._call = self._native.submit(*fut._native, timeout=timeout, keep=fut._keep)
             elif not (self._ch_mode and self._try_channel(fut, parts, nbytes, timeout)):
                 if self._native is not None:
@@ -1271,6 +1281,11 @@ class TorchMoeClient:
     def _header_cap(fut, request_id, return_routing):
         """Bytes for an answer without its output's bytes (routing: up to 256 per token)."""
         return 4096 + 2 * len(request_id) + (fut._shape[0] * 256 * 9 if return_routing else 0)
+
+    @staticmethod
+    def _answer_inline(fut):
+        """Whether the answer's bytes come in the reply (not in a region)."""
+        return fut._region is None and fut._answer is None
 
     def _native_target(self, fut, out):
         """(what to return, where the C++ client writes the answer): `out` itself when it is a
@@ -1336,11 +1351,12 @@ class TorchMoeClient:
         """The blocking call of a future prepared for the C++ client (fut._native)."""
         ret, dst = self._native_target(fut, out)
         a = fut._native
-        want = bool(a[9]) or bool(a[10]) or bool(a[11])
         try:
-            header = self._native.forward(*a[:9], dst.data_ptr(), dst.nbytes, request_id=a[9],
-                                          return_timings=a[10], return_routing=a[11],
-                                          timeout=timeout, want_header=want)
+            header = self._native.forward(*a[:9], dst.data_ptr(), dst.nbytes,
+                                          request_id=a.request_id,
+                                          return_timings=a.return_timings,
+                                          return_routing=a.return_routing, timeout=timeout,
+                                          want_header=a.want_header)
         finally:
             fut.latency_s = time.perf_counter() - fut._start
             fut._keep = None
@@ -1468,11 +1484,11 @@ class TorchMoeClient:
                 # The C++ client builds the request around the tensors' bytes (keep them).
                 ids_ptr = keep[0].data_ptr() if routed else None
                 w_ptr = keep[1].data_ptr() if routed else None
-                fut._native = (layer, hid_wire, shape[0], shape[1], host.data_ptr(),
-                               _ID_WIRE[ids_dtype] if routed else 0,
-                               ids_shape[1] if routed else 0, ids_ptr, w_ptr,
-                               request_id.encode() if request_id else b"", return_timings,
-                               return_routing)
+                fut._native = _NativeArgs(
+                    layer, hid_wire, shape[0], shape[1], host.data_ptr(),
+                    _ID_WIRE[ids_dtype] if routed else 0, ids_shape[1] if routed else 0, ids_ptr,
+                    w_ptr, request_id.encode() if request_id else b"", return_timings,
+                    return_routing)
                 return fut, None, nbytes
             hid_t = (hid_wire, shape, _host_bytes(host, nbytes))
         parts = wire.forward_request(layer, hid_t, ids_t, weights_t, request_id=request_id,
@@ -1499,14 +1515,14 @@ class TorchMoeClient:
                 raise
             a = fut._native
             try:
-                header = fut._call.wait(dst.data_ptr(), dst.nbytes, a[1], a[2], a[3],
-                                        bool(a[9]) or bool(a[10]) or bool(a[11]))
+                header = fut._call.wait(dst.data_ptr(), dst.nbytes, a.hidden_dtype, a.num_tokens,
+                                        a.hidden, a.want_header)
             finally:
                 fut.latency_s = time.perf_counter() - fut._start
             return self._native_done(fut, ret, dst, header)
         try:
             if isinstance(fut._call, _native.NativeCall):
-                if fut._region is None and fut._answer is None:  # the answer's bytes inline
+                if self._answer_inline(fut):
                     ret, dst = self._native_target(fut, out)
                     raw = fut._call.wait(dst.data_ptr(), dst.nbytes, _FLOAT_WIRE[fut._dtype],
                                          fut._shape[0], fut._shape[1], True)
@@ -1633,7 +1649,7 @@ class TorchMoeClient:
         try:
             if self._native is not None:
                 ret = dst = None
-                if fut._region is None and fut._answer is None:  # the answer's bytes inline
+                if self._answer_inline(fut):
                     ret, dst = self._native_target(fut, out)
                 raw = self._native.forward_request(
                     b"".join(parts), _FLOAT_WIRE[fut._dtype], fut._shape[0], fut._shape[1],
