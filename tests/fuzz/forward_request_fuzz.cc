@@ -84,6 +84,33 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(pb_ok, "protobuf refuses what the decoder accepts");
   Check(view->header.layer() == pb.layer(), "layer differs from protobuf's");
   Check(view->header.request_id() == pb.request_id(), "request_id differs from protobuf's");
+  Check(view->header.return_timings() == pb.return_timings() &&
+            view->header.return_routing() == pb.return_routing(),
+        "a bool field differs from protobuf's");
+  Check(view->header.has_output_region() == pb.has_output_region() &&
+            view->header.output_region().SerializeAsString() ==
+                pb.output_region().SerializeAsString(),
+        "output_region differs from protobuf's");
+  // Tensor headers (the decoder's own parser for dtype and shape, protobuf's for the rest).
+  const v1wire::WireTensor* tensors[] = {&view->hidden_states, &view->topk_ids,
+                                         &view->topk_weights};
+  const v1::Tensor* pb_tensors[] = {&pb.hidden_states(), &pb.topk_ids(), &pb.topk_weights()};
+  const bool pb_has[] = {pb.has_hidden_states(), pb.has_topk_ids(), pb.has_topk_weights()};
+  for (int i = 0; i < 3; ++i) {
+    Check(tensors[i]->present == pb_has[i], "tensor presence differs from protobuf's");
+    Check(tensors[i]->header.dtype() == pb_tensors[i]->dtype(), "dtype differs from protobuf's");
+    Check(tensors[i]->header.shape_size() == pb_tensors[i]->shape_size(),
+          "shape rank differs from protobuf's");
+    for (int d = 0; d < pb_tensors[i]->shape_size(); ++d) {
+      Check(tensors[i]->header.shape(d) == pb_tensors[i]->shape(d),
+            "shape differs from protobuf's");
+    }
+    Check(tensors[i]->header.has_region() == pb_tensors[i]->has_region() &&
+              tensors[i]->header.region().SerializeAsString() ==
+                  pb_tensors[i]->region().SerializeAsString(),
+          "tensor region differs from protobuf's");
+    Check(tensors[i]->data_size == pb_tensors[i]->data().size(), "data size differs");
+  }
 
   // Round trip through the encoder.
   auto data_of = [](const v1wire::WireTensor& t) {

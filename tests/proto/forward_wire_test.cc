@@ -270,6 +270,37 @@ TEST(ForwardWireTest, PackedUnpackedMergedAndUnknown) {
   }
 }
 
+// The decoder reads the common header fields itself and leaves the rest to protobuf: both
+// routes, and a switch between them within one message, give protobuf's answer.
+TEST(ForwardWireTest, CommonHeadersAndTheRestAgreeWithProtobuf) {
+  const std::string region = Len(1, "r0") + Tag(2, 0) + Varint(64) + Tag(3, 0) + Varint(16);
+  const std::vector<std::string> cases = {
+      // The common case: every field the decoder parses itself.
+      Tag(1, 0) + Varint(3) + Len(2, Tag(1, 0) + Varint(1) + Len(2, Varint(1) + Varint(7168))) +
+          Len(5, "id") + Tag(6, 0) + Varint(1) + Tag(8, 0) + Varint(2),
+      // A DType this build does not know (protobuf keeps it: proto3 enums are open).
+      Len(2, Tag(1, 0) + Varint(42) + Tag(2, 0) + Varint(5)),
+      // Negative layer; a shape varint past int64's sign bit; bools as 10-byte varints.
+      Tag(1, 0) + Varint(static_cast<uint64_t>(-5)) +
+          Len(3, Tag(2, 0) + Varint(~0ull) + Tag(1, 0) + Varint(4)) + Tag(6, 0) +
+          std::string(9, '\x80') + "\x01",
+      // output_region and a tensor region: protobuf parses those headers.
+      Len(7, region) + Len(4, Tag(1, 0) + Varint(3) + Len(4, region)) + Len(5, "x"),
+      // A field of the wrong wire type (layer as fixed32): an unknown field to protobuf.
+      Tag(1, 5) + "abcd" + Tag(6, 0) + Varint(1),
+      // Empty packed shape, then unpacked dims, then packed again.
+      Len(2, Len(2, "") + Tag(2, 0) + Varint(2) + Len(2, Varint(3) + Varint(4))),
+  };
+  for (const std::string& bytes : cases) {
+    v1::ForwardRequest want;
+    ASSERT_TRUE(want.ParseFromString(bytes)) << "case " << (&bytes - cases.data());
+    absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(Split(bytes, {}));
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_TRUE(SameKnownFields(want, ToProto(*v)))
+        << "case " << (&bytes - cases.data()) << ": " << ToProto(*v).DebugString();
+  }
+}
+
 TEST(ForwardWireTest, MalformedInputIsRejected) {
   const std::string good = Len(2, Tag(1, 0) + Varint(1) + Len(3, "abcd"));
   const std::vector<std::string> bad = {

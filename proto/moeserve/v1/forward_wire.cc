@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace moeserve::v1wire {
 
@@ -286,6 +287,109 @@ absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireT
   return absl::OkStatus();
 }
 
+// Reads the varints of a contiguous field list (the `rest` strings below) for the parsers of
+// the common headers, which give up (false) on anything but what protobuf's parser would read
+// the same way.
+struct FlatReader {
+  const uint8_t* p;
+  size_t n;
+  size_t i = 0;
+  explicit FlatReader(absl::string_view s)
+      : p(reinterpret_cast<const uint8_t*>(s.data())), n(s.size()) {}
+  bool done() const { return i >= n; }
+  bool Varint(uint64_t* v) {
+    *v = 0;
+    for (int k = 0; k < 10 && i < n; ++k) {
+      const uint8_t b = p[i++];
+      *v |= static_cast<uint64_t>(b & 0x7f) << (7 * k);
+      if (b < 0x80) return true;
+    }
+    return false;
+  }
+  bool Length(size_t* len) {
+    uint64_t v;
+    if (!Varint(&v) || v > n - i) return false;
+    *len = static_cast<size_t>(v);
+    return true;
+  }
+};
+
+// protobuf's parse of a ForwardRequest's header fields when they are only layer, request_id,
+// return_timings and return_routing in their own wire types (every request without an
+// output_region): no parser tables, no allocation beyond the id. WalkTop has checked that layer
+// fits int32 and that request_id is UTF-8. False: parse with protobuf instead (it clears the
+// message first, so the fields set here before giving up do not matter).
+bool ParseCommonRequestHeader(absl::string_view rest, v1::ForwardRequest* out) {
+  FlatReader r(rest);
+  while (!r.done()) {
+    uint64_t tag;
+    if (!r.Varint(&tag)) return false;
+    uint64_t v;
+    size_t len;
+    switch (tag) {
+      case (1 << 3) | kVarint:
+        if (!r.Varint(&v)) return false;
+        out->set_layer(static_cast<int32_t>(v));
+        break;
+      case (5 << 3) | kLen:
+        if (!r.Length(&len)) return false;
+        out->set_request_id(reinterpret_cast<const char*>(r.p + r.i), len);
+        r.i += len;
+        break;
+      case (6 << 3) | kVarint:
+        if (!r.Varint(&v)) return false;
+        out->set_return_timings(v != 0);
+        break;
+      case (8 << 3) | kVarint:
+        if (!r.Varint(&v)) return false;
+        out->set_return_routing(v != 0);
+        break;
+      default:
+        return false;
+    }
+  }
+  return true;
+}
+
+// The same for a Tensor header with only dtype (a known DType) and shape (packed or not).
+bool ParseCommonTensorHeader(absl::string_view rest, v1::Tensor* out) {
+  FlatReader r(rest);
+  while (!r.done()) {
+    uint64_t tag;
+    if (!r.Varint(&tag)) return false;
+    uint64_t v;
+    size_t len;
+    switch (tag) {
+      case (1 << 3) | kVarint: {
+        if (!r.Varint(&v)) return false;
+        const int32_t dtype = static_cast<int32_t>(v);
+        if (!v1::DType_IsValid(dtype)) return false;
+        out->set_dtype(static_cast<v1::DType>(dtype));
+        break;
+      }
+      case (2 << 3) | kVarint:
+        if (!r.Varint(&v)) return false;
+        out->add_shape(static_cast<int64_t>(v));
+        break;
+      case (2 << 3) | kLen: {
+        if (!r.Length(&len)) return false;
+        const size_t end = r.i + len;
+        FlatReader packed(absl::string_view(reinterpret_cast<const char*>(r.p), end));
+        packed.i = r.i;
+        while (!packed.done()) {
+          if (!packed.Varint(&v)) return false;
+          out->add_shape(static_cast<int64_t>(v));
+        }
+        r.i = end;
+        break;
+      }
+      default:
+        return false;
+    }
+  }
+  return true;
+}
+
 // Walks a top-level message: LEN fields numbered in `tensor_numbers` are tensors (walked into
 // `tensors`), fields numbered up to `max_known` are appended raw to `rest`, others skipped.
 // int32_fields / string_fields / region_fields (RegionRef submessages) are checked as
@@ -491,12 +595,13 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
       !s.ok()) {
     return s;
   }
-  if (!view.header.ParseFromString(rest)) {
+  if (!ParseCommonRequestHeader(rest, &view.header) && !view.header.ParseFromString(rest)) {
     return absl::InvalidArgumentError(
         absl::StrCat("malformed ", kMessage, ": bad layer, request_id (UTF-8) or return_timings"));
   }
   for (size_t i = 0; i < 3; ++i) {
-    if (!tensors[i]->header.ParseFromString(tensor_rests[i])) {
+    if (!ParseCommonTensorHeader(tensor_rests[i], &tensors[i]->header) &&
+        !tensors[i]->header.ParseFromString(tensor_rests[i])) {
       return absl::InvalidArgumentError(
           absl::StrCat("malformed ", kMessage, ": bad dtype or shape in tensor field ", i + 2));
     }
