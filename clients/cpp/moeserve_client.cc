@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "absl/memory/memory.h"
@@ -509,26 +510,53 @@ void MoeClient::StartForward(const grpc::ByteBuffer& request, grpc::CompletionQu
   call->reader->Finish(&call->response, &call->status, tag);
 }
 
+// The completion queue ForwardAsync's calls end on and the thread that answers them. Its
+// destructor shuts the queue down and joins the thread, which first sees every call in flight
+// end and runs its `done`.
+struct MoeClient::AsyncCalls {
+  struct Call {
+    QueuedForward rpc;
+    std::function<void(absl::StatusOr<ForwardResult>)> done;
+    bool copy_output = true;
+  };
+  grpc::CompletionQueue cq;
+  std::thread thread;
+
+  AsyncCalls() : thread([this] { Drain(); }) {}
+  ~AsyncCalls() {
+    cq.Shutdown();
+    thread.join();
+  }
+
+  void Drain() {
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+      std::unique_ptr<Call> call(static_cast<Call*>(tag));
+      const absl::Duration latency = absl::Now() - call->rpc.start;
+      call->done(call->rpc.status.ok()
+                     ? DecodeForwardResult(call->rpc.response, call->copy_output, latency)
+                     : FromGrpcStatus(call->rpc.status));
+    }
+  }
+};
+
+MoeClient::~MoeClient() = default;
+
 void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
                              std::function<void(absl::StatusOr<ForwardResult>)> done,
-                             bool copy_output) {
-  struct InFlight {
-    grpc::ClientContext context;
-    grpc::ByteBuffer request;
-    grpc::ByteBuffer response;
-    absl::Time start;
-  };
-  auto call = std::make_shared<InFlight>();
-  PrepareContext(&call->context);
-  call->request = request;  // shares the slices
-  call->start = absl::Now();
-  generic_stub_->UnaryCall(&call->context, "/moeserve.v1.MoeService/Forward", grpc::StubOptions(),
-                           &call->request, &call->response,
-                           [call, done = std::move(done), copy_output](grpc::Status s) {
-                             const absl::Duration latency = absl::Now() - call->start;
-                             if (!s.ok()) return done(FromGrpcStatus(s));
-                             done(DecodeForwardResult(call->response, copy_output, latency));
-                           });
+                             bool copy_output, absl::Duration deadline) {
+  AsyncCalls* calls;
+  {
+    std::lock_guard<std::mutex> lock(async_mu_);
+    if (async_ == nullptr) async_ = std::make_unique<AsyncCalls>();
+    calls = async_.get();
+  }
+  auto call = std::make_unique<AsyncCalls::Call>();
+  call->done = std::move(done);
+  call->copy_output = copy_output;
+  AsyncCalls::Call* tag = call.release();  // the queue's Drain takes it back
+  StartForward(request, &calls->cq, &tag->rpc, tag, deadline);
 }
 
 absl::StatusOr<ForwardResult> DecodeForwardResult(const grpc::ByteBuffer& response,

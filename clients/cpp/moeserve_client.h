@@ -115,6 +115,10 @@ class MoeClient {
   // Does not contact the server.
   static absl::StatusOr<std::unique_ptr<MoeClient>> Create(const std::string& target,
                                                            const MoeClientOptions& options = {});
+  // Waits for ForwardAsync calls in flight (see there).
+  ~MoeClient();
+  MoeClient(const MoeClient&) = delete;
+  MoeClient& operator=(const MoeClient&) = delete;
 
   // grpc.health.v1 Check for `service` ("" = the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
@@ -133,19 +137,23 @@ class MoeClient {
   absl::StatusOr<ForwardResult> Forward(const grpc::ByteBuffer& request, bool copy_output = true,
                                         absl::Duration deadline = absl::ZeroDuration());
 
-  // Starts a Forward and returns at once; `done` runs exactly once, on a gRPC thread, with the
-  // result (keep it short). `request`'s slices are shared, not copied; ForwardResult::output gets
-  // the bytes copied out only with `copy_output`.
+  // Starts a Forward and returns at once; `done` runs exactly once with the result, on a
+  // thread of this client's own that every ForwardAsync call ends on (keep it short; it must not
+  // destroy the client). `request`'s slices are shared, not copied; ForwardResult::output gets
+  // the bytes copied out only with `copy_output`. The client may be destroyed right after the
+  // last `done` returned, or with calls in flight: its destructor waits for them to end (their
+  // deadlines bound that) and runs their `done`.
+  // deadline: this call's (zero: the options').
   void ForwardAsync(const grpc::ByteBuffer& request,
                     std::function<void(absl::StatusOr<ForwardResult>)> done,
-                    bool copy_output = true);
+                    bool copy_output = true, absl::Duration deadline = absl::ZeroDuration());
 
   // A Forward whose completion the caller collects from its own completion queue: the
   // caller drains `cq` and gets `tag` once the call has ended (then `status` and `response`
   // are set; DecodeForwardResult reads the response). `call` must stay alive, unmoved, until
-  // then. Unlike ForwardAsync this uses no gRPC callback thread: a client whose last call just
-  // completed may be destroyed at once (the callback API's shared completion queue could be
-  // torn down under its own thread then: gRPC 1.51 aborted in grpc_cq_internal_unref).
+  // then. Like ForwardAsync this uses no gRPC callback thread: a client whose last call just
+  // completed may be destroyed at once (with the callback API, the shared completion queue could
+  // be torn down under its own thread then: gRPC 1.51 aborted in grpc_cq_internal_unref).
   struct QueuedForward {
     grpc::ClientContext context;
     grpc::ByteBuffer response;
@@ -219,6 +227,11 @@ class MoeClient {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
   std::mutex info_mu_;
   std::optional<v1::ModelInfo> info_;  // guarded by info_mu_: sizes for GetExpertWeights
+  // ForwardAsync's completion queue and the thread that drains it, made by the first call.
+  // Declared last: destroyed (its calls ended) before the stubs and the channel.
+  struct AsyncCalls;
+  std::mutex async_mu_;
+  std::unique_ptr<AsyncCalls> async_;  // guarded by async_mu_ until set
 };
 
 // One ForwardStream call. Write sends a request (blocking until gRPC has taken it), Read returns

@@ -278,52 +278,20 @@ int Finish(absl::StatusOr<ForwardResult> answer, const MoeserveResult* result, c
 
 }  // namespace
 
-// A submitted call: the request (its slices borrow the caller's bytes), the gRPC call's state
-// and, once answered, the result. Shared by the caller's handle and the client's poller.
+// A submitted call's answer, shared by the caller's handle and the `done` of its
+// MoeClient::ForwardAsync (the request's slices borrow the caller's bytes until then).
 struct MoeserveCallState {
-  MoeClient::QueuedForward rpc;
-  grpc::ByteBuffer request;
   std::mutex mu;
   std::condition_variable cv;
   std::atomic<bool> done{false};
   absl::StatusOr<ForwardResult> answer{absl::UnknownError("not answered")};
 };
 
-// One C++ client and the completion queue its submitted calls end on, drained by a thread of
-// its own (no gRPC callback thread: see MoeClient::StartForward). Destruction shuts the queue
-// down and joins the thread, which first sees every call in flight end (their deadlines bound
-// that); the channel outlives them.
+// One C++ client. Its ForwardAsync calls end on a thread of the client's own (no gRPC callback
+// thread); destroying it waits for the calls in flight (their deadlines bound that).
 struct MoeserveClient {
   std::unique_ptr<MoeClient> client;
   absl::Duration spin;
-  grpc::CompletionQueue cq;
-  std::thread poller;
-
-  MoeserveClient(std::unique_ptr<MoeClient> c, absl::Duration s)
-      : client(std::move(c)), spin(s), poller([this] { Poll(); }) {}
-  ~MoeserveClient() {
-    cq.Shutdown();
-    poller.join();
-  }
-
-  void Poll() {
-    void* tag = nullptr;
-    bool ok = false;
-    while (cq.Next(&tag, &ok)) {
-      // The tag holds a reference to the call's state until here.
-      std::unique_ptr<std::shared_ptr<MoeserveCallState>> ref(
-          static_cast<std::shared_ptr<MoeserveCallState>*>(tag));
-      MoeserveCallState& s = **ref;
-      absl::StatusOr<ForwardResult> answer =
-          s.rpc.status.ok() ? moeserve::client::DecodeForwardResult(
-                                  s.rpc.response, /*copy_output=*/false, absl::Now() - s.rpc.start)
-                            : moeserve::client::FromGrpcStatus(s.rpc.status);
-      std::lock_guard<std::mutex> lock(s.mu);
-      s.answer = std::move(answer);
-      s.done.store(true, std::memory_order_release);
-      s.cv.notify_all();
-    }
-  }
 };
 
 struct MoeserveCall {
@@ -352,11 +320,15 @@ int Submit(MoeserveClient* client, absl::StatusOr<grpc::ByteBuffer> request, dou
   if (!request.ok()) return Fail(request.status(), err, err_len);
   auto c = std::make_unique<MoeserveCall>();
   c->spin = client->spin;
-  MoeserveCallState& s = *c->state;
-  s.request = *std::move(request);
-  client->client->StartForward(s.request, &client->cq, &s.rpc,
-                               new std::shared_ptr<MoeserveCallState>(c->state),
-                               TimeoutOf(timeout_s));
+  client->client->ForwardAsync(
+      *request,
+      [state = c->state](absl::StatusOr<ForwardResult> answer) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->answer = std::move(answer);
+        state->done.store(true, std::memory_order_release);
+        state->cv.notify_all();
+      },
+      /*copy_output=*/false, TimeoutOf(timeout_s));
   *call = c.release();
   return Ok(err, err_len);
 }
@@ -400,7 +372,7 @@ MoeserveClient* moeserve_client_create(const char* target, const MoeserveClientO
     return nullptr;
   }
   Ok(err, err_len);
-  return new MoeserveClient(*std::move(client), client_options.spin_wait);
+  return new MoeserveClient{*std::move(client), client_options.spin_wait};
 }
 
 void moeserve_client_destroy(MoeserveClient* client) { delete client; }
