@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/cpu_relax.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -28,15 +29,6 @@ struct ForwardBatcher::Call {
 namespace {
 
 double MicrosBetween(absl::Time a, absl::Time b) { return absl::ToDoubleMicroseconds(b - a); }
-
-// A spin-wait hint: lets the sibling hyperthread run and saves power while polling.
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 }  // namespace
 

@@ -61,6 +61,9 @@ class ServingState {
   int64_t max_message_bytes() const { return max_message_bytes_; }
   // Queues `task` on a worker; false once draining.
   bool SubmitWork(std::function<void()> task) { return workers_.Submit(std::move(task)); }
+  // Idle workers poll for tasks this long (one at a time) before they sleep (WorkQueue).
+  void SetWorkerIdleSpin(absl::Duration spin) { workers_.SetIdleSpin(spin); }
+  int64_t worker_spin_takes() const { return workers_.spin_takes(); }
   // Runs every queued task and stops the workers (calls arriving later are refused). Call after
   // grpc::Server::Shutdown and before destroying the server. Idempotent.
   void Drain() { workers_.Drain(); }

@@ -1,7 +1,10 @@
 #include "server/work_queue.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
+
+#include "core/cpu_relax.h"
 
 namespace moeserve {
 
@@ -14,19 +17,29 @@ WorkQueue::WorkQueue(int num_threads) {
 WorkQueue::~WorkQueue() { Drain(); }
 
 bool WorkQueue::Submit(std::function<void()> task) {
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return false;
     tasks_.push_back(std::move(task));
+    queued_.store(tasks_.size(), std::memory_order_release);
+    // A polling thread takes it: no wake-up.
+    wake = !spinning_;
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   return true;
+}
+
+void WorkQueue::SetIdleSpin(absl::Duration spin) {
+  idle_spin_ns_.store(std::max<int64_t>(0, absl::ToInt64Nanoseconds(spin)),
+                      std::memory_order_relaxed);
 }
 
 void WorkQueue::Drain() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    draining_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
   std::call_once(joined_, [this] {
@@ -34,17 +47,43 @@ void WorkQueue::Drain() {
   });
 }
 
-void WorkQueue::Loop() {
-  for (;;) {
-    std::function<void()> task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping and drained
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
+bool WorkQueue::PollForTask(absl::Duration spin) const {
+  const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(spin);
+  while (true) {
+    // The clock is read once per 64 looks: a look is a load, the clock tens of ns.
+    for (int i = 0; i < 64; ++i) {
+      if (queued_.load(std::memory_order_acquire) > 0) return true;
+      if (draining_.load(std::memory_order_acquire)) return false;
+      CpuRelax();
     }
+    if (std::chrono::steady_clock::now() >= until) return false;
+  }
+}
+
+void WorkQueue::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    const absl::Duration spin = absl::Nanoseconds(idle_spin_ns_.load(std::memory_order_relaxed));
+    if (tasks_.empty() && !stopping_ && !spinning_ && spin > absl::ZeroDuration()) {
+      spinning_ = true;
+      lock.unlock();
+      const bool found = PollForTask(spin);
+      lock.lock();
+      spinning_ = false;
+      if (found && !tasks_.empty()) spin_takes_.fetch_add(1, std::memory_order_relaxed);
+    }
+    cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+    if (tasks_.empty()) return;  // stopping and drained
+    std::function<void()> task = std::move(tasks_.front());
+    tasks_.pop_front();
+    queued_.store(tasks_.size(), std::memory_order_release);
+    // Tasks queued while this thread polled woke nobody: hand the next one on.
+    const bool more = !tasks_.empty();
+    lock.unlock();
+    if (more) cv_.notify_one();
     task();
+    task = nullptr;  // its captures die outside mu_
+    lock.lock();
   }
 }
 
