@@ -96,6 +96,10 @@ ABSL_FLAG(bool, gather_streaming_stores, false,
           "The gather threads write with non-temporal stores (x86-64): the bytes go to memory "
           "for the GPU's DMA without a read of each line first or a dirty copy in the caches "
           "(faster beyond the caches, slower within them; to be measured on a GPU host)");
+ABSL_FLAG(int64_t, inline_request_bytes, int64_t{256} << 10,
+          "Forward requests up to this many bytes are decoded, gathered and queued on the gRPC "
+          "thread that received them; larger ones on a worker thread (a hop, but gRPC's thread "
+          "is not held while megabytes are gathered); 0: every request on a worker");
 ABSL_FLAG(int64_t, upload_min_bytes, int64_t{4} << 20,
           "GPU engine: hidden_states of at least this many bytes sent as gRPC bytes go to the "
           "device while they are gathered (one part per gather thread, each part's 1 MiB chunk "
@@ -334,7 +338,9 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.server_threads = absl::GetFlag(FLAGS_server_threads);
   server.gather_threads = absl::GetFlag(FLAGS_gather_threads);  // checked by MoeServer::Bind
   server.gather_streaming_stores = absl::GetFlag(FLAGS_gather_streaming_stores);
-  server.upload_min_bytes = absl::GetFlag(FLAGS_upload_min_bytes);  // checked by MoeServer::Bind
+  server.upload_min_bytes = absl::GetFlag(FLAGS_upload_min_bytes);
+  server.inline_request_bytes =
+      absl::GetFlag(FLAGS_inline_request_bytes);  // checked by MoeServer::Bind
   server.parallel_answers = absl::GetFlag(FLAGS_parallel_answers);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));

@@ -61,6 +61,11 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
     return absl::InvalidArgumentError(absl::StrCat(
         "upload_min_bytes: got ", options.upload_min_bytes, ", expected 0 (off) or more"));
   }
+  if (options.inline_request_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("inline_request_bytes: got ", options.inline_request_bytes,
+                     ", expected 0 (every request on a worker) or more"));
+  }
   if (options.gather_threads < 0 || options.gather_threads > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("gather_threads: got ", options.gather_threads, ", expected 0 (auto) to 64"));
@@ -85,6 +90,7 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   service_options.forward_channel_spin = options.forward_channel_spin;
   service_options.max_expert_weight_calls = options.max_expert_weight_calls;
   service_options.upload_min_bytes = options.upload_min_bytes;
+  service_options.inline_request_bytes = options.inline_request_bytes;
   server->service_ = std::make_unique<MoeServiceImpl>(server->state_.get(), service_options);
   server->inference_service_ = std::make_unique<InferenceServiceImpl>(
       server->state_.get(), server->service_.get(), [s = server.get()] { return s->serving(); });

@@ -64,6 +64,9 @@ struct ServerOptions {
   // A GPU engine's large hidden_states (from this many bytes; 0: never) are uploaded to the
   // device as they are gathered (ServiceOptions::upload_min_bytes).
   int64_t upload_min_bytes = int64_t{4} << 20;
+  // Forward requests up to this many bytes are handled on gRPC's receiving thread, larger ones
+  // on a worker (ServiceOptions::inline_request_bytes).
+  int64_t inline_request_bytes = int64_t{256} << 10;
   // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
   // answer_executor), not one after another from the step's thread.
   bool parallel_answers = true;

@@ -273,7 +273,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   };
   // A small request is decoded and queued right here (a thread hop costs more than the work);
   // a large one, whose pieces may need gathering, on a worker.
-  if (raw_request->Length() <= kInlineRequestBytes) {
+  if (static_cast<int64_t>(raw_request->Length()) <= options_.inline_request_bytes) {
     task();
   } else if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);

@@ -71,6 +71,10 @@ struct ServiceOptions {
   // the gather of a chunk overlapping the copy of the one before (core/device_upload.h);
   // smaller ones are gathered into page-locked memory and copied in the engine's step. 0: never.
   int64_t upload_min_bytes = int64_t{4} << 20;
+  // Forward requests up to this many bytes are decoded, gathered and queued on gRPC's callback
+  // thread that received them; larger ones on a worker (a thread hop, but gRPC's thread is not
+  // held while megabytes are gathered).
+  int64_t inline_request_bytes = int64_t{256} << 10;
 };
 
 // Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
@@ -131,8 +135,6 @@ class MoeServiceImpl final : public MoeServiceBase {
   // Calls of one stream decoded, queued or answered but not yet written; the stream stops
   // reading beyond it (flow control reaches the client).
   static constexpr int kMaxStreamCallsInFlight = 64;
-  // Forward requests up to this size are decoded and queued on gRPC's callback thread.
-  static constexpr size_t kInlineRequestBytes = 256 << 10;
 
   // Shared memory (server/shared_memory_service.cc): FAILED_PRECONDITION unless
   // ServiceOptions::enable_shared_memory.

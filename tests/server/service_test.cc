@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -837,6 +838,44 @@ TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem)
   EXPECT_EQ(count("experts") - experts0, 1);
   EXPECT_EQ(count("queue") - queue0, 5);
   (*server)->Shutdown(std::chrono::seconds(5));
+}
+
+// Every request on gRPC's receiving thread, or every one on a worker (which polls for them, as
+// on a GPU engine): the same answers, bit for bit, as the engine's own.
+TEST(ServiceInlineThresholdTest, InlineAndWorkerPathsAnswerAlike) {
+  EngineOptions options;
+  options.model = TestModel();
+  options.seed = 13;
+  options.num_threads = 2;
+  options.max_tokens_per_request = kMaxTokens;
+  options.experts = "reference";
+  std::unique_ptr<Engine> engine = Engine::Create(options).value();
+  for (const int64_t inline_bytes : {int64_t{0}, int64_t{1} << 30}) {
+    SCOPED_TRACE(absl::StrCat("inline_request_bytes=", inline_bytes));
+    ServerOptions server_options;
+    server_options.listen_addresses = {"127.0.0.1:0"};
+    server_options.metrics_address = "";
+    server_options.inline_request_bytes = inline_bytes;
+    server_options.batcher.idle_spin = absl::Milliseconds(2);  // the workers poll too
+    std::unique_ptr<MoeServer> server = MoeServer::Start(engine.get(), server_options).value();
+    auto stub = v1::MoeService::NewStub(
+        grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));
+    std::mt19937_64 rng(static_cast<uint64_t>(inline_bytes) + 3);
+    for (const int64_t m : {1, 5, 64, 0, 17}) {
+      v1::ForwardRequest r = RandomRequest(rng, static_cast<int>(m % 2), m, options.model.hidden,
+                                           options.model.num_experts, options.model.topk,
+                                           v1::DTYPE_BF16, v1::DTYPE_INT32);
+      grpc::ClientContext ctx;
+      v1::ForwardResponse resp;
+      grpc::Status s = stub->Forward(&ctx, r, &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      const ForwardInput in = InputOfRequest(r, options.model, m, DType::kBF16, DType::kINT32);
+      Tensor out = Tensor::Empty(DType::kBF16, {m, options.model.hidden});
+      ASSERT_TRUE(engine->Forward(in, out.view()).ok());
+      EXPECT_EQ(resp.output().data(), std::string(out.data<char>(), out.nbytes())) << "M=" << m;
+    }
+    server->Shutdown(std::chrono::seconds(5));
+  }
 }
 
 // Two CPU ranks with round-robin placement behind the same service: placement is reported
