@@ -8,8 +8,11 @@
 # skips the stage timers on all but --stage_timing_every's sampled steps; the round trip only);
 # VARIANTS, default "a b0 b". A variant ending in g gathers a request's pieces on several threads
 # from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES); c: the load's
-# callers poll for their answers (--client_spin_us=CLIENT_SPIN_US, default 2000).
-# 1. the GPU suites (memcheck on the copy kernel's test), host_upload_test and
+# callers poll for their answers (--client_spin_us=CLIENT_SPIN_US, default 2000); i: every
+# request is handled on gRPC's receiving thread (--inline_request_bytes=1 GiB). MS: the server
+# pass's token counts (default "1 16 64"; 2000 calls each, 600 from 64, 300 from 256, 150 from
+# 1024).
+# 1. the GPU suites (memcheck on the copy kernel's test; SKIP_GPU_SUITES=1: not them), host_upload_test and
 #    shared_memory_cuda_test against the last build's server;
 # 2. engine_forward_bench (Engine::Forward in-process), trivial layer BF16 at 1/16/64 tokens,
 #    timed and untimed, and the seed layer MXFP8 at 1/16, ROUNDS alternating rounds;
@@ -18,7 +21,7 @@
 set -u
 source "$(dirname "$0")/bundle_lib.sh"
 start_device_script "$1" || exit 1
-SANITIZERS=memcheck gpu_suites '*CopyBytes*:*Fp32ToHalf*'
+[ -n "${SKIP_GPU_SUITES:-}" ] || SANITIZERS=memcheck gpu_suites '*CopyBytes*:*Fp32ToHalf*'
 # gRPC bytes (page-locked request buffers) and shared-memory regions against the last build.
 for t in host_upload_test shared_memory_cuda_test; do
   [ -z "${SKIP_SUITES:-}" ] && [ -x "$B/$t" ] && MOESERVE_BINARY=$B/moeserve_${LAST:-b} run_gtest $t 300
@@ -40,7 +43,12 @@ env_of() {
   esac
 }
 bin_of() { echo "${1:0:1}"; }
-flags_of() { [[ ${1:1} == *s* ]] && echo "--step_spin_us=${SPIN_US:-2000}"; }
+flags_of() {
+  local f=""
+  [[ ${1:1} == *s* ]] && f+=" --step_spin_us=${SPIN_US:-2000}"
+  [[ ${1:1} == *i* ]] && f+=" --inline_request_bytes=1073741824"
+  echo "$f"
+}
 load_flags_of() {
   [[ ${1:1} == *q* ]] && echo "--return_timings=false"
   [[ ${1:1} == *c* ]] && echo "--client_spin_us=${CLIENT_SPIN_US:-2000}"
@@ -48,7 +56,7 @@ load_flags_of() {
 }
 CSV=$OUT/engine.csv
 [ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
-  [[ ${v:1} == *[sqgc]* ]] && continue  # server-only settings: the in-process bench is the same
+  [[ ${v:1} == *[sqgci]* ]] && continue  # server-only settings: the in-process bench is the same
   for timed in 1 0; do
     env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
       --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |
@@ -64,8 +72,11 @@ for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
   export "$(env_of $v)"
   # shellcheck disable=SC2046
   serve "${v}_r$round" $TRIVIAL $(flags_of $v)
-  for m in 1 16 64; do
-    n=2000; [ $m = 64 ] && n=600
+  for m in ${MS:-1 16 64}; do
+    n=2000
+    [ "$m" -ge 64 ] && n=600
+    [ "$m" -ge 256 ] && n=300
+    [ "$m" -ge 1024 ] && n=150
     # shellcheck disable=SC2046
     load "${v}_r${round}_M$m" $m 1 $n $(load_flags_of $v)
     echo "$v,$m,$(val ${v}_r${round}_M$m p50),$(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_${v}_r${round}_M$m.log" | cut -d= -f2),$(grep -o 'server_stages_us_p50: .*' "$OUT/load_${v}_r${round}_M$m.log" | tr ' ' ';')" >> "$SCSV"
