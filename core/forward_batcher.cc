@@ -241,8 +241,12 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       spinning_ = false;
       if (found && !queue_.empty()) ++stats_.spin_takes;
     }
-    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty() || prewake_; });
     if (stop_) break;
+    if (prewake_) {
+      prewake_ = false;
+      if (queue_.empty()) continue;  // poll for the call on its way (the loop's top)
+    }
     // Wait for company until the head's delay is spent or its step is full. Another scheduling
     // thread may take the head meanwhile: look again after every wait.
     bool take = false, waited_for_company = false;
@@ -312,6 +316,16 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
   for (auto& c : left) {
     c->done(absl::UnavailableError("Forward: the server is shutting down"), ForwardTimings());
   }
+}
+
+void ForwardBatcher::Prewake() {
+  if (options_.idle_spin <= absl::ZeroDuration()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spinning_ || prewake_ || stop_ || !queue_.empty()) return;
+    prewake_ = true;
+  }
+  cv_.notify_one();
 }
 
 bool ForwardBatcher::PollForCall() const {

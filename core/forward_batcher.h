@@ -161,6 +161,12 @@ class ForwardBatcher {
   void Submit(const ForwardInput& input, const TensorView& output, absl::Time deadline,
               std::function<bool()> cancelled, Done done, CallSource source = {});
 
+  // A call is on its way that will take a while to prepare (a large request being gathered):
+  // with idle_spin, a sleeping scheduling thread starts polling now, so that its wake-up
+  // overlaps the preparation instead of following the Submit. Cheap when a thread polls
+  // already or idle_spin is 0 (nothing happens). Thread-safe.
+  void Prewake();
+
   ForwardBatcherStats stats() const;
   const ForwardBatcherOptions& options() const { return options_; }
 
@@ -218,6 +224,7 @@ class ForwardBatcher {
   std::atomic<int64_t> queued_calls_{0};
   std::atomic<bool> stopping_{false};
   bool spinning_ = false;
+  bool prewake_ = false;     // Prewake asked a sleeping thread to poll (guarded by mu_)
   int64_t untimed_run_ = 0;  // steps since the last timed one (guarded by mu_)
   ForwardBatcherStats stats_;
   const int runners_;        // scheduling threads = engine steps in flight

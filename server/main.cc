@@ -96,10 +96,12 @@ ABSL_FLAG(bool, gather_streaming_stores, false,
           "The gather threads write with non-temporal stores (x86-64): the bytes go to memory "
           "for the GPU's DMA without a read of each line first or a dirty copy in the caches "
           "(faster beyond the caches, slower within them; to be measured on a GPU host)");
-ABSL_FLAG(int64_t, inline_request_bytes, int64_t{256} << 10,
+ABSL_FLAG(int64_t, inline_request_bytes, -1,
           "Forward requests up to this many bytes are decoded, gathered and queued on the gRPC "
-          "thread that received them; larger ones on a worker thread (a hop, but gRPC's thread "
-          "is not held while megabytes are gathered); 0: every request on a worker");
+          "thread that received them, larger ones on a worker thread (a hop: a sleeping "
+          "worker's wake-up put 45-110 us into every call over 256 KiB on an H200 host, "
+          "tests/benchmarks/serving/RESULTS.md); -1: every request on gRPC's thread; 0: every "
+          "one on a worker");
 ABSL_FLAG(int64_t, upload_min_bytes, int64_t{4} << 20,
           "GPU engine: hidden_states of at least this many bytes sent as gRPC bytes go to the "
           "device while they are gathered (one part per gather thread, each part's 1 MiB chunk "

@@ -61,10 +61,11 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
     return absl::InvalidArgumentError(absl::StrCat(
         "upload_min_bytes: got ", options.upload_min_bytes, ", expected 0 (off) or more"));
   }
-  if (options.inline_request_bytes < 0) {
+  if (options.inline_request_bytes < -1) {
     return absl::InvalidArgumentError(
         absl::StrCat("inline_request_bytes: got ", options.inline_request_bytes,
-                     ", expected 0 (every request on a worker) or more"));
+                     ", expected -1 (every request on gRPC's thread), 0 (every one on a worker) "
+                     "or more"));
   }
   if (options.gather_threads < 0 || options.gather_threads > 64) {
     return absl::InvalidArgumentError(

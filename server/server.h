@@ -65,8 +65,8 @@ struct ServerOptions {
   // device as they are gathered (ServiceOptions::upload_min_bytes).
   int64_t upload_min_bytes = int64_t{4} << 20;
   // Forward requests up to this many bytes are handled on gRPC's receiving thread, larger ones
-  // on a worker (ServiceOptions::inline_request_bytes).
-  int64_t inline_request_bytes = int64_t{256} << 10;
+  // on a worker; negative: all on gRPC's thread (ServiceOptions::inline_request_bytes).
+  int64_t inline_request_bytes = -1;
   // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
   // answer_executor), not one after another from the step's thread.
   bool parallel_answers = true;

@@ -271,9 +271,12 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
           finish(status, tokens);
         });
   };
+  // A large request takes a while to gather: a sleeping scheduling thread wakes meanwhile.
+  if (raw_request->Length() >= kPrewakeRequestBytes) state_->PrewakeSteps();
   // A small request is decoded and queued right here (a thread hop costs more than the work);
-  // a large one, whose pieces may need gathering, on a worker.
-  if (static_cast<int64_t>(raw_request->Length()) <= options_.inline_request_bytes) {
+  // one over inline_request_bytes on a worker.
+  if (options_.inline_request_bytes < 0 ||
+      static_cast<int64_t>(raw_request->Length()) <= options_.inline_request_bytes) {
     task();
   } else if (!state_->SubmitWork(task)) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);

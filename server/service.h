@@ -72,9 +72,10 @@ struct ServiceOptions {
   // smaller ones are gathered into page-locked memory and copied in the engine's step. 0: never.
   int64_t upload_min_bytes = int64_t{4} << 20;
   // Forward requests up to this many bytes are decoded, gathered and queued on gRPC's callback
-  // thread that received them; larger ones on a worker (a thread hop, but gRPC's thread is not
-  // held while megabytes are gathered).
-  int64_t inline_request_bytes = int64_t{256} << 10;
+  // thread that received them, larger ones on a worker (a thread hop: a sleeping worker's
+  // wake-up put 45-110 us into every large call on the H200 host). Negative: every request on
+  // gRPC's thread; 0: every one on a worker.
+  int64_t inline_request_bytes = -1;
 };
 
 // Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
@@ -135,6 +136,9 @@ class MoeServiceImpl final : public MoeServiceBase {
   // Calls of one stream decoded, queued or answered but not yet written; the stream stops
   // reading beyond it (flow control reaches the client).
   static constexpr int kMaxStreamCallsInFlight = 64;
+  // Forward requests from this size take long enough to gather (tens of us and more) that a
+  // sleeping scheduling thread is woken when they arrive, not when they are queued.
+  static constexpr size_t kPrewakeRequestBytes = 256 << 10;
 
   // Shared memory (server/shared_memory_service.cc): FAILED_PRECONDITION unless
   // ServiceOptions::enable_shared_memory.

@@ -61,6 +61,11 @@ class ServingState {
   int64_t max_message_bytes() const { return max_message_bytes_; }
   // Queues `task` on a worker; false once draining.
   bool SubmitWork(std::function<void()> task) { return workers_.Submit(std::move(task)); }
+  // A large call is being decoded and gathered: a sleeping scheduling thread starts polling
+  // (ForwardBatcher::Prewake). Nothing before the engine is attached.
+  void PrewakeSteps() {
+    if (ready_.load(std::memory_order_acquire)) batcher_->Prewake();
+  }
   // Idle workers poll for tasks this long (one at a time) before they sleep (WorkQueue).
   void SetWorkerIdleSpin(absl::Duration spin) { workers_.SetIdleSpin(spin); }
   int64_t worker_spin_takes() const { return workers_.spin_takes(); }

@@ -598,6 +598,48 @@ TEST(ForwardBatcherTest, IdleSpinTakesCallsWithoutAWakeUp) {
   }
 }
 
+// Prewake: a call announced while the scheduling thread sleeps finds it polling (no wake-up
+// after the Submit); unannounced, the same call after the same idle time wakes it. Without
+// idle_spin, Prewake does nothing (and calls still answer).
+TEST(ForwardBatcherTest, PrewakeMakesASleepingThreadPoll) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(22);
+  constexpr absl::Duration kSpin = absl::Milliseconds(200);
+  auto batcher =
+      *ForwardBatcher::Create(engine.get(), {.inline_max_tokens = 0, .idle_spin = kSpin});
+  auto call = [&] {
+    Call c = MakeCall(m, 2, 1, DType::kBF16, rng);
+    auto [status, timings] = SubmitAsync(*batcher, c).get();
+    ASSERT_TRUE(status.ok()) << status;
+    Tensor alone = Tensor::Empty(c.out.dtype(), c.out.shape());
+    ASSERT_TRUE(engine->Forward(c.input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), c.out.data<void>(), alone.nbytes()), 0);
+  };
+  absl::SleepFor(kSpin + absl::Milliseconds(150));  // the thread's first poll is over: asleep
+  const int64_t takes0 = batcher->stats().spin_takes;
+  call();  // unannounced: a wake-up
+  EXPECT_EQ(batcher->stats().spin_takes, takes0);
+  absl::SleepFor(kSpin + absl::Milliseconds(150));
+  batcher->Prewake();
+  batcher->Prewake();  // twice: still one poll
+  absl::SleepFor(absl::Milliseconds(5));
+  call();
+  EXPECT_EQ(batcher->stats().spin_takes, takes0 + 1);
+  // Announced, but nothing comes: the poll ends, and a later call is still answered.
+  absl::SleepFor(kSpin + absl::Milliseconds(150));
+  batcher->Prewake();
+  absl::SleepFor(kSpin + absl::Milliseconds(150));
+  call();
+  EXPECT_EQ(batcher->stats().spin_takes, takes0 + 1);
+
+  auto off = *ForwardBatcher::Create(engine.get(), {.inline_max_tokens = 0});
+  off->Prewake();
+  Call c = MakeCall(m, 1, 0, DType::kFP32, rng);
+  EXPECT_TRUE(SubmitAsync(*off, c).get().first.ok());
+  EXPECT_EQ(off->stats().spin_takes, 0);
+}
+
 // stage_timing_every: calls that do not read their stages have one step in N timed (the
 // others report host-clock timings only, stages zero and stages_timed false); a call that asks
 // always has its step timed. Answers are the same either way.

@@ -199,7 +199,7 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         "--company_wait_us=-1", "--max_batch_delay_us=-1", "--gather_threads=-1",
         "--gather_threads=65", "--malloc_trim_threshold_mb=-1",
         "--malloc_trim_threshold_mb=1048577", "--upload_min_bytes=-1",
-        "--inline_request_bytes=-1"}) {
+        "--inline_request_bytes=-2"}) {
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad});
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
