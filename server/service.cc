@@ -72,6 +72,9 @@ void MoeServiceImpl::PrepareForEngine(const Engine& engine) {
     // Device 0: the single-process GPU engine's first rank (EngineInfo::device_tensors).
     if (cuda != nullptr && cuda->upload_host_pieces) {
       InstallDeviceUpload(cuda->upload_host_pieces, 0, options_.upload_min_bytes);
+      // A polling scheduling thread slowed the upload of 14.7 MB by 250-440 us on the H200
+      // host (serving/RESULTS.md 20:10), more than the wake-up it saves.
+      prewake_below_bytes_ = options_.upload_min_bytes;
     }
   }
   if (options_.enable_shared_memory && regions_ == nullptr) {
@@ -272,7 +275,10 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
         });
   };
   // A large request takes a while to gather: a sleeping scheduling thread wakes meanwhile.
-  if (raw_request->Length() >= kPrewakeRequestBytes) state_->PrewakeSteps();
+  if (raw_request->Length() >= kPrewakeRequestBytes &&
+      static_cast<int64_t>(raw_request->Length()) < prewake_below_bytes_) {
+    state_->PrewakeSteps();
+  }
   // A small request is decoded and queued right here (a thread hop costs more than the work);
   // one over inline_request_bytes on a worker.
   if (options_.inline_request_bytes < 0 ||

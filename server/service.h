@@ -238,7 +238,10 @@ class MoeServiceImpl final : public MoeServiceBase {
   // acquire there orders it). MoeServer drains the state before destroying the service, so it
   // outlives every call that holds a region.
   std::unique_ptr<RegionRegistry> regions_;  // null: shared memory off
-  std::atomic<int> expert_calls_{0};         // expert-weight calls holding a slot
+  // Forward requests from kPrewakeRequestBytes up to this size prewake the batcher (those
+  // uploaded to the device as they are gathered do not; set before calls come).
+  int64_t prewake_below_bytes_ = INT64_MAX;
+  std::atomic<int> expert_calls_{0};  // expert-weight calls holding a slot
   // Set with regions_. Last, so destroyed first: its pollers call into everything above.
   std::unique_ptr<ForwardChannelRegistry> channels_;
 };
