@@ -20,7 +20,13 @@ against the real server (tiny model, CPU backend), with numpy arrays (no torch):
     sizes), a deadline too short (DEADLINE_EXCEEDED), no server (UNAVAILABLE), a bad target
     or timeout at creation (ValueError), a library of another ABI version (OSError);
   * a server that wants a bearer token: UNAUTHENTICATED without it or with a wrong one, the
-    answer with it (blocking and in flight).
+    answer with it (blocking and in flight);
+  * the numpy client (MoeClient) on the C++ client (native="auto", the default once the
+    library is found) against itself on grpcio (native=False): the same answers bit for bit in
+    every dtype (ml_dtypes' bfloat16 too) and ids type, from non-contiguous arrays, at M = 0,
+    with server routing, request_id and timings, the same refusals; native="auto" without the
+    library falls back to grpcio (a process without MOESERVE_CLIENT_LIB), native=True does not
+    start, and a native value that is none of the three is refused.
 Exits 77 (CTest: skipped) without --lib.
 
   native_client_test.py --server BIN/moeserve --cli BIN/moeserve-cli --lib BUILD/lib/libmoeserve_client_c.so --source-dir REPO
@@ -79,7 +85,7 @@ class NativeClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.n = native.NativeClient(SERVER.target)
-        cls.npc = mc.MoeClient(SERVER.target)
+        cls.npc = mc.MoeClient(SERVER.target, native=False)  # grpcio: the reference bytes
         cls.info = cls.npc.info()
         cls.rng = np.random.default_rng(SEED)
 
@@ -320,6 +326,90 @@ class NativeClientTest(unittest.TestCase):
                     c.wait(ptr(out2), out2.nbytes, wire.DTYPE_FP32, 3, x.shape[1], False)
                     self.assertEqual(out2.tobytes(), out.tobytes())
                 server.terminate_and_check(30)
+
+    def test_numpy_client_on_the_cpp_client(self):
+        fast = mc.MoeClient(SERVER.target)
+        self.assertTrue(fast.uses_native, fast.native_error)
+        self.assertIsNone(fast.native_error)
+        try:
+            layer = self.info.num_layers - 1
+            cases = [(np.float32, None, np.int32), (np.float16, None, np.int64),
+                     (np.uint16, "bf16", np.int16)]
+            try:
+                import ml_dtypes
+                cases.append((ml_dtypes.bfloat16, None, np.int32))
+            except ImportError:
+                pass
+            for np_dtype, dtype, ids_dtype in cases:
+                for m in (1, 9, 0):
+                    x32, ids, w = self.inputs(max(m, 1), ids_dtype)
+                    x32, ids, w = x32[:m], ids[:m], w[:m]
+                    if dtype == "bf16":
+                        x = mc.from_float32(x32, "bf16")
+                    else:
+                        x = x32.astype(np_dtype)
+                    x = np.asfortranarray(x)  # not C-contiguous: converted before sending
+                    got = fast.forward_full(x, ids, w, layer=layer, dtype=dtype,
+                                            request_id=f"r{m}")
+                    want = self.npc.forward_full(x, ids, w, layer=layer, dtype=dtype,
+                                                 request_id=f"r{m}")
+                    what = f"{np_dtype.__name__} ids {ids_dtype.__name__} M={m}"
+                    self.assertEqual(got.output.dtype, want.output.dtype, what)
+                    self.assertEqual(got.output.shape, (m, self.info.hidden), what)
+                    self.assertEqual(got.output.tobytes(), want.output.tobytes(), what)
+                    self.assertEqual(got.request_id, f"r{m}", what)
+                    if m > 0:
+                        self.assertGreater(got.timings["total_us"], 0, what)
+            # Routing on the server, returned; forward() without timings.
+            x, _, _ = self.inputs(5)
+            got = fast.forward_full(x, return_routing=True, return_timings=False)
+            want = self.npc.forward_full(x, return_routing=True, return_timings=False)
+            self.assertEqual(got.output.tobytes(), want.output.tobytes())
+            np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
+            np.testing.assert_array_equal(got.topk_weights, want.topk_weights)
+            self.assertEqual(got.timings["total_us"], 0)
+            self.assertEqual(fast.forward(x).tobytes(), self.npc.forward(x).tobytes())
+            # The same refusals, as grpc.RpcError with the server's code.
+            x, ids, w = self.inputs(3)
+            ids[1, 0] = self.info.num_experts
+            for client in (fast, self.npc):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    client.forward(x, ids, w)
+                self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(str(self.info.num_experts), cm.exception.details())
+            with self.assertRaises(TypeError):
+                fast.forward(x.astype(np.float64), ids, w)
+        finally:
+            fast.close()
+        with self.assertRaises(ValueError):
+            mc.MoeClient(SERVER.target, native="yes")
+
+    def test_numpy_client_without_the_library(self):
+        import subprocess
+        code = "\n".join([
+            "import sys",
+            "sys.path.insert(0, sys.argv[1])",
+            "import moeserve_client as mc",
+            "c = mc.MoeClient(sys.argv[2])",
+            "print(c.uses_native, type(c.native_error).__name__)",
+            "i = c.info()",
+            "x, ids, w = mc.random_inputs(2, i.hidden, i.num_experts, i.topk, seed=1)",
+            "print(c.forward(x, ids, w).shape)",
+            "try:",
+            "    mc.MoeClient(sys.argv[2], native=True)",
+            "except OSError:",
+            "    print('OSError')",
+        ])
+        env = dict(os.environ)
+        env.pop("MOESERVE_CLIENT_LIB", None)
+        out = subprocess.run([sys.executable, "-c", code,
+                              os.path.join(ARGS.source_dir, "clients", "python"), SERVER.target],
+                             env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = out.stdout.split("\n")
+        self.assertEqual(lines[0], "False OSError", out.stdout)
+        self.assertEqual(lines[1], f"(2, {self.info.hidden})", out.stdout)
+        self.assertEqual(lines[2], "OSError", out.stdout)
 
     def test_library_abi_and_exports(self):
         lib = ctypes.CDLL(ARGS.lib)

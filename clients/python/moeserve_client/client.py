@@ -12,6 +12,11 @@ Both None: the server routes with the layer's own gate (ModelInfo.server_routing
 return_routing=True the answer carries the ids (int32) and weights (float32) it chose.
 
 For torch tensors, CUDA memory and asynchronous calls see moeserve_client.torch_client.
+
+Forward calls go through the C++ client (moeserve_client.native) when its library is found
+(native="auto", the default): the arrays' bytes are sent in place and the answer is written
+once into the returned array, without grpcio's protobuf copies. native=False keeps every call
+on grpcio; native=True refuses to start without the library.
 """
 
 import collections
@@ -21,6 +26,8 @@ import grpc
 import numpy as np
 
 from . import dtypes as _dt
+from . import native as _native
+from . import wire as _wire
 
 try:
     from .gen.moeserve.v1 import moeserve_pb2 as pb
@@ -33,6 +40,7 @@ except ImportError as e:  # pragma: no cover - only without generated stubs
 
 _WIRE = {"bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16, "fp32": pb.DTYPE_FP32}
 _FROM_WIRE = {v: k for k, v in _WIRE.items()}
+_TIMINGS = ("queue_us", "prepare_us", "experts_us", "finalize_us", "total_us", "route_us")
 
 ForwardResult = collections.namedtuple(
     "ForwardResult", ["output", "request_id", "timings", "latency_s", "topk_ids", "topk_weights"],
@@ -95,11 +103,17 @@ class MoeClient:
     tls_key_file present a client certificate (mutual TLS); tls_server_name is the name the
     server's certificate carries when it is not the target's host. auth_token is sent as
     "authorization: Bearer <token>" on every call.
+
+    native: "auto" (Forward calls by the C++ client when its library is found, else grpcio),
+    True (the C++ client or an error) or False (grpcio). native_spin_us: the C++ client polls
+    this long for an answer before it sleeps (a core busy per waiting call; 0: sleep at once).
     """
 
     def __init__(self, target, timeout=30.0, max_message_bytes=256 << 20, wait_for_ready=False,
                  tls=False, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
-                 tls_server_name=None, auth_token=None):
+                 tls_server_name=None, auth_token=None, native="auto", native_spin_us=0):
+        if native not in ("auto", True, False):
+            raise ValueError(f"native={native!r}; expected 'auto', True or False")
         self.target = target
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
@@ -122,8 +136,37 @@ class MoeClient:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.MoeServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._native = None
+        self._native_error = None
+        if native:
+            try:
+                self._native = _native.NativeClient(
+                    target, timeout=timeout, max_message_bytes=max_message_bytes,
+                    spin_us=native_spin_us, auth_token=auth_token,
+                    tls=bool(tls or tls_ca_file or tls_cert_file or tls_key_file),
+                    tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
+                    tls_key_file=tls_key_file, tls_server_name=tls_server_name,
+                    wait_for_ready=wait_for_ready)
+            except (OSError, ValueError, TypeError) as e:
+                if native is True:
+                    self._channel.close()
+                    raise
+                self._native_error = e
+
+    @property
+    def uses_native(self):
+        """Whether Forward calls go through the C++ client."""
+        return self._native is not None
+
+    @property
+    def native_error(self):
+        """Why the C++ client is not used (native="auto" and no library, or it refused the
+        options), or None."""
+        return self._native_error
 
     def close(self):
+        if self._native is not None:
+            self._native.close()
         self._channel.close()
 
     def __enter__(self):
@@ -243,6 +286,9 @@ class MoeClient:
             hidden_bits = hidden.view(np.uint16)
         else:
             hidden_bits = hidden
+        if self._native is not None:
+            return self._forward_native(hidden, hidden_bits, name, topk_ids, topk_weights, layer,
+                                        request_id, return_timings, return_routing, timeout)
         request = pb.ForwardRequest(
             layer=layer,
             hidden_states=_tensor(hidden_bits, _WIRE[name], _dt.STORAGE[name]),
@@ -260,16 +306,51 @@ class MoeClient:
         output = _array(reply.output, _dt.STORAGE[name])
         if hidden.dtype.name == "bfloat16":
             output = output.view(hidden.dtype)
-        t = reply.timings
-        timings = {"queue_us": t.queue_us, "prepare_us": t.prepare_us,
-                   "experts_us": t.experts_us, "finalize_us": t.finalize_us,
-                   "total_us": t.total_us, "route_us": t.route_us}
+        timings = {k: getattr(reply.timings, k) for k in _TIMINGS}
         routed_ids = routed_weights = None
         if return_routing:
             routed_ids = _array(reply.topk_ids, np.dtype("<i4"))
             routed_weights = _array(reply.topk_weights, np.dtype("<f4"))
         return ForwardResult(output, reply.request_id, timings, latency, routed_ids,
                              routed_weights)
+
+    def _forward_native(self, hidden, hidden_bits, name, topk_ids, topk_weights, layer,
+                        request_id, return_timings, return_routing, timeout):
+        """forward_full by the C++ client: the arrays' bytes go out in place, the answer is
+        written into the array returned (forward_full has checked the shapes)."""
+        storage = _dt.STORAGE[name]
+        x = np.ascontiguousarray(hidden_bits).astype(storage, copy=False)
+        m, h = x.shape
+        ids = weights = None
+        ids_wire, topk = _wire.DTYPE_INT32, 0
+        if topk_ids is not None:
+            if topk_ids.dtype == np.int64:
+                ids, ids_wire = np.ascontiguousarray(topk_ids).astype("<i8", copy=False), \
+                    _wire.DTYPE_INT64
+            else:
+                ids = np.ascontiguousarray(topk_ids).astype("<i4", copy=False)
+            weights = np.ascontiguousarray(topk_weights).astype("<f4", copy=False)
+            topk = ids.shape[1]
+        out = np.empty((m, h), dtype=storage)
+        want_header = bool(request_id) or return_timings or return_routing
+        start = time.perf_counter()
+        header = self._native.forward(
+            layer, _WIRE[name], m, h, x.ctypes.data, ids_wire, topk,
+            None if ids is None else ids.ctypes.data,
+            None if weights is None else weights.ctypes.data, out.ctypes.data, out.nbytes,
+            request_id=request_id.encode(), return_timings=return_timings,
+            return_routing=return_routing, timeout=timeout or self.timeout,
+            want_header=want_header)
+        latency = time.perf_counter() - start
+        reply = pb.ForwardResponse.FromString(header) if want_header else pb.ForwardResponse()
+        if hidden.dtype.name == "bfloat16":
+            out = out.view(hidden.dtype)
+        timings = {k: getattr(reply.timings, k) for k in _TIMINGS}
+        routed_ids = routed_weights = None
+        if return_routing:
+            routed_ids = _array(reply.topk_ids, np.dtype("<i4"))
+            routed_weights = _array(reply.topk_weights, np.dtype("<f4"))
+        return ForwardResult(out, reply.request_id, timings, latency, routed_ids, routed_weights)
 
     def forward(self, hidden, topk_ids=None, topk_weights=None, layer=0, dtype=None,
                 request_id="", timeout=None):
