@@ -13,7 +13,8 @@ For each M it times, one call at a time (closed loop, concurrency 1), median of 
           tensors' addresses prepared once: the C++ client from Python without the torch
           client's own work (nraw - cli: the process and the foreign call; torch - nraw: the
           torch client's Python)
-  numpy   MoeClient.forward (protobuf messages): numpy in, numpy out
+  numpy   MoeClient.forward: numpy in, numpy out (by the C++ client when its library is found)
+  np_grpcio (when numpy used the C++ client) the same numpy client with native=False
   routed  (--server-routing) TorchMoeClient.forward(hidden) without ids and weights: the server
           runs the layer's gate; routed - torch is what server-side routing costs per call
 and prints the medians and torch - cli (the torch client's added cost per call; issue 11's
@@ -216,6 +217,10 @@ def main():
         print(f"# torch client gRPC calls: {way}"
               f"{'' if client.native_error is None else f' ({client.native_error})'}")
         npc = mc.MoeClient(a.target)
+        # The numpy client on the C++ client, and on grpcio beside it (np_grpcio_ms).
+        npg = mc.MoeClient(a.target, native=False) if npc.uses_native else None
+        print(f"# numpy client Forward calls: "
+              f"{'C++ client (native)' if npc.uses_native else 'grpcio'}")
         info = client.info()
         h, e, k = info.hidden, info.num_experts, info.topk
         print(f"# server {a.target}: {info.model_name} hidden={h} experts={e} topk={k} "
@@ -228,7 +233,8 @@ def main():
               f"{'torch-cli_us':>12} {'torch-raw_us':>12} {'cli_cpu':>8} {'raw_cpu':>8} "
               f"{'torch_cpu':>9} {'numpy_cpu':>9} {'MB_each_way':>11}"
               + (f" {'routed_ms':>9}" if a.server_routing else "")
-              + (f" {'grpcio_ms':>9} {'nraw_ms':>8}" if grpcio_col else ""))
+              + (f" {'grpcio_ms':>9} {'nraw_ms':>8}" if grpcio_col else "")
+              + (f" {'np_grpcio_ms':>12}" if npg is not None and not a.no_numpy else ""))
         for m in (int(t) for t in a.tokens.split(",")):
             calls = a.calls if m < 256 else max(30, a.calls * 64 // m)
             g = torch.Generator().manual_seed(m)
@@ -253,6 +259,8 @@ def main():
                     gclient.forward(xd, idsd, wd, layer=a.layer, out=out)
                 if not a.no_numpy:
                     npc.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
+                    if npg is not None:
+                        npg.forward(xn, idn, wn, layer=a.layer, dtype="bf16")
             probe = client.submit(xd, idsd, wd, layer=a.layer, out=out)
             client.result(probe)
             print(f"# M={m}: torch call used_channel={probe.used_channel} "
@@ -260,6 +268,7 @@ def main():
                   f"region errors: {client.region_errors or '-'})")
             per = max(1, calls // a.rounds)
             t_cli, t_raw, t_torch, t_np, t_routed, t_grpcio, t_nraw = [], [], [], [], [], [], []
+            t_npg = []
             xc = x.contiguous()
             nraw_out = torch.empty_like(xc)
             nraw_args = (a.layer, 1, m, h, xc.data_ptr(), 4, k, ids.data_ptr(), w.data_ptr(),
@@ -300,6 +309,10 @@ def main():
                                                           dtype="bf16"), per)
                     t_np += t
                     c_np.append(c)
+                    if npg is not None:
+                        progress(f"M={m} round {rnd}: numpy over grpcio")
+                        t_npg += time_calls(lambda: npg.forward(xn, idn, wn, layer=a.layer,
+                                                                dtype="bf16"), per)[0]
             med = lambda v: statistics.median(v) if v else nan  # noqa: E731
             cli_ms, raw_ms, torch_ms, np_ms = med(t_cli), med(t_raw), med(t_torch), med(t_np)
             print(f"{m:>6} {cli_ms:>8.3f} {raw_ms:>8.3f} {torch_ms:>8.3f} {np_ms:>8.3f} "
@@ -308,7 +321,9 @@ def main():
                   f"{med(c_np):>9.0f} {m * h * 2 / 1e6:>11.2f}"
                   + (f" {med(t_routed):>9.3f}" if a.server_routing else "")
                   + (f" {med(t_grpcio):>9.3f} {med(t_nraw):>8.3f}" if grpcio_col
-                     else ""), flush=True)
+                     else "")
+                  + (f" {med(t_npg):>12.3f}" if npg is not None and not a.no_numpy else ""),
+                  flush=True)
             if a.channel:
                 print(f"# M={m}: torch calls that slept on the channel (answer after the "
                       f"{a.spin_us} us spin): {slept} of {per * a.rounds}", flush=True)
@@ -322,6 +337,8 @@ def main():
         if gclient is not client:
             gclient.close()
         npc.close()
+        if npg is not None:
+            npg.close()
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
