@@ -23,8 +23,9 @@ bool WorkQueue::Submit(std::function<void()> task) {
     if (stopping_) return false;
     tasks_.push_back(std::move(task));
     queued_.store(tasks_.size(), std::memory_order_release);
-    // A polling thread takes it: no wake-up.
-    wake = !spinning_;
+    // A polling thread takes the first task: no wake-up for it. Every task queued behind it
+    // wakes a sleeping thread (a merged step's answers come in a burst and go out at once).
+    wake = !spinning_ || tasks_.size() > 1;
   }
   if (wake) cv_.notify_one();
   return true;

@@ -46,7 +46,8 @@ class WorkQueue {
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   bool stopping_ = false;
-  bool spinning_ = false;  // a thread polls (guarded by mu_): Submit need not wake one
+  bool spinning_ = false;  // a thread polls (guarded by mu_): Submit need not wake one for
+                           // the first task queued
   // What a polling thread reads without mu_ (written under it).
   std::atomic<size_t> queued_{0};
   std::atomic<bool> draining_{false};
