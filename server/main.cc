@@ -129,8 +129,9 @@ ABSL_FLAG(int64_t, stage_timing_every, 16,
           "time every step");
 ABSL_FLAG(int64_t, step_spin_us, -1,
           "How long an idle scheduling thread polls for the next gRPC call before it sleeps "
-          "(one thread; it keeps a core busy while calls come within this window), and as long "
-          "an idle worker polls for the next large request to decode (one more thread). A "
+          "(one thread; it keeps a core busy while calls come within this window), and, when "
+          "--inline_request_bytes hands requests to workers, as long an idle worker polls for "
+          "the next one (one more thread). A "
           "sleeping thread's wake-up adds tens of us to a call (H200 host, one-token call: "
           "server total 70.8 -> 54.1 us polling); 0: sleep at once; -1: 2000 on a GPU backend, "
           "0 on the CPU backend (whose steps need the cores)");

@@ -165,8 +165,10 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   ForwardBatcherOptions batcher_options = options_.batcher;
   batcher_options.observer = metrics_.get();
   batcher_options.idle_spin = ResolveIdleSpin(batcher_options.idle_spin, engine->info().backend);
-  // The workers that decode and gather large requests poll as the scheduling thread does.
-  state_->SetWorkerIdleSpin(batcher_options.idle_spin);
+  // Workers that decode requests (--inline_request_bytes >= 0) poll as the scheduling thread
+  // does. Those that only send a merged step's answers sleep: one polling under the serving
+  // benchmark's overload kept a core busy for little (serving/RESULTS.md 20:35).
+  if (options_.inline_request_bytes >= 0) state_->SetWorkerIdleSpin(batcher_options.idle_spin);
   if (options_.parallel_answers) {
     // A merged step's answers go out on the workers (the state owns the batcher: it outlives
     // it; once draining, SubmitWork refuses and the step's thread answers).

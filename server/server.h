@@ -95,7 +95,8 @@ struct ServerOptions {
   // Concurrent Forward calls for one layer share engine steps (core/forward_batcher.h). A
   // negative batcher.idle_spin means "by backend": kGpuIdleSpin on a GPU engine (a sleeping
   // scheduling thread's wake-up is a third of a one-token call there), none on the CPU (whose
-  // steps need the cores). The workers that decode large requests poll as long.
+  // steps need the cores). Workers that decode requests (inline_request_bytes >= 0) poll as
+  // long.
   ForwardBatcherOptions batcher;
   std::string metrics_address = kDefaultMetricsAddress;  // empty: no metrics endpoint
   // TLS of every listen address (all empty: plaintext); with tls.ca_file, mutual TLS. gRPC
