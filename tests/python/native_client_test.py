@@ -26,7 +26,9 @@ against the real server (tiny model, CPU backend), with numpy arrays (no torch):
     every dtype (ml_dtypes' bfloat16 too) and ids type, from non-contiguous arrays, at M = 0,
     with server routing, request_id and timings, the same refusals; native="auto" without the
     library falls back to grpcio (a process without MOESERVE_CLIENT_LIB), native=True does not
-    start, and a native value that is none of the three is refused.
+    start, and a native value that is none of the three is refused;
+  * MOESERVE_CLIENT_COPY_THREADS that does not parse (or is out of range) falls back to the
+    default, 0 copies on the caller's thread: large answers equal to grpcio's either way.
 Exits 77 (CTest: skipped) without --lib.
 
   native_client_test.py --server BIN/moeserve --cli BIN/moeserve-cli --lib BUILD/lib/libmoeserve_client_c.so --source-dir REPO
@@ -192,6 +194,35 @@ class NativeClientTest(unittest.TestCase):
         self.assertEqual(errors, [])
         for c, x, ids, w, out in calls:
             self.assertEqual(out.tobytes(), self.npc.forward(x, ids, w).tobytes())
+
+    def test_copy_threads_setting_that_does_not_parse(self):
+        """MOESERVE_CLIENT_COPY_THREADS that is not a count in [0, 64] falls back to the
+        default; 0 copies on the caller's thread. Each in a process of its own (the pool is
+        made once per process): a 3 MB answer equal to grpcio's."""
+        import subprocess
+        code = "\n".join([
+            "import sys",
+            "sys.path.insert(0, sys.argv[1])",
+            "import numpy as np",
+            "import moeserve_client as mc",
+            "fast = mc.MoeClient(sys.argv[2])",
+            "slow = mc.MoeClient(sys.argv[2], native=False)",
+            "assert fast.uses_native, fast.native_error",
+            "i = fast.info()",
+            "m = 3 * (1 << 20) // (4 * i.hidden) + 5",
+            "x, ids, w = mc.random_inputs(m, i.hidden, i.num_experts, i.topk, seed=m)",
+            "a = fast.forward(x, ids, w)",
+            "b = slow.forward(x, ids, w)",
+            "print('same' if a.tobytes() == b.tobytes() and a.nbytes >= 3 << 20 else 'differ')",
+        ])
+        for value in ("abc", "-3", "65", "2x", "0", "2"):
+            env = dict(os.environ, MOESERVE_CLIENT_COPY_THREADS=value)
+            out = subprocess.run([sys.executable, "-c", code,
+                                  os.path.join(ARGS.source_dir, "clients", "python"),
+                                  SERVER.target], env=env, capture_output=True, text=True,
+                                 timeout=120)
+            self.assertEqual(out.returncode, 0, f"{value!r}: {out.stderr}")
+            self.assertEqual(out.stdout.strip(), "same", value)
 
     def test_clients_closed_right_after_their_calls(self):
         # A client destroyed as soon as its last submitted call was answered: with gRPC's
