@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/cpu_relax.h"
+#include "core/spin_wait.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -329,17 +329,9 @@ void ForwardBatcher::Prewake() {
 }
 
 bool ForwardBatcher::PollForCall() const {
-  const auto until =
-      std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.idle_spin);
-  while (true) {
-    // The clock is read once per 64 looks: a look is a load, the clock tens of ns.
-    for (int i = 0; i < 64; ++i) {
-      if (queued_calls_.load(std::memory_order_acquire) > 0) return true;
-      if (stopping_.load(std::memory_order_acquire)) return false;
-      CpuRelax();
-    }
-    if (std::chrono::steady_clock::now() >= until) return false;
-  }
+  return PollFor(
+      options_.idle_spin, [this] { return queued_calls_.load(std::memory_order_acquire) > 0; },
+      [this] { return stopping_.load(std::memory_order_acquire); });
 }
 
 namespace {

@@ -341,9 +341,9 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.server_threads = absl::GetFlag(FLAGS_server_threads);
   server.gather_threads = absl::GetFlag(FLAGS_gather_threads);  // checked by MoeServer::Bind
   server.gather_streaming_stores = absl::GetFlag(FLAGS_gather_streaming_stores);
+  // Checked by MoeServer::Bind.
   server.upload_min_bytes = absl::GetFlag(FLAGS_upload_min_bytes);
-  server.inline_request_bytes =
-      absl::GetFlag(FLAGS_inline_request_bytes);  // checked by MoeServer::Bind
+  server.inline_request_bytes = absl::GetFlag(FLAGS_inline_request_bytes);
   server.parallel_answers = absl::GetFlag(FLAGS_parallel_answers);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));

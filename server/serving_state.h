@@ -68,7 +68,6 @@ class ServingState {
   }
   // Idle workers poll for tasks this long (one at a time) before they sleep (WorkQueue).
   void SetWorkerIdleSpin(absl::Duration spin) { workers_.SetIdleSpin(spin); }
-  int64_t worker_spin_takes() const { return workers_.spin_takes(); }
   // Runs every queued task and stops the workers (calls arriving later are refused). Call after
   // grpc::Server::Shutdown and before destroying the server. Idempotent.
   void Drain() { workers_.Drain(); }

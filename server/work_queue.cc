@@ -1,10 +1,9 @@
 #include "server/work_queue.h"
 
 #include <algorithm>
-#include <chrono>
 #include <utility>
 
-#include "core/cpu_relax.h"
+#include "core/spin_wait.h"
 
 namespace moeserve {
 
@@ -49,16 +48,9 @@ void WorkQueue::Drain() {
 }
 
 bool WorkQueue::PollForTask(absl::Duration spin) const {
-  const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(spin);
-  while (true) {
-    // The clock is read once per 64 looks: a look is a load, the clock tens of ns.
-    for (int i = 0; i < 64; ++i) {
-      if (queued_.load(std::memory_order_acquire) > 0) return true;
-      if (draining_.load(std::memory_order_acquire)) return false;
-      CpuRelax();
-    }
-    if (std::chrono::steady_clock::now() >= until) return false;
-  }
+  return PollFor(
+      spin, [this] { return queued_.load(std::memory_order_acquire) > 0; },
+      [this] { return draining_.load(std::memory_order_acquire); });
 }
 
 void WorkQueue::Loop() {

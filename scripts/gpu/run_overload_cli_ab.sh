@@ -2,14 +2,9 @@
 # Overload check: new server (bundle sv), closed-loop 1/8/32 callers, then the open-loop overload
 # with the new moeserve-cli and with the old one (3be34ed), against --max_queue_wait_ms 0.5.
 set -u
-mkdir -p /tmp/sv && tar -C /tmp/sv -xzf .bundle/sv.tgz
-export LD_LIBRARY_PATH=/tmp/sv/sv/lib
-B=/tmp/sv/sv/bin
-PORT=50171
-OUT=${OUT:-/tmp/out}
-mkdir -p $OUT
-row() { echo "== $1: $2"; }
 source scripts/gpu/serve_lib.sh
+use_sv_bundle || exit 1
+B=$SV_BIN
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 serve seed $SEED
 load M16_c1 16 1 400

@@ -4,15 +4,10 @@
 # MXFP8, closed-loop 1 / 8 / 32 callers at M=16, then the open-loop overload at 2x the 32-caller
 # capacity against --max_queue_wait_ms 0.5, ROUNDS (2) alternating rounds.
 set -u
-mkdir -p /tmp/sv && tar -C /tmp/sv -xzf .bundle/sv.tgz
-export LD_LIBRARY_PATH=/tmp/sv/sv/lib
-BIN=/tmp/sv/sv/bin
-B=/tmp/svb && mkdir -p $B && cp $BIN/moeserve-cli $B/
-PORT=50171
-OUT=${OUT:-/tmp/out}
-mkdir -p $OUT
-row() { echo "== $1: $2"; }
 source scripts/gpu/serve_lib.sh
+use_sv_bundle || exit 1
+BIN=$SV_BIN
+B=/tmp/svb && mkdir -p $B && cp $BIN/moeserve-cli $B/
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 for r in $(seq ${ROUNDS:-2}); do for v in old new; do
   if [ $v = old ]; then cp $BIN/moeserve_old $B/moeserve; else cp $BIN/moeserve $B/moeserve; fi

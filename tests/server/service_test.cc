@@ -788,14 +788,30 @@ ForwardInput InputOfRequest(const v1::ForwardRequest& r, const ModelConfig& mode
 // --stage_timing_every: calls without return_timings run untimed steps (their queue is still
 // observed, the engine stages are not) while a call that asks gets its stages measured; the
 // answers are the same.
-TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem) {
+// The test model on the reference experts, for servers a test starts itself.
+std::unique_ptr<Engine> ReferenceTestEngine(uint64_t seed) {
   EngineOptions options;
   options.model = TestModel();
-  options.seed = 12;
+  options.seed = seed;
   options.num_threads = 2;
   options.max_tokens_per_request = kMaxTokens;
   options.experts = "reference";
-  std::unique_ptr<Engine> engine = Engine::Create(options).value();
+  return Engine::Create(options).value();
+}
+
+// `request`'s BF16 answer `response` (M tokens) is the engine's own, bit for bit.
+void ExpectEngineAnswer(Engine& engine, const v1::ForwardRequest& request, int64_t m,
+                        const v1::ForwardResponse& response) {
+  const ModelConfig& model = engine.info().model;
+  const ForwardInput in = InputOfRequest(request, model, m, DType::kBF16, DType::kINT32);
+  Tensor out = Tensor::Empty(DType::kBF16, {m, model.hidden});
+  ASSERT_TRUE(engine.Forward(in, out.view()).ok());
+  EXPECT_EQ(response.output().data(), std::string(out.data<char>(), out.nbytes())) << "M=" << m;
+}
+
+TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem) {
+  std::unique_ptr<Engine> engine = ReferenceTestEngine(12);
+  const ModelConfig& model = engine->info().model;
   ServerOptions server_options;
   server_options.listen_addresses = {"127.0.0.1:0"};
   server_options.metrics_address = "127.0.0.1:0";
@@ -812,16 +828,13 @@ TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem)
   };
   std::mt19937_64 rng(5);
   auto call = [&](bool timings, v1::ForwardResponse* resp) {
-    v1::ForwardRequest r = RandomRequest(rng, 0, 3, options.model.hidden, options.model.num_experts,
-                                         options.model.topk, v1::DTYPE_BF16, v1::DTYPE_INT32);
+    v1::ForwardRequest r = RandomRequest(rng, 0, 3, model.hidden, model.num_experts, model.topk,
+                                         v1::DTYPE_BF16, v1::DTYPE_INT32);
     r.set_return_timings(timings);
     grpc::ClientContext ctx;
     grpc::Status s = stub->Forward(&ctx, r, resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
-    const ForwardInput in = InputOfRequest(r, options.model, 3, DType::kBF16, DType::kINT32);
-    Tensor out = Tensor::Empty(DType::kBF16, {3, options.model.hidden});
-    ASSERT_TRUE(engine->Forward(in, out.view()).ok());
-    EXPECT_EQ(resp->output().data(), std::string(out.data<char>(), out.nbytes()));
+    ExpectEngineAnswer(*engine, r, 3, *resp);
   };
   const double queue0 = count("queue"), experts0 = count("experts");
   for (int i = 0; i < 4; ++i) {
@@ -843,13 +856,8 @@ TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem)
 // Every request on gRPC's receiving thread, or every one on a worker (which polls for them, as
 // on a GPU engine): the same answers, bit for bit, as the engine's own.
 TEST(ServiceInlineThresholdTest, InlineAndWorkerPathsAnswerAlike) {
-  EngineOptions options;
-  options.model = TestModel();
-  options.seed = 13;
-  options.num_threads = 2;
-  options.max_tokens_per_request = kMaxTokens;
-  options.experts = "reference";
-  std::unique_ptr<Engine> engine = Engine::Create(options).value();
+  std::unique_ptr<Engine> engine = ReferenceTestEngine(13);
+  const ModelConfig& model = engine->info().model;
   for (const int64_t inline_bytes : {int64_t{0}, int64_t{1} << 30}) {
     SCOPED_TRACE(absl::StrCat("inline_request_bytes=", inline_bytes));
     ServerOptions server_options;
@@ -862,17 +870,14 @@ TEST(ServiceInlineThresholdTest, InlineAndWorkerPathsAnswerAlike) {
         grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));
     std::mt19937_64 rng(static_cast<uint64_t>(inline_bytes) + 3);
     for (const int64_t m : {1, 5, 64, 0, 17}) {
-      v1::ForwardRequest r = RandomRequest(rng, static_cast<int>(m % 2), m, options.model.hidden,
-                                           options.model.num_experts, options.model.topk,
-                                           v1::DTYPE_BF16, v1::DTYPE_INT32);
+      v1::ForwardRequest r =
+          RandomRequest(rng, static_cast<int>(m % 2), m, model.hidden, model.num_experts,
+                        model.topk, v1::DTYPE_BF16, v1::DTYPE_INT32);
       grpc::ClientContext ctx;
       v1::ForwardResponse resp;
       grpc::Status s = stub->Forward(&ctx, r, &resp);
       ASSERT_TRUE(s.ok()) << s.error_message();
-      const ForwardInput in = InputOfRequest(r, options.model, m, DType::kBF16, DType::kINT32);
-      Tensor out = Tensor::Empty(DType::kBF16, {m, options.model.hidden});
-      ASSERT_TRUE(engine->Forward(in, out.view()).ok());
-      EXPECT_EQ(resp.output().data(), std::string(out.data<char>(), out.nbytes())) << "M=" << m;
+      ExpectEngineAnswer(*engine, r, m, resp);
     }
     server->Shutdown(std::chrono::seconds(5));
   }

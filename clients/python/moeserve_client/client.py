@@ -86,6 +86,19 @@ def _array(tensor, storage):
 _FRAMING = 1024  # bytes of a message beyond its tensors
 
 
+def _result(reply, output, hidden, latency, return_routing):
+    """ForwardResult of an answer: `output` (storage dtype; viewed as hidden's bfloat16 where
+    hidden is one) and the reply's request_id, timings and (return_routing) routing."""
+    if hidden.dtype.name == "bfloat16":
+        output = output.view(hidden.dtype)
+    timings = {k: getattr(reply.timings, k) for k in _TIMINGS}
+    routed_ids = routed_weights = None
+    if return_routing:
+        routed_ids = _array(reply.topk_ids, np.dtype("<i4"))
+        routed_weights = _array(reply.topk_weights, np.dtype("<f4"))
+    return ForwardResult(output, reply.request_id, timings, latency, routed_ids, routed_weights)
+
+
 def _read(path):
     with open(path, "rb") as f:
         return f.read()
@@ -303,16 +316,8 @@ class MoeClient:
         out_name = _FROM_WIRE.get(reply.output.dtype)
         if out_name != name:
             raise ValueError(f"server answered dtype {reply.output.dtype}; sent {name}")
-        output = _array(reply.output, _dt.STORAGE[name])
-        if hidden.dtype.name == "bfloat16":
-            output = output.view(hidden.dtype)
-        timings = {k: getattr(reply.timings, k) for k in _TIMINGS}
-        routed_ids = routed_weights = None
-        if return_routing:
-            routed_ids = _array(reply.topk_ids, np.dtype("<i4"))
-            routed_weights = _array(reply.topk_weights, np.dtype("<f4"))
-        return ForwardResult(output, reply.request_id, timings, latency, routed_ids,
-                             routed_weights)
+        return _result(reply, _array(reply.output, _dt.STORAGE[name]), hidden, latency,
+                       return_routing)
 
     def _forward_native(self, hidden, hidden_bits, name, topk_ids, topk_weights, layer,
                         request_id, return_timings, return_routing, timeout):
@@ -343,14 +348,7 @@ class MoeClient:
             want_header=want_header)
         latency = time.perf_counter() - start
         reply = pb.ForwardResponse.FromString(header) if want_header else pb.ForwardResponse()
-        if hidden.dtype.name == "bfloat16":
-            out = out.view(hidden.dtype)
-        timings = {k: getattr(reply.timings, k) for k in _TIMINGS}
-        routed_ids = routed_weights = None
-        if return_routing:
-            routed_ids = _array(reply.topk_ids, np.dtype("<i4"))
-            routed_weights = _array(reply.topk_weights, np.dtype("<f4"))
-        return ForwardResult(out, reply.request_id, timings, latency, routed_ids, routed_weights)
+        return _result(reply, out, hidden, latency, return_routing)
 
     def forward(self, hidden, topk_ids=None, topk_weights=None, layer=0, dtype=None,
                 request_id="", timeout=None):

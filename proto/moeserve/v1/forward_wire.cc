@@ -312,6 +312,12 @@ struct FlatReader {
     *len = static_cast<size_t>(v);
     return true;
   }
+  // A reader of the next `len` bytes (a length just read), which this one skips.
+  FlatReader Sub(size_t len) {
+    FlatReader sub(absl::string_view(reinterpret_cast<const char*>(p + i), len));
+    i += len;
+    return sub;
+  }
 };
 
 // protobuf's parse of a ForwardRequest's header fields when they are only layer, request_id,
@@ -373,14 +379,11 @@ bool ParseCommonTensorHeader(absl::string_view rest, v1::Tensor* out) {
         break;
       case (2 << 3) | kLen: {
         if (!r.Length(&len)) return false;
-        const size_t end = r.i + len;
-        FlatReader packed(absl::string_view(reinterpret_cast<const char*>(r.p), end));
-        packed.i = r.i;
+        FlatReader packed = r.Sub(len);
         while (!packed.done()) {
           if (!packed.Varint(&v)) return false;
           out->add_shape(static_cast<int64_t>(v));
         }
-        r.i = end;
         break;
       }
       default:
