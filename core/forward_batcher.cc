@@ -169,6 +169,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
                     input.topk_ids.device().is_host() && input.topk_weights.device().is_host() &&
                     output.device().is_host();
   bool wake = true;
+  uint64_t step_id = 0;
   {
     std::unique_lock<std::mutex> lock(mu_);
     absl::Status refused;
@@ -179,16 +180,18 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       refused = absl::ResourceExhaustedError(absl::StrCat(
           "Forward: the queue is full (", stats_.queued_tokens, " tokens queued + ", m,
           " > max_queued_tokens=", options_.max_queued_tokens, "); retry later or elsewhere"));
-    } else if (options_.max_queue_wait > absl::ZeroDuration() && stats_.queued_tokens > 0 &&
-               us_per_token_ * static_cast<double>(stats_.queued_tokens + m) / runners_ >
-                   absl::ToDoubleMicroseconds(options_.max_queue_wait)) {
-      ++stats_.refused_queue_full;
-      refused = absl::ResourceExhaustedError(absl::StrCat(
-          "Forward: the queue holds about ",
-          static_cast<int64_t>(us_per_token_ * static_cast<double>(stats_.queued_tokens + m) /
-                               runners_ / 1000),
-          " ms of work (", stats_.queued_tokens, " tokens) > max_queue_wait=",
-          absl::FormatDuration(options_.max_queue_wait), "; retry later or elsewhere"));
+    } else if (options_.max_queue_wait > absl::ZeroDuration()) {
+      const absl::Duration wait = EstimatedWaitLocked(m, call->enqueued);
+      if (wait > options_.max_queue_wait) {
+        ++stats_.refused_queue_full;
+        refused = absl::ResourceExhaustedError(absl::StrCat(
+            "Forward: the call would wait about ", absl::ToInt64Microseconds(wait),
+            " us for its step (", running_, " steps running, ", stats_.queued_tokens,
+            " tokens queued ahead; a step of n tokens takes about ",
+            static_cast<int64_t>(cost_.fixed_us()), " + ", cost_.per_token_us(),
+            " x n us) > max_queue_wait=", absl::FormatDuration(options_.max_queue_wait),
+            "; retry later or elsewhere"));
+      }
     }
     if (!refused.ok()) {
       lock.unlock();
@@ -209,7 +212,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     if (run_here) {
       // Nothing running and nothing to merge with: run here. Calls arriving meanwhile queue
       // and merge as usual (a second step only with half a step of work, see Loop).
-      ++running_;
+      step_id = BeginStepLocked(m);
       ++stats_.inline_steps;
     } else {
       stats_.queued_tokens += m;
@@ -227,7 +230,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   }
   Step step;
   step.push_back(std::move(call));
-  RunStep(std::move(step), nullptr);
+  RunStep(std::move(step), nullptr, step_id);
 }
 
 void ForwardBatcher::Loop(StepBuffers* buffers) {
@@ -302,9 +305,9 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     stats_.queued_tokens -= tokens;
     queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
     if (waited_for_company) ++stats_.company_waits;
-    ++running_;
+    const uint64_t step_id = BeginStepLocked(tokens);
     lock.unlock();
-    RunStep(std::move(step), buffers);
+    RunStep(std::move(step), buffers, step_id);
     lock.lock();
   }
   // Shutting down: whatever is still queued is answered, not dropped (by the first thread out).
@@ -351,7 +354,50 @@ absl::Status GaveUp(const ForwardBatcher::Call& c, absl::Time now, absl::string_
 
 }  // namespace
 
-void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
+uint64_t ForwardBatcher::BeginStepLocked(int64_t tokens) {
+  ++running_;
+  running_steps_.push_back(RunningStep{++next_step_id_, absl::Now(), tokens});
+  return next_step_id_;
+}
+
+void ForwardBatcher::EndStepLocked(uint64_t step_id) {
+  --running_;
+  for (auto it = running_steps_.begin(); it != running_steps_.end(); ++it) {
+    if (it->id == step_id) {
+      running_steps_.erase(it);
+      return;
+    }
+  }
+}
+
+absl::Duration ForwardBatcher::EstimatedWaitLocked(int64_t tokens, absl::Time now) const {
+  if (cost_.steps() == 0) return absl::ZeroDuration();  // nothing learned yet
+  // When each engine lane is free: the running steps, in start order, each on the lane free
+  // first (more steps than lanes wait for one inside the engine); a step past its expected
+  // end is taken to end now.
+  absl::InlinedVector<absl::Time, 8> free_at(static_cast<size_t>(runners_), absl::InfinitePast());
+  for (const RunningStep& s : running_steps_) {
+    absl::Time& lane = *std::min_element(free_at.begin(), free_at.end());
+    lane = std::max(lane, s.start) + cost_.Predict(s.tokens);
+  }
+  for (absl::Time& t : free_at) t = std::max(t, now);
+  // The queue ahead and this call leave in arrival order, full steps first, each on the lane
+  // free first (calls of other layers are counted as if they merged: an estimate).
+  int64_t left = stats_.queued_tokens + tokens;
+  const absl::Duration full_step = cost_.Predict(step_tokens_);
+  while (left > step_tokens_) {
+    *std::min_element(free_at.begin(), free_at.end()) += full_step;
+    left -= step_tokens_;
+  }
+  // This call's step starts on the lane free first, but one of less than half a step's tokens
+  // waits until no step runs (Loop's lane rule).
+  const absl::Time start = left * 2 < step_tokens_
+                               ? *std::max_element(free_at.begin(), free_at.end())
+                               : *std::min_element(free_at.begin(), free_at.end());
+  return start - now;
+}
+
+void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id) {
   const absl::Time start = absl::Now();
   std::vector<std::unique_ptr<Call>> live;
   std::vector<std::pair<std::unique_ptr<Call>, absl::Status>> dropped;
@@ -370,7 +416,7 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.dropped_deadline += deadline_drops;
     stats_.dropped_cancelled += cancel_drops;
-    if (live.empty()) --running_;  // no step after all
+    if (live.empty()) EndStepLocked(step_id);  // no step after all
   }
   if (live.empty()) cv_.notify_all();
   for (auto& [c, status] : dropped) {
@@ -410,12 +456,9 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
   for (const auto& c : live) step_tokens += c->tokens;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Per-token service time, for the queue-wait admission (a running average), learned before
-    // the step's callers hear back (a stopped step ran only part of its work: not learned).
-    if (!stopped && step_tokens > 0) {
-      const double us = absl::ToDoubleMicroseconds(took) / static_cast<double>(step_tokens);
-      us_per_token_ = us_per_token_ == 0 ? us : 0.8 * us_per_token_ + 0.2 * us;
-    }
+    // The step's time, for the queue-wait admission, learned before the step's callers hear
+    // back (a stopped step ran only part of its work: not learned).
+    if (!stopped && step_tokens > 0) cost_.Add(step_tokens, took);
     if (options_.company_wait > absl::ZeroDuration() && live[0]->mergeable) {
       RecordStepLocked(live, took, stopped);
     }
@@ -427,7 +470,7 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers) {
     queued_tokens = stats_.queued_tokens;
     // The engine is done with the step: the next one may start (on another scheduling
     // thread) while this thread answers, which costs tens of us per gRPC call.
-    --running_;
+    EndStepLocked(step_id);
   }
   cv_.notify_all();
   if (options_.observer) {

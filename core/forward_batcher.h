@@ -42,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
+#include "core/step_cost_model.h"
 #include "core/tensor.h"
 
 namespace moeserve {
@@ -77,9 +78,11 @@ struct ForwardBatcherOptions {
   absl::Duration company_wait = absl::ZeroDuration();
   // Most tokens queued and not yet running; beyond it calls are refused.
   int64_t max_queued_tokens = 16384;
-  // Refuse a call when the queue (with it) holds more than this much work, estimated from the
-  // engine's recent time per token (a call to an empty queue is always taken). Bounds the
-  // latency of the answered calls under overload. 0: no bound but max_queued_tokens.
+  // Refuse a call that would wait longer than this for its step to start: the steps running
+  // and the queue ahead of it, timed by a line fitted to the engine's recent steps (a step's
+  // fixed cost plus a cost per token, StepCostModel), each step on the engine lane free first.
+  // A call that finds a lane idle and nothing queued is always taken. Bounds the latency of
+  // the answered calls under overload. 0: no bound but max_queued_tokens.
   absl::Duration max_queue_wait = absl::ZeroDuration();
   // A call of at most this many tokens that finds the queue empty, no step running and
   // max_batch_delay == 0 runs its step on the submitting thread: no hand-off to a scheduling
@@ -202,10 +205,17 @@ class ForwardBatcher {
   // idle_spin: polls (without mu_) until a call is queued, the batcher stops or idle_spin has
   // passed. True when a call is queued.
   bool PollForCall() const;
-  // Runs the calls of one step (same layer and dtype) begun with ++running_, ends it (under
-  // mu_) once the engine is done, then answers the calls. `buffers` (for a merged step) may
+  // Runs the calls of one step (same layer and dtype) begun with BeginStepLocked, ends it
+  // (under mu_) once the engine is done, then answers the calls. `buffers` (for a merged step) may
   // be null for a single call.
-  void RunStep(Step calls, StepBuffers* buffers);
+  void RunStep(Step calls, StepBuffers* buffers, uint64_t step_id);
+  // A step of `tokens` begins (++running_) or ends (--running_): the running steps that
+  // EstimatedWaitLocked counts. Under mu_.
+  uint64_t BeginStepLocked(int64_t tokens);
+  void EndStepLocked(uint64_t step_id);
+  // How long a call of `tokens` queued now would wait for its step to start (max_queue_wait).
+  // Under mu_.
+  absl::Duration EstimatedWaitLocked(int64_t tokens, absl::Time now) const;
   // Several calls as one engine step through `buffers` (the merged input and output).
   absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
                            const StopCheck& stop, bool time_stages);
@@ -227,9 +237,16 @@ class ForwardBatcher {
   bool prewake_ = false;     // Prewake asked a sleeping thread to poll (guarded by mu_)
   int64_t untimed_run_ = 0;  // steps since the last timed one (guarded by mu_)
   ForwardBatcherStats stats_;
-  const int runners_;        // scheduling threads = engine steps in flight
-  int running_ = 0;          // steps running now (guarded by mu_)
-  double us_per_token_ = 0;  // running average of step time per token (guarded by mu_)
+  const int runners_;  // scheduling threads = engine steps in flight
+  int running_ = 0;    // steps running now (guarded by mu_)
+  struct RunningStep {
+    uint64_t id = 0;
+    absl::Time start;
+    int64_t tokens = 0;
+  };
+  absl::InlinedVector<RunningStep, 4> running_steps_;  // in start order (guarded by mu_)
+  uint64_t next_step_id_ = 0;                          // guarded by mu_
+  StepCostModel cost_;  // the engine's recent steps, for max_queue_wait (guarded by mu_)
   absl::flat_hash_map<int, LayerHistory> history_;     // by layer (guarded by mu_)
   std::vector<std::unique_ptr<StepBuffers>> buffers_;  // one per scheduling thread
   std::vector<std::thread> threads_;

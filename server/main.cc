@@ -142,10 +142,11 @@ ABSL_FLAG(int64_t, max_queued_tokens, 32768,
           "Most tokens queued for the engine; calls beyond it are refused at once with "
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, max_queue_wait_ms, 0,
-          "Refuse a Forward with RESOURCE_EXHAUSTED when the queue would hold more than this "
-          "many milliseconds of work (estimated from recent steps; an empty queue always takes "
-          "a call), which bounds the latency of answered calls under overload; 0: off "
-          "(--max_queued_tokens only)");
+          "Refuse a Forward with RESOURCE_EXHAUSTED when it would wait more than this many "
+          "milliseconds for its engine step to start: the steps running and the tokens queued "
+          "ahead, timed by a line (a fixed cost plus a cost per token) fitted to recent steps; a "
+          "call that finds an engine lane idle and nothing queued is always taken. Bounds the "
+          "latency of answered calls under overload; 0: off (--max_queued_tokens only)");
 ABSL_FLAG(int64_t, max_message_bytes, 0,
           "Largest request accepted, in bytes (RESOURCE_EXHAUSTED beyond, naming the limit); 0: "
           "derived from the model so that --max_tokens_per_request tokens of fp32 hidden states "

@@ -3,6 +3,7 @@
 #include "core/forward_batcher.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <random>
@@ -206,9 +207,9 @@ TEST(ForwardBatcherTest, ExpiredAndCancelledCallsAreDroppedBeforeRunning) {
   EXPECT_EQ(stats.calls, 1);
 }
 
-// The queue-wait bound: once the batcher knows the engine's time per token, a call that would
-// wait longer than max_queue_wait behind the queue is refused at once (RESOURCE_EXHAUSTED naming
-// the bound); the others are answered correctly; a call to an empty queue is always taken.
+// The queue-wait bound: once the batcher knows what a step costs, a call that would wait
+// longer than max_queue_wait behind the queue is refused at once (RESOURCE_EXHAUSTED naming
+// the bound); the others are answered correctly; calls that fit the next step are taken.
 TEST(ForwardBatcherTest, QueueWaitBoundRefusesWhatWouldWaitTooLong) {
   auto engine = ReferenceEngine();
   const ModelConfig& m = engine->info().model;
@@ -219,7 +220,7 @@ TEST(ForwardBatcherTest, QueueWaitBoundRefusesWhatWouldWaitTooLong) {
                                                         .max_queue_wait = absl::Microseconds(1)});
   std::mt19937 rng(14);
   Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
-  ASSERT_TRUE(SubmitAsync(*batcher, warm).get().first.ok());  // learns the time per token
+  ASSERT_TRUE(SubmitAsync(*batcher, warm).get().first.ok());  // learns what a step costs
   std::vector<Call> calls;
   for (int i = 0; i < 8; ++i) calls.push_back(MakeCall(m, 16, 1, DType::kFP32, rng));
   std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
@@ -238,9 +239,69 @@ TEST(ForwardBatcherTest, QueueWaitBoundRefusesWhatWouldWaitTooLong) {
     ASSERT_TRUE(engine->Forward(calls[i].input(), alone.view()).ok());
     EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0);
   }
-  EXPECT_GE(answered, 1);  // the first of the burst found the queue empty
-  EXPECT_GE(refused, 1);
+  EXPECT_EQ(answered, 4);  // the first 64 tokens fit the next step; each later call waits a step
+  EXPECT_EQ(refused, 4);
   EXPECT_EQ(batcher->stats().refused_queue_full, refused);
+}
+
+// A `cancelled` that holds the step of its call (its first evaluation, at the step's start)
+// for `hold`, or until `gate` is ready, and never cancels.
+std::function<bool()> HoldStep(absl::Duration hold, std::shared_future<void> gate = {}) {
+  auto first = std::make_shared<std::atomic<bool>>(true);
+  return [first, hold, gate] {
+    if (first->exchange(false)) {
+      if (gate.valid()) {
+        gate.wait();
+      } else {
+        absl::SleepFor(hold);
+      }
+    }
+    return false;
+  };
+}
+
+// The queue-wait bound counts the steps running: with the engine's one lane busy on a step
+// that is expected to take about 100 ms, a call is refused even with nothing queued ahead of
+// it (max_queue_wait 50 ms), and the same call is taken once the lane is free.
+TEST(ForwardBatcherTest, QueueWaitBoundCountsTheStepsRunning) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(),
+      {.max_batch_tokens = 64, .max_queue_wait = absl::Milliseconds(50), .inline_max_tokens = 0});
+  std::mt19937 rng(15);
+  // Steps of 16 tokens held 100 ms each: what the batcher learns a step costs.
+  for (int i = 0; i < 3; ++i) {
+    Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
+    ASSERT_TRUE(
+        SubmitAsync(*batcher, warm, absl::InfiniteFuture(), HoldStep(absl::Milliseconds(100)))
+            .get()
+            .first.ok());
+  }
+  std::promise<void> release;
+  Call running = MakeCall(m, 16, 0, DType::kFP32, rng);
+  auto running_answer = SubmitAsync(*batcher, running, absl::InfiniteFuture(),
+                                    HoldStep(absl::ZeroDuration(), release.get_future().share()));
+  while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+  Call late = MakeCall(m, 16, 0, DType::kFP32, rng);
+  auto late_answer = SubmitAsync(*batcher, late);
+  // Refused at once; taken, it would wait for the release (then fail here, not hang).
+  const bool answered_at_once =
+      late_answer.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  release.set_value();
+  ASSERT_TRUE(answered_at_once) << "the call was queued behind the running step";
+  const absl::Status refused = late_answer.get().first;
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("1 steps running, 0 tokens queued"), std::string::npos)
+      << refused;
+  EXPECT_NE(refused.message().find("max_queue_wait=50ms"), std::string::npos) << refused;
+  ASSERT_TRUE(running_answer.get().first.ok());
+  while (batcher->stats().running != 0) absl::SleepFor(absl::Microseconds(100));
+  ASSERT_TRUE(SubmitAsync(*batcher, late).get().first.ok());
+  Tensor alone = Tensor::Empty(late.out.dtype(), late.out.shape());
+  ASSERT_TRUE(engine->Forward(late.input(), alone.view()).ok());
+  EXPECT_EQ(std::memcmp(alone.data<void>(), late.out.data<void>(), alone.nbytes()), 0);
+  EXPECT_EQ(batcher->stats().refused_queue_full, 1);
 }
 
 // Destroying the batcher answers what is still queued (UNAVAILABLE), never drops it; M = 0 is
