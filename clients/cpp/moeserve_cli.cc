@@ -664,6 +664,47 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[rank - 1];
 }
 
+// The server's timings of answered calls (their requests ask return_timings), for the report:
+// server_total_us, and per stage the p50 (and p99, which shows where a loaded server's tail
+// goes).
+struct ServerTimes {
+  static constexpr const char* kStages[10] = {
+      "queue", "prepare",    "experts",     "finalize",     "engine",
+      "input", "host_stage", "host_launch", "host_collect", "host_timer"};
+  std::vector<double> total;
+  std::array<std::vector<double>, 10> stage;
+
+  void Add(const v1::StageTimings& t) {
+    total.push_back(t.total_us());
+    const double values[10] = {t.queue_us(),      t.prepare_us(),     t.experts_us(),
+                               t.finalize_us(),   t.engine_us(),      t.input_us(),
+                               t.host_stage_us(), t.host_launch_us(), t.host_collect_us(),
+                               t.host_timer_us()};
+    for (size_t i = 0; i < stage.size(); ++i) stage[i].push_back(values[i]);
+  }
+  void Merge(const ServerTimes& o) {
+    total.insert(total.end(), o.total.begin(), o.total.end());
+    for (size_t i = 0; i < stage.size(); ++i) {
+      stage[i].insert(stage[i].end(), o.stage[i].begin(), o.stage[i].end());
+    }
+  }
+  // Sorts, then prints server_total_us and server_stages_us_p50 (and _p99 if `tails`).
+  void Print(bool tails) {
+    std::sort(total.begin(), total.end());
+    for (auto& v : stage) std::sort(v.begin(), v.end());
+    std::printf("server_total_us: p50=%.1f p99=%.1f\n", Percentile(total, 50),
+                Percentile(total, 99));
+    for (const double p : {50.0, 99.0}) {
+      if (p > 50 && !tails) break;
+      std::printf("server_stages_us_p%.0f:", p);
+      for (size_t i = 0; i < stage.size(); ++i) {
+        std::printf(" %s=%.1f", kStages[i], Percentile(stage[i], p));
+      }
+      std::printf("\n");
+    }
+  }
+};
+
 // Relative L2 distance of two answers in `dtype` (as floats).
 double AnswerDistance(const ForwardResult& got, const std::string& want, v1::DType dtype) {
   if (got.raw.output.data_size != want.size()) return 1e30;
@@ -709,6 +750,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   std::condition_variable cv;
   int64_t outstanding = 0, sent = 0, wrong = 0;
   std::vector<double> latencies_ms;
+  ServerTimes server;
   std::map<std::string, int64_t> codes;
   std::string first_error;
   const absl::Time start = absl::Now();
@@ -730,6 +772,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
           ++codes[absl::StatusCodeToString(result.status().code())];
           if (result.ok()) {
             latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+            server.Add(result->timings);
             wrong += bad ? 1 : 0;
           } else if (first_error.empty()) {
             first_error = result.status().ToString();
@@ -771,6 +814,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   std::printf("latency_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f\n", Percentile(latencies_ms, 50),
               Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
               latencies_ms.empty() ? 0.0 : latencies_ms.back());
+  if (absl::GetFlag(FLAGS_return_timings)) server.Print(/*tails=*/true);
   std::printf("throughput: answered_per_s=%.1f tokens_per_s=%.1f\n", ok / wall_s,
               static_cast<double>(ok * num_tokens) / wall_s);
   // Overload may refuse; it must never answer wrongly or fail otherwise.
@@ -934,9 +978,7 @@ int RunLoad() {
   std::vector<double> latencies_ms;
   std::map<std::string, int64_t> errors;  // status code name -> count
   std::string first_error;
-  std::vector<double> server_total_us;
-  // Server stage times per call (queue, prepare, experts, finalize), for the breakdown line.
-  std::array<std::vector<double>, 10> server_stage_us;
+  ServerTimes server;
   const absl::Time start = absl::Now();
   const absl::Time stop_at = start + absl::Seconds(max_seconds);
   std::vector<std::thread> workers;
@@ -946,8 +988,8 @@ int RunLoad() {
       const std::vector<grpc::ByteBuffer>& mine = requests[shm ? w : 0];
       MoeClient* const mine_client =
           connections.empty() ? client->get() : connections[w % connections.size()].get();
-      std::vector<double> local_ms, local_server_us;
-      std::array<std::vector<double>, 10> local_stage_us;
+      std::vector<double> local_ms;
+      ServerTimes local_server;
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
       std::unique_ptr<ForwardStream> stream;
@@ -982,18 +1024,7 @@ int RunLoad() {
         }
         if (result.ok()) {
           local_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
-          local_server_us.push_back(result->timings.total_us());
-          const auto& t = result->timings;
-          local_stage_us[0].push_back(t.queue_us());
-          local_stage_us[1].push_back(t.prepare_us());
-          local_stage_us[2].push_back(t.experts_us());
-          local_stage_us[3].push_back(t.finalize_us());
-          local_stage_us[4].push_back(t.engine_us());
-          local_stage_us[5].push_back(t.input_us());
-          local_stage_us[6].push_back(t.host_stage_us());
-          local_stage_us[7].push_back(t.host_launch_us());
-          local_stage_us[8].push_back(t.host_collect_us());
-          local_stage_us[9].push_back(t.host_timer_us());
+          local_server.Add(result->timings);
         } else {
           ++local_errors[absl::StatusCodeToString(result.status().code())];
           if (local_first_error.empty()) local_first_error = result.status().ToString();
@@ -1007,11 +1038,7 @@ int RunLoad() {
       }
       std::lock_guard<std::mutex> lock(mu);
       latencies_ms.insert(latencies_ms.end(), local_ms.begin(), local_ms.end());
-      server_total_us.insert(server_total_us.end(), local_server_us.begin(), local_server_us.end());
-      for (size_t i = 0; i < server_stage_us.size(); ++i) {
-        server_stage_us[i].insert(server_stage_us[i].end(), local_stage_us[i].begin(),
-                                  local_stage_us[i].end());
-      }
+      server.Merge(local_server);
       for (const auto& [code, n] : local_errors) errors[code] += n;
       if (first_error.empty()) first_error = local_first_error;
     });
@@ -1020,8 +1047,6 @@ int RunLoad() {
   const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
 
   std::sort(latencies_ms.begin(), latencies_ms.end());
-  std::sort(server_total_us.begin(), server_total_us.end());
-  for (auto& v : server_stage_us) std::sort(v.begin(), v.end());
   int64_t num_errors = 0;
   for (const auto& [code, n] : errors) num_errors += n;
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
@@ -1061,16 +1086,7 @@ int RunLoad() {
               Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
               latencies_ms.empty() ? 0.0 : latencies_ms.back());
   if (absl::GetFlag(FLAGS_return_timings)) {
-    std::printf("server_total_us: p50=%.1f p99=%.1f\n", Percentile(server_total_us, 50),
-                Percentile(server_total_us, 99));
-    std::printf(
-        "server_stages_us_p50: queue=%.1f prepare=%.1f experts=%.1f finalize=%.1f engine=%.1f "
-        "input=%.1f host_stage=%.1f host_launch=%.1f host_collect=%.1f host_timer=%.1f\n",
-        Percentile(server_stage_us[0], 50), Percentile(server_stage_us[1], 50),
-        Percentile(server_stage_us[2], 50), Percentile(server_stage_us[3], 50),
-        Percentile(server_stage_us[4], 50), Percentile(server_stage_us[5], 50),
-        Percentile(server_stage_us[6], 50), Percentile(server_stage_us[7], 50),
-        Percentile(server_stage_us[8], 50), Percentile(server_stage_us[9], 50));
+    server.Print(/*tails=*/false);
   }
   std::printf("throughput: requests_per_s=%.1f tokens_per_s=%.1f\n", wall_s > 0 ? ok / wall_s : 0.0,
               wall_s > 0 ? static_cast<double>(ok * num_tokens) / wall_s : 0.0);
