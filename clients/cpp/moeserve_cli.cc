@@ -116,6 +116,9 @@ ABSL_FLAG(int32_t, connections, 0,
           "(0: one per --concurrency worker, as separate frontends have; 1: all share one "
           "HTTP/2 connection)");
 ABSL_FLAG(double, max_seconds, 60.0, "load: stop issuing requests after this many seconds");
+ABSL_FLAG(int64_t, think_us, 0,
+          "load (closed loop): each worker waits this long after an answer before its next call, "
+          "as a frontend computes its attention layer between two MoE layers");
 ABSL_FLAG(double, rate, 0,
           "load: open loop: send this many calls per second for --max_seconds, whatever the "
           "answers do (0: closed loop with --concurrency workers); every OK answer is checked "
@@ -836,6 +839,12 @@ int RunLoad() {
                     max_seconds, ")")),
                 "flags");
   }
+  if (absl::GetFlag(FLAGS_think_us) < 0 || absl::GetFlag(FLAGS_think_us) > 10000000) {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("--think_us: got ", absl::GetFlag(FLAGS_think_us),
+                                                ", expected 0 to 10000000 (10 s)")),
+        "flags");
+  }
   if (absl::GetFlag(FLAGS_connections) < 0 || absl::GetFlag(FLAGS_connections) > 1024) {
     return Fail(absl::InvalidArgumentError(
                     absl::StrCat("--connections: got ", absl::GetFlag(FLAGS_connections),
@@ -983,6 +992,7 @@ int RunLoad() {
   const absl::Time stop_at = start + absl::Seconds(max_seconds);
   std::vector<std::thread> workers;
   const bool use_stream = absl::GetFlag(FLAGS_stream);
+  const absl::Duration think = absl::Microseconds(absl::GetFlag(FLAGS_think_us));
   for (int w = 0; w < concurrency; ++w) {
     workers.emplace_back([&, w] {
       const std::vector<grpc::ByteBuffer>& mine = requests[shm ? w : 0];
@@ -1014,6 +1024,7 @@ int RunLoad() {
         return result;
       };
       for (;;) {
+        if (think > absl::ZeroDuration() && !local_ms.empty()) absl::SleepFor(think);
         const int64_t i = next.fetch_add(1);
         if (i >= num_requests || absl::Now() >= stop_at) break;
         const size_t which = static_cast<size_t>(i) % mine.size();

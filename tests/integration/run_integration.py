@@ -262,6 +262,23 @@ def case_load(server, cli, workdir):
                 "--max_seconds=0.5", allow_fail=True)
     check(r.returncode == 0 and "stopped by --max_seconds" in r.stdout,
           f"time-bounded load: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+    # --think_us: each worker waits between an answer and its next call (2 workers x 3 calls:
+    # at least 2 waits of 0.2 s each), and a negative wait is refused.
+    r = cli.run("load", "--requests=6", "--concurrency=2", "--tokens=4", "--think_us=200000")
+    wall = float(re.search(r"wall_s=([0-9.]+)", r.stdout).group(1))
+    check("ok=6 errors=0" in r.stdout and wall >= 0.4,
+          f"load --think_us=200000: {wall} s, expected >= 0.4\n{r.stdout}")
+    r = cli.run("load", "--think_us=-1", allow_fail=True)
+    check(r.returncode == 2 and "--think_us" in r.stderr,
+          f"load --think_us=-1: exit {r.returncode}\n{r.stderr}")
+    # The open loop: every call answered correctly or refused, the answered calls' server
+    # stages at p50 and p99.
+    r = cli.run("load", "--rate=100", "--max_seconds=1", "--concurrency=2", "--tokens=4",
+                "--distinct_inputs=2")
+    ok = int(re.search(r"^sent=\d+ ok=(\d+) ", r.stdout, re.M).group(1))
+    check(ok > 0 and "wrong_answers=0" in r.stdout and "other_errors=0" in r.stdout
+          and re.search(r"^server_stages_us_p99: queue=[0-9.]+ ", r.stdout, re.M),
+          f"load --rate=100:\n{r.stdout}")
 
 
 def case_unix(server, cli, workdir):
