@@ -61,6 +61,10 @@ absl::Status ForwardBatcher::CheckOptions(const ForwardBatcherOptions& options) 
     return absl::InvalidArgumentError(absl::StrCat(
         "stage_timing_every must be >= 1 (1: every step), got ", options.stage_timing_every));
   }
+  if (options.lane_lead < absl::ZeroDuration() || options.lane_lead > absl::Seconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat("lane_lead must be in [0, 1s] (0: off), got ",
+                                                   absl::FormatDuration(options.lane_lead)));
+  }
   if (options.idle_spin < absl::ZeroDuration() || options.idle_spin > absl::Seconds(1)) {
     return absl::InvalidArgumentError(absl::StrCat("idle_spin must be in [0, 1s] (0: off), got ",
                                                    absl::FormatDuration(options.idle_spin)));
@@ -273,14 +277,24 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       }
       // While another step runs, a second one starts only with at least half a step of work:
       // decode steps are bound by reading the weights, so one merged step beats two small
-      // concurrent ones; large calls still overlap one another's copies.
-      const bool lane_worth_it = running_ == 0 || tokens * 2 >= step_tokens_;
-      if (lane_worth_it && (tokens >= step_tokens_ || absl::Now() >= ready_at)) {
+      // concurrent ones; large calls still overlap one another's copies. With lane_lead, it
+      // also starts once the running steps are due to end within it (its staging and launch
+      // then overlap their device work).
+      const absl::Time now = absl::Now();
+      const absl::Time due = LaneDueLocked();
+      const bool lane_worth_it = running_ == 0 || tokens * 2 >= step_tokens_ || now >= due;
+      if (lane_worth_it && (tokens >= step_tokens_ || now >= ready_at)) {
         take = true;
         break;
       }
-      if (!lane_worth_it && absl::Now() >= ready_at) {
-        cv_.wait(lock);  // until a step ends or more calls come
+      if (!lane_worth_it && now >= ready_at) {
+        // Until a step ends, more calls come, or the running steps are due.
+        if (due == absl::InfiniteFuture()) {
+          cv_.wait(lock);
+        } else {
+          cv_.wait_for(lock, std::chrono::microseconds(
+                                 std::max<int64_t>(1, absl::ToInt64Microseconds(due - now))));
+        }
       } else {
         cv_.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(
                                1, absl::ToInt64Microseconds(ready_at - absl::Now()))));
@@ -390,11 +404,23 @@ absl::Duration ForwardBatcher::EstimatedWaitLocked(int64_t tokens, absl::Time no
     left -= step_tokens_;
   }
   // This call's step starts on the lane free first, but one of less than half a step's tokens
-  // waits until no step runs (Loop's lane rule).
-  const absl::Time start = left * 2 < step_tokens_
-                               ? *std::max_element(free_at.begin(), free_at.end())
-                               : *std::min_element(free_at.begin(), free_at.end());
+  // waits until no step runs, or lane_lead before (Loop's lane rule).
+  const absl::Time start =
+      left * 2 < step_tokens_
+          ? std::max(now, *std::max_element(free_at.begin(), free_at.end()) - options_.lane_lead)
+          : *std::min_element(free_at.begin(), free_at.end());
   return start - now;
+}
+
+absl::Time ForwardBatcher::LaneDueLocked() const {
+  if (options_.lane_lead <= absl::ZeroDuration() || running_steps_.empty() || cost_.steps() == 0) {
+    return absl::InfiniteFuture();
+  }
+  absl::Time last_end = absl::InfinitePast();
+  for (const RunningStep& s : running_steps_) {
+    last_end = std::max(last_end, s.start + cost_.Predict(s.tokens));
+  }
+  return last_end - options_.lane_lead;
 }
 
 void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id) {

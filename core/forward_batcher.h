@@ -84,6 +84,11 @@ struct ForwardBatcherOptions {
   // A call that finds a lane idle and nothing queued is always taken. Bounds the latency of
   // the answered calls under overload. 0: no bound but max_queued_tokens.
   absl::Duration max_queue_wait = absl::ZeroDuration();
+  // With an engine of several lanes: a step smaller than half of max_batch_tokens starts while
+  // another runs once that one is expected (StepCostModel) to end within lane_lead, so that its
+  // host staging and launch overlap the running step's device work instead of following it.
+  // 0: such a step waits for the running ones to end (the calls that come meanwhile join it).
+  absl::Duration lane_lead = absl::ZeroDuration();
   // A call of at most this many tokens that finds the queue empty, no step running and
   // max_batch_delay == 0 runs its step on the submitting thread: no hand-off to a scheduling
   // thread (a wake-up costs more than a decode step's own host work). So does a call of any
@@ -216,6 +221,9 @@ class ForwardBatcher {
   // How long a call of `tokens` queued now would wait for its step to start (max_queue_wait).
   // Under mu_.
   absl::Duration EstimatedWaitLocked(int64_t tokens, absl::Time now) const;
+  // When a small step may start beside the running ones (lane_lead before the last is expected
+  // to end); InfiniteFuture without lane_lead, a running step or a cost model. Under mu_.
+  absl::Time LaneDueLocked() const;
   // Several calls as one engine step through `buffers` (the merged input and output).
   absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
                            const StopCheck& stop, bool time_stages);

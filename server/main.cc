@@ -121,6 +121,11 @@ ABSL_FLAG(int64_t, company_wait_us, 0,
           "waits; 0: off. Pays where a step's time barely grows with its tokens (measured: "
           "BF16 decode of the seed layer, 1000 us: 8 callers +10%), costs where it grows "
           "(MXFP8 decode: -14%)");
+ABSL_FLAG(int64_t, lane_lead_us, 0,
+          "With two or more steps in flight (a GPU): a step of fewer than half of "
+          "--max_batch_tokens starts beside a running one once that one is expected (from recent "
+          "steps' times) to end within this many us, so that its staging and launch overlap the "
+          "running step's device work; 0: it waits for the running step to end");
 ABSL_FLAG(int64_t, stage_timing_every, 16,
           "Engine steps that run their stage timers (prepare/experts/finalize in replies and in "
           "moeserve_forward_stage_seconds): the step of every call that asks for timings "
@@ -349,6 +354,7 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server.batcher.company_wait = absl::Microseconds(absl::GetFlag(FLAGS_company_wait_us));
+  server.batcher.lane_lead = absl::Microseconds(absl::GetFlag(FLAGS_lane_lead_us));
   server.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
   server.batcher.inline_max_tokens = absl::GetFlag(FLAGS_inline_max_tokens);
   if (absl::GetFlag(FLAGS_step_spin_us) < -1) {
@@ -367,8 +373,8 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   if (absl::Status s = ForwardBatcher::CheckOptions(checked); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "batcher flags (--max_batch_tokens, --max_batch_delay_us, --company_wait_us, "
-        "--max_queued_tokens, --inline_max_tokens, --max_queue_wait_ms, --step_spin_us, "
-        "--stage_timing_every): ",
+        "--lane_lead_us, --max_queued_tokens, --inline_max_tokens, --max_queue_wait_ms, "
+        "--step_spin_us, --stage_timing_every): ",
         s.message()));
   }
   server.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);

@@ -304,6 +304,47 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsTheStepsRunning) {
   EXPECT_EQ(batcher->stats().refused_queue_full, 1);
 }
 
+// lane_lead: on an engine of two lanes, a small call waits for the running step to end, unless
+// that step is due to end within lane_lead (then the call's step starts beside it).
+TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 512;
+  o.steps_in_flight = 2;
+  auto engine = *Engine::Create(o);
+  const ModelConfig& m = engine->info().model;
+  for (const absl::Duration lead : {absl::ZeroDuration(), absl::Milliseconds(90)}) {
+    SCOPED_TRACE(absl::StrCat("lane_lead ", absl::FormatDuration(lead)));
+    auto batcher = *ForwardBatcher::Create(
+        engine.get(), {.max_batch_tokens = 64, .lane_lead = lead, .inline_max_tokens = 0});
+    std::mt19937 rng(16);
+    for (int i = 0; i < 3; ++i) {  // steps of 16 tokens take 100 ms
+      Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
+      ASSERT_TRUE(
+          SubmitAsync(*batcher, warm, absl::InfiniteFuture(), HoldStep(absl::Milliseconds(100)))
+              .get()
+              .first.ok());
+    }
+    std::promise<void> release;
+    Call running = MakeCall(m, 16, 0, DType::kFP32, rng);
+    auto running_answer = SubmitAsync(*batcher, running, absl::InfiniteFuture(),
+                                      HoldStep(absl::ZeroDuration(), release.get_future().share()));
+    while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+    Call small = MakeCall(m, 16, 0, DType::kFP32, rng);
+    auto small_answer = SubmitAsync(*batcher, small);
+    // The running step is held until released: only a step beside it can answer meanwhile.
+    const bool beside = small_answer.wait_for(std::chrono::seconds(2)) == std::future_status::ready;
+    release.set_value();
+    EXPECT_EQ(beside, lead > absl::ZeroDuration());
+    ASSERT_TRUE(running_answer.get().first.ok());
+    ASSERT_TRUE(small_answer.get().first.ok());
+    Tensor alone = Tensor::Empty(small.out.dtype(), small.out.shape());
+    ASSERT_TRUE(engine->Forward(small.input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), small.out.data<void>(), alone.nbytes()), 0);
+  }
+  EXPECT_EQ(ForwardBatcher::Create(engine.get(), {.lane_lead = absl::Seconds(2)}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // Destroying the batcher answers what is still queued (UNAVAILABLE), never drops it; M = 0 is
 // answered at once; bad limits are refused.
 TEST(ForwardBatcherTest, ShutdownAnswersQueuedCallsAndLimitsAreChecked) {

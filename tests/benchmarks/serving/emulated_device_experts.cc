@@ -2,10 +2,12 @@
 // computes the answer (so every call is still checked), then the step waits until a GPU's
 // step would have ended, `--emulate_step_us + --emulate_token_us x tokens` after it began,
 // holding one process-wide "device" lock meanwhile, as a GPU runs one step's experts at a
-// time. A GPU decode step costs about the same whatever its size (it reads every weight):
-// seed layer MXFP8 on an H200, 395 us at 16 tokens, 441 at 64, 1186 at 1024
-// (tests/benchmarks/cuda/RESULTS.md), so A ~ 385 us and B ~ 0.8 us; the CPU's own experts cost
-// grows with the tokens instead, which hides what the batcher does on a GPU.
+// time; with --emulate_host_us the step first spends that long outside the lock, as a step's
+// host staging and launch do (another lane's device work may run meanwhile). A GPU decode step
+// costs about the same whatever its size (it reads every weight): seed layer MXFP8 on an H200, 395
+// us at 16 tokens, 441 at 64, 1186 at 1024 (tests/benchmarks/cuda/RESULTS.md), so A ~ 385 us and B
+// ~ 0.8 us; the CPU's own experts cost grows with the tokens instead, which hides what the batcher
+// does on a GPU.
 //
 // Linked into moeserve_emulated (server/main.cc plus this file), registered from a static
 // initializer as "emulated_device" (--experts emulated_device). Not part of the server.
@@ -24,6 +26,9 @@ ABSL_FLAG(
     double, emulate_step_us, 400,
     "--experts emulated_device: a step's fixed time (us), as a GPU decode step's weight read");
 ABSL_FLAG(double, emulate_token_us, 0.8, "--experts emulated_device: a step's time per token (us)");
+ABSL_FLAG(double, emulate_host_us, 0,
+          "--experts emulated_device: a step's host work before its device work (us; staging "
+          "and launching, about 60-100 us of an H200 decode step), outside the device lock");
 
 namespace moeserve {
 namespace {
@@ -36,8 +41,8 @@ std::mutex& DeviceLock() {
 class EmulatedDeviceExperts final : public Experts {
  public:
   static constexpr absl::string_view kName = "EmulatedDeviceExperts";
-  EmulatedDeviceExperts(int threads, double step_us, double token_us)
-      : inner_(threads), step_us_(step_us), token_us_(token_us) {}
+  EmulatedDeviceExperts(int threads, double step_us, double token_us, double host_us)
+      : inner_(threads), step_us_(step_us), token_us_(token_us), host_us_(host_us) {}
   absl::string_view name() const override { return kName; }
   ActivationFormats activation_formats() const override { return inner_.activation_formats(); }
   bool supports_expert_map() const override { return inner_.supports_expert_map(); }
@@ -57,6 +62,9 @@ class EmulatedDeviceExperts final : public Experts {
     // setting of the calling thread).
     thread_local const bool slack_set = prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0) == 0;
     (void)slack_set;
+    if (host_us_ > 0) {
+      std::this_thread::sleep_for(std::chrono::nanoseconds(static_cast<int64_t>(host_us_ * 1000)));
+    }
     std::lock_guard<std::mutex> device(DeviceLock());
     const auto start = std::chrono::steady_clock::now();
     absl::Status status = inner_.Apply(args);
@@ -68,7 +76,7 @@ class EmulatedDeviceExperts final : public Experts {
 
  private:
   BlasExperts inner_;
-  const double step_us_, token_us_;
+  const double step_us_, token_us_, host_us_;
 };
 
 const bool kRegistered = [] {
@@ -79,9 +87,9 @@ const bool kRegistered = [] {
   p.supports_ep = true;
   p.create = [](const EnginePlan& plan,
                 const RankResources&) -> absl::StatusOr<std::unique_ptr<Experts>> {
-    return std::make_unique<EmulatedDeviceExperts>(plan.threads_per_rank,
-                                                   absl::GetFlag(FLAGS_emulate_step_us),
-                                                   absl::GetFlag(FLAGS_emulate_token_us));
+    return std::make_unique<EmulatedDeviceExperts>(
+        plan.threads_per_rank, absl::GetFlag(FLAGS_emulate_step_us),
+        absl::GetFlag(FLAGS_emulate_token_us), absl::GetFlag(FLAGS_emulate_host_us));
   };
   return ProviderRegistry::Global().Register(std::move(p)).ok();
 }();
