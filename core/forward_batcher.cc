@@ -185,12 +185,15 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
           "Forward: the queue is full (", stats_.queued_tokens, " tokens queued + ", m,
           " > max_queued_tokens=", options_.max_queued_tokens, "); retry later or elsewhere"));
     } else if (options_.max_queue_wait > absl::ZeroDuration()) {
-      const absl::Duration wait = EstimatedWaitLocked(m, call->enqueued);
+      const absl::Duration wait = EstimatedWaitLocked(*call, call->enqueued);
       if (wait > options_.max_queue_wait) {
         ++stats_.refused_queue_full;
         refused = absl::ResourceExhaustedError(absl::StrCat(
-            "Forward: the call would wait about ", absl::ToInt64Microseconds(wait),
-            " us for its step (", running_, " steps running, ", stats_.queued_tokens,
+            "Forward: the call would wait ",
+            wait == absl::InfiniteDuration()
+                ? "longer than max_queue_wait"
+                : absl::StrCat("about ", absl::ToInt64Microseconds(wait), " us"),
+            " for its step (", running_, " steps running, ", stats_.queued_tokens,
             " tokens queued ahead; a step of n tokens takes about ",
             static_cast<int64_t>(cost_.fixed_us()), " + ", cost_.per_token_us(),
             " x n us) > max_queue_wait=", absl::FormatDuration(options_.max_queue_wait),
@@ -219,7 +222,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       step_id = BeginStepLocked(m);
       ++stats_.inline_steps;
     } else {
-      stats_.queued_tokens += m;
+      CountQueuedLocked(*call, +1);
       queue_.push_back(std::move(call));
       queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
       call = nullptr;
@@ -310,13 +313,13 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       const bool first = step.empty();
       if (first || (Joins(*step.front(), c) && tokens + c.tokens <= step_tokens_)) {
         tokens += c.tokens;
+        CountQueuedLocked(c, -1);
         step.push_back(std::move(*it));
         it = queue_.erase(it);
       } else {
         ++it;
       }
     }
-    stats_.queued_tokens -= tokens;
     queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
     if (waited_for_company) ++stats_.company_waits;
     const uint64_t step_id = BeginStepLocked(tokens);
@@ -328,6 +331,8 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
   std::deque<std::unique_ptr<Call>> left;
   left.swap(queue_);
   stats_.queued_tokens = 0;
+  group_tokens_.clear();
+  alone_calls_ = alone_tokens_ = 0;
   queued_calls_.store(0, std::memory_order_release);
   lock.unlock();
   for (auto& c : left) {
@@ -384,7 +389,20 @@ void ForwardBatcher::EndStepLocked(uint64_t step_id) {
   }
 }
 
-absl::Duration ForwardBatcher::EstimatedWaitLocked(int64_t tokens, absl::Time now) const {
+void ForwardBatcher::CountQueuedLocked(const Call& c, int64_t sign) {
+  stats_.queued_tokens += sign * c.tokens;
+  if (!c.mergeable) {
+    alone_calls_ += sign;
+    alone_tokens_ += sign * c.tokens;
+    return;
+  }
+  const GroupKey key{c.input.layer, static_cast<int>(c.input.hidden_states.dtype())};
+  int64_t& tokens = group_tokens_[key];
+  tokens += sign * c.tokens;
+  if (tokens == 0) group_tokens_.erase(key);
+}
+
+absl::Duration ForwardBatcher::EstimatedWaitLocked(const Call& call, absl::Time now) const {
   if (cost_.steps() == 0) return absl::ZeroDuration();  // nothing learned yet
   // When each engine lane is free: the running steps, in start order, each on the lane free
   // first (more steps than lanes wait for one inside the engine); a step past its expected
@@ -395,21 +413,47 @@ absl::Duration ForwardBatcher::EstimatedWaitLocked(int64_t tokens, absl::Time no
     lane = std::max(lane, s.start) + cost_.Predict(s.tokens);
   }
   for (absl::Time& t : free_at) t = std::max(t, now);
-  // The queue ahead and this call leave in arrival order, full steps first, each on the lane
-  // free first (calls of other layers are counted as if they merged: an estimate).
-  int64_t left = stats_.queued_tokens + tokens;
-  const absl::Duration full_step = cost_.Predict(step_tokens_);
-  while (left > step_tokens_) {
-    *std::min_element(free_at.begin(), free_at.end()) += full_step;
-    left -= step_tokens_;
+  // Places a step of `n` tokens on the lane free first and returns its start; one of less than
+  // half a step's tokens waits until no step runs, or lane_lead before (Loop's lane rule).
+  const auto place = [&](int64_t n) {
+    auto lane = std::min_element(free_at.begin(), free_at.end());
+    const absl::Time start =
+        n * 2 < step_tokens_
+            ? std::max(now, *std::max_element(free_at.begin(), free_at.end()) - options_.lane_lead)
+            : *lane;
+    *lane = std::max(*lane, start) + cost_.Predict(n);
+    return start;
+  };
+  // Ahead of this call: the steps of every other layer and dtype queued (taken as all older
+  // than this call's: the queue serves the oldest call first), the calls that run alone, then
+  // the full steps of its own group. Stops once the wait passes the bound.
+  int64_t mine = call.tokens;
+  const auto steps_of = [&](int64_t tokens) -> bool {
+    for (; tokens > 0; tokens -= step_tokens_) {
+      place(std::min(tokens, step_tokens_));
+      if (*std::min_element(free_at.begin(), free_at.end()) - now > options_.max_queue_wait) {
+        return false;
+      }
+    }
+    return true;
+  };
+  const GroupKey key{call.input.layer, static_cast<int>(call.input.hidden_states.dtype())};
+  for (const auto& [group, tokens] : group_tokens_) {
+    if (call.mergeable && group == key) {
+      mine += tokens;
+    } else if (!steps_of(tokens)) {
+      return absl::InfiniteDuration();
+    }
   }
-  // This call's step starts on the lane free first, but one of less than half a step's tokens
-  // waits until no step runs, or lane_lead before (Loop's lane rule).
-  const absl::Time start =
-      left * 2 < step_tokens_
-          ? std::max(now, *std::max_element(free_at.begin(), free_at.end()) - options_.lane_lead)
-          : *std::min_element(free_at.begin(), free_at.end());
-  return start - now;
+  for (int64_t i = 0; i < alone_calls_; ++i) {
+    if (!steps_of(std::max<int64_t>(1, alone_tokens_ / alone_calls_))) {
+      return absl::InfiniteDuration();
+    }
+  }
+  if (mine > step_tokens_ && !steps_of((mine - 1) / step_tokens_ * step_tokens_)) {
+    return absl::InfiniteDuration();
+  }
+  return place(mine - (mine - 1) / step_tokens_ * step_tokens_) - now;
 }
 
 absl::Time ForwardBatcher::LaneDueLocked() const {

@@ -218,9 +218,12 @@ class ForwardBatcher {
   // EstimatedWaitLocked counts. Under mu_.
   uint64_t BeginStepLocked(int64_t tokens);
   void EndStepLocked(uint64_t step_id);
-  // How long a call of `tokens` queued now would wait for its step to start (max_queue_wait).
+  // How long `call`, queued now, would wait for its step to start (max_queue_wait);
+  // InfiniteDuration once that is past max_queue_wait. Under mu_.
+  absl::Duration EstimatedWaitLocked(const Call& call, absl::Time now) const;
+  // A call joins (sign +1) or leaves (-1) the queue: queued_tokens and the per-group counts.
   // Under mu_.
-  absl::Duration EstimatedWaitLocked(int64_t tokens, absl::Time now) const;
+  void CountQueuedLocked(const Call& c, int64_t sign);
   // When a small step may start beside the running ones (lane_lead before the last is expected
   // to end); InfiniteFuture without lane_lead, a running step or a cost model. Under mu_.
   absl::Time LaneDueLocked() const;
@@ -254,6 +257,11 @@ class ForwardBatcher {
   };
   absl::InlinedVector<RunningStep, 4> running_steps_;  // in start order (guarded by mu_)
   uint64_t next_step_id_ = 0;                          // guarded by mu_
+  // Queued tokens by the step they can share (layer, hidden dtype), and the calls that run
+  // alone (device tensors), for EstimatedWaitLocked (guarded by mu_).
+  using GroupKey = std::pair<int, int>;
+  absl::flat_hash_map<GroupKey, int64_t> group_tokens_;
+  int64_t alone_calls_ = 0, alone_tokens_ = 0;
   StepCostModel cost_;  // the engine's recent steps, for max_queue_wait (guarded by mu_)
   absl::flat_hash_map<int, LayerHistory> history_;     // by layer (guarded by mu_)
   std::vector<std::unique_ptr<StepBuffers>> buffers_;  // one per scheduling thread

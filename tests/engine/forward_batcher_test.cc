@@ -304,6 +304,55 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsTheStepsRunning) {
   EXPECT_EQ(batcher->stats().refused_queue_full, 1);
 }
 
+// Calls of different layers never share a step: the queue-wait bound counts each layer's
+// queued calls as a step ahead (the old estimate merged them all into one).
+TEST(ForwardBatcherTest, QueueWaitBoundCountsAStepPerLayerQueued) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.model.num_layers = 4;
+  auto engine = *Engine::Create(o);
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(),
+      {.max_batch_tokens = 64, .max_queue_wait = absl::Milliseconds(250), .inline_max_tokens = 0});
+  std::mt19937 rng(17);
+  for (int i = 0; i < 3; ++i) {  // a step of 16 tokens takes a little over 100 ms
+    Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
+    ASSERT_TRUE(
+        SubmitAsync(*batcher, warm, absl::InfiniteFuture(), HoldStep(absl::Milliseconds(100)))
+            .get()
+            .first.ok());
+  }
+  // A step of layer 3 runs (held) while the others queue behind it.
+  std::promise<void> release;
+  Call running = MakeCall(m, 16, 3, DType::kFP32, rng);
+  auto running_answer = SubmitAsync(*batcher, running, absl::InfiniteFuture(),
+                                    HoldStep(absl::ZeroDuration(), release.get_future().share()));
+  while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+  // Layers 0 and 1 would start after ~100 and ~200 ms: taken; layer 2 after ~300: refused at
+  // once; another call of layer 0 joins that layer's step (layer 1's at most ahead): taken.
+  std::vector<Call> calls;
+  for (int layer : {0, 1, 2, 0}) calls.push_back(MakeCall(m, 16, layer, DType::kFP32, rng));
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> answers;
+  for (const Call& c : calls) answers.push_back(SubmitAsync(*batcher, c));
+  const bool refused_at_once =
+      answers[2].wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  release.set_value();
+  ASSERT_TRUE(refused_at_once);
+  ASSERT_TRUE(running_answer.get().first.ok());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const absl::Status s = answers[i].get().first;
+    if (i == 2) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+      continue;
+    }
+    ASSERT_TRUE(s.ok()) << "call " << i << ": " << s;
+    Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
+    ASSERT_TRUE(engine->Forward(calls[i].input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0);
+  }
+  EXPECT_EQ(batcher->stats().refused_queue_full, 1);
+}
+
 // lane_lead: on an engine of two lanes, a small call waits for the running step to end, unless
 // that step is due to end within lane_lead (then the call's step starts beside it).
 TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
