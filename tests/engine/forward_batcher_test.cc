@@ -309,6 +309,10 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsTheStepsRunning) {
 TEST(ForwardBatcherTest, QueueWaitBoundCountsAStepPerLayerQueued) {
   EngineOptions o = engine_testing::TinyOptions("reference");
   o.model.num_layers = 4;
+  // Small layers: the held 100 ms, not the plain-loop experts (slow under sanitizers), is what
+  // a step costs.
+  o.model.hidden = 64;
+  o.model.intermediate = 32;
   auto engine = *Engine::Create(o);
   const ModelConfig& m = engine->info().model;
   auto batcher = *ForwardBatcher::Create(
