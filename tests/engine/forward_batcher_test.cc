@@ -723,6 +723,9 @@ TEST(ForwardBatcherTest, IdleSpinTakesCallsWithoutAWakeUp) {
         engine.get(), {.inline_max_tokens = 0, .idle_spin = absl::Milliseconds(500)});
     for (int i = 0; i < 20; ++i) {
       Call c = MakeCall(m, 1 + i % 3, i % 2, i % 2 ? DType::kBF16 : DType::kFP32, rng);
+      // An answer is delivered before its thread is back polling: a call sent at once races
+      // it (fresh-clone CI on the 2-core machine: 4 of 19 taken by the poller).
+      absl::SleepFor(absl::Milliseconds(2));
       auto [status, timings] = SubmitAsync(*batcher, c).get();
       ASSERT_TRUE(status.ok()) << status;
       Tensor alone = Tensor::Empty(c.out.dtype(), c.out.shape());
@@ -731,7 +734,7 @@ TEST(ForwardBatcherTest, IdleSpinTakesCallsWithoutAWakeUp) {
     }
     // The first call may find the thread asleep; later ones come within the window (a busy
     // 2-core machine may deschedule the poller now and then, hence not all 19).
-    EXPECT_GE(batcher->stats().spin_takes, 5);
+    EXPECT_GE(batcher->stats().spin_takes, 10);
     EXPECT_EQ(batcher->stats().steps, 20);
     // Concurrent calls still share steps while a thread polls.
     std::vector<Call> calls;
