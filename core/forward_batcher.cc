@@ -97,7 +97,7 @@ ForwardBatcher::~ForwardBatcher() {
 ForwardBatcherStats ForwardBatcher::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ForwardBatcherStats s = stats_;
-  s.running = running_;
+  s.running = static_cast<int64_t>(running_steps_.size());
   return s;
 }
 
@@ -193,7 +193,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
             wait == absl::InfiniteDuration()
                 ? "longer than max_queue_wait"
                 : absl::StrCat("about ", absl::ToInt64Microseconds(wait), " us"),
-            " for its step (", running_, " steps running, ", stats_.queued_tokens,
+            " for its step (", running_steps_.size(), " steps running, ", stats_.queued_tokens,
             " tokens queued ahead; a step of n tokens takes about ",
             static_cast<int64_t>(cost_.fixed_us()), " + ", cost_.per_token_us(),
             " x n us) > max_queue_wait=", absl::FormatDuration(options_.max_queue_wait),
@@ -212,7 +212,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     // Nor does a small call whose layer has no company to expect.
     const bool run_here =
         source.may_run_inline && options_.inline_max_tokens > 0 && queue_.empty() &&
-        running_ == 0 &&
+        running_steps_.empty() &&
         (!call->mergeable ||
          (m <= options_.inline_max_tokens && options_.max_batch_delay == absl::ZeroDuration() &&
           ExpectedCompanyLocked(input.layer).wait == absl::ZeroDuration()));
@@ -285,7 +285,7 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       // then overlap their device work).
       const absl::Time now = absl::Now();
       const absl::Time due = LaneDueLocked();
-      const bool lane_worth_it = running_ == 0 || tokens * 2 >= step_tokens_ || now >= due;
+      const bool lane_worth_it = running_steps_.empty() || tokens * 2 >= step_tokens_ || now >= due;
       if (lane_worth_it && (tokens >= step_tokens_ || now >= ready_at)) {
         take = true;
         break;
@@ -374,13 +374,11 @@ absl::Status GaveUp(const ForwardBatcher::Call& c, absl::Time now, absl::string_
 }  // namespace
 
 uint64_t ForwardBatcher::BeginStepLocked(int64_t tokens) {
-  ++running_;
   running_steps_.push_back(RunningStep{++next_step_id_, absl::Now(), tokens});
   return next_step_id_;
 }
 
 void ForwardBatcher::EndStepLocked(uint64_t step_id) {
-  --running_;
   for (auto it = running_steps_.begin(); it != running_steps_.end(); ++it) {
     if (it->id == step_id) {
       running_steps_.erase(it);

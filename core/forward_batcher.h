@@ -214,8 +214,8 @@ class ForwardBatcher {
   // (under mu_) once the engine is done, then answers the calls. `buffers` (for a merged step) may
   // be null for a single call.
   void RunStep(Step calls, StepBuffers* buffers, uint64_t step_id);
-  // A step of `tokens` begins (++running_) or ends (--running_): the running steps that
-  // EstimatedWaitLocked counts. Under mu_.
+  // A step of `tokens` begins or ends: the running steps (running_steps_) that the lane rule
+  // and EstimatedWaitLocked count. Under mu_.
   uint64_t BeginStepLocked(int64_t tokens);
   void EndStepLocked(uint64_t step_id);
   // How long `call`, queued now, would wait for its step to start (max_queue_wait);
@@ -249,14 +249,14 @@ class ForwardBatcher {
   int64_t untimed_run_ = 0;  // steps since the last timed one (guarded by mu_)
   ForwardBatcherStats stats_;
   const int runners_;  // scheduling threads = engine steps in flight
-  int running_ = 0;    // steps running now (guarded by mu_)
   struct RunningStep {
     uint64_t id = 0;
     absl::Time start;
     int64_t tokens = 0;
   };
-  absl::InlinedVector<RunningStep, 4> running_steps_;  // in start order (guarded by mu_)
-  uint64_t next_step_id_ = 0;                          // guarded by mu_
+  // Steps running now, in start order (guarded by mu_).
+  absl::InlinedVector<RunningStep, 4> running_steps_;
+  uint64_t next_step_id_ = 0;  // guarded by mu_
   // Queued tokens by the step they can share (layer, hidden dtype), and the calls that run
   // alone (device tensors), for EstimatedWaitLocked (guarded by mu_).
   using GroupKey = std::pair<int, int>;

@@ -260,6 +260,36 @@ std::function<bool()> HoldStep(absl::Duration hold, std::shared_future<void> gat
   };
 }
 
+// Teaches `batcher` what a step of 16 tokens costs: three such steps, each held for `hold`.
+void LearnHeldSteps(ForwardBatcher& batcher, const ModelConfig& m, absl::Duration hold,
+                    std::mt19937& rng) {
+  for (int i = 0; i < 3; ++i) {
+    Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
+    ASSERT_TRUE(
+        SubmitAsync(batcher, warm, absl::InfiniteFuture(), HoldStep(hold)).get().first.ok());
+  }
+}
+
+// A step of 16 tokens of `layer` that runs, held, until Release(); running once constructed.
+struct HeldStep {
+  HeldStep(ForwardBatcher& batcher, const ModelConfig& m, int layer, std::mt19937& rng)
+      : call(MakeCall(m, 16, layer, DType::kFP32, rng)),
+        answer(SubmitAsync(batcher, call, absl::InfiniteFuture(),
+                           HoldStep(absl::ZeroDuration(), release.get_future().share()))) {
+    while (batcher.stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+  }
+  std::promise<void> release;
+  Call call;
+  std::future<std::pair<absl::Status, ForwardTimings>> answer;
+};
+
+// `call`'s answer equals the engine's answer to it alone, bit for bit.
+void ExpectSameAsAlone(Engine& engine, const Call& call) {
+  Tensor alone = Tensor::Empty(call.out.dtype(), call.out.shape());
+  ASSERT_TRUE(engine.Forward(call.input(), alone.view()).ok());
+  EXPECT_EQ(std::memcmp(alone.data<void>(), call.out.data<void>(), alone.nbytes()), 0);
+}
+
 // The queue-wait bound counts the steps running: with the engine's one lane busy on a step
 // that is expected to take about 100 ms, a call is refused even with nothing queued ahead of
 // it (max_queue_wait 50 ms), and the same call is taken once the lane is free.
@@ -271,36 +301,24 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsTheStepsRunning) {
       {.max_batch_tokens = 64, .max_queue_wait = absl::Milliseconds(50), .inline_max_tokens = 0});
   std::mt19937 rng(15);
   // Steps of 16 tokens held 100 ms each: what the batcher learns a step costs.
-  for (int i = 0; i < 3; ++i) {
-    Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
-    ASSERT_TRUE(
-        SubmitAsync(*batcher, warm, absl::InfiniteFuture(), HoldStep(absl::Milliseconds(100)))
-            .get()
-            .first.ok());
-  }
-  std::promise<void> release;
-  Call running = MakeCall(m, 16, 0, DType::kFP32, rng);
-  auto running_answer = SubmitAsync(*batcher, running, absl::InfiniteFuture(),
-                                    HoldStep(absl::ZeroDuration(), release.get_future().share()));
-  while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+  LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);
+  HeldStep running(*batcher, m, 0, rng);
   Call late = MakeCall(m, 16, 0, DType::kFP32, rng);
   auto late_answer = SubmitAsync(*batcher, late);
   // Refused at once; taken, it would wait for the release (then fail here, not hang).
   const bool answered_at_once =
       late_answer.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  release.set_value();
+  running.release.set_value();
   ASSERT_TRUE(answered_at_once) << "the call was queued behind the running step";
   const absl::Status refused = late_answer.get().first;
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
   EXPECT_NE(refused.message().find("1 steps running, 0 tokens queued"), std::string::npos)
       << refused;
   EXPECT_NE(refused.message().find("max_queue_wait=50ms"), std::string::npos) << refused;
-  ASSERT_TRUE(running_answer.get().first.ok());
+  ASSERT_TRUE(running.answer.get().first.ok());
   while (batcher->stats().running != 0) absl::SleepFor(absl::Microseconds(100));
   ASSERT_TRUE(SubmitAsync(*batcher, late).get().first.ok());
-  Tensor alone = Tensor::Empty(late.out.dtype(), late.out.shape());
-  ASSERT_TRUE(engine->Forward(late.input(), alone.view()).ok());
-  EXPECT_EQ(std::memcmp(alone.data<void>(), late.out.data<void>(), alone.nbytes()), 0);
+  ExpectSameAsAlone(*engine, late);
   EXPECT_EQ(batcher->stats().refused_queue_full, 1);
 }
 
@@ -319,19 +337,10 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsAStepPerLayerQueued) {
       engine.get(),
       {.max_batch_tokens = 64, .max_queue_wait = absl::Milliseconds(250), .inline_max_tokens = 0});
   std::mt19937 rng(17);
-  for (int i = 0; i < 3; ++i) {  // a step of 16 tokens takes a little over 100 ms
-    Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
-    ASSERT_TRUE(
-        SubmitAsync(*batcher, warm, absl::InfiniteFuture(), HoldStep(absl::Milliseconds(100)))
-            .get()
-            .first.ok());
-  }
-  // A step of layer 3 runs (held) while the others queue behind it.
-  std::promise<void> release;
-  Call running = MakeCall(m, 16, 3, DType::kFP32, rng);
-  auto running_answer = SubmitAsync(*batcher, running, absl::InfiniteFuture(),
-                                    HoldStep(absl::ZeroDuration(), release.get_future().share()));
-  while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+  // A step of 16 tokens takes a little over 100 ms; one of layer 3 runs (held) while the others
+  // queue behind it.
+  LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);
+  HeldStep running(*batcher, m, 3, rng);
   // Layers 0 and 1 would start after ~100 and ~200 ms: taken; layer 2 after ~300: refused at
   // once; another call of layer 0 joins that layer's step (layer 1's at most ahead): taken.
   std::vector<Call> calls;
@@ -340,9 +349,9 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsAStepPerLayerQueued) {
   for (const Call& c : calls) answers.push_back(SubmitAsync(*batcher, c));
   const bool refused_at_once =
       answers[2].wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  release.set_value();
+  running.release.set_value();
   ASSERT_TRUE(refused_at_once);
-  ASSERT_TRUE(running_answer.get().first.ok());
+  ASSERT_TRUE(running.answer.get().first.ok());
   for (size_t i = 0; i < calls.size(); ++i) {
     const absl::Status s = answers[i].get().first;
     if (i == 2) {
@@ -350,9 +359,7 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsAStepPerLayerQueued) {
       continue;
     }
     ASSERT_TRUE(s.ok()) << "call " << i << ": " << s;
-    Tensor alone = Tensor::Empty(calls[i].out.dtype(), calls[i].out.shape());
-    ASSERT_TRUE(engine->Forward(calls[i].input(), alone.view()).ok());
-    EXPECT_EQ(std::memcmp(alone.data<void>(), calls[i].out.data<void>(), alone.nbytes()), 0);
+    ExpectSameAsAlone(*engine, calls[i]);
   }
   EXPECT_EQ(batcher->stats().refused_queue_full, 1);
 }
@@ -370,29 +377,17 @@ TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
     auto batcher = *ForwardBatcher::Create(
         engine.get(), {.max_batch_tokens = 64, .lane_lead = lead, .inline_max_tokens = 0});
     std::mt19937 rng(16);
-    for (int i = 0; i < 3; ++i) {  // steps of 16 tokens take 100 ms
-      Call warm = MakeCall(m, 16, 0, DType::kFP32, rng);
-      ASSERT_TRUE(
-          SubmitAsync(*batcher, warm, absl::InfiniteFuture(), HoldStep(absl::Milliseconds(100)))
-              .get()
-              .first.ok());
-    }
-    std::promise<void> release;
-    Call running = MakeCall(m, 16, 0, DType::kFP32, rng);
-    auto running_answer = SubmitAsync(*batcher, running, absl::InfiniteFuture(),
-                                      HoldStep(absl::ZeroDuration(), release.get_future().share()));
-    while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+    LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);  // steps of 16 tokens: 100 ms
+    HeldStep running(*batcher, m, 0, rng);
     Call small = MakeCall(m, 16, 0, DType::kFP32, rng);
     auto small_answer = SubmitAsync(*batcher, small);
     // The running step is held until released: only a step beside it can answer meanwhile.
     const bool beside = small_answer.wait_for(std::chrono::seconds(2)) == std::future_status::ready;
-    release.set_value();
+    running.release.set_value();
     EXPECT_EQ(beside, lead > absl::ZeroDuration());
-    ASSERT_TRUE(running_answer.get().first.ok());
+    ASSERT_TRUE(running.answer.get().first.ok());
     ASSERT_TRUE(small_answer.get().first.ok());
-    Tensor alone = Tensor::Empty(small.out.dtype(), small.out.shape());
-    ASSERT_TRUE(engine->Forward(small.input(), alone.view()).ok());
-    EXPECT_EQ(std::memcmp(alone.data<void>(), small.out.data<void>(), alone.nbytes()), 0);
+    ExpectSameAsAlone(*engine, small);
   }
   EXPECT_EQ(ForwardBatcher::Create(engine.get(), {.lane_lead = absl::Seconds(2)}).status().code(),
             absl::StatusCode::kInvalidArgument);
