@@ -10,6 +10,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/serve_lib.sh
+row() { printf '%-16s %s\n' "$1" "$2"; }
 mkdir -p /tmp/ab && tar -C /tmp/ab -xzf "${BUNDLE:-.bundle/ab.tgz}" || exit 1
 export LD_LIBRARY_PATH=/tmp/ab/ab/lib
 BIN=/tmp/ab/ab/bin
