@@ -11,6 +11,8 @@
 # a step): the capacity and the answered calls are summed, p50 / p99 are the worst layer's.
 #   run_emulated_overload.sh BIN [BIN...]   (moeserve_emulated builds; moeserve-cli from $CLI,
 #                                            default build/bin/moeserve-cli)
+# A BIN may carry server flags after it, in one argument: "build/bin/moeserve_emulated
+# --lane_lead_us 2000".
 set -uo pipefail
 CLI=${CLI:-build/bin/moeserve-cli}
 OUT=${OUT:-/tmp/emulated_overload}; mkdir -p "$OUT"
@@ -19,10 +21,11 @@ PORT=${PORT:-50181}
 LAYERS=${LAYERS:-1}
 MODEL="--model tiny --hidden 512 --intermediate 32 --num_experts 32 --topk 8 --num_layers $LAYERS"
 serve() {  # serve BIN NAME FLAGS...
-  local bin=$1 name=$2
+  local bin name=$2
+  read -r -a bin <<< "$1"
   shift 2
   rm -f "$OUT/ready_$name"
-  "$bin" $MODEL --experts emulated_device --emulate_step_us "$STEP_US" \
+  "${bin[@]}" $MODEL --experts emulated_device --emulate_step_us "$STEP_US" \
     --emulate_token_us "$TOKEN_US" --steps_in_flight 2 --listen 127.0.0.1:$PORT \
     --metrics_address 127.0.0.1:0 --ready_file "$OUT/ready_$name" "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER_PID=$!
@@ -34,7 +37,7 @@ printf '%-6s %-40s %9s %10s %9s %8s %8s %8s %7s\n' round binary unl_p99 capacity
   answered p50_ms p99_ms x_unl
 for r in $(seq "$ROUNDS"); do
   for bin in "$@"; do
-    tag=r${r}_$(basename "$bin")
+    tag=r${r}_$(echo "$bin" | sed 's|.*/||; s/[^A-Za-z0-9_]/_/g')
     serve "$bin" "${tag}_unbounded"
     "$CLI" load --target 127.0.0.1:$PORT --tokens 16 --concurrency 1 --requests 200 \
       --routing balanced > "$OUT/${tag}_c1.log" 2>&1
