@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -92,6 +93,75 @@ ForwardBatcher::~ForwardBatcher() {
   }
   cv_.notify_all();
   for (std::thread& t : threads_) t.join();
+}
+
+absl::Status ForwardBatcher::Calibrate(const std::vector<int64_t>& sizes, int rounds) {
+  if (sizes.empty() || rounds < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Calibrate: need at least one size and rounds >= 2 (the first of each size "
+                     "only warms up), got ",
+                     sizes.size(), " sizes and rounds=", rounds));
+  }
+  const EngineInfo& info = engine_->info();
+  const ModelConfig& model = info.model;
+  const auto takes = [](const std::vector<DType>& dtypes, DType d) {
+    return std::find(dtypes.begin(), dtypes.end(), d) != dtypes.end();
+  };
+  const DType hidden_dtype = takes(info.hidden_dtypes, DType::kBF16) || info.hidden_dtypes.empty()
+                                 ? DType::kBF16
+                                 : info.hidden_dtypes.front();
+  const DType ids_dtype = takes(info.topk_ids_dtypes, DType::kINT32) ||
+                                  info.topk_ids_dtypes.empty()
+                              ? DType::kINT32
+                              : DType::kINT64;
+  std::mt19937 rng(20261205);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (int64_t size : sizes) {
+    const int64_t n = std::clamp<int64_t>(size, 1, step_tokens_);
+    MOESERVE_ASSIGN_OR_RETURN(Tensor hidden32, Tensor::Allocate(DType::kFP32, {n, model.hidden}));
+    float* h = hidden32.data<float>();
+    for (int64_t i = 0; i < n * model.hidden; ++i) h[i] = unit(rng);
+    MOESERVE_ASSIGN_OR_RETURN(Tensor hidden, Tensor::Allocate(hidden_dtype, {n, model.hidden}));
+    MOESERVE_RETURN_IF_ERROR(ConvertTensor(hidden32.view(), hidden.view()));
+    // Balanced: route k of token t to expert (t * topk + k) mod num_experts (distinct in a
+    // row while topk <= num_experts, which the model guarantees).
+    MOESERVE_ASSIGN_OR_RETURN(Tensor ids, Tensor::Allocate(ids_dtype, {n, model.topk}));
+    MOESERVE_ASSIGN_OR_RETURN(Tensor weights, Tensor::Allocate(DType::kFP32, {n, model.topk}));
+    float* w = weights.data<float>();
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t k = 0; k < model.topk; ++k) {
+        const int64_t e = (t * model.topk + k) % model.num_experts;
+        if (ids_dtype == DType::kINT32) {
+          ids.data<int32_t>()[t * model.topk + k] = static_cast<int32_t>(e);
+        } else {
+          ids.data<int64_t>()[t * model.topk + k] = e;
+        }
+        w[t * model.topk + k] = 1.0f / static_cast<float>(model.topk);
+      }
+    }
+    MOESERVE_ASSIGN_OR_RETURN(Tensor output, Tensor::Allocate(hidden_dtype, {n, model.hidden}));
+    ForwardInput input;
+    input.layer = 0;
+    input.hidden_states = hidden.view();
+    input.topk_ids = ids.view();
+    input.topk_weights = weights.view();
+    for (int r = 0; r < rounds; ++r) {
+      const absl::Time start = absl::Now();
+      ForwardTimings timings;
+      MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(input, output.view(), &timings, nullptr,
+                                                          /*time_stages=*/false));
+      const absl::Duration took = absl::Now() - start;
+      if (r == 0) continue;  // warm-up
+      std::lock_guard<std::mutex> lock(mu_);
+      cost_.Add(n, took);
+    }
+  }
+  return absl::OkStatus();
+}
+
+ForwardBatcher::CostLine ForwardBatcher::cost_line() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CostLine{cost_.fixed_us(), cost_.per_token_us(), cost_.steps()};
 }
 
 ForwardBatcherStats ForwardBatcher::stats() const {

@@ -35,6 +35,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
@@ -174,6 +175,24 @@ class ForwardBatcher {
   // overlaps the preparation instead of following the Submit. Cheap when a thread polls
   // already or idle_spin is 0 (nothing happens). Thread-safe.
   void Prewake();
+
+  // Teaches the queue-wait estimate (max_queue_wait, lane_lead) the engine's step times before
+  // any call comes: `rounds` engine steps of each size in `sizes` (tokens, each clamped to
+  // [1, max_batch_tokens]) on layer 0, random hidden states (BF16 where the engine takes it)
+  // and balanced routing. The first step of each size warms up (a cold GPU's first steps load
+  // modules and capture graphs) and is not learned. Without it a fresh batcher admits every
+  // call until its first step ends, and prices a step by its tokens alone until its steps
+  // differ in size. Runs on the calling thread beside any traffic (not counted in stats or
+  // the observer); blocks for the steps. INVALID_ARGUMENT for no sizes or rounds < 2; the
+  // engine's error if a step fails.
+  absl::Status Calibrate(const std::vector<int64_t>& sizes, int rounds = 2);
+  // The queue-wait estimate's line t(n) = fixed_us + per_token_us * n and the steps it has
+  // learned (StepCostModel), for logs and tests. Thread-safe.
+  struct CostLine {
+    double fixed_us = 0, per_token_us = 0;
+    int64_t steps = 0;
+  };
+  CostLine cost_line() const;
 
   ForwardBatcherStats stats() const;
   const ForwardBatcherOptions& options() const { return options_; }

@@ -151,7 +151,9 @@ ABSL_FLAG(double, max_queue_wait_ms, 0,
           "milliseconds for its engine step to start: the steps running and the tokens queued "
           "ahead, timed by a line (a fixed cost plus a cost per token) fitted to recent steps; a "
           "call that finds an engine lane idle and nothing queued is always taken. Bounds the "
-          "latency of answered calls under overload; 0: off (--max_queued_tokens only)");
+          "latency of answered calls under overload; the server times steps of 16, 1/4 and all of "
+          "--max_batch_tokens tokens before it serves, so that the bound holds from the first "
+          "call (also with --lane_lead_us); 0: off (--max_queued_tokens only)");
 ABSL_FLAG(int64_t, max_message_bytes, 0,
           "Largest request accepted, in bytes (RESOURCE_EXHAUSTED beyond, naming the limit); 0: "
           "derived from the model so that --max_tokens_per_request tokens of fp32 hidden states "

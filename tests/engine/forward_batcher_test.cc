@@ -290,6 +290,57 @@ void ExpectSameAsAlone(Engine& engine, const Call& call) {
   EXPECT_EQ(std::memcmp(alone.data<void>(), call.out.data<void>(), alone.nbytes()), 0);
 }
 
+// A fresh batcher knows no step's cost and admits every call until its first step ends;
+// Calibrate teaches it before any call: the same burst as above, with no warm-up call, is
+// refused past the first step on the calibrated batcher and taken whole on the other.
+TEST(ForwardBatcherTest, CalibrateBoundsTheFirstCalls) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  for (const bool calibrate : {false, true}) {
+    SCOPED_TRACE(calibrate ? "calibrated" : "fresh");
+    auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
+                                                          .max_batch_delay = absl::Seconds(2),
+                                                          .max_queue_wait = absl::Microseconds(1)});
+    if (calibrate) {
+      ASSERT_TRUE(batcher->Calibrate({16, 64}, 3).ok());
+      const ForwardBatcher::CostLine line = batcher->cost_line();
+      EXPECT_EQ(line.steps, 4);  // two of each size learned, the first of each warmed up
+      EXPECT_GT(line.fixed_us + line.per_token_us * 64, 0);
+      EXPECT_EQ(batcher->stats().steps, 0);  // calibration is not traffic
+    } else {
+      EXPECT_EQ(batcher->cost_line().steps, 0);
+    }
+    std::mt19937 rng(16);
+    std::vector<Call> calls;
+    for (int i = 0; i < 8; ++i) calls.push_back(MakeCall(m, 16, 1, DType::kFP32, rng));
+    std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+    for (const Call& c : calls) futures.push_back(SubmitAsync(*batcher, c));
+    int answered = 0;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const absl::Status s = futures[i].get().first;
+      if (s.ok()) {
+        ++answered;
+        ExpectSameAsAlone(*engine, calls[i]);
+      } else {
+        EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+      }
+    }
+    EXPECT_EQ(answered, calibrate ? 4 : 8);
+  }
+}
+
+TEST(ForwardBatcherTest, CalibrateRefusesNoSizesAndASingleRound) {
+  auto engine = ReferenceEngine();
+  auto batcher = *ForwardBatcher::Create(engine.get(), {});
+  EXPECT_EQ(batcher->Calibrate({}, 2).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status one = batcher->Calibrate({16}, 1);
+  EXPECT_EQ(one.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(one.message().find("rounds >= 2"), std::string::npos) << one;
+  // Sizes past the step limit are clamped to it (512 here), not refused.
+  EXPECT_TRUE(batcher->Calibrate({0, 100000}, 2).ok());
+  EXPECT_EQ(batcher->cost_line().steps, 2);
+}
+
 // The queue-wait bound counts the steps running: with the engine's one lane busy on a step
 // that is expected to take about 100 ms, a call is refused even with nothing queued ahead of
 // it (max_queue_wait 50 ms), and the same call is taken once the lane is free.
