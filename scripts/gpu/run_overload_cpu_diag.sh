@@ -1,35 +1,35 @@
 #!/bin/bash
 # Where issue 12's overload tail comes from on the host: the open loop of run_scheduler_ab.sh
-# (seed layer MXFP8, M=16, 32 connections, 10 s, --max_queue_wait_ms 0.5) on server "b" of
-# .bundle/ab.tgz, with the host's CPU use (all cores busy %, the server's and the client's CPU
-# seconds, their thread counts) and with the client and server pinned to separate cores.
-# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS" (CPUS "-": unpinned).
+# (seed layer MXFP8, M=16, 32 connections, 10 s, --max_queue_wait_ms 0.5) on a fresh server
+# ("a" or "b" of $BUNDLE, default .bundle/ab.tgz), then its unloaded p99 (one caller, 400
+# calls), with the host's CPU use (all cores busy %, the server's and the client's CPU seconds,
+# their thread counts) and with the client and server pinned to separate cores.
+# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE" (CPUS "-": unpinned).
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/serve_lib.sh
 row() { printf '%-16s %s\n' "$1" "$2"; }
 mkdir -p /tmp/ab && tar -C /tmp/ab -xzf "${BUNDLE:-.bundle/ab.tgz}" || exit 1
 export LD_LIBRARY_PATH=/tmp/ab/ab/lib
-B=/tmp/diagb && mkdir -p $B && cp /tmp/ab/ab/bin/moeserve-cli $B/ && cp /tmp/ab/ab/bin/moeserve_b $B/moeserve0
+B=/tmp/diagb && mkdir -p $B && cp /tmp/ab/ab/bin/moeserve-cli $B/ && cp /tmp/ab/ab/bin/moeserve_a $B/moeserve_a && cp /tmp/ab/ab/bin/moeserve_b $B/moeserve_b
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PORT=50171
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 nproc; date -u
 busy() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8, $5 + $6 }' /proc/stat; }
 cpu_s() { awk '{ print ($14 + $15) / 100 }' "/proc/$1/stat"; }
-IFS='|' read -r -a cases <<< "${CASES:-21000 - -|21000 0-3 4-15|21000 0-7 8-15|14000 - -}"
+IFS='|' read -r -a cases <<< "${CASES:-21000 - - a|21000 - - b|21000 0-3 4-15 b|14000 - - b}"
 i=0
 for c in "${cases[@]}"; do
   i=$((i + 1))
-  read -r rate ccpus scpus <<< "$c"
+  read -r rate ccpus scpus side <<< "$c"
   pre_s=""; pre_c=""
   [ "$scpus" != - ] && pre_s="taskset -c $scpus"
   [ "$ccpus" != - ] && pre_c="taskset -c $ccpus"
-  printf '#!/bin/bash\nexec %s /tmp/diagb/moeserve0 "$@"\n' "$pre_s" > $B/moeserve && chmod +x $B/moeserve
+  printf '#!/bin/bash\nexec %s /tmp/diagb/moeserve_%s "$@"\n' "$pre_s" "$side" > $B/moeserve && chmod +x $B/moeserve
   t=d$i
   # shellcheck disable=SC2086
   serve $t $SEED --max_queue_wait_ms 0.5
-  load ${t}_c1 16 1 400
   read -r b0 i0 < <(busy); s0=$(cpu_s $SERVER_PID)
   # shellcheck disable=SC2086
   timeout 120 $pre_c $B/moeserve-cli load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
@@ -42,6 +42,8 @@ for c in "${cases[@]}"; do
   c5=$(cpu_s $cli)
   wait $cli
   read -r b1 i1 < <(busy); s1=$(cpu_s $SERVER_PID)
+  load ${t}_c1 16 1 400 > /dev/null
+  grep -E "calibrated" "$OUT/server_$t.log"
   stop
   p99u=$(val ${t}_c1 p99)
   p99o=$(grep -o 'p99=[0-9.]*' "$OUT/ovl_$t.log" | head -1 | cut -d= -f2)
