@@ -110,8 +110,7 @@ absl::Status ForwardBatcher::Calibrate(const std::vector<int64_t>& sizes, int ro
   const DType hidden_dtype = takes(info.hidden_dtypes, DType::kBF16) || info.hidden_dtypes.empty()
                                  ? DType::kBF16
                                  : info.hidden_dtypes.front();
-  const DType ids_dtype = takes(info.topk_ids_dtypes, DType::kINT32) ||
-                                  info.topk_ids_dtypes.empty()
+  const DType ids_dtype = takes(info.topk_ids_dtypes, DType::kINT32) || info.topk_ids_dtypes.empty()
                               ? DType::kINT32
                               : DType::kINT64;
   std::mt19937 rng(20261205);
@@ -149,7 +148,7 @@ absl::Status ForwardBatcher::Calibrate(const std::vector<int64_t>& sizes, int ro
       const absl::Time start = absl::Now();
       ForwardTimings timings;
       MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(input, output.view(), &timings, nullptr,
-                                                          /*time_stages=*/false));
+                                                         /*time_stages=*/false));
       const absl::Duration took = absl::Now() - start;
       if (r == 0) continue;  // warm-up
       std::lock_guard<std::mutex> lock(mu_);

@@ -182,16 +182,15 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
       batcher_options.lane_lead > absl::ZeroDuration()) {
     // The bound prices the first calls too: a fresh batcher would admit everything until its
     // first step ended, and a cold GPU's first steps are its slowest.
-    const int64_t most = std::min(batcher_options.max_batch_tokens,
-                                  engine->info().max_tokens_per_request);
+    const int64_t most =
+        std::min(batcher_options.max_batch_tokens, engine->info().max_tokens_per_request);
     const absl::Time start = absl::Now();
     MOESERVE_RETURN_IF_ERROR(batcher->Calibrate({16, most / 4, most}));
     const ForwardBatcher::CostLine line = batcher->cost_line();
     std::fprintf(stderr,
                  "moeserve: batcher calibrated in %.0f ms: a step of n tokens takes about %.0f + "
                  "%.3f x n us\n",
-                 absl::ToDoubleMilliseconds(absl::Now() - start), line.fixed_us,
-                 line.per_token_us);
+                 absl::ToDoubleMilliseconds(absl::Now() - start), line.fixed_us, line.per_token_us);
   }
   engine_ = engine;
   metrics_->SetModelInfo(engine->info());

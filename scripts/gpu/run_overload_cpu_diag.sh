@@ -4,14 +4,15 @@
 # ("a" or "b" of $BUNDLE, default .bundle/ab.tgz), then its unloaded p99 (one caller, 400
 # calls), with the host's CPU use (all cores busy %, the server's and the client's CPU seconds,
 # their thread counts) and with the client and server pinned to separate cores.
-# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE" (CPUS "-": unpinned).
+# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE" (CPUS "-": unpinned). CLI: another
+# moeserve-cli (default the bundle's).
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/serve_lib.sh
 row() { printf '%-16s %s\n' "$1" "$2"; }
 mkdir -p /tmp/ab && tar -C /tmp/ab -xzf "${BUNDLE:-.bundle/ab.tgz}" || exit 1
 export LD_LIBRARY_PATH=/tmp/ab/ab/lib
-B=/tmp/diagb && mkdir -p $B && cp /tmp/ab/ab/bin/moeserve-cli $B/ && cp /tmp/ab/ab/bin/moeserve_a $B/moeserve_a && cp /tmp/ab/ab/bin/moeserve_b $B/moeserve_b
+B=/tmp/diagb && mkdir -p $B && cp "${CLI:-/tmp/ab/ab/bin/moeserve-cli}" $B/moeserve-cli && cp /tmp/ab/ab/bin/moeserve_a $B/moeserve_a && cp /tmp/ab/ab/bin/moeserve_b $B/moeserve_b
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PORT=50171
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
@@ -39,7 +40,7 @@ for c in "${cases[@]}"; do
   sleep 5
   sth=$(ls /proc/$SERVER_PID/task | wc -l); cth=$(ls /proc/$cli/task 2>/dev/null | wc -l)
   top -b -n 1 -H -w 200 2>/dev/null | head -40 > "$OUT/top_$t.txt"
-  c5=$(cpu_s $cli)
+  c5=$(cpu_s "$(pgrep -n -f 'moeserve-cli load')")
   wait $cli
   read -r b1 i1 < <(busy); s1=$(cpu_s $SERVER_PID)
   load ${t}_c1 16 1 400 > /dev/null
