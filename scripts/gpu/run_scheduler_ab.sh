@@ -9,6 +9,7 @@
 # overrides WAIT_MS. RATE=N skips the closed loops and offers N calls/s (the unloaded p99 then
 # comes from a 400-call single caller on the bounded server). Prints each overload's stage lines
 # and the batcher's metrics after it, then one line per variant and round.
+# CLI: another moeserve-cli (default the bundle's).
 # The emulated-device twins of these runs (no GPU): tests/benchmarks/serving/run_emulated_*.sh.
 set -u
 cd "$(dirname "$0")/../.."
@@ -17,7 +18,7 @@ row() { printf '%-16s %s\n' "$1" "$2"; }
 mkdir -p /tmp/ab && tar -C /tmp/ab -xzf "${BUNDLE:-.bundle/ab.tgz}" || exit 1
 export LD_LIBRARY_PATH=/tmp/ab/ab/lib
 BIN=/tmp/ab/ab/bin
-B=/tmp/schedb && mkdir -p $B && cp $BIN/moeserve-cli $B/
+B=/tmp/schedb && mkdir -p $B && cp "${CLI:-$BIN/moeserve-cli}" $B/moeserve-cli
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PORT=50171
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
