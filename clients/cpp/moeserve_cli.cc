@@ -789,6 +789,9 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   // core for 21,000 calls/s on an H200 host), so that a single thread would fall behind the
   // schedule it is meant to keep.
   const int64_t senders = std::min<int64_t>(4, static_cast<int64_t>(clients.size()));
+  // The answered calls' latencies by the second they were sent in: where a tail sits in the run
+  // (its start: cold caches, first captures; throughout: the steady state).
+  std::vector<std::vector<double>> by_second(static_cast<size_t>(std::ceil(seconds)) + 1);
   auto send_from = [&](int64_t first) {
     for (int64_t k = first;; k += senders) {
       const absl::Time next = start + k * interval;
@@ -802,13 +805,15 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
       }
       clients[static_cast<size_t>(k) % clients.size()]->ForwardAsync(
           requests[which],
-          [&, which](absl::StatusOr<ForwardResult> result) {
+          [&, which, second = static_cast<size_t>(absl::ToDoubleSeconds(k * interval))](
+              absl::StatusOr<ForwardResult> result) {
             const bool bad =
                 result.ok() && AnswerDistance(*result, expected[which], dtype) > tolerance;
             std::lock_guard<std::mutex> lock(mu);
             ++codes[absl::StatusCodeToString(result.status().code())];
             if (result.ok()) {
               latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+              by_second[std::min(second, by_second.size() - 1)].push_back(latencies_ms.back());
               server.Add(result->timings);
               wrong += bad ? 1 : 0;
             } else if (first_error.empty()) {
@@ -856,6 +861,15 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   std::printf("latency_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f\n", Percentile(latencies_ms, 50),
               Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
               latencies_ms.empty() ? 0.0 : latencies_ms.back());
+  std::printf("latency_ms_by_second_sent:");
+  for (size_t i = 0; i < by_second.size(); ++i) {
+    std::vector<double>& v = by_second[i];
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    std::printf(" s%zu:n=%zu,p50=%.2f,p99=%.2f,max=%.1f", i, v.size(), Percentile(v, 50),
+                Percentile(v, 99), v.back());
+  }
+  std::printf("\n");
   if (absl::GetFlag(FLAGS_return_timings)) server.Print(/*tails=*/true);
   std::printf("throughput: answered_per_s=%.1f tokens_per_s=%.1f\n", ok / wall_s,
               static_cast<double>(ok * num_tokens) / wall_s);

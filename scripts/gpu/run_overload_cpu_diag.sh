@@ -5,7 +5,8 @@
 # calls), with the host's CPU use (all cores busy %, the server's and the client's CPU seconds,
 # their thread counts) and with the client and server pinned to separate cores.
 # CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE" (CPUS "-": unpinned). CLI: another
-# moeserve-cli (default the bundle's).
+# moeserve-cli (default the bundle's). REPEAT=2 runs each overload a second time on the same
+# (then warm) server.
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/serve_lib.sh
@@ -43,6 +44,16 @@ for c in "${cases[@]}"; do
   c5=$(cpu_s "$(pgrep -n -f 'moeserve-cli load')")
   wait $cli
   read -r b1 i1 < <(busy); s1=$(cpu_s $SERVER_PID)
+  # REPEAT=2: the same overload again on the now warm server (every step size seen).
+  for again in $(seq 2 "${REPEAT:-1}"); do
+    # shellcheck disable=SC2086
+    timeout 120 $pre_c $B/moeserve-cli load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+      --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
+      > "$OUT/ovl_${t}_$again.log" 2>&1
+    echo "   again ($again): $(grep -E '^latency_ms:' "$OUT/ovl_${t}_$again.log")" \
+      "$(grep -E '^sent=' "$OUT/ovl_${t}_$again.log" | cut -d' ' -f1-3)"
+    grep -E "^latency_ms_by" "$OUT/ovl_${t}_$again.log" | cut -c1-400
+  done
   load ${t}_c1 16 1 400 > /dev/null
   grep -E "calibrated" "$OUT/server_$t.log"
   stop
@@ -52,5 +63,5 @@ for c in "${cases[@]}"; do
     "host busy $(awk -v b=$((b1 - b0)) -v i=$((i1 - i0)) 'BEGIN { printf "%.0f%%", 100 * b / (b + i) }');" \
     "server cpu $(awk -v a="$s0" -v b="$s1" 'BEGIN { printf "%.1f", b - a }') s ($sth threads);" \
     "client cpu at 5 s $c5 s ($cth threads); $(grep -E '^sent=' "$OUT/ovl_$t.log" | cut -d' ' -f1-3)"
-  grep -E "^latency_ms|^server_total" "$OUT/ovl_$t.log"
+  grep -E "^latency_ms|^server_total" "$OUT/ovl_$t.log" | cut -c1-400
 done
