@@ -95,6 +95,62 @@ ForwardBatcher::~ForwardBatcher() {
   for (std::thread& t : threads_) t.join();
 }
 
+namespace {
+
+// A synthetic step of `n` tokens for `layer`: random hidden states (BF16 where the engine takes
+// it), balanced routing (k of token t to expert (t * topk + k) mod num_experts: distinct in a
+// row while topk <= num_experts, which the model guarantees), equal weights, and its output.
+struct SyntheticStep {
+  Tensor hidden, ids, weights, output;
+  ForwardInput input;
+};
+
+absl::StatusOr<std::unique_ptr<SyntheticStep>> MakeSyntheticStep(const EngineInfo& info, int64_t n,
+                                                                 int layer, std::mt19937& rng) {
+  const ModelConfig& model = info.model;
+  const auto takes = [](const std::vector<DType>& dtypes, DType d) {
+    return dtypes.empty() || std::find(dtypes.begin(), dtypes.end(), d) != dtypes.end();
+  };
+  const DType hidden_dtype =
+      takes(info.hidden_dtypes, DType::kBF16) ? DType::kBF16 : info.hidden_dtypes.front();
+  const DType ids_dtype =
+      takes(info.topk_ids_dtypes, DType::kINT32) ? DType::kINT32 : DType::kINT64;
+  auto step = std::make_unique<SyntheticStep>();
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  MOESERVE_ASSIGN_OR_RETURN(Tensor hidden32, Tensor::Allocate(DType::kFP32, {n, model.hidden}));
+  float* h = hidden32.data<float>();
+  for (int64_t i = 0; i < n * model.hidden; ++i) h[i] = unit(rng);
+  MOESERVE_ASSIGN_OR_RETURN(step->hidden, Tensor::Allocate(hidden_dtype, {n, model.hidden}));
+  MOESERVE_RETURN_IF_ERROR(ConvertTensor(hidden32.view(), step->hidden.view()));
+  MOESERVE_ASSIGN_OR_RETURN(step->ids, Tensor::Allocate(ids_dtype, {n, model.topk}));
+  MOESERVE_ASSIGN_OR_RETURN(step->weights, Tensor::Allocate(DType::kFP32, {n, model.topk}));
+  float* w = step->weights.data<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t k = 0; k < model.topk; ++k) {
+      const int64_t e = (t * model.topk + k) % model.num_experts;
+      if (ids_dtype == DType::kINT32) {
+        step->ids.data<int32_t>()[t * model.topk + k] = static_cast<int32_t>(e);
+      } else {
+        step->ids.data<int64_t>()[t * model.topk + k] = e;
+      }
+      w[t * model.topk + k] = 1.0f / static_cast<float>(model.topk);
+    }
+  }
+  MOESERVE_ASSIGN_OR_RETURN(step->output, Tensor::Allocate(hidden_dtype, {n, model.hidden}));
+  step->input.layer = layer;
+  step->input.hidden_states = step->hidden.view();
+  step->input.topk_ids = step->ids.view();
+  step->input.topk_weights = step->weights.view();
+  return step;
+}
+
+// A layer that carries experts (a model may list its MoE layers; all are, otherwise).
+int FirstMoeLayer(const ModelConfig& model) {
+  return model.moe_layers.empty() ? 0 : model.moe_layers.front();
+}
+
+}  // namespace
+
 absl::Status ForwardBatcher::Calibrate(const std::vector<int64_t>& sizes, int rounds) {
   if (sizes.empty() || rounds < 2) {
     return absl::InvalidArgumentError(
@@ -102,57 +158,51 @@ absl::Status ForwardBatcher::Calibrate(const std::vector<int64_t>& sizes, int ro
                      "only warms up), got ",
                      sizes.size(), " sizes and rounds=", rounds));
   }
-  const EngineInfo& info = engine_->info();
-  const ModelConfig& model = info.model;
-  const auto takes = [](const std::vector<DType>& dtypes, DType d) {
-    return std::find(dtypes.begin(), dtypes.end(), d) != dtypes.end();
-  };
-  const DType hidden_dtype = takes(info.hidden_dtypes, DType::kBF16) || info.hidden_dtypes.empty()
-                                 ? DType::kBF16
-                                 : info.hidden_dtypes.front();
-  const DType ids_dtype = takes(info.topk_ids_dtypes, DType::kINT32) || info.topk_ids_dtypes.empty()
-                              ? DType::kINT32
-                              : DType::kINT64;
+  const ModelConfig& model = engine_->info().model;
   std::mt19937 rng(20261205);
-  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   for (int64_t size : sizes) {
     const int64_t n = std::clamp<int64_t>(size, 1, step_tokens_);
-    MOESERVE_ASSIGN_OR_RETURN(Tensor hidden32, Tensor::Allocate(DType::kFP32, {n, model.hidden}));
-    float* h = hidden32.data<float>();
-    for (int64_t i = 0; i < n * model.hidden; ++i) h[i] = unit(rng);
-    MOESERVE_ASSIGN_OR_RETURN(Tensor hidden, Tensor::Allocate(hidden_dtype, {n, model.hidden}));
-    MOESERVE_RETURN_IF_ERROR(ConvertTensor(hidden32.view(), hidden.view()));
-    // Balanced: route k of token t to expert (t * topk + k) mod num_experts (distinct in a
-    // row while topk <= num_experts, which the model guarantees).
-    MOESERVE_ASSIGN_OR_RETURN(Tensor ids, Tensor::Allocate(ids_dtype, {n, model.topk}));
-    MOESERVE_ASSIGN_OR_RETURN(Tensor weights, Tensor::Allocate(DType::kFP32, {n, model.topk}));
-    float* w = weights.data<float>();
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t k = 0; k < model.topk; ++k) {
-        const int64_t e = (t * model.topk + k) % model.num_experts;
-        if (ids_dtype == DType::kINT32) {
-          ids.data<int32_t>()[t * model.topk + k] = static_cast<int32_t>(e);
-        } else {
-          ids.data<int64_t>()[t * model.topk + k] = e;
-        }
-        w[t * model.topk + k] = 1.0f / static_cast<float>(model.topk);
-      }
-    }
-    MOESERVE_ASSIGN_OR_RETURN(Tensor output, Tensor::Allocate(hidden_dtype, {n, model.hidden}));
-    ForwardInput input;
-    input.layer = 0;
-    input.hidden_states = hidden.view();
-    input.topk_ids = ids.view();
-    input.topk_weights = weights.view();
+    MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<SyntheticStep> step,
+                              MakeSyntheticStep(engine_->info(), n, FirstMoeLayer(model), rng));
     for (int r = 0; r < rounds; ++r) {
       const absl::Time start = absl::Now();
       ForwardTimings timings;
-      MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(input, output.view(), &timings, nullptr,
-                                                         /*time_stages=*/false));
+      MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(step->input, step->output.view(), &timings,
+                                                         nullptr, /*time_stages=*/false));
       const absl::Duration took = absl::Now() - start;
       if (r == 0) continue;  // warm-up
       std::lock_guard<std::mutex> lock(mu_);
       cost_.Add(n, took);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ForwardBatcher::WarmUp(const std::vector<int64_t>& sizes,
+                                    const std::vector<int>& layers) {
+  std::mt19937 rng(20261206);
+  absl::Status first;
+  std::mutex first_mu;
+  for (int layer : layers) {
+    for (int64_t size : sizes) {
+      const int64_t n = std::clamp<int64_t>(size, 1, step_tokens_);
+      // One step per lane, started together so that each takes its own lane.
+      std::vector<std::unique_ptr<SyntheticStep>> steps;
+      for (int i = 0; i < runners_; ++i) {
+        MOESERVE_ASSIGN_OR_RETURN(steps.emplace_back(),
+                                  MakeSyntheticStep(engine_->info(), n, layer, rng));
+      }
+      std::vector<std::thread> threads;
+      for (int i = 0; i < runners_; ++i) {
+        threads.emplace_back([&, step = steps[static_cast<size_t>(i)].get()] {
+          absl::Status s = engine_->ForwardValidated(step->input, step->output.view(), nullptr,
+                                                     nullptr, /*time_stages=*/false);
+          std::lock_guard<std::mutex> lock(first_mu);
+          if (first.ok() && !s.ok()) first = std::move(s);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      MOESERVE_RETURN_IF_ERROR(first);
     }
   }
   return absl::OkStatus();

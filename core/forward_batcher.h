@@ -178,14 +178,21 @@ class ForwardBatcher {
 
   // Teaches the queue-wait estimate (max_queue_wait, lane_lead) the engine's step times before
   // any call comes: `rounds` engine steps of each size in `sizes` (tokens, each clamped to
-  // [1, max_batch_tokens]) on layer 0, random hidden states (BF16 where the engine takes it)
-  // and balanced routing. The first step of each size warms up (a cold GPU's first steps load
-  // modules and capture graphs) and is not learned. Without it a fresh batcher admits every
+  // [1, max_batch_tokens]) on the first MoE layer, random hidden states (BF16 where the engine
+  // takes it) and balanced routing. The first step of each size warms up (a cold GPU's first steps
+  // load modules and capture graphs) and is not learned. Without it a fresh batcher admits every
   // call until its first step ends, and prices a step by its tokens alone until its steps
   // differ in size. Runs on the calling thread beside any traffic (not counted in stats or
   // the observer); blocks for the steps. INVALID_ARGUMENT for no sizes or rounds < 2; the
   // engine's error if a step fails.
   absl::Status Calibrate(const std::vector<int64_t>& sizes, int rounds = 2);
+  // Runs a step of each size in `sizes` (tokens, clamped to [1, max_batch_tokens]) for each of
+  // `layers` (MoE layers) once on every engine lane (one thread per lane, started together):
+  // a GPU engine captures a CUDA graph per layer and padded size on its first use, an eager
+  // step plus a capture (ms) that would otherwise stall the first calls of every size, and
+  // under overload admit a queue that the estimate does not expect to wait. Not learned by the
+  // cost model and not counted; blocks. The first failing step's error.
+  absl::Status WarmUp(const std::vector<int64_t>& sizes, const std::vector<int>& layers);
   // The queue-wait estimate's line t(n) = fixed_us + per_token_us * n and the steps it has
   // learned (StepCostModel), for logs and tests. Thread-safe.
   struct CostLine {

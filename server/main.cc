@@ -140,6 +140,11 @@ ABSL_FLAG(int64_t, step_spin_us, -1,
           "sleeping thread's wake-up adds tens of us to a call (H200 host, one-token call: "
           "server total 70.8 -> 54.1 us polling); 0: sleep at once; -1: 2000 on a GPU backend, "
           "0 on the CPU backend (whose steps need the cores)");
+ABSL_FLAG(bool, warm_graphs, false,
+          "Before serving, run a step of every CUDA graph size up to --max_batch_tokens for every "
+          "layer on every engine lane, so that no call waits for a graph capture (an eager step "
+          "and a capture, milliseconds, on each size's first use); startup grows with layers x "
+          "sizes (31 sizes to 1024 tokens)");
 ABSL_FLAG(bool, parallel_answers, true,
           "Send the answers of a merged engine step from the --server_threads workers at once "
           "rather than one after another from the step's thread");
@@ -353,6 +358,7 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.upload_min_bytes = absl::GetFlag(FLAGS_upload_min_bytes);
   server.inline_request_bytes = absl::GetFlag(FLAGS_inline_request_bytes);
   server.parallel_answers = absl::GetFlag(FLAGS_parallel_answers);
+  server.warm_graphs = absl::GetFlag(FLAGS_warm_graphs);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server.batcher.company_wait = absl::Microseconds(absl::GetFlag(FLAGS_company_wait_us));

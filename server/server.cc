@@ -178,6 +178,25 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   }
   MOESERVE_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBatcher> batcher,
                             ForwardBatcher::Create(engine, batcher_options));
+  if (options_.warm_graphs && engine->info().graph_max_tokens > 0) {
+    const absl::Time start = absl::Now();
+    std::vector<int64_t> sizes;
+    // graph_max_tokens is per rank: a step of s x ranks tokens gives each rank about s.
+    for (int64_t s : DefaultGraphSizes(engine->info().graph_max_tokens)) {
+      if (s * engine->info().num_ranks > batcher_options.max_batch_tokens) break;
+      sizes.push_back(s * engine->info().num_ranks);
+    }
+    const ModelConfig& model = engine->info().model;
+    std::vector<int> layers;
+    for (int l = 0; l < model.num_layers; ++l) {
+      if (model.IsMoeLayer(l)) layers.push_back(l);
+    }
+    MOESERVE_RETURN_IF_ERROR(batcher->WarmUp(sizes, layers));
+    const GraphStats graphs = engine->graph_stats();
+    std::fprintf(stderr, "moeserve: graphs warmed in %.0f ms: %zu sizes x %zu layers, %lld held\n",
+                 absl::ToDoubleMilliseconds(absl::Now() - start), sizes.size(), layers.size(),
+                 static_cast<long long>(graphs.graphs));
+  }
   if (batcher_options.max_queue_wait > absl::ZeroDuration() ||
       batcher_options.lane_lead > absl::ZeroDuration()) {
     // The bound prices the first calls too: a fresh batcher would admit everything until its

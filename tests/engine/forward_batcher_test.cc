@@ -341,6 +341,25 @@ TEST(ForwardBatcherTest, CalibrateRefusesNoSizesAndASingleRound) {
   EXPECT_EQ(batcher->cost_line().steps, 2);
 }
 
+// Calibrate and WarmUp run on MoE layers only (a model whose layer 0 is dense refuses a step
+// there), every lane gets each warm-up step, and neither counts as traffic.
+TEST(ForwardBatcherTest, CalibrateAndWarmUpRunOnMoeLayers) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.model.num_layers = 3;
+  o.model.moe_layers = {1, 2};
+  o.max_tokens_per_request = 512;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto batcher = *ForwardBatcher::Create(engine->get(), {.max_batch_tokens = 64});
+  ASSERT_TRUE(batcher->Calibrate({4, 32}).ok());
+  EXPECT_EQ(batcher->cost_line().steps, 2);
+  ASSERT_TRUE(batcher->WarmUp({1, 8, 1000}, {1, 2}).ok());
+  const absl::Status dense = batcher->WarmUp({8}, {0});
+  EXPECT_EQ(dense.code(), absl::StatusCode::kInvalidArgument) << dense;
+  EXPECT_EQ(batcher->stats().steps, 0);
+  EXPECT_EQ(batcher->cost_line().steps, 2);  // warm-up steps are not learned
+}
+
 // The queue-wait bound counts the steps running: with the engine's one lane busy on a step
 // that is expected to take about 100 ms, a call is refused even with nothing queued ahead of
 // it (max_queue_wait 50 ms), and the same call is taken once the lane is free.
