@@ -4,7 +4,7 @@
 # ("a" or "b" of $BUNDLE, default .bundle/ab.tgz), then its unloaded p99 (one caller, 400
 # calls), with the host's CPU use (all cores busy %, the server's and the client's CPU seconds,
 # their thread counts) and with the client and server pinned to separate cores.
-# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE" (CPUS "-": unpinned). CLI: another
+# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE [SERVER FLAGS]" (CPUS "-": unpinned). CLI: another
 # moeserve-cli (default the bundle's). REPEAT=2 runs each overload a second time on the same
 # (then warm) server.
 set -u
@@ -24,14 +24,14 @@ IFS='|' read -r -a cases <<< "${CASES:-21000 - - a|21000 - - b|21000 0-3 4-15 b|
 i=0
 for c in "${cases[@]}"; do
   i=$((i + 1))
-  read -r rate ccpus scpus side <<< "$c"
+  read -r rate ccpus scpus side flags <<< "$c"
   pre_s=""; pre_c=""
   [ "$scpus" != - ] && pre_s="taskset -c $scpus"
   [ "$ccpus" != - ] && pre_c="taskset -c $ccpus"
   printf '#!/bin/bash\nexec %s /tmp/diagb/moeserve_%s "$@"\n' "$pre_s" "$side" > $B/moeserve && chmod +x $B/moeserve
   t=d$i
   # shellcheck disable=SC2086
-  serve $t $SEED --max_queue_wait_ms 0.5
+  serve $t $SEED --max_queue_wait_ms 0.5 ${flags:-}
   read -r b0 i0 < <(busy); s0=$(cpu_s $SERVER_PID)
   # shellcheck disable=SC2086
   timeout 120 $pre_c $B/moeserve-cli load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
@@ -55,7 +55,7 @@ for c in "${cases[@]}"; do
     grep -E "^latency_ms_by" "$OUT/ovl_${t}_$again.log" | cut -c1-400
   done
   load ${t}_c1 16 1 400 > /dev/null
-  grep -E "calibrated" "$OUT/server_$t.log"
+  grep -E "calibrated|warmed" "$OUT/server_$t.log"
   stop
   p99u=$(val ${t}_c1 p99)
   p99o=$(grep -o 'p99=[0-9.]*' "$OUT/ovl_$t.log" | head -1 | cut -d= -f2)
