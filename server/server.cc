@@ -204,7 +204,7 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
     const int64_t most =
         std::min(batcher_options.max_batch_tokens, engine->info().max_tokens_per_request);
     const absl::Time start = absl::Now();
-    MOESERVE_RETURN_IF_ERROR(batcher->Calibrate({16, most / 4, most}));
+    MOESERVE_RETURN_IF_ERROR(batcher->Calibrate({16, most / 4, most}, /*rounds=*/3));
     const ForwardBatcher::CostLine line = batcher->cost_line();
     std::fprintf(stderr,
                  "moeserve: batcher calibrated in %.0f ms: a step of n tokens takes about %.0f + "
