@@ -228,6 +228,34 @@ TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
 
 // Limits that cannot hold (issue 14 items 2 and 4): non-positive, beyond the memory there is, or
 // a token limit whose step buffers cannot fit.
+// With a queue-wait bound the server times its steps before it serves (the log says the line
+// it learned), and --warm_graphs on an engine without graphs is a no-op; both then serve.
+TEST(BinaryTest, QueueWaitBoundIsCalibratedBeforeServing) {
+  const std::string ready = TempPath("moeserve_ready_calibrated");
+  const std::string log = TempPath("moeserve_log_calibrated");
+  std::remove(ready.c_str());
+  Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready, "--model=tiny",
+             "--hidden=64", "--intermediate=32", "--num_experts=4", "--topk=2", "--threads=1",
+             "--max_queue_wait_ms=5", "--warm_graphs"},
+            log);
+  const std::vector<std::string> lines = WaitForReadyFile(p, ready);
+  ASSERT_FALSE(lines.empty()) << ReadFile(log);
+  EXPECT_THAT(ReadFile(log), HasSubstr("moeserve: batcher calibrated in "));
+  auto stub =
+      v1::MoeService::NewStub(grpc::CreateChannel(lines[0], grpc::InsecureChannelCredentials()));
+  std::mt19937_64 rng(6);
+  v1::ForwardRequest req =
+      testing::RandomRequest(rng, 1, 4, 64, 4, 2, v1::DTYPE_BF16, v1::DTYPE_INT32);
+  v1::ForwardResponse resp;
+  grpc::ClientContext ctx;
+  const grpc::Status s = stub->Forward(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  p.Signal(SIGTERM);
+  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
+  std::remove(ready.c_str());
+  std::remove(log.c_str());
+}
+
 TEST(BinaryTest, LimitsBeyondMemoryExitOne) {
   for (const char* bad :
        {"--max_queued_bytes=-1", "--max_queued_bytes=9223372036854775807", "--grpc_memory_bytes=0",
