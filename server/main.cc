@@ -144,7 +144,7 @@ ABSL_FLAG(bool, warm_graphs, false,
           "Before serving, run a step of every CUDA graph size up to --max_batch_tokens for every "
           "layer on every engine lane, so that no call waits for a graph capture (an eager step "
           "and a capture, milliseconds, on each size's first use); startup grows with layers x "
-          "sizes (31 sizes to 1024 tokens)");
+          "sizes (32 sizes to 1024 tokens)");
 ABSL_FLAG(bool, parallel_answers, true,
           "Send the answers of a merged engine step from the --server_threads workers at once "
           "rather than one after another from the step's thread");
