@@ -10,6 +10,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -18,7 +19,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
@@ -187,6 +190,9 @@ ABSL_FLAG(int64_t, max_queued_bytes, int64_t{512} << 20,
 ABSL_FLAG(int64_t, max_answer_hold_ms, 10000,
           "A finished answer the client does not take within this long is cancelled, releasing "
           "its memory (the client sees CANCELLED; 0: wait as long as the connection lives)");
+ABSL_FLAG(std::string, grpc_channel_args, "",
+          "Further integer gRPC channel arguments for the listener, name=value[,name=value...] "
+          "(e.g. grpc.http2.max_frame_size=1048576), for tuning the transport");
 ABSL_FLAG(int32_t, max_concurrent_streams, 128,
           "Most concurrent calls on one HTTP/2 connection (GRPC_ARG_MAX_CONCURRENT_STREAMS)");
 ABSL_FLAG(int64_t, grpc_memory_bytes, int64_t{1} << 30,
@@ -403,6 +409,16 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
   server.max_answer_hold = std::chrono::milliseconds(absl::GetFlag(FLAGS_max_answer_hold_ms));
   server.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  for (absl::string_view item :
+       absl::StrSplit(absl::GetFlag(FLAGS_grpc_channel_args), ',', absl::SkipEmpty())) {
+    const std::vector<absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--grpc_channel_args: got '", item, "', expected grpc.NAME=INTEGER"));
+    }
+    server.grpc_channel_args.emplace_back(std::string(kv[0]), value);
+  }
   server.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   server.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
   server.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);

@@ -112,6 +112,13 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
   quota.SetMaxThreads(options.grpc_max_threads);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  for (const auto& [name, value] : options.grpc_channel_args) {
+    if (!absl::StartsWith(name, "grpc.")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "grpc_channel_args: '", name, "' is not a gRPC channel argument (expected grpc.*)"));
+    }
+    builder.AddChannelArgument(name, value);
+  }
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, options.max_metadata_bytes);
   builder.AddChannelArgument(
       GRPC_ARG_KEEPALIVE_TIME_MS,

@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -84,6 +85,9 @@ struct ServerOptions {
   std::chrono::milliseconds max_answer_hold{10000};
   // concurrent streams per HTTP/2 connection (GRPC_ARG_MAX_CONCURRENT_STREAMS),
   int max_concurrent_streams = 128;
+  // Further integer gRPC channel arguments for the listener (name, value), e.g.
+  // grpc.http2.max_frame_size, for tuning the transport; names must start with "grpc.".
+  std::vector<std::pair<std::string, int>> grpc_channel_args;
   // gRPC's own memory (transport buffers; grpc::ResourceQuota) and its threads,
   int64_t grpc_memory_bytes = int64_t{1} << 30;
   int grpc_max_threads = 64;

@@ -60,9 +60,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -123,6 +125,9 @@ ABSL_FLAG(double, rate, 0,
           "load: open loop: send this many calls per second for --max_seconds, whatever the "
           "answers do (0: closed loop with --concurrency workers); every OK answer is checked "
           "against the same input's answer taken before the run");
+ABSL_FLAG(std::string, grpc_channel_args, "",
+          "Further integer gRPC channel arguments, name=value[,name=value...] (e.g. "
+          "grpc.http2.max_frame_size=1048576), for tuning the transport");
 ABSL_FLAG(int32_t, senders, 1,
           "load --rate: threads that send the open loop's calls (call k from thread k mod N, on "
           "its schedule), 1 to 64");
@@ -214,6 +219,16 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient(bool own_connection = fals
     options.auth_token = *std::move(token);
   }
   options.own_connection = own_connection;
+  for (absl::string_view item :
+       absl::StrSplit(absl::GetFlag(FLAGS_grpc_channel_args), ',', absl::SkipEmpty())) {
+    const std::vector<absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--grpc_channel_args: got '", item, "', expected grpc.NAME=INTEGER"));
+    }
+    options.channel_args.emplace_back(std::string(kv[0]), value);
+  }
   return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
 }
 

@@ -63,6 +63,13 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const std::string& 
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  for (const auto& [name, value] : options.channel_args) {
+    if (name.rfind("grpc.", 0) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "channel_args: '", name, "' is not a gRPC channel argument (expected grpc.*)"));
+    }
+    args.SetInt(name, value);
+  }
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (options.use_tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
       !options.tls_key_file.empty()) {

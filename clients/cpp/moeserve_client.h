@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,6 +39,9 @@ struct MoeClientOptions {
   // same target in a process, so concurrent callers would share one HTTP/2 connection (as
   // callers in separate processes do not).
   bool own_connection = false;
+  // Further integer gRPC channel arguments (name, value), e.g. grpc.http2.max_frame_size, for
+  // tuning the transport; names must start with "grpc.".
+  std::vector<std::pair<std::string, int>> channel_args;
   // TLS (docs/security.md): on when use_tls or any tls_* file is set. tls_ca_file: PEM roots
   // that verify the server (empty: the system's); tls_cert_file + tls_key_file: this client's
   // certificate, for servers that require one (mutual TLS); tls_server_name: the name the

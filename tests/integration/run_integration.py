@@ -283,6 +283,14 @@ def case_load(server, cli, workdir):
               and re.search(r"^server_stages_us_p99: queue=[0-9.]+ ", r.stdout, re.M)
               and re.search(r"^latency_ms_by_second_sent: s0:n=\d+,p50=", r.stdout, re.M),
               f"load --rate=100 --senders={senders}:\n{r.stdout}")
+    # Transport tuning on the client's channel; a malformed argument is refused.
+    r = cli.run("load", "--requests=8", "--concurrency=2", "--tokens=4", "--check_answers",
+                "--grpc_channel_args=grpc.http2.max_frame_size=1048576")
+    check(re.search(r"^answers: checked=8 wrong=0 ", r.stdout, re.M) is not None,
+          f"load --grpc_channel_args:\n{r.stdout}")
+    r = cli.run("load", "--requests=1", "--grpc_channel_args=grpc.x=y", allow_fail=True)
+    check(r.returncode != 0 and "--grpc_channel_args" in r.stderr,
+          f"load --grpc_channel_args=grpc.x=y: exit {r.returncode}\n{r.stderr}")
     r = cli.run("load", "--rate=100", "--senders=0", allow_fail=True)
     check(r.returncode == 2 and "--senders" in r.stderr,
           f"load --senders=0: exit {r.returncode}\n{r.stderr}")

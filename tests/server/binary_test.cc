@@ -198,8 +198,9 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         // Batcher settings (refused with the flags, see below).
         "--company_wait_us=-1", "--max_batch_delay_us=-1", "--gather_threads=-1",
         "--gather_threads=65", "--malloc_trim_threshold_mb=-1",
-        "--malloc_trim_threshold_mb=1048577", "--upload_min_bytes=-1",
-        "--inline_request_bytes=-2"}) {
+        "--malloc_trim_threshold_mb=1048577", "--upload_min_bytes=-1", "--inline_request_bytes=-2",
+        "--grpc_channel_args=foo", "--grpc_channel_args=grpc.http2.max_frame_size=big",
+        "--grpc_channel_args=http2.x=1"}) {
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad});
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
@@ -229,14 +230,16 @@ TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
 // Limits that cannot hold (issue 14 items 2 and 4): non-positive, beyond the memory there is, or
 // a token limit whose step buffers cannot fit.
 // With a queue-wait bound the server times its steps before it serves (the log says the line
-// it learned), and --warm_graphs on an engine without graphs is a no-op; both then serve.
+// it learned), and --warm_graphs on an engine without graphs is a no-op; both then serve (over
+// a listener with a tuned HTTP/2 frame size, --grpc_channel_args).
 TEST(BinaryTest, QueueWaitBoundIsCalibratedBeforeServing) {
   const std::string ready = TempPath("moeserve_ready_calibrated");
   const std::string log = TempPath("moeserve_log_calibrated");
   std::remove(ready.c_str());
   Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready, "--model=tiny",
              "--hidden=64", "--intermediate=32", "--num_experts=4", "--topk=2", "--threads=1",
-             "--max_queue_wait_ms=5", "--warm_graphs"},
+             "--max_queue_wait_ms=5", "--warm_graphs",
+             "--grpc_channel_args=grpc.http2.max_frame_size=1048576"},
             log);
   const std::vector<std::string> lines = WaitForReadyFile(p, ready);
   ASSERT_FALSE(lines.empty()) << ReadFile(log);
