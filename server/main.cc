@@ -19,14 +19,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "core/engine.h"
 #include "core/forward_batcher.h"
 #include "core/model_config.h"
 #include "core/status_macros.h"
+#include "moeserve/v1/channel_args.h"
 #include "moeserve_build_info.h"
 #include "server/internal_bootstrap.h"
 #include "server/security.h"
@@ -409,16 +408,13 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.max_queued_bytes = absl::GetFlag(FLAGS_max_queued_bytes);
   server.max_answer_hold = std::chrono::milliseconds(absl::GetFlag(FLAGS_max_answer_hold_ms));
   server.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
-  for (absl::string_view item :
-       absl::StrSplit(absl::GetFlag(FLAGS_grpc_channel_args), ',', absl::SkipEmpty())) {
-    const std::vector<absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
-    int value = 0;
-    if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--grpc_channel_args: got '", item, "', expected grpc.NAME=INTEGER"));
-    }
-    server.grpc_channel_args.emplace_back(std::string(kv[0]), value);
+  absl::StatusOr<std::vector<std::pair<std::string, int>>> channel_args =
+      v1wire::ParseChannelArgs(absl::GetFlag(FLAGS_grpc_channel_args));
+  if (!channel_args.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grpc_channel_args: ", channel_args.status().message()));
   }
+  server.grpc_channel_args = *std::move(channel_args);
   server.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   server.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
   server.max_metadata_bytes = absl::GetFlag(FLAGS_max_metadata_bytes);

@@ -60,11 +60,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -72,6 +70,7 @@
 #include "clients/cpp/forward_channel_client.h"
 #include "clients/cpp/moeserve_client.h"
 #include "clients/cpp/reference.h"
+#include "moeserve/v1/channel_args.h"
 #include "moeserve_build_info.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server gRPC address, HOST:PORT");
@@ -219,16 +218,13 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MakeClient(bool own_connection = fals
     options.auth_token = *std::move(token);
   }
   options.own_connection = own_connection;
-  for (absl::string_view item :
-       absl::StrSplit(absl::GetFlag(FLAGS_grpc_channel_args), ',', absl::SkipEmpty())) {
-    const std::vector<absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
-    int value = 0;
-    if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--grpc_channel_args: got '", item, "', expected grpc.NAME=INTEGER"));
-    }
-    options.channel_args.emplace_back(std::string(kv[0]), value);
+  absl::StatusOr<std::vector<std::pair<std::string, int>>> channel_args =
+      v1wire::ParseChannelArgs(absl::GetFlag(FLAGS_grpc_channel_args));
+  if (!channel_args.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grpc_channel_args: ", channel_args.status().message()));
   }
+  options.channel_args = *std::move(channel_args);
   return MoeClient::Create(absl::GetFlag(FLAGS_target), options);
 }
 
@@ -740,6 +736,20 @@ absl::StatusOr<std::vector<float>> AnswerFloats(std::string bytes, v1::DType dty
   return DecodeFloats(t);
 }
 
+// Each request's answer before the measured loop (unloaded), as ExpectedAnswer.
+absl::StatusOr<std::vector<ExpectedAnswer>> UnloadedAnswers(
+    MoeClient& client, const std::vector<grpc::ByteBuffer>& requests, v1::DType dtype) {
+  std::vector<ExpectedAnswer> expected;
+  for (const grpc::ByteBuffer& r : requests) {
+    absl::StatusOr<ForwardResult> result = client.Forward(r, /*copy_output=*/true);
+    if (!result.ok()) return result.status();
+    absl::StatusOr<std::vector<float>> floats = AnswerFloats(result->output.data(), dtype);
+    if (!floats.ok()) return floats.status();
+    expected.push_back(ExpectedAnswer{result->output.data(), *std::move(floats)});
+  }
+  return expected;
+}
+
 // Relative L2 distance of an answer to the expected one (as floats of `dtype`). The open loop
 // checks every answer on the client's completion threads, which it shares with the calls it
 // times: a bit-identical answer is told by comparing the received pieces in place, and only
@@ -784,14 +794,9 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   const double rate = absl::GetFlag(FLAGS_rate);
   const double seconds = absl::GetFlag(FLAGS_max_seconds);
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
-  std::vector<ExpectedAnswer> expected;
-  for (const grpc::ByteBuffer& r : requests) {
-    auto result = client.Forward(r, /*copy_output=*/true);
-    if (!result.ok()) return Fail(result.status(), "unloaded Forward");
-    auto floats = AnswerFloats(result->output.data(), dtype);
-    if (!floats.ok()) return Fail(floats.status(), "unloaded Forward's answer");
-    expected.push_back(ExpectedAnswer{result->output.data(), std::move(*floats)});
-  }
+  absl::StatusOr<std::vector<ExpectedAnswer>> unloaded = UnloadedAnswers(client, requests, dtype);
+  if (!unloaded.ok()) return Fail(unloaded.status(), "unloaded Forward");
+  const std::vector<ExpectedAnswer>& expected = *unloaded;
   std::mutex mu;
   std::condition_variable cv;
   int64_t outstanding = 0, sent = 0, wrong = 0;
@@ -1019,13 +1024,10 @@ int RunLoad() {
   // The unloaded answer to each distinct request, before the measured loop.
   std::vector<ExpectedAnswer> expected;
   if (check_answers) {
-    for (const grpc::ByteBuffer& r : requests[0]) {
-      auto result = (*client)->Forward(r, /*copy_output=*/true);
-      if (!result.ok()) return Fail(result.status(), "unloaded Forward (--check_answers)");
-      auto floats = AnswerFloats(result->output.data(), *dtype);
-      if (!floats.ok()) return Fail(floats.status(), "unloaded Forward's answer");
-      expected.push_back(ExpectedAnswer{result->output.data(), std::move(*floats)});
-    }
+    absl::StatusOr<std::vector<ExpectedAnswer>> unloaded =
+        UnloadedAnswers(**client, requests[0], *dtype);
+    if (!unloaded.ok()) return Fail(unloaded.status(), "unloaded Forward (--check_answers)");
+    expected = *std::move(unloaded);
   }
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
   std::atomic<int64_t> checked{0}, wrong{0};

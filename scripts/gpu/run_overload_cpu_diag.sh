@@ -10,12 +10,9 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/serve_lib.sh
-row() { printf '%-16s %s\n' "$1" "$2"; }
-mkdir -p /tmp/ab && tar -C /tmp/ab -xzf "${BUNDLE:-.bundle/ab.tgz}" || exit 1
-export LD_LIBRARY_PATH=/tmp/ab/ab/lib
-B=/tmp/diagb && mkdir -p $B && cp "${CLI:-/tmp/ab/ab/bin/moeserve-cli}" $B/moeserve-cli && cp /tmp/ab/ab/bin/moeserve_a $B/moeserve_a && cp /tmp/ab/ab/bin/moeserve_b $B/moeserve_b
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PORT=50171
+use_tgz_bundle "${BUNDLE:-.bundle/ab.tgz}" ab || exit 1
+B=/tmp/diagb && mkdir -p $B && cp "${CLI:-$BUNDLE_BIN/moeserve-cli}" $B/moeserve-cli &&
+  cp $BUNDLE_BIN/moeserve_a $BUNDLE_BIN/moeserve_b $B/
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 nproc; date -u
 busy() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8, $5 + $6 }' /proc/stat; }

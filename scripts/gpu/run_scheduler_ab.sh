@@ -14,13 +14,9 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/serve_lib.sh
-row() { printf '%-16s %s\n' "$1" "$2"; }
-mkdir -p /tmp/ab && tar -C /tmp/ab -xzf "${BUNDLE:-.bundle/ab.tgz}" || exit 1
-export LD_LIBRARY_PATH=/tmp/ab/ab/lib
-BIN=/tmp/ab/ab/bin
+use_tgz_bundle "${BUNDLE:-.bundle/ab.tgz}" ab || exit 1
+BIN=$BUNDLE_BIN
 B=/tmp/schedb && mkdir -p $B && cp "${CLI:-$BIN/moeserve-cli}" $B/moeserve-cli
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PORT=50171
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 IFS='|' read -r -a variants <<< "${VARIANTS:-a|b|b --lane_lead_us 100|b --lane_lead_us 150}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; date -u

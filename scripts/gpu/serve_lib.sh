@@ -58,15 +58,17 @@ overload() {
   row "$tag rate=${rate}/s" "$(grep -E '^sent=|latency_ms' "$OUT/load_$tag.log" | tr '\n' ' ')"
   row "$tag server RSS kB" "before=$rss0 peak=$(sort -n "$OUT/rss_$tag.txt" | tail -1) after=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)"
 }
-# use_sv_bundle: unpacks .bundle/sv.tgz (sv/bin: servers and moeserve-cli builds, sv/lib: their
-# libraries) into /tmp/sv and sets SV_BIN, LD_LIBRARY_PATH, PORT, OUT (made) and a row() that
-# prints (the overload A/B scripts).
-use_sv_bundle() {
-  mkdir -p /tmp/sv && tar -C /tmp/sv -xzf .bundle/sv.tgz || return 1
-  export LD_LIBRARY_PATH=/tmp/sv/sv/lib
-  SV_BIN=/tmp/sv/sv/bin
+# use_tgz_bundle FILE NAME: unpacks a make_ab_bundle.sh-style FILE (NAME/bin: servers and
+# moeserve-cli builds, NAME/lib: their libraries) into /tmp/NAME and sets BUNDLE_BIN,
+# LD_LIBRARY_PATH, PORT, OUT (made) and a row() that prints (the A/B scripts).
+use_tgz_bundle() {
+  mkdir -p "/tmp/$2" && tar -C "/tmp/$2" -xzf "$1" || return 1
+  export LD_LIBRARY_PATH=/tmp/$2/$2/lib
+  BUNDLE_BIN=/tmp/$2/$2/bin
   PORT=50171
   OUT=${OUT:-/tmp/out}
   mkdir -p "$OUT"
   row() { echo "== $1: $2"; }
 }
+# use_sv_bundle: use_tgz_bundle .bundle/sv.tgz sv, with SV_BIN (the overload A/B scripts).
+use_sv_bundle() { use_tgz_bundle .bundle/sv.tgz sv && SV_BIN=$BUNDLE_BIN; }
