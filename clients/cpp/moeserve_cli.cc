@@ -130,6 +130,10 @@ ABSL_FLAG(std::string, grpc_channel_args, "",
 ABSL_FLAG(int32_t, senders, 1,
           "load --rate: threads that send the open loop's calls (call k from thread k mod N, on "
           "its schedule), 1 to 64");
+ABSL_FLAG(int32_t, completion_threads, 0,
+          "load --rate: threads that take the calls' completions, each draining one completion "
+          "queue that a share of the connections end on; 0: one per connection (each client's "
+          "own)");
 ABSL_FLAG(bool, stream, false,
           "load: each worker sends its calls on one ForwardStream (one request, then its answer) "
           "instead of one unary Forward per call");
@@ -816,6 +820,48 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   // The answered calls' latencies by the second they were sent in: where a tail sits in the run
   // (its start: cold caches, first captures; throughout: the steady state).
   std::vector<std::vector<double>> by_second(static_cast<size_t>(std::ceil(seconds)) + 1);
+  // What a call's completion records (on the thread that takes it).
+  auto record = [&](size_t which, size_t second, absl::StatusOr<ForwardResult> result) {
+    const bool bad = result.ok() && AnswerDistance(*result, expected[which], dtype) > tolerance;
+    std::lock_guard<std::mutex> lock(mu);
+    ++codes[absl::StatusCodeToString(result.status().code())];
+    if (result.ok()) {
+      latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+      by_second[std::min(second, by_second.size() - 1)].push_back(latencies_ms.back());
+      server.Add(result->timings);
+      wrong += bad ? 1 : 0;
+    } else if (first_error.empty()) {
+      first_error = result.status().ToString();
+    }
+    --outstanding;
+    cv.notify_all();
+  };
+  // --completion_threads K > 0: K completion queues, connection c's calls end on queue c mod K
+  // (fewer threads than connections wake less often for more completions each); 0: each
+  // client's own queue and thread (ForwardAsync).
+  struct QueuedCall {
+    MoeClient::QueuedForward rpc;
+    size_t which = 0, second = 0;
+  };
+  const int completion_threads =
+      std::min<int>(absl::GetFlag(FLAGS_completion_threads), static_cast<int>(clients.size()));
+  std::vector<std::unique_ptr<grpc::CompletionQueue>> queues;
+  std::vector<std::thread> draining;
+  for (int q = 0; q < completion_threads; ++q) {
+    queues.push_back(std::make_unique<grpc::CompletionQueue>());
+    draining.emplace_back([&record, cq = queues.back().get()] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) {
+        std::unique_ptr<QueuedCall> call(static_cast<QueuedCall*>(tag));
+        const absl::Duration latency = absl::Now() - call->rpc.start;
+        record(call->which, call->second,
+               call->rpc.status.ok()
+                   ? DecodeForwardResult(call->rpc.response, /*copy_output=*/false, latency)
+                   : FromGrpcStatus(call->rpc.status));
+      }
+    });
+  }
   auto send_from = [&](int64_t first) {
     for (int64_t k = first;; k += senders) {
       const absl::Time next = start + k * interval;
@@ -827,24 +873,21 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
         ++outstanding;
         ++sent;
       }
-      clients[static_cast<size_t>(k) % clients.size()]->ForwardAsync(
+      const size_t second = static_cast<size_t>(absl::ToDoubleSeconds(k * interval));
+      const size_t connection = static_cast<size_t>(k) % clients.size();
+      if (!queues.empty()) {
+        auto call = std::make_unique<QueuedCall>();
+        call->which = which;
+        call->second = second;
+        QueuedCall* tag = call.release();  // its queue's thread takes it back
+        clients[connection]->StartForward(requests[which], queues[connection % queues.size()].get(),
+                                          &tag->rpc, tag);
+        continue;
+      }
+      clients[connection]->ForwardAsync(
           requests[which],
-          [&, which, second = static_cast<size_t>(absl::ToDoubleSeconds(k * interval))](
-              absl::StatusOr<ForwardResult> result) {
-            const bool bad =
-                result.ok() && AnswerDistance(*result, expected[which], dtype) > tolerance;
-            std::lock_guard<std::mutex> lock(mu);
-            ++codes[absl::StatusCodeToString(result.status().code())];
-            if (result.ok()) {
-              latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
-              by_second[std::min(second, by_second.size() - 1)].push_back(latencies_ms.back());
-              server.Add(result->timings);
-              wrong += bad ? 1 : 0;
-            } else if (first_error.empty()) {
-              first_error = result.status().ToString();
-            }
-            --outstanding;
-            cv.notify_all();
+          [&record, which, second](absl::StatusOr<ForwardResult> result) {
+            record(which, second, std::move(result));
           },
           /*copy_output=*/false);
     }
@@ -859,6 +902,8 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
     cv.wait(lock, [&] { return outstanding == 0; });
   }
   const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  for (auto& cq : queues) cq->Shutdown();
+  for (std::thread& t : draining) t.join();
   std::sort(latencies_ms.begin(), latencies_ms.end());
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
   int64_t refused = 0, other = 0;
@@ -914,6 +959,13 @@ int RunLoad() {
                     "need --requests > 0 (got ", num_requests, "), --concurrency in [1, 1024] (",
                     concurrency, "), --tokens > 0 (", num_tokens, "), --max_seconds > 0 (",
                     max_seconds, ")")),
+                "flags");
+  }
+  if (absl::GetFlag(FLAGS_completion_threads) < 0 ||
+      absl::GetFlag(FLAGS_completion_threads) > 1024) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+                    "--completion_threads: got ", absl::GetFlag(FLAGS_completion_threads),
+                    ", expected 0 (one per connection) to 1024")),
                 "flags");
   }
   if (absl::GetFlag(FLAGS_senders) < 1 || absl::GetFlag(FLAGS_senders) > 64) {

@@ -273,16 +273,18 @@ def case_load(server, cli, workdir):
           f"load --think_us=-1: exit {r.returncode}\n{r.stderr}")
     # The open loop: every call answered correctly or refused, the answered calls' server
     # stages at p50 and p99.
-    # Several sending threads keep one schedule (--senders); the latency by second sent.
-    for senders in ("1", "3"):
+    # Several sending threads keep one schedule (--senders), completions on each client's
+    # thread or on shared queues (--completion_threads, 3 for 4 connections: one queue takes
+    # two); the latency by second sent.
+    for flags in (("--senders=1",), ("--senders=3",), ("--completion_threads=3",)):
         r = cli.run("load", "--rate=100", "--max_seconds=1", "--concurrency=4", "--tokens=4",
-                    "--distinct_inputs=2", f"--senders={senders}")
+                    "--distinct_inputs=2", *flags)
         sent, ok = (int(g) for g in re.search(r"^sent=(\d+) ok=(\d+) ", r.stdout, re.M).groups())
         check(ok > 0 and 95 <= sent <= 105 and "wrong_answers=0" in r.stdout
               and "other_errors=0" in r.stdout
               and re.search(r"^server_stages_us_p99: queue=[0-9.]+ ", r.stdout, re.M)
               and re.search(r"^latency_ms_by_second_sent: s0:n=\d+,p50=", r.stdout, re.M),
-              f"load --rate=100 --senders={senders}:\n{r.stdout}")
+              f"load --rate=100 {flags}:\n{r.stdout}")
     # Transport tuning on the client's channel; a malformed argument is refused.
     r = cli.run("load", "--requests=8", "--concurrency=2", "--tokens=4", "--check_answers",
                 "--grpc_channel_args=grpc.http2.max_frame_size=1048576")
@@ -294,6 +296,9 @@ def case_load(server, cli, workdir):
     r = cli.run("load", "--rate=100", "--senders=0", allow_fail=True)
     check(r.returncode == 2 and "--senders" in r.stderr,
           f"load --senders=0: exit {r.returncode}\n{r.stderr}")
+    r = cli.run("load", "--rate=100", "--completion_threads=-1", allow_fail=True)
+    check(r.returncode == 2 and "--completion_threads" in r.stderr,
+          f"load --completion_threads=-1: exit {r.returncode}\n{r.stderr}")
 
 
 def case_unix(server, cli, workdir):
