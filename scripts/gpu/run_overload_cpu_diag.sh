@@ -4,7 +4,8 @@
 # ("a" or "b" of $BUNDLE, default .bundle/ab.tgz), then its unloaded p99 (one caller, 400
 # calls), with the host's CPU use (all cores busy %, the server's and the client's CPU seconds,
 # their thread counts) and with the client and server pinned to separate cores.
-# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE [SERVER FLAGS]" (CPUS "-": unpinned). CLI: another
+# CASES: '|'-separated "RATE CLIENT_CPUS SERVER_CPUS SIDE [SERVER FLAGS] [:: LOAD FLAGS]" (CPUS
+# "-": unpinned; LOAD FLAGS go to every moeserve-cli load of the case). CLI: another
 # moeserve-cli (default the bundle's). REPEAT=2 runs each overload a second time on the same
 # (then warm) server.
 set -u
@@ -22,6 +23,11 @@ i=0
 for c in "${cases[@]}"; do
   i=$((i + 1))
   read -r rate ccpus scpus side flags <<< "$c"
+  lflags=""
+  if [[ "$flags" == *"::"* ]]; then
+    lflags=${flags#*::}
+    flags=${flags%%::*}
+  fi
   pre_s=""; pre_c=""
   [ "$scpus" != - ] && pre_s="taskset -c $scpus"
   [ "$ccpus" != - ] && pre_c="taskset -c $ccpus"
@@ -32,7 +38,7 @@ for c in "${cases[@]}"; do
   read -r b0 i0 < <(busy); s0=$(cpu_s $SERVER_PID)
   # shellcheck disable=SC2086
   timeout 120 $pre_c $B/moeserve-cli load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
-    --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
+    --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 $lflags \
     > "$OUT/ovl_$t.log" 2>&1 &
   cli=$!
   sleep 5
@@ -45,7 +51,7 @@ for c in "${cases[@]}"; do
   for again in $(seq 2 "${REPEAT:-1}"); do
     # shellcheck disable=SC2086
     timeout 120 $pre_c $B/moeserve-cli load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
-      --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
+      --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 $lflags \
       > "$OUT/ovl_${t}_$again.log" 2>&1
     echo "   again ($again): $(grep -E '^latency_ms:' "$OUT/ovl_${t}_$again.log")" \
       "$(grep -E '^sent=' "$OUT/ovl_${t}_$again.log" | cut -d' ' -f1-3)"
