@@ -540,10 +540,7 @@ struct MoeClient::AsyncCalls {
     bool ok = false;
     while (cq.Next(&tag, &ok)) {
       std::unique_ptr<Call> call(static_cast<Call*>(tag));
-      const absl::Duration latency = absl::Now() - call->rpc.start;
-      call->done(call->rpc.status.ok()
-                     ? DecodeForwardResult(call->rpc.response, call->copy_output, latency)
-                     : FromGrpcStatus(call->rpc.status));
+      call->done(FinishForward(call->rpc, call->copy_output));
     }
   }
 };
@@ -564,6 +561,13 @@ void MoeClient::ForwardAsync(const grpc::ByteBuffer& request,
   call->copy_output = copy_output;
   AsyncCalls::Call* tag = call.release();  // the queue's Drain takes it back
   StartForward(request, &calls->cq, &tag->rpc, tag, deadline);
+}
+
+absl::StatusOr<ForwardResult> FinishForward(const MoeClient::QueuedForward& call,
+                                            bool copy_output) {
+  const absl::Duration latency = absl::Now() - call.start;
+  if (!call.status.ok()) return FromGrpcStatus(call.status);
+  return DecodeForwardResult(call.response, copy_output, latency);
 }
 
 absl::StatusOr<ForwardResult> DecodeForwardResult(const grpc::ByteBuffer& response,

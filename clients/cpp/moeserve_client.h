@@ -154,7 +154,7 @@ class MoeClient {
 
   // A Forward whose completion the caller collects from its own completion queue: the
   // caller drains `cq` and gets `tag` once the call has ended (then `status` and `response`
-  // are set; DecodeForwardResult reads the response). `call` must stay alive, unmoved, until
+  // are set; FinishForward reads them). `call` must stay alive, unmoved, until
   // then. Like ForwardAsync this uses no gRPC callback thread: a client whose last call just
   // completed may be destroyed at once (with the callback API, the shared completion queue could
   // be torn down under its own thread then: gRPC 1.51 aborted in grpc_cq_internal_unref).
@@ -267,6 +267,11 @@ class ForwardStream {
 // that status.
 absl::StatusOr<ForwardResult> DecodeForwardResult(const grpc::ByteBuffer& response,
                                                   bool copy_output, absl::Duration latency);
+
+// The result of a StartForward call whose tag came back from its queue, its latency measured
+// from the start to now; ForwardResult::output gets the bytes copied out only with
+// `copy_output`.
+absl::StatusOr<ForwardResult> FinishForward(const MoeClient::QueuedForward& call, bool copy_output);
 
 // gRPC status -> absl::Status (the codes share numeric values).
 absl::Status FromGrpcStatus(const grpc::Status& status);
