@@ -567,6 +567,12 @@ absl::Duration ForwardBatcher::EstimatedWaitLocked(const Call& call, absl::Time 
       return absl::InfiniteDuration();
     }
   }
+  if (call.tokens > step_tokens_) {
+    // A call larger than a step joins no other: Loop runs it as a step of its own once its
+    // group's queued calls (all older) have run.
+    if (mine > call.tokens && !steps_of(mine - call.tokens)) return absl::InfiniteDuration();
+    return place(call.tokens) - now;
+  }
   if (mine > step_tokens_ && !steps_of((mine - 1) / step_tokens_ * step_tokens_)) {
     return absl::InfiniteDuration();
   }

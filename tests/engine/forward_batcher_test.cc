@@ -392,6 +392,39 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsTheStepsRunning) {
   EXPECT_EQ(batcher->stats().refused_queue_full, 1);
 }
 
+// A call larger than a step runs as a step of its own: on an idle batcher it is taken whatever
+// the bound (the estimate once priced its tokens past the first step as full steps queued
+// ahead of it, and refused every such call), and behind a running step it is priced as one
+// step that starts when the lane frees.
+TEST(ForwardBatcherTest, QueueWaitBoundTakesALargeCallOnAnIdleBatcher) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(),
+      {.max_batch_tokens = 64, .max_queue_wait = absl::Milliseconds(150), .inline_max_tokens = 0});
+  std::mt19937 rng(19);
+  // Steps of 16 tokens held 100 ms: a step of n tokens is priced at about 6 x n ms.
+  LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);
+  Call large = MakeCall(m, 128, 0, DType::kFP32, rng);
+  const absl::Status taken = SubmitAsync(*batcher, large).get().first;
+  ASSERT_TRUE(taken.ok()) << taken;
+  ExpectSameAsAlone(*engine, large);
+  EXPECT_EQ(batcher->stats().refused_queue_full, 0);
+  // Behind a step expected to run about 100 ms more, the same call would start within the
+  // bound: taken.
+  {
+    HeldStep running(*batcher, m, 0, rng);
+    Call behind = MakeCall(m, 128, 0, DType::kFP32, rng);
+    auto answer = SubmitAsync(*batcher, behind);
+    running.release.set_value();
+    ASSERT_TRUE(running.answer.get().first.ok());
+    const absl::Status s = answer.get().first;
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectSameAsAlone(*engine, behind);
+  }
+  EXPECT_EQ(batcher->stats().refused_queue_full, 0);
+}
+
 // Calls of different layers never share a step: the queue-wait bound counts each layer's
 // queued calls as a step ahead (the old estimate merged them all into one).
 TEST(ForwardBatcherTest, QueueWaitBoundCountsAStepPerLayerQueued) {
