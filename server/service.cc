@@ -187,9 +187,14 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     if (status.ok() && pending->regions.output.has_value()) {
       status = pending->regions.output->Flush();
     }
+    v1::ForwardResponse header;
+    // The routing may be a view into a region: read before the regions go (once released, an
+    // Unregister may unmap them).
+    if (status.ok() && pending->request.header.return_routing()) {
+      RoutingToProto(pending->input, header.mutable_topk_ids(), header.mutable_topk_weights());
+    }
     pending->regions.Release();
     if (!status.ok()) return answer(status, {}, 0, id);
-    v1::ForwardResponse header;
     header.mutable_output()->set_dtype(DTypeToProto(result.dtype));
     for (int64_t d : result.shape) header.mutable_output()->add_shape(d);
     header.set_request_id(id);
@@ -201,9 +206,6 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
                             header.mutable_timings());
       header.mutable_timings()->set_route_us(route_us);
       header.mutable_timings()->set_input_us(input_us);
-    }
-    if (pending->request.header.return_routing()) {
-      RoutingToProto(pending->input, header.mutable_topk_ids(), header.mutable_topk_weights());
     }
     // With an output region the answer is there already: the reply has dtype and shape only.
     grpc::Slice data;

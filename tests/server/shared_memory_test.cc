@@ -575,5 +575,38 @@ TEST_F(SharedMemoryTest, UnregisterWhileACallUsesTheRegionIsRefused) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
+// return_routing with the routing in a region: the echo is read from the region before the
+// call lets it go, so an Unregister that succeeds the moment the call releases it never races
+// the echo (it once read the weights after the release: a use after unmap). Each round spins
+// Unregister while the call runs; every call answers with exactly the routing it sent.
+TEST_F(SharedMemoryTest, ReturnRoutingFromARegionUnregisteredAtTheAnswer) {
+  ShmObject shm(1 << 16);
+  ASSERT_TRUE(shm.ok());
+  for (int round = 0; round < 100; ++round) {
+    ASSERT_TRUE(RegisterSystem("echo", shm.key(), 0, 1 << 16).ok());
+    v1::ForwardRequest r = Random(4);
+    const std::string ids = r.topk_ids().data();
+    const std::string weights = r.topk_weights().data();
+    MoveToRegion(r.mutable_topk_ids(), shm, "echo", 0);
+    MoveToRegion(r.mutable_topk_weights(), shm, "echo", 4096);
+    r.set_return_routing(true);
+    v1::ForwardResponse resp;
+    auto call = std::async(std::launch::async, [&] { return Call(r, &resp); });
+    grpc::Status unregistered;
+    do {
+      unregistered = Unregister("echo");
+    } while (unregistered.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    ASSERT_TRUE(unregistered.ok()) << unregistered.error_message();
+    const grpc::Status s = call.get();
+    if (!s.ok()) {
+      // Unregistered before the call resolved its regions: refused as an unknown region.
+      ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      continue;
+    }
+    ASSERT_EQ(resp.topk_ids().data(), ids) << "round " << round;
+    ASSERT_EQ(resp.topk_weights().data(), weights) << "round " << round;
+  }
+}
+
 }  // namespace
 }  // namespace moeserve
