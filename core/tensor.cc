@@ -14,6 +14,13 @@
 namespace moeserve {
 
 std::string ShapeToString(absl::Span<const int64_t> shape) {
+  // Error messages print shapes: a client's shape of thousands of dims must not make one
+  // larger than a gRPC status carries.
+  constexpr size_t kMaxPrinted = 8;
+  if (shape.size() > kMaxPrinted) {
+    return absl::StrCat("[", absl::StrJoin(shape.subspan(0, kMaxPrinted), ", "), ", ... (",
+                        shape.size(), " dims)]");
+  }
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 

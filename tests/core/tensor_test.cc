@@ -1,5 +1,8 @@
 #include "core/tensor.h"
 
+#include <cstdint>
+#include <vector>
+
 #include "gtest/gtest.h"
 #include "kernels/cpu/dtype_convert.h"
 
@@ -72,6 +75,17 @@ TEST(TensorViewTest, DeviceTravelsWithViews) {
   float out[12];
   const absl::Status s = ConvertTensor(gpu, TensorView(out, DType::kFP32, {3, 4}));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+}
+
+// Shapes in error messages: in full up to 8 dims, then the first 8 and the count (a client's
+// shape of thousands of dims must not make a message larger than a gRPC status carries).
+TEST(ShapeToStringTest, LongShapesAreCut) {
+  EXPECT_EQ(ShapeToString({}), "[]");
+  EXPECT_EQ(ShapeToString({3, 4096}), "[3, 4096]");
+  EXPECT_EQ(ShapeToString({1, 2, 3, 4, 5, 6, 7, 8}), "[1, 2, 3, 4, 5, 6, 7, 8]");
+  EXPECT_EQ(ShapeToString({1, 2, 3, 4, 5, 6, 7, 8, 9}), "[1, 2, 3, 4, 5, 6, 7, 8, ... (9 dims)]");
+  EXPECT_EQ(ShapeToString(std::vector<int64_t>(10000, 1)),
+            "[1, 1, 1, 1, 1, 1, 1, 1, ... (10000 dims)]");
 }
 
 TEST(HostBufferTest, GrowsAndReuses) {

@@ -406,6 +406,43 @@ bool Int32FieldsFit(const std::string& bytes, bool request) {
   return true;
 }
 
+// A request tensor lists at most kMaxTensorDims dims, packed, unpacked or merged over repeated
+// fields; more is refused (naming the field and the count) before any dim is stored: ten
+// thousand dims once became a status message larger than gRPC carries.
+TEST(ForwardWireTest, ShapesOfTooManyDimsAreRefused) {
+  const auto request = [](const std::string& hidden) {
+    return Tag(1, 0) + Varint(0) + Len(2, hidden) + Len(3, Tag(1, 0) + Varint(4));
+  };
+  std::string packed_max, unpacked_over, packed_huge;
+  for (int i = 0; i < kMaxTensorDims; ++i) packed_max += Varint(1);
+  for (int i = 0; i <= kMaxTensorDims; ++i) unpacked_over += Tag(2, 0) + Varint(1);
+  for (int i = 0; i < 10000; ++i) packed_huge += Varint(1);
+  const std::string at_max = request(Tag(1, 0) + Varint(1) + Len(2, packed_max));
+  absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(Split(at_max, {}));
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->hidden_states.header.shape_size(), kMaxTensorDims);
+  // Two fields of 5 dims each merge into one tensor of 10.
+  std::string five;
+  for (int i = 0; i < 5; ++i) five += Varint(2);
+  const std::string merged = Tag(1, 0) + Varint(0) + Len(2, Len(2, five)) + Len(2, Len(2, five));
+  for (const auto& [bytes, dims] :
+       std::vector<std::pair<std::string, int>>{{request(unpacked_over), kMaxTensorDims + 1},
+                                                {request(Len(2, packed_huge)), 10000},
+                                                {merged, 10}}) {
+    v1::ForwardRequest pb;
+    ASSERT_TRUE(pb.ParseFromString(bytes));  // protobuf alone would take it
+    ASSERT_EQ(pb.hidden_states().shape_size(), dims);
+    for (auto slices : {Split(bytes, {}), OneByteSlices(bytes)}) {
+      v = DecodeForwardRequest(slices);
+      ASSERT_FALSE(v.ok());
+      EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(v.status().message(),
+                absl::StrCat("moeserve.v1.ForwardRequest: tensor field 2 has a shape of ", dims,
+                             " dims; at most ", kMaxTensorDims));
+    }
+  }
+}
+
 // Issue 14 item 7: a layer given as a 2^40 varint was read as 0 (protobuf's int32 truncation).
 TEST(ForwardWireTest, Int32FieldsOutOfRangeAreRefusedNotTruncated) {
   const std::string tensor = Len(2, Tag(1, 0) + Varint(3) + Len(3, "abcd"));
@@ -548,8 +585,12 @@ TEST(ForwardWireTest, FuzzAgreesWithProtobuf) {
     const std::vector<grpc::Slice> slices = RandomSplit(bytes, rng);
     if (request) {
       v1::ForwardRequest pb;
-      // Protobuf's verdict, less the int32 truncation it allows and the decoder refuses.
-      const bool pb_ok = pb.ParseFromString(bytes) && Int32FieldsFit(bytes, true);
+      // Protobuf's verdict, less the int32 truncation it allows and the decoder refuses, and
+      // less ranks above kMaxTensorDims (merged tensor fields add their dims up).
+      const bool pb_ok = pb.ParseFromString(bytes) && Int32FieldsFit(bytes, true) &&
+                         pb.hidden_states().shape_size() <= kMaxTensorDims &&
+                         pb.topk_ids().shape_size() <= kMaxTensorDims &&
+                         pb.topk_weights().shape_size() <= kMaxTensorDims;
       absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(slices);
       ASSERT_EQ(pb_ok, v.ok()) << "iteration " << i << ": " << v.status() << " bytes "
                                << absl::BytesToHexString(bytes);

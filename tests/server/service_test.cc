@@ -360,6 +360,19 @@ TEST_F(ServiceTest, RankNotTwoRejected) {
   r.mutable_topk_weights()->clear_shape();
   r.mutable_topk_weights()->add_shape(2 * model().topk);
   ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights");
+  // Ten thousand dims: refused by the decoder before it stores them, with a short message
+  // (printed in full, the shape made a status larger than gRPC carries).
+  r = Random(2);
+  for (int i = 0; i < 10000; ++i) r.mutable_hidden_states()->add_shape(1);
+  ExpectRejected(r, grpc::StatusCode::INVALID_ARGUMENT, "tensor field 2 has a shape of 10002 dims");
+  r = Random(2);
+  r.mutable_topk_ids()->clear_shape();
+  for (int i = 0; i < 9; ++i) r.mutable_topk_ids()->add_shape(1);
+  v1::ForwardResponse resp;
+  const grpc::Status s = Call(r, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_LT(s.error_message().size(), 200u) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("tensor field 3 has a shape of 9 dims; at most 8"));
 }
 
 TEST_F(ServiceTest, HiddenSizeMismatchRejected) {

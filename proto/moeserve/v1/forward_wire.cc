@@ -393,6 +393,44 @@ bool ParseCommonTensorHeader(absl::string_view rest, v1::Tensor* out) {
   return true;
 }
 
+// The shape entries (field 2, packed or not) of a Tensor header, counted without storing them;
+// -1 where the header does not walk as flat fields (the parsers then decide).
+int64_t CountShapeDims(absl::string_view rest) {
+  FlatReader r(rest);
+  int64_t dims = 0;
+  while (!r.done()) {
+    uint64_t tag, v;
+    size_t len;
+    if (!r.Varint(&tag)) return -1;
+    switch (tag & 7) {
+      case kVarint:
+        if (!r.Varint(&v)) return -1;
+        if ((tag >> 3) == 2) ++dims;
+        break;
+      case kLen: {
+        if (!r.Length(&len)) return -1;
+        FlatReader sub = r.Sub(len);
+        if ((tag >> 3) != 2) break;
+        while (!sub.done()) {
+          if (!sub.Varint(&v)) return -1;
+          ++dims;
+        }
+        break;
+      }
+      case kFixed64:
+      case kFixed32: {
+        const size_t skip = (tag & 7) == kFixed64 ? 8 : 4;
+        if (r.n - r.i < skip) return -1;
+        r.i += skip;
+        break;
+      }
+      default:
+        return -1;
+    }
+  }
+  return dims;
+}
+
 // Walks a top-level message: LEN fields numbered in `tensor_numbers` are tensors (walked into
 // `tensors`), fields numbered up to `max_known` are appended raw to `rest`, others skipped.
 // int32_fields / string_fields / region_fields (RegionRef submessages) are checked as
@@ -603,6 +641,13 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
         absl::StrCat("malformed ", kMessage, ": bad layer, request_id (UTF-8) or return_timings"));
   }
   for (size_t i = 0; i < 3; ++i) {
+    // Before anything stores the dims: a header of a few bytes per dim must not become an
+    // int64 per dim (and a message listing them) for a rank the service never takes.
+    if (const int64_t dims = CountShapeDims(tensor_rests[i]); dims > kMaxTensorDims) {
+      return absl::InvalidArgumentError(absl::StrCat(kMessage, ": tensor field ", i + 2,
+                                                     " has a shape of ", dims, " dims; at most ",
+                                                     kMaxTensorDims));
+    }
     if (!ParseCommonTensorHeader(tensor_rests[i], &tensors[i]->header) &&
         !tensors[i]->header.ParseFromString(tensor_rests[i])) {
       return absl::InvalidArgumentError(

@@ -68,11 +68,16 @@ struct ForwardResponseView {
   std::vector<grpc::Slice> slices;
 };
 
+// The most shape dims a request tensor may list (the service takes rank 2); DecodeForwardRequest
+// refuses more before it stores any.
+inline constexpr int64_t kMaxTensorDims = 8;
+
 // Decoders. INVALID_ARGUMENT with a description for anything protobuf's parser would reject
 // (truncation, bad varints or tags, lengths past the end, unmatched groups, invalid UTF-8 in a
 // string, found here first so that protobuf logs nothing), and for an int32 field (`layer`, a
 // tensor's `dtype`) whose varint does not fit int32, which protobuf would silently truncate
-// (2^40 would read as 0). Never reads outside the buffer. The buffer's slices are referenced,
+// (2^40 would read as 0), and for a request tensor of more than kMaxTensorDims dims. Never
+// reads outside the buffer. The buffer's slices are referenced,
 // not copied.
 absl::StatusOr<ForwardRequestView> DecodeForwardRequest(const grpc::ByteBuffer& buffer);
 absl::StatusOr<ForwardResponseView> DecodeForwardResponse(const grpc::ByteBuffer& buffer);
