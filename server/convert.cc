@@ -391,8 +391,10 @@ absl::StatusOr<ForwardInput> ForwardInputFromWire(const v1wire::ForwardRequestVi
   const bool ids_on_device = !input.topk_ids.device().is_host();
   MOESERVE_ASSIGN_OR_RETURN(input.topk_weights, view(request.topk_weights, "topk_weights",
                                                      RegionAccess::kRead, ids_on_device));
-  if (ids_on_device && input.topk_weights.device().is_host()) {
-    // Ids in a CUDA region, weights in host memory: the ids as a host copy too (one space).
+  if (routing_on_device && (!ids_on_device || input.topk_weights.device().is_host())) {
+    // Ids in a system region (host memory the client can write: viewed in place, they could
+    // change between the check and the use), or in a CUDA region with the weights in host
+    // memory (one space for both): the ids as a private host copy.
     RegionTensor& ids = held->inputs[held->inputs.size() - 2];
     MOESERVE_ASSIGN_OR_RETURN(
         ids, RegionTensor::Resolve(*regions, ids.ref(), DType::kINT32, input.topk_ids.shape(),

@@ -240,13 +240,14 @@ class FakeCudaRegion final : public MemoryRegion {
 
 // Routing in CUDA regions is read in place only for an engine that checks it on the device,
 // only when both topk tensors are there, the ids are int32 and no echo is asked for; otherwise
-// both are host copies (and the ids always a private copy).
+// both are host copies (and the ids always a private copy, also from a system region).
 TEST(ConvertTest, RoutingStaysOnTheDeviceOnlyWhenTheEngineChecksItThere) {
   RegionRegistry registry;
   auto gpu_owned = std::make_unique<FakeCudaRegion>(1 << 16);
   auto other_owned = std::make_unique<FakeCudaRegion>(1 << 16);
   auto host_owned = std::make_unique<FakeCudaRegion>(1 << 16, /*on_gpu=*/false);
   FakeCudaRegion* gpu = gpu_owned.get();
+  FakeCudaRegion* host = host_owned.get();
   ASSERT_TRUE(registry.Register("gpu", std::move(gpu_owned)).ok());
   ASSERT_TRUE(registry.Register("gpu2", std::move(other_owned)).ok());
   ASSERT_TRUE(registry.Register("host", std::move(host_owned)).ok());
@@ -258,6 +259,7 @@ TEST(ConvertTest, RoutingStaysOnTheDeviceOnlyWhenTheEngineChecksItThere) {
     bool weights_inline;  // weights as bytes, not in a region
     const char* weights_region;
     bool want_device;
+    const char* ids_region = "gpu";
   };
   const Case cases[] = {
       {"engine checks on the device", true, v1::DTYPE_INT32, false, false, "gpu2", true},
@@ -266,6 +268,8 @@ TEST(ConvertTest, RoutingStaysOnTheDeviceOnlyWhenTheEngineChecksItThere) {
       {"return_routing", true, v1::DTYPE_INT32, true, false, "gpu2", false},
       {"weights inline", true, v1::DTYPE_INT32, false, true, "", false},
       {"weights in a system region", true, v1::DTYPE_INT32, false, false, "host", false},
+      {"both in a system region", true, v1::DTYPE_INT32, false, false, "host", false, "host"},
+      {"ids in a system region", true, v1::DTYPE_INT32, false, false, "gpu2", false, "host"},
   };
   const int64_t m = 4, topk = 2, hidden = 8;
   for (const Case& c : cases) {
@@ -280,7 +284,7 @@ TEST(ConvertTest, RoutingStaysOnTheDeviceOnlyWhenTheEngineChecksItThere) {
     hr->set_byte_size(m * hidden * 2);
     *header.mutable_topk_ids() = Header(c.ids_dtype, {m, topk});
     auto* ir = header.mutable_topk_ids()->mutable_region();
-    ir->set_name("gpu");
+    ir->set_name(c.ids_region);
     ir->set_offset(4096);
     ir->set_byte_size(id_bytes);
     *header.mutable_topk_weights() = Header(v1::DTYPE_FP32, {m, topk});
@@ -310,7 +314,9 @@ TEST(ConvertTest, RoutingStaysOnTheDeviceOnlyWhenTheEngineChecksItThere) {
       EXPECT_EQ(input->topk_ids.raw_data(), gpu->bytes_.data() + 4096);
       EXPECT_EQ(gpu->copies_in.load(), copies_before);
     } else {
-      EXPECT_NE(input->topk_ids.raw_data(), gpu->bytes_.data() + 4096);  // a private copy
+      // A private copy, wherever the ids' region is.
+      EXPECT_NE(input->topk_ids.raw_data(), gpu->bytes_.data() + 4096);
+      EXPECT_NE(input->topk_ids.raw_data(), host->bytes_.data() + 4096);
     }
     held.Release();
   }
