@@ -83,6 +83,8 @@ class HeldUnaryReactor final : public grpc::ServerUnaryReactor {
   // Adds `bytes` to what this call holds if the budget allows; false otherwise. Call before
   // FinishAndHold, from one thread at a time.
   bool Hold(int64_t bytes);
+  // What Hold has taken so far.
+  int64_t held_bytes() const { return held_bytes_; }
   // Finish(status), watched. Do not touch the reactor afterwards.
   void FinishAndHold(const grpc::Status& status);
 

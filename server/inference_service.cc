@@ -155,7 +155,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
   // Admission: refused at once when the bytes calls hold would pass the limit.
   auto hold = [metrics, moe, reactor](int64_t bytes, absl::string_view what) {
     if (moe == nullptr) return absl::OkStatus();
-    if (!reactor->Hold(bytes)) return moe->HoldRefused("ModelInfer", bytes, what);
+    if (!reactor->Hold(bytes)) {
+      return moe->HoldRefused("ModelInfer", bytes, what, reactor->held_bytes());
+    }
     if (metrics) metrics->SetHeldBytes(moe->held_bytes());
     return absl::OkStatus();
   };

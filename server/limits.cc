@@ -1,10 +1,13 @@
 #include "server/limits.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/checked_math.h"
 
 namespace moeserve {
 
@@ -20,7 +23,43 @@ std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048
 }  // namespace
 
 int64_t MaxForwardMessageBytes(const ModelConfig& model, int64_t tokens) {
-  return tokens * TokenBytes(model) + kMessageOverheadBytes;
+  // Saturates: the flags may ask for any token count (a note then prints what it needs).
+  const std::optional<int64_t> bytes = CheckedMul(std::max<int64_t>(tokens, 0), TokenBytes(model));
+  if (!bytes.has_value() || *bytes > INT64_MAX - kMessageOverheadBytes) return INT64_MAX;
+  return *bytes + kMessageOverheadBytes;
+}
+
+int64_t MaxForwardAnswerBytes(const ModelConfig& model, int64_t tokens) {
+  const std::optional<int64_t> bytes =
+      CheckedProduct({std::max<int64_t>(tokens, 0), model.hidden, 4});
+  if (!bytes.has_value() || *bytes > INT64_MAX - kMessageOverheadBytes) return INT64_MAX;
+  return *bytes + kMessageOverheadBytes;
+}
+
+std::string HeldBytesNote(const ModelConfig& model, int64_t max_tokens, int64_t max_queued_bytes) {
+  if (max_queued_bytes <= 0 || max_tokens <= 0) return "";
+  const auto call_bytes = [&](int64_t tokens) {
+    const int64_t request = MaxForwardMessageBytes(model, tokens);
+    const int64_t answer = MaxForwardAnswerBytes(model, tokens);
+    return request > INT64_MAX - answer ? INT64_MAX : request + answer;
+  };
+  if (call_bytes(max_tokens) <= max_queued_bytes) return "";
+  // The most tokens whose fp32 call fits (call_bytes grows with the tokens).
+  int64_t lo = 0, hi = max_tokens;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (call_bytes(mid) <= max_queued_bytes) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return absl::StrCat("note: --max_queued_bytes=", max_queued_bytes,
+                      " is below what one Forward of M=", max_tokens, " fp32 holds (",
+                      MiB(call_bytes(max_tokens)),
+                      " of request and answer): such calls are refused however idle the server "
+                      "is; fp32 calls fit up to M=",
+                      lo, " (BF16 about twice that). Raise --max_queued_bytes to serve them");
 }
 
 int64_t ExpertWeightsMessageBytes(const ModelConfig& model) {

@@ -23,6 +23,13 @@ inline constexpr int64_t kGrpcMaxMessageBytes = (int64_t{1} << 31) - 1;
 // Bytes of the largest valid Forward (or ModelInfer) request of `tokens` tokens: FP32 hidden
 // states, INT64 ids, FP32 weights, plus kMessageOverheadBytes. Answers are never larger.
 int64_t MaxForwardMessageBytes(const ModelConfig& model, int64_t tokens);
+// Bytes of the largest Forward answer of `tokens` tokens (FP32 output) plus
+// kMessageOverheadBytes. Both saturate at INT64_MAX.
+int64_t MaxForwardAnswerBytes(const ModelConfig& model, int64_t tokens);
+// Non-empty when --max_queued_bytes (> 0) is below what one valid Forward of `max_tokens` fp32
+// tokens holds (request + answer): a line saying so and up to what M calls fit. Such a call is
+// refused (RESOURCE_EXHAUSTED naming the flag) on an idle server too.
+std::string HeldBytesNote(const ModelConfig& model, int64_t max_tokens, int64_t max_queued_bytes);
 // Bytes of one GetExpertWeights answer (BF16 w13 and w2) plus kMessageOverheadBytes.
 int64_t ExpertWeightsMessageBytes(const ModelConfig& model);
 

@@ -223,8 +223,15 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
 }
 
 absl::Status MoeServiceImpl::HoldRefused(absl::string_view method, int64_t bytes,
-                                         absl::string_view what) {
+                                         absl::string_view what, int64_t call_held) {
   if (metrics_) metrics_->OnRefusedForMemory();
+  if (bytes > held_bytes_.limit() - call_held) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        method, ": this call alone holds ", call_held + bytes, " bytes of request and answer (",
+        what, ": ", bytes, "), more than max_queued_bytes=", held_bytes_.limit(),
+        " allows however idle the server is; send fewer tokens per call, or start the server "
+        "with a larger --max_queued_bytes"));
+  }
   return absl::ResourceExhaustedError(absl::StrCat(
       method, ": the server holds ", held_bytes_.used(), " bytes of requests and answers; ", what,
       " of ", bytes, " bytes would pass max_queued_bytes=", held_bytes_.limit(),
@@ -253,7 +260,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   };
   // Admission: refused at once when the bytes calls hold would pass the limit.
   auto hold = [this, reactor](int64_t bytes, absl::string_view what) {
-    if (!reactor->Hold(bytes)) return HoldRefused("Forward", bytes, what);
+    if (!reactor->Hold(bytes)) return HoldRefused("Forward", bytes, what, reactor->held_bytes());
     if (metrics_) metrics_->SetHeldBytes(held_bytes_.used());
     return absl::OkStatus();
   };
@@ -408,7 +415,12 @@ class MoeServiceImpl::StreamReactor final
   // written), or the call's RESOURCE_EXHAUSTED.
   absl::Status Hold(uint64_t seq, int64_t bytes, absl::string_view what) {
     if (!service_->held_bytes_.TryAcquire(bytes)) {
-      return service_->HoldRefused("ForwardStream", bytes, what);
+      int64_t call_held;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        call_held = slots_[seq - front_seq_].held;
+      }
+      return service_->HoldRefused("ForwardStream", bytes, what, call_held);
     }
     {
       std::lock_guard<std::mutex> lock(mu_);

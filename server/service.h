@@ -177,8 +177,10 @@ class MoeServiceImpl final : public MoeServiceBase {
   ByteBudget* held_budget() { return &held_bytes_; }
   AnswerHoldWatch* answer_watch() { return &answer_watch_; }
   // The refusal of `bytes` more (`what`: "this request", "its answer") by `method` at
-  // max_queued_bytes; counts it in the metrics.
-  absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what);
+  // max_queued_bytes, for a call that holds `call_held` bytes already; counts it in the
+  // metrics. A call that alone passes the limit is told so (no retry will pass).
+  absl::Status HoldRefused(absl::string_view method, int64_t bytes, absl::string_view what,
+                           int64_t call_held);
   // The region registry; null while shared memory is off. Read only after
   // ServingState::engine() returned non-null (it is set before the engine is published).
   const RegionRegistry* regions() const { return regions_.get(); }

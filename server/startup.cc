@@ -219,6 +219,11 @@ int RunMoeserveProcess(ProcessOptions options) {
     return 1;
   }
   if (!limits->note.empty()) Log(limits->note);
+  if (const std::string note =
+          HeldBytesNote(*model, limits->max_tokens_per_request, options.server.max_queued_bytes);
+      !note.empty()) {
+    Log(note);
+  }
   options.engine.max_tokens_per_request = limits->max_tokens_per_request;
   options.server.max_message_bytes = limits->max_message_bytes;
   options.server.grpc_limit_bytes = limits->grpc_limit_bytes;

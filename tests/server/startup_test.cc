@@ -302,6 +302,31 @@ TEST(MessageLimitsTest, TokenLimitLoweredToFit) {
   EXPECT_THAT(huge.status().message(), HasSubstr("2 GiB"));
 }
 
+// --max_queued_bytes below one valid call's request + answer: a note at startup naming the
+// flag and the largest M that fits (such calls are refused however idle the server is).
+TEST(MessageLimitsTest, HeldBytesNoteNamesTheLargestCallThatFits) {
+  const ModelConfig m = Model(7168, 2048, 8);
+  const int64_t budget = int64_t{512} << 20;
+  const auto call = [&](int64_t tokens) {
+    return MaxForwardMessageBytes(m, tokens) + MaxForwardAnswerBytes(m, tokens);
+  };
+  EXPECT_LE(call(8192), budget);
+  EXPECT_EQ(HeldBytesNote(m, 8192, budget), "");
+  EXPECT_EQ(HeldBytesNote(m, 16384, 0), "");  // no limit
+  const std::string note = HeldBytesNote(m, 16384, budget);
+  int64_t fits = 0;
+  while (call(fits + 1) <= budget) ++fits;
+  EXPECT_GT(fits, 8192);
+  EXPECT_LT(fits, 16384);
+  EXPECT_THAT(note, HasSubstr("--max_queued_bytes=536870912"));
+  EXPECT_THAT(note, HasSubstr("one Forward of M=16384 fp32"));
+  EXPECT_THAT(note, HasSubstr(absl::StrCat("fp32 calls fit up to M=", fits, " ")));
+  // Sizes saturate instead of overflowing for any token count a flag may give.
+  EXPECT_EQ(MaxForwardMessageBytes(m, INT64_MAX / 2), INT64_MAX);
+  EXPECT_EQ(MaxForwardAnswerBytes(m, INT64_MAX / 2), INT64_MAX);
+  EXPECT_THAT(HeldBytesNote(m, INT64_MAX / 2, budget), HasSubstr("fp32 calls fit up to M="));
+}
+
 TEST(MessageLimitsTest, RefusesLimitsThatCannotWork) {
   const ModelConfig m = Model(7168, 2048, 8);
   for (auto [tokens, bytes, flag] :
