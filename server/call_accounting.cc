@@ -23,7 +23,9 @@ constexpr absl::string_view kMoeMethods[] = {"Forward",
                                              "RegisterSystemSharedMemory",
                                              "RegisterCudaSharedMemory",
                                              "UnregisterSharedMemory",
-                                             "SharedMemoryStatus"};
+                                             "SharedMemoryStatus",
+                                             "RegisterForwardChannel",
+                                             "UnregisterForwardChannel"};
 // KServe v2 (server/inference_service.h), labelled by method name like MoeService's.
 constexpr absl::string_view kKServePrefix = "/inference.GRPCInferenceService/";
 constexpr absl::string_view kKServeMethods[] = {"ServerLive",

@@ -37,6 +37,7 @@ using ::moeserve::testing::HttpGetMetrics;
 using ::moeserve::testing::MetricValue;
 using ::moeserve::testing::RandomRequest;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int64_t kMaxTokens = 2048;
 constexpr int64_t kMaxQueuedBytes = 8 << 20;
@@ -282,6 +283,7 @@ TEST_F(LimitsTest, ModelInferClientsThatNeverReadAnswersDoNotPinMemory) {
   for (const grpc::Status& status : calls.ReadAll()) {
     if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
       EXPECT_THAT(status.error_message(), HasSubstr("max_queued_bytes=8388608"));
+      EXPECT_THAT(status.error_message(), HasSubstr("retry later"));  // each fits alone
     }
   }
 }
@@ -294,6 +296,9 @@ TEST_F(LimitsTest, RequestOverTheByteBudgetIsRefusedAtOnce) {
   grpc::Status s = Forward(NewChannel().get(), request, &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("max_queued_bytes=8388608"));
+  // No retry can pass: the message says so instead of "retry later".
+  EXPECT_THAT(s.error_message(), HasSubstr("this call alone holds"));
+  EXPECT_THAT(s.error_message(), Not(HasSubstr("retry")));
   EXPECT_EQ(server_->service().held_bytes(), 0);
 }
 
@@ -427,6 +432,18 @@ TEST(ByteBudgetTest, AdmitsUpToTheLimitAndReleases) {
   ByteBudget unbounded(0);
   EXPECT_TRUE(unbounded.TryAcquire(int64_t{1} << 62));
   EXPECT_EQ(unbounded.used(), int64_t{1} << 62);
+}
+
+// Every method the proto declares has its own label (two were once "unknown").
+TEST(MethodLabelTest, EveryDeclaredMethodIsKnown) {
+  const google::protobuf::ServiceDescriptor* service =
+      v1::ForwardRequest::descriptor()->file()->FindServiceByName("MoeService");
+  ASSERT_NE(service, nullptr);
+  ASSERT_GE(service->method_count(), 11);
+  for (int i = 0; i < service->method_count(); ++i) {
+    const std::string name = service->method(i)->name();
+    EXPECT_EQ(MethodLabel("/moeserve.v1.MoeService/" + name), name);
+  }
 }
 
 TEST(MethodLabelTest, IsBounded) {
