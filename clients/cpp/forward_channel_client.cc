@@ -96,7 +96,14 @@ absl::StatusOr<std::unique_ptr<ForwardChannelClient>> ForwardChannelClient::Crea
   return channel;
 }
 
-ForwardChannelClient::~ForwardChannelClient() { Close().IgnoreError(); }
+ForwardChannelClient::~ForwardChannelClient() {
+  if (Close().ok() || base_ == nullptr) return;
+  // The server refused to let go (a call of ours it still runs) or could not be reached: our
+  // mapping and the name go anyway (the server's own mapping keeps the memory while it has it).
+  munmap(base_, map_bytes_);
+  base_ = nullptr;
+  shm_unlink(key_.c_str());
+}
 
 absl::Status ForwardChannelClient::Close() {
   if (registered_) {
@@ -116,7 +123,7 @@ uint8_t* ForwardChannelClient::slot(int i) const {
   return base_ + ch::kForwardChannelSlotsOffset + static_cast<uint64_t>(i) * slot_bytes_;
 }
 
-int ForwardChannelClient::AcquireSlot() {
+absl::StatusOr<int> ForwardChannelClient::AcquireSlot(Clock::time_point give_up) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     // Slots given up on come back once the server has answered them.
@@ -127,6 +134,16 @@ int ForwardChannelClient::AcquireSlot() {
       }
     }
     if (!free_.empty()) break;
+    // Every slot is in flight or given up on: a detached server answers none of them again.
+    if (Word(base_ + ch::kServerAttachedOffset)->load() == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("ForwardChannelClient: the server stopped serving channel '", name_, "'"));
+    }
+    if (Clock::now() > give_up) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "ForwardChannelClient: no free slot within the deadline on channel '", name_, "' (",
+          num_slots_, " slots, each in flight or given up on and not yet answered)"));
+    }
     cv_.wait_for(lock, std::chrono::milliseconds(1));
   }
   const int i = free_.back();
@@ -165,7 +182,12 @@ absl::StatusOr<ForwardResult> ForwardChannelClient::Forward(const grpc::ByteBuff
         payload, "; put the tensors in shared-memory regions or use larger slots"));
   }
   const Clock::time_point start = Clock::now();
-  const int i = AcquireSlot();
+  const absl::Duration deadline = client_->options().deadline;
+  const Clock::time_point give_up =
+      start + absl::ToChronoNanoseconds(deadline) + std::chrono::seconds(1);
+  absl::StatusOr<int> acquired = AcquireSlot(give_up);
+  if (!acquired.ok()) return acquired.status();
+  const int i = *acquired;
   uint8_t* s = slot(i);
   std::vector<grpc::Slice> slices;
   if (!request.Dump(&slices).ok()) {
@@ -182,7 +204,6 @@ absl::StatusOr<ForwardResult> ForwardChannelClient::Forward(const grpc::ByteBuff
     std::lock_guard<std::mutex> lock(mu_);
     sequence = next_sequence_++;
   }
-  const absl::Duration deadline = client_->options().deadline;
   Store<uint32_t>(s + ch::kSlotRequestBytesOffset, static_cast<uint32_t>(n));
   Store<uint64_t>(s + ch::kSlotTimeoutUsOffset,
                   static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(deadline))));
@@ -195,8 +216,6 @@ absl::StatusOr<ForwardResult> ForwardChannelClient::Forward(const grpc::ByteBuff
 
   // Wait: poll for spin_, then sleep on the slot's state with short timeouts.
   const auto spin = absl::ToChronoNanoseconds(spin_);
-  const Clock::time_point give_up =
-      start + absl::ToChronoNanoseconds(deadline) + std::chrono::seconds(1);
   uint32_t now_state = state->load(std::memory_order_acquire);
   while (now_state != ch::kSlotAnswer && Clock::now() - start < spin) {
     CpuRelax();

@@ -15,6 +15,7 @@
 #define MOESERVE_CLIENTS_CPP_FORWARD_CHANNEL_CLIENT_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -47,7 +48,7 @@ class ForwardChannelClient {
   // server refuses (shared memory off, not the same host).
   static absl::StatusOr<std::unique_ptr<ForwardChannelClient>> Create(
       MoeClient* client, const ForwardChannelOptions& options = {});
-  // Close(), errors ignored.
+  // Close(); where the server refuses to unregister, still unmaps and unlinks this side.
   ~ForwardChannelClient();
   ForwardChannelClient(const ForwardChannelClient&) = delete;
   ForwardChannelClient& operator=(const ForwardChannelClient&) = delete;
@@ -72,7 +73,10 @@ class ForwardChannelClient {
  private:
   ForwardChannelClient() = default;
   uint8_t* slot(int i) const;
-  int AcquireSlot();
+  using Clock = std::chrono::steady_clock;
+  // A free slot, or UNAVAILABLE once the server detached / DEADLINE_EXCEEDED after `give_up`
+  // while every slot is in flight or given up on.
+  absl::StatusOr<int> AcquireSlot(Clock::time_point give_up);
   void ReleaseSlot(int i);
 
   MoeClient* client_ = nullptr;

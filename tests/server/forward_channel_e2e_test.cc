@@ -7,8 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -324,14 +327,27 @@ TEST(ForwardChannelServerTest, OffUnlessSharedMemoryAndDetachesAtShutdown) {
   auto client = MoeClient::Create((*server)->bound_addresses()[0]).value();
   ForwardChannelOptions quick;
   quick.spin = absl::Milliseconds(1);
+  quick.num_slots = 1;
   auto channel = ForwardChannelClient::Create(client.get(), quick);
   ASSERT_TRUE(channel.ok()) << channel.status();
   (*server)->Shutdown();
   std::mt19937_64 rng(1);
   const ModelConfig& model = (*engine)->info().model;
-  absl::StatusOr<ForwardResult> got = (*channel)->Forward(RandomRequest(
-      rng, 0, 2, model.hidden, model.num_experts, model.topk, v1::DTYPE_BF16, v1::DTYPE_INT32));
-  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  // The first call gives its one slot up (unanswered); the next ones must not wait for it
+  // forever (they once did: a slot given up on came back only when answered).
+  for (int call = 0; call < 3; ++call) {
+    auto got = std::async(std::launch::async, [&] {
+      return (*channel)->Forward(RandomRequest(rng, 0, 2, model.hidden, model.num_experts,
+                                               model.topk, v1::DTYPE_BF16, v1::DTYPE_INT32));
+    });
+    if (got.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      ADD_FAILURE() << "call " << call << " on a detached channel hangs";
+      std::abort();  // the blocked call would keep the test from ending
+    }
+    const absl::Status s = got.get().status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << "call " << call << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("stopped serving channel"));
+  }
 }
 
 }  // namespace
