@@ -43,6 +43,10 @@ Corruptions (--corrupt), each applied to expert 1's up weight of the first MoE l
   shape_mismatch     it is written transposed ([hidden, intermediate]), unlike config.json
   nan_weight         one of its values is NaN
   f64_weight         it is F64, which moeserve does not load
+  huge_weight        one BF16 value is 0x7F7F (finite, 3.39e38): loads as bf16, but quantized
+                     to MXFP8 it rounds to 2^128 (Inf in FP32), so serving it as mxfp8 refuses
+  mxfp8_overflow     (with --mxfp8) one value is 0x7e (1.75) in a block of scale 2^127 (the
+                     block's other values 0): Inf in FP32
 Packages: numpy, safetensors, ml_dtypes (for BF16 and F8_E4M3 numpy dtypes).
 """
 
@@ -58,7 +62,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 CORRUPTIONS = ("truncated", "header_past_end", "offsets_past_end", "unknown_dtype",
-               "missing_expert", "shape_mismatch", "nan_weight", "f64_weight")
+               "missing_expert", "shape_mismatch", "nan_weight", "f64_weight", "huge_weight",
+               "mxfp8_overflow")
 SCHEMES = ("qwen3-moe", "deepseek-v3", "mixtral")
 VOCAB = 64
 
@@ -251,6 +256,20 @@ def build(a):
         tensors[victim] = t
     elif a.corrupt == "f64_weight":
         tensors[victim] = tensors[victim].astype(np.float64)
+    elif a.corrupt == "huge_weight":
+        t = tensors[victim].copy()
+        t.view(np.uint16)[2, 3] = 0x7F7F
+        tensors[victim] = t
+    elif a.corrupt == "mxfp8_overflow":
+        if not a.mxfp8:
+            raise SystemExit("--corrupt mxfp8_overflow needs --mxfp8")
+        q = tensors[victim].copy()
+        q.view(np.uint8)[2, :32] = 0  # the block's other values stay finite at that scale
+        q.view(np.uint8)[2, 3] = 0x7E
+        tensors[victim] = q
+        code = tensors[victim + "_scale"].copy()
+        code[2, 0] = 254
+        tensors[victim + "_scale"] = code
 
     # Shards: consecutive tensors, about equal bytes each.
     names = list(tensors)
@@ -369,7 +388,9 @@ SUITE = {
     "deepseek_mxfp8_sharded": ["--scheme", "deepseek-v3", "--mxfp8", "--shards", "2",
                                "--seed", "8"],
     **{f"corrupt_{c}": ["--scheme", "qwen3-moe", "--shards", "2", "--seed", "9", "--corrupt", c]
-       for c in CORRUPTIONS},
+       for c in CORRUPTIONS if c != "mxfp8_overflow"},
+    "corrupt_mxfp8_overflow": ["--scheme", "qwen3-moe", "--mxfp8", "--seed", "9", "--corrupt",
+                               "mxfp8_overflow"],
     # Routers: DeepSeek-V3 with groups and the correction bias; broken gates.
     "deepseek_router": ["--scheme", "deepseek-v3", "--experts", "16", "--topk", "4",
                         "--n-group", "4", "--topk-group", "2", "--routed-scaling-factor", "2.5",

@@ -141,6 +141,27 @@ absl::Status FloatToBf16(const Source& s, uint16_t* dst) {
   return absl::OkStatus();
 }
 
+// Values whose dequantized magnitude reaches 2^128 (Inf in FP32): a block scale of 2^120 or
+// more (code >= 247) with a large enough value. The loader promises no Inf weight in any
+// format; a pre-quantized checkpoint can hold one, and so can a float checkpoint quantized
+// here (|x| >= 1.9375 * 2^127 rounds to 2^128, kernels/cpu/mxfp8.h).
+absl::Status CheckMxfp8Range(const Source& s, const uint8_t* q, const uint8_t* scales) {
+  constexpr uint8_t kFirstRiskyScale = 247;  // 448 x 2^(c - 127) < 2^128 below it
+  const int64_t blocks = kernels::Mxfp8ScaleBlocks(s.k);
+  for (int64_t i = 0; i < s.rows * blocks; ++i) {
+    if (scales[i] < kFirstRiskyScale || scales[i] == kernels::kE8M0NanCode) continue;
+    const int64_t r = i / blocks, begin = (i % blocks) * kernels::kMxfp8BlockSize;
+    const int64_t end = std::min<int64_t>(begin + kernels::kMxfp8BlockSize, s.k);
+    const float scale = kernels::E8M0ToFloat(scales[i]);
+    for (int64_t c = begin; c < end; ++c) {
+      if (std::isinf(kernels::E4M3ToFloat(q[r * s.k + c]) * scale)) {
+        return NonFinite(s, r * s.k + c, "value x scale overflows FP32 (Inf)");
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckMxfp8Codes(const Source& s, const uint8_t* q, const uint8_t* scales) {
   const int64_t blocks = kernels::Mxfp8ScaleBlocks(s.k);
   for (int64_t i = 0; i < s.rows * blocks; ++i) {
@@ -152,7 +173,7 @@ absl::Status CheckMxfp8Codes(const Source& s, const uint8_t* q, const uint8_t* s
   for (int64_t i = 0; i < s.rows * s.k; ++i) {
     if ((q[i] & 0x7f) == kernels::kE4M3NanCode) return NonFinite(s, i, "E4M3 NaN code");
   }
-  return absl::OkStatus();
+  return CheckMxfp8Range(s, q, scales);
 }
 
 // Pre-quantized MXFP8 -> BF16 dst (exact except below BF16's smallest subnormal).
@@ -180,7 +201,7 @@ absl::Status QuantizeBf16(const Source& s, const uint16_t* bf16, uint8_t* q, uin
     return absl::InternalError(
         absl::StrCat(s.Where(), ": MXFP8 quantization failed: ", kernels::Mxfp8StatusName(st)));
   }
-  return absl::OkStatus();
+  return CheckMxfp8Range(s, q, scales);
 }
 
 }  // namespace

@@ -366,6 +366,29 @@ TEST(CorruptCheckpoint, OtherRanksExpertsAreNotRead) {
   EXPECT_FALSE(Load("corrupt_truncated", WeightFormat::kBF16, {3}).ok());
 }
 
+// Weights that are finite in the checkpoint but Inf once dequantized from MXFP8 (FP32 tops out
+// below 2^128): refused as non-finite in that format, as the loader promises for every format.
+TEST(CorruptCheckpoint, Mxfp8ValuesThatDequantizeToInfAreRefused) {
+  // A BF16 value of 0x7F7F (3.39e38) loads as bf16 and rounds to 2^128 as MXFP8.
+  EXPECT_TRUE(Load("corrupt_huge_weight", WeightFormat::kBF16, {1}).ok());
+  auto huge = Load("corrupt_huge_weight", WeightFormat::kMXFP8, {1});
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(huge.status().message(), HasSubstr("value x scale overflows FP32 (Inf) at [2, 3]"));
+  EXPECT_THAT(huge.status().message(), HasSubstr("up_proj"));
+  // A pre-quantized 1.75 in a block of scale 2^127: Inf in FP32, refused in either format.
+  for (WeightFormat format : {WeightFormat::kMXFP8, WeightFormat::kBF16}) {
+    auto overflow = Load("corrupt_mxfp8_overflow", format, {1});
+    ASSERT_FALSE(overflow.ok());
+    EXPECT_EQ(overflow.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(overflow.status().message(), HasSubstr("at [2, 3]")) << overflow.status();
+    EXPECT_THAT(overflow.status().message(), HasSubstr("refusing to serve non-finite weights"));
+  }
+  // Other experts of those checkpoints load.
+  EXPECT_TRUE(Load("corrupt_mxfp8_overflow", WeightFormat::kMXFP8, {0, 2}).ok());
+  EXPECT_TRUE(Load("corrupt_huge_weight", WeightFormat::kMXFP8, {0, 2}).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Kinds, CorruptCheckpointTest,
                          ::testing::Values("truncated", "header_past_end", "offsets_past_end",
                                            "unknown_dtype", "missing_expert", "shape_mismatch",
