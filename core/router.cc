@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/model_config.h"
+#include "core/modular_kernel.h"
 #include "core/status_macros.h"
 #include "core/thread_pool.h"
 #include "core/weights.h"
@@ -53,6 +54,9 @@ struct SelectScratch {
 void SelectOne(const RouterConfig& c, int num_experts, int topk, float* logits, const float* bias,
                int32_t* ids, float* weights, SelectScratch& ws) {
   float* scores = logits;
+  // Sigmoid maps an infinite logit to a finite score: the token's inputs decide, not its scores.
+  bool finite_logits = true;
+  for (int e = 0; e < num_experts; ++e) finite_logits = finite_logits && std::isfinite(logits[e]);
   if (c.scoring == RouterScoring::kSoftmax) {
     float max = -std::numeric_limits<float>::infinity();
     for (int e = 0; e < num_experts; ++e) max = std::max(max, scores[e]);
@@ -113,7 +117,7 @@ void SelectOne(const RouterConfig& c, int num_experts, int topk, float* logits, 
     finite = finite && std::isfinite(weights[k]);
     sum += weights[k];
   }
-  if (!finite) {
+  if (!finite || !finite_logits) {
     std::fill(weights, weights + topk, 0.0f);
     return;
   }
@@ -175,8 +179,11 @@ absl::Status RouterConfig::Validate(int num_experts, int topk) const {
                  " experts hold fewer than topk=", topk, " experts");
     }
   }
-  if (!std::isfinite(routed_scaling_factor) || routed_scaling_factor <= 0) {
-    return bad("routed_scaling_factor ", routed_scaling_factor, " must be finite and > 0");
+  // Weights are scores (at most 1) times the factor; a Forward takes |w| <= kMaxAbsTopkWeight.
+  if (!std::isfinite(routed_scaling_factor) || routed_scaling_factor <= 0 ||
+      routed_scaling_factor > kMaxAbsTopkWeight) {
+    return bad("routed_scaling_factor ", routed_scaling_factor, " must be finite, > 0 and at most ",
+               kMaxAbsTopkWeight, " (the largest top-k weight a Forward takes)");
   }
   return absl::OkStatus();
 }

@@ -48,7 +48,8 @@ struct RouterConfig {
 
   // INVALID_ARGUMENT naming the setting: n_group must divide num_experts, groups (when
   // n_group > 1) hold at least 2 experts, topk_group in [1, n_group], the kept groups hold at
-  // least topk experts, routed_scaling_factor finite and > 0.
+  // least topk experts, routed_scaling_factor finite, > 0 and at most kMaxAbsTopkWeight (1e4,
+  // the largest top-k weight a Forward takes).
   absl::Status Validate(int num_experts, int topk) const;
   // E.g. "softmax_topk(renormalize)" or "sigmoid_grouped_topk(n_group=8, topk_group=4,
   // e_score_correction_bias, renormalize, routed_scaling_factor=2.5)"; what ModelInfo reports.

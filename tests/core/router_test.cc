@@ -285,7 +285,8 @@ TEST(RouterTest, NonFiniteTokenGetsDistinctIdsAndZeroWeights) {
       std::set<int32_t> ids(r->ids.begin() + 3, r->ids.begin() + 6);
       EXPECT_EQ(ids.size(), 3u);
       for (int32_t id : ids) EXPECT_TRUE(id >= 0 && id < e);
-      for (int k = 3; k < 6; ++k) EXPECT_TRUE(std::isfinite(r->weights[k]));
+      // Weight 0 on each, as the contract says (sigmoid once gave an Inf logit 1/3 each).
+      for (int k = 3; k < 6; ++k) EXPECT_EQ(r->weights[k], 0.0f) << k;
       // Tokens 0 and 2 route as usual (their weights sum to 1).
       EXPECT_NEAR(r->weights[0] + r->weights[1] + r->weights[2], 1.0, 1e-5);
       EXPECT_NEAR(r->weights[6] + r->weights[7] + r->weights[8], 1.0, 1e-5);
@@ -306,6 +307,13 @@ TEST(RouterTest, ConfigValidation) {
   EXPECT_NE(c.Validate(16, 8).message().find("fewer than topk"), absl::string_view::npos);
   c.topk_group = 2;
   EXPECT_TRUE(c.Validate(16, 8).ok());
+  // A scaling factor past the largest weight a Forward takes would refuse every routed call.
+  c.routed_scaling_factor = 1e4f;
+  EXPECT_TRUE(c.Validate(16, 8).ok());
+  c.routed_scaling_factor = 1e5f;
+  EXPECT_NE(c.Validate(16, 8).message().find("at most 10000"), absl::string_view::npos)
+      << c.Validate(16, 8);
+  c.routed_scaling_factor = 2.5f;
   c.routed_scaling_factor = 0;
   EXPECT_NE(c.Validate(16, 8).message().find("routed_scaling_factor"), absl::string_view::npos);
   EXPECT_EQ(RouterConfig().Validate(4, 5).code(), absl::StatusCode::kInvalidArgument);
