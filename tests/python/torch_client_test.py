@@ -29,6 +29,13 @@
     flight, server routing with return_routing, system regions, CUDA tensors), the same
     refusals (INVALID_ARGUMENT, DEADLINE_EXCEEDED, a wrong `out`), a bearer token sent by
     both paths (UNAUTHENTICATED without it); skipped without the library.
+  * float or bool ids refused (TypeError), not truncated; result() after close() raises
+    RuntimeError, on every way in (a subprocess: reading a closed region was a SIGSEGV);
+  * a region whose call failed without the server's answer (the client's deadline: faked, and
+    for real against a server that holds calls 0.5 s) is not reused and is freed only once
+    the server unregisters it; a server error gives it back at once; zero-copy bytes of such a
+    call stay busy while the server reports calls in flight; a CUDA region the server refuses
+    to unregister is never freed (faked runtime: no GPU needed).
 Exits 77 (CTest: skipped) when torch is not installed.
 
   torch_client_test.py --server BUILD/bin/moeserve --cli BUILD/bin/moeserve-cli --source-dir REPO
@@ -37,9 +44,12 @@ Exits 77 (CTest: skipped) when torch is not installed.
 import argparse
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import unittest
+from unittest import mock
 
 try:
     import torch
@@ -159,6 +169,24 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
         empty = self.client.forward(x[:0], ids[:0], w[:0])
         self.assertEqual(tuple(empty.shape), (0, x.shape[1]))
+
+    def test_non_integer_ids_refused(self):
+        # Float or bool ids are refused (TypeError naming the dtype), not truncated to int32,
+        # by every path: the C++ client's fast one, grpcio's bytes, a system region.
+        x, ids, w = self.inputs(4, 21)
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=False,
+                               native=False) as region_client:
+            for c in (self.client, region_client):
+                for bad in (ids.float() + 0.5, ids.double(), ids.half(), ids.bfloat16(),
+                            ids.bool()):
+                    with self.assertRaisesRegex(TypeError, str(bad.dtype)) as cm:
+                        c.forward(x, bad, w)
+                    self.assertIn("int32", str(cm.exception))
+                    self.assertIn("int64", str(cm.exception))
+                    with self.assertRaises(TypeError):
+                        c.submit(x, bad, w)
+                # Integer ids of other types are still sent (as int32).
+                self.assertTrue(torch.equal(c.forward(x, ids.short(), w), c.forward(x, ids, w)))
 
     def test_server_routing(self):
         self.assertTrue(self.info.server_routing)
@@ -607,6 +635,305 @@ class ZeroCopyTest(unittest.TestCase):
             self.assertTrue(fut.zero_copy)
             full = self.npc.forward_full(np_of(x), layer=1, return_routing=True)
             self.assertEqual(np_of(y).tobytes(), full.output.tobytes())
+
+
+class _Failing:
+    """In place of a client's grpcio Forward (c._forward): every call fails with `error`, as
+    a client-side deadline does (the server may still run the call)."""
+
+    class _Future:
+        def __init__(self, error):
+            self._error = error
+
+        def done(self):
+            return True
+
+        def result(self):
+            raise self._error
+
+    def __init__(self, error):
+        self.error = error
+
+    def __call__(self, request, timeout=None):
+        raise self.error
+
+    def future(self, request, timeout=None):
+        return self._Future(self.error)
+
+
+def _call_error(code, message="a client-side failure (fake)"):
+    return tc._native.CallError(code.value[0], message)
+
+
+_RESULT_AFTER_CLOSE = r"""
+import sys, time
+sys.path.insert(0, sys.argv[2])
+import torch
+from moeserve_client import torch_client as tc
+for native in (False, True):
+    for channel in (False, True):
+        for shm in ("system", "off"):
+            what = f"native={native} channel={channel} shared_memory={shm}"
+            try:
+                c = tc.TorchMoeClient(sys.argv[1], shared_memory=shm, channel=channel,
+                                      native=native)
+            except OSError:
+                print("no native library", flush=True)
+                continue
+            info = c.info()
+            x = torch.randn(3, info.hidden).bfloat16()
+            ids = torch.arange(info.topk, dtype=torch.int32).repeat(3, 1)
+            w = torch.full((3, info.topk), 0.5)
+            done = c.submit(x, ids, w)
+            while not done.done():
+                time.sleep(0.001)
+            pending = c.submit(x, ids, w)
+            c.close()
+            for name, fut in (("done", done), ("pending", pending)):
+                try:
+                    c.result(fut)
+                    print("ANSWERED", name, what, flush=True)
+                except RuntimeError as e:
+                    print("refused", name, what, e, flush=True)
+            try:
+                c.submit(x, ids, w)
+                print("SUBMITTED", what, flush=True)
+            except RuntimeError:
+                print("refused submit", what, flush=True)
+print("survived", flush=True)
+"""
+
+
+class FailuresAndCloseTest(unittest.TestCase):
+    """What a failed or given-up call leaves behind: result() after close() raises (no read
+    of an unmapped region: run in a subprocess, a crash is a signal); a region whose call
+    failed without the server's answer (the server may still write into it) is not reused
+    until the server lets go of it, nor are a zero-copy call's bytes; a server error gives the
+    region back at once; a CUDA region the server refuses to unregister is never freed."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.npc = mc.MoeClient(SERVER.target)
+        cls.info = cls.npc.info()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.npc.close()
+
+    def inputs(self, m, seed):
+        g = torch.Generator().manual_seed(seed)
+        h, e, k = self.info.hidden, self.info.num_experts, self.info.topk
+        x = torch.randn(m, h, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+        w = torch.softmax(torch.randn(m, k, generator=g), dim=1)
+        return x, ids, w
+
+    def want(self, x, ids, w):
+        return self.npc.forward(np_of(x), ids.numpy(), w.numpy()).tobytes()
+
+    def registered(self, name):
+        return any(r["name"] == name for r in mc.shared_memory.status(self.npc))
+
+    def test_result_after_close_raises(self):
+        r = subprocess.run([sys.executable, "-c", _RESULT_AFTER_CLOSE, SERVER.target,
+                            os.path.join(ARGS.source_dir, "clients", "python")],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)  # < 0: killed by a signal
+        lines = r.stdout.splitlines()
+        self.assertEqual(lines[-1], "survived")
+        self.assertEqual([ln for ln in lines if ln.startswith(("ANSWERED", "SUBMITTED"))], [])
+        self.assertGreaterEqual(sum(ln.startswith("refused done") for ln in lines), 4, lines)
+        self.assertTrue(any("client is closed" in ln for ln in lines), lines)
+
+    def test_region_of_an_unanswered_call_is_not_reused(self):
+        x, ids, w = self.inputs(5, 1)
+        want = self.want(x, ids, w)
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=False,
+                               native=False) as c:
+            self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(), want)
+            (first,) = c._regions_all
+            grpc_forward = c._forward
+            # A server error is the server's answer: the region is reused at once.
+            with self.assertRaises(grpc.RpcError):
+                c.forward(x, ids, w, layer=99)
+            self.assertEqual((c._regions_all, c._regions_free["cpu"]), ([first], [first]))
+            # Failures without an answer (the client's deadline, a broken connection), blocking
+            # and in flight: quarantined, never given to the next call, not freed while the
+            # server holds it.
+            for code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                for blocking in (True, False):
+                    region = c._regions_free["cpu"][0]
+                    c._forward = _Failing(_call_error(code))
+                    with self.assertRaises(grpc.RpcError):
+                        if blocking:
+                            c.forward(x, ids, w)
+                        else:
+                            c.result(c.submit(x, ids, w))
+                    c._forward = grpc_forward
+                    self.assertEqual(c._regions_free["cpu"], [], (code, blocking))
+                    self.assertIn(region, c._regions_quarantined)
+                    self.assertNotIn(region, c._regions_all)
+                    with mock.patch.object(tc, "_unregister_region", return_value=False):
+                        c._quarantine_swept = 0.0
+                        self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(), want)
+                    self.assertIn(region, c._regions_quarantined)  # the server refused
+                    self.assertFalse(region.closed)
+                    self.assertTrue(self.registered(region.name))
+                    self.assertEqual(len(c._regions_free["cpu"]), 1)
+                    self.assertIsNot(c._regions_free["cpu"][0], region)
+                    # Once the server lets go of it (Unregister OK), it is freed.
+                    c._quarantine_swept = 0.0
+                    self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(), want)
+                    self.assertNotIn(region, c._regions_quarantined)
+                    self.assertTrue(region.closed)
+                    self.assertFalse(self.registered(region.name))
+            self.assertEqual(c._regions_quarantined, [])
+            # Through the forward channel: its own failure (no answer) quarantines too.
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=True) as c:
+            self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(), want)
+            region = c._regions_free["cpu"][0]
+            fail = mc.channel.ChannelError(mc.channel.DEADLINE_EXCEEDED, "no answer (fake)")
+            with mock.patch.object(c.channel, "result", side_effect=fail):
+                fut = c.submit(x, ids, w)
+                self.assertTrue(fut.used_channel)
+                with self.assertRaises(grpc.RpcError):
+                    c.result(fut)
+            self.assertNotIn(region, c._regions_free["cpu"])
+            self.assertIn(region, c._regions_quarantined)
+            self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(), want)
+
+    def test_real_client_deadline_quarantines_the_region(self):
+        # A server whose calls wait 0.5 s for others to join their step: a 0.05 s deadline
+        # ends each call at the client while the server still holds its region.
+        from run_integration import Cli, Server
+        x, ids, w = self.inputs(4, 2)
+        want = self.want(x, ids, w)
+        with tempfile.TemporaryDirectory(prefix="moeserve_torch_slow_") as d:
+            with Server(ARGS.server, d, extra_args=["--enable_shared_memory",
+                                                    "--max_batch_delay_us", "500000"]) as server:
+                server.wait_ready(Cli(ARGS.cli))
+                with mc.MoeClient(server.target, native=False) as npc:
+                    def in_flight(name):
+                        return [r["calls_in_flight"] for r in mc.shared_memory.status(npc)
+                                if r["name"] == name]
+
+                    for native in (False, True):
+                        try:
+                            c = tc.TorchMoeClient(server.target, shared_memory="system",
+                                                  channel=False, native=native)
+                        except OSError:
+                            continue  # no C++ client library
+                        with c:
+                            self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(), want)
+                            region = c._regions_free["cpu"][0]
+                            with self.assertRaises(grpc.RpcError) as cm:
+                                c.forward(x, ids, w, timeout=0.05)
+                            self.assertEqual(cm.exception.code(),
+                                             grpc.StatusCode.DEADLINE_EXCEEDED)
+                            self.assertNotIn(region, c._regions_free["cpu"], native)
+                            self.assertIn(region, c._regions_quarantined)
+                            self.assertEqual(in_flight(region.name), [1])  # still running
+                            # The next call takes another region; the old one is freed only
+                            # once the server lets go of it (Unregister refused until then).
+                            self.assertEqual(np_of(c.forward(x, ids, w)).tobytes(), want)
+                            self.assertNotIn(region, c._regions_free["cpu"])
+                            give_up = time.monotonic() + 10
+                            while not region.closed and time.monotonic() < give_up:
+                                self.assertTrue(in_flight(region.name), native)  # registered
+                                c._quarantine_swept = 0.0
+                                c._sweep_quarantine()
+                                time.sleep(0.02)
+                            self.assertTrue(region.closed, native)
+                            self.assertEqual(in_flight(region.name), [])  # unregistered
+                server.terminate_and_check(30)
+
+    def test_zero_copy_bytes_of_an_unanswered_call_stay_busy(self):
+        x, ids, w = self.inputs(4, 3)
+        want = self.want(x, ids, w)
+        with tc.TorchMoeClient(SERVER.target, shared_memory="system", channel=False,
+                               native=False) as c:
+            hid = c.alloc_hidden(8)
+            hid[:4].copy_(x)
+            hid[4:].copy_(x)
+            zc = c._zc[0]
+            grpc_forward = c._forward
+            c._forward = _Failing(_call_error(grpc.StatusCode.DEADLINE_EXCEEDED))
+            with self.assertRaises(grpc.RpcError):
+                c.forward(hid[:4], ids, w, out="region")
+            c._forward = grpc_forward
+            self.assertEqual(zc.busy, [])
+            # The server says a call still runs on the region: those rows are refused; other
+            # rows are free.
+            with mock.patch.object(c, "_region_calls_in_flight", return_value=1, create=True):
+                with self.assertRaisesRegex(RuntimeError, "failed without the server's answer"):
+                    c.forward(hid[:4], ids, w, out="region")
+                self.assertEqual(np_of(c.forward(hid[4:], ids, w, out="region")).tobytes(),
+                                 want)
+            self.assertEqual(len(zc.abandoned), 1)
+            # It runs none now: the rows are free again.
+            self.assertEqual(np_of(c.forward(hid[:4], ids, w, out="region")).tobytes(), want)
+            self.assertEqual((zc.busy, zc.abandoned), ([], []))
+            # A server error is an answer: nothing stays busy.
+            with self.assertRaises(grpc.RpcError):
+                c.forward(hid[:4], ids, w, layer=99, out="region")
+            self.assertEqual((zc.busy, zc.abandoned), ([], []))
+
+    def test_refused_unregister_never_frees_cuda_memory(self):
+        # Fakes of the server and the CUDA runtime: this runs without a GPU.
+        class Stub:
+            def __init__(self, codes):
+                self.codes = list(codes)
+
+            def UnregisterSharedMemory(self, request, timeout=None):
+                code = self.codes.pop(0)
+                if code is not None:
+                    raise _call_error(code, "fake")
+
+        class Client:
+            timeout = 1.0
+
+            def __init__(self, *codes):
+                self._stub = Stub(codes)
+
+        class Lib:
+            freed = []
+
+            def cudaFree(self, ptr):
+                self.freed.append(ptr.value)
+
+        busy = grpc.StatusCode.FAILED_PRECONDITION
+
+        def cuda_region(client, ptr):
+            r = object.__new__(tc._CudaRegion)
+            r.__dict__.update(client=client, name=f"fake-{ptr}", registered=True, closed=False,
+                              _lock=tc.threading.Lock(), _views={}, buf=torch.empty(1),
+                              ptr=ptr, index=0, capacity=2 << 20)
+            return r
+
+        with mock.patch.object(tc, "_cudart", return_value=Lib()), \
+                mock.patch.object(torch.cuda, "synchronize"):
+            # Refused (a call still runs on it): not freed, kept, with a warning.
+            r = cuda_region(Client(busy), 0x1000)
+            with self.assertWarnsRegex(RuntimeWarning, "fake-4096"):
+                r.close()
+            self.assertEqual(Lib.freed, [])
+            self.assertIn(0x1000, tc._leaked)
+            # Refused for a moment, then unregistered before give_up: freed.
+            r = cuda_region(Client(busy, busy, None), 0x2000)
+            r.close(time.monotonic() + 5)
+            self.assertEqual(Lib.freed, [0x2000])
+            # The server gone (UNAVAILABLE) or not knowing it (NOT_FOUND): freed.
+            for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+                cuda_region(Client(code), 0x3000).close()
+            self.assertEqual(Lib.freed, [0x2000, 0x3000, 0x3000])
+        # A zero-copy CUDA region: its memory (held by the base tensor) is kept for good.
+        z = object.__new__(tc._ZeroCopyRegion)
+        base = torch.empty(8, dtype=torch.uint8)
+        z.__dict__.update(client=Client(grpc.StatusCode.DEADLINE_EXCEEDED), name="fake-zc",
+                          registered=True, kind="cuda", base=base, capacity=8, _mm=None)
+        with self.assertWarnsRegex(RuntimeWarning, "fake-zc"):
+            z.close()
+        self.assertTrue(any(t is base for t in tc._leaked))
 
 
 class NativeTest(unittest.TestCase):

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """moeserve_client.wire against protobuf: requests it writes parse to what protobuf builds, and
 responses protobuf writes (in any field order, with packed or unpacked shapes, unknown fields)
-decode to the same values. Random cases, fixed seed; no server, no torch.
+decode to the same values. Random cases, fixed seed; no server, no torch. Also
+moeserve_client.dtypes: BF16 decoded from uint16 bit patterns and from ml_dtypes.bfloat16
+arrays (what MoeClient.forward returns for bfloat16 input) alike.
 
   wire_test.py --source-dir REPO
 """
@@ -16,11 +18,12 @@ SOURCE_DIR = None
 
 
 def setUpModule():
-    global wire, pb
+    global wire, pb, dtypes
     sys.path.insert(0, os.path.join(SOURCE_DIR, "clients", "python"))
+    from moeserve_client import dtypes as _dtypes
     from moeserve_client import wire as _wire
     from moeserve_client.gen.moeserve.v1 import moeserve_pb2 as _pb
-    wire, pb = _wire, _pb
+    wire, pb, dtypes = _wire, _pb, _dtypes
 
 
 def rand_tensor(rng, dtype, shape):
@@ -140,6 +143,25 @@ class WireTest(unittest.TestCase):
         for bad in (b"\x0a\x05abc", b"\x0a", b"\x08\xff\xff", b"\x0f"):
             with self.assertRaises(wire.WireError):
                 wire.forward_response(bad)
+
+
+class DtypesTest(unittest.TestCase):
+    def test_bf16_decode_of_bfloat16_arrays_keeps_the_values(self):
+        import ml_dtypes
+        import numpy as np
+        want = np.array([1.5, 3, -2], np.float32)
+        a = want.astype(ml_dtypes.bfloat16)
+        for got in (dtypes.to_float32(a, "bf16"), dtypes.bf16_decode(a),
+                    dtypes.to_float32(a.reshape(3, 1).T, "bfloat16")[0]):
+            self.assertEqual(got.dtype, np.float32)
+            self.assertEqual(got.tolist(), want.tolist())
+        # Strided, and the same values as uint16 bit patterns.
+        self.assertEqual(dtypes.bf16_decode(a[::2]).tolist(), [1.5, -2])
+        bits = dtypes.bf16_encode(want)
+        self.assertEqual(bits.dtype, np.uint16)
+        self.assertEqual(bits.tolist(), a.view(np.uint16).tolist())
+        self.assertEqual(dtypes.to_float32(bits, "bf16").tolist(), want.tolist())
+        self.assertEqual(dtypes.bf16_decode(bits.tolist()).tolist(), want.tolist())
 
 
 if __name__ == "__main__":

@@ -40,7 +40,11 @@ def bf16_encode(x):
 
 
 def bf16_decode(bits):
-    """uint16 BF16 bit patterns -> float32, exact."""
+    """uint16 BF16 bit patterns (or an ml_dtypes.bfloat16 array) -> float32, exact."""
+    bits = np.asarray(bits)
+    if bits.dtype == ml_dtypes.bfloat16:
+        # Its bits as they are: asking for uint16 would convert the values (1.5 -> 1).
+        bits = bits.view(np.uint16)
     return np.ascontiguousarray(bits, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 

@@ -66,7 +66,13 @@ How bytes move:
     grpc.RpcError with code() and details().
 
 Thread-safety: submit/result may be called from several threads. A future is consumed by one
-result() call.
+result() call; close() gives up the calls not taken (result() then raises RuntimeError).
+
+A region call that fails without the server's answer (the client's deadline, a cancel, a broken
+connection) may still run there and write its answer into the region later: the region is not
+reused, and freed once the server lets it be unregistered (zero-copy bytes: once the server
+reports no call in flight on their region). Device memory that the server refuses to
+unregister is never freed (a RuntimeWarning).
 """
 
 import collections
@@ -100,6 +106,9 @@ _FORWARD = "/moeserve.v1.MoeService/Forward"
 _FLOAT_WIRE = {torch.bfloat16: wire.DTYPE_BF16, torch.float16: wire.DTYPE_FP16,
                torch.float32: wire.DTYPE_FP32}
 _ID_WIRE = {torch.int32: wire.DTYPE_INT32, torch.int64: wire.DTYPE_INT64}
+# Integer ids of other types, sent widened (or, for the unsigned, wrapped) to int32.
+_OTHER_INTS = frozenset(getattr(torch, n) for n in ("uint8", "int8", "int16", "uint16",
+                                                    "uint32", "uint64") if hasattr(torch, n))
 
 
 def _host_bytes(t, n):
@@ -222,7 +231,9 @@ class MoeFuture:
 
     def done(self):
         if self._chan is not None:
-            return self._chan.done()
+            return self._chan[1].done()  # (channel, its ChannelFuture)
+        if self._call is None:
+            return True  # a channel call whose result was taken
         return self._call.done()
 
 
@@ -307,13 +318,62 @@ def _round_up(nbytes, unit):
     return -(-max(nbytes, unit) // unit) * unit
 
 
-def _unregister_region(client, name):
-    """UnregisterSharedMemory(name) on closing; a failure (the server gone) is ignored."""
+def _unregister_region(client, name, give_up=None):
+    """UnregisterSharedMemory(name): True once the server will not touch the region again (OK;
+    NOT_FOUND: it does not know it; UNAVAILABLE: the server is gone), False when it refused
+    (FAILED_PRECONDITION: a call still uses it; retried until time.monotonic() passes give_up,
+    since the server may count a call for a moment after answering it) or did not answer."""
+    while True:
+        try:
+            client._stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name=name),
+                                                timeout=client.timeout)
+            return True
+        except grpc.RpcError as e:
+            code = _status_code(e)
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                return True
+            if code != grpc.StatusCode.FAILED_PRECONDITION or give_up is None or \
+                    time.monotonic() > give_up:
+                return False
+        except ValueError:  # grpcio's channel closed: the server was not asked
+            return False
+        time.sleep(0.002)
+
+
+def _status_code(error):
+    code = getattr(error, "code", None)
     try:
-        client._stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name=name),
-                                            timeout=client.timeout)
-    except grpc.RpcError:
-        pass
+        return code() if callable(code) else None
+    except Exception:  # pylint: disable=broad-except  (a status-less RpcError)
+        return None
+
+
+# Statuses that only the server's answer carries (or that refuse a call before it leaves this
+# process): the server is done with the call's regions. Any other failure (the client's own
+# deadline, a cancel, a broken connection, an interrupt) may leave the call running there; it
+# writes its answer into the region later (the server's deadline runs later than ours).
+_ANSWERED = frozenset((grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                       grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED,
+                       grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+                       grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED))
+
+
+def _server_answered(error):
+    """Whether a failed call's `error` says that the server no longer runs it."""
+    return isinstance(error, grpc.RpcError) and _status_code(error) in _ANSWERED
+
+
+# Device memory of regions the server refused to unregister: it may still write into them
+# through its IPC mapping, so they are never freed (kept here for the process's lifetime).
+_leaked = []
+
+
+def _leak(what, name, keep):
+    _leaked.append(keep)
+    warnings.warn(f"moeserve: the server did not unregister region {name}: its {what} is kept "
+                  "(not freed) for the life of this process, since the server may still write "
+                  "into it", RuntimeWarning, stacklevel=3)
 
 
 class _DeviceMemory:
@@ -346,6 +406,9 @@ class _CudaRegion:
         self.name = f"moeserve-torch-{os.getpid()}-{id(self):x}-cuda{self.index}"
         self.client = client
         self.registered = False
+        self.closed = False
+        # read() / write() against close() from another thread: never a copy into freed memory.
+        self._lock = threading.Lock()
         self._views = {}
         # The stream of the last read() (its copy may still be running) if it differs from the
         # stream of the next call, which must wait for it too before the server overwrites.
@@ -381,10 +444,16 @@ class _CudaRegion:
             self._views[key] = v
         return v
 
+    def _check_open(self):
+        if self.closed:
+            raise RuntimeError(f"region {self.name} is closed (the client was closed)")
+
     def write(self, offset, t, dtype, shape, nbytes):
         """Enqueues the copy of `t` (on this region's device; converted to `dtype` on the way,
         any strides) into bytes [offset, offset + nbytes), on the current stream."""
-        self._view(offset, dtype, shape, nbytes).copy_(t)
+        with self._lock:
+            self._check_open()
+            self._view(offset, dtype, shape, nbytes).copy_(t)
 
     def publish(self):
         """Waits until what write() enqueued (and a read() on another stream) has landed."""
@@ -397,22 +466,34 @@ class _CudaRegion:
         stream.synchronize()
 
     def read(self, offset, nbytes, dtype, shape, out):
-        src = self._view(offset, dtype, shape, nbytes)
-        if out is None:
-            out = src.clone()
-        else:
-            out.copy_(src)
-        self._read_stream = torch.cuda.current_stream(self.index)
+        with self._lock:
+            self._check_open()
+            src = self._view(offset, dtype, shape, nbytes)
+            if out is None:
+                out = src.clone()
+            else:
+                out.copy_(src)
+            self._read_stream = torch.cuda.current_stream(self.index)
         return out
 
-    def close(self):
+    def close(self, give_up=None):
+        """Unregisters and frees the memory; if the server refuses to unregister it (a call
+        still runs on it, past give_up), the memory is leaked instead: the server maps it."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        gone = True
         if self.registered:
             self.registered = False
-            _unregister_region(self.client, self.name)
+            gone = _unregister_region(self.client, self.name, give_up)
         if self.buf is not None:
-            torch.cuda.synchronize(self.index)  # no copy of ours still reads or writes it
             self._views = {}
             self.buf = None
+            if not gone:
+                _leak(f"{self.capacity} bytes of device memory", self.name, self.ptr)
+                return
+            torch.cuda.synchronize(self.index)  # no copy of ours still reads or writes it
             lib = _cudart()
             lib.cudaFree(ctypes.c_void_p(self.ptr))
 
@@ -501,6 +582,10 @@ class _HostRegion:
         self.client = client
         self.memcpy = client._memcpy
         self.registered = False
+        self.closed = False
+        # read() / write() against close() from another thread: never a copy from unmapped
+        # memory.
+        self._lock = threading.Lock()
         try:
             client._stub.RegisterSystemSharedMemory(
                 pb.RegisterSystemSharedMemoryRequest(name=self.name, key=self.shm.key, offset=0,
@@ -521,29 +606,39 @@ class _HostRegion:
             t = t.to(dtype)
         if not t.is_contiguous():
             t = t.contiguous()
-        if nbytes < _Copier.MIN_BYTES:
-            ctypes.memmove(self.addr + offset, t.data_ptr(), nbytes)
-        else:
-            self.memcpy(self.addr + offset, t.data_ptr(), nbytes)
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"region {self.name} is closed (the client was closed)")
+            if nbytes < _Copier.MIN_BYTES:
+                ctypes.memmove(self.addr + offset, t.data_ptr(), nbytes)
+            else:
+                self.memcpy(self.addr + offset, t.data_ptr(), nbytes)
 
     def publish(self):
         pass  # memcpy has landed when it returns
 
     def read(self, offset, nbytes, dtype, shape, out):
-        if out is not None and out.device.type == "cpu" and out.is_contiguous():
-            self.memcpy(out.data_ptr(), self.addr + offset, nbytes)
-            return out
-        t = torch.empty(shape, dtype=dtype)
-        self.memcpy(t.data_ptr(), self.addr + offset, nbytes)
-        if out is None:
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        t = out if direct else torch.empty(shape, dtype=dtype)
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"region {self.name} is closed (the client was closed)")
+            self.memcpy(t.data_ptr(), self.addr + offset, nbytes)
+        if out is None or direct:
             return t
         out.copy_(t)
         return out
 
-    def close(self):
+    def close(self, give_up=None):
+        """Unregisters, unmaps and unlinks. Unmapping is safe even if the server refuses to
+        unregister (a call still runs on it): it writes into its own mapping of the object."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
         if self.registered:
             self.registered = False
-            _unregister_region(self.client, self.name)
+            _unregister_region(self.client, self.name, give_up)
         self.shm.close(unlink=True)
 
 
@@ -586,6 +681,9 @@ class _ZeroCopyRegion:
         self.twin = twin
         self.area = 0   # with twin: the bytes of each area
         self.busy = []  # (in_lo, in_hi, out_lo, out_hi) of calls in flight on this region
+        # Entries of calls that failed without the server's answer: it may still run them, so
+        # their bytes stay busy until it reports no call in flight here (_reclaim_zero_copy).
+        self.abandoned = []
         self._views = {}  # (offset, shape, dtype) -> tensor(): a view costs three torch calls
         self.name = f"moeserve-zc-{os.getpid()}-{id(self):x}"
         self.registered = False
@@ -643,19 +741,24 @@ class _ZeroCopyRegion:
             self._views[key] = t
         return t
 
-    def conflicts(self, in_lo, in_hi, out_lo, out_hi):
+    def conflicts(self, in_lo, in_hi, out_lo, out_hi, entries=None):
         """Whether a call reading [in_lo, in_hi) and writing [out_lo, out_hi) of this region
-        would race one in flight (its answer written where another reads or writes)."""
-        for a, b, c, d in self.busy:
+        would race one in flight (its answer written where another reads or writes).
+        entries: those calls (default: busy)."""
+        for a, b, c, d in (self.busy if entries is None else entries):
             if (out_lo < b and a < out_hi) or (out_lo < d and c < out_hi) or \
                     (in_lo < d and c < in_hi):
                 return True
         return False
 
-    def close(self):
+    def close(self, give_up=None):
         if self.registered:
             self.registered = False
-            _unregister_region(self.client, self.name)
+            if not _unregister_region(self.client, self.name, give_up) and \
+                    self.kind == "cuda" and self.base is not None:
+                # The server may still write into it through its IPC mapping: never freed
+                # (the base tensor holds the allocation).
+                _leak(f"{self.capacity} bytes of device memory", self.name, self.base)
         self.base = None
         if self._mm is not None:
             try:
@@ -720,6 +823,11 @@ class TorchMoeClient:
         self._lock = threading.Lock()
         self._regions_free = {}    # "cpu" or a CUDA index -> [region]
         self._regions_all = []
+        # Regions whose call failed without the server's answer (it may still write into them):
+        # never reused; unregistered and freed once the server lets go (_sweep_quarantine).
+        self._regions_quarantined = []
+        self._quarantine_swept = 0.0
+        self._closed = False
         self._region_disabled = {"cuda": shared_memory in ("off", "system"),
                                  "system": shared_memory in ("off", "cuda")}
         self._region_errors = {}
@@ -755,18 +863,25 @@ class TorchMoeClient:
                              "ForwardChannel")
 
     def close(self):
+        """Closes the regions, the channel and the connections. Calls not yet result()ed are
+        given up: result() then raises RuntimeError (their regions are gone)."""
         with self._lock:
+            self._closed = True
             regions, self._regions_all = self._regions_all, []
+            regions += self._regions_quarantined
+            self._regions_quarantined = []
             self._regions_free = {}
             ch, self._ch = self._ch, None
             self._ch_mode = False
         if ch is not None and self._ch_owned:
             ch.close()
+        # A region a call still runs on (given up, or not answered yet) is refused for a while.
+        give_up = time.monotonic() + 2.0
         for r in regions:
-            r.close()
+            r.close(give_up)
         zc, self._zc = self._zc, []
         for r in zc:
-            r.close()
+            r.close(give_up)
         self._memcpy.close()
         self._channel.close()
         if self._native is not None:
@@ -868,15 +983,16 @@ class TorchMoeClient:
                 self._channel_failed(e)
                 fut.used_channel = False
                 return _RETRY
-            self._drop(fut)
+            # The channel's own failure (its deadline, a detached server): no answer.
+            self._drop(fut, True)
             raise
         except BaseException:
-            self._drop(fut)
+            self._drop(fut, True)  # (after an answer _finish has given the region back)
             raise
         finally:
             fut.latency_s = time.perf_counter() - fut._start
         if code != 0:
-            self._drop(fut)
+            self._drop(fut)  # the server's answer: done with the call
             raise _chan.ChannelError(code, got.decode("utf-8", "replace"))
         return got
 
@@ -896,6 +1012,9 @@ class TorchMoeClient:
         return kind
 
     def _acquire_region(self, kind, device, nbytes):
+        if self._regions_quarantined and \
+                time.monotonic() - self._quarantine_swept > self.QUARANTINE_SWEEP_S:
+            self._sweep_quarantine()
         key = device.index if kind == "cuda" else "cpu"
         drop = []
         with self._lock:
@@ -928,6 +1047,38 @@ class TorchMoeClient:
             if r in self._regions_all:
                 key = r.device.index if r.kind == "cuda" else "cpu"
                 self._regions_free.setdefault(key, []).append(r)
+
+    QUARANTINE_SWEEP_S = 0.05  # at most one round of Unregister calls per this many seconds
+
+    def _quarantine(self, r):
+        """A region whose call failed without the server's answer: out of the pool for good
+        (the next call takes another region); the server may still run that call and write
+        its answer into it."""
+        with self._lock:
+            if r in self._regions_all:  # (not after close(), which closed it)
+                self._regions_all.remove(r)
+                self._regions_quarantined.append(r)
+
+    def _sweep_quarantine(self):
+        """Unregisters quarantined regions; those the server let go (no call runs on them:
+        nothing of it can write into them any more) are freed, the others kept for later."""
+        with self._lock:
+            regions, self._regions_quarantined = self._regions_quarantined, []
+            self._quarantine_swept = time.monotonic()
+        keep = []
+        for r in regions:
+            if _unregister_region(self, r.name):
+                r.registered = False
+                r.close()
+            else:
+                keep.append(r)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._regions_quarantined += keep
+        if closed:  # close() ran meanwhile and did not see these
+            for r in keep:
+                r.close(time.monotonic() + 2.0)
 
     @property
     def native_error(self):
@@ -1033,7 +1184,7 @@ class TorchMoeClient:
             if r.busy:
                 raise RuntimeError(f"region {r.name} has a call in flight: result() it first")
             self._zc = [x for x in self._zc if x is not r]
-        r.close()
+        r.close(time.monotonic() + 2.0)  # (a given-up call may still run on it for a while)
 
     def _new_zero_copy_region(self, device, nbytes):
         device = torch.device(device)
@@ -1089,12 +1240,34 @@ class TorchMoeClient:
                 return
         torch.cuda.current_stream(index).synchronize()
 
-    def _zero_copy_done(self, fut):
+    def _zero_copy_done(self, fut, unanswered=False):
+        """fut's bytes in regions of the caller's are free again; unanswered (the call failed
+        without the server's answer): only once the server reports no call in flight there."""
         busy, fut._busy = fut._busy, None
         if busy:
             with self._lock:
                 for r, entry in busy:
                     r.busy.remove(entry)
+                    if unanswered:
+                        r.abandoned.append(entry)
+
+    def _region_calls_in_flight(self, name):
+        """The server's count of calls using region `name` (SharedMemoryStatus)."""
+        reply = self._stub.SharedMemoryStatus(pb.SharedMemoryStatusRequest(name=name),
+                                              timeout=self.timeout)
+        return sum(r.calls_in_flight for r in reply.regions if r.name == name)
+
+    def _reclaim_zero_copy(self, r):
+        """Frees the bytes of r's given-up calls if the server runs no call on r (any more)."""
+        with self._lock:
+            n = len(r.abandoned)  # given up before the question: the answer covers them
+        try:
+            running = self._region_calls_in_flight(r.name)
+        except grpc.RpcError:
+            return
+        if running == 0:
+            with self._lock:
+                del r.abandoned[:n]
 
     def _prepare_zero_copy(self, fut, zc, hidden, shape, dtype, hid_wire, nbytes, routed,
                            topk_ids, topk_weights, ids_dtype, ids_shape, routes, layer,
@@ -1157,17 +1330,29 @@ class TorchMoeClient:
             busy.append((zc, (h_off, h_off + nbytes, 0, 0)))
             if out_r is not None:
                 busy.append((out_r, (0, 0, out_off, out_off + nbytes)))
-        with self._lock:
-            for r, e in busy:
-                if r.conflicts(*e):
+        for attempt in range(2):
+            with self._lock:
+                clash = any(r.conflicts(*e) for r, e in busy)
+                stale = [r for r, e in busy if r.abandoned and r.conflicts(*e, r.abandoned)]
+                if not clash and not stale:
+                    for r, e in busy:
+                        r.busy.append(e)
+                    break
+                if clash or attempt:
                     if pool is not None:
                         self._regions_free.setdefault(
                             pool.device.index if pool.kind == "cuda" else "cpu", []).append(pool)
+                    if clash:
+                        raise RuntimeError(
+                            "a call in flight reads or writes the bytes this call's answer "
+                            "would overwrite (or this call reads its answer): result() it first")
                     raise RuntimeError(
-                        "a call in flight reads or writes the bytes this call's answer would "
-                        "overwrite (or this call reads its answer): result() it first")
-            for r, e in busy:
-                r.busy.append(e)
+                        f"a call on these bytes of region {stale[0].name} failed without the "
+                        "server's answer and may still run there (it reports calls in flight "
+                        "on the region): retry later")
+            # Only given-up calls' bytes: free again if the server runs none of them now.
+            for r in stale:
+                self._reclaim_zero_copy(r)
         fut._busy = busy
         fut._answer = answer
         fut._out = out
@@ -1362,11 +1547,17 @@ class TorchMoeClient:
             fut._keep = None
         return self._native_done(fut, ret, dst, header)
 
-    def _drop(self, fut):
+    def _drop(self, fut, unanswered=False):
+        """Gives back what fut holds. unanswered: its call failed without the server's answer
+        (see _ANSWERED), so the server may still run it and write into its region later: the
+        region is quarantined and the zero-copy bytes stay busy, not reused at once."""
         region, fut._region = fut._region, None
         if region is not None:
-            self._release_region(region)
-        self._zero_copy_done(fut)
+            if unanswered:
+                self._quarantine(region)
+            else:
+                self._release_region(region)
+        self._zero_copy_done(fut, unanswered)
 
     def _prepare(self, hidden, topk_ids, topk_weights, layer, request_id, return_timings,
                  return_routing, out=None):
@@ -1378,6 +1569,8 @@ class TorchMoeClient:
         same device (CUDA: no device-to-host copy and no sync here for it; the server copies
         it to its host itself), and then the whole request is a few hundred bytes that depend
         only on the region, layer, shapes and flags: built once and reused."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
         # Few tensor attribute reads: each is a C call, and this runs on every layer call.
         shape = tuple(hidden.shape)
         dtype = hidden.dtype
@@ -1400,8 +1593,15 @@ class TorchMoeClient:
                     tuple(topk_weights.shape) != ids_shape:
                 raise ValueError(f"expected topk ids/weights [{shape[0]}, K]; got "
                                  f"{ids_shape}, {tuple(topk_weights.shape)}")
-            # int32 / int64 as they are (exact); other integer types widened to int32.
-            ids_dtype = topk_ids.dtype if topk_ids.dtype in _ID_WIRE else torch.int32
+            # int32 / int64 as they are (exact); other integer types widened to int32; no
+            # float or bool ids (a cast would truncate them silently).
+            ids_dtype = topk_ids.dtype
+            if ids_dtype not in _ID_WIRE:
+                if ids_dtype not in _OTHER_INTS:
+                    raise TypeError(f"topk_ids has dtype {ids_dtype}; expected an integer "
+                                    "type: int32 or int64 (sent as they are), or a narrower "
+                                    "integer type (sent as int32)")
+                ids_dtype = torch.int32
             routes = ids_shape[0] * ids_shape[1]
         nbytes = shape[0] * shape[1] * wire.ITEMSIZE[hid_wire]
         if self._zc and nbytes > 0:
@@ -1504,7 +1704,12 @@ class TorchMoeClient:
         """Waits for `fut` and returns the output [M, H] (hidden's dtype): `out` when given
         here or to submit() (filled in place, any device; "region": the answer view, see
         forward()), else a tensor on hidden's device. Raises grpc.RpcError with the server's
-        status on failure."""
+        status on failure; RuntimeError once the client is closed (close() gave up the calls
+        not taken and their regions)."""
+        if self._closed:
+            self._drop(fut, True)
+            raise RuntimeError("the client is closed: the answers of calls not taken by then "
+                               "are gone")
         if fut._chan is not None:
             return self._channel_result(fut, out)
         if fut._native is not None:
@@ -1531,8 +1736,8 @@ class TorchMoeClient:
                                      fut._shape[1], True)
             else:
                 raw = fut._call.result()
-        except BaseException:
-            self._drop(fut)
+        except BaseException as e:
+            self._drop(fut, not _server_answered(e))
             raise
         finally:
             fut.latency_s = time.perf_counter() - fut._start
@@ -1646,11 +1851,13 @@ class TorchMoeClient:
                 # The server detached from the channel (restarted, unregistered it): the call
                 # may not have run; a Forward has no side effects, so it is repeated by gRPC
                 # (the region, if any, is still registered; `parts` still valid: fut._keep).
+        sent = False  # (a failure before the call leaves: nothing of it runs on the server)
         try:
             if self._native is not None:
                 ret = dst = None
                 if self._answer_inline(fut):
                     ret, dst = self._native_target(fut, out)
+                sent = True
                 raw = self._native.forward_request(
                     b"".join(parts), _FLOAT_WIRE[fut._dtype], fut._shape[0], fut._shape[1],
                     out=dst.data_ptr() if dst is not None else None,
@@ -1659,9 +1866,10 @@ class TorchMoeClient:
                 if dst is not None:
                     return self._native_done(fut, ret, dst, raw)
             else:
+                sent = True
                 raw = self._forward(b"".join(parts), timeout=timeout)
-        except BaseException:
-            self._drop(fut)
+        except BaseException as e:
+            self._drop(fut, sent and not _server_answered(e))
             raise
         finally:
             fut.latency_s = time.perf_counter() - fut._start
