@@ -59,10 +59,11 @@ absl::Status CheckContiguous(const TensorView& t, absl::string_view what) {
 // A POSIX shared-memory object's range, mapped into this process.
 class SystemSharedMemoryRegion final : public MemoryRegion {
  public:
-  SystemSharedMemoryRegion(std::string key, std::string backing, int64_t offset, int64_t byte_size,
-                           void* map, size_t map_bytes, size_t lead, bool writable,
-                           HostMemoryPinner* pinner)
-      : key_(std::move(key)),
+  SystemSharedMemoryRegion(std::string key, std::string backing, int fd, int64_t offset,
+                           int64_t byte_size, void* map, size_t map_bytes, size_t lead,
+                           bool writable, HostMemoryPinner* pinner)
+      : fd_(fd),
+        key_(std::move(key)),
         backing_(std::move(backing)),
         offset_(offset),
         byte_size_(byte_size),
@@ -84,6 +85,21 @@ class SystemSharedMemoryRegion final : public MemoryRegion {
   ~SystemSharedMemoryRegion() override {
     if (pinner_ != nullptr) pinner_->Unpin(map_);
     munmap(map_, map_bytes_);
+    close(fd_);
+  }
+
+  absl::Status CheckIntact() const override {
+    struct stat st;
+    if (fstat(fd_, &st) != 0) {
+      return absl::InternalError(absl::StrCat("fstat of ", key_, ": ", std::strerror(errno)));
+    }
+    if (static_cast<int64_t>(st.st_size) - offset_ < byte_size_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared-memory object ", key_, " shrank to ", static_cast<int64_t>(st.st_size),
+          " bytes, below the registered range [", offset_, ", ", offset_ + byte_size_,
+          "); unregister the region and register it again"));
+    }
+    return absl::OkStatus();
   }
 
   RegionKind kind() const override { return RegionKind::kSystem; }
@@ -127,6 +143,7 @@ class SystemSharedMemoryRegion final : public MemoryRegion {
   }
 
  private:
+  const int fd_;  // the object, open: CheckIntact's fstat
   const std::string key_;
   const std::string backing_;  // the object's device and inode: the same object under any key
   const int64_t offset_;
@@ -206,9 +223,11 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> OpenSystemSharedMemory(const std::
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap of ", byte_size, " bytes of ", key, ": ", std::strerror(errno)));
   }
+  // The descriptor stays open: each call checks the object still covers the range.
+  closer.fd = -1;
   return std::unique_ptr<MemoryRegion>(
-      new SystemSharedMemoryRegion(key, absl::StrCat("system:", st.st_dev, ":", st.st_ino), offset,
-                                   byte_size, map, map_bytes, lead, writable, pinner));
+      new SystemSharedMemoryRegion(key, absl::StrCat("system:", st.st_dev, ":", st.st_ino), fd,
+                                   offset, byte_size, map, map_bytes, lead, writable, pinner));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -477,6 +496,7 @@ absl::StatusOr<RegionTensor> RegionTensor::Resolve(const RegionRegistry& registr
   t.field_ = std::string(field);
   t.access_ = access;
   const MemoryRegion& region = t.lease_->region();
+  MOESERVE_RETURN_IF_ERROR(region.CheckIntact());
   const int64_t numel = NumElements(shape);
   const int64_t itemsize = static_cast<int64_t>(DTypeSize(dtype));
   int64_t expected = 0;

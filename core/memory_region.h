@@ -99,6 +99,12 @@ class MemoryRegion {
 
   // Fills the kind-specific fields of `info` (key, offset, device_id, pinned).
   virtual void Describe(RegionInfo* info) const = 0;
+
+  // FAILED_PRECONDITION when the memory behind the region no longer covers it: a system
+  // object its owner shrank after registration (touching the mapping past its end would
+  // fault the server: SIGBUS). Checked as each call resolves the region; a shrink during the
+  // call is not caught (the objects are the server user's own: see README "Shared memory").
+  virtual absl::Status CheckIntact() const { return absl::OkStatus(); }
 };
 
 // OK when [offset, offset + bytes) lies inside [0, region_bytes) (overflow-free); otherwise

@@ -575,6 +575,25 @@ TEST_F(SharedMemoryTest, UnregisterWhileACallUsesTheRegionIsRefused) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
+// A client that shrinks its object below a registered region: the next call naming the region
+// is refused (FAILED_PRECONDITION) instead of the server touching the mapping past the
+// object's end (SIGBUS); the server serves on.
+TEST_F(SharedMemoryTest, ARegionWhoseObjectShrankIsRefused) {
+  ShmObject shm(1 << 16);
+  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(RegisterSystem("shrunk", shm.key(), 0, 1 << 16).ok());
+  v1::ForwardRequest r = Random(4);
+  std::vector<float> want;
+  PlaceInRegion(&r, shm, "shrunk", 32768, "shrunk", 0, &want);
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(Call(r, &resp).ok());  // intact: served
+  ASSERT_TRUE(shm.Truncate(4096));
+  ExpectRejected(r, grpc::StatusCode::FAILED_PRECONDITION,
+                 {"shared-memory object " + shm.key() + " shrank to 4096 bytes",
+                  "below the registered range [0, 65536)"});
+  EXPECT_TRUE(Unregister("shrunk").ok());
+}
+
 // return_routing with the routing in a region: the echo is read from the region before the
 // call lets it go, so an Unregister that succeeds the moment the call releases it never races
 // the echo (it once read the weights after the release: a use after unmap). Each round spins

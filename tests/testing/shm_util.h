@@ -48,6 +48,15 @@ class ShmObject {
   void Write(size_t offset, const void* src, size_t n) const {
     std::memcpy(data_ + offset, src, n);
   }
+  // Resizes the object, as a misbehaving client might while it is registered (this mapping
+  // keeps its size: touch nothing past the new end).
+  bool Truncate(size_t bytes) const {
+    const int fd = shm_open(key_.c_str(), O_RDWR, 0);
+    if (fd < 0) return false;
+    const bool ok = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+    close(fd);
+    return ok;
+  }
 
  private:
   std::string key_;
