@@ -390,7 +390,8 @@ bool Int32FieldsFit(const std::string& bytes, bool request) {
         !fits(f)) {
       return false;
     }
-    const bool tensor = request ? (f.number() >= 2 && f.number() <= 4) : f.number() == 1;
+    const bool tensor = request ? (f.number() >= 2 && f.number() <= 4)
+                                : (f.number() == 1 || f.number() == 4 || f.number() == 5);
     if (tensor && f.type() == google::protobuf::UnknownField::TYPE_LENGTH_DELIMITED) {
       google::protobuf::UnknownFieldSet inner;
       if (!inner.ParseFromString(f.length_delimited())) continue;
@@ -404,6 +405,29 @@ bool Int32FieldsFit(const std::string& bytes, bool request) {
     }
   }
   return true;
+}
+
+// A RegionRef whose tags do not read is refused naming it (protobuf's parser would only say
+// that the header is malformed, and the message named the wrong fields).
+TEST(ForwardWireTest, MalformedRegionRefsAreNamed) {
+  const std::string tensor = Tag(1, 0) + Varint(4);
+  for (const auto& [bytes, want] : std::vector<std::pair<std::string, std::string>>{
+           {Len(2, tensor) + Len(7, "\x10"),
+            "output_region (field 7), a RegionRef: bad value of field 2"},
+           {Len(2, tensor) + Len(7, "\x80"), "output_region (field 7), a RegionRef: bad tag"},
+           {Len(2, tensor) + Len(7, Tag(0, 0) + Varint(1)),
+            "output_region (field 7), a RegionRef: field number 0 or unmatched end-group"},
+           {Len(2, tensor + Len(4, Tag(2, 4))),
+            "tensor region, a RegionRef: field number 0 or unmatched end-group"}}) {
+    v1::ForwardRequest pb;
+    ASSERT_FALSE(pb.ParseFromString(bytes));  // protobuf refuses it too
+    for (auto slices : {Split(bytes, {}), OneByteSlices(bytes)}) {
+      absl::StatusOr<ForwardRequestView> v = DecodeForwardRequest(slices);
+      ASSERT_FALSE(v.ok());
+      EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(v.status().message().find(want), absl::string_view::npos) << v.status();
+    }
+  }
 }
 
 // A request tensor lists at most kMaxTensorDims dims, packed, unpacked or merged over repeated
@@ -473,6 +497,24 @@ TEST(ForwardWireTest, Int32FieldsOutOfRangeAreRefusedNotTruncated) {
   EXPECT_NE(v.status().message().find("tensor field 1"), std::string::npos) << v.status();
   absl::StatusOr<ForwardResponseView> r = DecodeForwardResponse(Split(b, {}));
   ASSERT_FALSE(r.ok());
+  // The same in the answer's routing echo (topk_ids 4, topk_weights 5), which protobuf parses:
+  // 2^32 + 4 would read as 4 (INT32).
+  for (uint32_t field : {4u, 5u}) {
+    const std::string echo = Len(field, Tag(1, 0) + Varint((uint64_t{1} << 32) + 4));
+    v1::ForwardResponse pb;
+    ASSERT_TRUE(pb.ParseFromString(echo));  // protobuf accepts it, truncated
+    r = DecodeForwardResponse(Split(echo, {}));
+    ASSERT_FALSE(r.ok()) << field;
+    EXPECT_NE(r.status().message().find("does not fit its type int32"), std::string::npos)
+        << r.status();
+    // In range, it decodes as protobuf does.
+    const std::string fine = Len(field, Tag(1, 0) + Varint(4) + Len(3, "abcd"));
+    r = DecodeForwardResponse(OneByteSlices(fine));
+    ASSERT_TRUE(r.ok()) << r.status();
+    const v1::Tensor& t = field == 4 ? r->header.topk_ids() : r->header.topk_weights();
+    EXPECT_EQ(t.dtype(), v1::DTYPE_INT32);
+    EXPECT_EQ(t.data(), "abcd");
+  }
 }
 
 int g_protobuf_log_lines = 0;

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
@@ -16,6 +17,7 @@ namespace {
 constexpr int kVarint = 0, kFixed64 = 1, kLen = 2, kStartGroup = 3, kEndGroup = 4, kFixed32 = 5;
 // protobuf's default recursion limit (nested messages and groups).
 constexpr int kMaxDepth = 100;
+constexpr absl::string_view kTooDeep = "groups nested too deeply";
 // protobuf refuses lengths this close to 2 GiB (ParseContext::kSlopBytes of headroom).
 constexpr uint32_t kMaxLen = INT32_MAX - 16;
 
@@ -135,7 +137,7 @@ absl::Status SkipValue(const Reader& r, Cursor* c, size_t end, uint32_t tag, int
       return absl::OkStatus();
     }
     case kStartGroup: {
-      if (depth - 1 < 0) return Malformed(message, "groups nested too deeply", at);
+      if (depth - 1 < 0) return Malformed(message, kTooDeep, at);
       while (true) {
         const size_t tag_at = c->pos;
         uint32_t inner;
@@ -229,23 +231,38 @@ absl::Status CheckField(const Reader& r, Cursor c, size_t end, uint32_t tag,
   return absl::OkStatus();
 }
 
-// Checks a RegionRef submessage (field `tag` just read, the cursor at its length): its name (1)
-// must be UTF-8, as CheckField checks top-level strings. Anything malformed is left to SkipValue
-// and protobuf's parser.
+// Checks a RegionRef submessage (field `tag` just read, the cursor at its length; `name` says
+// which, e.g. "output_region"): its name (1) must be UTF-8, as CheckField checks top-level
+// strings, and its tags must read (refused naming the field: protobuf's parser would only say
+// the message is malformed). Values that do not skip are left to SkipValue and protobuf.
 absl::Status CheckRegionRef(const Reader& r, Cursor c, size_t end, uint32_t tag,
-                            absl::string_view field_prefix, absl::string_view message) {
+                            absl::string_view name, absl::string_view message) {
   if ((tag & 7) != kLen) return absl::OkStatus();
   size_t len;
   if (!r.ReadLength(&c, end, &len) || len > end - c.pos) return absl::OkStatus();
   const size_t sub_end = c.pos + len;
-  const std::string prefix = absl::StrCat(field_prefix, "region field ", tag >> 3, ": ");
+  const std::string prefix = absl::StrCat(name, ", a RegionRef: ");
   while (c.pos < sub_end) {
+    const size_t tag_at = c.pos;
     uint32_t sub_tag;
-    if (!ReadTag(r, &c, sub_end, &sub_tag) || (sub_tag >> 3) == 0) return absl::OkStatus();
+    if (!ReadTag(r, &c, sub_end, &sub_tag)) {
+      return Malformed(message, absl::StrCat(prefix, "bad tag"), tag_at);
+    }
+    if ((sub_tag >> 3) == 0 || (sub_tag & 7) == kEndGroup) {
+      return Malformed(message, absl::StrCat(prefix, "field number 0 or unmatched end-group"),
+                       tag_at);
+    }
     if (absl::Status s = CheckField(r, c, sub_end, sub_tag, {}, {1}, prefix, message); !s.ok()) {
       return s;
     }
-    if (!SkipValue(r, &c, sub_end, sub_tag, kMaxDepth - 2, message).ok()) return absl::OkStatus();
+    const Cursor value = c;
+    if (absl::Status skipped = SkipValue(r, &c, sub_end, sub_tag, kMaxDepth - 2, message);
+        !skipped.ok()) {
+      // Nesting alone is protobuf's to judge (its own depth count); anything else is named here.
+      if (absl::StrContains(skipped.message(), kTooDeep)) return absl::OkStatus();
+      return Malformed(message, absl::StrCat(prefix, "bad value of field ", sub_tag >> 3),
+                       value.pos);
+    }
   }
   return absl::OkStatus();
 }
@@ -269,7 +286,9 @@ absl::Status WalkTensor(const Reader& r, Cursor* c, size_t end, int depth, WireT
       return s;
     }
     if (number == 4) {  // region: a RegionRef
-      if (absl::Status s = CheckRegionRef(r, *c, end, tag, "tensor ", message); !s.ok()) return s;
+      if (absl::Status s = CheckRegionRef(r, *c, end, tag, "tensor region", message); !s.ok()) {
+        return s;
+      }
     }
     if (number == 3 && (tag & 7) == kLen) {
       const size_t len_at = c->pos;
@@ -440,7 +459,8 @@ absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
                      absl::Span<const uint32_t> int32_fields,
                      absl::Span<const uint32_t> string_fields,
                      absl::Span<const uint32_t> region_fields, std::string* rest,
-                     std::vector<std::string>* tensor_rests, absl::string_view message) {
+                     std::vector<std::string>* tensor_rests, absl::string_view message,
+                     absl::Span<const uint32_t> checked_tensor_fields = {}) {
   Cursor c;
   const size_t end = r.size();
   tensor_rests->assign(tensors.size(), std::string());
@@ -457,7 +477,28 @@ absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
       return s;
     }
     if (std::find(region_fields.begin(), region_fields.end(), number) != region_fields.end()) {
-      if (absl::Status s = CheckRegionRef(r, c, end, tag, "", message); !s.ok()) return s;
+      // (ForwardRequest's field 7 is the only top-level RegionRef.)
+      const std::string name =
+          number == 7 ? "output_region (field 7)" : absl::StrCat("field ", number);
+      if (absl::Status s = CheckRegionRef(r, c, end, tag, name, message); !s.ok()) {
+        return s;
+      }
+    }
+    if ((tag & 7) == kLen && std::find(checked_tensor_fields.begin(), checked_tensor_fields.end(),
+                                       number) != checked_tensor_fields.end()) {
+      // A Tensor left to protobuf whole (kept in `rest`): its dtype and region checked as a
+      // walked tensor's are, the walk's outputs dropped.
+      Cursor sub = c;
+      size_t len;
+      if (r.ReadLength(&sub, end, &len) && len <= end - sub.pos) {
+        WireTensor scratch;
+        std::string scratch_rest;
+        if (absl::Status s =
+                WalkTensor(r, &sub, sub.pos + len, kMaxDepth - 1, &scratch, &scratch_rest, message);
+            !s.ok()) {
+          return s;
+        }
+      }
     }
     if ((tag & 7) == kLen) {
       auto it = std::find(tensor_numbers.begin(), tensor_numbers.end(), number);
@@ -666,9 +707,10 @@ absl::StatusOr<ForwardResponseView> DecodeForwardResponse(std::vector<grpc::Slic
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {1};
   WireTensor* const tensors[] = {&view.output};
-  // error_code (6) is an int32; request_id (2) and error_message (7) are strings.
-  if (absl::Status s =
-          WalkTop(reader, numbers, tensors, 7, {6}, {2, 7}, {}, &rest, &tensor_rests, kMessage);
+  // error_code (6) is an int32; request_id (2) and error_message (7) are strings; topk_ids (4)
+  // and topk_weights (5) are tensors that protobuf parses (their dtype checked here).
+  if (absl::Status s = WalkTop(reader, numbers, tensors, 7, {6}, {2, 7}, {}, &rest, &tensor_rests,
+                               kMessage, {4, 5});
       !s.ok()) {
     return s;
   }
