@@ -10,7 +10,7 @@ absl::Status StopLatch::Check(int64_t point, absl::string_view where) {
   if (point >= stop_at_) return MarkAgreedStepFailure(reason_);
   if (point <= evaluated_) return absl::OkStatus();  // a peer passed this point already
   evaluated_ = point;
-  const absl::Status s = check_ ? check_() : absl::OkStatus();
+  absl::Status s = check_ ? check_() : absl::OkStatus();
   if (s.ok()) return s;
   stop_at_ = point;
   reason_ = absl::Status(s.code(), absl::StrCat(s.message(), " (stopped before ", where, ")"));

@@ -108,6 +108,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& requ
 
   if (plan.weights.observer != nullptr) {
     std::vector<int> experts_per_rank;
+    experts_per_rank.reserve(static_cast<size_t>(plan.local_ranks));
     for (int r = 0; r < plan.local_ranks; ++r) {
       experts_per_rank.push_back(
           static_cast<int>(plan.placement->rank_experts(plan.first_rank + r).size()));

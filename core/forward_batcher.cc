@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<ForwardBatcher>> ForwardBatcher::Create(
     Engine* engine, ForwardBatcherOptions options) {
   if (engine == nullptr) return absl::InvalidArgumentError("ForwardBatcher: no engine");
   MOESERVE_RETURN_IF_ERROR(CheckOptions(options));
-  return std::unique_ptr<ForwardBatcher>(new ForwardBatcher(engine, options));
+  return std::unique_ptr<ForwardBatcher>(new ForwardBatcher(engine, std::move(options)));
 }
 
 absl::Status ForwardBatcher::CheckOptions(const ForwardBatcherOptions& options) {
@@ -75,7 +75,7 @@ absl::Status ForwardBatcher::CheckOptions(const ForwardBatcherOptions& options) 
 
 ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
     : engine_(engine),
-      options_(options),
+      options_(std::move(options)),
       // A merged step is one engine call: it must respect the engine's per-call limit too.
       step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)),
       runners_(std::max(1, engine->steps_in_flight())) {
@@ -193,6 +193,7 @@ absl::Status ForwardBatcher::WarmUp(const std::vector<int64_t>& sizes,
                                   MakeSyntheticStep(engine_->info(), n, layer, rng));
       }
       std::vector<std::thread> threads;
+      threads.reserve(static_cast<size_t>(runners_));
       for (int i = 0; i < runners_; ++i) {
         threads.emplace_back([&, step = steps[static_cast<size_t>(i)].get()] {
           absl::Status s = engine_->ForwardValidated(step->input, step->output.view(), nullptr,

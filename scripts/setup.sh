@@ -2,7 +2,8 @@
 # Installs what moeserve needs to build and test on Debian 12 / Ubuntu 24.04, idempotently:
 # Debian packages that are missing, then the Python packages the clients and tests use.
 # Safe to re-run; does nothing when everything is present. --sanitizers adds clang and its
-# sanitizer runtimes (for scripts/fuzz.sh and scripts/sanitize.sh).
+# sanitizer runtimes (for scripts/fuzz.sh and scripts/sanitize.sh), --lint clang-format and
+# clang-tidy (scripts/lint.sh).
 set -euo pipefail
 
 DEB_PACKAGES=(
@@ -15,6 +16,10 @@ DEB_PACKAGES=(
 # sanitizer and libFuzzer runtimes.
 if [[ "${1:-}" == "--sanitizers" ]]; then
   DEB_PACKAGES+=(clang libclang-rt-dev)
+fi
+# scripts/setup.sh --lint (scripts/lint.sh): clang-format and clang-tidy (with run-clang-tidy).
+if [[ "${1:-}" == "--lint" ]]; then
+  DEB_PACKAGES+=(clang-format clang-tidy)
 fi
 
 missing=()

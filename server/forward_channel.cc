@@ -269,6 +269,7 @@ void ForwardChannel::Answer(int i, uint64_t sequence, absl::Status status,
       std::vector<grpc::Slice> slices;
       if (answer.Dump(&slices).ok()) {
         std::vector<absl::Span<const uint8_t>> pieces;
+        pieces.reserve(slices.size());
         for (const grpc::Slice& piece : slices) pieces.emplace_back(piece.begin(), piece.size());
         GatherPieces(pieces, n, payload);
         written = n;

@@ -2,6 +2,7 @@
 
 #include <prometheus/text_serializer.h>
 
+#include <cmath>
 #include <exception>
 #include <vector>
 
@@ -120,7 +121,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                                .Register(r)
                                .Add({});
   prometheus::Histogram::BucketBoundaries powers_of_two;
-  for (double v = 1; v <= 16384; v *= 2) powers_of_two.push_back(v);
+  for (int e = 0; e <= 14; ++e) powers_of_two.push_back(std::ldexp(1.0, e));  // 1 .. 16384
   m->batch_calls_ = &prometheus::BuildHistogram()
                          .Name("moeserve_batch_calls")
                          .Help("Forward calls merged into one engine step")

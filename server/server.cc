@@ -248,7 +248,7 @@ void MoeServer::SetServing(bool serving) {
 }
 
 // Follows the engine's health: NOT_SERVING while it is unhealthy, periodic Recover() attempts.
-void MoeServer::WatchHealth(ServerOptions options) {
+void MoeServer::WatchHealth(const ServerOptions& options) {
   auto last_recover = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(health_mu_);
   while (!stop_watching_) {

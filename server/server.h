@@ -170,7 +170,7 @@ class MoeServer {
  private:
   MoeServer() = default;
   void SetServing(bool serving);
-  void WatchHealth(ServerOptions options);
+  void WatchHealth(const ServerOptions& options);
 
   ServerOptions options_;
   Engine* engine_ = nullptr;

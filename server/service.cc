@@ -215,7 +215,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     }
     absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, data);
     if (!encoded.ok()) return answer(absl::InternalError(encoded.status().message()), {}, 0, id);
-    answer(absl::OkStatus(), std::move(*encoded), result.shape[0], id);
+    answer(absl::OkStatus(), *encoded, result.shape[0], id);  // (copies refcount the slices)
   };
   // The same admission as ModelInfer: shapes, the message size, routing counts, the batcher.
   state_->SubmitForward("Forward", pending->input, message_bytes, deadline, std::move(cancelled),
@@ -356,7 +356,7 @@ class MoeServiceImpl::StreamReactor final
         metrics->DecrementInflight();
       }
       if (!status.ok()) encoded = ErrorAnswer(grpc_status, request_id);
-      Answer(seq, std::move(encoded));
+      Answer(seq, encoded);
     };
     // Admission by bytes, as for Forward: this message's request now, its answer once decoded;
     // held until its answer is written (a refusal is this message's error).
@@ -453,7 +453,7 @@ class MoeServiceImpl::StreamReactor final
     header.set_error_code(static_cast<int32_t>(status.error_code()));
     header.set_error_message(status.error_message());
     absl::StatusOr<grpc::ByteBuffer> encoded = v1wire::EncodeForwardResponse(header, {});
-    return encoded.ok() ? std::move(*encoded) : grpc::ByteBuffer();
+    return encoded.ok() ? *encoded : grpc::ByteBuffer();
   }
 
   // A call's answer (any thread): parks it in its slot and writes whatever is next in order.

@@ -123,7 +123,7 @@ absl::Status Prefixed(absl::string_view method, const absl::Status& s) {
 ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name) {
   const uint64_t caller = CallerKey(peer, name);
   return [this, caller, peer = std::move(peer), name = std::move(name)](
-             grpc::ByteBuffer request, absl::Time deadline, int64_t max_answer_bytes,
+             const grpc::ByteBuffer& request, absl::Time deadline, int64_t max_answer_bytes,
              ChannelAnswerFn answer) {
     const auto start = std::chrono::steady_clock::now();
     Metrics* const metrics = metrics_;
@@ -142,7 +142,7 @@ ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name
     RunForward(
         request, deadline, /*cancelled=*/nullptr, start, peer, CallSource{.caller = caller}, hold,
         [metrics, start, received, answer = std::move(answer)](const absl::Status& status,
-                                                               grpc::ByteBuffer encoded,
+                                                               const grpc::ByteBuffer& encoded,
                                                                int64_t tokens, const std::string&) {
           if (metrics) {
             const double seconds =
@@ -154,7 +154,7 @@ ChannelCallFn MoeServiceImpl::MakeChannelCall(std::string peer, std::string name
                               status.ok() ? static_cast<int64_t>(encoded.Length()) : 0);
             metrics->DecrementInflight();
           }
-          answer(status, std::move(encoded));
+          answer(status, encoded);
         });
   };
 }

@@ -1161,6 +1161,7 @@ int RunLoad() {
   const absl::Time start = absl::Now();
   const absl::Time stop_at = start + absl::Seconds(max_seconds);
   std::vector<std::thread> workers;
+  workers.reserve(static_cast<size_t>(concurrency));
   const bool use_stream = absl::GetFlag(FLAGS_stream);
   const absl::Duration think = absl::Microseconds(absl::GetFlag(FLAGS_think_us));
   for (int w = 0; w < concurrency; ++w) {

@@ -42,7 +42,7 @@ std::string ServingStatusName(HealthCheckResponse::ServingStatus status) {
 MoeClient::MoeClient(std::string target, MoeClientOptions options,
                      std::shared_ptr<grpc::Channel> channel)
     : target_(std::move(target)),
-      options_(options),
+      options_(std::move(options)),
       channel_(std::move(channel)),
       stub_(v1::MoeService::NewStub(channel_)),
       generic_stub_(std::make_unique<grpc::GenericStub>(channel_)),

@@ -199,7 +199,7 @@ class CopyPool {
   }
 
   // Copies parts until none is left to take; `lock` holds mu_ on entry and on return.
-  void TakeParts(std::unique_lock<std::mutex>& lock, std::function<void(size_t)> job) {
+  void TakeParts(std::unique_lock<std::mutex>& lock, const std::function<void(size_t)>& job) {
     while (next_ < parts_) {
       const size_t i = next_++;
       lock.unlock();

@@ -274,7 +274,7 @@ class CudaGroupedExperts final : public Experts {
 absl::Status CudaGroupedExperts::Init() {
   MOESERVE_ASSIGN_OR_RETURN(split_k_, SplitKWorkspace::Create(ctx_->device()));
   const bool must = options_.path == CudaGroupedExpertsOptions::Path::kGrouped;
-  const absl::Status supported = CudaGroupedSm90Supported(ctx_->device());
+  absl::Status supported = CudaGroupedSm90Supported(ctx_->device());
   if (!supported.ok()) {
     if (must) return supported;
     return absl::OkStatus();  // crossover: the decode kernels serve every call
