@@ -23,16 +23,23 @@
 #define MOESERVE_ASSIGN_OR_RETURN(lhs, rexpr)                                                  \
   MOESERVE_ASSIGN_OR_RETURN_IMPL_(MOESERVE_STATUS_CONCAT_(_moeserve_statusor_, __LINE__), lhs, \
                                   rexpr)
+// (lhs may be a declaration and statusor is a name: neither can be parenthesized.)
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define MOESERVE_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
   auto statusor = (rexpr);                                    \
   if (!statusor.ok()) return std::move(statusor).status();    \
   lhs = std::move(statusor).value()
+// NOLINTEND(bugprone-macro-parentheses)
 
-// For cudaError_t-returning calls (CUDA runtime and our LaunchFoo launchers).
+// For cudaError_t-returning calls (CUDA runtime and our LaunchFoo launchers). The error is
+// returned as the Status, so it is cleared from the thread's "last error" (cudaGetLastError):
+// left there, a failed cudaMalloc would fail the next launcher that returns
+// cudaGetLastError() on this thread (sticky device errors stay regardless).
 #define MOESERVE_CUDA_RETURN_IF_ERROR(expr)                                                  \
   do {                                                                                       \
     const cudaError_t _moeserve_cuda_err = (expr);                                           \
     if (_moeserve_cuda_err != cudaSuccess) {                                                 \
+      (void)cudaGetLastError();                                                              \
       return ::absl::InternalError(                                                          \
           ::absl::StrCat(#expr, " failed: ", cudaGetErrorString(_moeserve_cuda_err), " at ", \
                          __FILE__, ":", __LINE__));                                          \

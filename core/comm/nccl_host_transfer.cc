@@ -24,6 +24,7 @@ absl::Status NcclHostTransfer::Reserve(void** buf, size_t* cap, size_t bytes) {
   const size_t want = std::max<size_t>(bytes + bytes / 4, 4096);
   if (cudaError_t e = cudaMalloc(buf, want); e != cudaSuccess) {
     *buf = nullptr;
+    cudaGetLastError();  // returned as the Status: not left to fail this thread's next launch
     return absl::ResourceExhaustedError(
         absl::StrCat("cudaMalloc(", want, ") for host staging: ", cudaGetErrorString(e)));
   }

@@ -24,6 +24,7 @@ absl::StatusOr<void*> GrowOnlyBuffer::Get(size_t bytes) {
   if (cudaError_t err = device ? cudaMalloc(&ptr_, want) : cudaMallocHost(&ptr_, want);
       err != cudaSuccess) {
     ptr_ = nullptr;
+    cudaGetLastError();  // returned as the Status: not left to fail this thread's next launch
     return absl::ResourceExhaustedError(absl::StrCat(device ? "cudaMalloc(" : "cudaMallocHost(",
                                                      want, ") failed: ", cudaGetErrorString(err)));
   }
