@@ -245,6 +245,14 @@ struct Inputs {
 
 absl::StatusOr<Inputs> RandomInputs(int64_t num_tokens, int64_t hidden, int topk, int num_experts,
                                     v1::DType dtype, uint64_t seed) {
+  // Bounded before anything is allocated (a negative count once threw std::length_error); the
+  // server refuses what passes its own --max_tokens_per_request by name.
+  constexpr int64_t kMaxElements = int64_t{1} << 32;
+  if (num_tokens <= 0 || hidden <= 0 || num_tokens > kMaxElements / hidden) {
+    return absl::InvalidArgumentError(absl::StrCat("--tokens: got ", num_tokens, ", expected 1 to ",
+                                                   kMaxElements / hidden, " (hidden ", hidden,
+                                                   ")"));
+  }
   if (topk > num_experts) {
     return absl::InvalidArgumentError(
         absl::StrCat("topk ", topk, " exceeds num_experts ", num_experts));
@@ -581,6 +589,11 @@ void PrintTimings(const v1::StageTimings& t) {
 int RunForward() {
   auto dtype = ParseFloatDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Fail(dtype.status(), "--dtype");
+  if (absl::GetFlag(FLAGS_input_file).empty() && absl::GetFlag(FLAGS_tokens) <= 0) {
+    return Fail(absl::InvalidArgumentError(
+                    absl::StrCat("--tokens: got ", absl::GetFlag(FLAGS_tokens), ", expected > 0")),
+                "flags");
+  }
   auto client = MakeClient();
   if (!client.ok()) return Fail(client.status(), "create client");
   auto info = (*client)->GetModelInfo();
@@ -1026,6 +1039,11 @@ int RunLoad() {
   if (cuda_region && absl::GetFlag(FLAGS_shm)) {
     return Fail(absl::InvalidArgumentError("--shm and --cuda_region: pick one way in"), "flags");
   }
+  if (absl::GetFlag(FLAGS_rate) > 0 && absl::GetFlag(FLAGS_stream)) {
+    return Fail(absl::InvalidArgumentError(
+                    "--rate (open loop) sends unary calls; --stream is for the closed loop"),
+                "flags");
+  }
   const bool check_answers = absl::GetFlag(FLAGS_check_answers);
   if (check_answers && (cuda_region || absl::GetFlag(FLAGS_shm) || absl::GetFlag(FLAGS_channel) ||
                         absl::GetFlag(FLAGS_rate) > 0)) {
@@ -1174,8 +1192,12 @@ int RunLoad() {
       std::map<std::string, int64_t> local_errors;
       std::string local_first_error;
       std::unique_ptr<ForwardStream> stream;
+      bool stream_failed = false;
       if (use_stream) {
-        auto opened = mine_client->OpenForwardStream();
+        // The whole run's time plus one call's deadline: a server that stops answering ends
+        // the stream instead of holding the worker in Read forever.
+        auto opened = mine_client->OpenForwardStream(absl::Seconds(max_seconds) +
+                                                     absl::GetFlag(FLAGS_deadline));
         if (!opened.ok()) {
           std::lock_guard<std::mutex> lock(mu);
           ++errors[absl::StatusCodeToString(opened.status().code())];
@@ -1210,10 +1232,16 @@ int RunLoad() {
         } else {
           ++local_errors[absl::StatusCodeToString(result.status().code())];
           if (local_first_error.empty()) local_first_error = result.status().ToString();
+          // A failed write or read ends the stream: this worker's later calls are not sent
+          // (not_sent), and the stream's final status is this error, not another.
+          if (stream) {
+            stream_failed = true;
+            break;
+          }
         }
       }
       if (stream) {
-        if (absl::Status s = stream->Finish(); !s.ok()) {
+        if (absl::Status s = stream->Finish(); !s.ok() && !stream_failed) {
           ++local_errors[absl::StatusCodeToString(s.code())];
           if (local_first_error.empty()) local_first_error = s.ToString();
         }

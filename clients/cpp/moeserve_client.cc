@@ -170,6 +170,10 @@ absl::StatusOr<v1::GetExpertWeightsResponse> MoeClient::StreamExpertWeights(int 
         error = "w13 ended early";
         break;
       }
+      if (current < 0 && index != 0) {  // w13 comes first, always
+        error = "the stream began with w2 (no w13)";
+        break;
+      }
       current = index;
       // Two dims of at most 2^20 each (the server's sizes are far smaller): no overflow.
       bool usable = chunk.dtype() == v1::DTYPE_BF16 && chunk.shape_size() == 2;
@@ -723,11 +727,14 @@ absl::Status ForwardStream::Finish() {
   return FromGrpcStatus(r.status_);
 }
 
-absl::StatusOr<std::unique_ptr<ForwardStream>> MoeClient::OpenForwardStream() {
+absl::StatusOr<std::unique_ptr<ForwardStream>> MoeClient::OpenForwardStream(
+    absl::Duration deadline) {
   auto stream = absl::WrapUnique(new ForwardStream());
   PrepareContext(&stream->context_);
-  // A stream outlives any one call: no per-call deadline.
-  stream->context_.set_deadline(std::chrono::system_clock::time_point::max());
+  // A stream outlives any one call: no per-call deadline, only the stream's own.
+  stream->context_.set_deadline(deadline == absl::InfiniteDuration()
+                                    ? std::chrono::system_clock::time_point::max()
+                                    : absl::ToChronoTime(absl::Now() + deadline));
   generic_stub_->PrepareBidiStreamingCall(&stream->context_,
                                           "/moeserve.v1.MoeService/ForwardStream",
                                           grpc::StubOptions(), stream->reactor_.get());

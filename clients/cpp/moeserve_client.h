@@ -170,7 +170,10 @@ class MoeClient {
 
   // Opens a ForwardStream: layer calls one after another on one HTTP/2 stream (answers in
   // order). The stream has no deadline of its own; the client options' deadline is not applied.
-  absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream();
+  // `deadline`: the whole stream's, from now (a stream outlives any one call, so there is no
+  // per-call deadline); infinite: none.
+  absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream(
+      absl::Duration deadline = absl::InfiniteDuration());
 
   // Tensors by region: see ForwardRegionArgs. Checks the byte sizes against the shapes locally.
   absl::StatusOr<ForwardResult> Forward(const ForwardRegionArgs& args);
