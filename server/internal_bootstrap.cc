@@ -369,8 +369,7 @@ absl::StatusOr<std::unique_ptr<FollowerProcess>> FollowerProcess::Bind(
   for (size_t i = 0; i < listen.size(); ++i) {
     if (ports[i] == 0)
       return absl::UnavailableError(absl::StrCat("listen: cannot bind ", listen[i]));
-    const size_t colon = listen[i].rfind(':');
-    f->bound_.push_back(absl::StrCat(listen[i].substr(0, colon), ":", ports[i]));
+    f->bound_.push_back(BoundAddress(listen[i], ports[i]));
   }
   SetHealth(f->server_.get(), false);
   return f;

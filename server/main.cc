@@ -212,8 +212,9 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: clients must present a certificate signed by it (mutual TLS)");
 ABSL_FLAG(int32_t, tls_refresh_s, moeserve::kDefaultTlsRefreshSeconds,
-          "How often the TLS files (--tls_*, --metrics_tls_*) are re-read, in seconds: "
-          "certificates rotate without a restart");
+          "How often the API's TLS files (--tls_*) are re-read, in seconds: certificates "
+          "rotate without a restart (the metrics endpoint's --metrics_tls_* files are checked "
+          "every second and re-read when they change)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File of bearer tokens (one per line, >= 16 characters; '#' comments): every "
           "moeserve.v1.MoeService call and every KServe v2 call but ServerLive / ServerReady "

@@ -148,17 +148,20 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
       server->Shutdown(std::chrono::milliseconds(0));
       return absl::UnavailableError(absl::StrCat("listen: cannot bind ", address));
     }
-    if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
-      server->bound_addresses_.push_back(address);  // no port: the path is the address
-      continue;
-    }
-    const size_t colon = address.rfind(':');
-    const std::string host = colon == std::string::npos ? address : address.substr(0, colon);
-    server->bound_addresses_.push_back(absl::StrCat(host, ":", server->bound_ports_[i]));
+    server->bound_addresses_.push_back(BoundAddress(address, server->bound_ports_[i]));
   }
   // Live, not ready: the weights are not loaded yet.
   server->SetServing(false);
   return server;
+}
+
+std::string BoundAddress(const std::string& listen, int port) {
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) {
+    return listen;  // no port: the path is the address
+  }
+  const size_t colon = listen.rfind(':');
+  const std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  return absl::StrCat(host, ":", port);
 }
 
 absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backend) {

@@ -48,6 +48,10 @@ inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
 // (tests/benchmarks/serving/RESULTS.md).
 inline constexpr absl::Duration kGpuIdleSpin = absl::Microseconds(2000);
 
+// The address a client dials for listen address `listen` bound on `port`: "host:port", or the
+// listen address itself for a unix socket ("unix:/path", "unix-abstract:name": no port).
+std::string BoundAddress(const std::string& listen, int port);
+
 // The batcher's idle_spin for an engine of `backend` (EngineInfo::backend): `configured`, or
 // when negative, kGpuIdleSpin on a GPU backend and none on "cpu".
 absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backend);

@@ -1,3 +1,5 @@
+#include <unistd.h>
+
 #include <map>
 #include <optional>
 #include <string>
@@ -6,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "server/internal_bootstrap.h"
+#include "server/server.h"
 
 namespace moeserve {
 namespace {
@@ -104,6 +107,20 @@ TEST(Bootstrap, FollowerGetsTheLeadersId) {
   auto got = FetchCollectiveId(Config(1, leader), "fp", absl::Seconds(10));
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, id);
+}
+
+// A follower's health server reports the addresses a client dials: host:port for TCP, the
+// socket path itself for a unix socket (it reported "unix:<port>").
+TEST(Bootstrap, FollowerReportsItsBoundAddresses) {
+  const std::string socket = "/tmp/moeserve_follower_" + std::to_string(getpid()) + ".sock";
+  auto follower = FollowerProcess::Bind({"127.0.0.1:0", "unix:" + socket});
+  ASSERT_TRUE(follower.ok()) << follower.status();
+  ASSERT_EQ((*follower)->bound_addresses().size(), 2u);
+  EXPECT_EQ((*follower)->bound_addresses()[0].rfind("127.0.0.1:", 0), 0u);
+  EXPECT_NE((*follower)->bound_addresses()[0], "127.0.0.1:0");
+  EXPECT_EQ((*follower)->bound_addresses()[1], "unix:" + socket);
+  EXPECT_EQ(BoundAddress("unix-abstract:moe", 0), "unix-abstract:moe");
+  EXPECT_EQ(BoundAddress("[::1]:0", 5051), "[::1]:5051");
 }
 
 TEST(Bootstrap, LeaderRefusesOtherOptionsAtOnce) {
