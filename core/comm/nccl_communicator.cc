@@ -279,20 +279,29 @@ absl::Status NcclCommunicator::AllToAllVGroup(absl::Span<const AllToAllVTransfer
   }
   if (!any) return absl::OkStatus();
   MOESERVE_NCCL_RETURN_IF_ERROR(ncclGroupStart(), comm);
+  // A failed enqueue still closes the group (left open, this thread's later collectives would
+  // be deferred into it) and fails the group, as a failed ncclGroupEnd does.
+  ncclResult_t enqueued = ncclSuccess;
+  const auto fine = [](ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; };
   for (const AllToAllVTransfer& t : transfers) {
-    for (int p = 0; p < world; ++p) {
+    for (int p = 0; p < world && fine(enqueued); ++p) {
       if (p == rank_) continue;
       if (t.send_counts[p] > 0) {
-        MOESERVE_NCCL_RETURN_IF_ERROR(ncclSend(static_cast<const char*>(t.send) + t.send_displs[p],
-                                               t.send_counts[p], ncclUint8, p, comm, stream),
-                                      comm);
+        enqueued = ncclSend(static_cast<const char*>(t.send) + t.send_displs[p], t.send_counts[p],
+                            ncclUint8, p, comm, stream);
       }
-      if (t.recv_counts[p] > 0) {
-        MOESERVE_NCCL_RETURN_IF_ERROR(ncclRecv(static_cast<char*>(t.recv) + t.recv_displs[p],
-                                               t.recv_counts[p], ncclUint8, p, comm, stream),
-                                      comm);
+      if (fine(enqueued) && t.recv_counts[p] > 0) {
+        enqueued = ncclRecv(static_cast<char*>(t.recv) + t.recv_displs[p], t.recv_counts[p],
+                            ncclUint8, p, comm, stream);
       }
     }
+  }
+  if (!fine(enqueued)) {
+    ncclGroupEnd();
+    absl::Status s =
+        NcclError(absl::StrCat("AllToAllV enqueue on rank ", rank_).c_str(), enqueued, comm);
+    group_->Fail(s);
+    return s;
   }
   const ncclResult_t res = ncclGroupEnd();
   if (res != ncclSuccess && res != ncclInProgress) {
