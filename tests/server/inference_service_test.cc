@@ -953,7 +953,7 @@ TEST_F(InferenceSharedMemoryTest, ModelInferSharesTheQueuedBytesBudget) {
   const v1::ForwardRequest r = Random(64, v1::DTYPE_FP32, v1::DTYPE_INT32, 0);
   const inference::ModelInferRequest req = ToInfer(r, "moe_layer_0");
   ExpectRefusedOn(stub.get(), req, grpc::StatusCode::RESOURCE_EXHAUSTED,
-                  {"ModelInfer", "its answer of 32768 bytes", limit});
+                  {"ModelInfer", "this call alone holds", "(its answer: 32768)", limit});
   // A refused call's request bytes are given back when gRPC is done with the call, which may
   // be just after the client has its status (seen on a loaded 2-core machine).
   auto wait_released = [&] {
