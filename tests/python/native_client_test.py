@@ -391,14 +391,17 @@ class NativeClientTest(unittest.TestCase):
                     self.assertEqual(got.request_id, f"r{m}", what)
                     if m > 0:
                         self.assertGreater(got.timings["total_us"], 0, what)
-            # Routing on the server, returned; forward() without timings.
-            x, _, _ = self.inputs(5)
-            got = fast.forward_full(x, return_routing=True, return_timings=False)
-            want = self.npc.forward_full(x, return_routing=True, return_timings=False)
-            self.assertEqual(got.output.tobytes(), want.output.tobytes())
-            np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
-            np.testing.assert_array_equal(got.topk_weights, want.topk_weights)
-            self.assertEqual(got.timings["total_us"], 0)
+            # Routing on the server, returned; forward() without timings. Also a batch whose
+            # echoed routing passes the 4 KiB default header buffer (it was sized for no
+            # routes, the call's own topk being 0: RESOURCE_EXHAUSTED after the work).
+            for m in (5, max(64, 4096 // (8 * self.info.topk) + 8)):
+                x, _, _ = self.inputs(m)
+                got = fast.forward_full(x, return_routing=True, return_timings=False)
+                want = self.npc.forward_full(x, return_routing=True, return_timings=False)
+                self.assertEqual(got.output.tobytes(), want.output.tobytes(), m)
+                np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
+                np.testing.assert_array_equal(got.topk_weights, want.topk_weights)
+                self.assertEqual(got.timings["total_us"], 0)
             self.assertEqual(fast.forward(x).tobytes(), self.npc.forward(x).tobytes())
             # The same refusals, as grpc.RpcError with the server's code.
             x, ids, w = self.inputs(3)

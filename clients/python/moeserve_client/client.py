@@ -336,6 +336,11 @@ class MoeClient:
                 ids = np.ascontiguousarray(topk_ids).astype("<i4", copy=False)
             weights = np.ascontiguousarray(topk_weights).astype("<f4", copy=False)
             topk = ids.shape[1]
+        if topk_ids is None and return_routing:
+            # The server's routing comes back in the header: sized by the model's topk.
+            if self._info is None:
+                self._info = self.info(timeout=timeout)
+            self._native.echo_topk = max(1, self._info.topk)
         out = np.empty((m, h), dtype=storage)
         want_header = bool(request_id) or return_timings or return_routing
         start = time.perf_counter()

@@ -212,6 +212,10 @@ class NativeClient:
             raise ValueError(f"native client for {target!r}: "
                              f"{err.value.decode('utf-8', 'replace')}")
         self.target = target
+        # Routes per token of the server's routing echo (return_routing with routing on the
+        # server, where the call itself has topk 0): sizes the answer header's buffer. A
+        # caller that knows the model's topk sets it; the default covers topk <= 16.
+        self.echo_topk = 16
 
     def close(self):
         ptr, self._ptr = self._ptr, None
@@ -253,7 +257,7 @@ class NativeClient:
         self._fill_args(a, layer, hidden_dtype, num_tokens, hidden, hidden_ptr, ids_dtype, topk,
                         ids_ptr, weights_ptr, request_id, return_timings, return_routing,
                         timeout)
-        cap = _header_cap(request_id, num_tokens * topk, return_routing)
+        cap = _header_cap(request_id, num_tokens * (topk or self.echo_topk), return_routing)
         header = s.header if cap <= _HEADER_BYTES else ctypes.create_string_buffer(cap)
         r.out, r.out_bytes = out, out_bytes
         r.expect_dtype, r.expect_num_tokens, r.expect_hidden = hidden_dtype, num_tokens, hidden
@@ -279,7 +283,8 @@ class NativeClient:
         if code != 0:
             raise CallError(code, err.value.decode("utf-8", "replace"))
         return NativeCall(self._lib, call.value, keep,
-                          _header_cap(request_id, num_tokens * topk, return_routing))
+                          _header_cap(request_id, num_tokens * (topk or self.echo_topk),
+                                      return_routing))
 
     @staticmethod
     def _parts(request):
