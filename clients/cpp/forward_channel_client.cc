@@ -183,8 +183,11 @@ absl::StatusOr<ForwardResult> ForwardChannelClient::Forward(const grpc::ByteBuff
   }
   const Clock::time_point start = Clock::now();
   const absl::Duration deadline = client_->options().deadline;
+  // An infinite deadline (the flag accepts "inf") would overflow the sum into the past.
   const Clock::time_point give_up =
-      start + absl::ToChronoNanoseconds(deadline) + std::chrono::seconds(1);
+      deadline >= absl::Hours(24 * 365)
+          ? Clock::time_point::max()
+          : start + absl::ToChronoNanoseconds(deadline) + std::chrono::seconds(1);
   absl::StatusOr<int> acquired = AcquireSlot(give_up);
   if (!acquired.ok()) return acquired.status();
   const int i = *acquired;

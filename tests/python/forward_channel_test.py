@@ -283,6 +283,20 @@ class ForwardChannelTest(unittest.TestCase):
         for _ in range(6):  # the abandoned slot is not handed out; the others still work
             self.check_answer(*self.ch.forward(request(x, 1)), x, 1)
 
+    def test_bad_timeouts_keep_the_slots(self):
+        # Refused before a slot is taken (a NaN or inf once raised after taking one, which then
+        # never came back; 0 and negatives were sent with a 1 us deadline). inf: no deadline.
+        x = self.rng.standard_normal((1, 8)).astype(np.float32)
+        for _ in range(2):  # more refusals than the 4 slots
+            for bad in (float("nan"), 0.0, -1.0):
+                with self.assertRaises(ValueError):
+                    self.ch.submit(request(x, 1), timeout=bad)
+                with self.assertRaises(ValueError):
+                    self.ch.try_submit(request(x, 1), timeout=bad)
+        futures = [self.ch.submit(request(x, k), timeout=float("inf")) for k in range(4)]
+        for k, f in enumerate(futures):  # every slot still usable
+            self.check_answer(*self.ch.result(f), x, k)
+
     def test_threads(self):
         errors = []
 

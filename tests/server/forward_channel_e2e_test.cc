@@ -123,6 +123,25 @@ TEST_F(ForwardChannelE2eTest, InlineTensorsMatchReference) {
   EXPECT_TRUE((*channel)->Close().ok());
 }
 
+// A client without a deadline (--deadline=inf) waits for its answer: the wait's end once
+// overflowed into the past and every call that had to sleep failed at once.
+TEST_F(ForwardChannelE2eTest, InfiniteDeadlineWaitsForTheAnswer) {
+  client::MoeClientOptions options;
+  options.deadline = absl::InfiniteDuration();
+  auto client = MoeClient::Create(server_->bound_addresses()[0], options).value();
+  ForwardChannelOptions sleepy;
+  sleepy.spin = absl::ZeroDuration();  // every call sleeps on its slot
+  auto channel = ForwardChannelClient::Create(client.get(), sleepy);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  for (int i = 0; i < 5; ++i) {
+    v1::ForwardRequest r = Random(7);
+    absl::StatusOr<ForwardResult> got = (*channel)->Forward(r);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_LT(RelativeL2(DecodeFloats(got->output.data(), v1::DTYPE_BF16), Expected(r)), 1e-2);
+  }
+  EXPECT_TRUE((*channel)->Close().ok());
+}
+
 // Without copy_output an answer is a view into bytes the client owns apart from the slot (which
 // the next call reuses): answers held at once must each keep their own bytes across later calls.
 TEST_F(ForwardChannelE2eTest, AnswersHeldWithoutCopyKeepTheirBytes) {

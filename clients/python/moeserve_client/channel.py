@@ -361,9 +361,20 @@ class ForwardChannel:
 
     # ---- calls ----
 
+    @staticmethod
+    def _timeout(timeout):
+        """`timeout` checked before a slot is taken: None or +inf is no deadline; NaN and
+        values <= 0 are refused (a slot taken and then refused would never come back)."""
+        if timeout is None or timeout == float("inf"):
+            return None
+        if not timeout > 0:
+            raise ValueError(f"timeout: got {timeout!r}, expected > 0 seconds or None")
+        return float(timeout)
+
     def try_submit(self, request, timeout=None):
         """submit() if a slot is free now, else None (the caller may send by gRPC instead)."""
         self._check_usable()
+        timeout = self._timeout(timeout)
         slot = self._acquire(None)
         if slot is None:
             return None
@@ -374,6 +385,7 @@ class ForwardChannel:
         seconds, None: for ever) when all are in use. `request`: a serialized ForwardRequest
         (bytes-like) or a list of bytes-like parts."""
         self._check_usable()
+        timeout = self._timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         slot = self._acquire(float("inf") if deadline is None else deadline)
         if slot is None:
