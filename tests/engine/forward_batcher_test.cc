@@ -394,8 +394,8 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsTheStepsRunning) {
 
 // A call larger than a step runs as a step of its own: on an idle batcher it is taken whatever
 // the bound (the estimate once priced its tokens past the first step as full steps queued
-// ahead of it, and refused every such call), and behind a running step it is priced as one
-// step that starts when the lane frees.
+// ahead of it, and refused every such call). (Behind a running step the wait depends on the
+// step costs learned, which the large step itself changes: not asserted, it is timing.)
 TEST(ForwardBatcherTest, QueueWaitBoundTakesALargeCallOnAnIdleBatcher) {
   auto engine = ReferenceEngine();
   const ModelConfig& m = engine->info().model;
@@ -409,19 +409,6 @@ TEST(ForwardBatcherTest, QueueWaitBoundTakesALargeCallOnAnIdleBatcher) {
   const absl::Status taken = SubmitAsync(*batcher, large).get().first;
   ASSERT_TRUE(taken.ok()) << taken;
   ExpectSameAsAlone(*engine, large);
-  EXPECT_EQ(batcher->stats().refused_queue_full, 0);
-  // Behind a step expected to run about 100 ms more, the same call would start within the
-  // bound: taken.
-  {
-    HeldStep running(*batcher, m, 0, rng);
-    Call behind = MakeCall(m, 128, 0, DType::kFP32, rng);
-    auto answer = SubmitAsync(*batcher, behind);
-    running.release.set_value();
-    ASSERT_TRUE(running.answer.get().first.ok());
-    const absl::Status s = answer.get().first;
-    ASSERT_TRUE(s.ok()) << s;
-    ExpectSameAsAlone(*engine, behind);
-  }
   EXPECT_EQ(batcher->stats().refused_queue_full, 0);
 }
 
