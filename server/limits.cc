@@ -44,22 +44,17 @@ std::string HeldBytesNote(const ModelConfig& model, int64_t max_tokens, int64_t 
     return request > INT64_MAX - answer ? INT64_MAX : request + answer;
   };
   if (call_bytes(max_tokens) <= max_queued_bytes) return "";
-  // The most tokens whose fp32 call fits (call_bytes grows with the tokens).
-  int64_t lo = 0, hi = max_tokens;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (call_bytes(mid) <= max_queued_bytes) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
+  // The most tokens whose fp32 call fits: each token adds its request and answer bytes to the
+  // two messages' overhead (the sizes above, unsaturated below max_tokens).
+  const int64_t per_token = TokenBytes(model) + model.hidden * 4;
+  const int64_t fits = std::clamp<int64_t>(
+      (max_queued_bytes - 2 * kMessageOverheadBytes) / per_token, 0, max_tokens - 1);
   return absl::StrCat("note: --max_queued_bytes=", max_queued_bytes,
                       " is below what one Forward of M=", max_tokens, " fp32 holds (",
                       MiB(call_bytes(max_tokens)),
                       " of request and answer): such calls are refused however idle the server "
                       "is; fp32 calls fit up to M=",
-                      lo, " (BF16 about twice that). Raise --max_queued_bytes to serve them");
+                      fits, " (BF16 about twice that). Raise --max_queued_bytes to serve them");
 }
 
 int64_t ExpertWeightsMessageBytes(const ModelConfig& model) {

@@ -452,14 +452,16 @@ int64_t CountShapeDims(absl::string_view rest) {
 
 // Walks a top-level message: LEN fields numbered in `tensor_numbers` are tensors (walked into
 // `tensors`), fields numbered up to `max_known` are appended raw to `rest`, others skipped.
-// int32_fields / string_fields / region_fields (RegionRef submessages) are checked as
+// int32_fields / string_fields / region_fields (RegionRef submessages, by number and the name
+// their errors give) are checked as
 // CheckField and CheckRegionRef say.
 absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
                      absl::Span<WireTensor* const> tensors, uint32_t max_known,
                      absl::Span<const uint32_t> int32_fields,
                      absl::Span<const uint32_t> string_fields,
-                     absl::Span<const uint32_t> region_fields, std::string* rest,
-                     std::vector<std::string>* tensor_rests, absl::string_view message,
+                     absl::Span<const std::pair<uint32_t, absl::string_view>> region_fields,
+                     std::string* rest, std::vector<std::string>* tensor_rests,
+                     absl::string_view message,
                      absl::Span<const uint32_t> checked_tensor_fields = {}) {
   Cursor c;
   const size_t end = r.size();
@@ -476,13 +478,9 @@ absl::Status WalkTop(const Reader& r, absl::Span<const uint32_t> tensor_numbers,
         !s.ok()) {
       return s;
     }
-    if (std::find(region_fields.begin(), region_fields.end(), number) != region_fields.end()) {
-      // (ForwardRequest's field 7 is the only top-level RegionRef.)
-      const std::string name =
-          number == 7 ? "output_region (field 7)" : absl::StrCat("field ", number);
-      if (absl::Status s = CheckRegionRef(r, c, end, tag, name, message); !s.ok()) {
-        return s;
-      }
+    for (const auto& [region_number, name] : region_fields) {
+      if (region_number != number) continue;
+      if (absl::Status s = CheckRegionRef(r, c, end, tag, name, message); !s.ok()) return s;
     }
     if ((tag & 7) == kLen && std::find(checked_tensor_fields.begin(), checked_tensor_fields.end(),
                                        number) != checked_tensor_fields.end()) {
@@ -672,8 +670,9 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
   const uint32_t numbers[] = {2, 3, 4};
   WireTensor* const tensors[] = {&view.hidden_states, &view.topk_ids, &view.topk_weights};
   // layer (1) is an int32; request_id (5) a string; output_region (7) a RegionRef.
+  const std::pair<uint32_t, absl::string_view> regions[] = {{7, "output_region (field 7)"}};
   if (absl::Status s =
-          WalkTop(reader, numbers, tensors, 8, {1}, {5}, {7}, &rest, &tensor_rests, kMessage);
+          WalkTop(reader, numbers, tensors, 8, {1}, {5}, regions, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }
