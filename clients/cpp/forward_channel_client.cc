@@ -97,9 +97,13 @@ absl::StatusOr<std::unique_ptr<ForwardChannelClient>> ForwardChannelClient::Crea
 }
 
 ForwardChannelClient::~ForwardChannelClient() {
-  if (Close().ok() || base_ == nullptr) return;
-  // The server refused to let go (a call of ours it still runs) or could not be reached: our
-  // mapping and the name go anyway (the server's own mapping keeps the memory while it has it).
+  // Where the server refused to let go (a call of ours it still runs) or could not be reached,
+  // our mapping and the name go anyway (the server's own mapping keeps the memory).
+  if (!Close().ok()) Unmap();
+}
+
+void ForwardChannelClient::Unmap() {
+  if (base_ == nullptr) return;
   munmap(base_, map_bytes_);
   base_ = nullptr;
   shm_unlink(key_.c_str());
@@ -111,11 +115,7 @@ absl::Status ForwardChannelClient::Close() {
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
     registered_ = false;
   }
-  if (base_ != nullptr) {
-    munmap(base_, map_bytes_);
-    base_ = nullptr;
-    shm_unlink(key_.c_str());
-  }
+  Unmap();
   return absl::OkStatus();
 }
 

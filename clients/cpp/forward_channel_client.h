@@ -73,6 +73,7 @@ class ForwardChannelClient {
  private:
   ForwardChannelClient() = default;
   uint8_t* slot(int i) const;
+  void Unmap();  // unmaps and unlinks this side's object (idempotent)
   using Clock = std::chrono::steady_clock;
   // A free slot, or UNAVAILABLE once the server detached / DEADLINE_EXCEEDED after `give_up`
   // while every slot is in flight or given up on.
