@@ -4,6 +4,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/dtype.h"
+#include "core/engine_plan.h"
 #include "core/status_macros.h"
 
 namespace moeserve {
@@ -22,6 +25,39 @@ std::vector<int64_t> Command(int64_t op, int world) {
   command[kOpAt] = op;
   command[kWorldAt] = world;
   return command;
+}
+
+// A follower's check of a forward command before it sizes anything from it: the leader is
+// another process (another build, or a bug), and a bad count must fail the step, not a resize.
+absl::Status CheckForwardCommand(const std::vector<int64_t>& h, const EnginePlan& plan, int rank) {
+  auto bad = [rank](absl::string_view what) {
+    return absl::InternalError(
+        absl::StrCat("rank ", rank, ": bad forward command from the leader: ", what));
+  };
+  const int64_t layer = h[kLayerAt], m = h[kTokensAt], dtype = h[kDtypeAt];
+  if (layer < 0 || layer >= plan.model.num_layers) {
+    return bad(absl::StrCat("layer ", layer, ", expected [0, ", plan.model.num_layers, ")"));
+  }
+  if (dtype != static_cast<int64_t>(DType::kBF16) && dtype != static_cast<int64_t>(DType::kFP16) &&
+      dtype != static_cast<int64_t>(DType::kFP32)) {
+    return bad(absl::StrCat("hidden dtype code ", dtype, ", expected BF16, FP16 or FP32"));
+  }
+  if (m < 0 || m > plan.max_tokens_per_request) {
+    return bad(absl::StrCat("M=", m, ", expected [0, ", plan.max_tokens_per_request, "]"));
+  }
+  const int64_t* bounds = &h[kBoundsAt];
+  const int world = plan.world_size;
+  if (bounds[0] != 0 || bounds[world] != m) {
+    return bad(absl::StrCat("token bounds [", bounds[0], ", ", bounds[world],
+                            "], expected [0, M=", m, "]"));
+  }
+  for (int r = 0; r < world; ++r) {
+    if (bounds[r + 1] < bounds[r]) {
+      return bad(absl::StrCat("token bounds of rank ", r, " run backwards (", bounds[r], " -> ",
+                              bounds[r + 1], ")"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -111,6 +147,7 @@ absl::Status MultiProcessDriver::RunCommandOnRank(int i, const std::vector<int64
   }
   if (h[kOpAt] != kOpForward) return absl::OkStatus();
   const EnginePlan& plan = group_->plan();
+  if (g != 0) MOESERVE_RETURN_IF_ERROR(CheckForwardCommand(h, plan, g));
   if (plan.fault_injection_for_testing) {
     MOESERVE_RETURN_IF_ERROR(plan.fault_injection_for_testing(g));
   }
