@@ -55,19 +55,26 @@ class InProcessCommunicator final : public Communicator {
     slot.send = static_cast<const std::byte*>(send);
     slot.send_counts = send_counts.data();
     slot.send_displs = send_displs.data();
-    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "AllToAllV (post)"));
-    MOESERVE_RETURN_IF_ERROR(CheckPeersMatch(slot));
-    auto* out = static_cast<std::byte*>(recv);
-    for (size_t p = 0; p < n; ++p) {
-      const InProcessCommGroup::Slot& peer = group_->slots_[p];
-      const int64_t bytes = peer.send_counts[rank_];
-      if (bytes != recv_counts[p]) {
-        return Fail(absl::InternalError(absl::StrCat("AllToAllV: rank ", p, " sends ", bytes,
-                                                     " bytes to rank ", rank_, ", which expects ",
-                                                     recv_counts[p])));
+    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "AllToAllV (post)", /*opens_reads=*/true));
+    absl::Status copied = [&]() -> absl::Status {
+      MOESERVE_RETURN_IF_ERROR(CheckPeersMatch(slot));
+      auto* out = static_cast<std::byte*>(recv);
+      for (size_t p = 0; p < n; ++p) {
+        const InProcessCommGroup::Slot& peer = group_->slots_[p];
+        const int64_t bytes = peer.send_counts[rank_];
+        if (bytes != recv_counts[p]) {
+          return Fail(absl::InternalError(absl::StrCat("AllToAllV: rank ", p, " sends ", bytes,
+                                                       " bytes to rank ", rank_, ", which expects ",
+                                                       recv_counts[p])));
+        }
+        if (bytes > 0) {
+          std::memcpy(out + recv_displs[p], peer.send + peer.send_displs[rank_], bytes);
+        }
       }
-      if (bytes > 0) std::memcpy(out + recv_displs[p], peer.send + peer.send_displs[rank_], bytes);
-    }
+      return absl::OkStatus();
+    }();
+    group_->DoneReading();
+    MOESERVE_RETURN_IF_ERROR(copied);
     return group_->Arrive(rank_, "AllToAllV (copied)");
   }
 
@@ -75,25 +82,32 @@ class InProcessCommunicator final : public Communicator {
     InProcessCommGroup::Slot& slot = Post(InProcessCommGroup::Op::kAllGather);
     slot.send = static_cast<const std::byte*>(send);
     slot.bytes = bytes;
-    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "AllGather (post)"));
-    MOESERVE_RETURN_IF_ERROR(CheckPeersMatch(slot));
-    auto* out = static_cast<std::byte*>(recv);
-    for (int p = 0; p < world_size(); ++p) {
-      const InProcessCommGroup::Slot& peer = group_->slots_[p];
-      if (peer.bytes != bytes) {
-        return Fail(
-            absl::InternalError(absl::StrCat("AllGather: rank ", p, " contributes ", peer.bytes,
-                                             " bytes, rank ", rank_, " expects ", bytes)));
+    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "AllGather (post)", /*opens_reads=*/true));
+    absl::Status copied = [&]() -> absl::Status {
+      MOESERVE_RETURN_IF_ERROR(CheckPeersMatch(slot));
+      auto* out = static_cast<std::byte*>(recv);
+      for (int p = 0; p < world_size(); ++p) {
+        const InProcessCommGroup::Slot& peer = group_->slots_[p];
+        if (peer.bytes != bytes) {
+          return Fail(
+              absl::InternalError(absl::StrCat("AllGather: rank ", p, " contributes ", peer.bytes,
+                                               " bytes, rank ", rank_, " expects ", bytes)));
+        }
+        if (bytes > 0) std::memcpy(out + p * bytes, peer.send, bytes);
       }
-      if (bytes > 0) std::memcpy(out + p * bytes, peer.send, bytes);
-    }
+      return absl::OkStatus();
+    }();
+    group_->DoneReading();
+    MOESERVE_RETURN_IF_ERROR(copied);
     return group_->Arrive(rank_, "AllGather (copied)");
   }
 
   absl::Status Barrier() override {
     InProcessCommGroup::Slot& slot = Post(InProcessCommGroup::Op::kBarrier);
-    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "Barrier"));
-    MOESERVE_RETURN_IF_ERROR(CheckPeersMatch(slot));
+    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "Barrier", /*opens_reads=*/true));
+    absl::Status checked = CheckPeersMatch(slot);
+    group_->DoneReading();
+    MOESERVE_RETURN_IF_ERROR(checked);
     return group_->Arrive(rank_, "Barrier (checked)");
   }
 
@@ -165,12 +179,19 @@ void InProcessCommGroup::Reset() {
   std::lock_guard<std::mutex> lock(mu_);
   failure_ = absl::OkStatus();
   arrived_ = 0;
+  readers_ = 0;
   ++generation_;
   for (uint64_t& s : next_seq_) s = 0;
   for (Slot& s : slots_) s = Slot();
 }
 
-absl::Status InProcessCommGroup::Arrive(int rank, absl::string_view what) {
+void InProcessCommGroup::DoneReading() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (--readers_ == 0) cv_.notify_all();
+  cv_.wait(lock, [this] { return readers_ <= 0; });
+}
+
+absl::Status InProcessCommGroup::Arrive(int rank, absl::string_view what, bool opens_reads) {
   auto failed = [&]() -> absl::Status {
     if (failure_.code() == absl::StatusCode::kDeadlineExceeded) return failure_;
     return absl::AbortedError(absl::StrCat(
@@ -181,6 +202,7 @@ absl::Status InProcessCommGroup::Arrive(int rank, absl::string_view what) {
   const uint64_t gen = generation_;
   if (++arrived_ == world_size_) {
     arrived_ = 0;
+    if (opens_reads) readers_ = world_size_;
     ++generation_;
     cv_.notify_all();
     return absl::OkStatus();

@@ -56,7 +56,12 @@ class InProcessCommGroup : public std::enable_shared_from_this<InProcessCommGrou
   InProcessCommGroup(int world_size, absl::Duration timeout)
       : world_size_(world_size), timeout_(timeout), slots_(world_size), next_seq_(world_size, 0) {}
   // Waits until every rank has arrived at this barrier, the timeout passes, or the group fails.
-  absl::Status Arrive(int rank, absl::string_view what);
+  // `opens_reads`: the barrier publishes the ranks' slots; once it completes, every rank reads
+  // its peers' slots and buffers and must call DoneReading() before it returns.
+  absl::Status Arrive(int rank, absl::string_view what, bool opens_reads = false);
+  // This rank no longer reads its peers' slots; waits until no rank does (reads never block),
+  // so that a rank failing early does not free or repost what a slower peer still reads.
+  void DoneReading();
 
   const int world_size_;
   const absl::Duration timeout_;
@@ -67,6 +72,7 @@ class InProcessCommGroup : public std::enable_shared_from_this<InProcessCommGrou
   std::condition_variable cv_;
   int arrived_ = 0;
   uint64_t generation_ = 0;
+  int readers_ = 0;       // ranks between an opening barrier and DoneReading()
   absl::Status failure_;  // first cause; OK while healthy
 };
 

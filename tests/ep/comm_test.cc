@@ -150,6 +150,38 @@ TEST(InProcessComm, MismatchedCountsAreInternalErrors) {
   EXPECT_THAT(g.group->status().message(), HasSubstr("collective mismatch"));
 }
 
+// A rank that finds a bad count returns at once; a slower peer still copying from every rank's
+// send buffer must not read the failed rank's, freed by then (large enough that the allocator
+// returns it to the system: a read after the free faults without a sanitizer too).
+TEST(InProcessComm, AFailingRankKeepsItsBuffersUntilPeersStopReading) {
+  const int n = 3;
+  const int64_t big = int64_t{48} << 20, small = int64_t{40} << 20;  // over glibc's mmap bar
+  Group g = MakeGroup(n, absl::Seconds(60));
+  RankThreads threads(n);
+  for (int round = 0; round < 3; ++round) {
+    auto statuses = threads.Run([&](int r) -> absl::Status {
+      // Ranks 0 and 1 send `big` to rank 1 (which copies them first), rank 2 sends `small`.
+      std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
+      sc[1] = r == 2 ? small : big;
+      std::vector<uint8_t> send(static_cast<size_t>(sc[1]), static_cast<uint8_t>(r + 1));
+      std::vector<uint8_t> recv;
+      if (r == 1) {
+        rc = {big, big, small};
+        rd = {0, big, 2 * big};
+        recv.resize(static_cast<size_t>(2 * big + small));
+      }
+      if (r == 2) rc[0] = 1;  // rank 0 sends it nothing: rank 2 fails on its first peer
+      absl::Status s = g.comms[r]->AllToAllV(send.data(), sc, sd, recv.data(), rc, rd);
+      if (r == 1 && recv.back() != 3) return absl::DataLossError("rank 2's bytes did not arrive");
+      return s;
+    });
+    EXPECT_EQ(statuses[2].code(), absl::StatusCode::kInternal) << statuses[2];
+    EXPECT_THAT(statuses[2].message(), HasSubstr("which expects 1"));
+    EXPECT_EQ(statuses[1].code(), absl::StatusCode::kAborted) << statuses[1];
+    g.group->Reset();
+  }
+}
+
 TEST(Placement, ContiguousRoundRobinAndExpertMap) {
   auto c = Placement::Contiguous(512, 16);
   ASSERT_TRUE(c.ok());
