@@ -189,6 +189,16 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   }
   if (options.collective_timeout_ms <= 0) return Invalid("collective_timeout_ms must be > 0");
   plan.collective_timeout = absl::Milliseconds(options.collective_timeout_ms);
+  // A follower waits at most collective_timeout_ms for the next command, and an idle leader's
+  // commands can come two heartbeats apart (the heartbeat skips a period that saw a step).
+  if (plan.multi_process &&
+      (options.heartbeat_ms <= 0 || options.heartbeat_ms > options.collective_timeout_ms / 3)) {
+    return Invalid(absl::StrCat(
+        "heartbeat_ms: got ", options.heartbeat_ms,
+        ", expected a value in [1, collective_timeout_ms / 3 = ", options.collective_timeout_ms / 3,
+        "] for multi-process serving (followers wait at most collective_timeout_ms for the next "
+        "command, and an idle leader's heartbeats can be two periods apart)"));
+  }
   plan.heartbeat_ms = options.heartbeat_ms;
   plan.max_tokens_per_request = options.max_tokens_per_request;
 

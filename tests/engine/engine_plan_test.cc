@@ -230,6 +230,28 @@ TEST(ResolveEngineConfig, EveryBadOptionIsRefusedSayingWhy) {
   ExpectRefused(o, kInvalid,
                 "collective_id: multi-process serving needs the leader's NCCL unique id", WithGpu(),
                 2);
+  // Followers wait for the next command at most the collective timeout: the leader's idle
+  // heartbeat must come well within it (and be on).
+  o.collective_id = "id";
+  o.collective_timeout_ms = 3000;
+  o.heartbeat_ms = 1001;
+  ExpectRefused(o, kInvalid,
+                "heartbeat_ms: got 1001, expected a value in [1, collective_timeout_ms / 3 = 1000] "
+                "for multi-process serving (followers wait at most collective_timeout_ms for the "
+                "next command, and an idle leader's heartbeats can be two periods apart)",
+                WithGpu(), 2);
+  o.heartbeat_ms = 0;
+  ExpectRefused(o, kInvalid,
+                "heartbeat_ms: got 0, expected a value in [1, collective_timeout_ms / 3 = 1000] "
+                "for multi-process serving (followers wait at most collective_timeout_ms for the "
+                "next command, and an idle leader's heartbeats can be two periods apart)",
+                WithGpu(), 2);
+  o.heartbeat_ms = 1000;
+  EXPECT_TRUE(ResolveEngineConfig(o, WithGpu(), 2).ok());
+  o.world_size = 2;  // one process: no heartbeat needed
+  o.node_rank = 0;
+  o.heartbeat_ms = 0;
+  EXPECT_TRUE(ResolveEngineConfig(o, WithGpu(), 2).ok());
   o = Tiny();
   o.max_tokens_per_request = 0;
   ExpectRefused(o, kInvalid, "max_tokens_per_request must be > 0");
