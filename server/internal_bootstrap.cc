@@ -9,7 +9,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "core/weight_loader.h"
 #include "moeserve/v1/internal.grpc.pb.h"
 #include "server/server.h"
 #include "server/status.h"
@@ -117,14 +119,25 @@ absl::StatusOr<MultiProcessConfig> ResolveMultiProcess(const MultiProcessFlags& 
 }
 
 std::string EngineFingerprint(const EngineOptions& o) {
-  const ModelConfig& m = o.model;
+  // With a checkpoint, the model its config.json gives (the preset's fields only seed it): two
+  // nodes with different configs at the same path must not form a group (their token rows would
+  // differ in size, and the first step would hang until the collective timeout).
+  WeightSource source;
+  source.checkpoint_dir = o.checkpoint_dir;
+  absl::StatusOr<ModelConfig> resolved = o.checkpoint_dir.empty()
+                                             ? absl::StatusOr<ModelConfig>(o.model)
+                                             : ResolveModelConfig(source, o.model);
+  if (!resolved.ok()) return absl::StrCat("unresolved model: ", resolved.status().ToString());
+  const ModelConfig& m = *resolved;
   return absl::StrCat("model=", m.name, " layers=", m.num_layers, " experts=", m.num_experts,
                       " topk=", m.topk, " hidden=", m.hidden, " intermediate=", m.intermediate,
                       " seed=", o.seed, " weights=", WeightFormatName(o.weight_format),
                       " checkpoint=", o.checkpoint_dir, " backend=", o.backend,
                       " experts_impl=", o.experts, " pf=", o.prepare_finalize,
                       " placement=", o.placement, " max_tokens=", o.max_tokens_per_request,
-                      " tokens_per_rank=", o.max_tokens_per_rank, " dispatch=", o.dispatch);
+                      " tokens_per_rank=", o.max_tokens_per_rank, " dispatch=", o.dispatch,
+                      " moe_layers=", absl::StrJoin(m.moe_layers, ","),
+                      " collective_timeout_ms=", o.collective_timeout_ms);
 }
 
 // ---------------------------------------------------------------------------------------------

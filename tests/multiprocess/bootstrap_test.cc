@@ -1,11 +1,13 @@
 #include <unistd.h>
 
+#include <cstdio>
 #include <map>
 #include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/internal_bootstrap.h"
 #include "server/server.h"
@@ -179,6 +181,44 @@ TEST(EngineFingerprint, DiffersWhenTheWeightsDiffer) {
   b.seed = 7;
   EXPECT_NE(EngineFingerprint(a), EngineFingerprint(b));
   EXPECT_EQ(EngineFingerprint(a), EngineFingerprint(EngineOptions()));
+}
+
+// With a checkpoint, what the processes must agree on is its config.json, not the preset the
+// flags name: a follower whose checkpoint (at the same path) has another hidden size would form
+// the group and hang on the first step's token rows.
+TEST(EngineFingerprint, FollowsTheCheckpointsConfig) {
+  char dir_template[] = "/tmp/moeserve_fingerprint_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  auto write_config = [&](int hidden) {
+    std::FILE* f = std::fopen((dir + "/config.json").c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fprintf(f,
+                 "{\"model_type\": \"qwen3_moe\", \"hidden_size\": %d, "
+                 "\"num_hidden_layers\": 2, \"num_experts\": 8, \"num_experts_per_tok\": 2, "
+                 "\"moe_intermediate_size\": 48}",
+                 hidden);
+    std::fclose(f);
+  };
+  EngineOptions o;
+  o.checkpoint_dir = dir;
+  write_config(512);
+  const std::string first = EngineFingerprint(o);
+  EXPECT_THAT(first, ::testing::HasSubstr("hidden=512")) << first;
+  write_config(1024);
+  const std::string second = EngineFingerprint(o);
+  EXPECT_THAT(second, ::testing::HasSubstr("hidden=1024")) << second;
+  EXPECT_NE(first, second);
+  std::remove((dir + "/config.json").c_str());
+  rmdir(dir.c_str());
+}
+
+TEST(EngineFingerprint, DiffersWhenTheCollectiveTimeoutsDiffer) {
+  // The leader's heartbeat is checked against its own timeout; a follower waiting less would
+  // give up between heartbeats.
+  EngineOptions a, b;
+  b.collective_timeout_ms = a.collective_timeout_ms / 2;
+  EXPECT_NE(EngineFingerprint(a), EngineFingerprint(b));
 }
 
 }  // namespace
