@@ -13,8 +13,10 @@
 
 namespace moeserve::kernels {
 
-// Most local experts LaunchMoeAlign handles (its per-warp counters live in shared memory).
-inline constexpr int kMoeAlignMaxExperts = 12288;
+// Most local experts LaunchMoeAlign handles: its counters (one row per warp, plus one) live in
+// the 48 KiB of shared memory a launch gets without opting in, so one warp's two rows of E
+// int32 must fit (12288 was advertised and failed to launch above 6144).
+inline constexpr int kMoeAlignMaxExperts = 48 * 1024 / 4 / 2;
 
 // Groups the num_routes routes of topk_ids by expert, stable (ascending route order inside an
 // expert). Outputs (device, written in full):

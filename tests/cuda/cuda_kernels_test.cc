@@ -76,7 +76,7 @@ class CudaKernelsTest : public ::testing::Test {
 TEST_F(CudaKernelsTest, AlignMatchesRefAndIsStable) {
   std::mt19937 rng(1);
   for (int64_t routes : {0, 1, 7, 300, 4096 * 8, 100000}) {
-    for (int e : {1, 8, 32, 256, 1000, 5000}) {
+    for (int e : {1, 8, 32, 256, 1000, 5000, kMoeAlignMaxExperts}) {
       std::uniform_int_distribution<int> id(-1, e);  // -1 and e: not served here
       std::vector<int32_t> ids(routes);
       for (auto& v : ids) v = id(rng);
@@ -93,6 +93,11 @@ TEST_F(CudaKernelsTest, AlignMatchesRefAndIsStable) {
       }
     }
   }
+  // Beyond the counters' shared memory: refused before launching.
+  Dev<int32_t> ids(std::vector<int32_t>{0}), c(kMoeAlignMaxExperts + 1), o(kMoeAlignMaxExperts + 2),
+      s(1), sl(1);
+  EXPECT_EQ(LaunchMoeAlign(ids.p, 1, kMoeAlignMaxExperts + 1, c.p, o.p, s.p, sl.p, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(CudaKernelsTest, StageRoutingMatchesRefAndReportsFirstOffenders) {
