@@ -340,11 +340,15 @@ int RunMoeserveProcess(ProcessOptions options) {
     do {
       event = WaitForEvent();
     } while (event.has_value() && !IsSignal(*event) && *event != kFollowerDone);
+    // Stopped by a signal: the loop ends with the abort Stop() sends it, which is not a failure
+    // (exit 0 on SIGTERM, as for the leader).
+    const bool by_signal = event.has_value() && IsSignal(*event);
     const absl::Status result = follower_process->Stop();
-    Log(absl::StrCat("follower: stopped: ", result.ToString()));
+    Log(absl::StrCat("follower: stopped", by_signal ? " by a signal" : "", ": ",
+                     result.ToString()));
     follower_process.reset();
     engine->reset();
-    return result.ok() ? 0 : 1;
+    return result.ok() || by_signal ? 0 : 1;
   }
   if (absl::Status s = server->AttachEngine(engine->get()); !s.ok()) {
     Log(absl::StrCat("cannot start serving: ", s.ToString()));
