@@ -90,9 +90,10 @@ struct EngineOptions {
   // The NCCL unique id's bytes, from NewCollectiveId() on the leader, handed to every process
   // by the frontend (core has no network code). Required when world_size > num_ranks.
   std::string collective_id;
-  // Leader: an idle leader sends the followers a no-op command this often (must be well under
-  // collective_timeout_ms: a follower's wait for the next command is bounded by it), which also
-  // finds a dead follower without a Forward. 0: off.
+  // Leader: an idle leader sends the followers a no-op command this often, which also finds a
+  // dead follower without a Forward. Multi-process serving needs it in
+  // [1, collective_timeout_ms / 3] (a follower's wait for the next command is bounded by the
+  // timeout, and idle commands can be two periods apart); unused in one process.
   int64_t heartbeat_ms = 1000;
   // Told how the weight load goes (progress, or a stop request); optional, must outlive
   // Engine::Create.

@@ -267,7 +267,8 @@ ABSL_FLAG(int64_t, collective_timeout_ms, 60000,
           "How long a rank waits for its peers in one collective (and for the NCCL group to "
           "form) before failing; followers also wait at most this long for the next command");
 ABSL_FLAG(int64_t, heartbeat_ms, 1000,
-          "Multi-process leader: idle no-op command to the followers this often");
+          "Multi-process leader: idle no-op command to the followers this often; at most "
+          "--collective_timeout_ms / 3 (a follower waits at most that long for a command)");
 ABSL_FLAG(int64_t, debug_load_delay_ms, 0,
           "Sleep this long after each loaded layer shard: makes the startup (health NOT_SERVING, "
           "progress lines, UNAVAILABLE while loading) observable in tests and demos; 0: off");
