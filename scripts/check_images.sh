@@ -46,6 +46,10 @@ else
   echo "check_images: FAIL: $build_dir/bin/moeserve or moeserve-cli not built"
   failed=$((failed + 1))
 fi
+# The CUDA image installs the CUTLASS headers itself (its build stage skips setup.sh's Python
+# side): the same version as the development machines.
+step "Dockerfile.cuda's CUTLASS_VERSION is scripts/setup.sh's" bash -c \
+  "[[ \$(grep -oP '^ARG CUTLASS_VERSION=\\K.*' Dockerfile.cuda) == \$(grep -oP '^CUTLASS_VERSION=\\K.*' scripts/setup.sh) ]]"
 step ".dockerignore excludes build trees and .git" \
   bash -c "grep -qx 'build\*/' .dockerignore && grep -qx '.git' .dockerignore"
 if [[ "${MOESERVE_DOCKER_BUILD:-1}" != "0" ]] && docker info >/dev/null 2>&1; then
