@@ -57,6 +57,12 @@ absl::Status ValidateForwardShapes(const ModelConfig& model, int64_t max_tokens,
     return bad("topk_weights: got shape ", ShapeToString(in.topk_weights.shape()), ", expected [",
                m, ", ", model.topk, "] ([M, topk])");
   }
+  // Routing is read as packed rows (the INT64 narrowing, the kernels' prepare); a strided view
+  // would be read as if it were packed.
+  if (!in.topk_ids.is_contiguous() || !in.topk_weights.is_contiguous()) {
+    return bad(!in.topk_ids.is_contiguous() ? "topk_ids" : "topk_weights",
+               ": a strided view is not accepted; expected packed [M, topk] rows");
+  }
   return absl::OkStatus();
 }
 

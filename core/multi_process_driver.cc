@@ -81,6 +81,13 @@ void MultiProcessDriver::Start() {
 }
 
 absl::Status MultiProcessDriver::Forward(const ForwardStep& step) {
+  // The followers' rows are packed with one copy per rank.
+  if (!step.hidden_states.is_contiguous() || !step.topk_ids.is_contiguous() ||
+      !step.topk_weights.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        "multi-process serving takes packed hidden_states, topk_ids and topk_weights, not strided "
+        "views");
+  }
   std::vector<int64_t> command = Command(kOpForward, world_);
   command[kLayerAt] = step.layer;
   command[kTokensAt] = step.hidden_states.dim(0);

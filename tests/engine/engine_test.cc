@@ -87,6 +87,19 @@ TEST(EngineTest, ValidationNamesTheField) {
   ok.w.data<float>()[3] = 0.5f;
   in.topk_ids = ids64.view();
   ExpectInvalid(*engine, in, "topk_ids");
+
+  // Strided routing (every other column of a wider buffer) is refused, not read as packed rows.
+  Tensor wide64 = Tensor::Empty(DType::kINT64, {4, 2 * m.topk});
+  for (int i = 0; i < 4 * 2 * m.topk; ++i) wide64.data<int64_t>()[i] = i % m.num_experts;
+  in = ok.View();
+  in.topk_ids = TensorView(wide64.data<int64_t>(), DType::kINT64, {4, m.topk}, {2 * m.topk, 2});
+  ASSERT_FALSE(in.topk_ids.is_contiguous());
+  ExpectInvalid(*engine, in, "topk_ids: a strided view is not accepted");
+  Tensor wide_w = Tensor::Empty(DType::kFP32, {4, 2 * m.topk});
+  for (int i = 0; i < 4 * 2 * m.topk; ++i) wide_w.data<float>()[i] = 0.25f;
+  in = ok.View();
+  in.topk_weights = TensorView(wide_w.data<float>(), DType::kFP32, {4, m.topk}, {2 * m.topk, 2});
+  ExpectInvalid(*engine, in, "topk_weights: a strided view is not accepted");
 }
 
 TEST(EngineTest, ForwardMatchesReferenceInEveryDtype) {

@@ -138,5 +138,27 @@ TEST(MultiProcessFollower, ACommandForAnotherWorldIsRefused) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("bad command from the leader (world 3")) << s;
 }
 
+TEST(MultiProcessLeader, StridedHiddenStatesAreRefusedBeforeAnyCommand) {
+  EnginePlan plan = FollowerPlan();
+  plan.first_rank = 0;
+  plan.node_rank = 0;
+  FollowerGroup group(plan, {});
+  std::mutex step_mu;
+  MultiProcessDriver driver(&group, &step_mu);
+  std::vector<uint16_t> wide(4 * 16, 0);
+  std::vector<int32_t> ids(4 * 2, 0);
+  std::vector<float> w(4 * 2, 0.5f), out(4 * 8);
+  ForwardStep step;
+  step.hidden_states = TensorView(wide.data(), DType::kBF16, {4, 8}, {16, 1});  // every other half
+  step.topk_ids = TensorView(ids.data(), DType::kINT32, {4, 2});
+  step.topk_weights = TensorView(w.data(), DType::kFP32, {4, 2});
+  step.output = TensorView(out.data(), DType::kBF16, {4, 8});
+  step.bounds = {0, 2, 4};
+  const absl::Status s = driver.Forward(step);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not strided views")) << s;
+  EXPECT_EQ(group.transfer_.exchanges, 0);
+}
+
 }  // namespace
 }  // namespace moeserve
