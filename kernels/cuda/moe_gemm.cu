@@ -3,6 +3,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -501,7 +502,7 @@ __device__ __forceinline__ void Wgmma(float* d, const uint32_t* a, uint64_t desc
   if constexpr (BN == 128) Wgmma128(d, a, desc);
   if constexpr (BN == 256) Wgmma256(d, a, desc);
 #else
-  __trap();  // built without sm_90a: the host never launches this path (MOESERVE_CUDA_WGMMA)
+  __trap();  // not built for sm_90a: the host launches this path only on sm_90 (WgmmaOnThisDevice)
 #endif
 }
 
@@ -1427,7 +1428,7 @@ constexpr int kPairStages = 5;
 template <bool kWide, MoeGemmKind KIND>
 __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeGemmParams p) {
 #ifndef MOESERVE_CLUSTER_DEVICE
-  __trap();  // built without sm_90: the host never launches this path (MOESERVE_CUDA_WGMMA)
+  __trap();  // not built for sm_90: the host launches this path only on sm_90 (WgmmaOnThisDevice)
 #else
   PdlWait();
   PdlLaunchDependents();
@@ -1664,6 +1665,30 @@ cudaError_t RunPair(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
 }
 
 #if MOESERVE_CUDA_WGMMA
+// Whether the current device runs the sm_90a kernels (warpgroup MMAs, the cluster tile). A build
+// for several architectures (e.g. "90a;100a") has them compiled as traps for the others, so the
+// choice is the device's, not the build's. Cached per device ordinal.
+bool WgmmaOnThisDevice() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int8_t> known[kMaxDevices];  // 0: not asked yet, 1: sm_90, -1: other
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  int8_t v = known[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    v = ok && major == 9 && minor == 0 ? 1 : -1;
+    known[device].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
 // Whether an MXFP8 decode GEMM runs the two-CTA cluster tile: MoeGemmParams::decode_pair, else
 // MOESERVE_DECODE_PAIR=1|0 (read once; for benchmarks' A/Bs), else `measured_default`.
 bool DecodePair(const MoeGemmParams& p, bool measured_default) {
@@ -1702,6 +1727,7 @@ cudaError_t RunDecode(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
 // A/Bs), else `measured_default`.
 bool DecodeWgmma(const MoeGemmParams& p, bool measured_default) {
 #if MOESERVE_CUDA_WGMMA
+  if (!WgmmaOnThisDevice()) return false;
   if (p.decode_mma == MoeDecodeMma::kWgmma) return true;
   if (p.decode_mma == MoeDecodeMma::kMmaSync) return false;
   static const int from_env = [] {
@@ -1736,7 +1762,7 @@ int WgmmaFromRoutes(const MoeGemmParams& p) {
 // threshold, which Dispatch tests first).
 bool PairServes(const MoeGemmParams& p, int64_t avg, bool wide) {
 #if MOESERVE_CUDA_WGMMA
-  if (!p.mxfp8 || avg > 32 || avg >= WgmmaFromRoutes(p)) return false;
+  if (!p.mxfp8 || avg > 32 || avg >= WgmmaFromRoutes(p) || !WgmmaOnThisDevice()) return false;
   return DecodePair(p, kMxfp8DecodePairOnByDefault && !wide && avg <= kMxfp8DecodePairMaxRoutes);
 #else
   (void)p;
@@ -1761,7 +1787,7 @@ cudaError_t Dispatch(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
   // Above 128 routes per expert the 256-token tiles, whatever wgmma_min_routes says (2.0x the
   // mma.sync tile for MXFP8 even before they were pipelined): a negative or larger threshold
   // acts as 129.
-  {
+  if (WgmmaOnThisDevice()) {
     if (avg >= WgmmaFromRoutes(p)) {
       if (avg <= 64) return RunWgmmaFor<kFp8, 64, KIND>(p, num_sms, stream, wide);
       if (avg <= 128) return RunWgmmaFor<kFp8, 128, KIND>(p, num_sms, stream, wide);
@@ -1843,7 +1869,8 @@ bool MoeGemmUsesDecodeWgmma(const MoeGemmParams& p) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
   if (p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax || avg <= 16 || avg > 32) return false;
 #if MOESERVE_CUDA_WGMMA
-  if (avg >= WgmmaFromRoutes(p)) return false;  // the warpgroup-MMA tiles serve
+  // the warpgroup-MMA tiles serve
+  if (avg >= WgmmaFromRoutes(p) && WgmmaOnThisDevice()) return false;
 #endif
   if (PairServes(p, avg, false)) return false;
   return DecodeWgmma(p, avg >= kMxfp8DecodeWgmmaMinRoutes);
