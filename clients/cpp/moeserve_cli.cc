@@ -834,6 +834,9 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   constexpr int kNumCodes = 17;  // absl::StatusCode 0 (OK) to 16 (UNAUTHENTICATED)
   struct Tally {
     std::vector<double> latencies_ms;
+    // From the call's scheduled send time to its answer: includes any lag of the sender behind
+    // the schedule, which the latency from the actual send omits (coordinated omission).
+    std::vector<double> scheduled_ms;
     std::vector<std::vector<double>> by_second;
     ServerTimes server;
     std::array<int64_t, kNumCodes> codes{};  // by absl::StatusCode
@@ -841,7 +844,9 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
     std::string first_error;
   };
   std::vector<std::unique_ptr<Tally>> tallies;  // guarded by mu
-  auto record = [&](size_t which, size_t second, absl::StatusOr<ForwardResult> result) {
+  auto record = [&](size_t which, int64_t k, absl::StatusOr<ForwardResult> result) {
+    const absl::Time answered = absl::Now();
+    const size_t second = static_cast<size_t>(absl::ToDoubleSeconds(k * interval));
     // This run's tally of the calling thread (a thread serves one run: RunOpenLoop runs once).
     thread_local Tally* tally = nullptr;
     if (tally == nullptr) {
@@ -856,6 +861,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
     ++tally->codes[code >= 0 && code < kNumCodes ? code : 2];  // else UNKNOWN
     if (result.ok()) {
       tally->latencies_ms.push_back(absl::ToDoubleMilliseconds(result->latency));
+      tally->scheduled_ms.push_back(absl::ToDoubleMilliseconds(answered - (start + k * interval)));
       tally->by_second[std::min(second, num_seconds - 1)].push_back(tally->latencies_ms.back());
       tally->server.Add(result->timings);
       tally->wrong += bad ? 1 : 0;
@@ -872,7 +878,8 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   // client's own queue and thread (ForwardAsync).
   struct QueuedCall {
     MoeClient::QueuedForward rpc;
-    size_t which = 0, second = 0;
+    size_t which = 0;
+    int64_t k = 0;  // the call's place in the schedule
   };
   const int completion_threads =
       std::min<int>(absl::GetFlag(FLAGS_completion_threads), static_cast<int>(clients.size()));
@@ -885,7 +892,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
       bool ok = false;
       while (cq->Next(&tag, &ok)) {
         std::unique_ptr<QueuedCall> call(static_cast<QueuedCall*>(tag));
-        record(call->which, call->second, FinishForward(call->rpc, /*copy_output=*/false));
+        record(call->which, call->k, FinishForward(call->rpc, /*copy_output=*/false));
       }
     });
   }
@@ -897,12 +904,11 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
       const size_t which = static_cast<size_t>(k) % requests.size();
       outstanding.fetch_add(1);
       sent.fetch_add(1);
-      const size_t second = static_cast<size_t>(absl::ToDoubleSeconds(k * interval));
       const size_t connection = static_cast<size_t>(k) % clients.size();
       if (!queues.empty()) {
         auto call = std::make_unique<QueuedCall>();
         call->which = which;
-        call->second = second;
+        call->k = k;
         QueuedCall* tag = call.release();  // its queue's thread takes it back
         clients[connection]->StartForward(requests[which], queues[connection % queues.size()].get(),
                                           &tag->rpc, tag);
@@ -910,8 +916,8 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
       }
       clients[connection]->ForwardAsync(
           requests[which],
-          [&record, which, second](absl::StatusOr<ForwardResult> result) {
-            record(which, second, std::move(result));
+          [&record, which, k](absl::StatusOr<ForwardResult> result) {
+            record(which, k, std::move(result));
           },
           /*copy_output=*/false);
     }
@@ -930,7 +936,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   for (std::thread& t : draining) t.join();
   // Every completion has run: the tallies are final (the threads of ForwardAsync's clients
   // wrote theirs before the last decrement).
-  std::vector<double> latencies_ms;
+  std::vector<double> latencies_ms, scheduled_ms;
   std::vector<std::vector<double>> by_second(num_seconds);
   ServerTimes server;
   std::map<std::string, int64_t> codes;
@@ -940,6 +946,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& t : tallies) {
       latencies_ms.insert(latencies_ms.end(), t->latencies_ms.begin(), t->latencies_ms.end());
+      scheduled_ms.insert(scheduled_ms.end(), t->scheduled_ms.begin(), t->scheduled_ms.end());
       for (size_t i = 0; i < num_seconds; ++i) {
         by_second[i].insert(by_second[i].end(), t->by_second[i].begin(), t->by_second[i].end());
       }
@@ -954,6 +961,7 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
     }
   }
   std::sort(latencies_ms.begin(), latencies_ms.end());
+  std::sort(scheduled_ms.begin(), scheduled_ms.end());
   const int64_t ok = static_cast<int64_t>(latencies_ms.size());
   int64_t refused = 0, other = 0;
   for (const auto& [code, n] : codes) {
@@ -980,6 +988,12 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   std::printf("latency_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f\n", Percentile(latencies_ms, 50),
               Percentile(latencies_ms, 90), Percentile(latencies_ms, 99),
               latencies_ms.empty() ? 0.0 : latencies_ms.back());
+  // The same answers timed from when they were due to leave: what a frontend on this schedule
+  // would see, however far the sending fell behind (offered_per_s: the rate it managed).
+  std::printf("latency_from_schedule_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f offered_per_s=%.1f\n",
+              Percentile(scheduled_ms, 50), Percentile(scheduled_ms, 90),
+              Percentile(scheduled_ms, 99), scheduled_ms.empty() ? 0.0 : scheduled_ms.back(),
+              send_s > 0 ? static_cast<double>(sent.load()) / send_s : 0.0);
   std::printf("latency_ms_by_second_sent:");
   for (size_t i = 0; i < by_second.size(); ++i) {
     std::vector<double>& v = by_second[i];

@@ -285,6 +285,16 @@ def case_load(server, cli, workdir):
               and re.search(r"^server_stages_us_p99: queue=[0-9.]+ ", r.stdout, re.M)
               and re.search(r"^latency_ms_by_second_sent: s0:n=\d+,p50=", r.stdout, re.M),
               f"load --rate=100 {flags}:\n{r.stdout}")
+        # Timed from the schedule, an answer is never sooner than from its actual send, and
+        # the rate the senders kept is about the one asked for.
+        lat = re.search(r"^latency_ms: p50=([0-9.]+) p90=[0-9.]+ p99=([0-9.]+) ", r.stdout, re.M)
+        sch = re.search(r"^latency_from_schedule_ms: p50=([0-9.]+) p90=[0-9.]+ p99=([0-9.]+) "
+                        r"max=[0-9.]+ offered_per_s=([0-9.]+)$", r.stdout, re.M)
+        check(lat is not None and sch is not None
+              and float(sch.group(1)) >= float(lat.group(1))
+              and float(sch.group(2)) >= float(lat.group(2))
+              and 80 <= float(sch.group(3)) <= 120,
+              f"load --rate=100 {flags}: latency from the schedule\n{r.stdout}")
     # Transport tuning on the client's channel; a malformed argument is refused.
     r = cli.run("load", "--requests=8", "--concurrency=2", "--tokens=4", "--check_answers",
                 "--grpc_channel_args=grpc.http2.max_frame_size=1048576")
