@@ -20,7 +20,7 @@ for r in $(seq "${ROUNDS:-2}"); do
         /usr/bin/time -f "%U %S" -o "$OUT/time.txt" "$B/moeserve-cli" load --target "unix:$sock" \
           --tokens 1 --concurrency 1 --requests 3000 --dtype fp16 --return_timings=false \
           --client_spin_us=$spin > "$OUT/cli.log" 2>&1
-        echo "$v $(grep -o 'p50=[0-9.]*' "$OUT/cli.log" | head -1 | awk -F= '{print $2 * 1000}') - $(awk '{printf "%.0f", ($1 + $2) / 3200 * 1e6}' "$OUT/time.txt")"
+        echo "$v $(grep -o 'p50=[0-9.]*' "$OUT/cli.log" | head -1 | awk -F= '{print $2 * 1000}') - $(awk '{printf "%.0f", ($1 + $2) / 3000 * 1e6}' "$OUT/time.txt")"
         ;;
       *) timeout 120 python3 "$repo/tests/benchmarks/transport/native_loop.py" "unix:$sock" "$v" ;;
     esac

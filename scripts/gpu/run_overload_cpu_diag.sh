@@ -42,7 +42,9 @@ for c in "${cases[@]}"; do
     > "$OUT/ovl_$t.log" 2>&1 &
   cli=$!
   sleep 5
-  sth=$(ls /proc/$SERVER_PID/task | wc -l); cth=$(ls /proc/$cli/task 2>/dev/null | wc -l)
+  # $cli is the timeout wrapper: count the threads of the moeserve-cli it runs.
+  sth=$(ls /proc/$SERVER_PID/task | wc -l)
+  cth=$(ls "/proc/$(pgrep -n -f 'moeserve-cli load')/task" 2>/dev/null | wc -l)
   top -b -n 1 -H -w 200 2>/dev/null | head -40 > "$OUT/top_$t.txt"
   c5=$(cpu_s "$(pgrep -n -f 'moeserve-cli load')")
   wait $cli
@@ -54,7 +56,7 @@ for c in "${cases[@]}"; do
       --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 $lflags \
       > "$OUT/ovl_${t}_$again.log" 2>&1
     echo "   again ($again): $(grep -E '^latency_ms:' "$OUT/ovl_${t}_$again.log")" \
-      "$(grep -E '^sent=' "$OUT/ovl_${t}_$again.log" | cut -d' ' -f1-3)"
+      "$(grep -E '^sent=' "$OUT/ovl_${t}_$again.log")"
     grep -E "^latency_ms_by" "$OUT/ovl_${t}_$again.log" | cut -c1-400
   done
   load ${t}_c1 16 1 400 > /dev/null
@@ -65,6 +67,6 @@ for c in "${cases[@]}"; do
   echo "== [$c] p99 $p99o ms = x$(ratio "$p99o" "$p99u") the unloaded $p99u;" \
     "host busy $(awk -v b=$((b1 - b0)) -v i=$((i1 - i0)) 'BEGIN { printf "%.0f%%", 100 * b / (b + i) }');" \
     "server cpu $(awk -v a="$s0" -v b="$s1" 'BEGIN { printf "%.1f", b - a }') s ($sth threads);" \
-    "client cpu at 5 s $c5 s ($cth threads); $(grep -E '^sent=' "$OUT/ovl_$t.log" | cut -d' ' -f1-3)"
-  grep -E "^latency_ms|^server_total" "$OUT/ovl_$t.log" | cut -c1-400
+    "client cpu at 5 s $c5 s ($cth threads); $(grep -E '^sent=' "$OUT/ovl_$t.log")"
+  grep -E "^latency_ms|^latency_from_schedule|^server_total" "$OUT/ovl_$t.log" | cut -c1-400
 done
