@@ -23,6 +23,14 @@ start_device_script() {
 
 # run_gtest NAME SECONDS [ARGS...]: runs the bundle's test binary NAME into $OUT/NAME.log and
 # prints its exit code, gtest's summary lines and the first failures.
+# round_order ROUND A B ...: the variants in this order on odd rounds and reversed on even ones,
+# so no variant always runs first (warm caches, clocks, the host's drift across a round).
+round_order() {
+  local round=$1
+  shift
+  if ((round % 2)); then echo "$@"; else printf '%s\n' "$@" | tac | tr '\n' ' '; fi
+}
+
 run_gtest() {
   local name=$1 seconds=$2
   shift 2
@@ -49,10 +57,10 @@ gpu_suites() {
   done
 }
 
-# decode_bench_env: moe_experts_bench on the decode path: MXFP8, LAYERS (default seed,dsv3),
-# TOKENS, balanced / hot / random routing.
+# decode_bench_env: moe_experts_bench on the decode path: FORMATS (default mxfp8), LAYERS
+# (default seed,dsv3), TOKENS, balanced / hot / random routing.
 decode_bench_env() {
-  export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=mxfp8 \
+  export MOESERVE_BENCH_PATHS=decode MOESERVE_BENCH_FORMATS=${FORMATS:-mxfp8} \
     MOESERVE_BENCH_LAYERS=${LAYERS:-seed,dsv3} MOESERVE_BENCH_ROUTING=balanced,hot,random \
     MOESERVE_BENCH_TOKENS=$TOKENS
 }
@@ -69,8 +77,9 @@ floor = {}
 for line in open(sys.argv[1]):
     f = line.strip().split(",")
     if len(f) < 7: continue
-    t[(f[1], int(f[3]), f[4], f[0])].append(float(f[5]))
-    floor[(f[1], int(f[3]), f[4])] = float(f[6]) / 4.3e6  # us
+    layer = f[1] if f[2] == "mxfp8" else f[1] + "-" + f[2]
+    t[(layer, int(f[3]), f[4], f[0])].append(float(f[5]))
+    floor[(layer, int(f[3]), f[4])] = float(f[6]) / 4.3e6  # us
 print("layer tokens routing | " + " | ".join(f"{s}: us (% floor, /{sets[0]})" for s in sets))
 for k in sorted({k[:3] for k in t}):
     base = statistics.median(t[k + (sets[0],)])

@@ -55,7 +55,8 @@ load_flags_of() {
   true
 }
 CSV=$OUT/engine.csv
-[ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
+# shellcheck disable=SC2086
+[ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $(round_order $round $VARIANTS); do
   [[ ${v:1} == *[sqgci]* ]] && continue  # server-only settings: the in-process bench is the same
   for timed in 1 0; do
     env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
@@ -67,7 +68,8 @@ CSV=$OUT/engine.csv
     awk -F, -v v=$v '{print v",seed,1,"$0}' >> "$CSV"
 done; done
 SCSV=$OUT/server.csv
-for round in $(seq "${ROUNDS:-2}"); do for v in $VARIANTS; do
+# shellcheck disable=SC2086
+for round in $(seq "${ROUNDS:-2}"); do for v in $(round_order $round $VARIANTS); do
   ln -sf "$B/moeserve_$(bin_of $v)" "$B/moeserve"
   export "$(env_of $v)"
   # shellcheck disable=SC2046
