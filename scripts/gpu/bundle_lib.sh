@@ -23,20 +23,20 @@ start_device_script() {
 
 # run_gtest NAME SECONDS [ARGS...]: runs the bundle's test binary NAME into $OUT/NAME.log and
 # prints its exit code, gtest's summary lines and the first failures.
-# round_order ROUND A B ...: the variants in this order on odd rounds and reversed on even ones,
-# so no variant always runs first (warm caches, clocks, the host's drift across a round).
-round_order() {
-  local round=$1
-  shift
-  if ((round % 2)); then echo "$@"; else printf '%s\n' "$@" | tac | tr '\n' ' '; fi
-}
-
 run_gtest() {
   local name=$1 seconds=$2
   shift 2
   timeout "$seconds" "$B/$name" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')"
   grep -E -A3 '^\[  FAILED |Failure' "$OUT/$name.log" | head -20
+}
+
+# round_order ROUND A B ...: the variants in this order on odd rounds and reversed on even ones,
+# so no variant always runs first (warm caches, clocks, the host's drift across a round).
+round_order() {
+  local round=$1
+  shift
+  if ((round % 2)); then echo "$@"; else printf '%s\n' "$@" | tac | tr '\n' ' '; fi
 }
 
 # gpu_suites FILTER: the bundle's GPU test binaries (cuda_kernels_test, cuda_experts_test,
