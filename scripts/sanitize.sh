@@ -12,10 +12,12 @@ BUILD_DIR=${SANITIZE_BUILD_DIR:-build-asan}
 JOBS=${JOBS:-$(nproc)}
 # The suites CI runs sanitized: what a client or a checkpoint reaches (wire decoding, the forward
 # channel's slots, tensor and size checks, the batcher, cancellation, the server's limits and
-# accounting, the loaders).
+# accounting, the loaders, the in-process collectives and a follower's checks of its leader's
+# commands).
 CI_SUITES=(core_test proto_forward_wire_test engine_test engine_cancellation_test
            safetensors_test checkpoint_test server_convert_test server_limits_test
-           server_metrics_http_test server_buffer_pool_test server_forward_channel_test)
+           server_metrics_http_test server_buffer_pool_test server_forward_channel_test
+           ep_comm_test multiprocess_driver_test)
 
 scripts/configure_sanitizers.sh "$BUILD_DIR"
 # allocator_may_return_null: allocation failures are errors the code handles (Tensor::Allocate).
