@@ -34,11 +34,13 @@ TRIVIAL="--model tiny --hidden 7168 --intermediate 64 --num_experts 16 --topk 4 
   TRIVIAL="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"
 row() { :; }
 source "$(dirname "$0")/serve_lib.sh"
+# The copy setting follows the build letter (b0, b1m, with any suffixes: b0s, b1mq); g anywhere
+# after it sets the gather threshold. One environment assignment (env takes it as one word).
 env_of() {
-  case $1 in
-    ?0) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0 ;;
-    ?1m) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576 ;;
-    *g) echo MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072} ;;
+  case ${1:1} in
+    0*) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0 ;;
+    1m*) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576 ;;
+    *g*) echo MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072} ;;
     *) echo MOESERVE_UNUSED=1 ;;
   esac
 }
