@@ -25,7 +25,8 @@ constexpr int kHidden = 8;
 
 class FakeMoeService final : public v1::MoeService::Service {
  public:
-  enum class Stream { kSilent, kBreakAfterFive };
+  // kFailAtEnd: answers every call, then ends the stream with an error once the client closes.
+  enum class Stream { kSilent, kBreakAfterFive, kFailAtEnd };
   std::atomic<Stream> stream_mode{Stream::kSilent};
 
   grpc::Status GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
@@ -54,7 +55,9 @@ class FakeMoeService final : public v1::MoeService::Service {
         while (!context->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         return grpc::Status(grpc::StatusCode::CANCELLED, "the client gave up");
       }
-      if (answered == 5) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake server gone");
+      if (answered == 5 && stream_mode.load() == Stream::kBreakAfterFive) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake server gone");
+      }
       const int64_t m =
           request.hidden_states().shape_size() > 0 ? request.hidden_states().shape(0) : 0;
       v1::ForwardResponse response;
@@ -65,6 +68,9 @@ class FakeMoeService final : public v1::MoeService::Service {
       response.mutable_output()->set_data(std::string(static_cast<size_t>(m) * kHidden * 2, '\0'));
       if (!stream->Write(response)) break;
       ++answered;
+    }
+    if (stream_mode.load() == Stream::kFailAtEnd) {
+      return grpc::Status(grpc::StatusCode::INTERNAL, "fake server failed the stream at its end");
     }
     return grpc::Status::OK;
   }
@@ -157,6 +163,17 @@ TEST_F(FakeServerTest, CliCountsABrokenStreamOnce) {
   EXPECT_NE(out.find("ok=5 errors=1 not_sent=94"), std::string::npos) << out;
   EXPECT_NE(out.find("fake server gone"), std::string::npos) << out;
   EXPECT_EQ(out.find("FAILED_PRECONDITION"), std::string::npos) << out;
+}
+
+// A stream that answers every call and then fails at its end: the stream's error is counted,
+// but every call was made (not_sent was -1: the error was taken as one of the calls).
+TEST_F(FakeServerTest, CliCountsAStreamErrorAfterItsCallsWithoutUsingACall) {
+  service_.stream_mode = FakeMoeService::Stream::kFailAtEnd;
+  absl::Duration took;
+  const auto [out, code] =
+      Cli("load --stream --concurrency 1 --requests 7 --tokens 2 --max_seconds 20", &took);
+  EXPECT_NE(out.find("ok=7 errors=1 not_sent=0"), std::string::npos) << out;
+  EXPECT_NE(code, 0) << out;
 }
 
 // An expert-weights stream without w13 is DATA_LOSS, not an answer with an empty w13.
