@@ -13,6 +13,7 @@
 // --timed 0 passes no ForwardTimings (the stage columns are then 0).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -30,7 +31,9 @@ namespace {
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * v.size()))];
+  // Nearest rank, as moeserve-cli reports its percentiles (the tables put the two side by side).
+  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
+  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
 }
 
 int Main(int argc, char** argv) {
