@@ -738,15 +738,16 @@ absl::StatusOr<ForwardInput> ForwardInputFromKServe(
                                      absl::StrCat("inputs[", i, "] (", h.inputs(i).name(), ")")));
     if (!refs[i].has_value()) ++raw_inputs;
   }
-  if (request.raw.size() != raw_inputs) {
-    for (int i = 0; i < h.inputs_size(); ++i) {
-      if (h.inputs(i).has_contents()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("inputs[", i, "] (", h.inputs(i).name(),
-                         "): typed `contents` are not accepted; send every input's bytes in "
-                         "raw_input_contents (or a shared-memory region)"));
-      }
+  // Typed contents are refused even beside a full set of raw entries (they were ignored there).
+  for (int i = 0; i < h.inputs_size(); ++i) {
+    if (h.inputs(i).has_contents()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs[", i, "] (", h.inputs(i).name(),
+                       "): typed `contents` are not accepted; send every input's bytes in "
+                       "raw_input_contents (or a shared-memory region)"));
     }
+  }
+  if (request.raw.size() != raw_inputs) {
     return absl::InvalidArgumentError(absl::StrCat(
         "raw_input_contents: ", request.raw.size(), " entries for ", h.inputs_size(), " inputs (",
         h.inputs_size() - static_cast<int>(raw_inputs),
@@ -758,6 +759,20 @@ absl::StatusOr<ForwardInput> ForwardInputFromKServe(
       return absl::InvalidArgumentError(
           absl::StrCat("outputs[", i, "]: unknown output '", h.outputs(i).name(),
                        "'; the model has one output, '", kKServeOutputName, "'"));
+    }
+    if (i > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("outputs[", i, "]: '", kKServeOutputName,
+                       "' requested twice; the model has one output, requested at most once"));
+    }
+    // Only a shared-memory region is an output option here (e.g. `classification`, top-k
+    // classes instead of the tensor, is not served: refused, not ignored).
+    for (const auto& [key, value] : h.outputs(i).parameters()) {
+      if (key != kKServeShmRegion && key != kKServeShmByteSize && key != kKServeShmOffset) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "outputs[", i, "].parameters: '", key, "' is not supported; expected only ",
+            kKServeShmRegion, ", ", kKServeShmByteSize, " and ", kKServeShmOffset));
+      }
     }
   }
   ForwardInput input;

@@ -13,18 +13,15 @@ constexpr uint32_t kRawInputContents = 7;   // ModelInferRequest.raw_input_conte
 constexpr uint32_t kRawOutputContents = 6;  // ModelInferResponse.raw_output_contents
 
 template <typename View>
-absl::StatusOr<View> Decode(const grpc::ByteBuffer& buffer, uint32_t number,
-                            absl::string_view message) {
-  absl::StatusOr<v1wire::SplitMessage> split = v1wire::SplitBytesField(buffer, number, message);
-  if (!split.ok()) return split.status();
+absl::StatusOr<View> Decode(v1wire::SplitMessage split, absl::string_view message) {
   View view;
-  if (!view.header.ParseFromString(split->rest)) {
+  if (!view.header.ParseFromString(split.rest)) {
     return absl::InvalidArgumentError(absl::StrCat("malformed ", message,
                                                    ": a field could not be parsed (bad UTF-8 in a "
                                                    "name, a truncated or mistyped field)"));
   }
-  view.raw = std::move(split->occurrences);
-  view.slices = std::move(split->slices);
+  view.raw = std::move(split.occurrences);
+  view.slices = std::move(split.slices);
   return view;
 }
 
@@ -42,11 +39,25 @@ absl::StatusOr<grpc::ByteBuffer> Encode(const Message& header, int raw_size, uin
 }  // namespace
 
 absl::StatusOr<ModelInferRequestView> DecodeModelInferRequest(const grpc::ByteBuffer& buffer) {
-  return Decode<ModelInferRequestView>(buffer, kRawInputContents, "inference.ModelInferRequest");
+  // Everything but raw_input_contents (names, shapes, parameters) before protobuf parses it: a
+  // small message of packed dims would otherwise expand eightfold into int64 shapes.
+  absl::StatusOr<v1wire::SplitMessage> split =
+      v1wire::SplitBytesField(buffer, kRawInputContents, "inference.ModelInferRequest");
+  if (!split.ok()) return split.status();
+  if (split->rest.size() > kMaxModelInferHeaderBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("inference.ModelInferRequest: ", split->rest.size(),
+                     " bytes besides raw_input_contents, more than ", kMaxModelInferHeaderBytes,
+                     " (names, shapes and parameters); tensor bytes go in raw_input_contents"));
+  }
+  return Decode<ModelInferRequestView>(*std::move(split), "inference.ModelInferRequest");
 }
 
 absl::StatusOr<ModelInferResponseView> DecodeModelInferResponse(const grpc::ByteBuffer& buffer) {
-  return Decode<ModelInferResponseView>(buffer, kRawOutputContents, "inference.ModelInferResponse");
+  absl::StatusOr<v1wire::SplitMessage> split =
+      v1wire::SplitBytesField(buffer, kRawOutputContents, "inference.ModelInferResponse");
+  if (!split.ok()) return split.status();
+  return Decode<ModelInferResponseView>(*std::move(split), "inference.ModelInferResponse");
 }
 
 absl::StatusOr<grpc::ByteBuffer> EncodeModelInferResponse(

@@ -9,6 +9,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
+#include <cstddef>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -29,7 +30,12 @@ struct ModelInferRequestView {
   std::vector<grpc::Slice> slices;
 };
 
-// INVALID_ARGUMENT describing what protobuf's parser would reject.
+// Most bytes a ModelInferRequest may hold besides raw_input_contents (names, shapes, parameters:
+// a few hundred bytes in practice).
+inline constexpr size_t kMaxModelInferHeaderBytes = size_t{1} << 20;
+
+// INVALID_ARGUMENT describing what protobuf's parser would reject, or a header (everything but
+// raw_input_contents) over kMaxModelInferHeaderBytes.
 absl::StatusOr<ModelInferRequestView> DecodeModelInferRequest(const grpc::ByteBuffer& buffer);
 
 // `header` (its raw_output_contents must be empty) followed by one raw_output_contents entry per

@@ -421,6 +421,25 @@ TEST_F(InferenceServiceTest, BadRequestsNameWhatIsWrong) {
   req = good;
   req.add_outputs()->set_name("logits");
   ExpectRefused(req, grpc::StatusCode::INVALID_ARGUMENT, "outputs[0]");
+  // Typed contents beside a full set of raw entries were ignored: refused.
+  req = good;
+  req.mutable_inputs(2)->mutable_contents()->add_fp32_contents(1.f);
+  ExpectRefused(req, grpc::StatusCode::INVALID_ARGUMENT, "inputs[2] (topk_weights): typed");
+  // One output, asked for once, without options this server does not serve (classification
+  // was answered with the whole tensor).
+  req = good;
+  req.add_outputs()->set_name("output");
+  req.add_outputs()->set_name("output");
+  ExpectRefused(req, grpc::StatusCode::INVALID_ARGUMENT, "outputs[1]: 'output' requested twice");
+  req = good;
+  (*req.add_outputs()->mutable_parameters())["classification"].set_int64_param(3);
+  req.mutable_outputs(0)->set_name("output");
+  ExpectRefused(req, grpc::StatusCode::INVALID_ARGUMENT,
+                "outputs[0].parameters: 'classification' is not supported");
+  // A small message of packed dims would expand eightfold when parsed: the header is bounded.
+  req = good;
+  for (int i = 0; i < (1 << 20) + 16; ++i) req.mutable_inputs(0)->add_shape(1);
+  ExpectRefused(req, grpc::StatusCode::INVALID_ARGUMENT, "bytes besides raw_input_contents");
   // Values are checked too (same batcher path as Forward).
   req = good;
   int32_t bad_id = model().num_experts;
