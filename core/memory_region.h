@@ -172,6 +172,9 @@ class RegionRegistry {
   RegionRegistry(const RegionRegistry&) = delete;
   RegionRegistry& operator=(const RegionRegistry&) = delete;
 
+  // The engine's backend the registry was made for (kCuda: CUDA regions are accepted).
+  Backend backend() const { return options_.backend; }
+
   // OpenSystemSharedMemory under `name`. Besides its refusals: INVALID_ARGUMENT for an empty or
   // overlong name, ALREADY_EXISTS for a name in use, RESOURCE_EXHAUSTED beyond max_regions.
   absl::Status RegisterSystem(const std::string& name, const std::string& key, int64_t offset,

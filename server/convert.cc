@@ -878,9 +878,15 @@ void ModelConfigToKServe(const EngineInfo& info, absl::string_view name,
   }
 }
 
-void ServerMetadataToKServe(inference::ServerMetadataResponse* out) {
+void ServerMetadataToKServe(const RegionRegistry* regions, inference::ServerMetadataResponse* out) {
   out->set_name("moeserve");
   out->set_version(absl::StrCat(build_info::kVersion, "+", build_info::kCommit));
+  out->add_extensions("model_configuration");
+  out->add_extensions("parameters");
+  if (regions != nullptr) {
+    out->add_extensions("system_shared_memory");
+    if (regions->backend() == Backend::kCuda) out->add_extensions("cuda_shared_memory");
+  }
 }
 
 }  // namespace moeserve

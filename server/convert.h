@@ -195,8 +195,10 @@ void ModelMetadataToKServe(const EngineInfo& info, absl::string_view name,
 // tensors with Triton's DataType, platform and backend "moeserve", max_batch_size 0.
 void ModelConfigToKServe(const EngineInfo& info, absl::string_view name,
                          inference::ModelConfig* out);
-// name "moeserve", version "<version>+<git describe>".
-void ServerMetadataToKServe(inference::ServerMetadataResponse* out);
+// name "moeserve", version "<version>+<git describe>", and the protocol extensions served:
+// model_configuration and parameters always, system_shared_memory with `regions` (shared memory
+// on), cuda_shared_memory where those regions take CUDA handles (the cuda backend).
+void ServerMetadataToKServe(const RegionRegistry* regions, inference::ServerMetadataResponse* out);
 
 // The routing a forward was combined with, for ForwardResponse (return_routing): topk_ids as
 // INT32 [M, topk] (INT64 ids narrowed: they are < num_experts) and topk_weights FP32 [M, topk].

@@ -87,7 +87,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
   if (absl::Status s = state_->Authorize(*context, "ServerMetadata"); !s.ok()) {
     return Answer(context, "ServerMetadata", s, request->ByteSizeLong(), 0);
   }
-  ServerMetadataToKServe(response);
+  ServerMetadataToKServe(moe_ != nullptr ? moe_->regions() : nullptr, response);
   return Answer(context, "ServerMetadata", absl::OkStatus(), request->ByteSizeLong(),
                 response->ByteSizeLong());
 }

@@ -197,6 +197,9 @@ TEST_F(InferenceServiceTest, LiveReadyAndMetadata) {
     ASSERT_TRUE(Stub()->ServerMetadata(&ctx, inference::ServerMetadataRequest(), &resp).ok());
     EXPECT_EQ(resp.name(), "moeserve");
     EXPECT_FALSE(resp.version().empty());
+    // The extensions this server serves (shared memory is off here; InferenceSharedMemoryTest
+    // checks it listed when on).
+    EXPECT_THAT(resp.extensions(), ::testing::ElementsAre("model_configuration", "parameters"));
   }
   {
     grpc::ClientContext ctx;
@@ -641,6 +644,14 @@ TEST_F(InferenceSharedMemoryTest, SystemShmInAndOutMatchesReference) {
   // The input region starts 4096 bytes into its object (Triton's offset).
   ASSERT_TRUE(RegisterSystem(stub.get(), "in", in.key(), 4096, (1 << 20) - 4096).ok());
   ASSERT_TRUE(RegisterSystem(stub.get(), "out", out.key(), 0, 1 << 20).ok());
+  {
+    // Shared memory on: its extension is listed (CUDA's only on the cuda backend).
+    grpc::ClientContext ctx;
+    inference::ServerMetadataResponse resp;
+    ASSERT_TRUE(stub->ServerMetadata(&ctx, inference::ServerMetadataRequest(), &resp).ok());
+    EXPECT_THAT(resp.extensions(), ::testing::Contains("system_shared_memory"));
+    EXPECT_THAT(resp.extensions(), ::testing::Not(::testing::Contains("cuda_shared_memory")));
+  }
   {
     inference::SystemSharedMemoryStatusRequest req;
     inference::SystemSharedMemoryStatusResponse resp;
