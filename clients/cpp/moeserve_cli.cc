@@ -123,7 +123,9 @@ ABSL_FLAG(int64_t, think_us, 0,
 ABSL_FLAG(double, rate, 0,
           "load: open loop: send this many calls per second for --max_seconds, whatever the "
           "answers do (0: closed loop with --concurrency workers); every OK answer is checked "
-          "against the same input's answer taken before the run");
+          "against the same input's answer taken before the run. Latencies are printed timed "
+          "from each call's actual send (latency_ms) and from when the schedule said it should "
+          "leave (latency_from_schedule_ms, which keeps any lag of the senders)");
 ABSL_FLAG(std::string, grpc_channel_args, "",
           "Further integer gRPC channel arguments, name=value[,name=value...] (e.g. "
           "grpc.http2.max_frame_size=1048576), for tuning the transport");
