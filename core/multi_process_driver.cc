@@ -81,9 +81,9 @@ void MultiProcessDriver::Start() {
 }
 
 absl::Status MultiProcessDriver::Forward(const ForwardStep& step) {
-  // The followers' rows are packed with one copy per rank.
-  if (!step.hidden_states.is_contiguous() || !step.topk_ids.is_contiguous() ||
-      !step.topk_weights.is_contiguous()) {
+  // The followers' rows are packed with one copy per rank (routing views are packed already:
+  // ValidateForwardShapes refuses strided ones).
+  if (!step.hidden_states.is_contiguous()) {
     return absl::InvalidArgumentError(
         "multi-process serving takes packed hidden_states, topk_ids and topk_weights, not strided "
         "views");

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -55,9 +56,7 @@ class InProcessCommunicator final : public Communicator {
     slot.send = static_cast<const std::byte*>(send);
     slot.send_counts = send_counts.data();
     slot.send_displs = send_displs.data();
-    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "AllToAllV (post)", /*opens_reads=*/true));
-    absl::Status copied = [&]() -> absl::Status {
-      MOESERVE_RETURN_IF_ERROR(CheckPeersMatch(slot));
+    return Exchange(slot, "AllToAllV (post)", "AllToAllV (copied)", [&]() -> absl::Status {
       auto* out = static_cast<std::byte*>(recv);
       for (size_t p = 0; p < n; ++p) {
         const InProcessCommGroup::Slot& peer = group_->slots_[p];
@@ -72,19 +71,14 @@ class InProcessCommunicator final : public Communicator {
         }
       }
       return absl::OkStatus();
-    }();
-    group_->DoneReading();
-    MOESERVE_RETURN_IF_ERROR(copied);
-    return group_->Arrive(rank_, "AllToAllV (copied)");
+    });
   }
 
   absl::Status AllGather(const void* send, int64_t bytes, void* recv) override {
     InProcessCommGroup::Slot& slot = Post(InProcessCommGroup::Op::kAllGather);
     slot.send = static_cast<const std::byte*>(send);
     slot.bytes = bytes;
-    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "AllGather (post)", /*opens_reads=*/true));
-    absl::Status copied = [&]() -> absl::Status {
-      MOESERVE_RETURN_IF_ERROR(CheckPeersMatch(slot));
+    return Exchange(slot, "AllGather (post)", "AllGather (copied)", [&]() -> absl::Status {
       auto* out = static_cast<std::byte*>(recv);
       for (int p = 0; p < world_size(); ++p) {
         const InProcessCommGroup::Slot& peer = group_->slots_[p];
@@ -96,19 +90,12 @@ class InProcessCommunicator final : public Communicator {
         if (bytes > 0) std::memcpy(out + p * bytes, peer.send, bytes);
       }
       return absl::OkStatus();
-    }();
-    group_->DoneReading();
-    MOESERVE_RETURN_IF_ERROR(copied);
-    return group_->Arrive(rank_, "AllGather (copied)");
+    });
   }
 
   absl::Status Barrier() override {
     InProcessCommGroup::Slot& slot = Post(InProcessCommGroup::Op::kBarrier);
-    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, "Barrier", /*opens_reads=*/true));
-    absl::Status checked = CheckPeersMatch(slot);
-    group_->DoneReading();
-    MOESERVE_RETURN_IF_ERROR(checked);
-    return group_->Arrive(rank_, "Barrier (checked)");
+    return Exchange(slot, "Barrier", "Barrier (checked)", [] { return absl::OkStatus(); });
   }
 
   void Abort(const absl::Status& cause) override { group_->Abort(cause); }
@@ -120,6 +107,19 @@ class InProcessCommunicator final : public Communicator {
     slot.op = op;
     slot.seq = ++group_->next_seq_[rank_];
     return slot;
+  }
+
+  // The posted `slot`'s collective: the ranks meet (`posted`), check that they are in the same
+  // collective and `read` their peers' slots, wait until no rank reads (a rank that fails early
+  // must not free or repost what a slower peer still reads), then meet again (`done`).
+  absl::Status Exchange(const InProcessCommGroup::Slot& slot, absl::string_view posted,
+                        absl::string_view done, const std::function<absl::Status()>& read) {
+    MOESERVE_RETURN_IF_ERROR(group_->Arrive(rank_, posted, /*opens_reads=*/true));
+    absl::Status s = CheckPeersMatch(slot);
+    if (s.ok()) s = read();
+    group_->DoneReading();
+    MOESERVE_RETURN_IF_ERROR(s);
+    return group_->Arrive(rank_, done);
   }
 
   // Every rank must be in the same collective: same kind, same sequence number.

@@ -1869,8 +1869,7 @@ bool MoeGemmUsesDecodeWgmma(const MoeGemmParams& p) {
   const int64_t avg = (p.total_rows_hint + p.num_experts - 1) / p.num_experts;
   if (p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax || avg <= 16 || avg > 32) return false;
 #if MOESERVE_CUDA_WGMMA
-  // the warpgroup-MMA tiles serve
-  if (avg >= WgmmaFromRoutes(p) && WgmmaOnThisDevice()) return false;
+  if (avg >= WgmmaFromRoutes(p)) return false;  // the warpgroup-MMA tiles serve
 #endif
   if (PairServes(p, avg, false)) return false;
   return DecodeWgmma(p, avg >= kMxfp8DecodeWgmmaMinRoutes);

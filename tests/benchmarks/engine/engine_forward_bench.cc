@@ -13,7 +13,6 @@
 // --timed 0 passes no ForwardTimings (the stage columns are then 0).
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -24,16 +23,14 @@
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "kernels/cpu/dtype_convert.h"
+#include "tests/benchmarks/percentile.h"
 
 namespace moeserve {
 namespace {
 
 double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  // Nearest rank, as moeserve-cli reports its percentiles (the tables put the two side by side).
-  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
-  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+  return moeserve::bench::NearestRankPercentile(v, p);
 }
 
 int Main(int argc, char** argv) {

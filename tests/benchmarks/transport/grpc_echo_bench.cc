@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <cstdint>
@@ -38,6 +37,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "tests/benchmarks/percentile.h"
 
 ABSL_FLAG(std::string, wait, "queue",
           "client: how a call is waited for: queue (the caller polls a completion queue, as "
@@ -128,13 +128,6 @@ int RunServer() {
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return 0;
-}
-
-double Percentile(const std::vector<double>& sorted, double p) {
-  if (sorted.empty()) return 0;
-  // Nearest rank, as moeserve-cli reports its percentiles (the tables put the two side by side).
-  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(sorted.size())));
-  return sorted[std::clamp<size_t>(rank, 1, sorted.size()) - 1];
 }
 
 // One blocking unary call through the generic stub; returns its status. `on_queue`: waited for
@@ -241,8 +234,10 @@ int RunClient() {
     }
     std::sort(us.begin(), us.end());
     std::printf("echo bytes=%lld calls=%zu p50_us=%.1f p90_us=%.1f p99_us=%.1f max_us=%.1f",
-                static_cast<long long>(n), us.size(), Percentile(us, 50), Percentile(us, 90),
-                Percentile(us, 99), us.empty() ? 0.0 : us.back());
+                static_cast<long long>(n), us.size(),
+                moeserve::bench::NearestRankPercentile(us, 50),
+                moeserve::bench::NearestRankPercentile(us, 90),
+                moeserve::bench::NearestRankPercentile(us, 99), us.empty() ? 0.0 : us.back());
     if (check) std::printf(" mismatches=%lld", static_cast<long long>(mismatches));
     if (errors > 0)
       std::printf(" errors=%lld first_error=\"%s\"", static_cast<long long>(errors),
