@@ -1144,6 +1144,8 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g2.act_stride = l.intermediate_padded;
   g2.out_stride = h;
   g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
+  // W2 reads the counts W13 read: it may fetch its first weights while W13 drains.
+  g2.weights_before_wait = true;
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, ctx_->num_sms(), stream));
   return absl::OkStatus();

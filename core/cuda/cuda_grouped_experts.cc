@@ -513,6 +513,7 @@ absl::Status CudaGroupedExperts::RunDecode(const ExpertsApplyArgs& args,
   g2.out = per_route;
   g2.out_stride = h;
   g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
+  g2.weights_before_wait = true;  // W2 reads the counts W13 read
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceContiguous(

@@ -576,8 +576,15 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   static_assert(!kWg || kTma, "the warpgroup-MMA decode tile has a producer warp");
-  PdlWait();  // launched early (LaunchPdl): the counts and activations come from the kernel before
-  PdlLaunchDependents();
+  // Launched early (LaunchPdl): what the kernels before wrote is read only after PdlWait. With
+  // p.weights_before_wait the counts are read, and the producer's first stages of weights
+  // requested, before it (see MoeGemmParams); every CTA still waits before it exits, so that
+  // this grid completes only after the ones before it.
+  const bool early = kTma && KIND == MoeGemmKind::kDown && p.weights_before_wait;
+  if (!early) {
+    PdlWait();
+    PdlLaunchDependents();
+  }
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // kWg: the swizzled activation blocks need 1024-byte alignment (SmemBytes reserves it).
@@ -612,7 +619,10 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   }
   __syncthreads();
   const int total_units = s_prefix[E];
-  if (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y) return;
+  if (s_prefix[E + 1] <= gate.x || s_prefix[E + 1] > gate.y) {
+    if (early) PdlWait();
+    return;
+  }
   const int num_st = (num_kb + KB - 1) / KB;  // stages per unit; the last may hold one block
   // Split-K (decode tiles, with a workspace): when the units cannot fill the `split_slots` CTA
   // slots (a few experts of long K, e.g. one token), each unit's stages are split over `splits`
@@ -628,7 +638,10 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
     }
   }
   const int total_items = total_units * splits;
-  if (static_cast<int>(blockIdx.x) >= total_items) return;
+  if (static_cast<int>(blockIdx.x) >= total_items) {
+    if (early) PdlWait();
+    return;
+  }
   const int my_items = (total_items - blockIdx.x + gridDim.x - 1) / gridDim.x;
   // Item i of this CTA: unit (w / splits), stages [lo, hi) of its split (w % splits).
   auto item_of = [&](int i) {
@@ -732,6 +745,34 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
       const uint16_t* src[kChunks];  // this lane's chunk of each row (p.act past the count)
       uint32_t src_bytes[kChunks];   // 16, or 0 past the count
       const int cc = lane % kRowChunks;
+      // The weights of stages [0, pre) were requested before PdlWait (p.weights_before_wait):
+      // weights never depend on the kernels before, so their first stages load while those end.
+      int pre = 0;
+      if (early) {
+#pragma unroll 1
+        for (int item = 0; item < my_items && pre < STAGES; ++item) {
+          const int w = item_of(item);
+          const int kb_lo = split_lo(w), kb_hi = split_hi(w);
+          unit_weights(decode(w / splits));
+          a_ptr += static_cast<int64_t>(kb_lo) * C::kABytes;
+          if (kFp8) s_ptr += static_cast<int64_t>(kb_lo) * C::kSBytes;
+#pragma unroll 1
+          for (int kb = kb_lo; kb < kb_hi && pre < STAGES; ++kb, ++pre) {
+            const int nblk = KB == 2 && 2 * kb + 1 == num_kb ? 1 : KB;
+            if (lane == 0) {
+              const uint32_t full = full0 + 8 * pre;
+              unsigned char* st = smem + pre * C::kStageBytes;
+              MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
+              BulkCopy(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full);
+              if (kFp8) BulkCopy(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full);
+            }
+            a_ptr += C::kABytes;
+            if (kFp8) s_ptr += C::kSBytes;
+          }
+        }
+        PdlWait();
+        PdlLaunchDependents();
+      }
       int it = 0, slot = 0;
 #pragma unroll 1
       for (int item = 0; item < my_items; ++item) {
@@ -758,7 +799,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
           const int nblk = KB == 2 && 2 * kb + 1 == num_kb ? 1 : KB;
           unsigned char* st = smem + slot * C::kStageBytes;
           const uint32_t full = full0 + 8 * slot;
-          if (lane == 0) {
+          if (lane == 0 && it >= pre) {
             MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
             BulkCopy(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full);
             if (kFp8) BulkCopy(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full);
@@ -783,6 +824,10 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
       CpAsyncWait<0>();
       return;
     }
+  }
+  if (early) {  // the MMA threads: nothing to read before the producer's stages, but outputs
+    PdlWait();
+    PdlLaunchDependents();
   }
 
   float acc[C::kMI][C::kNI][4];
@@ -1430,8 +1475,13 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
 #ifndef MOESERVE_CLUSTER_DEVICE
   __trap();  // not built for sm_90: the host launches this path only on sm_90 (WgmmaOnThisDevice)
 #else
-  PdlWait();
-  PdlLaunchDependents();
+  // As MoeGemmKernel: with p.weights_before_wait the schedule and the first stages' weights
+  // come before PdlWait.
+  const bool early = KIND == MoeGemmKind::kDown && p.weights_before_wait;
+  if (!early) {
+    PdlWait();
+    PdlLaunchDependents();
+  }
   constexpr int BN = 16, KB = 2, STAGES = kPairStages;
   using C = GemmCfg<true, BN, 8, 1, STAGES, KIND, KB>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -1499,11 +1549,47 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
     constexpr int kChunks = BN * kRowChunks / 32;
     constexpr int kRowStep = 32 / kRowChunks;
     const int cc = lane % kRowChunks;
+    auto weight_copies = [&](const PairUnit& pu, int slot, int nblk, const unsigned char* a_ptr,
+                             const uint8_t* s_ptr) {
+      unsigned char* st = smem + slot * C::kStageBytes;
+      const uint32_t full = full0 + 8 * slot;
+      MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
+      if (!pu.multicast) {
+        BulkCopy(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full);
+        BulkCopy(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full);
+      } else if (rank == 0) {
+        BulkCopyMulticast(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full, 0x3);
+        BulkCopyMulticast(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full, 0x3);
+      }
+    };
+    auto tile_of = [&](const PairUnit& pu) {
+      return static_cast<int64_t>(pu.e) * mtiles + (pu.mt < mtiles ? pu.mt : 0);
+    };
+    // Stages [0, pre): weights requested before PdlWait (p.weights_before_wait).
+    int pre = 0;
+    if (early) {
+#pragma unroll 1
+      for (int item = 0; item < my_items && pre < STAGES; ++item) {
+        const PairUnit pu = decode(cluster + item * clusters);
+        const int64_t tile = tile_of(pu);
+#pragma unroll 1
+        for (int kb = 0; kb < num_st && pre < STAGES; ++kb, ++pre) {
+          if (lane == 0 && pu.weights) {
+            weight_copies(pu, pre, 2 * kb + 1 == num_kb ? 1 : KB,
+                          static_cast<const unsigned char*>(p.weights) +
+                              (tile * num_kb + 2 * kb) * C::kABlock,
+                          p.scales + (tile * num_kb + 2 * kb) * C::kSBlock);
+          }
+        }
+      }
+      PdlWait();
+      PdlLaunchDependents();
+    }
     int it = 0, slot = 0;
 #pragma unroll 1
     for (int item = 0; item < my_items; ++item) {
       const PairUnit pu = decode(cluster + item * clusters);
-      const int64_t tile = static_cast<int64_t>(pu.e) * mtiles + (pu.mt < mtiles ? pu.mt : 0);
+      const int64_t tile = tile_of(pu);
       const unsigned char* a_ptr =
           static_cast<const unsigned char*>(p.weights) + tile * num_kb * C::kABlock;
       const uint8_t* s_ptr = p.scales + tile * num_kb * C::kSBlock;
@@ -1527,16 +1613,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
         const int nblk = 2 * kb + 1 == num_kb ? 1 : KB;
         unsigned char* st = smem + slot * C::kStageBytes;
         const uint32_t full = full0 + 8 * slot;
-        if (lane == 0 && pu.weights) {
-          MbarExpectTx(full, (C::kABlock + C::kSBlock) * nblk);
-          if (!pu.multicast) {
-            BulkCopy(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full);
-            BulkCopy(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full);
-          } else if (rank == 0) {
-            BulkCopyMulticast(SmemAddr(st + C::kAOff), a_ptr, C::kABlock * nblk, full, 0x3);
-            BulkCopyMulticast(SmemAddr(st + C::kSOff), s_ptr, C::kSBlock * nblk, full, 0x3);
-          }
-        }
+        if (lane == 0 && pu.weights && it >= pre) weight_copies(pu, slot, nblk, a_ptr, s_ptr);
         const uint32_t b_dst = SmemAddr(st + C::kBOff);
         const bool k_ok = static_cast<int64_t>(kb) * KB * kBK + cc * 8 < k_valid && cc < 8 * nblk;
 #pragma unroll
@@ -1553,6 +1630,10 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
     }
     CpAsyncWait<0>();
   } else {
+    if (early) {
+      PdlWait();
+      PdlLaunchDependents();
+    }
     const int g = lane / 4, t4 = lane % 4;
     const uint32_t empty_peer0 = MapaShared(empty0, peer);
     float acc[2][4] = {};
@@ -1881,10 +1962,16 @@ bool MoeGemmUsesDecodePair(const MoeGemmParams& p) {
   return PairServes(p, avg, p.mxfp8_max_scale_code > kMxfp8NarrowScaleMax);
 }
 
-cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& p, int num_sms, cudaStream_t stream) {
-  if (p.num_experts <= 0 || p.num_experts > kMaxGemmExperts || num_sms <= 0) {
+cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& params, int num_sms, cudaStream_t stream) {
+  if (params.num_experts <= 0 || params.num_experts > kMaxGemmExperts || num_sms <= 0) {
     return cudaErrorInvalidValue;
   }
+  static const bool early_allowed = [] {
+    const char* v = std::getenv("MOESERVE_W2_EARLY");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  MoeGemmParams p = params;
+  p.weights_before_wait = p.weights_before_wait && early_allowed && PdlEnabled();
   if (p.total_rows_hint == 0) return cudaSuccess;
   if (p.layout.hidden % 8 != 0 || p.act_stride % 8 != 0) return cudaErrorInvalidValue;
   if (p.mxfp8 && p.scales == nullptr) return cudaErrorInvalidValue;

@@ -176,6 +176,14 @@ struct MoeGemmParams {
   // intermediate): the last split to finish adds the partial sums in a fixed order and runs the
   // epilogue. One launch at a time per workspace (use one per stream).
   void* split_workspace = nullptr;
+  // kDown only: the decode tiles (programmatic dependent launch, kernels/cuda/pdl.cuh) read the
+  // counts, offsets and gather/scatter indices and request their first pipeline stages of weights
+  // before they wait for the kernel before them, so that those weights load while it drains. Set it
+  // only where that data was written at least two kernels back on the stream and the kernel just
+  // before waits before it lets this one start (every kernel here does): a W2 launched right
+  // after the W13 that read the same counts. MOESERVE_W2_EARLY=0 (read once) turns it off, for
+  // A/B runs.
+  bool weights_before_wait = false;
 };
 
 // Asynchronous on `stream`. num_sms: the device's multiprocessor count (persistent grid).

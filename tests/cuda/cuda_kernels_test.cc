@@ -625,6 +625,78 @@ TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
   }
 }
 
+// MoeGemmParams::weights_before_wait: a W2 that reads the counts and requests its first weights
+// before it waits for the W13 it follows must still see that W13's whole output. The chain is
+// the engine's, align -> W13 -> W2 on one stream, with the counts, offsets and the intermediate
+// poisoned before each run (a count read too early is garbage, an intermediate row read too
+// early is NaN); against the same chain with the flag off, bit for bit, repeated. Decode tiles of
+// both formats: BF16 narrow tiles with W13 split over K (one token), the MXFP8 cluster tile, the
+// MXFP8 narrow + adaptive pair of launches (a hot expert) and the 32-token tile.
+TEST_F(CudaKernelsTest, GroupedGemmW2WeightsBeforeWaitSeeTheW13Output) {
+  std::mt19937 rng(91);
+  const int num_sms = NumSms();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct Case {
+    bool fp8;
+    int64_t h, n;
+    std::vector<int32_t> counts;
+  };
+  const std::vector<Case> cases = {{false, 2048, 64, {1, 0, 2, 1}},
+                                   {false, 296, 192, {9, 16, 3}},
+                                   {true, 448, 192, {3, 0, 1, 5}},
+                                   {true, 1000, 128, {30, 2}},
+                                   {true, 512, 128, {20, 24}}};
+  Dev<uint8_t> ws(kMoeGemmSplitWorkspaceBytes, 0);  // split-K counters start at zero
+  for (const Case& c : cases) {
+    const GemmProblem w13(MoeGemmKind::kGateUpSilu, c.fp8, c.h, c.n, c.counts, 112, 8, rng);
+    const GemmProblem w2(MoeGemmKind::kDown, c.fp8, c.h, c.n, c.counts, 112, 8, rng);
+    const int e = static_cast<int>(c.counts.size());
+    std::vector<int32_t> ids;  // one route per row, grouped by expert as the problems' rows are
+    for (int x = 0; x < e; ++x) ids.insert(ids.end(), c.counts[x], x);
+    const int64_t rows = static_cast<int64_t>(ids.size());
+    Dev<int32_t> d_ids(ids), counts(e), offsets(e + 1), sorted(rows), slot(rows);
+    Dev<uint16_t> inter(rows * w13.out_cols);
+    Dev<float> out(rows * c.h);
+    MoeGemmParams p1 = w13.Params(), p2 = w2.Params();
+    for (MoeGemmParams* p : {&p1, &p2}) {
+      p->expert_counts = counts.p;
+      p->expert_offsets = offsets.p;
+      p->split_workspace = ws.p;
+    }
+    p1.out = inter.p;
+    p2.act = inter.p;
+    p2.out = out.p;
+    const std::string name = w2.Name();
+    auto run = [&](bool early) {
+      p2.weights_before_wait = early;
+      CUDA_EXPECT(cudaMemsetAsync(counts.p, 0x7f, e * sizeof(int32_t), stream));
+      CUDA_EXPECT(cudaMemsetAsync(offsets.p, 0x7f, (e + 1) * sizeof(int32_t), stream));
+      CUDA_EXPECT(cudaMemsetAsync(inter.p, 0xff, rows * w13.out_cols * 2, stream));  // NaN
+      CUDA_EXPECT(cudaMemsetAsync(out.p, 0, rows * c.h * sizeof(float), stream));
+      CUDA_EXPECT(LaunchMoeAlign(d_ids.p, rows, e, counts.p, offsets.p, sorted.p, slot.p, stream));
+      CUDA_EXPECT(LaunchMoeGroupedGemm(p1, num_sms, stream));
+      CUDA_EXPECT(LaunchMoeGroupedGemm(p2, num_sms, stream));
+      CUDA_EXPECT(cudaStreamSynchronize(stream));
+      return out.Get();
+    };
+    const std::vector<float> ref = run(false);
+    int nans = 0, zeros = 0;
+    for (float v : ref) {
+      nans += std::isnan(v);
+      zeros += v == 0.0f;
+    }
+    ASSERT_EQ(nans, 0) << name << ": the chain without the flag";
+    EXPECT_LT(zeros, static_cast<int>(ref.size() / 100)) << name;
+    for (int rep = 0; rep < 4; ++rep) {
+      const std::vector<float> got = run(true);
+      EXPECT_EQ(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)), 0)
+          << name << " repeat " << rep;
+    }
+  }
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 // The warpgroup-MMA tiles (64, 128 and 256 tokens wide, chosen by the average routes per expert;
 // forced here with wgmma_min_routes = 1), BF16 and MXFP8, against a double-precision host GEMM of
 // the (dequantized) weights: both kinds, for MXFP8 the one-multiply and the two-multiply

@@ -260,6 +260,7 @@ int main(int argc, char** argv) {
           g2.scatter = sorted;
           g2.out = out;
           g2.out_stride = s.h;
+          g2.weights_before_wait = true;  // as the engine launches it (MOESERVE_W2_EARLY=0: off)
           // Grouped path buffers: [R, H] gathered rows / W2 output, [R, 2 Ip], [R, Ip], the
           // reduced FP32 [tokens, H] and router weights.
           uint16_t *xr = nullptr, *d1 = nullptr, *a2 = nullptr;
