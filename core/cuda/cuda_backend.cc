@@ -1144,8 +1144,15 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g2.act_stride = l.intermediate_padded;
   g2.out_stride = h;
   g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
-  // W2 reads the counts W13 read: it may fetch its first weights while W13 drains.
+  // W2 reads the counts W13 read: it may fetch its first weights while W13 drains. In the
+  // Standard format W13 follows the align of its ids, so it may count them itself and fetch its
+  // first weights while the align (and the copy before it) runs.
   g2.weights_before_wait = true;
+  if (format_ == ActivationFormat::kStandard) {
+    g1.weights_before_wait = true;
+    g1.route_ids = p.topk_ids.data<int32_t>();
+    g1.num_routes = rows;
+  }
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, ctx_->num_sms(), stream));
   return absl::OkStatus();

@@ -514,6 +514,9 @@ absl::Status CudaGroupedExperts::RunDecode(const ExpertsApplyArgs& args,
   g2.out_stride = h;
   g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
   g2.weights_before_wait = true;  // W2 reads the counts W13 read
+  g1.weights_before_wait = true;  // W13 follows the align of these ids
+  g1.route_ids = p.topk_ids.data<int32_t>();
+  g1.num_routes = rows;
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g2, ctx_->num_sms(), stream));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchTopKWeightAndReduceContiguous(

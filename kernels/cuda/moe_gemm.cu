@@ -297,6 +297,36 @@ __device__ __forceinline__ void LoadExpertCounts(const MoeGemmParams& p, int32_t
                                             : static_cast<int32_t>(e * p.offset_stride);
   }
 }
+// kGateUpSilu with p.route_ids: the counts and first rows that MoeAlign writes for those ids
+// (an id outside [0, num_experts) serves no expert), computed here so that they need not wait
+// for it. Every thread of the block calls it; s_row0 is complete after the next __syncthreads.
+__device__ __forceinline__ void CountRouteIds(const MoeGemmParams& p, int32_t* s_cnt,
+                                              int32_t* s_row0) {
+  const int E = p.num_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = 0;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < p.num_routes; r += blockDim.x) {
+    const int id = __ldcg(p.route_ids + r);
+    if (id >= 0 && id < E) atomicAdd(&s_cnt[id], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, chunk = (E + 31) / 32;
+    const int lo = lane * chunk, hi = min(E, lo + chunk);
+    int sum = 0;
+    for (int e = lo; e < hi; ++e) sum += s_cnt[e];
+    int inc = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    int run = inc - sum;
+    for (int e = lo; e < hi; ++e) {
+      s_row0[e] = run;
+      run += s_cnt[e];
+    }
+  }
+}
 // Warp 0, once the counts are in shared memory: s_prefix[e] = the work units before expert e
 // (units_of(count) per expert), s_prefix[E] = all of them and, with kMost, s_prefix[E + 1] = the
 // largest count.
@@ -580,7 +610,8 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   // p.weights_before_wait the counts are read, and the producer's first stages of weights
   // requested, before it (see MoeGemmParams); every CTA still waits before it exits, so that
   // this grid completes only after the ones before it.
-  const bool early = kTma && KIND == MoeGemmKind::kDown && p.weights_before_wait;
+  const bool early =
+      kTma && p.weights_before_wait && (KIND == MoeGemmKind::kDown || p.route_ids != nullptr);
   if (!early) {
     PdlWait();
     PdlLaunchDependents();
@@ -607,7 +638,11 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   const int mtiles = static_cast<int>(rows_packed / kBM);
   const int num_kb = static_cast<int>(kp / kBK);
 
-  LoadExpertCounts(p, s_cnt, s_row0);
+  if (KIND == MoeGemmKind::kGateUpSilu && early) {
+    CountRouteIds(p, s_cnt, s_row0);
+  } else {
+    LoadExpertCounts(p, s_cnt, s_row0);
+  }
   if (kTma && tid < STAGES) {
     MbarInit(full0 + 8 * tid, 32);         // the producer's 32 lanes (cp.async arrivals)
     MbarInit(empty0 + 8 * tid, kThreads);  // every MMA thread
@@ -1477,7 +1512,8 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
 #else
   // As MoeGemmKernel: with p.weights_before_wait the schedule and the first stages' weights
   // come before PdlWait.
-  const bool early = KIND == MoeGemmKind::kDown && p.weights_before_wait;
+  const bool early =
+      p.weights_before_wait && (KIND == MoeGemmKind::kDown || p.route_ids != nullptr);
   if (!early) {
     PdlWait();
     PdlLaunchDependents();
@@ -1503,7 +1539,11 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
   const int num_st = (num_kb + 1) / 2;
   const int mpairs = (mtiles + 1) / 2;
 
-  LoadExpertCounts(p, s_cnt, s_row0);
+  if (KIND == MoeGemmKind::kGateUpSilu && early) {
+    CountRouteIds(p, s_cnt, s_row0);
+  } else {
+    LoadExpertCounts(p, s_cnt, s_row0);
+  }
   if (tid < STAGES) {
     MbarInit(full0 + 8 * tid, 32);             // the producer's 32 lanes (cp.async arrivals)
     MbarInit(empty0 + 8 * tid, 2 * kThreads);  // the MMA threads of this CTA and of the peer
@@ -1966,12 +2006,19 @@ cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& params, int num_sms, cudaS
   if (params.num_experts <= 0 || params.num_experts > kMaxGemmExperts || num_sms <= 0) {
     return cudaErrorInvalidValue;
   }
-  static const bool early_allowed = [] {
-    const char* v = std::getenv("MOESERVE_W2_EARLY");
+  auto allowed = [](const char* name) {
+    const char* v = std::getenv(name);
     return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  };
+  static const bool w13_early = allowed("MOESERVE_W13_EARLY"),
+                    w2_early = allowed("MOESERVE_W2_EARLY");
   MoeGemmParams p = params;
-  p.weights_before_wait = p.weights_before_wait && early_allowed && PdlEnabled();
+  const bool down = p.kind == MoeGemmKind::kDown;
+  p.weights_before_wait =
+      p.weights_before_wait && PdlEnabled() &&
+      (down ? w2_early
+            : w13_early && p.route_ids != nullptr && p.num_routes <= kMoeGemmCountRoutesMax);
+  if (!p.weights_before_wait) p.route_ids = nullptr;
   if (p.total_rows_hint == 0) return cudaSuccess;
   if (p.layout.hidden % 8 != 0 || p.act_stride % 8 != 0) return cudaErrorInvalidValue;
   if (p.mxfp8 && p.scales == nullptr) return cudaErrorInvalidValue;

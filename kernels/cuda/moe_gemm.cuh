@@ -58,6 +58,9 @@ inline constexpr int kBf16WgmmaMinRoutes = 32;
 inline constexpr int kMxfp8DecodePairMaxRoutes = 12;
 inline constexpr bool kMxfp8DecodePairOnByDefault = true;
 
+// MoeGemmParams::route_ids serve a W13 launch of at most this many routes.
+inline constexpr int64_t kMoeGemmCountRoutesMax = 4096;
+
 // Split-K workspace (MoeGemmParams::split_workspace): kMoeGemmSplitCounters int32 counters,
 // then kMoeGemmSplitPartialFloats FP32 partial sums.
 inline constexpr int kMoeGemmSplitCounters = 1024;
@@ -176,14 +179,20 @@ struct MoeGemmParams {
   // intermediate): the last split to finish adds the partial sums in a fixed order and runs the
   // epilogue. One launch at a time per workspace (use one per stream).
   void* split_workspace = nullptr;
-  // kDown only: the decode tiles (programmatic dependent launch, kernels/cuda/pdl.cuh) read the
-  // counts, offsets and gather/scatter indices and request their first pipeline stages of weights
-  // before they wait for the kernel before them, so that those weights load while it drains. Set it
-  // only where that data was written at least two kernels back on the stream and the kernel just
-  // before waits before it lets this one start (every kernel here does): a W2 launched right
-  // after the W13 that read the same counts. MOESERVE_W2_EARLY=0 (read once) turns it off, for
-  // A/B runs.
+  // Programmatic dependent launch (kernels/cuda/pdl.cuh): the decode tiles read their schedule
+  // and request their first pipeline stages of weights before they wait for the kernel before
+  // them, so that those weights load while it drains. kDown: the counts, offsets and scatter
+  // indices must have been written at least two kernels back on the stream, and the kernel just
+  // before must wait before it lets this one start (every kernel here does): a W2 launched right
+  // after the W13 that read the same counts. kGateUpSilu: only with route_ids, whose counts and
+  // first rows (offsets = their exclusive prefix, count_cap unset) it computes itself; those ids
+  // must be two kernels back: a W13 launched right after the MoeAlign of the same ids.
+  // MOESERVE_W2_EARLY=0 / MOESERVE_W13_EARLY=0 (read once) turn it off, for A/B runs.
   bool weights_before_wait = false;
+  // [num_routes] expert ids, as MoeAlign read them; ignored above kMoeGemmCountRoutesMax routes
+  // (every CTA counts them).
+  const int32_t* route_ids = nullptr;
+  int64_t num_routes = 0;
 };
 
 // Asynchronous on `stream`. num_sms: the device's multiprocessor count (persistent grid).

@@ -625,14 +625,16 @@ TEST_F(CudaKernelsTest, GroupedGemmSplitKMatchesUnsplit) {
   }
 }
 
-// MoeGemmParams::weights_before_wait: a W2 that reads the counts and requests its first weights
-// before it waits for the W13 it follows must still see that W13's whole output. The chain is
-// the engine's, align -> W13 -> W2 on one stream, with the counts, offsets and the intermediate
-// poisoned before each run (a count read too early is garbage, an intermediate row read too
-// early is NaN); against the same chain with the flag off, bit for bit, repeated. Decode tiles of
-// both formats: BF16 narrow tiles with W13 split over K (one token), the MXFP8 cluster tile, the
-// MXFP8 narrow + adaptive pair of launches (a hot expert) and the 32-token tile.
-TEST_F(CudaKernelsTest, GroupedGemmW2WeightsBeforeWaitSeeTheW13Output) {
+// MoeGemmParams::weights_before_wait: a W13 that counts its route ids and a W2 that reads the
+// counts, both requesting their first weights before they wait for the kernel before them, must
+// still compute on that kernel's whole output. The chain is the engine's, align -> W13 -> W2 on
+// one stream, with the counts, offsets and the intermediate poisoned before each run (a count
+// read too early is garbage, an intermediate row read too early is NaN) and ids that serve no
+// expert among the routes; against the same chain with the flags off, bit for bit, repeated.
+// Decode tiles of both formats: BF16 narrow tiles with W13 split over K (one token), the MXFP8
+// cluster tile, the MXFP8 narrow + adaptive pair of launches (a hot expert) and the 32-token
+// tile.
+TEST_F(CudaKernelsTest, GroupedGemmWeightsBeforeWaitSeeTheKernelsBefore) {
   std::mt19937 rng(91);
   const int num_sms = NumSms();
   cudaStream_t stream = nullptr;
@@ -655,7 +657,9 @@ TEST_F(CudaKernelsTest, GroupedGemmW2WeightsBeforeWaitSeeTheW13Output) {
     std::vector<int32_t> ids;  // one route per row, grouped by expert as the problems' rows are
     for (int x = 0; x < e; ++x) ids.insert(ids.end(), c.counts[x], x);
     const int64_t rows = static_cast<int64_t>(ids.size());
-    Dev<int32_t> d_ids(ids), counts(e), offsets(e + 1), sorted(rows), slot(rows);
+    ids.insert(ids.end(), {-1, e, 1000});  // routes no local expert serves
+    const int64_t routes = static_cast<int64_t>(ids.size());
+    Dev<int32_t> d_ids(ids), counts(e), offsets(e + 1), sorted(routes), slot(routes);
     Dev<uint16_t> inter(rows * w13.out_cols);
     Dev<float> out(rows * c.h);
     MoeGemmParams p1 = w13.Params(), p2 = w2.Params();
@@ -668,13 +672,16 @@ TEST_F(CudaKernelsTest, GroupedGemmW2WeightsBeforeWaitSeeTheW13Output) {
     p2.act = inter.p;
     p2.out = out.p;
     const std::string name = w2.Name();
+    p1.route_ids = d_ids.p;
+    p1.num_routes = routes;
     auto run = [&](bool early) {
-      p2.weights_before_wait = early;
+      p1.weights_before_wait = p2.weights_before_wait = early;
       CUDA_EXPECT(cudaMemsetAsync(counts.p, 0x7f, e * sizeof(int32_t), stream));
       CUDA_EXPECT(cudaMemsetAsync(offsets.p, 0x7f, (e + 1) * sizeof(int32_t), stream));
       CUDA_EXPECT(cudaMemsetAsync(inter.p, 0xff, rows * w13.out_cols * 2, stream));  // NaN
       CUDA_EXPECT(cudaMemsetAsync(out.p, 0, rows * c.h * sizeof(float), stream));
-      CUDA_EXPECT(LaunchMoeAlign(d_ids.p, rows, e, counts.p, offsets.p, sorted.p, slot.p, stream));
+      CUDA_EXPECT(
+          LaunchMoeAlign(d_ids.p, routes, e, counts.p, offsets.p, sorted.p, slot.p, stream));
       CUDA_EXPECT(LaunchMoeGroupedGemm(p1, num_sms, stream));
       CUDA_EXPECT(LaunchMoeGroupedGemm(p2, num_sms, stream));
       CUDA_EXPECT(cudaStreamSynchronize(stream));

@@ -260,7 +260,9 @@ int main(int argc, char** argv) {
           g2.scatter = sorted;
           g2.out = out;
           g2.out_stride = s.h;
-          g2.weights_before_wait = true;  // as the engine launches it (MOESERVE_W2_EARLY=0: off)
+          g2.weights_before_wait = true;  // as the engine launches them (MOESERVE_W2_EARLY=0,
+          g1.weights_before_wait = true;  // MOESERVE_W13_EARLY=0: off)
+          g1.num_routes = R;
           // Grouped path buffers: [R, H] gathered rows / W2 output, [R, 2 Ip], [R, Ip], the
           // reduced FP32 [tokens, H] and router weights.
           uint16_t *xr = nullptr, *d1 = nullptr, *a2 = nullptr;
@@ -343,6 +345,7 @@ int main(int argc, char** argv) {
             for (int it = 0; it < kWarm + kIters; ++it) {
               const int k = it % kSets;
               g1.act = xs[k];
+              g1.route_ids = idss[k];
               CK(cudaEventRecord(e0, stream));
               CK(LaunchMoeAlign(idss[k], R, E, counts, offsets, sorted, slot, stream));
               if (path == "decode") {
