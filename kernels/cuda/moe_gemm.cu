@@ -2010,8 +2010,9 @@ cudaError_t LaunchMoeGroupedGemm(const MoeGemmParams& params, int num_sms, cudaS
     const char* v = std::getenv(name);
     return v == nullptr || std::strcmp(v, "0") != 0;
   };
-  static const bool w13_early = allowed("MOESERVE_W13_EARLY"),
-                    w2_early = allowed("MOESERVE_W2_EARLY");
+  static const bool any_early = allowed("MOESERVE_EARLY_WEIGHTS");
+  static const bool w13_early = any_early && allowed("MOESERVE_W13_EARLY");
+  static const bool w2_early = any_early && allowed("MOESERVE_W2_EARLY");
   MoeGemmParams p = params;
   const bool down = p.kind == MoeGemmKind::kDown;
   p.weights_before_wait =

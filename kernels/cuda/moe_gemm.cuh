@@ -187,7 +187,8 @@ struct MoeGemmParams {
   // after the W13 that read the same counts. kGateUpSilu: only with route_ids, whose counts and
   // first rows (offsets = their exclusive prefix, count_cap unset) it computes itself; those ids
   // must be two kernels back: a W13 launched right after the MoeAlign of the same ids.
-  // MOESERVE_W2_EARLY=0 / MOESERVE_W13_EARLY=0 (read once) turn it off, for A/B runs.
+  // MOESERVE_W2_EARLY=0 / MOESERVE_W13_EARLY=0 / MOESERVE_EARLY_WEIGHTS=0 (both; read once)
+  // turn it off, for A/B runs.
   bool weights_before_wait = false;
   // [num_routes] expert ids, as MoeAlign read them; ignored above kMoeGemmCountRoutesMax routes
   // (every CTA counts them).

@@ -9,7 +9,8 @@
 # VARIANTS, default "a b0 b". A variant ending in g gathers a request's pieces on several threads
 # from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES); c: the load's
 # callers poll for their answers (--client_spin_us=CLIENT_SPIN_US, default 2000); i: every
-# request is handled on gRPC's receiving thread (--inline_request_bytes=1 GiB). MS: the server
+# request is handled on gRPC's receiving thread (--inline_request_bytes=1 GiB); e: the decode
+# GEMMs wait before they fetch weights (MOESERVE_EARLY_WEIGHTS=0). MS: the server
 # pass's token counts (default "1 16 64"; 2000 calls each, 600 from 64, 300 from 256, 150 from
 # 1024).
 # 1. the GPU suites (memcheck on the copy kernel's test; SKIP_GPU_SUITES=1: not them), host_upload_test and
@@ -41,6 +42,7 @@ env_of() {
     0*) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0 ;;
     1m*) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576 ;;
     *g*) echo MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072} ;;
+    *e*) echo MOESERVE_EARLY_WEIGHTS=0 ;;
     *) echo MOESERVE_UNUSED=1 ;;
   esac
 }
@@ -86,7 +88,8 @@ for round in $(seq "${ROUNDS:-2}"); do for v in $(round_order $round $VARIANTS);
     echo "$v,$m,$(val ${v}_r${round}_M$m p50),$(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_${v}_r${round}_M$m.log" | cut -d= -f2),$(grep -o 'server_stages_us_p50: .*' "$OUT/load_${v}_r${round}_M$m.log" | tr ' ' ';')" >> "$SCSV"
   done
   stop
-  unset MOESERVE_GRAPH_SM_COPY_MAX_BYTES MOESERVE_GATHER_PARALLEL_MIN_BYTES MOESERVE_UNUSED
+  unset MOESERVE_GRAPH_SM_COPY_MAX_BYTES MOESERVE_GATHER_PARALLEL_MIN_BYTES MOESERVE_UNUSED \
+    MOESERVE_EARLY_WEIGHTS
 done; done
 echo "== engine_forward_bench p50 wall us (median over rounds): variant layer timed tokens -> wall, experts stage"
 [ -s "$CSV" ] && python3 - "$CSV" <<'PY'

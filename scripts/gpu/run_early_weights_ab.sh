@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # The decode GEMMs' weights requested before they wait for the kernel before them
-# (MoeGemmParams::weights_before_wait) on and off in one build, one device call: the GPU suites
-# with racecheck on the chain test and the cluster tile, then engine_forward_bench (trivial layer
-# BF16 and seed MXFP8 at 1, 16 and 64 tokens, timed) with both off (MOESERVE_W13_EARLY=0
-# MOESERVE_W2_EARLY=0), W2 only and both on (the default), and moe_experts_bench's decode path
-# (FORMATS, default bf16,mxfp8; LAYERS, default seed,dsv3; TOKENS, default 1,16,64,128) with both
-# off and both on; settings alternating, ROUNDS rounds (default 2), medians.
-# Usage: run_w2_early_ab.sh BUNDLE.tgz (bin/: engine_forward_bench, moe_experts_bench, the tests).
+# (MoeGemmParams::weights_before_wait) on and off in one build, one device call: the kernel tests
+# and the experts sweep (engine_cuda_test: run_early_server_check.sh), racecheck on the chain
+# test and the cluster tile, then engine_forward_bench (trivial layer BF16 and seed MXFP8 at 1,
+# 16 and 64 tokens, timed) with both off (MOESERVE_EARLY_WEIGHTS=0), W2 only
+# (MOESERVE_W13_EARLY=0) and both on (the default), and moe_experts_bench's decode path (FORMATS,
+# default bf16,mxfp8; LAYERS, default seed,dsv3; TOKENS, default 1,16,64,128) with both off and
+# both on; settings alternating, ROUNDS rounds (default 2), medians.
+# Usage: run_early_weights_ab.sh BUNDLE.tgz (bin/: engine_forward_bench, moe_experts_bench, the
+# tests).
 set -u
 source "$(dirname "$0")/bundle_lib.sh"
 start_device_script "$1" || exit 1
-gpu_suites '*WeightsBeforeWait*:*DecodePair*'
+run_gtest cuda_kernels_test 200
+run_gtest cuda_experts_test 400
+cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+[ -n "$cs" ] && timeout 240 "$cs" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
+  --gtest_filter='*WeightsBeforeWait*:*DecodePair*' > "$OUT/racecheck.log" 2>&1
+echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
 # with_setting SETTING CMD...: CMD under off (both 0), w2 (W13 0) or on (neither set).
 with_setting() {
   local set=$1
   shift
   case $set in
-    off) MOESERVE_W13_EARLY=0 MOESERVE_W2_EARLY=0 "$@" ;;
+    off) MOESERVE_EARLY_WEIGHTS=0 "$@" ;;
     w2) MOESERVE_W13_EARLY=0 "$@" ;;
     *) "$@" ;;
   esac
