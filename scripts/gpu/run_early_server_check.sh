@@ -6,7 +6,8 @@
 # it ("b"), trivial layer, M = 1, 16, 64, ROUNDS (2) alternating rounds (run_small_call_ab.sh),
 # then issue 12's overload (seed layer MXFP8, M=16, 21,000 calls/s for 10 s) on a server started
 # with --warm_graphs, twice on the same server (run_overload_cpu_diag.sh), which shows whether the
-# client-side tail of the fresh servers measured before came from graph captures.
+# client-side tail of the fresh servers measured before came from graph captures, then the same
+# with the client's completions on 4 shared queues (moeserve-cli --completion_threads 4).
 # Usage: run_early_server_check.sh BUNDLE.tgz (writes under $OUT).
 set -u
 cd "$(dirname "$0")/../.."
@@ -15,5 +16,6 @@ start_device_script "$1" || exit 1
 run_gtest engine_cuda_test 300
 SKIP_GPU_SUITES=1 SKIP_SUITES=1 SKIP_ENGINE=1 VARIANTS="be b" \
   bash scripts/gpu/run_small_call_ab.sh "$1" 2>&1 | tail -12
-REPEAT=2 BUNDLE="$1" CASES=${CASES:-21000 - - b --warm_graphs} \
+REPEAT=2 BUNDLE="$1" \
+  CASES=${CASES:-21000 - - b --warm_graphs|21000 - - b --warm_graphs :: --completion_threads 4} \
   bash scripts/gpu/run_overload_cpu_diag.sh 2>&1 | tail -40
