@@ -3,7 +3,8 @@
 # first), on a bundle whose bin/ holds moeserve_a and moeserve_b (the same build), moeserve-cli,
 # engine_forward_bench_b and engine_cuda_test: the graphed engine's GPU tests, then the server's
 # small calls with the weights fetched after the wait ("be", MOESERVE_EARLY_WEIGHTS=0) and before
-# it ("b"), trivial layer, M = 1, 16, 64, ROUNDS (2) alternating rounds (run_small_call_ab.sh),
+# it ("b"), trivial and seed layers, M = 1, 16, 64, ROUNDS (2) alternating rounds
+# (run_small_call_ab.sh),
 # then issue 12's overload (seed layer MXFP8, M=16, 21,000 calls/s for 10 s) on a server started
 # with --warm_graphs, twice on the same server (run_overload_cpu_diag.sh), which shows whether the
 # client-side tail of the fresh servers measured before came from graph captures, then the same
@@ -14,8 +15,10 @@ cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
 start_device_script "$1" || exit 1
 run_gtest engine_cuda_test 300
-SKIP_GPU_SUITES=1 SKIP_SUITES=1 SKIP_ENGINE=1 VARIANTS="be b" \
-  bash scripts/gpu/run_small_call_ab.sh "$1" 2>&1 | tail -12
+for layer in trivial seed; do
+  OUT=$OUT/$layer SERVER_LAYER=$layer SKIP_GPU_SUITES=1 SKIP_SUITES=1 SKIP_ENGINE=1 \
+    VARIANTS="be b" bash scripts/gpu/run_small_call_ab.sh "$1" 2>&1 | tail -8
+done
 REPEAT=2 BUNDLE="$1" \
   CASES=${CASES:-21000 - - b --warm_graphs|21000 - - b --warm_graphs :: --completion_threads 4} \
   bash scripts/gpu/run_overload_cpu_diag.sh 2>&1 | tail -40
