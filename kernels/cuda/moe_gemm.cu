@@ -300,37 +300,11 @@ __device__ __forceinline__ void LoadExpertCounts(const MoeGemmParams& p, int32_t
 // kGateUpSilu with p.route_ids: the counts and first rows that MoeAlign writes for those ids
 // (an id outside [0, num_experts) serves no expert), computed here so that they need not wait
 // for it. Every thread of the block calls it; s_row0 is complete after the next __syncthreads.
-__device__ __forceinline__ void CountRouteIds(const MoeGemmParams& p, int32_t* s_cnt,
-                                              int32_t* s_row0) {
-  const int E = p.num_experts;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = 0;
-  __syncthreads();
-  for (int64_t r = threadIdx.x; r < p.num_routes; r += blockDim.x) {
-    const int id = __ldcg(p.route_ids + r);
-    if (id >= 0 && id < E) atomicAdd(&s_cnt[id], 1);
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x, chunk = (E + 31) / 32;
-    const int lo = lane * chunk, hi = min(E, lo + chunk);
-    int sum = 0;
-    for (int e = lo; e < hi; ++e) sum += s_cnt[e];
-    int inc = sum;
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += v;
-    }
-    int run = inc - sum;
-    for (int e = lo; e < hi; ++e) {
-      s_row0[e] = run;
-      run += s_cnt[e];
-    }
-  }
-}
 // Warp 0, once the counts are in shared memory: s_prefix[e] = the work units before expert e
 // (units_of(count) per expert), s_prefix[E] = all of them and, with kMost, s_prefix[E + 1] = the
 // largest count.
-template <bool kMost, class UnitsOf>
+// kTotal false: s_prefix[E] is not written (an array of E entries).
+template <bool kMost, bool kTotal = true, class UnitsOf>
 __device__ __forceinline__ void PrefixUnits(const int32_t* s_cnt, int32_t* s_prefix, int E,
                                             int lane, UnitsOf units_of) {
   const int chunk = (E + 31) / 32;
@@ -352,8 +326,27 @@ __device__ __forceinline__ void PrefixUnits(const int32_t* s_cnt, int32_t* s_pre
     run += units_of(s_cnt[e]);
   }
   if (lane == 31) {
-    s_prefix[E] = inc;
+    if (kTotal) s_prefix[E] = inc;
     if (kMost) s_prefix[E + 1] = most;
+  }
+}
+
+// kGateUpSilu with p.route_ids: the counts and first rows that MoeAlign writes for those ids
+// (an id outside [0, num_experts) serves no expert), computed here so that they need not wait
+// for it. Every thread of the block calls it; s_row0 is complete after the next __syncthreads.
+__device__ __forceinline__ void CountRouteIds(const MoeGemmParams& p, int32_t* s_cnt,
+                                              int32_t* s_row0) {
+  const int E = p.num_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = 0;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < p.num_routes; r += blockDim.x) {
+    const int id = __ldcg(p.route_ids + r);
+    if (id >= 0 && id < E) atomicAdd(&s_cnt[id], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    PrefixUnits<false, false>(s_cnt, s_row0, E, static_cast<int>(threadIdx.x),
+                              [](int c) { return c; });
   }
 }
 
