@@ -29,7 +29,7 @@ with_setting() {
   esac
 }
 CSV=$OUT/engine_early.csv
-for round in $(seq "${ROUNDS:-2}"); do for set in off w2 on; do
+for round in $(seq "${ROUNDS:-2}"); do for set in $(round_order $round off w2 on); do
   for model in trivial seed; do
     fmt=bf16; [ $model = seed ] && fmt=mxfp8
     with_setting $set timeout 120 "$B/engine_forward_bench" --model $model --weight_format $fmt \
@@ -53,7 +53,7 @@ echo "== moe_experts_bench decode path, both off against both on"
 FORMATS=${FORMATS:-bf16,mxfp8} LAYERS=${LAYERS:-seed,dsv3} TOKENS=${TOKENS:-1,16,64,128} \
   decode_bench_env
 DCSV=$OUT/decode_early.csv
-for round in $(seq "${ROUNDS:-2}"); do for set in off on; do
+for round in $(seq "${ROUNDS:-2}"); do for set in $(round_order $round off on); do
   with_setting $set timeout 150 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
     awk -F, -v s="$set" '{print s","$0}' >> "$DCSV"
 done; done
