@@ -6,18 +6,21 @@
 # 16 and 64 tokens, timed) with both off (MOESERVE_EARLY_WEIGHTS=0), W2 only
 # (MOESERVE_W13_EARLY=0) and both on (the default), and moe_experts_bench's decode path (FORMATS,
 # default bf16,mxfp8; LAYERS, default seed,dsv3; TOKENS, default 1,16,64,128) with both off and
-# both on; settings alternating, ROUNDS rounds (default 2), medians.
+# both on; settings alternating, rounds FIRST_ROUND (default 1) to ROUNDS (default 2), medians.
+# SKIP_TESTS=1 skips the tests and racecheck (a caller that ran them).
 # Usage: run_early_weights_ab.sh BUNDLE.tgz (bin/: engine_forward_bench, moe_experts_bench, the
 # tests).
 set -u
 source "$(dirname "$0")/bundle_lib.sh"
 start_device_script "$1" || exit 1
+if [ -z "${SKIP_TESTS:-}" ]; then
 run_gtest cuda_kernels_test 200
 run_gtest cuda_experts_test 400
 cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [ -n "$cs" ] && timeout 240 "$cs" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
   --gtest_filter='*WeightsBeforeWait*:*DecodePair*' > "$OUT/racecheck.log" 2>&1
 echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
+fi
 # with_setting SETTING CMD...: CMD under off (both 0), w2 (W13 0) or on (neither set).
 with_setting() {
   local set=$1
@@ -29,7 +32,7 @@ with_setting() {
   esac
 }
 CSV=$OUT/engine_early.csv
-for round in $(seq "${ROUNDS:-2}"); do for set in $(round_order $round off w2 on); do
+for round in $(seq "${FIRST_ROUND:-1}" "${ROUNDS:-2}"); do for set in $(round_order $round off w2 on); do
   for model in trivial seed; do
     fmt=bf16; [ $model = seed ] && fmt=mxfp8
     with_setting $set timeout 120 "$B/engine_forward_bench" --model $model --weight_format $fmt \
@@ -53,7 +56,7 @@ echo "== moe_experts_bench decode path, both off against both on"
 FORMATS=${FORMATS:-bf16,mxfp8} LAYERS=${LAYERS:-seed,dsv3} TOKENS=${TOKENS:-1,16,64,128} \
   decode_bench_env
 DCSV=$OUT/decode_early.csv
-for round in $(seq "${ROUNDS:-2}"); do for set in $(round_order $round off on); do
+for round in $(seq "${FIRST_ROUND:-1}" "${ROUNDS:-2}"); do for set in $(round_order $round off on); do
   with_setting $set timeout 150 "$B/moe_experts_bench" 2>/dev/null | tail -n +2 |
     awk -F, -v s="$set" '{print s","$0}' >> "$DCSV"
 done; done
