@@ -9,12 +9,15 @@
 # with --warm_graphs, twice on the same server (run_overload_cpu_diag.sh), which shows whether the
 # client-side tail of the fresh servers measured before came from graph captures, then the same
 # with the client's completions on 4 shared queues (moeserve-cli --completion_threads 4).
+# SKIP_ENGINE_TEST=1 skips engine_cuda_test (a call before ran it).
 # Usage: run_early_server_check.sh BUNDLE.tgz (writes under $OUT).
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
 start_device_script "$1" || exit 1
-run_gtest engine_cuda_test 300
+[ -z "${SKIP_ENGINE_TEST:-}" ] && run_gtest engine_cuda_test 300
+# The CUDA shared-memory suite starts the bundle's server ($MOESERVE_BINARY: not the build tree's).
+MOESERVE_BINARY=$B/moeserve_b run_gtest shared_memory_cuda_test 120
 for layer in trivial seed; do
   OUT=$OUT/$layer SERVER_LAYER=$layer SKIP_GPU_SUITES=1 SKIP_SUITES=1 SKIP_ENGINE=1 \
     VARIANTS="be b" bash scripts/gpu/run_small_call_ab.sh "$1" 2>&1 | tail -8
