@@ -67,10 +67,12 @@ decode_bench_env() {
 
 # decode_summary CSV SETTING...: CSV holds moe_experts_bench rows with a setting in front. Prints,
 # per (layer, tokens, routing), each setting's median us, its share of the floor (all experts'
-# weight bytes over 4.3 TB/s) and its ratio to the first setting.
+# weight bytes over FLOOR_TBS, default 4.3 TB/s: an H200's; an H100 copies at about 3.0) and its
+# ratio to the first setting.
 decode_summary() {
-  python3 - "$@" <<'PY'
-import sys, collections, statistics
+  FLOOR_TBS=${FLOOR_TBS:-4.3} python3 - "$@" <<'PY'
+import os, sys, collections, statistics
+tbs = float(os.environ["FLOOR_TBS"])
 sets = sys.argv[2:]
 t = collections.defaultdict(list)
 floor = {}
@@ -79,8 +81,9 @@ for line in open(sys.argv[1]):
     if len(f) < 7: continue
     layer = f[1] if f[2] == "mxfp8" else f[1] + "-" + f[2]
     t[(layer, int(f[3]), f[4], f[0])].append(float(f[5]))
-    floor[(layer, int(f[3]), f[4])] = float(f[6]) / 4.3e6  # us
-print("layer tokens routing | " + " | ".join(f"{s}: us (% floor, /{sets[0]})" for s in sets))
+    floor[(layer, int(f[3]), f[4])] = float(f[6]) / (tbs * 1e6)  # us
+print(f"floor at {tbs} TB/s; layer tokens routing | "
+      + " | ".join(f"{s}: us (% floor, /{sets[0]})" for s in sets))
 for k in sorted({k[:3] for k in t}):
     base = statistics.median(t[k + (sets[0],)])
     cells = []
