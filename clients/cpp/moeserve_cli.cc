@@ -125,7 +125,8 @@ ABSL_FLAG(double, rate, 0,
           "answers do (0: closed loop with --concurrency workers); every OK answer is checked "
           "against the same input's answer taken before the run. Latencies are printed timed "
           "from each call's actual send (latency_ms) and from when the schedule said it should "
-          "leave (latency_from_schedule_ms, which keeps any lag of the senders)");
+          "leave (latency_from_schedule_ms, which keeps any lag of the senders), and how late the "
+          "senders started the calls (send_lag_ms: the client's share of that lag)");
 ABSL_FLAG(std::string, grpc_channel_args, "",
           "Further integer gRPC channel arguments, name=value[,name=value...] (e.g. "
           "grpc.http2.max_frame_size=1048576), for tuning the transport");
@@ -898,11 +899,16 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
       }
     });
   }
+  // Per sender: how late each of its calls left (its own vector: no lock per call). A frontend
+  // on this schedule sees this lag too; it separates the client's lag from the server's.
+  std::vector<std::vector<double>> send_lag_ms(static_cast<size_t>(senders));
   auto send_from = [&](int64_t first) {
+    std::vector<double>& lags = send_lag_ms[static_cast<size_t>(first)];
     for (int64_t k = first;; k += senders) {
       const absl::Time next = start + k * interval;
       if (next >= end) break;
       absl::SleepFor(next - absl::Now());
+      lags.push_back(std::max(0.0, absl::ToDoubleMilliseconds(absl::Now() - next)));
       const size_t which = static_cast<size_t>(k) % requests.size();
       outstanding.fetch_add(1);
       sent.fetch_add(1);
@@ -996,6 +1002,12 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
               Percentile(scheduled_ms, 50), Percentile(scheduled_ms, 90),
               Percentile(scheduled_ms, 99), scheduled_ms.empty() ? 0.0 : scheduled_ms.back(),
               send_s > 0 ? static_cast<double>(sent.load()) / send_s : 0.0);
+  std::vector<double> lags;
+  for (const auto& v : send_lag_ms) lags.insert(lags.end(), v.begin(), v.end());
+  std::sort(lags.begin(), lags.end());
+  std::printf("send_lag_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f n=%zu\n", Percentile(lags, 50),
+              Percentile(lags, 90), Percentile(lags, 99), lags.empty() ? 0.0 : lags.back(),
+              lags.size());
   std::printf("latency_ms_by_second_sent:");
   for (size_t i = 0; i < by_second.size(); ++i) {
     std::vector<double>& v = by_second[i];

@@ -68,5 +68,6 @@ for c in "${cases[@]}"; do
     "host busy $(awk -v b=$((b1 - b0)) -v i=$((i1 - i0)) 'BEGIN { printf "%.0f%%", 100 * b / (b + i) }');" \
     "server cpu $(awk -v a="$s0" -v b="$s1" 'BEGIN { printf "%.1f", b - a }') s ($sth threads);" \
     "client cpu at 5 s $c5 s ($cth threads); $(grep -E '^sent=' "$OUT/ovl_$t.log")"
-  grep -E "^latency_ms|^latency_from_schedule|^server_total" "$OUT/ovl_$t.log" | cut -c1-400
+  grep -E "^latency_ms|^latency_from_schedule|^send_lag|^server_total" "$OUT/ovl_$t.log" |
+    cut -c1-400
 done

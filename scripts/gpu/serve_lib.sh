@@ -55,7 +55,8 @@ overload() {
     > "$OUT/load_$tag.log" 2>&1
   echo "exit=$?" >> "$OUT/load_$tag.log"
   kill $rss_pid 2>/dev/null
-  row "$tag rate=${rate}/s" "$(grep -E '^sent=|latency_ms' "$OUT/load_$tag.log" | tr '\n' ' ')"
+  row "$tag rate=${rate}/s" "$(grep -E '^sent=|^latency_ms:|^latency_from_schedule|^send_lag' \
+    "$OUT/load_$tag.log" | tr '\n' ' ')"
   row "$tag server RSS kB" "before=$rss0 peak=$(sort -n "$OUT/rss_$tag.txt" | tail -1) after=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)"
 }
 # use_tgz_bundle FILE NAME: unpacks a make_ab_bundle.sh-style FILE (NAME/bin: servers and

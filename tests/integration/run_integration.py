@@ -295,6 +295,11 @@ def case_load(server, cli, workdir):
               and float(sch.group(2)) >= float(lat.group(2))
               and 80 <= float(sch.group(3)) <= 120,
               f"load --rate=100 {flags}: latency from the schedule\n{r.stdout}")
+        # Every call's send lag is counted; at 100 calls/s the senders keep the schedule.
+        lag = re.search(r"^send_lag_ms: p50=([0-9.]+) p90=[0-9.]+ p99=[0-9.]+ max=[0-9.]+ "
+                        r"n=(\d+)$", r.stdout, re.M)
+        check(lag is not None and int(lag.group(2)) == sent and float(lag.group(1)) < 5.0,
+              f"load --rate=100 {flags}: send lag\n{r.stdout}")
     # Transport tuning on the client's channel; a malformed argument is refused.
     r = cli.run("load", "--requests=8", "--concurrency=2", "--tokens=4", "--check_answers",
                 "--grpc_channel_args=grpc.http2.max_frame_size=1048576")

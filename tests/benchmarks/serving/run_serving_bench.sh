@@ -71,5 +71,8 @@ for wf in ${WFS:-mxfp8 bf16}; do
 done
 echo "trivial M=1 server total p50 us: $(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_trivial_M1_c1.log" | cut -d= -f2) [<= 40]"
 p99u=$(val mxfp8_M16_c1 p99); p99o=$(grep -o 'p99=[0-9.]*' "$OUT/load_overload.log" | head -1 | cut -d= -f2)
-echo "overload: answered p99 ${p99o} ms vs unloaded p99 ${p99u} ms: x$(ratio "$p99o" "$p99u") [< 5];" \
-  "$(grep -E '^sent=' "$OUT/load_overload.log")"
+# The target's reading: answers timed from when the schedule sent them (the senders' lag kept).
+p99s=$(grep -E '^latency_from_schedule' "$OUT/load_overload.log" | grep -o 'p99=[0-9.]*' | cut -d= -f2)
+echo "overload: answered p99 from the schedule ${p99s} ms vs unloaded p99 ${p99u} ms:" \
+  "x$(ratio "$p99s" "$p99u") [< 5] (from the send ${p99o} ms: x$(ratio "$p99o" "$p99u"));" \
+  "$(grep -E '^send_lag' "$OUT/load_overload.log"); $(grep -E '^sent=' "$OUT/load_overload.log")"
