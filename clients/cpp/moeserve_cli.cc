@@ -133,6 +133,11 @@ ABSL_FLAG(std::string, grpc_channel_args, "",
 ABSL_FLAG(int32_t, senders, 1,
           "load --rate: threads that send the open loop's calls (call k from thread k mod N, on "
           "its schedule), 1 to 64");
+ABSL_FLAG(int32_t, warmup_calls, 16,
+          "load --rate: calls each connection makes before the open loop starts (all connections "
+          "at once, each call after the last, untimed), so that the run starts on connected, "
+          "warmed connections as a frontend's are; 0 starts on the cold connections (connect and "
+          "HTTP/2 windows inside the first second's latencies), 0 to 10000");
 ABSL_FLAG(int32_t, completion_threads, 0,
           "load --rate: threads that take the calls' completions, each draining one completion "
           "queue that a share of the connections end on; 0: one per connection (each client's "
@@ -817,6 +822,21 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
   absl::StatusOr<std::vector<ExpectedAnswer>> unloaded = UnloadedAnswers(client, requests, dtype);
   if (!unloaded.ok()) return Fail(unloaded.status(), "unloaded Forward");
   const std::vector<ExpectedAnswer>& expected = *unloaded;
+  // Warm every connection (a channel connects on its first call), all at once.
+  const int warmup = absl::GetFlag(FLAGS_warmup_calls);
+  std::atomic<int64_t> warm_failed{0};
+  if (warmup > 0) {
+    std::vector<std::thread> warming;
+    for (size_t c = 0; c < clients.size(); ++c) {
+      warming.emplace_back([&, c] {
+        for (int i = 0; i < warmup; ++i) {
+          const size_t which = (c + static_cast<size_t>(i)) % requests.size();
+          if (!clients[c]->Forward(requests[which], /*copy_output=*/false).ok()) ++warm_failed;
+        }
+      });
+    }
+    for (std::thread& t : warming) t.join();
+  }
   std::mutex mu;
   std::condition_variable cv;
   std::atomic<int64_t> outstanding{0}, sent{0};
@@ -983,6 +1003,8 @@ int RunOpenLoop(const std::vector<MoeClient*>& clients,
       "load: open loop rate=%.1f/s seconds=%.1f tokens=%lld dtype=%s layer=%d connections=%zu\n",
       rate, seconds, static_cast<long long>(num_tokens), DTypeName(dtype).c_str(),
       absl::GetFlag(FLAGS_layer), clients.size());
+  std::printf("warmup: calls_per_connection=%d failed=%lld (before the run, untimed)\n", warmup,
+              static_cast<long long>(warm_failed.load()));
   std::printf(
       "sent=%lld ok=%lld refused=%lld other_errors=%lld wrong_answers=%lld send_s=%.3f "
       "wall_s=%.3f\n",
@@ -1045,6 +1067,12 @@ int RunLoad() {
                     "--completion_threads: got ", absl::GetFlag(FLAGS_completion_threads),
                     ", expected 0 (one per connection) to 1024")),
                 "flags");
+  }
+  if (absl::GetFlag(FLAGS_warmup_calls) < 0 || absl::GetFlag(FLAGS_warmup_calls) > 10000) {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat(
+            "--warmup_calls: got ", absl::GetFlag(FLAGS_warmup_calls), ", expected 0 to 10000")),
+        "flags");
   }
   if (absl::GetFlag(FLAGS_senders) < 1 || absl::GetFlag(FLAGS_senders) > 64) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(

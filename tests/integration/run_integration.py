@@ -295,6 +295,9 @@ def case_load(server, cli, workdir):
               and float(sch.group(2)) >= float(lat.group(2))
               and 80 <= float(sch.group(3)) <= 120,
               f"load --rate=100 {flags}: latency from the schedule\n{r.stdout}")
+        # Every connection made its warm-up calls before the run, none failed.
+        check(re.search(r"^warmup: calls_per_connection=16 failed=0 ", r.stdout, re.M),
+              f"load --rate=100 {flags}: warm-up\n{r.stdout}")
         # Every call's send lag is counted; at 100 calls/s the senders keep the schedule.
         lag = re.search(r"^send_lag_ms: p50=([0-9.]+) p90=[0-9.]+ p99=[0-9.]+ max=[0-9.]+ "
                         r"n=(\d+)$", r.stdout, re.M)
@@ -308,6 +311,9 @@ def case_load(server, cli, workdir):
     r = cli.run("load", "--requests=1", "--grpc_channel_args=grpc.x=y", allow_fail=True)
     check(r.returncode != 0 and "--grpc_channel_args" in r.stderr,
           f"load --grpc_channel_args=grpc.x=y: exit {r.returncode}\n{r.stderr}")
+    r = cli.run("load", "--rate=100", "--warmup_calls=-1", allow_fail=True)
+    check(r.returncode == 2 and "--warmup_calls" in r.stderr,
+          f"load --warmup_calls=-1: exit {r.returncode}\n{r.stderr}")
     r = cli.run("load", "--rate=100", "--senders=0", allow_fail=True)
     check(r.returncode == 2 and "--senders" in r.stderr,
           f"load --senders=0: exit {r.returncode}\n{r.stderr}")
