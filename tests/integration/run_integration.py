@@ -296,7 +296,7 @@ def case_load(server, cli, workdir):
               and 80 <= float(sch.group(3)) <= 120,
               f"load --rate=100 {flags}: latency from the schedule\n{r.stdout}")
         # Every connection made its warm-up calls before the run, none failed.
-        check(re.search(r"^warmup: calls_per_connection=16 failed=0 ", r.stdout, re.M),
+        check(re.search(r"^warmup: calls_per_connection=16 refused=\d+ failed=0 ", r.stdout, re.M),
               f"load --rate=100 {flags}: warm-up\n{r.stdout}")
         # Every call's send lag is counted; at 100 calls/s the senders keep the schedule.
         lag = re.search(r"^send_lag_ms: p50=([0-9.]+) p90=[0-9.]+ p99=[0-9.]+ max=[0-9.]+ "
