@@ -16,6 +16,23 @@ absl::Status AllGatherCounts(Communicator& comm, absl::Span<const int64_t> mine,
                         out->data());
 }
 
+absl::Status CheckGatheredCounts(absl::Span<const int64_t> all, int world_size, int64_t max_rows,
+                                 absl::string_view who) {
+  if (world_size <= 0 || all.size() % static_cast<size_t>(world_size) != 0) {
+    return absl::InternalError(
+        absl::StrCat(who, ": ", all.size(), " gathered counts for ", world_size, " ranks"));
+  }
+  const size_t per_rank = all.size() / static_cast<size_t>(world_size);
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i] < 0 || all[i] > max_rows) {
+      return absl::DataLossError(absl::StrCat(who, ": rank ", i / per_rank, " announced ", all[i],
+                                              " rows in its count ", i % per_rank,
+                                              ", expected 0 to ", max_rows));
+    }
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 absl::string_view OpName(int op) {

@@ -71,6 +71,9 @@ absl::StatusOr<std::shared_ptr<EpDispatchPlan>> AllToAllPrepareAndFinalizeBase::
   // Per-peer counts, then the records.
   std::vector<int64_t> all;
   MOESERVE_RETURN_IF_ERROR(AllGatherCounts(*comm_, plan->send_count, &all));
+  // A rank sends a peer at most one record per route of its round.
+  MOESERVE_RETURN_IF_ERROR(
+      CheckGatheredCounts(all, world, options_.max_num_tokens_per_rank * topk, name()));
   plan->recv_count.assign(world, 0);
   for (int s = 0; s < world; ++s) plan->recv_count[s] = all[s * world + me];
   const int64_t num_recv = plan->num_recv();

@@ -184,6 +184,15 @@ absl::StatusOr<std::vector<int64_t>> NcclAllToAllPrepareAndFinalize::PlanChunks(
         absl::StrCat(name(), ": rank ", p, " refused this forward (",
                      absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), ")")));
   }
+  // Round 0's counts (a rank sends a peer at most one row per route of its round) before any
+  // buffer is sized from them; every rank checks all of them, so all agree.
+  std::vector<int64_t> counts0;
+  counts0.reserve(static_cast<size_t>(world) * world);
+  for (int p = 0; p < world; ++p) {
+    counts0.insert(counts0.end(), all.begin() + p * stride + 2, all.begin() + (p + 1) * stride);
+  }
+  MOESERVE_RETURN_IF_ERROR(Agreed(CheckGatheredCounts(
+      counts0, world, opts_.max_num_tokens_per_rank * args.topk_ids.dim(1), name())));
   int64_t rounds = 1;
   for (int p = 0; p < world; ++p) rounds = std::max(rounds, all[p * stride + 1]);
   PadEpRounds(rounds, &bounds);
@@ -224,6 +233,8 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   } else {
     std::vector<int64_t> all;
     MOESERVE_RETURN_IF_ERROR(GatherCounts(routing->send_count, &all));
+    MOESERVE_RETURN_IF_ERROR(
+        Agreed(CheckGatheredCounts(all, world, opts_.max_num_tokens_per_rank * topk, name())));
     recv_count.assign(world, 0);
     for (int p = 0; p < world; ++p) recv_count[p] = all[p * world + me];
   }

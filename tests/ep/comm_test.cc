@@ -8,7 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "core/comm/in_process_communicator.h"
 #include "core/comm/rank_threads.h"
+#include "core/cpu/all_to_all_prepare_finalize.h"
 #include "core/placement.h"
+#include "core/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -16,6 +18,36 @@ namespace moeserve {
 namespace {
 
 using ::testing::HasSubstr;
+
+// Forwards to a real communicator; an all-gather of `corrupt_bytes` has its entry `index` (int64)
+// replaced by `value` on every rank alike, as a broken or mismatched peer would announce it.
+class CorruptingCommunicator final : public Communicator {
+ public:
+  CorruptingCommunicator(std::unique_ptr<Communicator> inner, int64_t corrupt_bytes, int index,
+                         int64_t value)
+      : inner_(std::move(inner)), bytes_(corrupt_bytes), index_(index), value_(value) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  absl::Status AllToAllV(const void* send, absl::Span<const int64_t> send_counts,
+                         absl::Span<const int64_t> send_displs, void* recv,
+                         absl::Span<const int64_t> recv_counts,
+                         absl::Span<const int64_t> recv_displs) override {
+    return inner_->AllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  }
+  absl::Status AllGather(const void* send, int64_t bytes, void* recv) override {
+    absl::Status s = inner_->AllGather(send, bytes, recv);
+    if (s.ok() && bytes * world_size() == bytes_) static_cast<int64_t*>(recv)[index_] = value_;
+    return s;
+  }
+  absl::Status Barrier() override { return inner_->Barrier(); }
+  void Abort(const absl::Status& cause) override { inner_->Abort(cause); }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  const int64_t bytes_;
+  const int index_;
+  const int64_t value_;
+};
 
 struct Group {
   std::shared_ptr<InProcessCommGroup> group;
@@ -179,6 +211,59 @@ TEST(InProcessComm, AFailingRankKeepsItsBuffersUntilPeersStopReading) {
     EXPECT_THAT(statuses[2].message(), HasSubstr("which expects 1"));
     EXPECT_EQ(statuses[1].code(), absl::StatusCode::kAborted) << statuses[1];
     g.group->Reset();
+  }
+}
+
+TEST(GatheredCounts, RefusesCountsOutsideTheBound) {
+  const std::vector<int64_t> ok = {0, 3, 8, 1};
+  EXPECT_TRUE(CheckGatheredCounts(ok, 2, 8, "t").ok());
+  absl::Status s = CheckGatheredCounts({0, 3, 9, 1}, 2, 8, "t");
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("rank 1 announced 9 rows in its count 0, expected 0 to 8"));
+  s = CheckGatheredCounts({0, -1, 2, 1}, 2, 8, "t");
+  EXPECT_THAT(s.message(), HasSubstr("rank 0 announced -1 rows in its count 1"));
+  EXPECT_EQ(CheckGatheredCounts({0, 1, 2}, 2, 8, "t").code(), absl::StatusCode::kInternal);
+}
+
+// A peer announcing more rows than it can send (a broken or mismatched rank) fails the forward
+// on every rank with DATA_LOSS before any buffer is sized from the count (it used to size the
+// receive buffer from it: a 2^40-row count ended the process).
+TEST(GatheredCounts, AllToAllRefusesAnImpossiblePeerCountOnEveryRank) {
+  constexpr int kRanks = 2, kTopk = 2, kExperts = 4, kTokens = 3, kHidden = 8;
+  for (int64_t bad : {int64_t{1} << 40, int64_t{-5}, int64_t{kTokens * kTopk + 1}}) {
+    auto group = *InProcessCommGroup::Create(kRanks, absl::Seconds(30));
+    auto placement = std::make_shared<const Placement>(*Placement::Contiguous(kExperts, kRanks));
+    AllToAllOptions options;
+    options.max_num_tokens_per_rank = kTokens;
+    std::vector<std::unique_ptr<AllToAllContiguousPrepareAndFinalize>> pf;
+    for (int r = 0; r < kRanks; ++r) {
+      // The count exchange gathers kRanks x kRanks int64: rank 1's count for rank 0 is `bad`.
+      auto comm = std::make_shared<CorruptingCommunicator>(group->MakeCommunicator(r),
+                                                           kRanks * kRanks * 8, kRanks, bad);
+      pf.push_back(
+          std::make_unique<AllToAllContiguousPrepareAndFinalize>(comm, placement, options));
+    }
+    RankThreads threads(kRanks);
+    auto statuses = threads.Run([&](int r) -> absl::Status {
+      std::vector<float> x(kTokens * kHidden, 0.25f * (r + 1));
+      std::vector<int32_t> ids = {0, 2, 1, 3, 2, 0};  // every token on both ranks
+      std::vector<float> w(kTokens * kTopk, 0.5f);
+      PrepareArgs args;
+      args.hidden_states = TensorView(x.data(), DType::kFP32, {kTokens, kHidden}, Device::Host());
+      args.topk_ids = TensorView(ids.data(), DType::kINT32, {kTokens, kTopk}, Device::Host());
+      args.topk_weights = TensorView(w.data(), DType::kFP32, {kTokens, kTopk}, Device::Host());
+      args.num_experts = kExperts;
+      args.num_local_experts = kExperts / kRanks;
+      args.intermediate = 16;
+      MOESERVE_ASSIGN_OR_RETURN(std::vector<int64_t> bounds, pf[r]->PlanChunks(args));
+      if (bounds.size() != 2) return absl::InternalError("expected one round");
+      PreparedActivations prepared;
+      return pf[r]->Prepare(args, &prepared);
+    });
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDataLoss) << bad << ": " << statuses[r];
+      EXPECT_THAT(statuses[r].message(), HasSubstr(absl::StrCat("rank 1 announced ", bad)));
+    }
   }
 }
 
