@@ -189,6 +189,12 @@ absl::StatusOr<EnginePlan> ResolveEngineConfig(const EngineOptions& options,
   }
   if (options.collective_timeout_ms <= 0) return Invalid("collective_timeout_ms must be > 0");
   plan.collective_timeout = absl::Milliseconds(options.collective_timeout_ms);
+  if (options.group_formation_timeout_ms <= 0) {
+    return Invalid(absl::StrCat("group_formation_timeout_ms: got ",
+                                options.group_formation_timeout_ms, ", expected > 0"));
+  }
+  plan.group_formation_timeout =
+      std::max(plan.collective_timeout, absl::Milliseconds(options.group_formation_timeout_ms));
   // A follower waits at most collective_timeout_ms for the next command, and an idle leader's
   // commands can come two heartbeats apart (the heartbeat skips a period that saw a step).
   if (plan.multi_process &&

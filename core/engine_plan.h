@@ -79,6 +79,11 @@ struct EngineOptions {
   // On GPUs a collective that does not complete in time aborts the NCCL communicators; the
   // engine then reports not healthy (see Engine::health()).
   int64_t collective_timeout_ms = 60000;
+  // Multi-process: how long the GPU ranks' NCCL group may take to form at start. Every process
+  // joins after its own weight load, so this covers the slowest load's lag behind the fastest
+  // (a checkpoint shard can take minutes); the group's collectives then wait
+  // collective_timeout_ms. At least collective_timeout_ms is used.
+  int64_t group_formation_timeout_ms = 600000;
   int64_t memory_budget_bytes = 0;  // 0: what the machine has available
   // Multi-process (multi-node) expert parallelism, backend cuda only. world_size ranks in all,
   // num_ranks of them (one per local GPU) in this process, as global ranks
@@ -138,6 +143,7 @@ struct EnginePlan {
   // Tokens one rank submits to one dispatch round (no-EP: max_tokens_per_request).
   int64_t max_tokens_per_rank = 0;
   absl::Duration collective_timeout = absl::Seconds(60);
+  absl::Duration group_formation_timeout = absl::Seconds(600);  // >= collective_timeout
   int64_t heartbeat_ms = 0;  // leader of a multi-process group; 0: off
   int lanes = 1;             // steps in flight (EngineOptions::steps_in_flight resolved)
   // EngineOptions::graph_max_tokens resolved (0: off); graphs_required: asked for explicitly,

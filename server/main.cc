@@ -266,6 +266,10 @@ ABSL_FLAG(int32_t, bootstrap_timeout_s, 300,
 ABSL_FLAG(int64_t, collective_timeout_ms, 60000,
           "How long a rank waits for its peers in one collective (and for the NCCL group to "
           "form) before failing; followers also wait at most this long for the next command");
+ABSL_FLAG(int64_t, group_formation_timeout_s, 600,
+          "Multi-process: how long the GPU ranks' NCCL group may take to form at start (each "
+          "process joins after loading its own weights, so this covers the slowest load's lag; "
+          "at least --collective_timeout_ms is used)");
 ABSL_FLAG(int64_t, heartbeat_ms, 1000,
           "Multi-process leader: idle no-op command to the followers this often; at most "
           "--collective_timeout_ms / 3 (a follower waits at most that long for a command)");
@@ -313,6 +317,13 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags() {
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens_per_request);
   options.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
+  if (absl::GetFlag(FLAGS_group_formation_timeout_s) <= 0 ||
+      absl::GetFlag(FLAGS_group_formation_timeout_s) > 86400) {
+    return absl::InvalidArgumentError(absl::StrCat("--group_formation_timeout_s: got ",
+                                                   absl::GetFlag(FLAGS_group_formation_timeout_s),
+                                                   ", expected 1 to 86400"));
+  }
+  options.group_formation_timeout_ms = absl::GetFlag(FLAGS_group_formation_timeout_s) * 1000;
   options.heartbeat_ms = absl::GetFlag(FLAGS_heartbeat_ms);
   return options;
 }

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -36,7 +37,7 @@ absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::Create(std::vector
                                                                      std::vector<void*> streams,
                                                                      absl::Duration timeout) {
   const int n = static_cast<int>(devices.size());
-  return CreateLocalWithId(std::move(devices), std::move(streams), timeout, n, 0, "");
+  return CreateLocalWithId(std::move(devices), std::move(streams), timeout, n, 0, "", timeout);
 }
 
 absl::StatusOr<std::string> NcclCommGroup::NewUniqueId() {
@@ -49,7 +50,7 @@ absl::StatusOr<std::string> NcclCommGroup::NewUniqueId() {
 
 absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateMultiProcess(
     std::vector<int> devices, std::vector<void*> streams, int world_size, int first_rank,
-    const std::string& unique_id, absl::Duration timeout) {
+    const std::string& unique_id, absl::Duration timeout, absl::Duration formation_timeout) {
   if (unique_id.size() != sizeof(ncclUniqueId::internal)) {
     return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: unique id of ", unique_id.size(),
                                                    " bytes, expected ",
@@ -61,12 +62,12 @@ absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateMultiProcess
                                                    ") outside the world of ", world_size));
   }
   return CreateLocalWithId(std::move(devices), std::move(streams), timeout, world_size, first_rank,
-                           unique_id);
+                           unique_id, std::max(timeout, formation_timeout));
 }
 
 absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateLocalWithId(
     std::vector<int> devices, std::vector<void*> streams, absl::Duration timeout, int world,
-    int first_rank, const std::string& unique_id) {
+    int first_rank, const std::string& unique_id, absl::Duration formation_timeout) {
   if (devices.empty() || devices.size() != streams.size()) {
     return absl::InvalidArgumentError(absl::StrCat("NcclCommGroup: ", devices.size(),
                                                    " devices and ", streams.size(), " streams"));
@@ -87,11 +88,11 @@ absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateLocalWithId(
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(g->devices_[r]));
     MOESERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->endpoints_[r]->scratch_, sizeof(int)));
   }
-  MOESERVE_RETURN_IF_ERROR(g->Init());
+  MOESERVE_RETURN_IF_ERROR(g->Init(formation_timeout));
   return g;
 }
 
-absl::Status NcclCommGroup::Init() {
+absl::Status NcclCommGroup::Init(absl::Duration wait) {
   const int n = local_size();
   ncclUniqueId id;
   if (multi_process_) {
@@ -116,7 +117,7 @@ absl::Status NcclCommGroup::Init() {
     AbortAll();
     return NcclError("ncclCommInitRankConfig", res, nullptr);
   }
-  const absl::Time deadline = absl::Now() + timeout_;
+  const absl::Time deadline = absl::Now() + wait;
   for (int r = 0; r < n; ++r) {
     while (true) {
       ncclResult_t st = ncclInProgress;
@@ -132,7 +133,7 @@ absl::Status NcclCommGroup::Init() {
         AbortAll();
         return absl::DeadlineExceededError(absl::StrCat("NCCL communicator init of rank ", r,
                                                         " did not finish within ",
-                                                        absl::FormatDuration(timeout_)));
+                                                        absl::FormatDuration(wait)));
       }
       std::this_thread::yield();
     }
@@ -199,7 +200,7 @@ absl::Status NcclCommGroup::Reinit() {
     std::lock_guard<std::mutex> lock(mu_);
     failure_ = absl::OkStatus();
   }
-  MOESERVE_RETURN_IF_ERROR(Init());
+  MOESERVE_RETURN_IF_ERROR(Init(timeout_));
   failed_.store(false, std::memory_order_release);
   return absl::OkStatus();
 }

@@ -60,11 +60,13 @@ class NcclCommGroup : public std::enable_shared_from_this<NcclCommGroup> {
   // processes (or hosts). Local endpoint i is global rank first_rank + i, on devices[i] /
   // streams[i]. `unique_id` is the ncclUniqueId's bytes (NewUniqueId() on one process, handed
   // to the others out of band). Every process must call this with the same id and world_size;
-  // blocks until the whole group is ready, at most `timeout` (DEADLINE_EXCEEDED when a process
-  // never joins; this process's communicators are then aborted).
+  // blocks until the whole group is ready, at most `formation_timeout` (each process joins when
+  // its own start-up work, e.g. its weight load, is done, so this covers the slowest one's lag;
+  // DEADLINE_EXCEEDED when a process never joins; this process's communicators are then
+  // aborted). Collectives then wait at most `timeout`.
   static absl::StatusOr<std::shared_ptr<NcclCommGroup>> CreateMultiProcess(
       std::vector<int> devices, std::vector<void*> streams, int world_size, int first_rank,
-      const std::string& unique_id, absl::Duration timeout);
+      const std::string& unique_id, absl::Duration timeout, absl::Duration formation_timeout);
   // A fresh ncclUniqueId as bytes (NCCL_UNIQUE_ID_BYTES long).
   static absl::StatusOr<std::string> NewUniqueId();
   ~NcclCommGroup();
@@ -99,12 +101,13 @@ class NcclCommGroup : public std::enable_shared_from_this<NcclCommGroup> {
  private:
   friend class NcclCommunicator;
   NcclCommGroup() = default;
-  absl::Status Init();
+  // Creates the communicators and waits at most `wait` for all of them to be ready.
+  absl::Status Init(absl::Duration wait);
   void Fail(const absl::Status& cause);
 
   static absl::StatusOr<std::shared_ptr<NcclCommGroup>> CreateLocalWithId(
       std::vector<int> devices, std::vector<void*> streams, absl::Duration timeout, int world,
-      int first_rank, const std::string& unique_id);
+      int first_rank, const std::string& unique_id, absl::Duration formation_timeout);
   std::vector<int> devices_;
   std::vector<void*> streams_;
   int world_ = 0;

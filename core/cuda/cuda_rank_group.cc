@@ -160,9 +160,10 @@ class CudaRankGroup final : public RankGroup {
       streams.push_back(contexts_[r][0]->stream());
     }
     if (plan_.multi_process) {
-      MOESERVE_ASSIGN_OR_RETURN(nccl_, NcclCommGroup::CreateMultiProcess(
-                                           devices, streams, plan_.world_size, plan_.first_rank,
-                                           plan_.collective_id, plan_.collective_timeout));
+      MOESERVE_ASSIGN_OR_RETURN(
+          nccl_, NcclCommGroup::CreateMultiProcess(
+                     devices, streams, plan_.world_size, plan_.first_rank, plan_.collective_id,
+                     plan_.collective_timeout, plan_.group_formation_timeout));
       for (int r = 0; r < plan_.local_ranks; ++r) {
         host_.push_back(std::make_unique<NcclHostChannel>(nccl_->communicator(r)));
       }

@@ -265,6 +265,9 @@ TEST(ResolveEngineConfig, EveryBadOptionIsRefusedSayingWhy) {
   o.collective_timeout_ms = 0;
   ExpectRefused(o, kInvalid, "collective_timeout_ms must be > 0");
   o = Tiny();
+  o.group_formation_timeout_ms = 0;
+  ExpectRefused(o, kInvalid, "group_formation_timeout_ms: got 0, expected > 0");
+  o = Tiny();
   o.experts = "cuda";  // a GPU provider's name on the CPU: not a choice there
   ExpectRefused(o, kInvalid,
                 "experts: got 'cuda', expected reference, blas, batched_reference or "
@@ -305,6 +308,24 @@ TEST(ResolveEngineConfig, EveryBadOptionIsRefusedSayingWhy) {
   o = Tiny();
   o.model.topk = 0;
   EXPECT_EQ(ResolveEngineConfig(o, CpuOnly(), 0).status().code(), kInvalid);
+}
+
+// The NCCL group of a multi-process deployment forms after every process's weight load: its
+// deadline is its own (long by default), never shorter than a collective's.
+TEST(ResolveEngineConfig, GroupFormationTimeout) {
+  EngineOptions o = Tiny();
+  absl::StatusOr<EnginePlan> plan = ResolveEngineConfig(o, CpuOnly(), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->group_formation_timeout, absl::Seconds(600));
+  o.collective_timeout_ms = 90000;
+  o.group_formation_timeout_ms = 30000;
+  plan = ResolveEngineConfig(o, CpuOnly(), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->group_formation_timeout, absl::Seconds(90));
+  o.group_formation_timeout_ms = 1800000;
+  plan = ResolveEngineConfig(o, CpuOnly(), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->group_formation_timeout, absl::Minutes(30));
 }
 
 TEST(ResolveEngineConfig, AutoBackendByCapabilities) {

@@ -200,7 +200,8 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         "--gather_threads=65", "--malloc_trim_threshold_mb=-1",
         "--malloc_trim_threshold_mb=1048577", "--upload_min_bytes=-1", "--inline_request_bytes=-2",
         "--grpc_channel_args=foo", "--grpc_channel_args=grpc.http2.max_frame_size=big",
-        "--grpc_channel_args=http2.x=1"}) {
+        "--grpc_channel_args=http2.x=1", "--group_formation_timeout_s=0",
+        "--group_formation_timeout_s=86401"}) {
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad});
     EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 1) << bad;
