@@ -264,8 +264,9 @@ ABSL_FLAG(std::string, internal_tls_server_name, "",
 ABSL_FLAG(int32_t, bootstrap_timeout_s, 300,
           "Follower: how long to keep asking the leader for the group's id");
 ABSL_FLAG(int64_t, collective_timeout_ms, 60000,
-          "How long a rank waits for its peers in one collective (and for the NCCL group to "
-          "form) before failing; followers also wait at most this long for the next command");
+          "How long a rank waits for its peers in one collective before failing (the NCCL "
+          "group's formation at start: --group_formation_timeout_s); followers also wait at "
+          "most this long for the next command");
 ABSL_FLAG(int64_t, group_formation_timeout_s, 600,
           "Multi-process: how long the GPU ranks' NCCL group may take to form at start (each "
           "process joins after loading its own weights, so this covers the slowest load's lag; "

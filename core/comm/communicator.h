@@ -58,11 +58,11 @@ class Communicator {
 absl::Status AllGatherCounts(Communicator& comm, absl::Span<const int64_t> mine,
                              std::vector<int64_t>* out);
 
-// Checks gathered per-peer row counts before any buffer is sized from them: every entry of
-// `all` (every rank's counts, as AllGatherCounts returns them) in [0, max_rows]. Every rank
-// checks the whole gather, so all ranks see the same verdict and fail the forward together
-// (no rank left waiting in the next collective). DATA_LOSS names the rank, the entry, the value
-// and the bound; `who` prefixes it.
+// Checks gathered counts (per-peer rows, rounds) before anything is sized from them: every
+// entry of `all` (every rank's counts, as AllGatherCounts returns them) in [0, max_rows]. Every
+// rank checks the whole gather, so all ranks see the same verdict and fail the forward together (no
+// rank left waiting in the next collective). DATA_LOSS names the rank, the entry, the value and the
+// bound; `who` prefixes it.
 absl::Status CheckGatheredCounts(absl::Span<const int64_t> all, int world_size, int64_t max_rows,
                                  absl::string_view who);
 

@@ -26,8 +26,8 @@ absl::Status CheckGatheredCounts(absl::Span<const int64_t> all, int world_size, 
   for (size_t i = 0; i < all.size(); ++i) {
     if (all[i] < 0 || all[i] > max_rows) {
       return absl::DataLossError(absl::StrCat(who, ": rank ", i / per_rank, " announced ", all[i],
-                                              " rows in its count ", i % per_rank,
-                                              ", expected 0 to ", max_rows));
+                                              " in its count ", i % per_rank, ", expected 0 to ",
+                                              max_rows));
     }
   }
   return absl::OkStatus();

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -118,6 +119,7 @@ absl::Status NcclCommGroup::Init(absl::Duration wait) {
     return NcclError("ncclCommInitRankConfig", res, nullptr);
   }
   const absl::Time deadline = absl::Now() + wait;
+  int polls = 0;
   for (int r = 0; r < n; ++r) {
     while (true) {
       ncclResult_t st = ncclInProgress;
@@ -135,7 +137,13 @@ absl::Status NcclCommGroup::Init(absl::Duration wait) {
                                                         " did not finish within ",
                                                         absl::FormatDuration(wait)));
       }
-      std::this_thread::yield();
+      // Yield at first (a local group forms in milliseconds), then sleep: a process that loaded
+      // its weights first may wait minutes for its peers and should not hold a core meanwhile.
+      if (++polls < 1000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
     }
   }
   return absl::OkStatus();

@@ -26,6 +26,8 @@ absl::StatusOr<std::vector<int64_t>> AllToAllPrepareAndFinalizeBase::PlanChunks(
   const int64_t mine = static_cast<int64_t>(bounds->size()) - 1;
   std::vector<int64_t> all;
   MOESERVE_RETURN_IF_ERROR(AllGatherCounts(*comm_, absl::MakeConstSpan(&mine, 1), &all));
+  MOESERVE_RETURN_IF_ERROR(CheckGatheredCounts(all, comm_->world_size(), options_.max_rounds,
+                                               absl::StrCat(name(), " rounds")));
   PadEpRounds(std::max<int64_t>(1, *std::max_element(all.begin(), all.end())), &*bounds);
   return bounds;
 }

@@ -51,6 +51,10 @@ struct AllToAllOptions {
   // dispatch without deduplication would send; kept to measure what deduplication saves.
   using Dispatch = EpDispatchMode;
   Dispatch dispatch = Dispatch::kPerRank;
+  // Most dispatch rounds a rank may announce for one forward: a round carries at least one
+  // token, so the most tokens of a forward. A larger gathered count is a broken peer (DATA_LOSS
+  // on every rank).
+  int64_t max_rounds = int64_t{1} << 20;
 };
 
 class AllToAllPrepareAndFinalizeBase : public PrepareAndFinalize {

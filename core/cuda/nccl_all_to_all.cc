@@ -193,8 +193,12 @@ absl::StatusOr<std::vector<int64_t>> NcclAllToAllPrepareAndFinalize::PlanChunks(
   }
   MOESERVE_RETURN_IF_ERROR(Agreed(CheckGatheredCounts(
       counts0, world, opts_.max_num_tokens_per_rank * args.topk_ids.dim(1), name())));
+  std::vector<int64_t> rounds_of(world);
+  for (int p = 0; p < world; ++p) rounds_of[p] = all[p * stride + 1];
+  MOESERVE_RETURN_IF_ERROR(Agreed(
+      CheckGatheredCounts(rounds_of, world, opts_.max_rounds, absl::StrCat(name(), " rounds"))));
   int64_t rounds = 1;
-  for (int p = 0; p < world; ++p) rounds = std::max(rounds, all[p * stride + 1]);
+  for (int p = 0; p < world; ++p) rounds = std::max(rounds, rounds_of[p]);
   PadEpRounds(rounds, &bounds);
   planned_recv_count_.assign(world, 0);
   for (int p = 0; p < world; ++p) planned_recv_count_[p] = all[p * stride + 2 + me];

@@ -44,6 +44,7 @@ struct NcclAllToAllOptions {
   int64_t max_num_tokens_per_rank = 256;
   ActivationFormat format = ActivationFormat::kStandard;
   AllToAllOptions::Dispatch dispatch = AllToAllOptions::Dispatch::kPerRank;
+  int64_t max_rounds = int64_t{1} << 20;  // as AllToAllOptions::max_rounds
 };
 
 // `ctx` and `comm` must be the same rank's (comm->stream() == the context's stream).

@@ -219,9 +219,9 @@ TEST(GatheredCounts, RefusesCountsOutsideTheBound) {
   EXPECT_TRUE(CheckGatheredCounts(ok, 2, 8, "t").ok());
   absl::Status s = CheckGatheredCounts({0, 3, 9, 1}, 2, 8, "t");
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(s.message(), HasSubstr("rank 1 announced 9 rows in its count 0, expected 0 to 8"));
+  EXPECT_THAT(s.message(), HasSubstr("rank 1 announced 9 in its count 0, expected 0 to 8"));
   s = CheckGatheredCounts({0, -1, 2, 1}, 2, 8, "t");
-  EXPECT_THAT(s.message(), HasSubstr("rank 0 announced -1 rows in its count 1"));
+  EXPECT_THAT(s.message(), HasSubstr("rank 0 announced -1 in its count 1"));
   EXPECT_EQ(CheckGatheredCounts({0, 1, 2}, 2, 8, "t").code(), absl::StatusCode::kInternal);
 }
 
@@ -264,6 +264,44 @@ TEST(GatheredCounts, AllToAllRefusesAnImpossiblePeerCountOnEveryRank) {
       EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDataLoss) << bad << ": " << statuses[r];
       EXPECT_THAT(statuses[r].message(), HasSubstr(absl::StrCat("rank 1 announced ", bad)));
     }
+  }
+}
+
+// The same for the round counts PlanChunks gathers (a round carries at least one token, so at
+// most the forward's tokens): a 2^40-round count used to pad the plan to 2^40 rounds (bad_alloc).
+TEST(GatheredCounts, AllToAllRefusesAnImpossibleRoundCountOnEveryRank) {
+  constexpr int kRanks = 2, kTopk = 2, kExperts = 4, kTokens = 3, kHidden = 8;
+  auto group = *InProcessCommGroup::Create(kRanks, absl::Seconds(30));
+  auto placement = std::make_shared<const Placement>(*Placement::Contiguous(kExperts, kRanks));
+  AllToAllOptions options;
+  options.max_num_tokens_per_rank = kTokens;
+  options.max_rounds = kTokens;
+  std::vector<std::unique_ptr<AllToAllContiguousPrepareAndFinalize>> pf;
+  for (int r = 0; r < kRanks; ++r) {
+    // The round exchange gathers one int64 per rank: rank 1's is 2^40.
+    auto comm = std::make_shared<CorruptingCommunicator>(group->MakeCommunicator(r), kRanks * 8, 1,
+                                                         int64_t{1} << 40);
+    pf.push_back(std::make_unique<AllToAllContiguousPrepareAndFinalize>(comm, placement, options));
+  }
+  RankThreads threads(kRanks);
+  auto statuses = threads.Run([&](int r) -> absl::Status {
+    std::vector<float> x(kTokens * kHidden, 0.5f);
+    std::vector<int32_t> ids = {0, 2, 1, 3, 2, 0};
+    std::vector<float> w(kTokens * kTopk, 0.5f);
+    PrepareArgs args;
+    args.hidden_states = TensorView(x.data(), DType::kFP32, {kTokens, kHidden}, Device::Host());
+    args.topk_ids = TensorView(ids.data(), DType::kINT32, {kTokens, kTopk}, Device::Host());
+    args.topk_weights = TensorView(w.data(), DType::kFP32, {kTokens, kTopk}, Device::Host());
+    args.num_experts = kExperts;
+    args.num_local_experts = kExperts / kRanks;
+    args.intermediate = 16;
+    return pf[r]->PlanChunks(args).status();
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDataLoss) << statuses[r];
+    EXPECT_THAT(
+        statuses[r].message(),
+        HasSubstr("rounds: rank 1 announced 1099511627776 in its count 0, expected 0 to 3"));
   }
 }
 
