@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -63,7 +62,7 @@ absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateMultiProcess
                                                    ") outside the world of ", world_size));
   }
   return CreateLocalWithId(std::move(devices), std::move(streams), timeout, world_size, first_rank,
-                           unique_id, std::max(timeout, formation_timeout));
+                           unique_id, formation_timeout);
 }
 
 absl::StatusOr<std::shared_ptr<NcclCommGroup>> NcclCommGroup::CreateLocalWithId(

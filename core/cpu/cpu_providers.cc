@@ -1,6 +1,4 @@
 // The CPU providers: three PrepareAndFinalize and four Experts types (core/cpu/*.h).
-#include <algorithm>
-
 #include "absl/strings/str_cat.h"
 #include "core/cpu/all_to_all_prepare_finalize.h"
 #include "core/cpu/batched_experts.h"
@@ -34,7 +32,7 @@ absl::StatusOr<AllToAllOptions> AllToAllConfig(absl::string_view name, const Eng
   AllToAllOptions options;
   options.max_num_tokens_per_rank = plan.max_tokens_per_rank;
   options.dispatch = plan.dispatch;
-  options.max_rounds = std::max<int64_t>(1, plan.max_tokens_per_request);
+  options.max_rounds = plan.max_tokens_per_request;  // > 0 (ResolveEngineConfig)
   return options;
 }
 

@@ -2,7 +2,6 @@
 // (each in the Standard and the BatchedExperts format), and the CUDA Experts: "cuda" (decode
 // kernels, and on Hopper the grouped GEMM above the measured crossover), "cuda_batched", and
 // "cuda_grouped_sm90" (the grouped GEMM at every size, Hopper only).
-#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -67,7 +66,7 @@ PrepareFinalizeProvider NcclAllToAll(ActivationFormat format) {
     options.max_num_tokens_per_rank = plan.max_tokens_per_rank;
     options.format = format;
     options.dispatch = plan.dispatch;
-    options.max_rounds = std::max<int64_t>(1, plan.max_tokens_per_request);
+    options.max_rounds = plan.max_tokens_per_request;  // > 0 (ResolveEngineConfig)
     // The CUDA rank group hands every rank its NcclCommunicator.
     return CreateNcclAllToAllPrepareAndFinalize(
         rank.cuda, std::static_pointer_cast<NcclCommunicator>(rank.comm), plan.placement, options);

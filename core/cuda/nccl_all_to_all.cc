@@ -197,9 +197,7 @@ absl::StatusOr<std::vector<int64_t>> NcclAllToAllPrepareAndFinalize::PlanChunks(
   for (int p = 0; p < world; ++p) rounds_of[p] = all[p * stride + 1];
   MOESERVE_RETURN_IF_ERROR(Agreed(
       CheckGatheredCounts(rounds_of, world, opts_.max_rounds, absl::StrCat(name(), " rounds"))));
-  int64_t rounds = 1;
-  for (int p = 0; p < world; ++p) rounds = std::max(rounds, rounds_of[p]);
-  PadEpRounds(rounds, &bounds);
+  PadEpRounds(std::max<int64_t>(1, *std::max_element(rounds_of.begin(), rounds_of.end())), &bounds);
   planned_recv_count_.assign(world, 0);
   for (int p = 0; p < world; ++p) planned_recv_count_[p] = all[p * stride + 2 + me];
   planned_send_count_ = std::move(round0);

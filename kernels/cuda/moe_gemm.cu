@@ -297,9 +297,6 @@ __device__ __forceinline__ void LoadExpertCounts(const MoeGemmParams& p, int32_t
                                             : static_cast<int32_t>(e * p.offset_stride);
   }
 }
-// kGateUpSilu with p.route_ids: the counts and first rows that MoeAlign writes for those ids
-// (an id outside [0, num_experts) serves no expert), computed here so that they need not wait
-// for it. Every thread of the block calls it; s_row0 is complete after the next __syncthreads.
 // Warp 0, once the counts are in shared memory: s_prefix[e] = the work units before expert e
 // (units_of(count) per expert), s_prefix[E] = all of them and, with kMost, s_prefix[E + 1] = the
 // largest count.

@@ -57,6 +57,38 @@ gpu_suites() {
   done
 }
 
+# engine_bench_rows SETTING CSV TOKENS ITERS [PREFIX...]: engine_forward_bench (timed) on the
+# trivial layer (BF16) and the seed layer (MXFP8) at TOKENS, run as PREFIX... (e.g. `env VAR=0`
+# or a shell function that sets the variant's environment), its rows appended to CSV as
+# "SETTING,model,<bench columns>".
+engine_bench_rows() {
+  local set=$1 csv=$2 tokens=$3 iters=$4 model fmt
+  shift 4
+  for model in trivial seed; do
+    fmt=bf16
+    [ $model = seed ] && fmt=mxfp8
+    "$@" timeout 120 "$B/engine_forward_bench" --model $model --weight_format $fmt \
+      --tokens "$tokens" --iters "$iters" | grep -v '^#\|^tokens' |
+      awk -F, -v p="$set" -v m=$model '{print p","m","$0}' >> "$csv"
+  done
+}
+
+# engine_summary CSV: engine_bench_rows' CSV as medians per (model, tokens, setting): wall p50
+# and experts stage p50, us.
+engine_summary() {
+  python3 - "$1" <<'PY'
+import sys, collections, statistics
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.strip().split(",")
+    if len(f) < 8: continue
+    t[(f[1], int(f[2]), f[0])].append((float(f[3]), float(f[6])))
+for k in sorted(t):
+    print(f"{k[0]:8s} tokens={k[1]:3d} {k[2]:>7s}: wall {statistics.median(x[0] for x in t[k]):7.1f}"
+          f" experts {statistics.median(x[1] for x in t[k]):7.1f}")
+PY
+}
+
 # decode_bench_env: moe_experts_bench on the decode path: FORMATS (default mxfp8), LAYERS
 # (default seed,dsv3), TOKENS, balanced / hot / random routing.
 decode_bench_env() {

@@ -7,20 +7,17 @@
 # (MOESERVE_W13_EARLY=0) and both on (the default), and moe_experts_bench's decode path (FORMATS,
 # default bf16,mxfp8; LAYERS, default seed,dsv3; TOKENS, default 1,16,64,128) with both off and
 # both on; settings alternating, rounds FIRST_ROUND (default 1) to ROUNDS (default 2), medians.
-# SKIP_TESTS=1 skips the tests and racecheck (a caller that ran them).
 # Usage: run_early_weights_ab.sh BUNDLE.tgz (bin/: engine_forward_bench, moe_experts_bench, the
 # tests).
 set -u
 source "$(dirname "$0")/bundle_lib.sh"
 start_device_script "$1" || exit 1
-if [ -z "${SKIP_TESTS:-}" ]; then
 run_gtest cuda_kernels_test 200
 run_gtest cuda_experts_test 400
 cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [ -n "$cs" ] && timeout 240 "$cs" --tool racecheck --error-exitcode 3 "$B/cuda_kernels_test" \
   --gtest_filter='*WeightsBeforeWait*:*DecodePair*' > "$OUT/racecheck.log" 2>&1
 echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
-fi
 # with_setting SETTING CMD...: CMD under off (both 0), w2 (W13 0) or on (neither set).
 with_setting() {
   local set=$1
@@ -33,25 +30,10 @@ with_setting() {
 }
 CSV=$OUT/engine_early.csv
 for round in $(seq "${FIRST_ROUND:-1}" "${ROUNDS:-2}"); do for set in $(round_order $round off w2 on); do
-  for model in trivial seed; do
-    fmt=bf16; [ $model = seed ] && fmt=mxfp8
-    with_setting $set timeout 120 "$B/engine_forward_bench" --model $model --weight_format $fmt \
-      --tokens 1,16,64 --iters 400 | grep -v '^#\|^tokens' |
-      awk -F, -v p=$set -v m=$model '{print p","m","$0}' >> "$CSV"
-  done
+  engine_bench_rows $set "$CSV" 1,16,64 400 with_setting $set
 done; done
 echo "== engine_forward_bench, medians: model tokens setting -> wall p50 us, experts stage us"
-python3 - "$CSV" <<'PY'
-import sys, collections, statistics
-t = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    f = line.strip().split(",")
-    if len(f) < 8: continue
-    t[(f[1], int(f[2]), f[0])].append((float(f[3]), float(f[6])))
-for k in sorted(t):
-    print(f"{k[0]:8s} tokens={k[1]:3d} {k[2]:3s}: wall {statistics.median(x[0] for x in t[k]):7.1f}"
-          f" experts {statistics.median(x[1] for x in t[k]):7.1f}")
-PY
+engine_summary "$CSV"
 echo "== moe_experts_bench decode path, both off against both on"
 FORMATS=${FORMATS:-bf16,mxfp8} LAYERS=${LAYERS:-seed,dsv3} TOKENS=${TOKENS:-1,16,64,128} \
   decode_bench_env

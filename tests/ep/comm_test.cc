@@ -225,42 +225,55 @@ TEST(GatheredCounts, RefusesCountsOutsideTheBound) {
   EXPECT_EQ(CheckGatheredCounts({0, 1, 2}, 2, 8, "t").code(), absl::StatusCode::kInternal);
 }
 
+// One small forward (3 tokens, top-2 of 4 experts, every token on both of 2 ranks) through
+// AllToAllContiguous on in-process ranks whose all-gathers of `corrupt_bytes` carry `value` at
+// int64 entry `index` (CorruptingCommunicator). Each rank's PlanChunks, then, with `prepare`,
+// the Prepare of its one round; the ranks' statuses.
+constexpr int kCorruptRanks = 2, kCorruptTokens = 3;
+std::vector<absl::Status> RunCorruptedAllToAll(int64_t corrupt_bytes, int index, int64_t value,
+                                               const AllToAllOptions& options, bool prepare) {
+  constexpr int kTopk = 2, kExperts = 4, kHidden = 8;
+  auto group = *InProcessCommGroup::Create(kCorruptRanks, absl::Seconds(30));
+  auto placement =
+      std::make_shared<const Placement>(*Placement::Contiguous(kExperts, kCorruptRanks));
+  std::vector<std::unique_ptr<AllToAllContiguousPrepareAndFinalize>> pf;
+  for (int r = 0; r < kCorruptRanks; ++r) {
+    auto comm = std::make_shared<CorruptingCommunicator>(group->MakeCommunicator(r), corrupt_bytes,
+                                                         index, value);
+    pf.push_back(std::make_unique<AllToAllContiguousPrepareAndFinalize>(comm, placement, options));
+  }
+  RankThreads threads(kCorruptRanks);
+  return threads.Run([&](int r) -> absl::Status {
+    std::vector<float> x(kCorruptTokens * kHidden, 0.25f * (r + 1));
+    std::vector<int32_t> ids = {0, 2, 1, 3, 2, 0};  // every token on both ranks
+    std::vector<float> w(kCorruptTokens * kTopk, 0.5f);
+    PrepareArgs args;
+    args.hidden_states = TensorView(x.data(), DType::kFP32, {kCorruptTokens, kHidden});
+    args.topk_ids = TensorView(ids.data(), DType::kINT32, {kCorruptTokens, kTopk});
+    args.topk_weights = TensorView(w.data(), DType::kFP32, {kCorruptTokens, kTopk});
+    args.num_experts = kExperts;
+    args.num_local_experts = kExperts / kCorruptRanks;
+    args.intermediate = 16;
+    MOESERVE_ASSIGN_OR_RETURN(std::vector<int64_t> bounds, pf[r]->PlanChunks(args));
+    if (!prepare) return absl::OkStatus();
+    if (bounds.size() != 2) return absl::InternalError("expected one round");
+    PreparedActivations prepared;
+    return pf[r]->Prepare(args, &prepared);
+  });
+}
+
 // A peer announcing more rows than it can send (a broken or mismatched rank) fails the forward
 // on every rank with DATA_LOSS before any buffer is sized from the count (it used to size the
 // receive buffer from it: a 2^40-row count ended the process).
 TEST(GatheredCounts, AllToAllRefusesAnImpossiblePeerCountOnEveryRank) {
-  constexpr int kRanks = 2, kTopk = 2, kExperts = 4, kTokens = 3, kHidden = 8;
-  for (int64_t bad : {int64_t{1} << 40, int64_t{-5}, int64_t{kTokens * kTopk + 1}}) {
-    auto group = *InProcessCommGroup::Create(kRanks, absl::Seconds(30));
-    auto placement = std::make_shared<const Placement>(*Placement::Contiguous(kExperts, kRanks));
-    AllToAllOptions options;
-    options.max_num_tokens_per_rank = kTokens;
-    std::vector<std::unique_ptr<AllToAllContiguousPrepareAndFinalize>> pf;
-    for (int r = 0; r < kRanks; ++r) {
-      // The count exchange gathers kRanks x kRanks int64: rank 1's count for rank 0 is `bad`.
-      auto comm = std::make_shared<CorruptingCommunicator>(group->MakeCommunicator(r),
-                                                           kRanks * kRanks * 8, kRanks, bad);
-      pf.push_back(
-          std::make_unique<AllToAllContiguousPrepareAndFinalize>(comm, placement, options));
-    }
-    RankThreads threads(kRanks);
-    auto statuses = threads.Run([&](int r) -> absl::Status {
-      std::vector<float> x(kTokens * kHidden, 0.25f * (r + 1));
-      std::vector<int32_t> ids = {0, 2, 1, 3, 2, 0};  // every token on both ranks
-      std::vector<float> w(kTokens * kTopk, 0.5f);
-      PrepareArgs args;
-      args.hidden_states = TensorView(x.data(), DType::kFP32, {kTokens, kHidden}, Device::Host());
-      args.topk_ids = TensorView(ids.data(), DType::kINT32, {kTokens, kTopk}, Device::Host());
-      args.topk_weights = TensorView(w.data(), DType::kFP32, {kTokens, kTopk}, Device::Host());
-      args.num_experts = kExperts;
-      args.num_local_experts = kExperts / kRanks;
-      args.intermediate = 16;
-      MOESERVE_ASSIGN_OR_RETURN(std::vector<int64_t> bounds, pf[r]->PlanChunks(args));
-      if (bounds.size() != 2) return absl::InternalError("expected one round");
-      PreparedActivations prepared;
-      return pf[r]->Prepare(args, &prepared);
-    });
-    for (int r = 0; r < kRanks; ++r) {
+  constexpr int kTopk = 2;
+  AllToAllOptions options;
+  options.max_num_tokens_per_rank = kCorruptTokens;
+  for (int64_t bad : {int64_t{1} << 40, int64_t{-5}, int64_t{kCorruptTokens * kTopk + 1}}) {
+    // The count exchange gathers ranks x ranks int64: rank 1's count for rank 0 is `bad`.
+    const std::vector<absl::Status> statuses = RunCorruptedAllToAll(
+        kCorruptRanks * kCorruptRanks * 8, kCorruptRanks, bad, options, /*prepare=*/true);
+    for (int r = 0; r < kCorruptRanks; ++r) {
       EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDataLoss) << bad << ": " << statuses[r];
       EXPECT_THAT(statuses[r].message(), HasSubstr(absl::StrCat("rank 1 announced ", bad)));
     }
@@ -270,34 +283,13 @@ TEST(GatheredCounts, AllToAllRefusesAnImpossiblePeerCountOnEveryRank) {
 // The same for the round counts PlanChunks gathers (a round carries at least one token, so at
 // most the forward's tokens): a 2^40-round count used to pad the plan to 2^40 rounds (bad_alloc).
 TEST(GatheredCounts, AllToAllRefusesAnImpossibleRoundCountOnEveryRank) {
-  constexpr int kRanks = 2, kTopk = 2, kExperts = 4, kTokens = 3, kHidden = 8;
-  auto group = *InProcessCommGroup::Create(kRanks, absl::Seconds(30));
-  auto placement = std::make_shared<const Placement>(*Placement::Contiguous(kExperts, kRanks));
   AllToAllOptions options;
-  options.max_num_tokens_per_rank = kTokens;
-  options.max_rounds = kTokens;
-  std::vector<std::unique_ptr<AllToAllContiguousPrepareAndFinalize>> pf;
-  for (int r = 0; r < kRanks; ++r) {
-    // The round exchange gathers one int64 per rank: rank 1's is 2^40.
-    auto comm = std::make_shared<CorruptingCommunicator>(group->MakeCommunicator(r), kRanks * 8, 1,
-                                                         int64_t{1} << 40);
-    pf.push_back(std::make_unique<AllToAllContiguousPrepareAndFinalize>(comm, placement, options));
-  }
-  RankThreads threads(kRanks);
-  auto statuses = threads.Run([&](int r) -> absl::Status {
-    std::vector<float> x(kTokens * kHidden, 0.5f);
-    std::vector<int32_t> ids = {0, 2, 1, 3, 2, 0};
-    std::vector<float> w(kTokens * kTopk, 0.5f);
-    PrepareArgs args;
-    args.hidden_states = TensorView(x.data(), DType::kFP32, {kTokens, kHidden}, Device::Host());
-    args.topk_ids = TensorView(ids.data(), DType::kINT32, {kTokens, kTopk}, Device::Host());
-    args.topk_weights = TensorView(w.data(), DType::kFP32, {kTokens, kTopk}, Device::Host());
-    args.num_experts = kExperts;
-    args.num_local_experts = kExperts / kRanks;
-    args.intermediate = 16;
-    return pf[r]->PlanChunks(args).status();
-  });
-  for (int r = 0; r < kRanks; ++r) {
+  options.max_num_tokens_per_rank = kCorruptTokens;
+  options.max_rounds = kCorruptTokens;
+  // The round exchange gathers one int64 per rank: rank 1's is 2^40.
+  const std::vector<absl::Status> statuses =
+      RunCorruptedAllToAll(kCorruptRanks * 8, 1, int64_t{1} << 40, options, /*prepare=*/false);
+  for (int r = 0; r < kCorruptRanks; ++r) {
     EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDataLoss) << statuses[r];
     EXPECT_THAT(
         statuses[r].message(),
