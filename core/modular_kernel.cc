@@ -167,6 +167,9 @@ absl::Status ModularKernel::Forward(const ModularKernelArgs& args, const TensorV
                                                    " reads host hidden_states only, got ",
                                                    args.hidden_states.DebugString()));
   }
+  // The previous forward's work is done (its Finalize waited for it): what growths replaced
+  // then can go now, never in the middle of a step.
+  allocator_->ReleaseSuperseded();
   PrepareArgs pargs;
   pargs.hidden_states = args.hidden_states;
   pargs.topk_ids = args.topk_ids;

@@ -78,6 +78,11 @@ class WorkspaceAllocator {
   // that changes between replays. UNIMPLEMENTED where the device has no graphs (host memory).
   virtual absl::StatusOr<std::unique_ptr<StepGraph>> Capture(
       const std::function<absl::Status()>& enqueue);
+  // Frees what growths of the slots replaced. A growth keeps the replaced buffer, which work
+  // queued earlier may still use, instead of freeing it at once (a CUDA free waits for the whole
+  // device); ModularKernel calls this at the start of each forward, when its earlier work is
+  // done. May wait for the device.
+  virtual void ReleaseSuperseded() {}
 };
 
 // Host memory (64-byte aligned) and the host clock.

@@ -74,6 +74,24 @@ absl::Status AnswerCopy::EnqueueInOutputDtype(const void* d_answer, const Tensor
   return absl::OkStatus();
 }
 
+absl::Status AnswerCopy::Reserve(const TensorView& output) {
+  const size_t bytes = output.nbytes();
+  if (bytes == 0) return absl::OkStatus();
+  if (output.dtype() != DType::kFP32) {
+    MOESERVE_RETURN_IF_ERROR(converted_.Get(bytes).status());
+  }
+  if (output.is_contiguous() && output.device().space == MemorySpace::kHost &&
+      !IsPinnedHostPointer(output.raw_data())) {
+    MOESERVE_RETURN_IF_ERROR(staging_.Get(bytes).status());
+  }
+  return absl::OkStatus();
+}
+
+void AnswerCopy::ReleaseSuperseded() {
+  converted_.ReleaseSuperseded();
+  staging_.ReleaseSuperseded();
+}
+
 void AnswerCopy::Finish() {
   if (pending_bytes_ > 0) copier_->Copy(pending_dst_, pending_src_, pending_bytes_);
   pending_bytes_ = 0;

@@ -31,6 +31,11 @@ class AnswerCopy {
   absl::Status EnqueueInOutputDtype(const void* d_answer, const TensorView& output, void* stream);
   // After the stream synchronized: moves staged bytes into the output (nothing when direct).
   void Finish();
+  // Grows now what Enqueue(..., output, ...) would grow, so that a caller can size its buffers
+  // before it queues work that may wait on a peer (a growth allocates; see GrowOnlyBuffer).
+  absl::Status Reserve(const TensorView& output);
+  // GrowOnlyBuffer::ReleaseSuperseded of both buffers: where no earlier copy is still queued.
+  void ReleaseSuperseded();
 
  private:
   GrowOnlyBuffer converted_{GrowOnlyBuffer::Memory::kDevice, 512, /*quarter_slack=*/true};

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -253,6 +254,13 @@ class CudaWorkspaceAllocator final : public WorkspaceAllocator {
   }
   std::unique_ptr<StageTimer> MakeStageTimer() const override {
     return std::make_unique<CudaStageTimer>(ctx_);
+  }
+  void ReleaseSuperseded() override {
+    bool any = false;
+    for (const DeviceBuffer& buffer : buffers_) any = any || buffer.superseded_bytes() > 0;
+    if (!any) return;  // the usual case: no call at all
+    cudaSetDevice(ctx_->device());
+    for (DeviceBuffer& buffer : buffers_) buffer.ReleaseSuperseded();
   }
   absl::StatusOr<std::unique_ptr<StepGraph>> Capture(
       const std::function<absl::Status()>& enqueue) override;
@@ -502,6 +510,9 @@ class CudaNoEpPrepareAndFinalize final : public PrepareAndFinalize {
   absl::Status RoutingVerdict();
   // Finalize's end: waits for `stream`, moves a staged answer into place, then the verdict.
   absl::Status FinishAnswer(cudaStream_t stream);
+  // Frees what the buffers' growths replaced (GrowOnlyBuffer::ReleaseSuperseded; waits for the
+  // device): at the start of a step, when this PrepareAndFinalize's earlier work is done.
+  void ReleaseSuperseded();
 
   std::shared_ptr<CudaContext> ctx_;
   int64_t max_num_tokens_;
@@ -619,6 +630,16 @@ absl::Status CudaNoEpPrepareAndFinalize::RoutingVerdict() {
   return absl::OkStatus();
 }
 
+void CudaNoEpPrepareAndFinalize::ReleaseSuperseded() {
+  for (GrowOnlyBuffer* b : std::initializer_list<GrowOnlyBuffer*>{
+           &g_dev_in_buf_, &g_dev_x_buf_, &g_dev_out_buf_, &g_pin_in_buf_, &g_pin_out_buf_,
+           &hidden_, &wire_, &ids_, &weights_, &batched_a1q_, &align_, &reduced_, &staging_,
+           &report_buf_, &device_map_}) {
+    b->ReleaseSuperseded();
+  }
+  answer_.ReleaseSuperseded();
+}
+
 absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
                                                  PreparedActivations* out) {
   MOESERVE_RETURN_IF_ERROR(CheckPrepareArgsLayout(name(), args));
@@ -634,6 +655,7 @@ absl::Status CudaNoEpPrepareAndFinalize::Prepare(const PrepareArgs& args,
         absl::StrCat(name(), ": hidden must be a multiple of 8 on the CUDA path, got ", k));
   }
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  ReleaseSuperseded();
   const cudaStream_t stream = StreamOf(*ctx_);
   const Device gpu = ctx_->tensor_device();
   // The input crosses in its own dtype (one staged copy); the quantization hook, BF16
@@ -828,6 +850,7 @@ absl::StatusOr<bool> CudaNoEpPrepareAndFinalize::StageInputs(const PrepareArgs& 
                                             " of ", capacity_tokens));
   }
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device()));
+  ReleaseSuperseded();
   if (graph_capacity_ == 0) {
     // Once: every later size fits, so no captured address ever moves.
     const size_t in = LayoutOf(capacity_tokens, k, topk, DType::kFP32).bytes;

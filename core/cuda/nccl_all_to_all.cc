@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "absl/strings/cord.h"
@@ -87,6 +88,11 @@ class NcclAllToAllPrepareAndFinalize final : public PrepareAndFinalize {
   absl::Status CheckArgs(const PrepareArgs& args) const;
   // NCCL all-gather of `mine` (int64, same length on every rank), then D2H + Synchronize.
   absl::Status GatherCounts(const std::vector<int64_t>& mine, std::vector<int64_t>* all);
+  // Frees what the buffers' growths replaced (waits for the device): at the start of a forward,
+  // when this rank's earlier rounds are done. Growths themselves never wait, and every buffer of
+  // a round is sized before the round's collective is queued, so no host wait of this rank can
+  // sit behind a collective whose peer failed (only Synchronize, which is bounded, waits).
+  void ReleaseSuperseded();
 
   std::shared_ptr<CudaContext> ctx_;
   std::shared_ptr<NcclCommunicator> comm_;
@@ -116,6 +122,11 @@ absl::Status NcclAllToAllPrepareAndFinalize::CheckArgs(const PrepareArgs& args) 
         absl::StrCat(name(), ": hidden must be a multiple of 8 on the CUDA path, got ",
                      args.hidden_states.dim(1)));
   }
+  if (batched() && args.num_local_experts > kernels::kMoeAlignMaxExperts) {
+    return absl::InvalidArgumentError(absl::StrCat(name(), ": ", args.num_local_experts,
+                                                   " local experts exceed ",
+                                                   kernels::kMoeAlignMaxExperts));
+  }
   return absl::OkStatus();
 }
 
@@ -138,9 +149,19 @@ absl::Status NcclAllToAllPrepareAndFinalize::GatherCounts(const std::vector<int6
   return absl::OkStatus();
 }
 
+void NcclAllToAllPrepareAndFinalize::ReleaseSuperseded() {
+  for (GrowOnlyBuffer* b : std::initializer_list<GrowOnlyBuffer*>{
+           &d_in_, &d_x_bf16_, &d_send_rows_, &d_recv_rows_, &d_recv_ids_, &d_recv_w_, &d_batched_,
+           &d_align_, &d_partial_, &d_comb_recv_, &d_out_, &d_cnt_, &pin_in_, &pin_cnt_}) {
+    b->ReleaseSuperseded();
+  }
+  answer_.ReleaseSuperseded();
+}
+
 absl::StatusOr<std::vector<int64_t>> NcclAllToAllPrepareAndFinalize::PlanChunks(
     const PrepareArgs& args) {
   MOESERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(comm_->device()));
+  ReleaseSuperseded();
   const int world = comm_->world_size(), me = comm_->rank();
   have_counts_ = false;
   // Local planning (the edge of a forward: validated once here); a refusal is announced to the
@@ -318,6 +339,16 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   MOESERVE_ASSIGN_OR_RETURN(void* d_rows, d_recv_rows_.Get(num_recv * k * 2));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rids, d_recv_ids_.Get(num_recv * topk * 4));
   MOESERVE_ASSIGN_OR_RETURN(void* d_rw, d_recv_w_.Get(num_recv * topk * 4));
+  // The batched layout's buffers too, before the collective is queued (see ReleaseSuperseded).
+  // (CheckArgs bounded the local experts.)
+  const int64_t e = args.num_local_experts;
+  const int64_t cap = capacity(), routes = num_recv * topk;
+  void* d_a = nullptr;
+  void* d_al = nullptr;
+  if (batched()) {
+    MOESERVE_ASSIGN_OR_RETURN(d_a, d_batched_.Get(e * cap * k * 2));
+    MOESERVE_ASSIGN_OR_RETURN(d_al, d_align_.Get((2 * e + 2 + 2 * routes) * 4));
+  }
   const EpAllToAllVBytes bytes[3] = {{handle->send_count, handle->recv_count, k * 2},
                                      {handle->send_count, handle->recv_count, topk * 4},
                                      {handle->send_count, handle->recv_count, topk * 4}};
@@ -333,7 +364,6 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
                                           transfer(d_rec_w, d_rw, bytes[2])};
   MOESERVE_RETURN_IF_ERROR(comm_->AllToAllVGroup(transfers));
 
-  const int64_t e = args.num_local_experts;
   out->a1q_scale = TensorView();
   out->topk_ids = TensorView(d_rids, DType::kINT32, {num_recv, topk}, ctx_->tensor_device());
   out->topk_weights = TensorView(d_rw, DType::kFP32, {num_recv, topk}, ctx_->tensor_device());
@@ -348,13 +378,6 @@ absl::Status NcclAllToAllPrepareAndFinalize::Prepare(const PrepareArgs& args,
   // BatchedExperts: rows of local expert e are its routes in (record, k) order (stable align),
   // at most capacity() of them (PlanChunks keeps every rank's contribution within
   // max_num_tokens_per_rank).
-  if (e > kernels::kMoeAlignMaxExperts) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name(), ": ", e, " local experts exceed ", kernels::kMoeAlignMaxExperts));
-  }
-  const int64_t cap = capacity(), routes = num_recv * topk;
-  MOESERVE_ASSIGN_OR_RETURN(void* d_a, d_batched_.Get(e * cap * k * 2));
-  MOESERVE_ASSIGN_OR_RETURN(void* d_al, d_align_.Get((2 * e + 2 + 2 * routes) * 4));
   auto* counts = static_cast<int32_t*>(d_al);
   int32_t* offsets = counts + e;
   int32_t* sorted = offsets + e + 1;
@@ -444,14 +467,19 @@ absl::Status NcclAllToAllPrepareAndFinalize::Finalize(
     default:
       return absl::InternalError("unresolved TopKWeightAndReduce");
   }
-  // Combine: the partials go back to their source ranks (the reverse of the dispatch).
+  // Combine: the partials go back to their source ranks (the reverse of the dispatch). Every
+  // buffer after it is sized before it is queued (see ReleaseSuperseded).
   MOESERVE_ASSIGN_OR_RETURN(void* d_comb, d_comb_recv_.Get(num_send * k * 4));
+  void* d_out = nullptr;
+  if (m > 0) {
+    MOESERVE_ASSIGN_OR_RETURN(d_out, d_out_.Get(m * k * 4));
+    MOESERVE_RETURN_IF_ERROR(answer_.Reserve(output));
+  }
   const EpAllToAllVBytes bytes(h->recv_count, h->send_count, k * 4);
   bytes.CountPeerBytes(me, &stats_.combine_bytes_sent, &stats_.combine_bytes_received);
   MOESERVE_RETURN_IF_ERROR(comm_->AllToAllV(d_partial, bytes.send_counts, bytes.send_displs, d_comb,
                                             bytes.recv_counts, bytes.recv_displs));
   if (m > 0) {
-    MOESERVE_ASSIGN_OR_RETURN(void* d_out, d_out_.Get(m * k * 4));
     // Device twin of the staging layout: [send_token | rec_ids | rec_w | comb_off | comb_slots].
     MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchEpCombineReduce(
         static_cast<const float*>(d_comb), h->d_plan + h->layout().comb_offsets,

@@ -100,7 +100,8 @@ class FakeGraphTimer final : public StageTimer {
   std::vector<std::pair<int, const int64_t*>> marks_;
 };
 
-// Grow-only buffers that really move when they grow (a new allocation, the old one freed).
+// Grow-only buffers that really move when they grow (a new allocation; the old one kept until
+// ReleaseSuperseded, as the CUDA allocator keeps it).
 class FakeAllocator final : public WorkspaceAllocator {
  public:
   explicit FakeAllocator(FakeStream* stream, bool graph_timer = false)
@@ -109,9 +110,18 @@ class FakeAllocator final : public WorkspaceAllocator {
   absl::StatusOr<TensorView> Get(Slot slot, DType dtype, const Shape& shape) override {
     const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
     auto& b = buffers_[slot];
-    if (b == nullptr || b->size() < bytes) b = std::make_unique<std::vector<uint8_t>>(bytes);
+    if (b == nullptr || b->size() < bytes) {
+      if (b != nullptr) superseded_.push_back(std::move(b));
+      b = std::make_unique<std::vector<uint8_t>>(bytes);
+    }
     return TensorView(b->data(), dtype, shape, kFakeGpu);
   }
+  void ReleaseSuperseded() override {
+    ++release_calls;
+    superseded_.clear();
+  }
+  size_t superseded() const { return superseded_.size(); }
+  int release_calls = 0;
   std::unique_ptr<StageTimer> MakeStageTimer() const override {
     if (graph_timer_) return std::make_unique<FakeGraphTimer>(stream_);
     return MakeHostStageTimer();
@@ -132,6 +142,7 @@ class FakeAllocator final : public WorkspaceAllocator {
   FakeStream* stream_;
   const bool graph_timer_;
   std::unique_ptr<std::vector<uint8_t>> buffers_[kNumSlots];
+  std::vector<std::unique_ptr<std::vector<uint8_t>>> superseded_;
 };
 
 // FP32 in and out. Prepare copies x, ids and weights to the "device"; the experts compute
@@ -441,6 +452,22 @@ TEST(ModularKernelGraphs, LargerStepsRunEagerlyAndMovedWorkspacesAreRecaptured) 
   EXPECT_EQ(s.captures, 2);
   EXPECT_EQ(s.replays, 2);
   EXPECT_EQ(f->pf->last_padded, 8);
+}
+
+// A workspace that grows keeps the buffer it replaces until the next forward begins (work of
+// the step may still use it; a CUDA free would wait for the whole device), then it goes.
+TEST(ModularKernelGraphs, ReplacedWorkspacesGoAtTheNextForwardsStart) {
+  auto f = MakeFixture();
+  std::mt19937 rng(8);
+  ForwardAndCheck(*f, 0, 4, rng);
+  EXPECT_EQ(f->allocator->release_calls, 1);
+  EXPECT_EQ(f->allocator->superseded(), 0u);
+  ForwardAndCheck(*f, 0, 64, rng);  // grows all three slots inside the step
+  EXPECT_EQ(f->allocator->release_calls, 2);
+  EXPECT_EQ(f->allocator->superseded(), 3u);  // kept through the step's end
+  ForwardAndCheck(*f, 0, 5, rng);
+  EXPECT_EQ(f->allocator->release_calls, 3);
+  EXPECT_EQ(f->allocator->superseded(), 0u);
 }
 
 TEST(ModularKernelGraphs, UnstageableInputsRunEagerly) {
