@@ -99,10 +99,12 @@ decode_bench_env() {
 
 # decode_summary CSV SETTING...: CSV holds moe_experts_bench rows with a setting in front. Prints,
 # per (layer, tokens, routing), each setting's median us, its share of the floor (all experts'
-# weight bytes over FLOOR_TBS, default 4.3 TB/s: an H200's; an H100 copies at about 3.0) and its
-# ratio to the first setting.
+# weight bytes over FLOOR_TBS; by default the copy bandwidth measured on this GPU's kind: 3.01
+# TB/s on an H100, else 4.3, an H200's) and its ratio to the first setting.
 decode_summary() {
-  FLOOR_TBS=${FLOOR_TBS:-4.3} python3 - "$@" <<'PY'
+  local floor=4.3
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && floor=3.01
+  FLOOR_TBS=${FLOOR_TBS:-$floor} python3 - "$@" <<'PY'
 import os, sys, collections, statistics
 tbs = float(os.environ["FLOOR_TBS"])
 sets = sys.argv[2:]

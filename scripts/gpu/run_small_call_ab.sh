@@ -37,14 +37,13 @@ row() { :; }
 source "$(dirname "$0")/serve_lib.sh"
 # The copy setting follows the build letter (b0, b1m, with any suffixes: b0s, b1mq); g anywhere
 # after it sets the gather threshold. One environment assignment (env takes it as one word).
-env_of() {
-  case ${1:1} in
-    0*) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0 ;;
-    1m*) echo MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576 ;;
-    *g*) echo MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072} ;;
-    *e*) echo MOESERVE_EARLY_WEIGHTS=0 ;;
-    *) echo MOESERVE_UNUSED=1 ;;
-  esac
+env_of() {  # every setting the variant's suffix names (e.g. b0e: no SM copies, no early weights)
+  local s=${1:1} out=""
+  [[ $s == 0* ]] && out+=" MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0"
+  [[ $s == 1m* ]] && out+=" MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576"
+  [[ $s == *g* ]] && out+=" MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072}"
+  [[ $s == *e* ]] && out+=" MOESERVE_EARLY_WEIGHTS=0"
+  echo "${out:-MOESERVE_UNUSED=1}"
 }
 bin_of() { echo "${1:0:1}"; }
 flags_of() {
@@ -63,11 +62,11 @@ CSV=$OUT/engine.csv
 [ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $(round_order $round $VARIANTS); do
   [[ ${v:1} == *[sqgci]* ]] && continue  # server-only settings: the in-process bench is the same
   for timed in 1 0; do
-    env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
+    env $(env_of $v) timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
       --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |
       awk -F, -v v=$v -v t=$timed '{print v",trivial,"t","$0}' >> "$CSV"
   done
-  env "$(env_of $v)" timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model seed \
+  env $(env_of $v) timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model seed \
     --weight_format mxfp8 --tokens 1,16 --iters 400 --timed 1 | grep -v '^#\|^tokens' |
     awk -F, -v v=$v '{print v",seed,1,"$0}' >> "$CSV"
 done; done
@@ -75,7 +74,7 @@ SCSV=$OUT/server.csv
 # shellcheck disable=SC2086
 for round in $(seq "${ROUNDS:-2}"); do for v in $(round_order $round $VARIANTS); do
   ln -sf "$B/moeserve_$(bin_of $v)" "$B/moeserve"
-  export "$(env_of $v)"
+  export $(env_of $v)
   # shellcheck disable=SC2046
   serve "${v}_r$round" $TRIVIAL $(flags_of $v)
   for m in ${MS:-1 16 64}; do

@@ -145,7 +145,7 @@ TEST(InProcessComm, ErrorOnOneRankAbortsTheCollectiveForAll) {
   auto statuses = threads.Run([&](int r) -> absl::Status {
     if (r == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      const absl::Status cause = absl::InvalidArgumentError("rank 1 exploded");
+      absl::Status cause = absl::InvalidArgumentError("rank 1 exploded");
       g.comms[r]->Abort(cause);
       return cause;
     }
