@@ -70,6 +70,14 @@ cudaStream_t StreamOf(const CudaContext& ctx) { return static_cast<cudaStream_t>
 constexpr int64_t kAlignBytes = 256;
 int64_t AlignUp(int64_t x) { return (x + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
 
+// workspace2 starts with the routing: counts [e], offsets [e + 1], sorted routes and slots [rows]
+// each, then the align's scratch (kernels::MoeAlignScratchInts), each part 256-byte aligned.
+int64_t RoutingIndexBytes(int64_t e, int64_t rows) { return AlignUp((2 * e + 2 + 2 * rows) * 4); }
+int64_t RoutingBytes(int64_t e, int64_t rows) {
+  return RoutingIndexBytes(e, rows) +
+         AlignUp(kernels::MoeAlignScratchInts(rows, static_cast<int>(e)) * 4);
+}
+
 // A layer's plain copy for the grouped GEMM (device memory, owned): BF16 (MXFP8 layers
 // dequantized into it), or for W8A8 an MXFP8 layer's plain E4M3 values with one FP32 scale per
 // row per 128 K (kernels::LaunchUnpackMoeWeightsPlainFp8).
@@ -229,7 +237,7 @@ class CudaGroupedExperts final : public Experts {
     s.workspace13 = {rows, row_elems};
     s.workspace13_dtype = DType::kBF16;
     const int64_t e = p.num_local_experts;
-    const int64_t routing = AlignUp((2 * e + 2 + 2 * rows) * 4);
+    const int64_t routing = RoutingBytes(e, rows);
     s.workspace2 = {(routing + GemmWorkspaceBytes(e) + scales) / 4 + 1};
     s.workspace2_dtype = DType::kINT32;
     s.output = {p.num_tokens, p.hidden};
@@ -339,15 +347,17 @@ absl::Status CudaGroupedExperts::Apply(const ExpertsApplyArgs& args) {
   int32_t* offsets = counts + e;
   int32_t* sorted = offsets + e + 1;
   int32_t* slot = sorted + rows;
+  int32_t* align_scratch = reinterpret_cast<int32_t*>(
+      static_cast<char*>(args.workspace2.raw_data()) + RoutingIndexBytes(e, rows));
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(p.topk_ids.data<int32_t>(), rows,
                                                         static_cast<int>(e), counts, offsets,
-                                                        sorted, slot, stream));
+                                                        sorted, slot, stream, align_scratch));
   const bool grouped =
       plain != nullptr &&
       (must ||
        rows >= CudaGroupedCrossoverRoutes(h, l.intermediate, layer->format, plain->fp8) * e);
   if (grouped) {
-    const int64_t routing = AlignUp((2 * e + 2 + 2 * rows) * 4);
+    const int64_t routing = RoutingBytes(e, rows);
     char* ws2 = static_cast<char*>(args.workspace2.raw_data());
     if (plain->fp8) {
       return RunGroupedFp8(args, *layer, *plain, counts, offsets, sorted, slot, ws2 + routing,

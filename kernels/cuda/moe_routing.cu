@@ -96,6 +96,154 @@ __global__ void MoeAlignKernel(const int32_t* __restrict__ ids, int64_t num_rout
   }
 }
 
+// The alignment over several blocks (LaunchMoeAlign with scratch), for many routes: one block's
+// pass over 8192 routes is 19-27 us on an H100, its warps stalled on match.any and shared memory
+// (short scoreboard; Nsight Compute, 2026-12-05). Block b owns routes [b * 32 * per_warp, (b + 1) *
+// 32 * per_warp), each of its kAlignWarps warps a contiguous piece of per_warp. The count kernel
+// stores each warp's counts as exclusive prefixes within its block (scratch "warp" [B][32][E]) and
+// the block's totals ("block" [B][E]); the place kernel turns them into positions (experts in
+// order, then blocks, then warps, then routes: the same stable order as the one-block kernel) and
+// places the block's routes.
+constexpr int kAlignWarps = 32;
+
+__global__ void MoeAlignCountKernel(const int32_t* __restrict__ ids, int64_t num_routes,
+                                    int num_experts, int64_t per_warp,
+                                    int32_t* __restrict__ block_totals,
+                                    int32_t* __restrict__ warp_bases) {
+  PdlWait();
+  PdlLaunchDependents();
+  extern __shared__ int32_t cnt[];  // [kAlignWarps][E]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = num_experts;
+  for (int i = threadIdx.x; i < kAlignWarps * E; i += blockDim.x) cnt[i] = 0;
+  __syncthreads();
+  const int64_t begin = (static_cast<int64_t>(blockIdx.x) * kAlignWarps + warp) * per_warp;
+  const int64_t end = begin + per_warp < num_routes ? begin + per_warp : num_routes;
+  int32_t* my = cnt + warp * E;
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t r = base + lane;
+    const int e = r < end ? ids[r] : -1;
+    const bool valid = e >= 0 && e < E;
+    const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+    if (valid && lane == __ffs(peers) - 1) my[e] += __popc(peers);
+    __syncwarp();
+  }
+  __syncthreads();
+  int32_t* out = warp_bases + static_cast<int64_t>(blockIdx.x) * kAlignWarps * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t run = 0;
+    for (int w = 0; w < kAlignWarps; ++w) {
+      out[w * E + e] = run;
+      run += cnt[w * E + e];
+    }
+    block_totals[static_cast<int64_t>(blockIdx.x) * E + e] = run;
+  }
+}
+
+__global__ void MoeAlignPlaceKernel(const int32_t* __restrict__ ids, int64_t num_routes,
+                                    int num_experts, int64_t per_warp,
+                                    const int32_t* __restrict__ block_totals,
+                                    const int32_t* __restrict__ warp_bases,
+                                    int32_t* __restrict__ counts, int32_t* __restrict__ offsets,
+                                    int32_t* __restrict__ sorted, int32_t* __restrict__ slot) {
+  PdlWait();
+  PdlLaunchDependents();
+  extern __shared__ int32_t smem[];
+  const int E = num_experts, blocks = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int32_t* pos = smem;                     // [kAlignWarps][E]: each warp's next position
+  int32_t* excl = smem + kAlignWarps * E;  // [E]: expert e's first position
+  int32_t* before = excl + E;              // [E]: routes of e in the blocks before b
+  __shared__ int32_t served;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t total = 0, earlier = 0;
+    for (int k = 0; k < blocks; ++k) {
+      const int32_t c = block_totals[static_cast<int64_t>(k) * E + e];
+      if (k < b) earlier += c;
+      total += c;
+    }
+    excl[e] = total;  // the total for now
+    before[e] = earlier;
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scan of the totals: each lane a contiguous chunk
+    const int chunk = (E + 31) / 32;
+    const int lo = lane * chunk, hi = min(E, lo + chunk);
+    int32_t sum = 0;
+    for (int e = lo; e < hi; ++e) sum += excl[e];
+    int32_t inc = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    int32_t run = inc - sum;
+    for (int e = lo; e < hi; ++e) {
+      const int32_t c = excl[e];
+      if (b == 0) {
+        counts[e] = c;
+        offsets[e] = run;
+      }
+      excl[e] = run;
+      run += c;
+    }
+    if (lane == 31) {
+      served = inc;
+      if (b == 0) offsets[E] = inc;
+    }
+  }
+  __syncthreads();
+  const int32_t* mine = warp_bases + static_cast<int64_t>(b) * kAlignWarps * E;
+  for (int i = threadIdx.x; i < kAlignWarps * E; i += blockDim.x) {
+    const int e = i % E;
+    pos[i] = mine[i] + excl[e] + before[e];
+  }
+  __syncthreads();
+  const int64_t begin = (static_cast<int64_t>(b) * kAlignWarps + warp) * per_warp;
+  const int64_t end = begin + per_warp < num_routes ? begin + per_warp : num_routes;
+  int32_t* my = pos + warp * E;
+  const unsigned lt = (1u << lane) - 1;
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t r = base + lane;
+    const int e = r < end ? ids[r] : -1;
+    const bool valid = e >= 0 && e < E;
+    const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+    if (valid) {
+      const int32_t p = my[e] + __popc(peers & lt);
+      sorted[p] = static_cast<int32_t>(r);
+      slot[r] = p - excl[e];
+    } else if (r < end) {
+      slot[r] = -1;
+    }
+    __syncwarp();
+    if (valid && lane == __ffs(peers) - 1) my[e] += __popc(peers);
+    __syncwarp();
+  }
+  // Unserved tail of sorted_routes, this block's share of it.
+  const int64_t lo = static_cast<int64_t>(b) * kAlignWarps * per_warp;
+  const int64_t hi =
+      lo + kAlignWarps * per_warp < num_routes ? lo + kAlignWarps * per_warp : num_routes;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    if (i >= served) sorted[i] = -1;
+  }
+}
+
+// How LaunchMoeAlign spreads num_routes over blocks: 0 blocks where it takes one block.
+struct AlignSplit {
+  int blocks = 0;
+  int64_t per_warp = 0;
+};
+AlignSplit SplitAlign(int64_t num_routes, int num_experts) {
+  AlignSplit s;
+  if (num_experts > kMoeAlignMultiBlockMaxExperts || num_routes < kMoeAlignMultiBlockMinRoutes) {
+    return s;
+  }
+  const int64_t blocks =
+      std::min<int64_t>((num_routes + kMoeAlignBlockRoutes - 1) / kMoeAlignBlockRoutes, 128);
+  const int64_t per_block = (num_routes + blocks - 1) / blocks;
+  s.per_warp = ((per_block + kAlignWarps - 1) / kAlignWarps + 31) / 32 * 32;
+  s.blocks = static_cast<int>(blocks);
+  return s;
+}
+
 __global__ void PermuteToBatchedKernel(const uint16_t* __restrict__ x,
                                        const int32_t* __restrict__ ids,
                                        const int32_t* __restrict__ slot, int64_t num_routes,
@@ -197,10 +345,33 @@ int ReduceBlocks(int64_t n) {
 
 }  // namespace
 
+int64_t MoeAlignScratchInts(int64_t num_routes, int num_experts) {
+  const AlignSplit s = SplitAlign(num_routes, num_experts);
+  return static_cast<int64_t>(s.blocks) * (kAlignWarps + 1) * num_experts;
+}
+
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
                            int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
-                           int32_t* route_slot, cudaStream_t stream) {
+                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch) {
   if (num_experts <= 0 || num_experts > kMoeAlignMaxExperts) return cudaErrorInvalidValue;
+  if (const AlignSplit split = SplitAlign(num_routes, num_experts);
+      scratch != nullptr && split.blocks > 0) {
+    int32_t* block_totals = scratch;
+    int32_t* warp_bases = scratch + static_cast<int64_t>(split.blocks) * num_experts;
+    const size_t count_smem = static_cast<size_t>(kAlignWarps) * num_experts * sizeof(int32_t);
+    const size_t place_smem = static_cast<size_t>(kAlignWarps + 2) * num_experts * sizeof(int32_t);
+    if (const cudaError_t err = LaunchPdl(
+            MoeAlignCountKernel, dim3(split.blocks), dim3(kAlignWarps * 32), count_smem, stream,
+            topk_ids, num_routes, num_experts, split.per_warp, block_totals, warp_bases);
+        err != cudaSuccess) {
+      return err;
+    }
+    return LaunchPdl(MoeAlignPlaceKernel, dim3(split.blocks), dim3(kAlignWarps * 32), place_smem,
+                     stream, topk_ids, num_routes, num_experts, split.per_warp,
+                     static_cast<const int32_t*>(block_totals),
+                     static_cast<const int32_t*>(warp_bases), expert_counts, expert_offsets,
+                     sorted_routes, route_slot);
+  }
   int warps = static_cast<int>(48 * 1024 / 4 / num_experts) - 1;
   // A warp per 128 routes or more: a decode step's few routes need one warp, not 32 of them
   // zeroing counters and meeting at every barrier.

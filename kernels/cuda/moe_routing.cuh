@@ -18,16 +18,29 @@ namespace moeserve::kernels {
 // int32 must fit (12288 was advertised and failed to launch above 6144).
 inline constexpr int kMoeAlignMaxExperts = 48 * 1024 / 4 / 2;
 
+// Where LaunchMoeAlign may spread its work over several blocks (given scratch): at most this many
+// experts (each block's counters for 32 warps in 32 KiB of shared memory), from
+// kMoeAlignMultiBlockMinRoutes routes, a block per kMoeAlignBlockRoutes. On an H100 (Nsight
+// Compute, 2026-12-05) the one block took 10-11 us at 2048 routes and 19-27 us at 8192; the two
+// launches about 5 + 7.5 us at any count, so they pay from about 3000 routes.
+inline constexpr int kMoeAlignMultiBlockMaxExperts = 256;
+inline constexpr int64_t kMoeAlignMultiBlockMinRoutes = 4096;
+inline constexpr int64_t kMoeAlignBlockRoutes = 1024;
+
 // Groups the num_routes routes of topk_ids by expert, stable (ascending route order inside an
 // expert). Outputs (device, written in full):
 //   expert_counts [num_experts]      routes per expert
 //   expert_offsets [num_experts + 1] exclusive prefix sum; [num_experts] = routes served
 //   sorted_routes [num_routes]       route ids grouped by expert; -1 past the served ones
 //   route_slot [num_routes]          position of each route inside its expert's group, or -1
-// One thread block; O(num_routes) work. num_routes may be 0.
+// O(num_routes) work. num_routes may be 0. With `scratch` (device, MoeAlignScratchInts int32;
+// may be null), from kMoeAlignMultiBlockMinRoutes routes of at most kMoeAlignMultiBlockMaxExperts
+// experts, two launches of a block per kMoeAlignBlockRoutes routes (up to 128 blocks); else one
+// block. The same outputs either way.
+int64_t MoeAlignScratchInts(int64_t num_routes, int num_experts);
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
                            int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
-                           int32_t* route_slot, cudaStream_t stream);
+                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch = nullptr);
 
 // BF16 rows of x [num_tokens, hidden] to out [num_experts, max_tokens, hidden]: route r with
 // expert e and slot s = route_slot[r] < max_tokens copies row r / topk to out[e, s]. Rows of

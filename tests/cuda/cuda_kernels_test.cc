@@ -73,23 +73,40 @@ class CudaKernelsTest : public ::testing::Test {
   }
 };
 
+// One block, and (with scratch, from 4096 routes of at most 256 experts) several: the same
+// outputs as the reference, stable. Skewed ids too (most routes on one expert), and block sizes
+// that do not divide the routes.
 TEST_F(CudaKernelsTest, AlignMatchesRefAndIsStable) {
   std::mt19937 rng(1);
-  for (int64_t routes : {0, 1, 7, 300, 4096 * 8, 100000}) {
-    for (int e : {1, 8, 32, 256, 1000, 5000, kMoeAlignMaxExperts}) {
-      std::uniform_int_distribution<int> id(-1, e);  // -1 and e: not served here
-      std::vector<int32_t> ids(routes);
-      for (auto& v : ids) v = id(rng);
-      std::vector<int32_t> c(e), o(e + 1), s(routes), sl(routes);
-      MoeAlignRef(ids.data(), routes, e, c.data(), o.data(), s.data(), sl.data());
-      Dev<int32_t> d_ids(ids), dc(e), doff(e + 1), ds(routes), dsl(routes);
-      CUDA_OK(LaunchMoeAlign(d_ids.p, routes, e, dc.p, doff.p, ds.p, dsl.p, nullptr));
-      CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(dc.Get(), c) << routes << " routes, " << e << " experts";
-      EXPECT_EQ(doff.Get(), o);
-      if (routes > 0) {
-        EXPECT_EQ(ds.Get(), s);
-        EXPECT_EQ(dsl.Get(), sl);
+  for (int64_t routes : {0, 1, 7, 300, 2048, 4095, 4096, 4096 * 8, 4096 * 8 + 17, 100000, 300001}) {
+    for (int e : {1, 8, 32, 256, 257, 1000, 5000, kMoeAlignMaxExperts}) {
+      for (bool skewed : {false, true}) {
+        if (skewed && routes < 2048) continue;
+        std::uniform_int_distribution<int> id(-1, e);  // -1 and e: not served here
+        std::vector<int32_t> ids(routes);
+        for (auto& v : ids) v = skewed && rng() % 4 != 0 ? e / 2 : id(rng);
+        std::vector<int32_t> c(e), o(e + 1), s(routes), sl(routes);
+        MoeAlignRef(ids.data(), routes, e, c.data(), o.data(), s.data(), sl.data());
+        const int64_t scratch_ints = MoeAlignScratchInts(routes, e);
+        EXPECT_EQ(scratch_ints > 0,
+                  routes >= kMoeAlignMultiBlockMinRoutes && e <= kMoeAlignMultiBlockMaxExperts)
+            << routes << " routes, " << e << " experts";
+        for (bool with_scratch : {false, true}) {
+          SCOPED_TRACE(testing::Message()
+                       << routes << " routes, " << e << " experts" << (skewed ? ", skewed" : "")
+                       << (with_scratch ? ", with scratch" : ""));
+          Dev<int32_t> d_ids(ids), dc(e), doff(e + 1), ds(routes), dsl(routes),
+              scratch(static_cast<size_t>(std::max<int64_t>(scratch_ints, 1)));
+          CUDA_OK(LaunchMoeAlign(d_ids.p, routes, e, dc.p, doff.p, ds.p, dsl.p, nullptr,
+                                 with_scratch ? scratch.p : nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          EXPECT_EQ(dc.Get(), c);
+          EXPECT_EQ(doff.Get(), o);
+          if (routes > 0) {
+            EXPECT_EQ(ds.Get(), s);
+            EXPECT_EQ(dsl.Get(), sl);
+          }
+        }
       }
     }
   }

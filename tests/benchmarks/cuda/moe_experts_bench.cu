@@ -18,9 +18,10 @@
 // also "random": every token's top-k experts drawn uniformly without repeats, so that counts
 // vary around the average as real routing does; balanced gives every expert the same count),
 // MOESERVE_BENCH_SPLIT_K=0 (the decode GEMMs without their split-K workspace),
-// MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3, MOESERVE_BENCH_WGMMA_FROM=N (warpgroup-MMA tiles
-// from N routes per expert on), MOESERVE_BENCH_GROUPED_TILE=64 or 128 (the grouped GEMMs' tile
-// rows, whatever the row count would pick).
+// MOESERVE_BENCH_ALIGN_SCRATCH=0 (the one-block align), MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3,
+// MOESERVE_BENCH_WGMMA_FROM=N (warpgroup-MMA tiles from N routes per expert on),
+// MOESERVE_BENCH_GROUPED_TILE=64 or 128 (the grouped GEMMs' tile rows, whatever the row count would
+// pick).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -227,8 +228,14 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(idss[k], ids.data(), R * 4, cudaMemcpyHostToDevice));
           }
           int32_t* ws;
-          CK(cudaMalloc(&ws, (2 * E + 2 + 2 * R) * 4));
+          // The align's scratch follows, as in the CUDA Experts' workspace
+          // (MOESERVE_BENCH_ALIGN_SCRATCH=0: none, the one-block align).
+          const char* scratch_env = std::getenv("MOESERVE_BENCH_ALIGN_SCRATCH");
+          const bool align_scratch = scratch_env == nullptr || std::string(scratch_env) != "0";
+          const int64_t scratch_ints = align_scratch ? MoeAlignScratchInts(R, E) : 0;
+          CK(cudaMalloc(&ws, (2 * E + 2 + 2 * R + scratch_ints) * 4));
           int32_t *counts = ws, *offsets = ws + E, *sorted = offsets + E + 1, *slot = sorted + R;
+          int32_t* scratch = scratch_ints > 0 ? slot + R : nullptr;
           uint16_t* inter;
           float* out;
           CK(cudaMalloc(&inter, R * l.intermediate_padded * 2));
@@ -347,7 +354,7 @@ int main(int argc, char** argv) {
               g1.act = xs[k];
               g1.route_ids = idss[k];
               CK(cudaEventRecord(e0, stream));
-              CK(LaunchMoeAlign(idss[k], R, E, counts, offsets, sorted, slot, stream));
+              CK(LaunchMoeAlign(idss[k], R, E, counts, offsets, sorted, slot, stream, scratch));
               if (path == "decode") {
                 CK(LaunchMoeGroupedGemm(g1, num_sms, stream));
                 CK(LaunchMoeGroupedGemm(g2, num_sms, stream));
