@@ -347,6 +347,33 @@ __device__ __forceinline__ void CountRouteIds(const MoeGemmParams& p, int32_t* s
   }
 }
 
+// Whether a decode launch (with a producer warp) reads its schedule's counts and requests its
+// first weight stages before PdlWait (MoeGemmParams::weights_before_wait: W2 from the align's
+// counts, complete once W13 has started; W13 from route ids it counts itself). A launch that does
+// not waits here and lets its dependents start. Either way every CTA waits before it exits.
+template <MoeGemmKind KIND>
+__device__ __forceinline__ bool WaitUnlessEarly(const MoeGemmParams& p, bool producer_warp) {
+  const bool early = producer_warp && p.weights_before_wait &&
+                     (KIND == MoeGemmKind::kDown || p.route_ids != nullptr);
+  if (!early) {
+    PdlWait();
+    PdlLaunchDependents();
+  }
+  return early;
+}
+
+// The schedule's per-expert counts and first rows: counted from the route ids by an early W13,
+// else read from the align's outputs.
+template <MoeGemmKind KIND>
+__device__ __forceinline__ void ScheduleCounts(const MoeGemmParams& p, bool early, int32_t* s_cnt,
+                                               int32_t* s_row0) {
+  if (KIND == MoeGemmKind::kGateUpSilu && early) {
+    CountRouteIds(p, s_cnt, s_row0);
+  } else {
+    LoadExpertCounts(p, s_cnt, s_row0);
+  }
+}
+
 // The epilogue's store of one accumulator pair of route row `row` (both GEMM tile kinds): an MMA
 // thread holds weight rows r and r + 8 of a column. W13: rows r, r + 8 are the gate and up rows
 // of intermediate column r / 2 (packed 8 gate / 8 up), stored as BF16 SiLU(gate) * up. W2: hidden
@@ -596,16 +623,8 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   static_assert(!kWg || kTma, "the warpgroup-MMA decode tile has a producer warp");
-  // Launched early (LaunchPdl): what the kernels before wrote is read only after PdlWait. With
-  // p.weights_before_wait the counts are read, and the producer's first stages of weights
-  // requested, before it (see MoeGemmParams); every CTA still waits before it exits, so that
-  // this grid completes only after the ones before it.
-  const bool early =
-      kTma && p.weights_before_wait && (KIND == MoeGemmKind::kDown || p.route_ids != nullptr);
-  if (!early) {
-    PdlWait();
-    PdlLaunchDependents();
-  }
+  // Launched early (LaunchPdl): what the kernels before wrote is read only after PdlWait.
+  const bool early = WaitUnlessEarly<KIND>(p, kTma);
   using C = GemmCfg<kFp8, BN, WM, WN, STAGES, KIND, KB, kWg>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // kWg: the swizzled activation blocks need 1024-byte alignment (SmemBytes reserves it).
@@ -628,11 +647,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
   const int mtiles = static_cast<int>(rows_packed / kBM);
   const int num_kb = static_cast<int>(kp / kBK);
 
-  if (KIND == MoeGemmKind::kGateUpSilu && early) {
-    CountRouteIds(p, s_cnt, s_row0);
-  } else {
-    LoadExpertCounts(p, s_cnt, s_row0);
-  }
+  ScheduleCounts<KIND>(p, early, s_cnt, s_row0);
   if (kTma && tid < STAGES) {
     MbarInit(full0 + 8 * tid, 32);         // the producer's 32 lanes (cp.async arrivals)
     MbarInit(empty0 + 8 * tid, kThreads);  // every MMA thread
@@ -1502,12 +1517,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
 #else
   // As MoeGemmKernel: with p.weights_before_wait the schedule and the first stages' weights
   // come before PdlWait.
-  const bool early =
-      p.weights_before_wait && (KIND == MoeGemmKind::kDown || p.route_ids != nullptr);
-  if (!early) {
-    PdlWait();
-    PdlLaunchDependents();
-  }
+  const bool early = WaitUnlessEarly<KIND>(p, true);
   constexpr int BN = 16, KB = 2, STAGES = kPairStages;
   using C = GemmCfg<true, BN, 8, 1, STAGES, KIND, KB>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -1529,11 +1539,7 @@ __global__ void __launch_bounds__(kThreads + 32, 2) MoeGemmPairKernel(const MoeG
   const int num_st = (num_kb + 1) / 2;
   const int mpairs = (mtiles + 1) / 2;
 
-  if (KIND == MoeGemmKind::kGateUpSilu && early) {
-    CountRouteIds(p, s_cnt, s_row0);
-  } else {
-    LoadExpertCounts(p, s_cnt, s_row0);
-  }
+  ScheduleCounts<KIND>(p, early, s_cnt, s_row0);
   if (tid < STAGES) {
     MbarInit(full0 + 8 * tid, 32);             // the producer's 32 lanes (cp.async arrivals)
     MbarInit(empty0 + 8 * tid, 2 * kThreads);  // the MMA threads of this CTA and of the peer
