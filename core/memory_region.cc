@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/background_release.h"
 #include "core/provider_registry.h"
 #include "core/status_macros.h"
 
@@ -83,7 +84,16 @@ class SystemSharedMemoryRegion final : public MemoryRegion {
     }
   }
   ~SystemSharedMemoryRegion() override {
-    if (pinner_ != nullptr) pinner_->Unpin(map_);
+    if (pinner_ != nullptr) {
+      // Unlocking waits for the whole device (cudaHostUnregister): on the background release
+      // thread, not on the one that unregistered the region or answered its last call.
+      ReleaseInBackground([pinner = pinner_, map = map_, bytes = map_bytes_, fd = fd_] {
+        pinner->Unpin(map);
+        munmap(map, bytes);
+        close(fd);
+      });
+      return;
+    }
     munmap(map_, map_bytes_);
     close(fd_);
   }

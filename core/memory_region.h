@@ -114,6 +114,9 @@ absl::Status CheckRegionRange(int64_t region_bytes, int64_t offset, int64_t byte
 
 // Page-locks host memory so a device copies it by DMA; the CUDA backend provides one
 // (cudaHostRegister). Thread-safe.
+// Page-locks host memory for DMA (the CUDA backend's cudaHostRegister). Unpin may wait for the
+// whole device, so it is called on the background release thread (core/background_release.h):
+// both must be thread-safe, and a pinner lives as long as the process.
 class HostMemoryPinner {
  public:
   virtual ~HostMemoryPinner() = default;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -13,17 +15,19 @@ constexpr size_t kPage = 4096;
 
 struct Block {
   void* data;
-  size_t capacity;
   bool pinned;
 };
 
 struct FreeList {
   std::mutex mu;
-  std::vector<Block> buffers;
-  size_t bytes = 0;
+  // Free buffers by capacity; equal capacities in release order (the last is the newest).
+  std::multimap<size_t, Block> buffers;
+  // The unpinned free buffers, which the bounds apply to (pinned ones always stay).
+  size_t unpinned_count = 0;
+  size_t unpinned_bytes = 0;
   PooledBuffer::Pin pin;
   PooledBuffer::Unpin unpin;
-  size_t pinned_bytes = 0;
+  size_t pinned_bytes = 0;  // every pinned buffer, in use or free
 };
 
 // Never destroyed: reply slices may release buffers during process exit.
@@ -53,20 +57,20 @@ std::unique_ptr<PooledBuffer> PooledBuffer::Acquire(size_t bytes) {
   PooledBuffer::Pin pin;
   {
     std::lock_guard<std::mutex> lock(pool.mu);
-    // Best fit among the free buffers, so a small call does not take a large one; of equal
-    // fits the one released last, whose lines are likeliest still in the CPU's caches (a call
-    // writes its request into it next).
-    auto best = pool.buffers.end();
-    for (auto it = pool.buffers.begin(); it != pool.buffers.end(); ++it) {
-      if (it->capacity >= bytes && (best == pool.buffers.end() || it->capacity <= best->capacity)) {
-        best = it;
+    // Best fit, so that a small call does not take a large one; of equal fits the one released
+    // last, whose lines are likeliest still in the CPU's caches (a call writes its request into
+    // it next).
+    auto fit = pool.buffers.lower_bound(bytes);
+    if (fit != pool.buffers.end()) {
+      fit = std::prev(pool.buffers.upper_bound(fit->first));
+      const size_t capacity = fit->first;
+      const Block b = fit->second;
+      pool.buffers.erase(fit);
+      if (!b.pinned) {
+        --pool.unpinned_count;
+        pool.unpinned_bytes -= capacity;
       }
-    }
-    if (best != pool.buffers.end()) {
-      const Block b = *best;
-      pool.bytes -= b.capacity;
-      pool.buffers.erase(best);
-      return std::unique_ptr<PooledBuffer>(new PooledBuffer(b.data, b.capacity, true, b.pinned));
+      return std::unique_ptr<PooledBuffer>(new PooledBuffer(b.data, capacity, true, b.pinned));
     }
     if (bytes >= kMinPinnedBytes && pool.pin &&
         pool.pinned_bytes + (bytes + kPage - 1) / kPage * kPage <= kMaxPinnedBytes) {
@@ -89,17 +93,19 @@ PooledBuffer::~PooledBuffer() {
   if (data_ == nullptr) return;
   if (pooled_) {
     FreeList& pool = Pool();
-    std::unique_lock<std::mutex> lock(pool.mu);
-    if (pool.buffers.size() < kMaxFreeBuffers && pool.bytes + capacity_ <= kMaxFreeBytes) {
-      pool.bytes += capacity_;
-      pool.buffers.push_back(Block{data_, capacity_, pinned_});
+    std::lock_guard<std::mutex> lock(pool.mu);
+    // A pinned buffer always stays: unlocking it (cudaHostUnregister) would wait for the whole
+    // device and hold every thread's CUDA calls meanwhile (scripts/gpu/alloc_wait_probe.cu on an
+    // H100, 2026-12-05), a stall of every call in flight. Pinned bytes are bounded anyway
+    // (kMaxPinnedBytes), in use or free.
+    if (pinned_ || (pool.unpinned_count < kMaxFreeBuffers &&
+                    pool.unpinned_bytes + capacity_ <= kMaxFreeBytes)) {
+      if (!pinned_) {
+        ++pool.unpinned_count;
+        pool.unpinned_bytes += capacity_;
+      }
+      pool.buffers.emplace(capacity_, Block{data_, pinned_});
       return;
-    }
-    if (pinned_) {
-      pool.pinned_bytes -= capacity_;
-      const PooledBuffer::Unpin unpin = pool.unpin;
-      lock.unlock();
-      unpin(data_);
     }
   }
   std::free(data_);
@@ -107,18 +113,19 @@ PooledBuffer::~PooledBuffer() {
 
 void DrainPooledBuffersForTesting() {
   FreeList& pool = Pool();
-  std::vector<Block> blocks;
+  std::multimap<size_t, Block> blocks;
   PooledBuffer::Unpin unpin;
   {
     std::lock_guard<std::mutex> lock(pool.mu);
     blocks.swap(pool.buffers);
-    pool.bytes = 0;
+    pool.unpinned_count = 0;
+    pool.unpinned_bytes = 0;
     unpin = pool.unpin;
-    for (const Block& b : blocks) {
-      if (b.pinned) pool.pinned_bytes -= b.capacity;
+    for (const auto& [capacity, b] : blocks) {
+      if (b.pinned) pool.pinned_bytes -= capacity;
     }
   }
-  for (const Block& b : blocks) {
+  for (const auto& [capacity, b] : blocks) {
     if (b.pinned) unpin(b.data);
     std::free(b.data);
   }
@@ -128,6 +135,18 @@ size_t PooledFreeBuffersForTesting() {
   FreeList& pool = Pool();
   std::lock_guard<std::mutex> lock(pool.mu);
   return pool.buffers.size();
+}
+
+size_t PooledFreeUnpinnedBuffersForTesting() {
+  FreeList& pool = Pool();
+  std::lock_guard<std::mutex> lock(pool.mu);
+  return pool.unpinned_count;
+}
+
+size_t PooledPinnedBytesForTesting() {
+  FreeList& pool = Pool();
+  std::lock_guard<std::mutex> lock(pool.mu);
+  return pool.pinned_bytes;
 }
 
 }  // namespace moeserve

@@ -6,7 +6,8 @@
 // new/delete, 5.50 ms when malloc kept its blocks (tests/benchmarks/transport/RESULTS.md).
 //
 // With a host pinner installed (a GPU engine), large buffers are also page-locked once, when
-// they are first allocated, and stay so while they are recycled: the engine then copies a
+// they are first allocated, and stay so while they are recycled (never unlocked while serving,
+// up to kMaxPinnedBytes in all): the engine then copies a
 // request's gathered bytes to the device, and the answer back into the reply's buffer, by DMA
 // with no staging copy (PooledBuffer::pinned(); the views say Device::PinnedHost()).
 //
@@ -42,7 +43,10 @@ class PooledBuffer {
   using Unpin = std::function<void(void* data)>;
   static void InstallHostPinner(Pin pin, Unpin unpin);
 
-  // Free buffers kept at most (count, bytes); beyond, released buffers go back to malloc.
+  // Unpinned free buffers kept at most (count, bytes); beyond, released ones go back to malloc.
+  // A page-locked buffer always returns to the free list and is never unlocked while serving:
+  // cudaHostUnregister waits for the whole device and holds every thread's CUDA calls until
+  // then. Page-locked bytes are bounded by kMaxPinnedBytes, in use or free.
   static constexpr size_t kMaxFreeBuffers = 32;
   static constexpr size_t kMaxFreeBytes = size_t{1} << 30;
   // Buffers smaller than this are plain allocations (malloc reuses them cheaply).
@@ -61,8 +65,11 @@ class PooledBuffer {
   bool pinned_;
 };
 
-// Tests only: buffers on the free list now (count, bytes).
+// Tests only: buffers on the free list now (all; the unpinned ones), and the page-locked bytes
+// of the pool (in use or free).
 size_t PooledFreeBuffersForTesting();
+size_t PooledFreeUnpinnedBuffersForTesting();
+size_t PooledPinnedBytesForTesting();
 // Tests only: frees every buffer on the free list (unpinning those pinned).
 void DrainPooledBuffersForTesting();
 

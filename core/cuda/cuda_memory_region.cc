@@ -13,6 +13,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/background_release.h"
 #include "core/cuda/cuda_backend.h"
 #include "core/cuda/device_scope.h"
 #include "core/status_macros.h"
@@ -23,6 +24,16 @@ static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleBytes,
               "kCudaIpcHandleBytes must match cudaIpcMemHandle_t");
 
 namespace {
+
+// cudaFreeHost waits for the whole device: the landing area goes on the background release
+// thread (its copies were waited for when they were made).
+void FreeBounceInBackground(void* bounce) {
+  if (bounce == nullptr) return;
+  ReleaseInBackground([bounce] {
+    cudaFreeHost(bounce);
+    cudaGetLastError();
+  });
+}
 
 // An opened IPC handle. CUDA opens a given handle once per process, so regions naming the same
 // allocation share it (by the handle's bytes); closed when the last region goes.
@@ -40,7 +51,7 @@ struct OpenedHandle {
 
   ~OpenedHandle() {
     DeviceScope scope(device);
-    if (bounce != nullptr) cudaFreeHost(bounce);
+    FreeBounceInBackground(bounce);
     if (stream != nullptr) cudaStreamDestroy(stream);
     if (ptr != nullptr) cudaIpcCloseMemHandle(ptr);
     cudaGetLastError();
@@ -167,7 +178,7 @@ class CudaIpcRegion final : public MemoryRegion {
     MOESERVE_CUDA_RETURN_IF_ERROR(scope.status());
     std::lock_guard<std::mutex> lock(handle_->bounce_mu);
     if (handle_->bounce_bytes < total) {
-      if (handle_->bounce != nullptr) cudaFreeHost(handle_->bounce);
+      FreeBounceInBackground(handle_->bounce);
       handle_->bounce = nullptr;
       handle_->bounce_bytes = 0;
       const size_t bytes = std::max<size_t>(total, size_t{64} << 10);

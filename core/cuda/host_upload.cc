@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/background_release.h"
 #include "core/cuda/cuda_backend.h"
 #include "core/cuda/device_scope.h"
 #include "core/status_macros.h"
@@ -107,8 +108,9 @@ class UploadPool {
         return;
       }
     }
-    // Destroyed here, outside the lock (more concurrent large uploads than kMaxIdleStagers).
-    stager.reset();
+    // More concurrent large uploads than kMaxIdleStagers: destroyed on the background release
+    // thread (its page-locked chunks' cudaFreeHost waits for the whole device).
+    ReleaseInBackground([s = stager.release()] { delete s; });
   }
 
   // A free buffer of at least `bytes` and at most twice that, else a new one. *capacity: its
@@ -142,8 +144,12 @@ class UploadPool {
         return;
       }
     }
-    DeviceScope scope(device);
-    cudaFree(ptr);
+    // cudaFree waits for the whole device: on the background release thread.
+    ReleaseInBackground([device, ptr] {
+      DeviceScope scope(device);
+      cudaFree(ptr);
+      cudaGetLastError();
+    });
   }
 
   size_t FreeBlocks() {

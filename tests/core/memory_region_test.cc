@@ -12,11 +12,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/background_release.h"
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "tests/testing/shm_util.h"
@@ -101,6 +103,62 @@ TEST(OpenSystemSharedMemory, ReadOnlyObjectIsMappedReadOnly) {
   auto region = OpenSystemSharedMemory(shm.key(), 0, 4096, nullptr);
   ASSERT_TRUE(region.ok()) << region.status();
   EXPECT_FALSE((*region)->writable());
+}
+
+// Records what a GPU engine's pinner would do (cudaHostRegister / cudaHostUnregister).
+class RecordingPinner final : public HostMemoryPinner {
+ public:
+  absl::Status Pin(void* data, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    pinned_ = data;
+    pinned_bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  void Unpin(void* data) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    EXPECT_EQ(data, pinned_);
+    // Still mapped while it is unlocked: readable here.
+    EXPECT_EQ(static_cast<const std::byte*>(data)[0], std::byte{0});
+    ++unpins_;
+    unpin_thread_ = std::this_thread::get_id();
+  }
+  int unpins() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unpins_;
+  }
+  std::thread::id unpin_thread() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unpin_thread_;
+  }
+  size_t pinned_bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pinned_bytes_;
+  }
+
+ private:
+  std::mutex mu_;
+  void* pinned_ = nullptr;
+  size_t pinned_bytes_ = 0;
+  int unpins_ = 0;
+  std::thread::id unpin_thread_;
+};
+
+// A pinned region is page-locked when opened (device() PinnedHost), and unlocked when it goes --
+// on the background release thread, since cudaHostUnregister waits for the whole device and the
+// last holder may be a call's answering thread or the Unregister RPC.
+TEST(OpenSystemSharedMemory, PinnedRegionIsUnlockedOffTheReleasingThread) {
+  ShmObject shm(2 * 4096);
+  ASSERT_TRUE(shm.ok());
+  RecordingPinner pinner;
+  {
+    auto region = OpenSystemSharedMemory(shm.key(), 100, 4096, &pinner);
+    ASSERT_TRUE(region.ok()) << region.status();
+    EXPECT_EQ((*region)->device(), Device::PinnedHost());
+    EXPECT_GE(pinner.pinned_bytes(), 4096u);
+  }
+  FlushBackgroundReleases();
+  EXPECT_EQ(pinner.unpins(), 1);
+  EXPECT_NE(pinner.unpin_thread(), std::this_thread::get_id());
 }
 
 TEST(CheckRegionRange, BoundsWithoutOverflow) {

@@ -13,36 +13,14 @@
 #include <thread>
 
 #include "core/cuda/cuda_backend.h"
+#include "tests/cuda/held_stream.h"
 
 namespace moeserve {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A stream held by a host function until Release() (at most 30 s): to cudaFree, which waits for
-// every stream of the device, it looks like a collective waiting for its peer.
-class HeldStream {
- public:
-  HeldStream() {
-    cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
-    cudaLaunchHostFunc(stream_, &Hold, this);
-  }
-  ~HeldStream() {
-    Release();
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
-  void Release() { released_ = true; }
-
- private:
-  static void CUDART_CB Hold(void* self) {
-    auto* held = static_cast<HeldStream*>(self);
-    const Clock::time_point give_up = Clock::now() + std::chrono::seconds(30);
-    while (!held->released_ && Clock::now() < give_up) std::this_thread::yield();
-  }
-  cudaStream_t stream_ = nullptr;
-  std::atomic<bool> released_{false};
-};
+using ::moeserve::testing::HeldStream;
 
 TEST(GrowOnlyBufferTest, GrowthDoesNotWaitForTheDevice) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";

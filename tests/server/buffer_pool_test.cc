@@ -42,14 +42,15 @@ TEST(PooledBufferTest, ReusesLargeBuffersBestFitAndStaysBounded) {
   // Small buffers do not enter the list.
   { auto s = PooledBuffer::Acquire(100); }
   EXPECT_EQ(PooledFreeBuffersForTesting(), free_before + 2);
-  // Many released at once: the list keeps at most kMaxFreeBuffers.
+  // Many released at once: the list keeps at most kMaxFreeBuffers unpinned ones (those of
+  // kMinPooledBytes are never pinned).
   {
     std::vector<std::unique_ptr<PooledBuffer>> many;
     for (size_t i = 0; i < PooledBuffer::kMaxFreeBuffers + 8; ++i) {
       many.push_back(PooledBuffer::Acquire(PooledBuffer::kMinPooledBytes));
     }
   }
-  EXPECT_LE(PooledFreeBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
+  EXPECT_LE(PooledFreeUnpinnedBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
 }
 
 // Of equal fits the buffer released last is handed out first (its lines are the likeliest still
@@ -73,9 +74,12 @@ TEST(PooledBufferTest, EqualFitsGoLastReleasedFirst) {
 }
 
 // With a host pinner (a GPU engine), new pooled buffers from kMinPinnedBytes on are page-locked
-// once, whole pages, and stay so while recycled; a buffer dropped from a full free list is
-// unlocked before it is freed; a pin that fails leaves the buffer usable and unpinned.
-TEST(PooledBufferTest, LargeBuffersArePinnedOnceAndUnpinnedWhenFreed) {
+// once, whole pages, and stay so while recycled; a pin that fails leaves the buffer usable and
+// unpinned. A pinned buffer is never unlocked while serving (cudaHostUnregister waits for the
+// whole device and holds every thread's CUDA calls): however many are released at once, all
+// return to the free list, and past kMaxPinnedBytes new buffers are simply not pinned. Unpinned
+// ones beyond the list's bounds go back to malloc.
+TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
   DrainPooledBuffersForTesting();  // earlier tests in this process may have filled the list
   static std::mutex mu;
   static std::set<void*> locked;
@@ -99,10 +103,18 @@ TEST(PooledBufferTest, LargeBuffersArePinnedOnceAndUnpinnedWhenFreed) {
         EXPECT_EQ(locked.erase(data), 1u) << "unpinned what was not pinned";
         ++unpins;
       });
+  EXPECT_EQ(PooledPinnedBytesForTesting(), 0u);
+  {
+    fail_next = true;
+    auto unpinned = PooledBuffer::Acquire(size_t{96} << 20);
+    EXPECT_FALSE(unpinned->pinned());
+    std::memset(unpinned->data(), 2, size_t{96} << 20);
+  }
+  DrainPooledBuffersForTesting();  // (so that no later Acquire is given the unpinned one)
   // Larger than any buffer the tests before this one (same process) left on the free list,
   // so that these are fresh allocations.
   const size_t big = size_t{48} << 20;
-  const int pins0 = pins;  // (the test may run more than once in a process)
+  const int pins0 = pins, unpins0 = unpins;  // (the test may run more than once in a process)
   void* first = nullptr;
   {
     auto b = PooledBuffer::Acquire(big + 5);
@@ -120,41 +132,48 @@ TEST(PooledBufferTest, LargeBuffersArePinnedOnceAndUnpinnedWhenFreed) {
     EXPECT_TRUE(again->pinned());
     EXPECT_EQ(pins, pins0 + 1);
   }
-  {
-    fail_next = true;
-    auto unpinned = PooledBuffer::Acquire(size_t{96} << 20);
-    EXPECT_FALSE(unpinned->pinned());
-    std::memset(unpinned->data(), 2, size_t{96} << 20);
-  }
-  // More than the free list keeps: the ones dropped are unlocked, and none is left locked
-  // outside the list.
+  // More pinned buffers released at once than the list keeps unpinned ones: all stay, locked.
+  const size_t each = size_t{40} << 20;
+  const size_t count = PooledBuffer::kMaxFreeBuffers + 6;
   {
     std::vector<std::unique_ptr<PooledBuffer>> many;
-    for (size_t i = 0; i < PooledBuffer::kMaxFreeBuffers + 6; ++i) {
-      many.push_back(PooledBuffer::Acquire(size_t{40} << 20));
+    for (size_t i = 0; i < count; ++i) many.push_back(PooledBuffer::Acquire(each));
+    for (const auto& b : many) EXPECT_TRUE(b->pinned());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(unpins, unpins0) << "a pinned buffer was unlocked while serving";
+    EXPECT_EQ(pins - unpins, static_cast<int>(locked.size()));
+  }
+  EXPECT_GE(PooledFreeBuffersForTesting(), count + 1);
+  EXPECT_LE(PooledPinnedBytesForTesting(), PooledBuffer::kMaxPinnedBytes);
+  // Past kMaxPinnedBytes in use, new buffers are not pinned (and the pinned bytes stay bounded).
+  {
+    std::vector<std::unique_ptr<PooledBuffer>> held;
+    size_t pinned_held = 0;
+    while (pinned_held <= PooledBuffer::kMaxPinnedBytes) {
+      held.push_back(PooledBuffer::Acquire(each));
+      if (!held.back()->pinned()) break;
+      pinned_held += held.back()->capacity();
+    }
+    EXPECT_FALSE(held.back()->pinned());
+    EXPECT_LE(PooledPinnedBytesForTesting(), PooledBuffer::kMaxPinnedBytes);
+    // Unpinned ones beyond the bounds go back to malloc.
+    for (size_t i = 0; i < PooledBuffer::kMaxFreeBuffers + 4; ++i) {
+      held.push_back(PooledBuffer::Acquire(PooledBuffer::kMinPooledBytes));
     }
   }
-  EXPECT_GT(unpins, 0);
-  EXPECT_EQ(pins - unpins, static_cast<int>(locked.size()));
-  EXPECT_LE(PooledFreeBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
-}
-
-// Acquire and release from several threads at once (gRPC releases reply slices on its own
-// threads).
-TEST(PooledBufferTest, ThreadSafe) {
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([t] {
-      for (int i = 0; i < 200; ++i) {
-        const size_t bytes = PooledBuffer::kMinPooledBytes * (1 + (i + t) % 5);
-        auto b = PooledBuffer::Acquire(bytes);
-        ASSERT_GE(b->capacity(), bytes);
-        static_cast<char*>(b->data())[bytes - 1] = static_cast<char>(i);
-      }
-    });
+  EXPECT_LE(PooledFreeUnpinnedBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(unpins, unpins0);
   }
-  for (auto& th : threads) th.join();
-  EXPECT_LE(PooledFreeBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
+  // Only a drain (tests, shutdown) unlocks them.
+  DrainPooledBuffersForTesting();
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(pins, unpins);
+  EXPECT_TRUE(locked.empty());
+  EXPECT_EQ(PooledPinnedBytesForTesting(), 0u);
 }
 
 }  // namespace
