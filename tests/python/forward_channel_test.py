@@ -23,6 +23,7 @@ working); unregistering detaches the server.
 """
 
 import argparse
+import ctypes
 import mmap
 import multiprocessing
 import os
@@ -213,6 +214,38 @@ class ForwardChannelTest(unittest.TestCase):
             x = self.rng.standard_normal((1 + i % 7, 16)).astype(np.float32)
             status, payload = self.ch.forward(request(x, i % 4, f"r{i}"), timeout=5)
             self.check_answer(status, payload, x, i % 4, f"r{i}")
+
+    def test_memory_fences_where_the_hardware_reorders(self):
+        # arm64 reorders plain stores and loads: a fence before each request's state word and
+        # after each answered one; x86-64 needs none.
+        import platform
+        self.assertEqual(ch.WEAK_MEMORY_ORDER,
+                         platform.machine().lower() in ("aarch64", "arm64"))
+        fence = ctypes.addressof(ch._fence_word)
+        fences = []
+        wake = ch.futex_wake
+
+        def counting_wake(addr, count=1):
+            if addr == fence:
+                fences.append(addr)
+            return wake(addr, count)
+        saved = ch.WEAK_MEMORY_ORDER
+        ch.futex_wake, ch.WEAK_MEMORY_ORDER = counting_wake, True
+        try:
+            for i in range(3):
+                x = self.rng.standard_normal((2, 16)).astype(np.float32)
+                self.check_answer(*self.ch.forward(request(x, 1, f"f{i}")), x, 1, f"f{i}")
+        finally:
+            ch.futex_wake, ch.WEAK_MEMORY_ORDER = wake, saved
+        self.assertEqual(len(fences), 6)
+        fences.clear()
+        ch.futex_wake, ch.WEAK_MEMORY_ORDER = counting_wake, False
+        try:
+            x = self.rng.standard_normal((2, 16)).astype(np.float32)
+            self.check_answer(*self.ch.forward(request(x, 1, "n")), x, 1, "n")
+        finally:
+            ch.futex_wake, ch.WEAK_MEMORY_ORDER = wake, saved
+        self.assertEqual(fences, [])
 
     def test_request_in_parts(self):
         x = self.rng.standard_normal((3, 8)).astype(np.float32)

@@ -20,9 +20,12 @@ the channel carries a few hundred bytes per call.
 Waiting: a call spins on its slot's state word for ``spin_us``, then sleeps on it (FUTEX_WAIT,
 1 ms at a time, checking server_attached and the call's deadline). Python has no atomic
 operations: the words are plain aligned 4/8-byte stores and loads (single instructions on
-x86-64 and arm64, which never tear), ordered by the hardware (x86-64's stores are not reordered
-with stores) and by the futex syscall, which is made on every call (FUTEX_WAKE of the doorbell)
-and is a full barrier. Every wait has a timeout, so a missed wake costs latency, never a hang.
+x86-64 and arm64, which never tear). On x86-64 the hardware keeps them in order (stores with
+stores, loads with loads), which is all the protocol needs. arm64 (Grace) reorders both, so
+there memory_fence() (a FUTEX_WAKE, which the kernel starts with a full barrier) goes between a
+request's bytes and its state word, and between an answered state and the answer's bytes. The
+futex syscall made on every call (FUTEX_WAKE of the doorbell) orders the state store before the
+server_sleeping check. Every wait has a timeout, so a missed wake costs latency, never a hang.
 
 Thread-safety: forward / submit / result may be called from several threads (a slot is one
 call's; the doorbell's read-modify-write is under a lock: this process is its only writer).
@@ -118,6 +121,21 @@ def futex_wait(addr, expected, timeout_s):
     when woken, on a timeout, a signal, or at once if the word is no longer `expected`."""
     ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
     return _futex_fn()(_SYS_FUTEX, addr, FUTEX_WAIT, expected, ctypes.addressof(ts), None, 0)
+
+
+# The hardware's memory order: x86-64 (TSO) keeps stores in order and loads in order; arm64
+# does neither.
+WEAK_MEMORY_ORDER = platform.machine().lower() in ("aarch64", "arm64")
+_fence_word = ctypes.c_uint32(0)  # nobody waits on it
+
+
+def memory_fence():
+    """A full memory barrier where the hardware needs one between the channel's plain stores and
+    loads (arm64); nothing on x86-64. Python has none: futex(2)'s FUTEX_WAKE runs one in the
+    kernel (smp_mb) before it looks for waiters, so a wake of a word nobody waits on is a fence
+    (about a microsecond)."""
+    if WEAK_MEMORY_ORDER:
+        futex_wake(ctypes.addressof(_fence_word), 1)
 
 
 # ---- the channel ----
@@ -410,7 +428,8 @@ class ForwardChannel:
         slot.sequence.value = seq
         slot.client_waiting.value = 0
         slot.status_code.value = 0
-        slot.state.value = SLOT_REQUEST  # x86-64: ordered after the stores above
+        memory_fence()  # the request's bytes and header before its state (release)
+        slot.state.value = SLOT_REQUEST
         with self._lock:
             self._doorbell.value = (self._doorbell.value + 1) & 0xFFFFFFFF
         # Always: a system call is a full barrier (the server's server_sleeping check would
@@ -499,6 +518,7 @@ class ForwardChannel:
         self._wait(fut)
         fut.consumed = True
         slot = fut.slot
+        memory_fence()  # the answered state before the answer's header and bytes (acquire)
         try:
             n = slot.answer_bytes.value
             code = slot.status_code.value
