@@ -6,10 +6,13 @@
 // memory (the server's buffer pool and system shared-memory regions). Then, while one thread is
 // blocked in such a call, whether other threads' calls of a serving step (a launch and sync, a
 // small copy, an allocation, a registration, on another stream) return or wait too: that decides
-// whether handing the release to a background thread keeps serving threads going.
+// whether handing the release to a background thread keeps serving threads going. Last, the
+// worst launch + sync on another thread while a long call that does not wait runs
+// (cudaHostRegister of 1 GiB, cudaMallocHost of 1 GiB).
 // Build: nvcc -O2 -arch=sm_90a -o alloc_wait_probe scripts/gpu/alloc_wait_probe.cu
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -17,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -197,6 +201,48 @@ int main(int argc, char** argv) {
     cudaHostRegister(plain, 16384, cudaHostRegisterPortable);
     return cudaHostUnregister(plain);
   });
+  // Long calls that do not wait for the device (registering a large region, a large page-locked
+  // allocation): do they hold up another thread's steps while they run? The worst launch + sync
+  // on another stream during the call, against the same loop alone.
+  const size_t kLarge = size_t{1} << 30;
+  void* large = std::aligned_alloc(4096, kLarge);
+  std::memset(large, 0, kLarge);
+  const auto worst_step_us = [&](const std::function<void()>& during) {
+    std::atomic<bool> running{true};
+    double worst = 0;
+    std::thread stepper([&] {
+      cudaSetDevice(0);
+      while (running) {
+        const auto t0 = Clock::now();
+        Empty<<<1, 32, 0, other>>>();
+        cudaStreamSynchronize(other);
+        worst =
+            std::max(worst, std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      }
+    });
+    const auto t0 = Clock::now();
+    during();
+    const double call_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    running = false;
+    stepper.join();
+    return std::make_pair(call_us, worst);
+  };
+  const auto report = [](const char* what, std::pair<double, double> r) {
+    std::printf("during %-34s (%.0f us): worst launch + sync elsewhere %.0f us\n", what, r.first,
+                r.second);
+  };
+  report("nothing (20 ms)",
+         worst_step_us([] { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }));
+  report("cudaHostRegister 1 GiB",
+         worst_step_us([&] { cudaHostRegister(large, kLarge, cudaHostRegisterPortable); }));
+  report("cudaHostUnregister of it (device idle)",
+         worst_step_us([&] { cudaHostUnregister(large); }));
+  report("cudaMallocHost 1 GiB", worst_step_us([&] {
+           void* q = nullptr;
+           cudaMallocHost(&q, kLarge);
+           h = q;
+         }));
+  std::free(large);
   std::printf("done\n");
   return 0;
 }
