@@ -131,22 +131,15 @@ void DrainPooledBuffersForTesting() {
   }
 }
 
-size_t PooledFreeBuffersForTesting() {
+PooledBufferStats GetPooledBufferStats() {
   FreeList& pool = Pool();
   std::lock_guard<std::mutex> lock(pool.mu);
-  return pool.buffers.size();
-}
-
-size_t PooledFreeUnpinnedBuffersForTesting() {
-  FreeList& pool = Pool();
-  std::lock_guard<std::mutex> lock(pool.mu);
-  return pool.unpinned_count;
-}
-
-size_t PooledPinnedBytesForTesting() {
-  FreeList& pool = Pool();
-  std::lock_guard<std::mutex> lock(pool.mu);
-  return pool.pinned_bytes;
+  PooledBufferStats stats;
+  stats.free_buffers = pool.buffers.size();
+  for (const auto& [capacity, b] : pool.buffers) stats.free_bytes += capacity;
+  stats.free_unpinned = pool.unpinned_count;
+  stats.pinned_bytes = pool.pinned_bytes;
+  return stats;
 }
 
 }  // namespace moeserve

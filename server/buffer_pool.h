@@ -65,11 +65,14 @@ class PooledBuffer {
   bool pinned_;
 };
 
-// Tests only: buffers on the free list now (all; the unpinned ones), and the page-locked bytes
-// of the pool (in use or free).
-size_t PooledFreeBuffersForTesting();
-size_t PooledFreeUnpinnedBuffersForTesting();
-size_t PooledPinnedBytesForTesting();
+// What the pool holds now (the /metrics gauges, tests).
+struct PooledBufferStats {
+  size_t free_buffers = 0;   // on the free list, pinned or not
+  size_t free_bytes = 0;     // their capacity
+  size_t free_unpinned = 0;  // of them unpinned (the list's bounds apply to these)
+  size_t pinned_bytes = 0;   // page-locked, in use or free (at most kMaxPinnedBytes)
+};
+PooledBufferStats GetPooledBufferStats();
 // Tests only: frees every buffer on the free list (unpinning those pinned).
 void DrainPooledBuffersForTesting();
 

@@ -7,8 +7,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/background_release.h"
 #include "core/status_macros.h"
 #include "moeserve_build_info.h"
+#include "server/buffer_pool.h"
 
 namespace moeserve {
 
@@ -186,12 +188,39 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                         .Name("moeserve_sent_bytes_total")
                         .Help("Response message bytes sent, by method")
                         .Register(r);
+  // Read at each scrape (process-wide, so not updated by calls).
+  auto& pool = prometheus::BuildGauge()
+                   .Name("moeserve_host_buffer_pool_bytes")
+                   .Help(
+                       "The request/answer buffer pool's host memory: kind=pinned, page-locked "
+                       "(in use or free; never unlocked while serving, at most 2 GiB); "
+                       "kind=free, on its free list")
+                   .Register(r);
+  prometheus::Gauge* pool_pinned = &pool.Add({{"kind", "pinned"}});
+  prometheus::Gauge* pool_free = &pool.Add({{"kind", "free"}});
+  prometheus::Gauge* releases_pending =
+      &prometheus::BuildGauge()
+           .Name("moeserve_background_releases_pending")
+           .Help(
+               "Memory releases queued for the background release thread and not yet run (one "
+               "that waits for the GPU holds every thread's CUDA calls until the device drains)")
+           .Register(r)
+           .Add({});
+  m->refresh_ = [pool_pinned, pool_free, releases_pending] {
+    const PooledBufferStats stats = GetPooledBufferStats();
+    pool_pinned->Set(static_cast<double>(stats.pinned_bytes));
+    pool_free->Set(static_cast<double>(stats.free_bytes));
+    const BackgroundReleaseCounts releases = GetBackgroundReleaseCounts();
+    releases_pending->Set(static_cast<double>(releases.queued - releases.done));
+  };
   if (address.empty()) return m;
 
   std::weak_ptr<prometheus::Registry> registry = m->registry_;
-  auto render = [registry] {
+  auto render = [registry, refresh = m->refresh_] {
     auto r = registry.lock();
-    return r ? prometheus::TextSerializer().Serialize(r->Collect()) : std::string();
+    if (!r) return std::string();
+    refresh();  // (the gauges belong to the registry, alive while it is)
+    return prometheus::TextSerializer().Serialize(r->Collect());
   };
   MOESERVE_ASSIGN_OR_RETURN(m->http_, MetricsHttpServer::Start(address, render, tls));
   m->port_ = m->http_->port();

@@ -14,6 +14,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -107,6 +108,8 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Histogram* stage_finalize_ = nullptr;
   prometheus::Gauge* inflight_ = nullptr;
   prometheus::Gauge* held_bytes_ = nullptr;
+  // Sets the gauges read at scrape time (the host buffer pool, pending background releases).
+  std::function<void()> refresh_;
   prometheus::Counter* answers_cancelled_ = nullptr;
   prometheus::Histogram* batch_calls_ = nullptr;
   prometheus::Histogram* batch_tokens_ = nullptr;

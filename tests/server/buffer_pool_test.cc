@@ -18,7 +18,7 @@ namespace {
 TEST(PooledBufferTest, ReusesLargeBuffersBestFitAndStaysBounded) {
   DrainPooledBuffersForTesting();  // other tests in this process may have filled the list
   const size_t big = size_t{8} << 20, medium = size_t{1} << 20;
-  const size_t free_before = PooledFreeBuffersForTesting();
+  const size_t free_before = GetPooledBufferStats().free_buffers;
   void* big_data = nullptr;
   void* medium_data = nullptr;
   {
@@ -31,17 +31,17 @@ TEST(PooledBufferTest, ReusesLargeBuffersBestFitAndStaysBounded) {
     big_data = b->data();
     medium_data = m->data();
   }
-  EXPECT_EQ(PooledFreeBuffersForTesting(), free_before + 2);
+  EXPECT_EQ(GetPooledBufferStats().free_buffers, free_before + 2);
   {
     auto m = PooledBuffer::Acquire(medium - 100);  // the medium one fits best
     EXPECT_EQ(m->data(), medium_data);
     auto b = PooledBuffer::Acquire(big);
     EXPECT_EQ(b->data(), big_data);
-    EXPECT_EQ(PooledFreeBuffersForTesting(), free_before);
+    EXPECT_EQ(GetPooledBufferStats().free_buffers, free_before);
   }
   // Small buffers do not enter the list.
   { auto s = PooledBuffer::Acquire(100); }
-  EXPECT_EQ(PooledFreeBuffersForTesting(), free_before + 2);
+  EXPECT_EQ(GetPooledBufferStats().free_buffers, free_before + 2);
   // Many released at once: the list keeps at most kMaxFreeBuffers unpinned ones (those of
   // kMinPooledBytes are never pinned).
   {
@@ -50,7 +50,7 @@ TEST(PooledBufferTest, ReusesLargeBuffersBestFitAndStaysBounded) {
       many.push_back(PooledBuffer::Acquire(PooledBuffer::kMinPooledBytes));
     }
   }
-  EXPECT_LE(PooledFreeUnpinnedBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
+  EXPECT_LE(GetPooledBufferStats().free_unpinned, PooledBuffer::kMaxFreeBuffers);
 }
 
 // Of equal fits the buffer released last is handed out first (its lines are the likeliest still
@@ -103,7 +103,7 @@ TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
         EXPECT_EQ(locked.erase(data), 1u) << "unpinned what was not pinned";
         ++unpins;
       });
-  EXPECT_EQ(PooledPinnedBytesForTesting(), 0u);
+  EXPECT_EQ(GetPooledBufferStats().pinned_bytes, 0u);
   {
     fail_next = true;
     auto unpinned = PooledBuffer::Acquire(size_t{96} << 20);
@@ -145,8 +145,8 @@ TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
     EXPECT_EQ(unpins, unpins0) << "a pinned buffer was unlocked while serving";
     EXPECT_EQ(pins - unpins, static_cast<int>(locked.size()));
   }
-  EXPECT_GE(PooledFreeBuffersForTesting(), count + 1);
-  EXPECT_LE(PooledPinnedBytesForTesting(), PooledBuffer::kMaxPinnedBytes);
+  EXPECT_GE(GetPooledBufferStats().free_buffers, count + 1);
+  EXPECT_LE(GetPooledBufferStats().pinned_bytes, PooledBuffer::kMaxPinnedBytes);
   // Past kMaxPinnedBytes in use, new buffers are not pinned (and the pinned bytes stay bounded).
   {
     std::vector<std::unique_ptr<PooledBuffer>> held;
@@ -157,13 +157,13 @@ TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
       pinned_held += held.back()->capacity();
     }
     EXPECT_FALSE(held.back()->pinned());
-    EXPECT_LE(PooledPinnedBytesForTesting(), PooledBuffer::kMaxPinnedBytes);
+    EXPECT_LE(GetPooledBufferStats().pinned_bytes, PooledBuffer::kMaxPinnedBytes);
     // Unpinned ones beyond the bounds go back to malloc.
     for (size_t i = 0; i < PooledBuffer::kMaxFreeBuffers + 4; ++i) {
       held.push_back(PooledBuffer::Acquire(PooledBuffer::kMinPooledBytes));
     }
   }
-  EXPECT_LE(PooledFreeUnpinnedBuffersForTesting(), PooledBuffer::kMaxFreeBuffers);
+  EXPECT_LE(GetPooledBufferStats().free_unpinned, PooledBuffer::kMaxFreeBuffers);
   {
     std::lock_guard<std::mutex> lock(mu);
     EXPECT_EQ(unpins, unpins0);
@@ -173,7 +173,7 @@ TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
   std::lock_guard<std::mutex> lock(mu);
   EXPECT_EQ(pins, unpins);
   EXPECT_TRUE(locked.empty());
-  EXPECT_EQ(PooledPinnedBytesForTesting(), 0u);
+  EXPECT_EQ(GetPooledBufferStats().pinned_bytes, 0u);
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "inference/grpc_service.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
+#include "server/buffer_pool.h"
 #include "server/call_accounting.h"
 #include "server/call_limits.h"
 #include "server/server.h"
@@ -289,6 +290,29 @@ TEST_F(LimitsTest, ModelInferClientsThatNeverReadAnswersDoNotPinMemory) {
 }
 
 // A request whose bytes alone pass --max_queued_bytes is refused at once, naming the limit.
+// What the process-wide host buffer pool holds is on /metrics, read at each scrape: after a call
+// whose request and answer (1 MiB each) come from the pool, its free list holds them, and the
+// gauge says what the pool says; the background release thread has nothing pending.
+TEST_F(LimitsTest, HostBufferPoolIsOnMetrics) {
+  v1::ForwardResponse response;
+  ASSERT_TRUE(Forward(NewChannel().get(), Random(2048), &response).ok());
+  const std::vector<std::string> free_label = {"kind=\"free\""};
+  double scraped = 0;
+  PooledBufferStats stats;
+  // The answer's buffer returns to the pool once gRPC has sent it: wait for the two to agree.
+  EXPECT_TRUE(WaitFor([&] {
+    stats = GetPooledBufferStats();
+    scraped = MetricValue(Scrape(), "moeserve_host_buffer_pool_bytes", free_label);
+    return scraped >= double{1 << 20} &&
+           static_cast<size_t>(scraped) == GetPooledBufferStats().free_bytes;
+  })) << scraped
+      << " scraped, " << stats.free_bytes << " in the pool";
+  const std::string text = Scrape();
+  EXPECT_EQ(MetricValue(text, "moeserve_host_buffer_pool_bytes", {"kind=\"pinned\""}),
+            static_cast<double>(GetPooledBufferStats().pinned_bytes));
+  EXPECT_EQ(MetricValue(text, "moeserve_background_releases_pending"), 0);
+}
+
 TEST_F(LimitsTest, RequestOverTheByteBudgetIsRefusedAtOnce) {
   v1::ForwardRequest request = Random(8);
   request.set_request_id(std::string(kMaxQueuedBytes + 1, 'x'));
