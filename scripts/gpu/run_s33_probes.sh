@@ -4,7 +4,8 @@
 # (handler_bench), and which host-memory registrations wait for the device (alloc_wait_probe.cu,
 # now with cudaHostRegister / cudaHostUnregister). For the one-token call's host stages
 # (issues 11/12), where this host read input 10-15 us against 2 us on the development VM.
-# Usage: run_s33_probes.sh BUNDLE.tgz (bin/: host_cost_probe, handler_bench, alloc_wait_probe).
+# Usage: run_s33_probes.sh BUNDLE.tgz (bin/: host_cost_probe, handler_bench, alloc_wait_probe;
+# all three are build targets: build/bin/).
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
