@@ -72,19 +72,21 @@ std::unique_ptr<PooledBuffer> PooledBuffer::Acquire(size_t bytes) {
       }
       return std::unique_ptr<PooledBuffer>(new PooledBuffer(b.data, capacity, true, b.pinned));
     }
-    if (bytes >= kMinPinnedBytes && pool.pin &&
-        pool.pinned_bytes + (bytes + kPage - 1) / kPage * kPage <= kMaxPinnedBytes) {
+    // The bytes are reserved here, so that concurrent calls never pin past the bound together
+    // (pinned buffers are kept for good); given back if the pin fails.
+    const size_t reserve = (bytes + kPage - 1) / kPage * kPage;
+    if (bytes >= kMinPinnedBytes && pool.pin && pool.pinned_bytes + reserve <= kMaxPinnedBytes) {
       pin = pool.pin;
+      pool.pinned_bytes += reserve;
     }
   }
   // Whole pages, so that page-locking one buffer never touches another's pages.
   const size_t capacity = (bytes + kPage - 1) / kPage * kPage;
   void* data = std::aligned_alloc(kPage, capacity);
-  bool pinned = false;
-  if (data != nullptr && pin && pin(data, capacity)) {
-    pinned = true;
+  const bool pinned = data != nullptr && pin && pin(data, capacity);
+  if (pin && !pinned) {
     std::lock_guard<std::mutex> lock(pool.mu);
-    pool.pinned_bytes += capacity;
+    pool.pinned_bytes -= capacity;
   }
   return std::unique_ptr<PooledBuffer>(new PooledBuffer(data, capacity, true, pinned));
 }

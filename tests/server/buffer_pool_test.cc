@@ -1,6 +1,8 @@
 // The recycled buffers behind request gathers and answers.
 #include "server/buffer_pool.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -85,8 +87,12 @@ TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
   static std::set<void*> locked;
   static int pins = 0, unpins = 0;
   static bool fail_next = false;
+  static std::atomic<bool> slow_pins{false};
   PooledBuffer::InstallHostPinner(
       [](void* data, size_t bytes) {
+        // A slow pin (cudaHostRegister takes ms) widens the window between the bound's check
+        // and the pin, for the concurrent part below.
+        if (slow_pins) std::this_thread::sleep_for(std::chrono::milliseconds(2));
         std::lock_guard<std::mutex> lock(mu);
         EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % 4096, 0u);
         EXPECT_EQ(bytes % 4096, 0u);
@@ -167,6 +173,25 @@ TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
   {
     std::lock_guard<std::mutex> lock(mu);
     EXPECT_EQ(unpins, unpins0);
+  }
+  // Concurrent calls, each pinning slowly, never pin past the bound together.
+  DrainPooledBuffersForTesting();
+  {
+    slow_pins = true;
+    std::vector<std::unique_ptr<PooledBuffer>> held(80);
+    std::vector<std::thread> threads;
+    threads.reserve(8);
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&held, t, each] {
+        for (int i = t; i < 80; i += 8) held[i] = PooledBuffer::Acquire(each);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    slow_pins = false;
+    size_t pinned_held = 0;
+    for (const auto& b : held) pinned_held += b->pinned() ? b->capacity() : 0;
+    EXPECT_LE(pinned_held, PooledBuffer::kMaxPinnedBytes);  // 80 x 40 MiB would be 3.1 GiB
+    EXPECT_EQ(GetPooledBufferStats().pinned_bytes, pinned_held);
   }
   // Only a drain (tests, shutdown) unlocks them.
   DrainPooledBuffersForTesting();
