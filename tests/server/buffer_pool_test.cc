@@ -182,7 +182,7 @@ TEST(PooledBufferTest, PinnedBuffersArePinnedOnceAndNeverUnlockedWhileServing) {
     std::vector<std::thread> threads;
     threads.reserve(8);
     for (int t = 0; t < 8; ++t) {
-      threads.emplace_back([&held, t, each] {
+      threads.emplace_back([&, t] {
         for (int i = t; i < 80; i += 8) held[i] = PooledBuffer::Acquire(each);
       });
     }
