@@ -5,17 +5,25 @@
 // protobuf's own parse of the whole request (ParseFromString, which copies the tensor bytes) and
 // its serialization of the whole answer.
 //
-//   handler_bench [--iters N] [--tokens 1,16,64]
+//   handler_bench [--iters N] [--tokens 1,16,64] [--offset K] [--cold_bytes B] [--sleep_us U]
+//
+// --offset K puts the message at byte K of a 64-byte line (default: wherever std::string's bytes
+// are), so that its tensors' bytes are aligned (viewed in place) or not (gathered) as chosen:
+// gRPC's receive slices put them anywhere. --cold_bytes B writes B bytes of other memory and
+// --sleep_us U sleeps before each iteration, as a server thread meets a call after other work.
 //
 // Prints per M: "handler tokens=.. decode_us=.. input_us=.. encode_us=.. protobuf_parse_us=..
 // protobuf_serialize_us=.." (p50 over the iterations; the loop is warm, so these are the
-// instruction costs: a server thread coming from its poll loop pays cache misses on top).
+// instruction costs unless --cold_bytes / --sleep_us: a server thread coming from its poll loop
+// pays cache misses on top).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moeserve/v1/forward_wire.h"
@@ -37,10 +45,22 @@ double Us(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
 }
 
+// What a server thread meets between calls: other work through the caches (writing `scratch`)
+// and a sleep (the core idles or runs something else).
+void Unwarm(std::vector<uint8_t>* scratch, int sleep_us) {
+  static uint8_t round = 0;
+  ++round;
+  for (size_t i = 0; i < scratch->size(); i += 64) (*scratch)[i] = round;
+  if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 20000;
+  int64_t cold_bytes = 0;
+  int sleep_us = 0;
+  int offset = -1;
   std::vector<int64_t> tokens = {1, 16, 64};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -48,8 +68,16 @@ int main(int argc, char** argv) {
       iters = std::max(1, std::atoi(argv[i + 1]));
     } else if (flag == "--tokens") {
       tokens = ParseList(argv[i + 1]);
+    } else if (flag == "--cold_bytes") {
+      cold_bytes = std::max<int64_t>(0, std::atoll(argv[i + 1]));
+    } else if (flag == "--offset") {
+      offset = std::atoi(argv[i + 1]) & 63;
+    } else if (flag == "--sleep_us") {
+      sleep_us = std::max(0, std::atoi(argv[i + 1]));
     } else {
-      std::fprintf(stderr, "usage: handler_bench [--iters N] [--tokens 1,16,64]\n");
+      std::fprintf(stderr,
+                   "usage: handler_bench [--iters N] [--tokens 1,16,64] [--offset K] "
+                   "[--cold_bytes B] [--sleep_us U]\n");
       return 2;
     }
   }
@@ -57,6 +85,7 @@ int main(int argc, char** argv) {
   namespace v1wire = moeserve::v1wire;
   constexpr int64_t kHidden = 7168, kTopk = 4;
   std::mt19937 rng(7);
+  std::vector<uint8_t> scratch(static_cast<size_t>(cold_bytes));
   for (const int64_t m : tokens) {
     std::vector<uint16_t> x(static_cast<size_t>(m * kHidden));
     for (auto& v : x) v = static_cast<uint16_t>(0x3c00 + (rng() & 0x3ff));
@@ -87,7 +116,14 @@ int main(int argc, char** argv) {
     std::string wire;
     for (const grpc::Slice& p : parts)
       wire.append(reinterpret_cast<const char*>(p.begin()), p.size());
-    const grpc::Slice one(wire.data(), wire.size());
+    // --offset: the message at this byte offset of a 64-byte line, so that the tensors' bytes
+    // are aligned or not as chosen (gRPC's receive slices put them anywhere).
+    std::vector<uint8_t> placed(wire.size() + 128);
+    uint8_t* at = placed.data() + ((64 - reinterpret_cast<uintptr_t>(placed.data()) % 64) % 64) +
+                  std::max(offset, 0);
+    std::memcpy(at, wire.data(), wire.size());
+    const grpc::Slice one = offset >= 0 ? grpc::Slice(at, wire.size(), grpc::Slice::STATIC_SLICE)
+                                        : grpc::Slice(wire.data(), wire.size());
     const grpc::ByteBuffer request(&one, 1);
     v1::ForwardResponse full_answer;
     shape(full_answer.mutable_output(), v1::DTYPE_BF16, kHidden);
@@ -95,6 +131,7 @@ int main(int argc, char** argv) {
 
     std::vector<double> decode, input, encode, pb_parse, pb_serialize;
     for (int it = 0; it < iters; ++it) {
+      Unwarm(&scratch, sleep_us);
       const Clock::time_point t0 = Clock::now();
       absl::StatusOr<v1wire::ForwardRequestView> view = v1wire::DecodeForwardRequest(request);
       const Clock::time_point t1 = Clock::now();
