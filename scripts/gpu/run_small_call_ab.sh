@@ -9,7 +9,10 @@
 # VARIANTS, default "a b0 b". A variant ending in g gathers a request's pieces on several threads
 # from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES); c: the load's
 # callers poll for their answers (--client_spin_us=CLIENT_SPIN_US, default 2000); i: every
-# request is handled on gRPC's receiving thread (--inline_request_bytes=1 GiB); e: the decode
+# request is handled on gRPC's receiving thread (--inline_request_bytes=1 GiB); w: every request
+# is decoded on a worker thread, which polls while the scheduling thread does
+# (--inline_request_bytes=0: the decode on a warm thread instead of gRPC's, whose caches a
+# one-token call finds cold, transport/RESULTS.md 2026-12-05 21:40); e: the decode
 # GEMMs wait before they fetch weights (MOESERVE_EARLY_WEIGHTS=0). MS: the server
 # pass's token counts (default "1 16 64"; 2000 calls each, 600 from 64, 300 from 256, 150 from
 # 1024).
@@ -50,6 +53,7 @@ flags_of() {
   local f=""
   [[ ${1:1} == *s* ]] && f+=" --step_spin_us=${SPIN_US:-2000}"
   [[ ${1:1} == *i* ]] && f+=" --inline_request_bytes=1073741824"
+  [[ ${1:1} == *w* ]] && f+=" --inline_request_bytes=0"
   echo "$f"
 }
 load_flags_of() {
