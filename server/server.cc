@@ -232,6 +232,10 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   return absl::OkStatus();
 }
 
+ForwardBatcherStats MoeServer::batcher_stats() const {
+  return state_ != nullptr ? state_->batcher_stats() : ForwardBatcherStats{};
+}
+
 bool MoeServer::serving() const {
   std::lock_guard<std::mutex> lock(health_mu_);
   return serving_;

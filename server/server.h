@@ -168,6 +168,9 @@ class MoeServer {
   int port() const { return bound_ports_.empty() ? 0 : bound_ports_[0]; }
   Metrics& metrics() { return *metrics_; }
   MoeServiceImpl& service() { return *service_; }
+  // The batcher's counters (steps run inline, merged calls, refusals); zeros before the engine
+  // is attached. Thread-safe.
+  ForwardBatcherStats batcher_stats() const;
   // "host:port" of the metrics endpoint, empty when off.
   const std::string& metrics_address() const { return metrics_->address(); }
 

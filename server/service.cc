@@ -272,11 +272,14 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     finish(s, 0);
     return reactor;
   }
-  auto task = [this, context, raw_request, response, start, finish, hold]() {
+  // on_worker: a worker thread runs the task, which, unlike gRPC's thread, may run the call's
+  // step itself (CallSource::may_run_inline): it polls for its next task as a channel's thread
+  // does, and its caches hold the decode and the engine, which gRPC's thread finds cold.
+  auto task = [this, context, raw_request, response, start, finish, hold](bool on_worker) {
     const std::string peer = context->peer();
     RunForward(
         *raw_request, DeadlineOf(*context), [context] { return context->IsCancelled(); }, start,
-        peer, CallSource{.caller = CallerKey(peer), .may_run_inline = false}, hold,
+        peer, CallSource{.caller = CallerKey(peer), .may_run_inline = on_worker}, hold,
         [response, finish](const absl::Status& status, grpc::ByteBuffer encoded, int64_t tokens,
                            const std::string&) {
           if (status.ok()) response->Swap(&encoded);
@@ -292,8 +295,8 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   // one over inline_request_bytes on a worker.
   if (options_.inline_request_bytes < 0 ||
       static_cast<int64_t>(raw_request->Length()) <= options_.inline_request_bytes) {
-    task();
-  } else if (!state_->SubmitWork(task)) {
+    task(/*on_worker=*/false);
+  } else if (!state_->SubmitWork([task = std::move(task)] { task(/*on_worker=*/true); })) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
   }
   return reactor;

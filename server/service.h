@@ -74,7 +74,8 @@ struct ServiceOptions {
   // Forward requests up to this many bytes are decoded, gathered and queued on gRPC's callback
   // thread that received them, larger ones on a worker (a thread hop: a sleeping worker's
   // wake-up put 45-110 us into every large call on the H200 host). Negative: every request on
-  // gRPC's thread; 0: every one on a worker.
+  // gRPC's thread; 0: every one on a worker. A call decoded on a worker runs its step on that
+  // worker when the batcher would run it inline (ForwardBatcherOptions::inline_max_tokens).
   int64_t inline_request_bytes = -1;
 };
 

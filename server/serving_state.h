@@ -66,6 +66,10 @@ class ServingState {
   void PrewakeSteps() {
     if (ready_.load(std::memory_order_acquire)) batcher_->Prewake();
   }
+  // The batcher's counters; zeros before Attach.
+  ForwardBatcherStats batcher_stats() const {
+    return ready_.load(std::memory_order_acquire) ? batcher_->stats() : ForwardBatcherStats{};
+  }
   // Idle workers poll for tasks this long (one at a time) before they sleep (WorkQueue).
   void SetWorkerIdleSpin(absl::Duration spin) { workers_.SetIdleSpin(spin); }
   // Runs every queued task and stops the workers (calls arriving later are refused). Call after

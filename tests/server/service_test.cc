@@ -867,7 +867,8 @@ TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem)
 }
 
 // Every request on gRPC's receiving thread, or every one on a worker (which polls for them, as
-// on a GPU engine): the same answers, bit for bit, as the engine's own.
+// on a GPU engine): the same answers, bit for bit, as the engine's own. A worker runs the step
+// of a call that finds the batcher idle itself; gRPC's thread hands every step off.
 TEST(ServiceInlineThresholdTest, InlineAndWorkerPathsAnswerAlike) {
   std::unique_ptr<Engine> engine = ReferenceTestEngine(13);
   const ModelConfig& model = engine->info().model;
@@ -877,7 +878,8 @@ TEST(ServiceInlineThresholdTest, InlineAndWorkerPathsAnswerAlike) {
     server_options.listen_addresses = {"127.0.0.1:0"};
     server_options.metrics_address = "";
     server_options.inline_request_bytes = inline_bytes;
-    server_options.batcher.idle_spin = absl::Milliseconds(2);  // the workers poll too
+    server_options.batcher.idle_spin = absl::Milliseconds(2);       // the workers poll too
+    server_options.batcher.max_batch_delay = absl::ZeroDuration();  // the binary's default
     std::unique_ptr<MoeServer> server = MoeServer::Start(engine.get(), server_options).value();
     auto stub = v1::MoeService::NewStub(
         grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));
@@ -892,6 +894,8 @@ TEST(ServiceInlineThresholdTest, InlineAndWorkerPathsAnswerAlike) {
       ASSERT_TRUE(s.ok()) << s.error_message();
       ExpectEngineAnswer(*engine, r, m, resp);
     }
+    // One caller: every call with tokens (4 of 5) found the batcher idle, within inline_max_tokens.
+    EXPECT_EQ(server->batcher_stats().inline_steps, inline_bytes == 0 ? 4 : 0);
     server->Shutdown(std::chrono::seconds(5));
   }
 }
