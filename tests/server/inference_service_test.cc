@@ -43,19 +43,10 @@ using ::moeserve::testing::RandomRequest;
 using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
 using ::moeserve::testing::ShmObject;
+using ::moeserve::testing::TestModel;
 using ::testing::HasSubstr;
 
 constexpr int64_t kMaxTokens = 64;
-
-ModelConfig TestModel() {
-  ModelConfig model = ModelPreset("tiny").value();
-  ModelOverrides o;
-  o.num_experts = 8;
-  o.topk = 3;
-  o.hidden = 128;
-  o.intermediate = 96;
-  return ApplyOverrides(model, o).value();
-}
 
 const char* KServeName(v1::DType d) {
   switch (d) {

@@ -36,22 +36,13 @@ using ::moeserve::testing::MetricValue;
 using ::moeserve::testing::RandomRequest;
 using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
+using ::moeserve::testing::TestModel;
 using ::testing::HasSubstr;
 
 constexpr int64_t kMaxTokens = 64;
 constexpr int64_t kMaxMessageBytes = 1 << 20;
 
 // Tiny with small overrides: an odd topk and unequal hidden / intermediate catch transposes.
-ModelConfig TestModel() {
-  ModelConfig model = ModelPreset("tiny").value();
-  ModelOverrides o;
-  o.num_experts = 8;
-  o.topk = 3;
-  o.hidden = 128;
-  o.intermediate = 96;
-  return ApplyOverrides(model, o).value();
-}
-
 class ServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

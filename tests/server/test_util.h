@@ -23,12 +23,24 @@
 #include "absl/strings/str_split.h"
 #include "core/dtype.h"
 #include "core/engine.h"
+#include "core/model_config.h"
 #include "core/tensor.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "moeserve/v1/moeserve.pb.h"
 #include "tests/testing/test_util.h"
 
 namespace moeserve::testing {
+
+// The server tests' model: the tiny preset with 8 experts, top-3, hidden 128, intermediate 96,
+// small enough for the reference engine to check every answer.
+inline ModelConfig TestModel() {
+  ModelOverrides o;
+  o.num_experts = 8;
+  o.topk = 3;
+  o.hidden = 128;
+  o.intermediate = 96;
+  return ApplyOverrides(ModelPreset("tiny").value(), o).value();
+}
 
 // Values -> little-endian bytes of `dtype` (BF16/FP16 rounded to nearest even).
 inline std::string EncodeFloats(const std::vector<float>& v, v1::DType dtype) {
