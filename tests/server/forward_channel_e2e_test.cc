@@ -37,18 +37,14 @@ using ::moeserve::testing::RandomRequest;
 using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
 using ::moeserve::testing::ShmObject;
+using ::moeserve::testing::TestModel;
 using ::testing::HasSubstr;
 
 class ForwardChannelE2eTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    ModelOverrides o;
-    o.num_experts = 8;
-    o.topk = 3;
-    o.hidden = 128;
-    o.intermediate = 96;
     EngineOptions options;
-    options.model = ApplyOverrides(ModelPreset("tiny").value(), o).value();
+    options.model = TestModel();
     options.seed = 5;
     options.experts = "blas";
     options.num_threads = 2;
