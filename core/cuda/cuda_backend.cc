@@ -435,6 +435,24 @@ const DevicePackedLayer* DeviceWeightStore::layer(int index) const {
   return layers_[index].get();
 }
 
+absl::StatusOr<const DevicePackedLayer*> DeviceWeightStore::ResidentLayer(
+    int index, const LayerWeights* host, absl::string_view caller) const {
+  const DevicePackedLayer* resident = layer(index);
+  if (resident == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(caller, ": layer ", index,
+                     " has no experts resident on the device (upload them with "
+                     "DeviceWeightStore first)"));
+  }
+  const auto& l = resident->layout;
+  if (host != nullptr && (host->num_local_experts != resident->num_local_experts ||
+                          host->hidden != l.hidden || host->intermediate != l.intermediate)) {
+    return absl::InternalError(absl::StrCat(caller, ": device weights of layer ", index,
+                                            " do not match the host layer handed in"));
+  }
+  return resident;
+}
+
 // ---------------------------------------------------------------------------------------------
 // PrepareAndFinalize.
 
@@ -1075,21 +1093,10 @@ class CudaExpertsImpl final : public Experts {
 
 absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   const PreparedActivations& p = *args.prepared;
-  const DevicePackedLayer* layer = weights_->layer(args.layer);
-  if (layer == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(name(), ": layer ", args.layer,
-                     " has no experts resident on the device (upload them with "
-                     "DeviceWeightStore first)"));
-  }
+  MOESERVE_ASSIGN_OR_RETURN(const DevicePackedLayer* layer,
+                            weights_->ResidentLayer(args.layer, args.weights, name()));
   const auto& l = layer->layout;
   const int64_t h = l.hidden, e = layer->num_local_experts;
-  if (args.weights != nullptr &&
-      (args.weights->num_local_experts != e || args.weights->hidden != h ||
-       args.weights->intermediate != l.intermediate)) {
-    return absl::InternalError(absl::StrCat(name(), ": device weights of layer ", args.layer,
-                                            " do not match the host layer handed in"));
-  }
   const Device gpu = ctx_->tensor_device();
   if (p.format != format_ || p.a1q.dtype() != DType::kBF16 || p.a1q.dim(p.a1q.rank() - 1) != h ||
       h % 8 != 0 || p.a1q.device() != gpu) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/modular_kernel.h"
 #include "core/tensor.h"
 #include "core/weights.h"
@@ -80,6 +81,11 @@ class DeviceWeightStore {
 
   // Layer `index`'s resident experts, or null if it has none here.
   const DevicePackedLayer* layer(int index) const;
+  // The same for an Experts::Apply of `caller`: FAILED_PRECONDITION when the layer has no
+  // experts here, INTERNAL when `host` (optional: the layer's host weights handed in) does not
+  // match their shape.
+  absl::StatusOr<const DevicePackedLayer*> ResidentLayer(int index, const LayerWeights* host,
+                                                         absl::string_view caller) const;
   int num_layers() const { return static_cast<int>(layers_.size()); }
   int device() const { return device_; }
   int64_t device_bytes() const { return device_bytes_; }

@@ -295,21 +295,10 @@ absl::Status CudaGroupedExperts::Init() {
 
 absl::Status CudaGroupedExperts::Apply(const ExpertsApplyArgs& args) {
   const PreparedActivations& p = *args.prepared;
-  const DevicePackedLayer* layer = weights_->layer(args.layer);
-  if (layer == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(name(), ": layer ", args.layer,
-                     " has no experts resident on the device (upload them with "
-                     "DeviceWeightStore first)"));
-  }
+  MOESERVE_ASSIGN_OR_RETURN(const DevicePackedLayer* layer,
+                            weights_->ResidentLayer(args.layer, args.weights, name()));
   const auto& l = layer->layout;
   const int64_t h = l.hidden, e = layer->num_local_experts;
-  if (args.weights != nullptr &&
-      (args.weights->num_local_experts != e || args.weights->hidden != h ||
-       args.weights->intermediate != l.intermediate)) {
-    return absl::InternalError(absl::StrCat(name(), ": device weights of layer ", args.layer,
-                                            " do not match the host layer handed in"));
-  }
   const Device gpu = ctx_->tensor_device();
   if (p.format != ActivationFormat::kStandard || p.a1q.dtype() != DType::kBF16 ||
       p.a1q.rank() != 2 || p.a1q.dim(1) != h || h % 8 != 0 || p.a1q.device() != gpu) {
