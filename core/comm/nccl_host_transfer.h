@@ -2,7 +2,10 @@
 // multi-process serving (the leader's command header, the followers' token slices and their
 // output slices). Each call copies the host bytes to grow-only device staging buffers on the
 // communicator's stream, runs the NCCL collective and copies the result back, then waits
-// (NcclCommunicator::Synchronize: bounded by the group's timeout, same errors).
+// (NcclCommunicator::Synchronize: bounded by the group's timeout, same errors). A buffer that
+// grows keeps the allocation it replaces until the transfer goes (GrowOnlyBuffer, never
+// ReleaseSuperseded): cudaFree waits for every stream of the device, a step's collectives
+// included, without the group's timeout, and stalls every other thread's CUDA calls meanwhile.
 //
 // Thread-safety: as the communicator (one thread at a time). Header without CUDA/NCCL types;
 // the implementation needs MOESERVE_HAVE_NCCL.
@@ -16,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/comm/nccl_communicator.h"
+#include "core/cuda/grow_only_buffer.h"
 
 namespace moeserve {
 
@@ -37,12 +41,10 @@ class NcclHostTransfer {
   NcclCommunicator& comm() { return *comm_; }
 
  private:
-  absl::Status Reserve(void** buf, size_t* cap, size_t bytes);
+  static constexpr size_t kMinStagingBytes = 4096;
   std::shared_ptr<NcclCommunicator> comm_;
-  void* send_ = nullptr;
-  size_t send_cap_ = 0;
-  void* recv_ = nullptr;
-  size_t recv_cap_ = 0;
+  GrowOnlyBuffer send_{GrowOnlyBuffer::Memory::kDevice, kMinStagingBytes, /*quarter_slack=*/true};
+  GrowOnlyBuffer recv_{GrowOnlyBuffer::Memory::kDevice, kMinStagingBytes, /*quarter_slack=*/true};
 };
 
 }  // namespace moeserve
