@@ -201,7 +201,7 @@ void MoeServiceImpl::RunForward(const grpc::ByteBuffer& raw_request, absl::Time 
     if (metrics) {
       metrics->RecordStages(server_queue_us + result.timings.queue_us, result.timings);
     }
-    if (pending->request.header.return_timings()) {
+    if (pending->request.header.return_timings() || pending->request.header.return_host_timings()) {
       ForwardTimingsToProto(result.timings, server_queue_us, MicrosSince(start),
                             header.mutable_timings());
       header.mutable_timings()->set_route_us(route_us);

@@ -106,6 +106,11 @@ ABSL_FLAG(std::string, input_file, "", "forward: raw input file (format in the s
 ABSL_FLAG(std::string, output_file, "", "forward: write the output's raw bytes here");
 ABSL_FLAG(std::string, request_id, "", "forward: request id (default: cli-<seed>)");
 ABSL_FLAG(bool, return_timings, true, "forward/load: ask the server for stage timings");
+ABSL_FLAG(bool, host_timings_only, false,
+          "forward/load: with --return_timings, ask for the host clock's timings only "
+          "(ForwardRequest.return_host_timings): the steps run no stage timers (on a GPU, device "
+          "events of about 5 us a one-token step), so server_total_us is an untimed call's; "
+          "prepare/experts/finalize read 0 but for the server's sampled steps");
 ABSL_FLAG(bool, check, false,
           "forward: fetch the touched experts' weights and compare with a local reference");
 ABSL_FLAG(double, tolerance, 1e-2,
@@ -349,6 +354,16 @@ absl::Status DecodeHidden(Inputs& in, int64_t hidden, v1::DType dtype) {
   return absl::OkStatus();
 }
 
+// return_timings / return_host_timings of a request, from --return_timings and
+// --host_timings_only.
+template <typename Args>
+void SetTimingsFromFlags(Args* args) {
+  const bool timings = absl::GetFlag(FLAGS_return_timings);
+  const bool host_only = absl::GetFlag(FLAGS_host_timings_only);
+  args->return_timings = timings && !host_only;
+  args->return_host_timings = timings && host_only;
+}
+
 ForwardArgs MakeArgs(const Inputs& in, int64_t hidden, int topk, v1::DType dtype) {
   ForwardArgs args;
   args.layer = absl::GetFlag(FLAGS_layer);
@@ -359,7 +374,7 @@ ForwardArgs MakeArgs(const Inputs& in, int64_t hidden, int topk, v1::DType dtype
   args.topk = topk;
   args.topk_ids = in.topk_ids;
   args.topk_weights = in.topk_weights;
-  args.return_timings = absl::GetFlag(FLAGS_return_timings);
+  SetTimingsFromFlags(&args);
   return args;
 }
 
@@ -536,7 +551,7 @@ absl::StatusOr<ForwardRegionArgs> PlaceInArena(const Inputs& in, const Arena& ar
   args.topk_ids = MakeRegionRef(arena.name(), ids_at, layout.routing_bytes);
   args.topk_weights = MakeRegionRef(arena.name(), w_at, layout.routing_bytes);
   args.output = MakeRegionRef(arena.name(), out_offset, layout.hidden_bytes);
-  args.return_timings = absl::GetFlag(FLAGS_return_timings);
+  SetTimingsFromFlags(&args);
   return args;
 }
 
@@ -641,7 +656,7 @@ int RunForward() {
   std::printf("request_id: %s\n", result->request_id.c_str());
   std::printf("output: dtype=%s shape=[%s] bytes=%zu\n", DTypeName(out.dtype()).c_str(),
               absl::StrJoin(out.shape(), ", ").c_str(), out.data().size());
-  if (args.return_timings) PrintTimings(result->timings);
+  if (args.return_timings || args.return_host_timings) PrintTimings(result->timings);
   std::printf("latency_ms=%.3f\n", absl::ToDoubleMilliseconds(result->latency));
   if (out.dtype() != *dtype || out.shape_size() != 2 || out.shape(0) != in->num_tokens ||
       out.shape(1) != hidden) {

@@ -266,6 +266,7 @@ absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardA
   request.set_layer(args.layer);
   request.set_request_id(args.request_id);
   request.set_return_timings(args.return_timings);
+  request.set_return_host_timings(args.return_host_timings);
   v1::Tensor* h = request.mutable_hidden_states();
   h->set_dtype(args.hidden_dtype);
   h->add_shape(args.num_tokens);
@@ -290,6 +291,7 @@ absl::StatusOr<grpc::ByteBuffer> MoeClient::EncodeForwardRequest(const ForwardAr
   header.set_layer(args.layer);
   header.set_request_id(args.request_id);
   header.set_return_timings(args.return_timings);
+  header.set_return_host_timings(args.return_host_timings);
   const auto set = [&args](v1::DType dtype, int64_t cols, v1::Tensor* t) {
     t->set_dtype(dtype);
     t->add_shape(args.num_tokens);
@@ -362,6 +364,7 @@ absl::StatusOr<v1::ForwardRequest> MoeClient::BuildForwardRequest(const ForwardR
   request.set_layer(args.layer);
   request.set_request_id(args.request_id);
   request.set_return_timings(args.return_timings);
+  request.set_return_host_timings(args.return_host_timings);
   const auto set = [&args](v1::DType dtype, int64_t cols, const v1::RegionRef& ref, v1::Tensor* t) {
     t->set_dtype(dtype);
     t->add_shape(args.num_tokens);

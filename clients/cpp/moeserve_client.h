@@ -73,6 +73,8 @@ struct ForwardArgs {
   std::vector<float> topk_weights;
   std::string request_id;
   bool return_timings = false;
+  // The host clock's timings only (ForwardRequest.return_host_timings): no stage timers.
+  bool return_host_timings = false;
 };
 
 // A Forward whose tensors live in registered shared-memory regions (the server must run with
@@ -94,6 +96,8 @@ struct ForwardRegionArgs {
   v1::RegionRef output;
   std::string request_id;
   bool return_timings = false;
+  // The host clock's timings only (ForwardRequest.return_host_timings): no stage timers.
+  bool return_host_timings = false;
 };
 
 // A RegionRef from its parts.
@@ -104,7 +108,7 @@ struct ForwardResult {
   // received slices) unless the call asked for no copy; `raw` always has it in place.
   v1::Tensor output;
   std::string request_id;    // as echoed by the server
-  v1::StageTimings timings;  // zeros unless return_timings
+  v1::StageTimings timings;  // zeros unless return_timings or return_host_timings
   absl::Duration latency;    // client-side round trip
   // The response as received: raw.output.data points into raw.slices (owned here).
   v1wire::ForwardResponseView raw;

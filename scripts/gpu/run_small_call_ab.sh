@@ -5,7 +5,9 @@
 # letter, optionally followed by 0 (MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0: staged copies on a copy
 # engine) or 1m (the SMs copy up to 1 MiB), and by s (the server polls for calls:
 # --step_spin_us=SPIN_US, default 2000) and/or q (the load asks for no timings, so the server
-# skips the stage timers on all but --stage_timing_every's sampled steps; the round trip only);
+# skips the stage timers on all but --stage_timing_every's sampled steps; the round trip only)
+# or h (it asks for the host clock's timings only, return_host_timings: an untimed step's server
+# total);
 # VARIANTS, default "a b0 b". A variant ending in g gathers a request's pieces on several threads
 # from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES); c: the load's
 # callers poll for their answers (--client_spin_us=CLIENT_SPIN_US, default 2000); i: every
@@ -58,6 +60,7 @@ flags_of() {
 }
 load_flags_of() {
   [[ ${1:1} == *q* ]] && echo "--return_timings=false"
+  [[ ${1:1} == *h* ]] && echo "--host_timings_only"
   [[ ${1:1} == *c* ]] && echo "--client_spin_us=${CLIENT_SPIN_US:-2000}"
   true
 }

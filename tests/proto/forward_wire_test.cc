@@ -134,6 +134,7 @@ v1::ForwardRequest RandomRequest(std::mt19937_64& rng) {
   if (rng() % 4) *r.mutable_topk_weights() = RandomTensor(rng);
   if (rng() % 2) r.set_request_id("req-" + std::to_string(rng() % 1000));
   r.set_return_timings(rng() % 2);
+  r.set_return_host_timings(rng() % 2);
   return r;
 }
 

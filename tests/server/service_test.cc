@@ -814,6 +814,7 @@ void ExpectEngineAnswer(Engine& engine, const v1::ForwardRequest& request, int64
 }
 
 TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem) {
+  // (return_host_timings: the host clock's totals without the stage timers.)
   std::unique_ptr<Engine> engine = ReferenceTestEngine(12);
   const ModelConfig& model = engine->info().model;
   ServerOptions server_options;
@@ -831,10 +832,11 @@ TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem)
                                      {std::string("stage=\"") + stage + "\""}));
   };
   std::mt19937_64 rng(5);
-  auto call = [&](bool timings, v1::ForwardResponse* resp) {
+  auto call = [&](bool timings, v1::ForwardResponse* resp, bool host_timings = false) {
     v1::ForwardRequest r = RandomRequest(rng, 0, 3, model.hidden, model.num_experts, model.topk,
                                          v1::DTYPE_BF16, v1::DTYPE_INT32);
     r.set_return_timings(timings);
+    r.set_return_host_timings(host_timings);
     grpc::ClientContext ctx;
     grpc::Status s = stub->Forward(&ctx, r, resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
@@ -854,6 +856,17 @@ TEST(ServiceStageTimingTest, UnaskedCallsSkipTheStageTimersAndAskingOnesGetThem)
   EXPECT_GT(timed.timings().total_us(), 0);
   EXPECT_EQ(count("experts") - experts0, 1);
   EXPECT_EQ(count("queue") - queue0, 5);
+  // The host clock's timings only: an untimed step, its totals answered.
+  const int64_t timed_steps = (*server)->batcher_stats().timed_steps;
+  v1::ForwardResponse host;
+  call(false, &host, /*host_timings=*/true);
+  ASSERT_TRUE(host.has_timings());
+  EXPECT_GT(host.timings().total_us(), 0);
+  EXPECT_GT(host.timings().engine_us(), 0);
+  EXPECT_GE(host.timings().total_us(), host.timings().engine_us());
+  EXPECT_EQ(host.timings().experts_us(), 0);
+  EXPECT_EQ((*server)->batcher_stats().timed_steps, timed_steps);
+  EXPECT_EQ(count("experts") - experts0, 1);
   (*server)->Shutdown(std::chrono::seconds(5));
 }
 

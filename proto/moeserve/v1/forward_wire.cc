@@ -340,10 +340,10 @@ struct FlatReader {
 };
 
 // protobuf's parse of a ForwardRequest's header fields when they are only layer, request_id,
-// return_timings and return_routing in their own wire types (every request without an
-// output_region): no parser tables, no allocation beyond the id. WalkTop has checked that layer
-// fits int32 and that request_id is UTF-8. False: parse with protobuf instead (it clears the
-// message first, so the fields set here before giving up do not matter).
+// return_timings, return_routing and return_host_timings in their own wire types (every request
+// without an output_region): no parser tables, no allocation beyond the id. WalkTop has checked
+// that layer fits int32 and that request_id is UTF-8. False: parse with protobuf instead (it clears
+// the message first, so the fields set here before giving up do not matter).
 bool ParseCommonRequestHeader(absl::string_view rest, v1::ForwardRequest* out) {
   FlatReader r(rest);
   while (!r.done()) {
@@ -368,6 +368,10 @@ bool ParseCommonRequestHeader(absl::string_view rest, v1::ForwardRequest* out) {
       case (8 << 3) | kVarint:
         if (!r.Varint(&v)) return false;
         out->set_return_routing(v != 0);
+        break;
+      case (9 << 3) | kVarint:
+        if (!r.Varint(&v)) return false;
+        out->set_return_host_timings(v != 0);
         break;
       default:
         return false;
@@ -672,7 +676,7 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
   // layer (1) is an int32; request_id (5) a string; output_region (7) a RegionRef.
   const std::pair<uint32_t, absl::string_view> regions[] = {{7, "output_region (field 7)"}};
   if (absl::Status s =
-          WalkTop(reader, numbers, tensors, 8, {1}, {5}, regions, &rest, &tensor_rests, kMessage);
+          WalkTop(reader, numbers, tensors, 9, {1}, {5}, regions, &rest, &tensor_rests, kMessage);
       !s.ok()) {
     return s;
   }
