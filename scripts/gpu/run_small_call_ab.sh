@@ -7,7 +7,8 @@
 # --step_spin_us=SPIN_US, default 2000) and/or q (the load asks for no timings, so the server
 # skips the stage timers on all but --stage_timing_every's sampled steps; the round trip only)
 # or h (it asks for the host clock's timings only, return_host_timings: an untimed step's server
-# total);
+# total); n: the calls go through a forward channel (shared memory polled by the server, no
+# gRPC per call: --enable_shared_memory on the server, moeserve-cli load --channel);
 # VARIANTS, default "a b0 b". A variant ending in g gathers a request's pieces on several threads
 # from GATHER_MIN bytes (default 131072; MOESERVE_GATHER_PARALLEL_MIN_BYTES); c: the load's
 # callers poll for their answers (--client_spin_us=CLIENT_SPIN_US, default 2000); i: every
@@ -56,18 +57,20 @@ flags_of() {
   [[ ${1:1} == *s* ]] && f+=" --step_spin_us=${SPIN_US:-2000}"
   [[ ${1:1} == *i* ]] && f+=" --inline_request_bytes=1073741824"
   [[ ${1:1} == *w* ]] && f+=" --inline_request_bytes=0"
+  [[ ${1:1} == *n* ]] && f+=" --enable_shared_memory"
   echo "$f"
 }
 load_flags_of() {
   [[ ${1:1} == *q* ]] && echo "--return_timings=false"
   [[ ${1:1} == *h* ]] && echo "--host_timings_only"
+  [[ ${1:1} == *n* ]] && echo "--channel"
   [[ ${1:1} == *c* ]] && echo "--client_spin_us=${CLIENT_SPIN_US:-2000}"
   true
 }
 CSV=$OUT/engine.csv
 # shellcheck disable=SC2086
 [ -n "${SKIP_ENGINE:-}" ] || for round in $(seq "${ROUNDS:-2}"); do for v in $(round_order $round $VARIANTS); do
-  [[ ${v:1} == *[sqgci]* ]] && continue  # server-only settings: the in-process bench is the same
+  [[ ${v:1} == *[sqgciwhn]* ]] && continue  # server-only settings: the in-process bench is the same
   for timed in 1 0; do
     env $(env_of $v) timeout 120 "$B/engine_forward_bench_$(bin_of $v)" --model trivial \
       --weight_format bf16 --tokens 1,16,64 --iters 1000 --timed $timed | grep -v '^#\|^tokens' |
