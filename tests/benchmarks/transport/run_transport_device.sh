@@ -169,6 +169,9 @@ load() {  # layer way M
     ch) target=unix:$SOCK_DIR/moe.sock; flags=(--channel) ;;
     shm-ch) target=unix:$SOCK_DIR/moe.sock; flags=(--shm --channel) ;;
     cuda-ch) target=unix:$SOCK_DIR/moe.sock; flags=(--cuda_region --channel) ;;
+    # Untimed steps (the host clock's timings only): issue 12's one-token server total.
+    tcp-h) flags=(--check_answers --host_timings_only) ;;
+    ch-h) target=unix:$SOCK_DIR/moe.sock; flags=(--channel --host_timings_only) ;;
   esac
   local f="$OUT/load_${layer}_${way}_M$m.log"
   if over_budget; then
@@ -209,6 +212,9 @@ for layer in $LAYERS; do
   for m in $MS; do
     for way in $WAYS; do load $layer $way $m; done
   done
+  if [ $layer = trivial ] && [[ " $MS " == *" 1 "* ]]; then
+    for way in tcp-h ch-h; do load trivial $way 1; done
+  fi
   # Python torch client on the trivial layer: bytes path (CPU tensors), then CUDA tensors.
   if [ $layer = trivial ] && [ "$PY" = 1 ] && over_budget; then
     PY_SKIP="skipped: past the ${BUDGET_S}s budget"
@@ -352,6 +358,12 @@ for layer in $LAYERS; do
     done
   done
 done
+if [[ " $LAYERS " == *" trivial "* ]] && [[ " $MS " == *" 1 "* ]]; then
+  echo
+  echo "issue 12, server total of an untimed one-token call (trivial layer, return_host_timings;" \
+    "target <= 40 us): tcp ${SRV[trivial:tcp-h:1]:-${RT[trivial:tcp-h:1]:-n/a}} us," \
+    "channel ${SRV[trivial:ch-h:1]:-${RT[trivial:ch-h:1]:-n/a}} us"
+fi
 # The device tool brings back only a few files of a folder: one archive of the logs instead.
 if [ "${TAR_LOGS:-1}" = 1 ]; then
   (cd "$OUT" && tar -czf logs.tgz --exclude logs.tgz --exclude transport -- * && find . -maxdepth 1 -name '*.log' -delete)
