@@ -370,10 +370,14 @@ class MoeServiceImpl::StreamReactor final
       answer(s, {}, 0, "");
       return;
     }
-    auto task = [this, request, start, hold, answer]() {
+    // A stream's calls are decoded on a worker; where workers decode Forward requests too
+    // (--inline_request_bytes >= 0, so they poll) the worker runs the step as for Forward.
+    const bool may_run_inline = service_->options_.inline_request_bytes >= 0;
+    auto task = [this, request, start, hold, answer, may_run_inline]() {
       service_->RunForward(
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,
-          peer_, CallSource{.caller = reinterpret_cast<uintptr_t>(this), .may_run_inline = false},
+          peer_,
+          CallSource{.caller = reinterpret_cast<uintptr_t>(this), .may_run_inline = may_run_inline},
           hold, answer);
     };
     if (!service_->state_->SubmitWork(task)) {

@@ -124,6 +124,36 @@ TEST_F(StreamTest, CallsAnsweredInOrderAndCorrect) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
+// A stream's calls are decoded on a worker. Where workers decode Forward requests too
+// (inline_request_bytes >= 0) a call that finds the batcher idle runs its step there; by
+// default every step goes to the scheduling thread.
+TEST_F(StreamTest, WorkersRunIdleStepsWhereTheyDecodeForwardRequests) {
+  for (const int64_t inline_bytes : {int64_t{0}, int64_t{-1}}) {
+    SCOPED_TRACE(absl::StrCat("inline_request_bytes=", inline_bytes));
+    ServerOptions server_options;
+    server_options.listen_addresses = {"127.0.0.1:0"};
+    server_options.metrics_address = "";
+    server_options.inline_request_bytes = inline_bytes;
+    server_options.batcher.max_batch_delay = absl::ZeroDuration();  // the binary's default
+    std::unique_ptr<MoeServer> server = MoeServer::Start(engine_, server_options).value();
+    auto stub = v1::MoeService::NewStub(
+        grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto stream = stub->ForwardStream(&ctx);
+    for (int i = 0; i < 3; ++i) {
+      const v1::ForwardRequest r = Random(1 + 5 * i, v1::DTYPE_BF16, 0, "w-" + std::to_string(i));
+      ASSERT_TRUE(stream->Write(r));
+      v1::ForwardResponse resp;
+      ASSERT_TRUE(stream->Read(&resp));
+      ExpectCorrect(r, resp);
+    }
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+    EXPECT_EQ(server->batcher_stats().inline_steps, inline_bytes >= 0 ? 3 : 0);
+    server->Shutdown(std::chrono::seconds(5));
+  }
+}
+
 // Many requests written before any answer is read: answers still come in request order, even
 // though the batcher may run (and finish) them in other orders.
 TEST_F(StreamTest, PipelinedCallsKeepRequestOrder) {
