@@ -6,9 +6,6 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <chrono>
-#include <thread>
 #include <vector>
 
 #include "core/background_release.h"
@@ -20,27 +17,9 @@
 namespace moeserve {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using ::moeserve::testing::HeldStream;
+using ::moeserve::testing::ReturnsWhileHeld;
 using ::moeserve::testing::ShmObject;
-
-// Runs `fn` on its own thread; true if it returned within 5 s. `held` is released either way,
-// so that a call that waited for it finishes.
-template <typename Fn>
-bool ReturnsWhileHeld(HeldStream& held, Fn fn) {
-  std::atomic<bool> done{false};
-  std::thread t([&] {
-    cudaSetDevice(0);
-    fn();
-    done = true;
-  });
-  const Clock::time_point until = Clock::now() + std::chrono::seconds(5);
-  while (!done && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  const bool returned = done;
-  held.Release();
-  t.join();
-  return returned;
-}
 
 TEST(BackgroundReleaseCuda, UnregisteringAPinnedRegionDoesNotWaitForTheDevice) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";

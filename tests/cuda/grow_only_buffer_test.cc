@@ -7,10 +7,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <chrono>
 #include <cstddef>
-#include <thread>
 
 #include "core/cuda/cuda_backend.h"
 #include "tests/cuda/held_stream.h"
@@ -18,9 +15,8 @@
 namespace moeserve {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 using ::moeserve::testing::HeldStream;
+using ::moeserve::testing::ReturnsWhileHeld;
 
 TEST(GrowOnlyBufferTest, GrowthDoesNotWaitForTheDevice) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
@@ -29,19 +25,9 @@ TEST(GrowOnlyBufferTest, GrowthDoesNotWaitForTheDevice) {
     GrowOnlyBuffer buffer(memory, 0, /*quarter_slack=*/false);
     ASSERT_TRUE(buffer.Get(size_t{1} << 20).ok());
     HeldStream held;
-    std::atomic<bool> done{false};
     absl::StatusOr<void*> grown;
-    std::thread grow([&] {
-      cudaSetDevice(0);
-      grown = buffer.Get(size_t{8} << 20);
-      done = true;
-    });
-    const Clock::time_point until = Clock::now() + std::chrono::seconds(5);
-    while (!done && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    const bool returned_while_held = done;
-    held.Release();  // lets a growth that waited for the device finish
-    grow.join();
-    EXPECT_TRUE(returned_while_held) << "the growth waited for a stream it has nothing to do with";
+    EXPECT_TRUE(ReturnsWhileHeld(held, [&] { grown = buffer.Get(size_t{8} << 20); }))
+        << "the growth waited for a stream it has nothing to do with";
     ASSERT_TRUE(grown.ok()) << grown.status();
     EXPECT_EQ(buffer.superseded_bytes(), size_t{1} << 20);
   }

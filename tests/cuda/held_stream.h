@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <utility>
 
 namespace moeserve::testing {
 
@@ -38,6 +39,26 @@ class HeldStream {
   cudaStream_t stream_ = nullptr;
   std::atomic<bool> released_{false};
 };
+
+// Runs `fn` on its own thread (device 0); true if it returned within 5 s. `held` is released
+// either way, so that a call that waited for it finishes.
+template <typename Fn>
+bool ReturnsWhileHeld(HeldStream& held, Fn&& fn) {
+  std::atomic<bool> done{false};
+  std::thread t([&] {
+    cudaSetDevice(0);
+    std::forward<Fn>(fn)();
+    done = true;
+  });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!done && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const bool returned = done;
+  held.Release();
+  t.join();
+  return returned;
+}
 
 }  // namespace moeserve::testing
 

@@ -5,12 +5,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "core/cuda/cuda_backend.h"
@@ -28,8 +25,8 @@ namespace {
 TEST(NcclHostTransferTest, Disabled) { GTEST_SKIP() << "built without NCCL"; }
 #else
 
-using Clock = std::chrono::steady_clock;
 using ::moeserve::testing::HeldStream;
+using ::moeserve::testing::ReturnsWhileHeld;
 
 struct OneRank {
   std::shared_ptr<CudaContext> ctx;
@@ -80,19 +77,10 @@ TEST(NcclHostTransferTest, GrowthDoesNotWaitForTheDevice) {
   const std::vector<uint8_t> want = RandomBytes(size_t{8} << 20, 2);
   std::vector<uint8_t> large = want;
   HeldStream held;  // another stream busy, as a step in flight
-  std::atomic<bool> done{false};
   absl::Status status;
-  std::thread grow([&] {
-    cudaSetDevice(0);
+  EXPECT_TRUE(ReturnsWhileHeld(held, [&] {
     status = transfer.Broadcast(large.data(), static_cast<int64_t>(large.size()), 0);
-    done = true;
-  });
-  const Clock::time_point until = Clock::now() + std::chrono::seconds(5);
-  while (!done && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  const bool returned_while_held = done;
-  held.Release();  // lets a growth that waited for the device finish
-  grow.join();
-  EXPECT_TRUE(returned_while_held) << "the staging's growth waited for a stream it does not use";
+  })) << "the staging's growth waited for a stream it does not use";
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_EQ(large, want);
 }

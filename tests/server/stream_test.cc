@@ -89,6 +89,16 @@ class StreamTest : public ::testing::Test {
         << request.request_id();
   }
 
+  // Writes `r` on `stream`, reads its answer and checks it.
+  static void CallAndCheck(
+      grpc::ClientReaderWriter<v1::ForwardRequest, v1::ForwardResponse>& stream,
+      const v1::ForwardRequest& r) {
+    ASSERT_TRUE(stream.Write(r));
+    v1::ForwardResponse resp;
+    ASSERT_TRUE(stream.Read(&resp));
+    ExpectCorrect(r, resp);
+  }
+
   static Engine* engine_;
   static Engine* reference_;
   static MoeServer* server_;
@@ -113,10 +123,7 @@ TEST_F(StreamTest, CallsAnsweredInOrderAndCorrect) {
       const v1::ForwardRequest r =
           Random(1 + (n * 7) % 40, dtypes[n % 3], layer, "call-" + std::to_string(n));
       ++n;
-      ASSERT_TRUE(stream->Write(r));
-      v1::ForwardResponse resp;
-      ASSERT_TRUE(stream->Read(&resp));
-      ExpectCorrect(r, resp);
+      ASSERT_NO_FATAL_FAILURE(CallAndCheck(*stream, r));
     }
   }
   stream->WritesDone();
@@ -142,10 +149,7 @@ TEST_F(StreamTest, WorkersRunIdleStepsWhereTheyDecodeForwardRequests) {
     auto stream = stub->ForwardStream(&ctx);
     for (int i = 0; i < 3; ++i) {
       const v1::ForwardRequest r = Random(1 + 5 * i, v1::DTYPE_BF16, 0, "w-" + std::to_string(i));
-      ASSERT_TRUE(stream->Write(r));
-      v1::ForwardResponse resp;
-      ASSERT_TRUE(stream->Read(&resp));
-      ExpectCorrect(r, resp);
+      ASSERT_NO_FATAL_FAILURE(CallAndCheck(*stream, r));
     }
     stream->WritesDone();
     EXPECT_TRUE(stream->Finish().ok());
@@ -273,10 +277,7 @@ TEST_F(StreamTest, CancelledStreamLeavesServerServing) {
   grpc::ClientContext ctx;
   auto stream = stub->ForwardStream(&ctx);
   const v1::ForwardRequest r = Random(4, v1::DTYPE_BF16, 1, "after");
-  ASSERT_TRUE(stream->Write(r));
-  v1::ForwardResponse resp;
-  ASSERT_TRUE(stream->Read(&resp));
-  ExpectCorrect(r, resp);
+  ASSERT_NO_FATAL_FAILURE(CallAndCheck(*stream, r));
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
 }
