@@ -53,6 +53,8 @@ std::unique_ptr<PooledBuffer> PooledBuffer::Acquire(size_t bytes) {
     return std::unique_ptr<PooledBuffer>(
         new PooledBuffer(std::aligned_alloc(16, (bytes + 15) / 16 * 16), bytes, false, false));
   }
+  // A new buffer is whole pages, so that page-locking one never touches another's pages.
+  const size_t capacity = (bytes + kPage - 1) / kPage * kPage;
   FreeList& pool = Pool();
   PooledBuffer::Pin pin;
   {
@@ -63,25 +65,22 @@ std::unique_ptr<PooledBuffer> PooledBuffer::Acquire(size_t bytes) {
     auto fit = pool.buffers.lower_bound(bytes);
     if (fit != pool.buffers.end()) {
       fit = std::prev(pool.buffers.upper_bound(fit->first));
-      const size_t capacity = fit->first;
+      const size_t free_capacity = fit->first;
       const Block b = fit->second;
       pool.buffers.erase(fit);
       if (!b.pinned) {
         --pool.unpinned_count;
-        pool.unpinned_bytes -= capacity;
+        pool.unpinned_bytes -= free_capacity;
       }
-      return std::unique_ptr<PooledBuffer>(new PooledBuffer(b.data, capacity, true, b.pinned));
+      return std::unique_ptr<PooledBuffer>(new PooledBuffer(b.data, free_capacity, true, b.pinned));
     }
     // The bytes are reserved here, so that concurrent calls never pin past the bound together
     // (pinned buffers are kept for good); given back if the pin fails.
-    const size_t reserve = (bytes + kPage - 1) / kPage * kPage;
-    if (bytes >= kMinPinnedBytes && pool.pin && pool.pinned_bytes + reserve <= kMaxPinnedBytes) {
+    if (bytes >= kMinPinnedBytes && pool.pin && pool.pinned_bytes + capacity <= kMaxPinnedBytes) {
       pin = pool.pin;
-      pool.pinned_bytes += reserve;
+      pool.pinned_bytes += capacity;
     }
   }
-  // Whole pages, so that page-locking one buffer never touches another's pages.
-  const size_t capacity = (bytes + kPage - 1) / kPage * kPage;
   void* data = std::aligned_alloc(kPage, capacity);
   const bool pinned = data != nullptr && pin && pin(data, capacity);
   if (pin && !pinned) {

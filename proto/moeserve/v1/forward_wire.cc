@@ -673,7 +673,8 @@ absl::StatusOr<ForwardRequestView> DecodeForwardRequest(std::vector<grpc::Slice>
   std::vector<std::string> tensor_rests;
   const uint32_t numbers[] = {2, 3, 4};
   WireTensor* const tensors[] = {&view.hidden_states, &view.topk_ids, &view.topk_weights};
-  // layer (1) is an int32; request_id (5) a string; output_region (7) a RegionRef.
+  // layer (1) is an int32; request_id (5) a string; output_region (7) a RegionRef; fields up to
+  // 9 (return_host_timings, the last) are the header's, kept for the parse below.
   const std::pair<uint32_t, absl::string_view> regions[] = {{7, "output_region (field 7)"}};
   if (absl::Status s =
           WalkTop(reader, numbers, tensors, 9, {1}, {5}, regions, &rest, &tensor_rests, kMessage);
