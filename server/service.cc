@@ -293,7 +293,7 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   }
   // A small request is decoded and queued right here (a thread hop costs more than the work);
   // one over inline_request_bytes on a worker.
-  if (options_.inline_request_bytes < 0 ||
+  if (!options_.WorkersDecodeRequests() ||
       static_cast<int64_t>(raw_request->Length()) <= options_.inline_request_bytes) {
     task(/*on_worker=*/false);
   } else if (!state_->SubmitWork([task = std::move(task)] { task(/*on_worker=*/true); })) {
@@ -372,7 +372,7 @@ class MoeServiceImpl::StreamReactor final
     }
     // A stream's calls are decoded on a worker; where workers decode Forward requests too
     // (--inline_request_bytes >= 0, so they poll) the worker runs the step as for Forward.
-    const bool may_run_inline = service_->options_.inline_request_bytes >= 0;
+    const bool may_run_inline = service_->options_.WorkersDecodeRequests();
     auto task = [this, request, start, hold, answer, may_run_inline]() {
       service_->RunForward(
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,

@@ -78,6 +78,10 @@ struct ServiceOptions {
   // worker when the batcher would run it inline (ForwardBatcherOptions::inline_max_tokens);
   // with any value >= 0 so do ForwardStream's calls (always decoded on a worker).
   int64_t inline_request_bytes = -1;
+
+  // Whether workers decode requests (inline_request_bytes >= 0): they then poll while idle, and
+  // a call decoded on one, Forward or ForwardStream, may run its step there.
+  bool WorkersDecodeRequests() const { return inline_request_bytes >= 0; }
 };
 
 // Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
