@@ -294,8 +294,10 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
         "ModelInfer", pending->input, static_cast<int64_t>(raw_request->Length()),
         CallDeadline(context->deadline()), [context] { return context->IsCancelled(); },
         std::move(done), region_output,
+        // Decoded on a worker like a stream's call: where workers poll for requests, the
+        // worker runs an idle batcher's step itself (as Forward's and ForwardStream's do).
         CallSource{.caller = CallerKey(context->peer()),
-                   .may_run_inline = false,
+                   .may_run_inline = moe_->options().WorkersDecodeRequests(),
                    .stage_timings = WantsTimings(pending->request.header)});
   };
   if (!state_->SubmitWork(task)) {

@@ -121,6 +121,9 @@ class MoeServiceImpl final : public MoeServiceBase {
   // engine before Attach.
   void PrepareForEngine(const Engine& engine);
 
+  // The options it was made with (thread-safe: never changed).
+  const ServiceOptions& options() const { return options_; }
+
   // `request` and `response` are serialized moeserve.v1 ForwardRequest / ForwardResponse.
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const grpc::ByteBuffer* request,

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/engine.h"
 #include "core/model_config.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -261,6 +262,36 @@ TEST_F(InferenceServiceTest, ModelInferMatchesReference) {
             << KServeName(c.dtype) << " layer " << layer << " M=" << m;
       }
     }
+  }
+}
+
+// Where workers decode requests (--inline_request_bytes >= 0, so they poll), the worker that
+// decodes a ModelInfer runs its step when the batcher is idle, as for Forward; with the default
+// (-1) every step goes to the scheduling thread. Answers checked either way.
+TEST_F(InferenceServiceTest, WorkersRunIdleStepsWhereTheyDecodeRequests) {
+  for (const int64_t inline_bytes : {int64_t{0}, int64_t{-1}}) {
+    SCOPED_TRACE(absl::StrCat("inline_request_bytes=", inline_bytes));
+    ServerOptions server_options;
+    server_options.listen_addresses = {"127.0.0.1:0"};
+    server_options.metrics_address = "";
+    server_options.inline_request_bytes = inline_bytes;
+    server_options.batcher.max_batch_delay = absl::ZeroDuration();  // the binary's default
+    std::unique_ptr<MoeServer> server = MoeServer::Start(engine_, server_options).value();
+    auto stub = inference::GRPCInferenceService::NewStub(
+        grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));
+    for (int i = 0; i < 3; ++i) {
+      const v1::ForwardRequest r = Random(1 + 5 * i, v1::DTYPE_BF16, v1::DTYPE_INT32, 0);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      inference::ModelInferResponse resp;
+      const grpc::Status s = stub->ModelInfer(&ctx, ToInfer(r, "moe_layer_0"), &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      ASSERT_EQ(resp.raw_output_contents_size(), 1);
+      EXPECT_LT(RelativeL2(DecodeFloats(resp.raw_output_contents(0), v1::DTYPE_BF16), Expected(r)),
+                1e-2);  // BF16
+    }
+    EXPECT_EQ(server->batcher_stats().inline_steps, inline_bytes >= 0 ? 3 : 0);
+    server->Shutdown(std::chrono::seconds(5));
   }
 }
 
