@@ -106,7 +106,8 @@ ABSL_FLAG(int64_t, inline_request_bytes, -1,
           "one on a worker, which also runs the call's step where the batcher would run it "
           "inline (--inline_max_tokens: nothing queued or running), so a one-token call meets "
           "no cold thread after gRPC's (to be measured on a GPU host); with any value >= 0 a "
-          "ForwardStream's calls, always decoded on a worker, run their steps there so too");
+          "ForwardStream's and ModelInfer's calls, always decoded on a worker, run their steps "
+          "there so too");
 ABSL_FLAG(int64_t, upload_min_bytes, int64_t{4} << 20,
           "GPU engine: hidden_states of at least this many bytes sent as gRPC bytes go to the "
           "device while they are gathered (one part per gather thread, each part's 1 MiB chunk "

@@ -76,7 +76,8 @@ struct ServiceOptions {
   // wake-up put 45-110 us into every large call on the H200 host). Negative: every request on
   // gRPC's thread; 0: every one on a worker. A call decoded on a worker runs its step on that
   // worker when the batcher would run it inline (ForwardBatcherOptions::inline_max_tokens);
-  // with any value >= 0 so do ForwardStream's calls (always decoded on a worker).
+  // with any value >= 0 so do ForwardStream's and ModelInfer's calls (always decoded on a
+  // worker).
   int64_t inline_request_bytes = -1;
 
   // Whether workers decode requests (inline_request_bytes >= 0): they then poll while idle, and
