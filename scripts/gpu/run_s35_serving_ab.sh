@@ -10,6 +10,7 @@ cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
 start_device_script "$1" > /dev/null || exit 1
 ROOT=${OUT}
+ln -sf "$B/moeserve_${LAST:-b}" "$B/moeserve"  # the bundle's build b (make_ab_bundle.sh)
 for pass in a b; do
   extra=""
   [ $pass = b ] && extra=${SERVE_EXTRA_B:-"--inline_request_bytes=0"}
