@@ -39,9 +39,10 @@ round_order() {
   if ((round % 2)); then echo "$@"; else printf '%s\n' "$@" | tac | tr '\n' ' '; fi
 }
 
-# gpu_suites FILTER: the bundle's GPU test binaries (cuda_kernels_test, cuda_experts_test (or a
-# shard of it, EXPERTS_SHARDS), engine_cuda_test), then compute-sanitizer on cuda_kernels_test's FILTER with each tool of
-# SANITIZERS (default racecheck), into $OUT/TOOL.log. SKIP_SUITES=1: none of it.
+# gpu_suites FILTER: the bundle's GPU test binaries (cuda_kernels_test, cuda_experts_test or a
+# shard of it (EXPERTS_SHARDS), engine_cuda_test), then compute-sanitizer on cuda_kernels_test's
+# FILTER with each tool of SANITIZERS (default racecheck), into $OUT/TOOL.log. SKIP_SUITES=1:
+# none of it.
 gpu_suites() {
   [ -n "${SKIP_SUITES:-}" ] && return 0  # e.g. a second pass of a script in the same call
   run_gtest cuda_kernels_test 200
