@@ -89,7 +89,8 @@ absl::StatusOr<grpc::ByteBuffer> BuildRequest(const MoeserveForwardArgs* a) {
   v1::ForwardRequest header;
   header.set_layer(a->layer);
   if (a->request_id != nullptr) header.set_request_id(a->request_id);
-  header.set_return_timings(a->return_timings != 0);
+  header.set_return_timings(a->return_timings != 0 && a->return_timings != 2);
+  header.set_return_host_timings(a->return_timings == 2);
   header.set_return_routing(a->return_routing != 0);
   v1::Tensor* hs = header.mutable_hidden_states();
   hs->set_dtype(static_cast<v1::DType>(a->hidden_dtype));

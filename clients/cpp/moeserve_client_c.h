@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define MOESERVE_CLIENT_C_ABI_VERSION 2
+#define MOESERVE_CLIENT_C_ABI_VERSION 3
 
 /* The library is built with hidden visibility: only these functions are exported (the C++
  * client, gRPC's C++ layer and the proto stubs stay private to it). */
@@ -67,7 +67,9 @@ MOESERVE_C_API void moeserve_client_destroy(MoeserveClient* client);
 /* One layer's inputs. hidden_states: [num_tokens, hidden] in hidden_dtype (BF16/FP16/FP32),
  * row-major. topk_ids: [num_tokens, topk] INT32 or INT64 (ids_dtype), topk_weights:
  * [num_tokens, topk] FP32; both NULL (and topk 0) for routing on the server. request_id: NULL or
- * a NUL-terminated string. timeout_s <= 0: the client's. */
+ * a NUL-terminated string. return_timings: 0 none, 2 the host clock's stages and total only
+ * (return_host_timings: the step runs untimed; since ABI 3), any other value the stage timings.
+ * timeout_s <= 0: the client's. */
 typedef struct MoeserveForwardArgs {
   int32_t layer;
   int32_t hidden_dtype;

@@ -7,7 +7,8 @@ against the real server (tiny model, CPU backend), with numpy arrays (no torch):
     reference of the served experts (relative L2: FP32 1e-5, FP16 / BF16 1e-2), fresh random
     inputs each run;
   * routing on the server (no ids / weights) with return_routing: the ids and weights in the
-    answer's header are the numpy client's; request_id echoed; timings with return_timings;
+    answer's header are the numpy client's; request_id echoed; timings with return_timings,
+    the host clock's alone with return_timings="host" (no stage timers: experts_us 0);
   * a serialized request (wire.forward_request) sent as bytes: the same answer;
   * answers of 1-4 MB (copied out of their slices by the library's threads): equal to the
     numpy client's, blocking and several in flight at once;
@@ -145,6 +146,31 @@ class NativeClientTest(unittest.TestCase):
                           reply.topk_weights.offset).reshape(reply.topk_weights.shape)
         np.testing.assert_array_equal(ids, want.topk_ids)
         np.testing.assert_array_equal(w, want.topk_weights)
+
+    def test_host_timings_only(self):
+        """return_timings="host" (ForwardRequest.return_host_timings): the host clock's total and
+        engine time with no stage timers (experts_us 0), by the C interface (value 2) and by
+        the numpy client on the C++ client and on grpcio; True times the stages."""
+        x, ids, w = self.inputs(4)
+        for timings, staged in (("host", False), (True, True)):
+            _, header = self.call(x, wire.DTYPE_FP32, ids, w, return_timings=timings,
+                                  want_header=True)
+            t = wire.forward_response(header).timings  # (fields that are 0 are not sent)
+            self.assertGreater(t["total_us"], 0, timings)
+            self.assertGreater(t["engine_us"], 0, timings)
+            self.assertEqual(t.get("experts_us", 0) > 0, staged, (timings, t))
+        fast = mc.MoeClient(SERVER.target)
+        try:
+            self.assertTrue(fast.uses_native, fast.native_error)
+            for client in (fast, self.npc):
+                for timings, staged in (("host", False), (True, True)):
+                    t = client.forward_full(x, ids, w, return_timings=timings).timings
+                    what = (client.uses_native, timings, t)
+                    self.assertGreater(t["total_us"], 0, what)
+                    self.assertGreater(t["engine_us"], 0, what)
+                    self.assertEqual(t["experts_us"] > 0, staged, what)
+        finally:
+            fast.close()
 
     def test_serialized_request_gives_the_same_answer(self):
         x, ids, w = self.inputs(5)

@@ -48,7 +48,8 @@ class WireTest(unittest.TestCase):
             w = rand_tensor(rng, wire.DTYPE_FP32, (m, k)) if routed else None
             layer = rng.choice([0, 1, 57, 2**31 - 1, -3])
             rid = rng.choice(["", "r", "req-\u00e9" * 3])
-            flags = dict(return_timings=rng.random() < 0.5, return_routing=rng.random() < 0.5)
+            timings = rng.choice([False, True, "host"])
+            flags = dict(return_timings=timings, return_routing=rng.random() < 0.5)
             region = rng.random() < 0.2
             out_region = ("out", 4096, m * h * wire.ITEMSIZE[hd]) if rng.random() < 0.2 else None
             hid = ((hd, (m, h), None, ("in", 128, len(hidden))) if region
@@ -58,7 +59,10 @@ class WireTest(unittest.TestCase):
                 (wire.DTYPE_FP32, (m, k), w) if routed else None, request_id=rid,
                 output_region=out_region, **flags)
             got = pb.ForwardRequest.FromString(b"".join(parts))
-            want = pb.ForwardRequest(layer=layer, request_id=rid, **flags)
+            want = pb.ForwardRequest(layer=layer, request_id=rid,
+                                     return_timings=timings is True,
+                                     return_host_timings=timings == "host",
+                                     return_routing=flags["return_routing"])
             want.hidden_states.dtype = hd
             want.hidden_states.shape.extend([m, h])
             if region:
@@ -91,6 +95,7 @@ class WireTest(unittest.TestCase):
             r.output.data = rand_tensor(rng, dt, (m, h))
             if rng.random() < 0.5:
                 r.timings.queue_us, r.timings.total_us, r.timings.route_us = 1.5, 2.25, 0.125
+                r.timings.engine_us, r.timings.host_timer_us = 0.75, 4.5  # fields 7 and 12
             if rng.random() < 0.5:
                 r.topk_ids.dtype = wire.DTYPE_INT32
                 r.topk_ids.shape.extend([m, k])
@@ -121,6 +126,8 @@ class WireTest(unittest.TestCase):
             if r.HasField("timings"):
                 self.assertEqual(d.timings["route_us"], 0.125)
                 self.assertEqual(d.timings["total_us"], 2.25)
+                self.assertEqual(d.timings["engine_us"], 0.75)
+                self.assertEqual(d.timings["host_timer_us"], 4.5)
             else:
                 self.assertIsNone(d.timings)
             if r.HasField("topk_ids"):

@@ -40,7 +40,7 @@ except ImportError as e:  # pragma: no cover - only without generated stubs
 
 _WIRE = {"bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16, "fp32": pb.DTYPE_FP32}
 _FROM_WIRE = {v: k for k, v in _WIRE.items()}
-_TIMINGS = ("queue_us", "prepare_us", "experts_us", "finalize_us", "total_us", "route_us")
+_TIMINGS = _wire.TIMING_NAMES
 
 ForwardResult = collections.namedtuple(
     "ForwardResult", ["output", "request_id", "timings", "latency_s", "topk_ids", "topk_weights"],
@@ -271,7 +271,9 @@ class MoeClient:
     def forward_full(self, hidden, topk_ids=None, topk_weights=None, layer=0, dtype=None,
                      request_id="", return_timings=True, timeout=None, return_routing=False):
         """Like forward(), returning ForwardResult(output, request_id, timings dict, latency_s,
-        topk_ids, topk_weights); the last two only with return_routing (else None)."""
+        topk_ids, topk_weights); the last two only with return_routing (else None).
+        return_timings: True (stage timings: the step is timed on the device), "host" (the host
+        clock's stages and total only, an untimed step) or False (zeros)."""
         hidden = np.asarray(hidden)
         if (topk_ids is None) != (topk_weights is None):
             raise ValueError("pass both topk_ids and topk_weights, or neither (server routing)")
@@ -302,13 +304,15 @@ class MoeClient:
         if self._native is not None:
             return self._forward_native(hidden, hidden_bits, name, topk_ids, topk_weights, layer,
                                         request_id, return_timings, return_routing, timeout)
+        timed, host_timed = _wire.timing_flags(return_timings)
         request = pb.ForwardRequest(
             layer=layer,
             hidden_states=_tensor(hidden_bits, _WIRE[name], _dt.STORAGE[name]),
             topk_ids=ids,
             topk_weights=weights,
             request_id=request_id,
-            return_timings=return_timings,
+            return_timings=timed,
+            return_host_timings=host_timed,
             return_routing=return_routing)
         start = time.perf_counter()
         reply = self._call(self._stub.Forward, request, timeout)

@@ -20,7 +20,7 @@ import threading
 
 from .status import StatusError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 LIB_ENV = "MOESERVE_CLIENT_LIB"
 LIB_NAME = "libmoeserve_client_c.so"
 
@@ -241,7 +241,8 @@ class NativeClient:
         a.hidden_states, a.ids_dtype, a.topk = hidden_ptr, ids_dtype, topk
         a.topk_ids, a.topk_weights = ids_ptr, weights_ptr
         a.request_id = request_id or None
-        a.return_timings, a.return_routing = bool(return_timings), bool(return_routing)
+        a.return_timings = 2 if return_timings == "host" else int(bool(return_timings))
+        a.return_routing = int(bool(return_routing))
         a.timeout_s = timeout or 0.0
 
     def forward(self, layer, hidden_dtype, num_tokens, hidden, hidden_ptr, ids_dtype, topk,

@@ -40,6 +40,7 @@ from multiprocessing import shared_memory as _mp_shm
 import numpy as np
 
 from . import dtypes as _dt
+from . import wire as _wire
 from .client import _FROM_WIRE, _WIRE, _hidden_dtype, pb
 
 # A byte range of a registered region: what Tensor.region / output_region carry.
@@ -208,7 +209,8 @@ def forward_refs(client, layer, hidden, hidden_dtype, num_tokens, hidden_size, t
     """Forward with every tensor named by a Ref: hidden [num_tokens, hidden_size] of
     hidden_dtype ("bf16" / "fp16" / "fp32"), topk_ids [num_tokens, topk] int32 or int64,
     weights [num_tokens, topk] float32, the answer into `output` [num_tokens, hidden_size] of
-    hidden_dtype. Returns ForwardByRegionResult(dtype, shape, request_id, timings dict)."""
+    hidden_dtype. Returns ForwardByRegionResult(dtype, shape, request_id, timings dict).
+    return_timings: True, "host" (the host clock's only) or False, as MoeClient.forward_full."""
     name = _dt.normalize_dtype(hidden_dtype)
     ids_wire = {"int32": pb.DTYPE_INT32, "int64": pb.DTYPE_INT64}[np.dtype(ids_dtype).name]
     request = pb.ForwardRequest(
@@ -217,15 +219,15 @@ def forward_refs(client, layer, hidden, hidden_dtype, num_tokens, hidden_size, t
         topk_ids=_tensor(ids_wire, (num_tokens, topk), Ref(*topk_ids)),
         topk_weights=_tensor(pb.DTYPE_FP32, (num_tokens, topk), Ref(*weights)),
         request_id=request_id,
-        return_timings=return_timings,
+        return_timings=_wire.timing_flags(return_timings)[0],
+        return_host_timings=_wire.timing_flags(return_timings)[1],
         output_region=pb.RegionRef(name=output[0], offset=output[1], byte_size=output[2]))
     reply = _call(client, "Forward", request, timeout)
     if _FROM_WIRE.get(reply.output.dtype) != name or reply.output.data:
         raise ValueError(f"unexpected answer: dtype {reply.output.dtype}, "
                          f"{len(reply.output.data)} bytes inline")
     t = reply.timings
-    timings = {"queue_us": t.queue_us, "prepare_us": t.prepare_us, "experts_us": t.experts_us,
-               "finalize_us": t.finalize_us, "total_us": t.total_us}
+    timings = {k: getattr(t, k) for k in _wire.TIMING_NAMES}
     return ForwardByRegionResult(name, tuple(reply.output.shape), reply.request_id, timings)
 
 

@@ -201,7 +201,7 @@ class _NativeArgs(collections.namedtuple(
 
 class MoeFuture:
     """A Forward call in flight (TorchMoeClient.submit). After result(): request_id, timings
-    (dict, with return_timings), topk_ids / topk_weights (with return_routing). used_region /
+    (dict of wire.TIMING_NAMES, with return_timings), topk_ids / topk_weights (with return_routing). used_region /
     used_channel: whether the call went by a region / through the forward channel; zero_copy:
     whether hidden was sent in place from a region of the client (alloc_hidden / empty)."""
 
@@ -1436,7 +1436,9 @@ class TorchMoeClient:
     def submit(self, hidden, topk_ids=None, topk_weights=None, layer=0, request_id="",
                return_timings=False, return_routing=False, timeout=None, out=None):
         """Starts one MoE layer forward and returns a MoeFuture at once (see result()).
-        out: as forward()'s; result(fut) then returns it (or the answer view for "region")."""
+        out: as forward()'s; result(fut) then returns it (or the answer view for "region").
+        return_timings: True (stage timings: the step is timed on the device), "host" (the host
+        clock's stages and total only, an untimed step) or False."""
         fut, parts, nbytes = self._prepare(hidden, topk_ids, topk_weights, layer, request_id,
                                            return_timings, return_routing, out)
         timeout = timeout or self.timeout

@@ -90,6 +90,7 @@ _LAYER_TAG = _tag(1, _VARINT)
 _RID_TAG = _tag(5, _LEN)
 _TIMINGS = _tag(6, _VARINT) + b"\x01"
 _ROUTING = _tag(8, _VARINT) + b"\x01"
+_HOST_TIMINGS = _tag(9, _VARINT) + b"\x01"
 
 
 def forward_request(layer, hidden, topk_ids=None, topk_weights=None, request_id="",
@@ -100,6 +101,8 @@ def forward_request(layer, hidden, topk_ids=None, topk_weights=None, request_id=
     memoryview, ...) of exactly product(shape) * itemsize bytes, or (dtype, shape, None,
     (region name, offset, byte_size)) for a tensor in a registered region. shape a tuple.
     topk_* None: the server routes. output_region: (name, offset, byte_size) or None.
+    return_timings: True (the stage timings, timing the step on the device), "host" (the host
+    clock's stages and total only: return_host_timings, an untimed step) or False.
     """
     parts = [_LAYER_TAG + varint(layer)] if layer else []
     for field, t in ((2, hidden), (3, topk_ids), (4, topk_weights)):
@@ -116,7 +119,8 @@ def forward_request(layer, hidden, topk_ids=None, topk_weights=None, request_id=
     if request_id:
         rid = request_id.encode()
         parts.append(_RID_TAG + varint(len(rid)) + rid)
-    if return_timings:
+    timed, host_timed = timing_flags(return_timings)
+    if timed:
         parts.append(_TIMINGS)
     if output_region is not None:
         field = _OUTPUT_REGIONS.get(output_region)
@@ -129,6 +133,8 @@ def forward_request(layer, hidden, topk_ids=None, topk_weights=None, request_id=
         parts.append(field)
     if return_routing:
         parts.append(_ROUTING)
+    if host_timed:
+        parts.append(_HOST_TIMINGS)
     return parts
 
 
@@ -236,8 +242,18 @@ def _tensor(buf, start, end):
     return t
 
 
-_TIMING_NAMES = {1: "queue_us", 2: "prepare_us", 3: "experts_us", 4: "finalize_us",
-                 5: "total_us", 6: "route_us"}
+# StageTimings' fields by number (moeserve.v1): the names of a reply's timings dict.
+TIMING_NAMES = ("queue_us", "prepare_us", "experts_us", "finalize_us", "total_us", "route_us",
+                "engine_us", "input_us", "host_stage_us", "host_launch_us", "host_collect_us",
+                "host_timer_us")
+_TIMING_NAMES = {i + 1: name for i, name in enumerate(TIMING_NAMES)}
+
+
+def timing_flags(return_timings):
+    """(return_timings, return_host_timings) of ForwardRequest for a client's return_timings
+    argument: True, "host" or False (see forward_request)."""
+    host = return_timings == "host"
+    return bool(return_timings) and not host, host
 
 
 class ForwardReply:
