@@ -297,7 +297,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
         // Decoded on a worker like a stream's call: where workers poll for requests, the
         // worker runs an idle batcher's step itself (as Forward's and ForwardStream's do).
         CallSource{.caller = CallerKey(context->peer()),
-                   .may_run_inline = moe_->options().WorkersDecodeRequests(),
+                   .may_run_inline = moe_->WorkersDecodeRequests(),
                    .stage_timings = WantsTimings(pending->request.header)});
   };
   if (!state_->SubmitWork(task)) {

@@ -98,14 +98,16 @@ ABSL_FLAG(bool, gather_streaming_stores, false,
           "The gather threads write with non-temporal stores (x86-64): the bytes go to memory "
           "for the GPU's DMA without a read of each line first or a dirty copy in the caches "
           "(faster beyond the caches, slower within them; to be measured on a GPU host)");
-ABSL_FLAG(int64_t, inline_request_bytes, -1,
+ABSL_FLAG(int64_t, inline_request_bytes, moeserve::kInlineRequestBytesByBackend,
+          "-2 (default): by backend, 0 on a GPU (an H200 host's one-token server total 56-59 -> "
+          "45-48 us, 8 callers of the seed layer 3% more calls/s), -1 on the CPU. "
           "Forward requests up to this many bytes are decoded, gathered and queued on the gRPC "
           "thread that received them, larger ones on a worker thread (a hop: a sleeping "
           "worker's wake-up put 45-110 us into every call over 256 KiB on an H200 host, "
           "tests/benchmarks/serving/RESULTS.md); -1: every request on gRPC's thread; 0: every "
           "one on a worker, which also runs the call's step where the batcher would run it "
           "inline (--inline_max_tokens: nothing queued or running), so a one-token call meets "
-          "no cold thread after gRPC's (to be measured on a GPU host); with any value >= 0 a "
+          "no cold thread after gRPC's; with any value >= 0 a "
           "ForwardStream's and ModelInfer's calls, always decoded on a worker, run their steps "
           "there so too");
 ABSL_FLAG(int64_t, upload_min_bytes, int64_t{4} << 20,

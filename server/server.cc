@@ -61,11 +61,11 @@ absl::StatusOr<std::unique_ptr<MoeServer>> MoeServer::Bind(
     return absl::InvalidArgumentError(absl::StrCat(
         "upload_min_bytes: got ", options.upload_min_bytes, ", expected 0 (off) or more"));
   }
-  if (options.inline_request_bytes < -1) {
+  if (options.inline_request_bytes < kInlineRequestBytesByBackend) {
     return absl::InvalidArgumentError(
         absl::StrCat("inline_request_bytes: got ", options.inline_request_bytes,
-                     ", expected -1 (every request on gRPC's thread), 0 (every one on a worker) "
-                     "or more"));
+                     ", expected -2 (by backend), -1 (every request on gRPC's thread), 0 (every "
+                     "one on a worker) or more"));
   }
   if (options.gather_threads < 0 || options.gather_threads > 64) {
     return absl::InvalidArgumentError(
@@ -169,6 +169,11 @@ absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backe
   return backend == "cpu" ? absl::ZeroDuration() : kGpuIdleSpin;
 }
 
+int64_t ResolveInlineRequestBytes(int64_t configured, std::string_view backend) {
+  if (configured != kInlineRequestBytesByBackend) return configured;
+  return backend == "cpu" ? -1 : 0;
+}
+
 absl::Status MoeServer::AttachEngine(Engine* engine) {
   if (engine_ != nullptr) return absl::FailedPreconditionError("AttachEngine: already attached");
   if (shut_down_) return absl::FailedPreconditionError("AttachEngine: the server is shut down");
@@ -178,7 +183,10 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   // Workers that decode requests (--inline_request_bytes >= 0) poll as the scheduling thread
   // does. Those that only send a merged step's answers sleep: one polling under the serving
   // benchmark's overload kept a core busy for little (serving/RESULTS.md 20:35).
-  if (options_.inline_request_bytes >= 0) state_->SetWorkerIdleSpin(batcher_options.idle_spin);
+  const int64_t inline_request_bytes =
+      ResolveInlineRequestBytes(options_.inline_request_bytes, engine->info().backend);
+  service_->SetInlineRequestBytes(inline_request_bytes);
+  if (inline_request_bytes >= 0) state_->SetWorkerIdleSpin(batcher_options.idle_spin);
   if (options_.parallel_answers) {
     // A merged step's answers go out on the workers (the state owns the batcher: it outlives
     // it; once draining, SubmitWork refuses and the step's thread answers).

@@ -56,6 +56,17 @@ std::string BoundAddress(const std::string& listen, int port);
 // when negative, kGpuIdleSpin on a GPU backend and none on "cpu".
 absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backend);
 
+// ServerOptions::inline_request_bytes "by backend" (the binary's default).
+inline constexpr int64_t kInlineRequestBytesByBackend = -2;
+// The request size up to which gRPC's thread decodes a Forward (ServiceOptions::
+// inline_request_bytes) for an engine of `backend`: `configured`, or for
+// kInlineRequestBytesByBackend, 0 on a GPU (every request decoded on a polling worker, which
+// runs an idle step itself: one H200 host, 2026-12-06, trivial one-token server total 56-59 ->
+// 45-48 us, M=16 119-134 -> 102-107, seed layer 8 callers 5705-5939 -> 6014-6038 calls/s,
+// tests/benchmarks/serving/RESULTS.md) and -1 on "cpu" (a worker there sleeps: a hop costs more
+// than the decode).
+int64_t ResolveInlineRequestBytes(int64_t configured, std::string_view backend);
+
 struct ServerOptions {
   // "host:port" each; port 0 binds a free port (see MoeServer::bound_addresses()).
   std::vector<std::string> listen_addresses = {kDefaultListenAddress};
@@ -70,7 +81,8 @@ struct ServerOptions {
   // device as they are gathered (ServiceOptions::upload_min_bytes).
   int64_t upload_min_bytes = int64_t{4} << 20;
   // Forward requests up to this many bytes are handled on gRPC's receiving thread, larger ones
-  // on a worker; negative: all on gRPC's thread (ServiceOptions::inline_request_bytes).
+  // on a worker; -1: all on gRPC's thread (ServiceOptions::inline_request_bytes);
+  // kInlineRequestBytesByBackend: ResolveInlineRequestBytes when the engine is attached.
   int64_t inline_request_bytes = -1;
   // A merged step's answers are sent from the workers at once (ForwardBatcherOptions::
   // answer_executor), not one after another from the step's thread.

@@ -47,6 +47,7 @@ MoeServiceImpl::MoeServiceImpl(ServingState* state, const ServiceOptions& option
     : state_(state),
       metrics_(state->metrics()),
       options_(options),
+      inline_request_bytes_(std::max<int64_t>(-1, options.inline_request_bytes)),
       held_bytes_(options.max_held_bytes),
       answer_watch_(options.max_answer_hold, [metrics = state->metrics()] {
         if (metrics) metrics->OnAnswerCancelled();
@@ -293,8 +294,8 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
   }
   // A small request is decoded and queued right here (a thread hop costs more than the work);
   // one over inline_request_bytes on a worker.
-  if (!options_.WorkersDecodeRequests() ||
-      static_cast<int64_t>(raw_request->Length()) <= options_.inline_request_bytes) {
+  const int64_t inline_bytes = inline_request_bytes();
+  if (inline_bytes < 0 || static_cast<int64_t>(raw_request->Length()) <= inline_bytes) {
     task(/*on_worker=*/false);
   } else if (!state_->SubmitWork([task = std::move(task)] { task(/*on_worker=*/true); })) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);
@@ -372,7 +373,7 @@ class MoeServiceImpl::StreamReactor final
     }
     // A stream's calls are decoded on a worker; where workers decode Forward requests too
     // (--inline_request_bytes >= 0, so they poll) the worker runs the step as for Forward.
-    const bool may_run_inline = service_->options_.WorkersDecodeRequests();
+    const bool may_run_inline = service_->WorkersDecodeRequests();
     auto task = [this, request, start, hold, answer, may_run_inline]() {
       service_->RunForward(
           *request, deadline_, [this] { return stop_.load(std::memory_order_relaxed); }, start,

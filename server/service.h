@@ -27,6 +27,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -77,12 +78,9 @@ struct ServiceOptions {
   // gRPC's thread; 0: every one on a worker. A call decoded on a worker runs its step on that
   // worker when the batcher would run it inline (ForwardBatcherOptions::inline_max_tokens);
   // with any value >= 0 so do ForwardStream's and ModelInfer's calls (always decoded on a
-  // worker).
+  // worker). The server may change it when the engine is attached
+  // (MoeServiceImpl::SetInlineRequestBytes).
   int64_t inline_request_bytes = -1;
-
-  // Whether workers decode requests (inline_request_bytes >= 0): they then poll while idle, and
-  // a call decoded on one, Forward or ForwardStream, may run its step there.
-  bool WorkersDecodeRequests() const { return inline_request_bytes >= 0; }
 };
 
 // Whether a gRPC peer (ServerContext::peer(): "unix:...", "ipv4:127.0.0.1:5000",
@@ -122,8 +120,17 @@ class MoeServiceImpl final : public MoeServiceBase {
   // engine before Attach.
   void PrepareForEngine(const Engine& engine);
 
-  // The options it was made with (thread-safe: never changed).
-  const ServiceOptions& options() const { return options_; }
+  // ServiceOptions::inline_request_bytes now (thread-safe). Set by the server when it attaches
+  // the engine (a value by backend), before calls reach the engine; < -1 reads as -1.
+  void SetInlineRequestBytes(int64_t bytes) {
+    inline_request_bytes_.store(std::max<int64_t>(-1, bytes), std::memory_order_relaxed);
+  }
+  int64_t inline_request_bytes() const {
+    return inline_request_bytes_.load(std::memory_order_relaxed);
+  }
+  // Whether workers decode requests (inline_request_bytes() >= 0): they then poll while idle,
+  // and a call decoded on one (Forward, ForwardStream, ModelInfer) may run its step there.
+  bool WorkersDecodeRequests() const { return inline_request_bytes() >= 0; }
 
   // `request` and `response` are serialized moeserve.v1 ForwardRequest / ForwardResponse.
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
@@ -244,6 +251,7 @@ class MoeServiceImpl final : public MoeServiceBase {
   ServingState* const state_;
   Metrics* const metrics_;  // state_->metrics(), may be null
   const ServiceOptions options_;
+  std::atomic<int64_t> inline_request_bytes_;
   ByteBudget held_bytes_;
   AnswerHoldWatch answer_watch_;
   // Set by PrepareForEngine; read only after ServingState::engine() is non-null (the release /

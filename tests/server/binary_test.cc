@@ -198,7 +198,7 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         // Batcher settings (refused with the flags, see below).
         "--company_wait_us=-1", "--max_batch_delay_us=-1", "--gather_threads=-1",
         "--gather_threads=65", "--malloc_trim_threshold_mb=-1",
-        "--malloc_trim_threshold_mb=1048577", "--upload_min_bytes=-1", "--inline_request_bytes=-2",
+        "--malloc_trim_threshold_mb=1048577", "--upload_min_bytes=-1", "--inline_request_bytes=-3",
         "--grpc_channel_args=foo", "--grpc_channel_args=grpc.http2.max_frame_size=big",
         "--grpc_channel_args=http2.x=1", "--group_formation_timeout_s=0",
         "--group_formation_timeout_s=86401"}) {

@@ -175,6 +175,25 @@ TEST(StartupTest, BoundBeforeTheEngineThenServing) {
   EXPECT_FALSE((*server)->serving());
 }
 
+// inline_request_bytes -2 (the binary's default) is "by backend": every request decoded on a
+// polling worker on a GPU, on gRPC's thread on the CPU; any other value is kept.
+TEST(StartupTest, InlineRequestBytesByBackend) {
+  EXPECT_EQ(ResolveInlineRequestBytes(kInlineRequestBytesByBackend, "cuda"), 0);
+  EXPECT_EQ(ResolveInlineRequestBytes(kInlineRequestBytesByBackend, "cpu"), -1);
+  for (const int64_t set : {int64_t{-1}, int64_t{0}, int64_t{1} << 20}) {
+    EXPECT_EQ(ResolveInlineRequestBytes(set, "cuda"), set);
+    EXPECT_EQ(ResolveInlineRequestBytes(set, "cpu"), set);
+  }
+  ServerOptions options;
+  options.listen_addresses = {"127.0.0.1:0"};
+  options.metrics_address = "";
+  options.inline_request_bytes = kInlineRequestBytesByBackend - 1;
+  absl::StatusOr<std::unique_ptr<MoeServer>> bad = MoeServer::Start(nullptr, options);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("-2 (by backend)"));
+}
+
 // A negative idle_spin is "by backend": polling on a GPU (where a wake-up is a third of a
 // one-token call), none on the CPU; a set value is kept on both.
 TEST(StartupTest, IdleSpinByBackend) {
