@@ -159,6 +159,8 @@ class NativeClientTest(unittest.TestCase):
             self.assertGreater(t["total_us"], 0, timings)
             self.assertGreater(t["engine_us"], 0, timings)
             self.assertEqual(t.get("experts_us", 0) > 0, staged, (timings, t))
+        with self.assertRaisesRegex(ValueError, "return_timings='hosts'"):
+            self.call(x, wire.DTYPE_FP32, ids, w, return_timings="hosts")
         fast = mc.MoeClient(SERVER.target)
         try:
             self.assertTrue(fast.uses_native, fast.native_error)

@@ -59,6 +59,8 @@ class WireTest(unittest.TestCase):
                 (wire.DTYPE_FP32, (m, k), w) if routed else None, request_id=rid,
                 output_region=out_region, **flags)
             got = pb.ForwardRequest.FromString(b"".join(parts))
+            with self.assertRaisesRegex(ValueError, "expected True, False or \"host\""):
+                wire.forward_request(layer, hid, request_id=rid, return_timings="hosts")
             want = pb.ForwardRequest(layer=layer, request_id=rid,
                                      return_timings=timings is True,
                                      return_host_timings=timings == "host",

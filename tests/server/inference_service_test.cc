@@ -39,6 +39,7 @@ namespace {
 using ::moeserve::testing::CoreDType;
 using ::moeserve::testing::DecodeFloats;
 using ::moeserve::testing::HttpGetMetrics;
+using ::moeserve::testing::LocalServerOptions;
 using ::moeserve::testing::MetricValue;
 using ::moeserve::testing::RandomRequest;
 using ::moeserve::testing::ReferenceForward;
@@ -271,11 +272,7 @@ TEST_F(InferenceServiceTest, ModelInferMatchesReference) {
 TEST_F(InferenceServiceTest, WorkersRunIdleStepsWhereTheyDecodeRequests) {
   for (const int64_t inline_bytes : {int64_t{0}, int64_t{-1}}) {
     SCOPED_TRACE(absl::StrCat("inline_request_bytes=", inline_bytes));
-    ServerOptions server_options;
-    server_options.listen_addresses = {"127.0.0.1:0"};
-    server_options.metrics_address = "";
-    server_options.inline_request_bytes = inline_bytes;
-    server_options.batcher.max_batch_delay = absl::ZeroDuration();  // the binary's default
+    const ServerOptions server_options = LocalServerOptions(inline_bytes);
     std::unique_ptr<MoeServer> server = MoeServer::Start(engine_, server_options).value();
     auto stub = inference::GRPCInferenceService::NewStub(
         grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));

@@ -32,6 +32,7 @@ namespace {
 
 using ::moeserve::testing::DecodeFloats;
 using ::moeserve::testing::HttpGetMetrics;
+using ::moeserve::testing::LocalServerOptions;
 using ::moeserve::testing::MetricValue;
 using ::moeserve::testing::RandomRequest;
 using ::moeserve::testing::ReferenceForward;
@@ -878,12 +879,8 @@ TEST(ServiceInlineThresholdTest, InlineAndWorkerPathsAnswerAlike) {
   const ModelConfig& model = engine->info().model;
   for (const int64_t inline_bytes : {int64_t{0}, int64_t{1} << 30}) {
     SCOPED_TRACE(absl::StrCat("inline_request_bytes=", inline_bytes));
-    ServerOptions server_options;
-    server_options.listen_addresses = {"127.0.0.1:0"};
-    server_options.metrics_address = "";
-    server_options.inline_request_bytes = inline_bytes;
-    server_options.batcher.idle_spin = absl::Milliseconds(2);       // the workers poll too
-    server_options.batcher.max_batch_delay = absl::ZeroDuration();  // the binary's default
+    ServerOptions server_options = LocalServerOptions(inline_bytes);
+    server_options.batcher.idle_spin = absl::Milliseconds(2);  // the workers poll too
     std::unique_ptr<MoeServer> server = MoeServer::Start(engine.get(), server_options).value();
     auto stub = v1::MoeService::NewStub(
         grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));

@@ -26,6 +26,7 @@ namespace moeserve {
 namespace {
 
 using ::moeserve::testing::DecodeFloats;
+using ::moeserve::testing::LocalServerOptions;
 using ::moeserve::testing::RandomRequest;
 using ::moeserve::testing::ReferenceForward;
 using ::moeserve::testing::RelativeL2;
@@ -137,11 +138,7 @@ TEST_F(StreamTest, CallsAnsweredInOrderAndCorrect) {
 TEST_F(StreamTest, WorkersRunIdleStepsWhereTheyDecodeForwardRequests) {
   for (const int64_t inline_bytes : {int64_t{0}, int64_t{-1}}) {
     SCOPED_TRACE(absl::StrCat("inline_request_bytes=", inline_bytes));
-    ServerOptions server_options;
-    server_options.listen_addresses = {"127.0.0.1:0"};
-    server_options.metrics_address = "";
-    server_options.inline_request_bytes = inline_bytes;
-    server_options.batcher.max_batch_delay = absl::ZeroDuration();  // the binary's default
+    const ServerOptions server_options = LocalServerOptions(inline_bytes);
     std::unique_ptr<MoeServer> server = MoeServer::Start(engine_, server_options).value();
     auto stub = v1::MoeService::NewStub(
         grpc::CreateChannel(server->bound_addresses()[0], grpc::InsecureChannelCredentials()));
@@ -165,6 +162,7 @@ TEST_F(StreamTest, PipelinedCallsKeepRequestOrder) {
   grpc::ClientContext ctx;
   auto stream = stub->ForwardStream(&ctx);
   std::vector<v1::ForwardRequest> requests;
+  requests.reserve(40);
   for (int i = 0; i < 40; ++i) {
     // Large then small calls, so that later calls could finish first if order were not kept.
     requests.push_back(Random(i % 2 == 0 ? 60 : 1, v1::DTYPE_BF16, i % model().num_layers,
@@ -315,6 +313,7 @@ TEST_F(StreamTest, CppClientStream) {
   auto client = client::MoeClient::Create(server_->bound_addresses()[0]).value();
   auto stream = client->OpenForwardStream().value();
   std::vector<v1::ForwardRequest> requests;
+  requests.reserve(6);
   for (int i = 0; i < 6; ++i) {
     requests.push_back(Random(1 + 5 * i, i % 2 ? v1::DTYPE_FP32 : v1::DTYPE_BF16,
                               i % model().num_layers, "cpp-" + std::to_string(i)));

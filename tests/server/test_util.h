@@ -27,6 +27,7 @@
 #include "core/tensor.h"
 #include "kernels/cpu/dtype_convert.h"
 #include "moeserve/v1/moeserve.pb.h"
+#include "server/server.h"
 #include "tests/testing/test_util.h"
 
 namespace moeserve::testing {
@@ -43,6 +44,18 @@ inline ModelConfig TestModel() {
 }
 
 // Values -> little-endian bytes of `dtype` (BF16/FP16 rounded to nearest even).
+// A server on a free local port without a metrics listener: requests up to
+// `inline_request_bytes` decoded on gRPC's thread (ServerOptions), no batch delay (the
+// binary's default; the struct's 200 us forbids inline steps).
+inline ServerOptions LocalServerOptions(int64_t inline_request_bytes) {
+  ServerOptions options;
+  options.listen_addresses = {"127.0.0.1:0"};
+  options.metrics_address = "";
+  options.inline_request_bytes = inline_request_bytes;
+  options.batcher.max_batch_delay = absl::ZeroDuration();
+  return options;
+}
+
 inline std::string EncodeFloats(const std::vector<float>& v, v1::DType dtype) {
   std::string out;
   if (v.empty()) return out;  // (memcpy from an empty vector's null data is undefined)

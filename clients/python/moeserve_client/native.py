@@ -19,6 +19,7 @@ import os
 import threading
 
 from .status import StatusError
+from .wire import timing_flags
 
 ABI_VERSION = 3
 LIB_ENV = "MOESERVE_CLIENT_LIB"
@@ -241,7 +242,8 @@ class NativeClient:
         a.hidden_states, a.ids_dtype, a.topk = hidden_ptr, ids_dtype, topk
         a.topk_ids, a.topk_weights = ids_ptr, weights_ptr
         a.request_id = request_id or None
-        a.return_timings = 2 if return_timings == "host" else int(bool(return_timings))
+        timed, host_timed = timing_flags(return_timings)
+        a.return_timings = 2 if host_timed else int(timed)
         a.return_routing = int(bool(return_routing))
         a.timeout_s = timeout or 0.0
 

@@ -212,6 +212,7 @@ def forward_refs(client, layer, hidden, hidden_dtype, num_tokens, hidden_size, t
     hidden_dtype. Returns ForwardByRegionResult(dtype, shape, request_id, timings dict).
     return_timings: True, "host" (the host clock's only) or False, as MoeClient.forward_full."""
     name = _dt.normalize_dtype(hidden_dtype)
+    timed, host_timed = _wire.timing_flags(return_timings)
     ids_wire = {"int32": pb.DTYPE_INT32, "int64": pb.DTYPE_INT64}[np.dtype(ids_dtype).name]
     request = pb.ForwardRequest(
         layer=layer,
@@ -219,8 +220,8 @@ def forward_refs(client, layer, hidden, hidden_dtype, num_tokens, hidden_size, t
         topk_ids=_tensor(ids_wire, (num_tokens, topk), Ref(*topk_ids)),
         topk_weights=_tensor(pb.DTYPE_FP32, (num_tokens, topk), Ref(*weights)),
         request_id=request_id,
-        return_timings=_wire.timing_flags(return_timings)[0],
-        return_host_timings=_wire.timing_flags(return_timings)[1],
+        return_timings=timed,
+        return_host_timings=host_timed,
         output_region=pb.RegionRef(name=output[0], offset=output[1], byte_size=output[2]))
     reply = _call(client, "Forward", request, timeout)
     if _FROM_WIRE.get(reply.output.dtype) != name or reply.output.data:

@@ -201,8 +201,8 @@ class _NativeArgs(collections.namedtuple(
 
 class MoeFuture:
     """A Forward call in flight (TorchMoeClient.submit). After result(): request_id, timings
-    (dict of wire.TIMING_NAMES, with return_timings), topk_ids / topk_weights (with return_routing). used_region /
-    used_channel: whether the call went by a region / through the forward channel; zero_copy:
+    (dict of wire.TIMING_NAMES, with return_timings), topk_ids / topk_weights (with
+    return_routing). used_region / used_channel: whether the call went by a region / through the forward channel; zero_copy:
     whether hidden was sent in place from a region of the client (alloc_hidden / empty)."""
 
     __slots__ = ("_call", "_chan", "_keep", "_dtype", "_shape", "_device", "_region", "_region_out",

@@ -251,7 +251,9 @@ _TIMING_NAMES = {i + 1: name for i, name in enumerate(TIMING_NAMES)}
 
 def timing_flags(return_timings):
     """(return_timings, return_host_timings) of ForwardRequest for a client's return_timings
-    argument: True, "host" or False (see forward_request)."""
+    argument: True, "host" or False (see forward_request); ValueError for any other string."""
+    if isinstance(return_timings, str) and return_timings != "host":
+        raise ValueError(f'return_timings={return_timings!r}; expected True, False or "host"')
     host = return_timings == "host"
     return bool(return_timings) and not host, host
 
