@@ -142,6 +142,9 @@ struct ForwardBatcherStats {
   int64_t running = 0;        // steps running now (ended before their calls are answered)
   int64_t spin_takes = 0;     // times a polling thread (idle_spin) found a call queued
   int64_t timed_steps = 0;    // steps that ran their stage timers (stage_timing_every)
+  // Steps whose end woke the scheduling threads: only those that left calls queued (a thread
+  // may wait for the lane, or for company); a lone caller's steps wake nobody.
+  int64_t step_end_wakes = 0;
 };
 
 class ForwardBatcher {
@@ -244,6 +247,8 @@ class ForwardBatcher {
   // and EstimatedWaitLocked count. Under mu_.
   uint64_t BeginStepLocked(int64_t tokens);
   void EndStepLocked(uint64_t step_id);
+  // Whether a step's end must notify cv_ (calls are queued); counts it. Under mu_.
+  bool WakeForStepEndLocked();
   // How long `call`, queued now, would wait for its step to start (max_queue_wait);
   // InfiniteDuration once that is past max_queue_wait. Under mu_.
   absl::Duration EstimatedWaitLocked(const Call& call, absl::Time now) const;

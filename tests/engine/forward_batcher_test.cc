@@ -841,6 +841,61 @@ TEST(ForwardBatcherTest, IdleSpinTakesCallsWithoutAWakeUp) {
   }
 }
 
+// A step's end wakes the scheduling threads only when calls are queued (they may be waiting
+// for its lane): a lone caller's steps, inline or on a scheduling thread of a two-lane engine,
+// wake nobody (each wake-up is a futex syscall on the answering thread, and the woken threads
+// find nothing to do); a call queued behind a running step is woken for and answered exactly.
+TEST(ForwardBatcherTest, StepEndsWakeTheSchedulersOnlyForQueuedCalls) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 512;
+  o.steps_in_flight = 2;
+  auto engine = *Engine::Create(o);
+  auto oracle = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(31);
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_delay = absl::ZeroDuration()});
+  for (int i = 0; i < 12; ++i) {
+    Call c = MakeCall(m, 1 + i % 4, i % 2, DType::kBF16, rng);
+    // Half inline, half through a scheduling thread (a gRPC thread's call).
+    auto [status, timings] = SubmitAsync(*batcher, c, absl::InfiniteFuture(), nullptr,
+                                         CallSource{.may_run_inline = i % 2 == 0})
+                                 .get();
+    ASSERT_TRUE(status.ok()) << status;
+  }
+  EXPECT_EQ(batcher->stats().steps, 12);
+  EXPECT_GE(batcher->stats().inline_steps, 1);
+  EXPECT_EQ(batcher->stats().step_end_wakes, 0);
+
+  // A step held at its start (its call's cancellation check blocks once) while a second call
+  // queues behind it: the step's end wakes a scheduling thread for it.
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> checks{0};
+  Call held = MakeCall(m, 300, 0, DType::kBF16, rng);  // > half a step: no second lane for it
+  Call queued = MakeCall(m, 200, 0, DType::kBF16, rng);
+  auto held_answer = SubmitAsync(
+      *batcher, held, absl::InfiniteFuture(),
+      [&] {
+        if (checks.fetch_add(1) == 0) {
+          entered.set_value();
+          released.wait();
+        }
+        return false;
+      },
+      CallSource{.may_run_inline = false});
+  entered.get_future().wait();
+  auto queued_answer = SubmitAsync(*batcher, queued);
+  release.set_value();
+  ASSERT_TRUE(held_answer.get().first.ok());
+  ASSERT_TRUE(queued_answer.get().first.ok());
+  EXPECT_GE(batcher->stats().step_end_wakes, 1);
+  for (const Call* c : {&held, &queued}) {
+    Tensor alone = Tensor::Empty(c->out.dtype(), c->out.shape());
+    ASSERT_TRUE(oracle->Forward(c->input(), alone.view()).ok());
+    EXPECT_EQ(std::memcmp(alone.data<void>(), c->out.data<void>(), alone.nbytes()), 0);
+  }
+}
+
 // Prewake: a call announced while the scheduling thread sleeps finds it polling (no wake-up
 // after the Submit); unannounced, the same call after the same idle time wakes it. Without
 // idle_spin, Prewake does nothing (and calls still answer).
