@@ -952,6 +952,13 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
   out->a1q_scale = TensorView();
   out->topk_ids = TensorView(d_in + l.ids, DType::kINT32, {padded_tokens, topk}, gpu);
   out->topk_weights = TensorView(d_in + l.weights, DType::kFP32, {padded_tokens, topk}, gpu);
+  // The ids as they were before the step's first kernel: the device routing's (written before
+  // the graph) or the host's in the page-locked staging, which the align may read while the
+  // copy above runs.
+  out->topk_ids_early = DeviceRouting(args)
+                            ? out->topk_ids
+                            : TensorView(static_cast<uint8_t*>(g_pin_in_) + l.ids, DType::kINT32,
+                                         {padded_tokens, topk}, Device::PinnedHost());
   out->expert_num_tokens = TensorView();
   out->problem = NoEpProblem(args, padded_tokens, k, topk);
   return absl::OkStatus();
@@ -1135,9 +1142,18 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
     int32_t* offsets = counts + e;
     int32_t* sorted = offsets + e + 1;
     int32_t* slot = sorted + rows;
-    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(p.topk_ids.data<int32_t>(), rows,
-                                                          static_cast<int>(e), counts, offsets,
-                                                          sorted, slot, stream));
+    // Ids known before the step's first kernel are counted while Prepare's copies run.
+    const bool early = !p.topk_ids_early.empty();
+    if (early &&
+        (p.topk_ids_early.dtype() != DType::kINT32 ||
+         p.topk_ids_early.shape() != p.topk_ids.shape() || !p.topk_ids_early.is_contiguous())) {
+      return absl::InvalidArgumentError(absl::StrCat(name(), ": topk_ids_early must be INT32 ",
+                                                     ShapeToString(p.topk_ids.shape()), ", got ",
+                                                     p.topk_ids_early.DebugString()));
+    }
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(
+        (early ? p.topk_ids_early : p.topk_ids).data<int32_t>(), rows, static_cast<int>(e), counts,
+        offsets, sorted, slot, stream, /*scratch=*/nullptr, /*ids_before_wait=*/early));
     g1.expert_counts = g2.expert_counts = counts;
     g1.expert_offsets = g2.expert_offsets = offsets;
     g1.gather = sorted;

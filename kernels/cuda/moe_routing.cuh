@@ -37,10 +37,22 @@ inline constexpr int64_t kMoeAlignBlockRoutes = 1024;
 // may be null), from kMoeAlignMultiBlockMinRoutes routes of at most kMoeAlignMultiBlockMaxExperts
 // experts, two launches of a block per kMoeAlignBlockRoutes routes (up to 128 blocks); else one
 // block. The same outputs either way.
+//
+// ids_before_wait: topk_ids are complete before the kernel launched just before this one on the
+// stream starts (host-written page-locked memory, or device memory written before that kernel):
+// up to kMoeAlignEarlyIdsMaxRoutes routes of kMoeAlignEarlyIdsMaxExperts experts, the one block
+// reads and counts them while that kernel runs (programmatic launch) and waits for it only
+// before its first store. Outputs, and what the align's completion implies (every kernel before
+// it complete), are as without.
 int64_t MoeAlignScratchInts(int64_t num_routes, int num_experts);
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
                            int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
-                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch = nullptr);
+                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch = nullptr,
+                           bool ids_before_wait = false);
+// Where ids_before_wait applies: the ids in shared memory beside the counters (48 KiB).
+inline constexpr int64_t kMoeAlignEarlyIdsMaxRoutes = 4096;
+inline constexpr int kMoeAlignEarlyIdsMaxExperts = 1024;
+bool MoeAlignReadsIdsEarly(int64_t num_routes, int num_experts, bool ids_before_wait);
 
 // BF16 rows of x [num_tokens, hidden] to out [num_experts, max_tokens, hidden]: route r with
 // expert e and slot s = route_slot[r] < max_tokens copies row r / topk to out[e, s]. Rows of
