@@ -646,13 +646,14 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
   };
   ForwardTimings timings;
   absl::Status status;
+  TensorView merged_output;
   const bool time_stages = TimeStages(live);
   if (live.size() == 1) {
     // Alone: straight from and into the caller's buffers.
     status =
         engine_->ForwardValidated(live[0]->input, live[0]->output, &timings, stop, time_stages);
   } else {
-    status = MergeAndRun(live, buffers, &timings, stop, time_stages);
+    status = MergeAndRun(live, buffers, &timings, stop, time_stages, &merged_output);
   }
   const absl::Duration took = absl::Now() - start;
   const bool stopped = status.code() == absl::StatusCode::kDeadlineExceeded ||
@@ -679,6 +680,9 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
     wake = WakeForStepEndLocked();
   }
   if (wake) cv_.notify_all();
+  // A merged step's answers are copied out after the step has ended: a step waiting for the
+  // lane starts meanwhile (its host staging is the device's idle time between steps).
+  if (status.ok() && live.size() > 1) ScatterAnswers(live, merged_output);
   if (options_.observer) {
     options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }
@@ -722,7 +726,7 @@ bool ForwardBatcher::TimeStages(const Step& live) {
 
 absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
                                          ForwardTimings* timings, const StopCheck& stop,
-                                         bool time_stages) {
+                                         bool time_stages, TensorView* merged_output) {
   const ForwardInput& first = live[0]->input;
   const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
   const DType dtype = first.hidden_states.dtype();
@@ -754,12 +758,17 @@ absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
     at += n;
   }
   MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop, time_stages));
-  at = 0;
+  *merged_output = output;
+  return absl::OkStatus();
+}
+
+void ForwardBatcher::ScatterAnswers(const Step& live, const TensorView& merged_output) {
+  const size_t row = static_cast<size_t>(merged_output.dim(1)) * DTypeSize(merged_output.dtype());
+  int64_t at = 0;
   for (const auto& c : live) {
-    std::memcpy(c->output.raw_data(), output.data<std::byte>() + at * row, c->tokens * row);
+    std::memcpy(c->output.raw_data(), merged_output.data<std::byte>() + at * row, c->tokens * row);
     at += c->tokens;
   }
-  return absl::OkStatus();
 }
 
 }  // namespace moeserve

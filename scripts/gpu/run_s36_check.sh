@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 36's device call: the GPU suites of build b (cuda_kernels_test whole, a shard of
+# cuda_experts_test, engine_cuda_test, racecheck and memcheck on the align's tests), then the
+# one-token A/B (run_small_call_ab.sh, VARIANTS default "a b ah bh", MS "1 16"), then Nsight
+# Compute's kernel durations of one graphed trivial step at M=1 for a and b.
+# Usage: run_s36_check.sh BUNDLE.tgz (make_ab_bundle.sh A B BUNDLE.tgz)
+set -u
+cd "$(dirname "$0")/../.."
+source scripts/gpu/bundle_lib.sh
+start_device_script "$1" || exit 1
+ROOT=$OUT
+t0=$(date +%s)
+EXPERTS_SHARDS=${EXPERTS_SHARDS:-8} SANITIZERS="racecheck memcheck" gpu_suites '*Align*'
+echo "suites $(( $(date +%s) - t0 )) s"
+SA_READY=1 SKIP_GPU_SUITES=1 ROUNDS=${ROUNDS:-2} MS=${MS:-"1 16"} VARIANTS=${VARIANTS:-"a b ah bh"} \
+  OUT=$ROOT/ab bash scripts/gpu/run_small_call_ab.sh "$1" 2>&1 | sed -n '/^== engine_forward_bench/,$p'
+echo "a/b $(( $(date +%s) - t0 )) s"
+for v in a b; do
+  timeout 120 ncu --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum \
+    "$B/engine_forward_bench_$v" --model trivial --weight_format bf16 --tokens 1 --iters 3 --timed 0 \
+    > "$ROOT/ncu_$v.csv" 2>&1
+  echo "== ncu $v trivial M=1 rc=$?: the last step's kernels (us)"
+  python3 - "$ROOT/ncu_$v.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 10]
+hdr = rows[0]; rows = rows[1:]
+ki, vi, ui = hdr.index("Kernel Name"), hdr.index("Metric Value"), hdr.index("Metric Unit")
+vals = []
+for r in rows:
+    v = float(r[vi].replace(",", ""))
+    v = v / 1000 if r[ui] in ("nsecond", "ns") else v * 1000 if r[ui] in ("msecond", "ms") else v
+    vals.append((r[ki].split("(")[0][:60], v))
+for name, v in vals[-5:]:
+    print(f"{v:8.2f}  {name}")
+PY
+done
+echo "total $(( $(date +%s) - t0 )) s"
