@@ -10,11 +10,21 @@ source scripts/gpu/bundle_lib.sh
 start_device_script "$1" || exit 1
 ROOT=$OUT
 t0=$(date +%s)
-EXPERTS_SHARDS=${EXPERTS_SHARDS:-8} SANITIZERS="racecheck memcheck" gpu_suites '*Align*'
+EXPERTS_SHARDS=${EXPERTS_SHARDS:-8} SANITIZERS="racecheck memcheck" gpu_suites '*AlignReadsIds*'
 echo "suites $(( $(date +%s) - t0 )) s"
 SA_READY=1 SKIP_GPU_SUITES=1 ROUNDS=${ROUNDS:-2} MS=${MS:-"1 16"} VARIANTS=${VARIANTS:-"a b ah bh"} \
   OUT=$ROOT/ab bash scripts/gpu/run_small_call_ab.sh "$1" 2>&1 | sed -n '/^== engine_forward_bench/,$p'
 echo "a/b $(( $(date +%s) - t0 )) s"
+# Issue 12's 8-caller and M=1024 rows (seed layer MXFP8) for each build, rounds a b b a.
+for pass in ${SERVING_PASSES:-a1 b1 b2 a2}; do
+  ln -sf "$B/moeserve_${pass:0:1}" "$B/moeserve"
+  OUT=$ROOT/serving_$pass WFS=mxfp8 SKIP_OVERLOAD=1 SKIP_1LANE=1 timeout 200 \
+    bash tests/benchmarks/serving/run_serving_bench.sh "$B" > "$ROOT/serving_$pass.txt" 2>&1
+  echo "=== serving $pass: $(grep -E '^mxfp8 (8|2) callers' "$ROOT/serving_$pass.txt" | tr '\n' ' ')"
+  grep -E '^mxfp8_M16_c(1|8) ' "$ROOT/serving_$pass.txt" | sed 's/server_stages_us_p50.*throughput/throughput/' | cut -c1-200
+  grep -E '^trivial M=1 server total' "$ROOT/serving_$pass.txt"
+done
+echo "serving $(( $(date +%s) - t0 )) s"
 for v in a b; do
   timeout 120 ncu --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum \
     "$B/engine_forward_bench_$v" --model trivial --weight_format bf16 --tokens 1 --iters 3 --timed 0 \
