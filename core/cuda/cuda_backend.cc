@@ -1134,7 +1134,8 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g1.layout = l;
   kernels::MoeGemmParams g2 = g1;
   void* fused = args.output.raw_data();
-  int64_t rows = 0;  // rows of the intermediate / fused output
+  int64_t rows = 0;                    // rows of the intermediate / fused output
+  const int32_t* early_ids = nullptr;  // the align read these before its wait (Standard)
   if (format_ == ActivationFormat::kStandard) {
     rows = m * topk;
     if (rows == 0) return absl::OkStatus();
@@ -1142,18 +1143,23 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
     int32_t* offsets = counts + e;
     int32_t* sorted = offsets + e + 1;
     int32_t* slot = sorted + rows;
-    // Ids known before the step's first kernel are counted while Prepare's copies run.
-    const bool early = !p.topk_ids_early.empty();
-    if (early &&
+    // Ids known before the step's first kernel: a decode step's align counts them while
+    // Prepare's copies run, and W13 (which then may start before those copies end) reads its
+    // schedule from them too, never from the copies (MoeAlignReadsIdsEarly).
+    if (!p.topk_ids_early.empty() &&
         (p.topk_ids_early.dtype() != DType::kINT32 ||
          p.topk_ids_early.shape() != p.topk_ids.shape() || !p.topk_ids_early.is_contiguous())) {
       return absl::InvalidArgumentError(absl::StrCat(name(), ": topk_ids_early must be INT32 ",
                                                      ShapeToString(p.topk_ids.shape()), ", got ",
                                                      p.topk_ids_early.DebugString()));
     }
+    early_ids = kernels::MoeAlignReadsIdsEarly(rows, static_cast<int>(e), !p.topk_ids_early.empty())
+                    ? p.topk_ids_early.data<int32_t>()
+                    : nullptr;
     MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(
-        (early ? p.topk_ids_early : p.topk_ids).data<int32_t>(), rows, static_cast<int>(e), counts,
-        offsets, sorted, slot, stream, /*scratch=*/nullptr, /*ids_before_wait=*/early));
+        early_ids != nullptr ? early_ids : p.topk_ids.data<int32_t>(), rows, static_cast<int>(e),
+        counts, offsets, sorted, slot, stream, /*scratch=*/nullptr,
+        /*ids_before_wait=*/early_ids != nullptr));
     g1.expert_counts = g2.expert_counts = counts;
     g1.expert_offsets = g2.expert_offsets = offsets;
     g1.gather = sorted;
@@ -1192,11 +1198,11 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
   // W2 reads the counts W13 read: it may fetch its first weights while W13 drains. In the
   // Standard format W13 follows the align of its ids, so it may count them itself and fetch its
-  // first weights while the align (and the copy before it) runs.
+  // first weights while the align (and, with early ids, the copy before it) runs.
   g2.weights_before_wait = true;
   if (format_ == ActivationFormat::kStandard) {
     g1.weights_before_wait = true;
-    g1.route_ids = p.topk_ids.data<int32_t>();
+    g1.route_ids = early_ids != nullptr ? early_ids : p.topk_ids.data<int32_t>();
     g1.num_routes = rows;
   }
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));

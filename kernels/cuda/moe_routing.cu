@@ -1,6 +1,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/cuda/moe_routing.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -13,18 +15,16 @@ namespace {
 // shared memory make the scatter stable without atomics: pass 1 counts, a scan turns counts into
 // bases, pass 2 walks the segment again in order and places each route.
 // kEarlyIds (LaunchMoeAlign's ids_before_wait): the ids are complete before the kernel just
-// before this one started, so they are read into shared memory and counted while it runs; the
-// block waits for it (PdlWait) only before its first store, and lets its dependents start from
-// there, so its completion still implies that kernel's, as without.
+// before this one started, so they are read into shared memory and counted while it runs, and
+// the block waits for that kernel (PdlWait) only before its first store, so its completion still
+// implies that kernel's. Its dependents start at once either way.
 template <bool kEarlyIds>
 __global__ void MoeAlignKernel(const int32_t* __restrict__ ids_in, int64_t num_routes,
                                int num_experts, int32_t* __restrict__ counts,
                                int32_t* __restrict__ offsets, int32_t* __restrict__ sorted,
                                int32_t* __restrict__ slot) {
-  if constexpr (!kEarlyIds) {
-    PdlWait();
-    PdlLaunchDependents();
-  }
+  if constexpr (!kEarlyIds) PdlWait();
+  PdlLaunchDependents();
   extern __shared__ int32_t smem[];
   const int num_warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -61,11 +61,8 @@ __global__ void MoeAlignKernel(const int32_t* __restrict__ ids_in, int64_t num_r
     excl[e] = run;  // total for now
   }
   __syncthreads();
-  if constexpr (kEarlyIds) {
-    PdlWait();  // before the first store: the kernels before may still read the outputs
-    PdlLaunchDependents();
-  }
-  if (warp == 0) {  // exclusive scan of the totals: each lane a contiguous chunk
+  if constexpr (kEarlyIds) PdlWait();  // before the first store: the kernels before may read them
+  if (warp == 0) {                     // exclusive scan of the totals: each lane a contiguous chunk
     const int chunk = (num_experts + 31) / 32;
     const int lo = lane * chunk, hi = min(num_experts, lo + chunk);
     int32_t sum = 0;
@@ -417,7 +414,11 @@ cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_
 }
 
 bool MoeAlignReadsIdsEarly(int64_t num_routes, int num_experts, bool ids_before_wait) {
-  return ids_before_wait && num_routes <= kMoeAlignEarlyIdsMaxRoutes &&
+  static const bool enabled = [] {
+    const char* v = std::getenv("MOESERVE_ALIGN_EARLY_IDS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled && ids_before_wait && num_routes <= kMoeAlignEarlyIdsMaxRoutes &&
          num_experts <= kMoeAlignEarlyIdsMaxExperts;
 }
 

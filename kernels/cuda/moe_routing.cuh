@@ -39,18 +39,22 @@ inline constexpr int64_t kMoeAlignBlockRoutes = 1024;
 // block. The same outputs either way.
 //
 // ids_before_wait: topk_ids are complete before the kernel launched just before this one on the
-// stream starts (host-written page-locked memory, or device memory written before that kernel):
-// up to kMoeAlignEarlyIdsMaxRoutes routes of kMoeAlignEarlyIdsMaxExperts experts, the one block
-// reads and counts them while that kernel runs (programmatic launch) and waits for it only
-// before its first store. Outputs, and what the align's completion implies (every kernel before
-// it complete), are as without.
+// stream starts (host-written page-locked memory, or device memory written before that kernel).
+// Where MoeAlignReadsIdsEarly (a decode step's few routes), the one block reads and counts them
+// while that kernel runs (programmatic launch) and waits for it only before its first store, so
+// its outputs, and what its completion implies (every kernel before it complete), are as
+// without. But the kernel after it (launched programmatically) may then start before the kernel
+// before the align has ended: before its own wait it may read only what was complete before that
+// kernel started (e.g. these same ids: MoeGemmParams::route_ids), not what that kernel writes.
 int64_t MoeAlignScratchInts(int64_t num_routes, int num_experts);
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
                            int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
                            int32_t* route_slot, cudaStream_t stream, int32_t* scratch = nullptr,
                            bool ids_before_wait = false);
-// Where ids_before_wait applies: the ids in shared memory beside the counters (48 KiB).
-inline constexpr int64_t kMoeAlignEarlyIdsMaxRoutes = 4096;
+// Where ids_before_wait applies: a decode step's routes (page-locked ids are read over PCIe, by
+// the GEMM after it too, once per CTA), with the ids in shared memory beside the counters.
+// MOESERVE_ALIGN_EARLY_IDS=0 (read once): never, for A/B runs.
+inline constexpr int64_t kMoeAlignEarlyIdsMaxRoutes = 256;
 inline constexpr int kMoeAlignEarlyIdsMaxExperts = 1024;
 bool MoeAlignReadsIdsEarly(int64_t num_routes, int num_experts, bool ids_before_wait);
 
