@@ -16,7 +16,8 @@
 # is decoded on a worker thread, which polls while the scheduling thread does
 # (--inline_request_bytes=0: the decode on a warm thread instead of gRPC's, whose caches a
 # one-token call finds cold, transport/RESULTS.md 2026-12-05 21:40); e: the decode
-# GEMMs wait before they fetch weights (MOESERVE_EARLY_WEIGHTS=0). MS: the server
+# GEMMs wait before they fetch weights (MOESERVE_EARLY_WEIGHTS=0); x: the align waits for the
+# staged copy before it reads its ids (MOESERVE_ALIGN_EARLY_IDS=0). MS: the server
 # pass's token counts (default "1 16 64"; 2000 calls each, 600 from 64, 300 from 256, 150 from
 # 1024).
 # 1. the GPU suites (memcheck on the copy kernel's test; SKIP_GPU_SUITES=1: not them), host_upload_test and
@@ -49,6 +50,7 @@ env_of() {  # every setting the variant's suffix names (e.g. b0e: no SM copies, 
   [[ $s == 1m* ]] && out+=" MOESERVE_GRAPH_SM_COPY_MAX_BYTES=1048576"
   [[ $s == *g* ]] && out+=" MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072}"
   [[ $s == *e* ]] && out+=" MOESERVE_EARLY_WEIGHTS=0"
+  [[ $s == *x* ]] && out+=" MOESERVE_ALIGN_EARLY_IDS=0"
   echo "${out:-MOESERVE_UNUSED=1}"
 }
 bin_of() { echo "${1:0:1}"; }
@@ -98,7 +100,7 @@ for round in $(seq "${ROUNDS:-2}"); do for v in $(round_order $round $VARIANTS);
   done
   stop
   unset MOESERVE_GRAPH_SM_COPY_MAX_BYTES MOESERVE_GATHER_PARALLEL_MIN_BYTES MOESERVE_UNUSED \
-    MOESERVE_EARLY_WEIGHTS
+    MOESERVE_EARLY_WEIGHTS MOESERVE_ALIGN_EARLY_IDS
 done; done
 echo "== engine_forward_bench p50 wall us (median over rounds): variant layer timed tokens -> wall, experts stage"
 [ -s "$CSV" ] && python3 - "$CSV" <<'PY'
