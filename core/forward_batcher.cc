@@ -2,12 +2,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/background_release.h"
+#include "core/checked_math.h"
 #include "core/spin_wait.h"
 #include "core/status_macros.h"
 
@@ -79,7 +83,9 @@ ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
       // A merged step is one engine call: it must respect the engine's per-call limit too.
       step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)),
       runners_(std::max(1, engine->steps_in_flight())) {
-  for (int i = 0; i < runners_; ++i) buffers_.push_back(std::make_unique<StepBuffers>());
+  for (int i = 0; i < runners_; ++i) {
+    buffers_.push_back(std::make_unique<StepBuffers>(options_.merge_pinner));
+  }
   for (int i = 0; i < runners_; ++i) {
     threads_.emplace_back([this, buffers = buffers_[i].get()] { Loop(buffers); });
   }
@@ -724,6 +730,55 @@ bool ForwardBatcher::TimeStages(const Step& live) {
   return timed;
 }
 
+ForwardBatcher::MergeBuffer::~MergeBuffer() { Release(); }
+
+void ForwardBatcher::MergeBuffer::Release() {
+  if (data_ == nullptr) return;
+  void* data = data_;
+  data_ = nullptr;
+  capacity_ = 0;
+  if (pinned_) {
+    pinned_ = false;
+    // Unpinning waits for the whole device: never on a serving thread.
+    ReleaseInBackground([pinner = pinner_, data] {
+      pinner->Unpin(data);
+      std::free(data);
+    });
+  } else {
+    std::free(data);
+  }
+}
+
+absl::StatusOr<TensorView> ForwardBatcher::MergeBuffer::TryGet(DType dtype, const Shape& shape) {
+  const int64_t numel = NumElements(shape);
+  const std::optional<int64_t> bytes =
+      numel < 0 ? std::nullopt : CheckedMul(numel, static_cast<int64_t>(DTypeSize(dtype)));
+  if (!bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", DTypeName(dtype),
+                                                     ShapeToString(shape),
+                                                     ": a negative dim, or its byte size "
+                                                     "overflows 64 bits"));
+  }
+  if (static_cast<size_t>(*bytes) > capacity_) {
+    // Doubling: pinning (and, in the background, unpinning) stalls the device's other work, so
+    // it should happen a few times, not at every larger step.
+    constexpr size_t kPage = 4096;
+    size_t want = std::max(static_cast<size_t>(*bytes), 2 * capacity_);
+    want = std::max<size_t>((want + kPage - 1) / kPage * kPage, kPage);
+    Release();
+    void* data = std::aligned_alloc(kPage, want);
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", want, " bytes for a merged step"));
+    }
+    data_ = data;
+    capacity_ = want;
+    // Unpinned memory still works (staged by the engine), so a failed pin is not an error.
+    pinned_ = pinner_ != nullptr && pinner_->Pin(data_, capacity_).ok();
+  }
+  return TensorView(data_, dtype, shape, pinned_ ? Device::PinnedHost() : Device::Host());
+}
+
 absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
                                          ForwardTimings* timings, const StopCheck& stop,
                                          bool time_stages, TensorView* merged_output) {
@@ -756,6 +811,10 @@ absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
     std::memcpy(merged.topk_weights.data<float>() + at * topk, in.topk_weights.raw_data(),
                 n * topk * sizeof(float));
     at += n;
+  }
+  if (buffers->hidden.pinned() && buffers->output.pinned()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.pinned_merges;
   }
   MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop, time_stages));
   *merged_output = output;

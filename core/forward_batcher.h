@@ -43,6 +43,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/engine.h"
+#include "core/memory_region.h"
 #include "core/step_cost_model.h"
 #include "core/tensor.h"
 
@@ -105,6 +106,11 @@ struct ForwardBatcherOptions {
   // host; polling costs a core while calls keep coming within this window. 0: never poll.
   absl::Duration idle_spin = absl::ZeroDuration();
   ForwardBatcherObserver* observer = nullptr;  // optional
+  // Page-locks the buffers a merged step's hidden states and answer are gathered in (e.g.
+  // CudaHostPinner() for a GPU engine, whose staging then moves them by DMA instead of copying
+  // them again into its own page-locked staging). Pinned once per growth (grow-only, doubling);
+  // a buffer let go is unpinned on the background release thread. Null: plain host memory.
+  HostMemoryPinner* merge_pinner = nullptr;
   // Where the answers of a merged step run, all but the last (which runs on the step's
   // thread): e.g. a worker pool, so that a step's callers are answered at once rather than one
   // after another (answering a gRPC call sends it, tens of us each). Returns false when it
@@ -145,6 +151,8 @@ struct ForwardBatcherStats {
   // Steps whose end woke the scheduling threads: only those that left calls queued (a thread
   // may wait for the lane, or for company); a lone caller's steps wake nobody.
   int64_t step_end_wakes = 0;
+  // Merged steps whose hidden states and answer were in page-locked buffers (merge_pinner).
+  int64_t pinned_merges = 0;
 };
 
 class ForwardBatcher {
@@ -209,8 +217,30 @@ class ForwardBatcher {
 
  private:
   // A merged step's buffers, reused across steps by one thread.
+  // A grow-only host buffer, page-locked by a pinner where one is given (merge_pinner).
+  class MergeBuffer {
+   public:
+    explicit MergeBuffer(HostMemoryPinner* pinner) : pinner_(pinner) {}
+    ~MergeBuffer();
+    MergeBuffer(const MergeBuffer&) = delete;
+    MergeBuffer& operator=(const MergeBuffer&) = delete;
+    // A contiguous view of `shape` (contents unspecified) on Device::PinnedHost() when the
+    // buffer is page-locked, else Device::Host(); RESOURCE_EXHAUSTED when it cannot grow.
+    absl::StatusOr<TensorView> TryGet(DType dtype, const Shape& shape);
+    bool pinned() const { return pinned_; }
+    size_t capacity() const { return capacity_; }
+
+   private:
+    void Release();
+    HostMemoryPinner* const pinner_;
+    void* data_ = nullptr;
+    size_t capacity_ = 0;
+    bool pinned_ = false;
+  };
   struct StepBuffers {
-    HostBuffer hidden, ids, weights, output;
+    explicit StepBuffers(HostMemoryPinner* pinner) : hidden(pinner), output(pinner) {}
+    MergeBuffer hidden, output;
+    HostBuffer ids, weights;
   };
   using Step = std::vector<std::unique_ptr<Call>>;
   // A layer's last steps: how many calls each merged, their known callers (not 0), how long

@@ -290,14 +290,21 @@ constexpr size_t kMaxNameBytes = 256;
 
 }  // namespace
 
+HostMemoryPinner* CudaHostPinner() {
+  // Providers live as long as the process, and so does this (regions may outlive their users).
+  static HostMemoryPinner* const pinner = []() -> HostMemoryPinner* {
+    const BackendProvider* cuda = ProviderRegistry::Global().FindBackend(Backend::kCuda);
+    if (cuda == nullptr || !cuda->register_host_memory || !cuda->unregister_host_memory) {
+      return nullptr;
+    }
+    return new ProviderPinner(cuda);
+  }();
+  return pinner;
+}
+
 RegionRegistry::RegionRegistry(RegionRegistryOptions options) : options_(options) {
   if (options_.backend == Backend::kCuda) {
-    const BackendProvider* cuda = ProviderRegistry::Global().FindBackend(Backend::kCuda);
-    if (cuda != nullptr && cuda->register_host_memory && cuda->unregister_host_memory) {
-      // Providers live as long as the process, and so does this (regions may outlive us).
-      static auto* pinner = new ProviderPinner(cuda);
-      pinner_ = pinner;
-    }
+    pinner_ = CudaHostPinner();
   }
 }
 

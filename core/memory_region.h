@@ -124,6 +124,10 @@ class HostMemoryPinner {
   virtual void Unpin(void* data) = 0;
 };
 
+// The CUDA backend's pinner (cudaHostRegister), living as long as the process; null where no
+// CUDA backend is linked.
+HostMemoryPinner* CudaHostPinner();
+
 // A POSIX shared-memory object's range [offset, offset + byte_size), mapped read-write (read-only
 // if the object is not writable to this process: then not usable as an output). Refusals:
 // INVALID_ARGUMENT for a malformed key ("/name", no other '/') or a negative offset / non-positive

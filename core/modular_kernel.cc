@@ -451,7 +451,12 @@ absl::Status ModularKernel::RunRounds(const ModularKernelArgs& args, const Tenso
     MOESERVE_RETURN_IF_ERROR(mark(StageTimer::kPrepare));
     PreparedActivations prepared;
     MOESERVE_RETURN_IF_ERROR(prepare_finalize_->Prepare(pargs, &prepared));
-    if (prepared.a1q.device() != allocator_->device()) {
+    // Page-locked memory is host memory to a host allocator (a merged step's page-locked
+    // buffers, passed through as they are by a host PrepareAndFinalize).
+    const Device a1q_device = prepared.a1q.device().space == MemorySpace::kPinnedHost
+                                  ? Device::Host()
+                                  : prepared.a1q.device();
+    if (a1q_device != allocator_->device()) {
       return absl::FailedPreconditionError(absl::StrCat(
           prepare_finalize_->name(), " put a1q on ", DeviceName(prepared.a1q.device()),
           " but this ModularKernel allocates its workspaces on ", DeviceName(allocator_->device()),

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/memory_region.h"
 #include "core/status_macros.h"
 #include "server/call_accounting.h"
 #include "server/convert.h"
@@ -187,6 +188,9 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
       ResolveInlineRequestBytes(options_.inline_request_bytes, engine->info().backend);
   service_->SetInlineRequestBytes(inline_request_bytes);
   if (inline_request_bytes >= 0) state_->SetWorkerIdleSpin(batcher_options.idle_spin);
+  // A GPU engine moves a merged step's hidden states and answer by DMA from and to page-locked
+  // merge buffers, without a second host copy through its own staging.
+  if (engine->info().backend == "cuda") batcher_options.merge_pinner = CudaHostPinner();
   if (options_.parallel_answers) {
     // A merged step's answers go out on the workers (the state owns the batcher: it outlives
     // it; once draining, SubmitWork refuses and the step's thread answers).

@@ -6,12 +6,15 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/background_release.h"
 #include "gtest/gtest.h"
 #include "tests/engine/engine_test_util.h"
 
@@ -893,6 +896,116 @@ TEST(ForwardBatcherTest, StepEndsWakeTheSchedulersOnlyForQueuedCalls) {
     Tensor alone = Tensor::Empty(c->out.dtype(), c->out.shape());
     ASSERT_TRUE(oracle->Forward(c->input(), alone.view()).ok());
     EXPECT_EQ(std::memcmp(alone.data<void>(), c->out.data<void>(), alone.nbytes()), 0);
+  }
+}
+
+// Records what the batcher page-locks (merge_pinner); refuses every pin when told to.
+class RecordingPinner final : public HostMemoryPinner {
+ public:
+  explicit RecordingPinner(bool refuse = false) : refuse_(refuse) {}
+  absl::Status Pin(void* data, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++pins_;
+    if (refuse_) return absl::InternalError("no page-locking here");
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % 4096, 0u);
+    EXPECT_GT(bytes, 0u);
+    live_.insert(data);
+    return absl::OkStatus();
+  }
+  void Unpin(void* data) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    EXPECT_EQ(live_.erase(data), 1u) << "unpinned what was not pinned";
+    ++unpins_;
+  }
+  int pins() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pins_;
+  }
+  int unpins() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unpins_;
+  }
+  size_t live() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_.size();
+  }
+
+ private:
+  const bool refuse_;
+  mutable std::mutex mu_;
+  std::set<void*> live_;
+  int pins_ = 0, unpins_ = 0;
+};
+
+// Runs `calls` as one merged step: a step held at its start (its call's cancellation check
+// blocks once) lets them queue behind it, then ends.
+void RunMergedBehindAHeldStep(ForwardBatcher& batcher, const ModelConfig& m,
+                              const std::vector<Call>& calls, std::mt19937& rng) {
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> checks{0};
+  Call held = MakeCall(m, 300, 0, DType::kBF16, rng);
+  auto held_answer = SubmitAsync(
+      batcher, held, absl::InfiniteFuture(),
+      [&] {
+        if (checks.fetch_add(1) == 0) {
+          entered.set_value();
+          released.wait();
+        }
+        return false;
+      },
+      CallSource{.may_run_inline = false});
+  entered.get_future().wait();
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> answers;
+  for (const Call& c : calls) answers.push_back(SubmitAsync(batcher, c));
+  release.set_value();
+  ASSERT_TRUE(held_answer.get().first.ok());
+  for (auto& a : answers) {
+    const absl::Status s = a.get().first;
+    ASSERT_TRUE(s.ok()) << s;
+  }
+}
+
+// merge_pinner: a merged step gathers its hidden states and answer in page-locked buffers (the
+// engine sees Device::PinnedHost() views), each caller still gets exactly its rows; a larger
+// merged step grows them (the old ones unpinned on the background thread), the batcher's end
+// unpins the rest; a pinner that refuses leaves plain buffers that work the same.
+TEST(ForwardBatcherTest, MergedStepsGatherInPageLockedBuffers) {
+  auto engine = ReferenceEngine();
+  auto oracle = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  std::mt19937 rng(41);
+  for (bool refuse : {false, true}) {
+    SCOPED_TRACE(refuse ? "the pinner refuses" : "the pinner pins");
+    RecordingPinner pinner(refuse);
+    {
+      auto batcher = *ForwardBatcher::Create(
+          engine.get(), {.max_batch_delay = absl::ZeroDuration(), .merge_pinner = &pinner});
+      for (int64_t tokens : {5, 60}) {  // the second round outgrows the first's buffers
+        std::vector<Call> calls;
+        for (int i = 0; i < 3; ++i) {
+          calls.push_back(MakeCall(m, tokens + i, 0, DType::kFP32, rng));
+        }
+        RunMergedBehindAHeldStep(*batcher, m, calls, rng);
+        for (const Call& c : calls) {
+          Tensor alone = Tensor::Empty(c.out.dtype(), c.out.shape());
+          ASSERT_TRUE(oracle->Forward(c.input(), alone.view()).ok());
+          EXPECT_EQ(std::memcmp(alone.data<void>(), c.out.data<void>(), alone.nbytes()), 0);
+        }
+      }
+      const ForwardBatcherStats stats = batcher->stats();
+      EXPECT_GE(stats.merged_calls, 6);
+      EXPECT_EQ(stats.pinned_merges, refuse ? 0 : 2);
+      EXPECT_GE(pinner.pins(), 4);  // hidden and answer, twice (grown)
+      if (!refuse) {
+        FlushBackgroundReleases();
+        EXPECT_GE(pinner.unpins(), 2);  // the first round's buffers
+        EXPECT_EQ(pinner.live(), 2u);   // the grown pair, still held
+      }
+    }
+    FlushBackgroundReleases();
+    EXPECT_EQ(pinner.live(), 0u);
+    EXPECT_EQ(pinner.unpins(), refuse ? 0 : pinner.pins());
   }
 }
 
