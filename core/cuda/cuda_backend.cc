@@ -1153,7 +1153,9 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
                                                      ShapeToString(p.topk_ids.shape()), ", got ",
                                                      p.topk_ids_early.DebugString()));
     }
-    early_ids = kernels::MoeAlignReadsIdsEarly(rows, static_cast<int>(e), !p.topk_ids_early.empty())
+    early_ids = kernels::MoeAlignReadsIdsEarly(
+                    rows, static_cast<int>(e),
+                    !p.topk_ids_early.empty() && kernels::MoeAlignEarlyIdsEnabled())
                     ? p.topk_ids_early.data<int32_t>()
                     : nullptr;
     MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(

@@ -414,12 +414,14 @@ cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_
 }
 
 bool MoeAlignReadsIdsEarly(int64_t num_routes, int num_experts, bool ids_before_wait) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MOESERVE_ALIGN_EARLY_IDS");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return enabled && ids_before_wait && num_routes <= kMoeAlignEarlyIdsMaxRoutes &&
+  return ids_before_wait && num_routes <= kMoeAlignEarlyIdsMaxRoutes &&
          num_experts <= kMoeAlignEarlyIdsMaxExperts;
+}
+
+bool MoeAlignEarlyIdsEnabled() {
+  const char* v = std::getenv("MOESERVE_ALIGN_EARLY_IDS");
+  if (v == nullptr || *v == '\0') return kMoeAlignEarlyIdsOnByDefault;
+  return std::strcmp(v, "0") != 0;
 }
 
 cudaError_t LaunchPermuteToBatched(const uint16_t* x, const int32_t* topk_ids,

@@ -53,10 +53,14 @@ cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_
                            bool ids_before_wait = false);
 // Where ids_before_wait applies: a decode step's routes (page-locked ids are read over PCIe, by
 // the GEMM after it too, once per CTA), with the ids in shared memory beside the counters.
-// MOESERVE_ALIGN_EARLY_IDS=0 (read once): never, for A/B runs.
 inline constexpr int64_t kMoeAlignEarlyIdsMaxRoutes = 256;
 inline constexpr int kMoeAlignEarlyIdsMaxExperts = 1024;
 bool MoeAlignReadsIdsEarly(int64_t num_routes, int num_experts, bool ids_before_wait);
+// Whether callers should pass ids_before_wait where they can: MOESERVE_ALIGN_EARLY_IDS=1 / 0
+// (read at every call: tests and A/B runs switch it), else kMoeAlignEarlyIdsOnByDefault (off
+// until measured on a device).
+inline constexpr bool kMoeAlignEarlyIdsOnByDefault = false;
+bool MoeAlignEarlyIdsEnabled();
 
 // BF16 rows of x [num_tokens, hidden] to out [num_experts, max_tokens, hidden]: route r with
 // expert e and slot s = route_slot[r] < max_tokens copies row r / topk to out[e, s]. Rows of

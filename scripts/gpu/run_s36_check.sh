@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 36's device call: the GPU suites of build b (cuda_kernels_test whole, a shard of
 # cuda_experts_test, engine_cuda_test, racecheck and memcheck on the align's tests), then the
-# one-token A/B (run_small_call_ab.sh, VARIANTS default "a b bx ah bh bxh", MS "1 16"), then Nsight
+# one-token A/B (run_small_call_ab.sh, VARIANTS default "a b by ah bh byh", MS "1 16"), then Nsight
 # Compute's kernel durations of one graphed trivial step at M=1 for a and b.
 # Usage: run_s36_check.sh BUNDLE.tgz (make_ab_bundle.sh A B BUNDLE.tgz)
 set -u
@@ -12,7 +12,7 @@ ROOT=$OUT
 t0=$(date +%s)
 EXPERTS_SHARDS=${EXPERTS_SHARDS:-8} SANITIZERS="racecheck memcheck" gpu_suites '*AlignReadsIds*'
 echo "suites $(( $(date +%s) - t0 )) s"
-SA_READY=1 SKIP_GPU_SUITES=1 ROUNDS=${ROUNDS:-2} MS=${MS:-"1 16"} VARIANTS=${VARIANTS:-"a b bx ah bh bxh"} \
+SA_READY=1 SKIP_GPU_SUITES=1 ROUNDS=${ROUNDS:-2} MS=${MS:-"1 16"} VARIANTS=${VARIANTS:-"a b by ah bh byh"} \
   OUT=$ROOT/ab bash scripts/gpu/run_small_call_ab.sh "$1" 2>&1 | sed -n '/^== engine_forward_bench/,$p'
 echo "a/b $(( $(date +%s) - t0 )) s"
 # Issue 12's 8-caller and M=1024 rows (seed layer MXFP8) for each build, rounds a b b a.
@@ -25,8 +25,8 @@ for pass in ${SERVING_PASSES:-a1 b1 b2 a2}; do
   grep -E '^trivial M=1 server total' "$ROOT/serving_$pass.txt"
 done
 echo "serving $(( $(date +%s) - t0 )) s"
-for v in a b bx; do
-  timeout 120 env $([ $v = bx ] && echo MOESERVE_ALIGN_EARLY_IDS=0) ncu --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum \
+for v in a b by; do
+  timeout 120 env $([ $v = by ] && echo MOESERVE_ALIGN_EARLY_IDS=1) ncu --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum \
     "$B/engine_forward_bench_${v:0:1}" --model trivial --weight_format bf16 --tokens 1 --iters 3 --timed 0 \
     > "$ROOT/ncu_$v.csv" 2>&1
   echo "== ncu $v trivial M=1 rc=$?: the last step's kernels (us)"
