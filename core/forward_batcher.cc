@@ -83,8 +83,13 @@ ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
       // A merged step is one engine call: it must respect the engine's per-call limit too.
       step_tokens_(std::min(options.max_batch_tokens, engine->info().max_tokens_per_request)),
       runners_(std::max(1, engine->steps_in_flight())) {
+  // Merge buffers for the largest merged step, pinned now rather than while serving.
+  size_t merge_bytes = static_cast<size_t>(step_tokens_) *
+                       static_cast<size_t>(std::max<int64_t>(engine->info().model.hidden, 1)) *
+                       sizeof(float);
+  if (merge_bytes > kMaxPinnedMergeBytes) merge_bytes = 0;
   for (int i = 0; i < runners_; ++i) {
-    buffers_.push_back(std::make_unique<StepBuffers>(options_.merge_pinner));
+    buffers_.push_back(std::make_unique<StepBuffers>(options_.merge_pinner, merge_bytes));
   }
   for (int i = 0; i < runners_; ++i) {
     threads_.emplace_back([this, buffers = buffers_[i].get()] { Loop(buffers); });
@@ -730,6 +735,17 @@ bool ForwardBatcher::TimeStages(const Step& live) {
   return timed;
 }
 
+ForwardBatcher::MergeBuffer::MergeBuffer(HostMemoryPinner* pinner, size_t pinned_bytes)
+    : pinner_(pinner) {
+  if (pinner_ == nullptr || pinned_bytes == 0) return;
+  constexpr size_t kPage = 4096;
+  const size_t bytes = (pinned_bytes + kPage - 1) / kPage * kPage;
+  data_ = std::aligned_alloc(kPage, bytes);
+  if (data_ == nullptr) return;  // TryGet allocates plain memory then
+  capacity_ = bytes;
+  pinned_ = pinner_->Pin(data_, capacity_).ok();
+}
+
 ForwardBatcher::MergeBuffer::~MergeBuffer() { Release(); }
 
 void ForwardBatcher::MergeBuffer::Release() {
@@ -760,21 +776,18 @@ absl::StatusOr<TensorView> ForwardBatcher::MergeBuffer::TryGet(DType dtype, cons
                                                      "overflows 64 bits"));
   }
   if (static_cast<size_t>(*bytes) > capacity_) {
-    // Doubling: pinning (and, in the background, unpinning) stalls the device's other work, so
-    // it should happen a few times, not at every larger step.
+    // Beyond what was pinned at creation (or nothing was): plain memory, doubling. Never pinned
+    // here: pinning and unpinning while serving stall the device's other work.
     constexpr size_t kPage = 4096;
     size_t want = std::max(static_cast<size_t>(*bytes), 2 * capacity_);
     want = std::max<size_t>((want + kPage - 1) / kPage * kPage, kPage);
     Release();
-    void* data = std::aligned_alloc(kPage, want);
-    if (data == nullptr) {
+    data_ = std::aligned_alloc(kPage, want);
+    if (data_ == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", want, " bytes for a merged step"));
     }
-    data_ = data;
     capacity_ = want;
-    // Unpinned memory still works (staged by the engine), so a failed pin is not an error.
-    pinned_ = pinner_ != nullptr && pinner_->Pin(data_, capacity_).ok();
   }
   return TensorView(data_, dtype, shape, pinned_ ? Device::PinnedHost() : Device::Host());
 }

@@ -108,8 +108,12 @@ struct ForwardBatcherOptions {
   ForwardBatcherObserver* observer = nullptr;  // optional
   // Page-locks the buffers a merged step's hidden states and answer are gathered in (e.g.
   // CudaHostPinner() for a GPU engine, whose staging then moves them by DMA instead of copying
-  // them again into its own page-locked staging). Pinned once per growth (grow-only, doubling);
-  // a buffer let go is unpinned on the background release thread. Null: plain host memory.
+  // them again into its own page-locked staging). They are sized for the largest merged step
+  // (max_batch_tokens of FP32 rows) and pinned when the batcher is created, up to
+  // kMaxPinnedMergeBytes each (else plain memory): never while serving, where pinning and above
+  // all unpinning (which waits for the device to drain) stall every thread's device work (an
+  // H100 overload with buffers that grew and were unpinned in the background: answered p99
+  // 1.6 s). Null: plain host memory.
   HostMemoryPinner* merge_pinner = nullptr;
   // Where the answers of a merged step run, all but the last (which runs on the step's
   // thread): e.g. a worker pool, so that a step's callers are answered at once rather than one
@@ -161,6 +165,8 @@ class ForwardBatcher {
   // Steps of a layer remembered for company_wait: their call counts, and their callers.
   static constexpr int kHistorySteps = 4;
   static constexpr int kCallerSteps = 2;
+  // The largest merge buffer merge_pinner pins (larger ones stay plain host memory).
+  static constexpr size_t kMaxPinnedMergeBytes = size_t{256} << 20;
   using Done = std::function<void(absl::Status status, const ForwardTimings& timings)>;
 
   // `engine` must outlive the batcher. INVALID_ARGUMENT for non-positive limits (CheckOptions).
@@ -220,7 +226,8 @@ class ForwardBatcher {
   // A grow-only host buffer, page-locked by a pinner where one is given (merge_pinner).
   class MergeBuffer {
    public:
-    explicit MergeBuffer(HostMemoryPinner* pinner) : pinner_(pinner) {}
+    // With a pinner: `pinned_bytes` allocated and pinned now (a failed pin leaves it plain).
+    MergeBuffer(HostMemoryPinner* pinner, size_t pinned_bytes);
     ~MergeBuffer();
     MergeBuffer(const MergeBuffer&) = delete;
     MergeBuffer& operator=(const MergeBuffer&) = delete;
@@ -238,7 +245,8 @@ class ForwardBatcher {
     bool pinned_ = false;
   };
   struct StepBuffers {
-    explicit StepBuffers(HostMemoryPinner* pinner) : hidden(pinner), output(pinner) {}
+    StepBuffers(HostMemoryPinner* pinner, size_t pinned_bytes)
+        : hidden(pinner, pinned_bytes), output(pinner, pinned_bytes) {}
     MergeBuffer hidden, output;
     HostBuffer ids, weights;
   };
