@@ -86,11 +86,6 @@ struct PreparedActivations {
   // Batched: may be empty (rows are already grouped by expert).
   TensorView topk_ids;
   TensorView topk_weights;
-  // Optional (Standard, device backends): the same ids as topk_ids where they are complete
-  // before the first kernel of this step's Prepare starts (host-written page-locked staging, or
-  // device memory written before the step), so that the Experts may read them while Prepare's
-  // copies run (kernels::LaunchMoeAlign's ids_before_wait). Empty where there is none.
-  TensorView topk_ids_early;
   // Batched: [E] INT32, valid rows per local expert. Empty for Standard.
   TensorView expert_num_tokens;
   MoeProblem problem;

@@ -952,13 +952,6 @@ absl::Status CudaNoEpPrepareAndFinalize::PrepareStaged(const PrepareArgs& args,
   out->a1q_scale = TensorView();
   out->topk_ids = TensorView(d_in + l.ids, DType::kINT32, {padded_tokens, topk}, gpu);
   out->topk_weights = TensorView(d_in + l.weights, DType::kFP32, {padded_tokens, topk}, gpu);
-  // The ids as they were before the step's first kernel: the device routing's (written before
-  // the graph) or the host's in the page-locked staging, which the align may read while the
-  // copy above runs.
-  out->topk_ids_early = DeviceRouting(args)
-                            ? out->topk_ids
-                            : TensorView(static_cast<uint8_t*>(g_pin_in_) + l.ids, DType::kINT32,
-                                         {padded_tokens, topk}, Device::PinnedHost());
   out->expert_num_tokens = TensorView();
   out->problem = NoEpProblem(args, padded_tokens, k, topk);
   return absl::OkStatus();
@@ -1134,8 +1127,7 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g1.layout = l;
   kernels::MoeGemmParams g2 = g1;
   void* fused = args.output.raw_data();
-  int64_t rows = 0;                    // rows of the intermediate / fused output
-  const int32_t* early_ids = nullptr;  // the align read these before its wait (Standard)
+  int64_t rows = 0;  // rows of the intermediate / fused output
   if (format_ == ActivationFormat::kStandard) {
     rows = m * topk;
     if (rows == 0) return absl::OkStatus();
@@ -1143,25 +1135,9 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
     int32_t* offsets = counts + e;
     int32_t* sorted = offsets + e + 1;
     int32_t* slot = sorted + rows;
-    // Ids known before the step's first kernel: a decode step's align counts them while
-    // Prepare's copies run, and W13 (which then may start before those copies end) reads its
-    // schedule from them too, never from the copies (MoeAlignReadsIdsEarly).
-    if (!p.topk_ids_early.empty() &&
-        (p.topk_ids_early.dtype() != DType::kINT32 ||
-         p.topk_ids_early.shape() != p.topk_ids.shape() || !p.topk_ids_early.is_contiguous())) {
-      return absl::InvalidArgumentError(absl::StrCat(name(), ": topk_ids_early must be INT32 ",
-                                                     ShapeToString(p.topk_ids.shape()), ", got ",
-                                                     p.topk_ids_early.DebugString()));
-    }
-    early_ids = kernels::MoeAlignReadsIdsEarly(
-                    rows, static_cast<int>(e),
-                    !p.topk_ids_early.empty() && kernels::MoeAlignEarlyIdsEnabled())
-                    ? p.topk_ids_early.data<int32_t>()
-                    : nullptr;
-    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(
-        early_ids != nullptr ? early_ids : p.topk_ids.data<int32_t>(), rows, static_cast<int>(e),
-        counts, offsets, sorted, slot, stream, /*scratch=*/nullptr,
-        /*ids_before_wait=*/early_ids != nullptr));
+    MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeAlign(p.topk_ids.data<int32_t>(), rows,
+                                                          static_cast<int>(e), counts, offsets,
+                                                          sorted, slot, stream));
     g1.expert_counts = g2.expert_counts = counts;
     g1.expert_offsets = g2.expert_offsets = offsets;
     g1.gather = sorted;
@@ -1200,11 +1176,11 @@ absl::Status CudaExpertsImpl::Apply(const ExpertsApplyArgs& args) {
   g1.split_workspace = g2.split_workspace = split_k_ != nullptr ? split_k_->data() : nullptr;
   // W2 reads the counts W13 read: it may fetch its first weights while W13 drains. In the
   // Standard format W13 follows the align of its ids, so it may count them itself and fetch its
-  // first weights while the align (and, with early ids, the copy before it) runs.
+  // first weights while the align (and the copy before it) runs.
   g2.weights_before_wait = true;
   if (format_ == ActivationFormat::kStandard) {
     g1.weights_before_wait = true;
-    g1.route_ids = early_ids != nullptr ? early_ids : p.topk_ids.data<int32_t>();
+    g1.route_ids = p.topk_ids.data<int32_t>();
     g1.num_routes = rows;
   }
   MOESERVE_CUDA_RETURN_IF_ERROR(kernels::LaunchMoeGroupedGemm(g1, ctx_->num_sms(), stream));

@@ -186,9 +186,7 @@ struct MoeGemmParams {
   // before must wait before it lets this one start (every kernel here does): a W2 launched right
   // after the W13 that read the same counts. kGateUpSilu: only with route_ids, whose counts and
   // first rows (offsets = their exclusive prefix, count_cap unset) it computes itself; those ids
-  // must be two kernels back (a W13 launched right after the MoeAlign of the same ids), or, after
-  // an align that read them before its wait (LaunchMoeAlign's ids_before_wait), the very ids it
-  // read, complete before the kernel before the align started.
+  // must be two kernels back: a W13 launched right after the MoeAlign of the same ids.
   // MOESERVE_W2_EARLY=0 / MOESERVE_W13_EARLY=0 / MOESERVE_EARLY_WEIGHTS=0 (both; read once)
   // turn it off, for A/B runs.
   bool weights_before_wait = false;

@@ -1,8 +1,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernels/cuda/moe_routing.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -14,28 +12,16 @@ namespace {
 // One block. Each warp owns a contiguous segment of routes; counters per (warp, expert) in
 // shared memory make the scatter stable without atomics: pass 1 counts, a scan turns counts into
 // bases, pass 2 walks the segment again in order and places each route.
-// kEarlyIds (LaunchMoeAlign's ids_before_wait): the ids are complete before the kernel just
-// before this one started, so they are read into shared memory and counted while it runs, and
-// the block waits for that kernel (PdlWait) only before its first store, so its completion still
-// implies that kernel's. Its dependents start at once either way.
-template <bool kEarlyIds>
-__global__ void MoeAlignKernel(const int32_t* __restrict__ ids_in, int64_t num_routes,
-                               int num_experts, int32_t* __restrict__ counts,
-                               int32_t* __restrict__ offsets, int32_t* __restrict__ sorted,
-                               int32_t* __restrict__ slot) {
-  if constexpr (!kEarlyIds) PdlWait();
+__global__ void MoeAlignKernel(const int32_t* __restrict__ ids, int64_t num_routes, int num_experts,
+                               int32_t* __restrict__ counts, int32_t* __restrict__ offsets,
+                               int32_t* __restrict__ sorted, int32_t* __restrict__ slot) {
+  PdlWait();
   PdlLaunchDependents();
   extern __shared__ int32_t smem[];
   const int num_warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int32_t* cnt = smem;                             // [num_warps][E]
   int32_t* excl = smem + num_warps * num_experts;  // [E]
-  const int32_t* ids = ids_in;
-  if constexpr (kEarlyIds) {
-    int32_t* s_ids = excl + num_experts;  // [num_routes]: read once (page-locked: over PCIe)
-    for (int64_t i = threadIdx.x; i < num_routes; i += blockDim.x) s_ids[i] = ids_in[i];
-    ids = s_ids;
-  }
   for (int i = threadIdx.x; i < num_warps * num_experts; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
   const int64_t seg = ((num_routes + num_warps - 1) / num_warps + 31) / 32 * 32;
@@ -61,8 +47,7 @@ __global__ void MoeAlignKernel(const int32_t* __restrict__ ids_in, int64_t num_r
     excl[e] = run;  // total for now
   }
   __syncthreads();
-  if constexpr (kEarlyIds) PdlWait();  // before the first store: the kernels before may read them
-  if (warp == 0) {                     // exclusive scan of the totals: each lane a contiguous chunk
+  if (warp == 0) {  // exclusive scan of the totals: each lane a contiguous chunk
     const int chunk = (num_experts + 31) / 32;
     const int lo = lane * chunk, hi = min(num_experts, lo + chunk);
     int32_t sum = 0;
@@ -358,16 +343,6 @@ int ReduceBlocks(int64_t n) {
   return static_cast<int>(b < 4096 ? (b > 0 ? b : 1) : 4096);
 }
 
-// Warps of the one-block align: a warp per 128 routes or more (a decode step's few routes need
-// one warp, not 32 of them zeroing counters and meeting at every barrier), within the 48 KiB of
-// shared memory for (warps + 1) rows of E counters and `reserved_ints` more.
-int AlignWarps(int64_t num_routes, int num_experts, int64_t reserved_ints) {
-  int warps = static_cast<int>((48 * 1024 / 4 - reserved_ints) / num_experts) - 1;
-  const int64_t useful = (num_routes + 127) / 128;
-  if (useful < warps) warps = static_cast<int>(useful);
-  return warps < 1 ? 1 : (warps > 32 ? 32 : warps);
-}
-
 }  // namespace
 
 int64_t MoeAlignScratchInts(int64_t num_routes, int num_experts) {
@@ -377,17 +352,8 @@ int64_t MoeAlignScratchInts(int64_t num_routes, int num_experts) {
 
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
                            int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
-                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch,
-                           bool ids_before_wait) {
+                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch) {
   if (num_experts <= 0 || num_experts > kMoeAlignMaxExperts) return cudaErrorInvalidValue;
-  if (MoeAlignReadsIdsEarly(num_routes, num_experts, ids_before_wait)) {
-    const int warps = AlignWarps(num_routes, num_experts, kMoeAlignEarlyIdsMaxRoutes);
-    const size_t smem =
-        (static_cast<size_t>(warps + 1) * num_experts + num_routes) * sizeof(int32_t);
-    return LaunchPdl(MoeAlignKernel<true>, dim3(1), dim3(warps * 32), smem, stream, topk_ids,
-                     num_routes, num_experts, expert_counts, expert_offsets, sorted_routes,
-                     route_slot);
-  }
   if (const AlignSplit split = SplitAlign(num_routes, num_experts);
       scratch != nullptr && split.blocks > 0) {
     int32_t* block_totals = scratch;
@@ -406,22 +372,15 @@ cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_
                      static_cast<const int32_t*>(warp_bases), expert_counts, expert_offsets,
                      sorted_routes, route_slot);
   }
-  const int warps = AlignWarps(num_routes, num_experts, 0);
+  int warps = static_cast<int>(48 * 1024 / 4 / num_experts) - 1;
+  // A warp per 128 routes or more: a decode step's few routes need one warp, not 32 of them
+  // zeroing counters and meeting at every barrier.
+  const int64_t useful = (num_routes + 127) / 128;
+  if (useful < warps) warps = static_cast<int>(useful);
+  warps = warps < 1 ? 1 : (warps > 32 ? 32 : warps);
   const size_t smem = static_cast<size_t>(warps + 1) * num_experts * sizeof(int32_t);
-  return LaunchPdl(MoeAlignKernel<false>, dim3(1), dim3(warps * 32), smem, stream, topk_ids,
-                   num_routes, num_experts, expert_counts, expert_offsets, sorted_routes,
-                   route_slot);
-}
-
-bool MoeAlignReadsIdsEarly(int64_t num_routes, int num_experts, bool ids_before_wait) {
-  return ids_before_wait && num_routes <= kMoeAlignEarlyIdsMaxRoutes &&
-         num_experts <= kMoeAlignEarlyIdsMaxExperts;
-}
-
-bool MoeAlignEarlyIdsEnabled() {
-  const char* v = std::getenv("MOESERVE_ALIGN_EARLY_IDS");
-  if (v == nullptr || *v == '\0') return kMoeAlignEarlyIdsOnByDefault;
-  return std::strcmp(v, "0") != 0;
+  return LaunchPdl(MoeAlignKernel, dim3(1), dim3(warps * 32), smem, stream, topk_ids, num_routes,
+                   num_experts, expert_counts, expert_offsets, sorted_routes, route_slot);
 }
 
 cudaError_t LaunchPermuteToBatched(const uint16_t* x, const int32_t* topk_ids,

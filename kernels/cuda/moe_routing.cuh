@@ -37,30 +37,10 @@ inline constexpr int64_t kMoeAlignBlockRoutes = 1024;
 // may be null), from kMoeAlignMultiBlockMinRoutes routes of at most kMoeAlignMultiBlockMaxExperts
 // experts, two launches of a block per kMoeAlignBlockRoutes routes (up to 128 blocks); else one
 // block. The same outputs either way.
-//
-// ids_before_wait: topk_ids are complete before the kernel launched just before this one on the
-// stream starts (host-written page-locked memory, or device memory written before that kernel).
-// Where MoeAlignReadsIdsEarly (a decode step's few routes), the one block reads and counts them
-// while that kernel runs (programmatic launch) and waits for it only before its first store, so
-// its outputs, and what its completion implies (every kernel before it complete), are as
-// without. But the kernel after it (launched programmatically) may then start before the kernel
-// before the align has ended: before its own wait it may read only what was complete before that
-// kernel started (e.g. these same ids: MoeGemmParams::route_ids), not what that kernel writes.
 int64_t MoeAlignScratchInts(int64_t num_routes, int num_experts);
 cudaError_t LaunchMoeAlign(const int32_t* topk_ids, int64_t num_routes, int num_experts,
                            int32_t* expert_counts, int32_t* expert_offsets, int32_t* sorted_routes,
-                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch = nullptr,
-                           bool ids_before_wait = false);
-// Where ids_before_wait applies: a decode step's routes (page-locked ids are read over PCIe, by
-// the GEMM after it too, once per CTA), with the ids in shared memory beside the counters.
-inline constexpr int64_t kMoeAlignEarlyIdsMaxRoutes = 256;
-inline constexpr int kMoeAlignEarlyIdsMaxExperts = 1024;
-bool MoeAlignReadsIdsEarly(int64_t num_routes, int num_experts, bool ids_before_wait);
-// Whether callers should pass ids_before_wait where they can: MOESERVE_ALIGN_EARLY_IDS=1 / 0
-// (read at every call: tests and A/B runs switch it), else kMoeAlignEarlyIdsOnByDefault (off
-// until measured on a device).
-inline constexpr bool kMoeAlignEarlyIdsOnByDefault = false;
-bool MoeAlignEarlyIdsEnabled();
+                           int32_t* route_slot, cudaStream_t stream, int32_t* scratch = nullptr);
 
 // BF16 rows of x [num_tokens, hidden] to out [num_experts, max_tokens, hidden]: route r with
 // expert e and slot s = route_slot[r] < max_tokens copies row r / topk to out[e, s]. Rows of

@@ -5,6 +5,8 @@
 # Compute's kernel durations of one graphed trivial step at M=1 for a and b.
 # Usage: run_s36_check.sh BUNDLE.tgz (make_ab_bundle.sh A B BUNDLE.tgz)
 set -u
+# (Variant y, MOESERVE_ALIGN_EARLY_IDS=1, was an experiment measured on 2026-12-06 and then
+# removed: engine/RESULTS.md; with today's binaries it runs as b.)
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
 start_device_script "$1" || exit 1

@@ -16,9 +16,8 @@
 # is decoded on a worker thread, which polls while the scheduling thread does
 # (--inline_request_bytes=0: the decode on a warm thread instead of gRPC's, whose caches a
 # one-token call finds cold, transport/RESULTS.md 2026-12-05 21:40); e: the decode
-# GEMMs wait before they fetch weights (MOESERVE_EARLY_WEIGHTS=0); x / y: the align waits for
-# the staged copy before it reads its ids, or reads them (and W13 its schedule) before
-# (MOESERVE_ALIGN_EARLY_IDS=0 / 1). MS: the server
+# GEMMs wait before they fetch weights (MOESERVE_EARLY_WEIGHTS=0); x: the align waits for the
+# staged copy before it reads its ids (MOESERVE_ALIGN_EARLY_IDS=0). MS: the server
 # pass's token counts (default "1 16 64"; 2000 calls each, 600 from 64, 300 from 256, 150 from
 # 1024).
 # 1. the GPU suites (memcheck on the copy kernel's test; SKIP_GPU_SUITES=1: not them), host_upload_test and
@@ -52,7 +51,6 @@ env_of() {  # every setting the variant's suffix names (e.g. b0e: no SM copies, 
   [[ $s == *g* ]] && out+=" MOESERVE_GATHER_PARALLEL_MIN_BYTES=${GATHER_MIN:-131072}"
   [[ $s == *e* ]] && out+=" MOESERVE_EARLY_WEIGHTS=0"
   [[ $s == *x* ]] && out+=" MOESERVE_ALIGN_EARLY_IDS=0"
-  [[ $s == *y* ]] && out+=" MOESERVE_ALIGN_EARLY_IDS=1"
   echo "${out:-MOESERVE_UNUSED=1}"
 }
 bin_of() { echo "${1:0:1}"; }

@@ -117,57 +117,6 @@ TEST_F(CudaKernelsTest, AlignMatchesRefAndIsStable) {
             cudaErrorInvalidValue);
 }
 
-// ids_before_wait: the ids in page-locked host memory (as the graphed step stages them) or
-// in device memory, read while the kernel before runs (here a copy of 4 MB launched just before
-// on the same stream): the same outputs as the reference, and the copy's bytes intact. Beyond the
-// early limits it falls back to the ordinary launch, same outputs. (That the GEMMs after the
-// align read what the copy wrote is checked end to end by engine_cuda_test's graphed steps.)
-TEST_F(CudaKernelsTest, AlignReadsIdsBeforeItsWaitWithTheSameOutputs) {
-  std::mt19937 rng(2);
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  constexpr size_t kCopyBytes = size_t{4} << 20;
-  std::vector<uint8_t> src_host(kCopyBytes);
-  for (auto& b : src_host) b = static_cast<uint8_t>(rng());
-  Dev<uint8_t> src(src_host);
-  for (int64_t routes : {1, 4, 8, 33, 255, 256, 257, 4096, 9000}) {
-    for (int e : {1, 16, 32, 256, 1024, 1025}) {
-      SCOPED_TRACE(testing::Message() << routes << " routes, " << e << " experts");
-      EXPECT_EQ(MoeAlignReadsIdsEarly(routes, e, true),
-                routes <= kMoeAlignEarlyIdsMaxRoutes && e <= kMoeAlignEarlyIdsMaxExperts);
-      EXPECT_FALSE(MoeAlignReadsIdsEarly(routes, e, false));
-      std::uniform_int_distribution<int> id(-1, e);
-      int32_t* pinned = nullptr;
-      CUDA_OK(cudaMallocHost(&pinned, routes * sizeof(int32_t)));
-      for (int64_t i = 0; i < routes; ++i) pinned[i] = id(rng);
-      std::vector<int32_t> ids(pinned, pinned + routes);
-      std::vector<int32_t> c(e), o(e + 1), s(routes), sl(routes);
-      MoeAlignRef(ids.data(), routes, e, c.data(), o.data(), s.data(), sl.data());
-      Dev<int32_t> d_ids(ids);
-      for (bool from_pinned : {true, false}) {
-        SCOPED_TRACE(from_pinned ? "ids page-locked" : "ids on the device");
-        Dev<int32_t> dc(e), doff(e + 1), ds(routes), dsl(routes);
-        Dev<uint8_t> dst(kCopyBytes, 0);
-        CUDA_OK(LaunchCopyBytes(dst.p, src.p, kCopyBytes, stream));
-        CUDA_OK(LaunchMoeAlign(from_pinned ? pinned : d_ids.p, routes, e, dc.p, doff.p, ds.p, dsl.p,
-                               stream, nullptr, /*ids_before_wait=*/true));
-        cudaEvent_t done;
-        CUDA_OK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-        CUDA_OK(cudaEventRecord(done, stream));
-        CUDA_OK(cudaEventSynchronize(done));
-        CUDA_OK(cudaEventDestroy(done));
-        EXPECT_EQ(dc.Get(), c);
-        EXPECT_EQ(doff.Get(), o);
-        EXPECT_EQ(ds.Get(), s);
-        EXPECT_EQ(dsl.Get(), sl);
-        EXPECT_EQ(dst.Get(), src_host);
-      }
-      CUDA_OK(cudaFreeHost(pinned));
-    }
-  }
-  CUDA_OK(cudaStreamDestroy(stream));
-}
-
 TEST_F(CudaKernelsTest, StageRoutingMatchesRefAndReportsFirstOffenders) {
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;

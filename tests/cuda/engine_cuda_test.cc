@@ -195,15 +195,12 @@ TEST(EngineCuda, StepsInFlightMatchCpuReference) {
 // MOESERVE_GRAPH_SM_COPY_MAX_BYTES=0, on a copy engine.
 TEST(EngineCuda, GraphReplayMatchesCpuReference) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  for (const char* sm_copy : {"default", "0", "default, early ids"}) {
+  for (const char* sm_copy : {"default", "0"}) {
     if (std::string(sm_copy) == "0") {
       setenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES", "0", 1);
     } else {
       unsetenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
     }
-    // The align and W13 read the staged ids before the staged copy ends (decode steps).
-    setenv("MOESERVE_ALIGN_EARLY_IDS", std::string(sm_copy) == "0" ? "0" : "1", 1);
-    if (std::string(sm_copy) == "default") unsetenv("MOESERVE_ALIGN_EARLY_IDS");
     for (WeightFormat wf : {WeightFormat::kBF16, WeightFormat::kMXFP8}) {
       auto reference = Engine::Create(Small("cpu", "reference", wf));
       ASSERT_TRUE(reference.ok()) << reference.status();
@@ -255,7 +252,6 @@ TEST(EngineCuda, GraphReplayMatchesCpuReference) {
     }
   }
   unsetenv("MOESERVE_GRAPH_SM_COPY_MAX_BYTES");
-  unsetenv("MOESERVE_ALIGN_EARLY_IDS");
 }
 
 // A timed graphed step replays a graph with event nodes between its stages, so prepare (the
