@@ -293,9 +293,13 @@ grpc::ServerUnaryReactor* MoeServiceImpl::Forward(grpc::CallbackServerContext* c
     state_->PrewakeSteps();
   }
   // A small request is decoded and queued right here (a thread hop costs more than the work);
-  // one over inline_request_bytes on a worker.
+  // one over inline_request_bytes on a worker, unless the workers are backlogged: a queue of
+  // requests in front of the batcher is outside its admission (max_queue_wait), and under an
+  // overload it grew without bound on an H100 host (2 workers decoding every call and sending
+  // answers: answered p50 2.5 s, serving/RESULTS.md 2026-12-06 04:31).
   const int64_t inline_bytes = inline_request_bytes();
-  if (inline_bytes < 0 || static_cast<int64_t>(raw_request->Length()) <= inline_bytes) {
+  if (inline_bytes < 0 || static_cast<int64_t>(raw_request->Length()) <= inline_bytes ||
+      state_->WorkersBacklogged()) {
     task(/*on_worker=*/false);
   } else if (!state_->SubmitWork([task = std::move(task)] { task(/*on_worker=*/true); })) {
     finish(absl::UnavailableError("Forward: the server is shutting down"), 0);

@@ -61,6 +61,12 @@ class ServingState {
   int64_t max_message_bytes() const { return max_message_bytes_; }
   // Queues `task` on a worker; false once draining.
   bool SubmitWork(std::function<void()> task) { return workers_.Submit(std::move(task)); }
+  // Whether a task submitted now would wait behind a whole round of others (as many queued as
+  // there are workers): then a request is better decoded on the thread that received it, so that
+  // it meets the batcher's admission at once instead of an unbounded backlog.
+  bool WorkersBacklogged() const {
+    return workers_.queued() >= static_cast<size_t>(workers_.num_threads());
+  }
   // A large call is being decoded and gathered: a sleeping scheduling thread starts polling
   // (ForwardBatcher::Prewake). Nothing before the engine is attached.
   void PrewakeSteps() {

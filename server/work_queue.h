@@ -31,6 +31,8 @@ class WorkQueue {
   // Stops accepting tasks, runs every task already queued, and joins the threads. Idempotent.
   void Drain();
   int num_threads() const { return static_cast<int>(threads_.size()); }
+  // Tasks queued and not yet taken by a thread (a snapshot). Thread-safe.
+  size_t queued() const { return queued_.load(std::memory_order_acquire); }
   // From now on an idle thread (one at a time) polls for a task for up to `spin` before it
   // sleeps; 0 (the default): idle threads sleep at once. Thread-safe.
   void SetIdleSpin(absl::Duration spin);

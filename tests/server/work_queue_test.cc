@@ -85,5 +85,29 @@ TEST(WorkQueueSpinTest, NoSpinNoPolling) {
   EXPECT_EQ(q.spin_takes(), 0);
 }
 
+// queued(): what the threads have not taken yet (ServingState::WorkersBacklogged reads it to
+// decode requests where they arrive rather than behind a backlog).
+TEST(WorkQueueBacklogTest, QueuedCountsTasksNoThreadHasTaken) {
+  WorkQueue q(2);
+  EXPECT_EQ(q.queued(), 0u);
+  std::atomic<bool> release{false};
+  std::atomic<int> started{0}, done{0};
+  auto blocker = [&] {
+    started.fetch_add(1);
+    while (!release.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    done.fetch_add(1);
+  };
+  ASSERT_TRUE(q.Submit(blocker));
+  ASSERT_TRUE(q.Submit(blocker));
+  WaitFor(started, 2);  // both threads busy
+  EXPECT_EQ(q.queued(), 0u);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(q.Submit([&done] { done.fetch_add(1); }));
+  EXPECT_EQ(q.queued(), 3u);
+  EXPECT_GE(q.queued(), static_cast<size_t>(q.num_threads()));  // a backlog
+  release.store(true);
+  WaitFor(done, 5);
+  EXPECT_EQ(q.queued(), 0u);
+}
+
 }  // namespace
 }  // namespace moeserve
