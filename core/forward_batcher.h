@@ -111,9 +111,8 @@ struct ForwardBatcherOptions {
   // them again into its own page-locked staging). They are sized for the largest merged step
   // (max_batch_tokens of FP32 rows) and pinned when the batcher is created, up to
   // kMaxPinnedMergeBytes each (else plain memory): never while serving, where pinning and above
-  // all unpinning (which waits for the device to drain) stall every thread's device work (an
-  // H100 overload with buffers that grew and were unpinned in the background: answered p99
-  // 1.6 s). Null: plain host memory.
+  // all unpinning (which waits for the device to drain) stall every thread's device work
+  // (scripts/gpu/alloc_wait_probe.cu). Null: plain host memory.
   HostMemoryPinner* merge_pinner = nullptr;
   // Where the answers of a merged step run, all but the last (which runs on the step's
   // thread): e.g. a worker pool, so that a step's callers are answered at once rather than one
