@@ -4,14 +4,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <random>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/background_release.h"
-#include "core/checked_math.h"
 #include "core/spin_wait.h"
 #include "core/status_macros.h"
 
@@ -681,7 +679,10 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
     }
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());
-    if (live.size() > 1) stats_.merged_calls += static_cast<int64_t>(live.size());
+    if (live.size() > 1) {
+      stats_.merged_calls += static_cast<int64_t>(live.size());
+      if (buffers->hidden.pinned() && buffers->output.pinned()) ++stats_.pinned_merges;
+    }
     stats_.max_step_calls = std::max<int64_t>(stats_.max_step_calls, live.size());
     if (stopped) stats_.stopped += static_cast<int64_t>(live.size());
     queued_tokens = stats_.queued_tokens;
@@ -738,12 +739,16 @@ bool ForwardBatcher::TimeStages(const Step& live) {
 ForwardBatcher::MergeBuffer::MergeBuffer(HostMemoryPinner* pinner, size_t pinned_bytes)
     : pinner_(pinner) {
   if (pinner_ == nullptr || pinned_bytes == 0) return;
-  constexpr size_t kPage = 4096;
-  const size_t bytes = (pinned_bytes + kPage - 1) / kPage * kPage;
-  data_ = std::aligned_alloc(kPage, bytes);
-  if (data_ == nullptr) return;  // TryGet allocates plain memory then
-  capacity_ = bytes;
+  if (!Allocate(pinned_bytes)) return;  // TryGet allocates plain memory then
   pinned_ = pinner_->Pin(data_, capacity_).ok();
+}
+
+bool ForwardBatcher::MergeBuffer::Allocate(size_t bytes) {
+  constexpr size_t kPage = 4096;  // whole pages: what page-locking works in
+  const size_t rounded = std::max<size_t>((bytes + kPage - 1) / kPage * kPage, kPage);
+  data_ = std::aligned_alloc(kPage, rounded);
+  capacity_ = data_ != nullptr ? rounded : 0;
+  return data_ != nullptr;
 }
 
 ForwardBatcher::MergeBuffer::~MergeBuffer() { Release(); }
@@ -766,28 +771,16 @@ void ForwardBatcher::MergeBuffer::Release() {
 }
 
 absl::StatusOr<TensorView> ForwardBatcher::MergeBuffer::TryGet(DType dtype, const Shape& shape) {
-  const int64_t numel = NumElements(shape);
-  const std::optional<int64_t> bytes =
-      numel < 0 ? std::nullopt : CheckedMul(numel, static_cast<int64_t>(DTypeSize(dtype)));
-  if (!bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", DTypeName(dtype),
-                                                     ShapeToString(shape),
-                                                     ": a negative dim, or its byte size "
-                                                     "overflows 64 bits"));
-  }
-  if (static_cast<size_t>(*bytes) > capacity_) {
+  MOESERVE_ASSIGN_OR_RETURN(const int64_t bytes, BufferBytes(dtype, shape));
+  if (static_cast<size_t>(bytes) > capacity_) {
     // Beyond what was pinned at creation (or nothing was): plain memory, doubling. Never pinned
     // here: pinning and unpinning while serving stall the device's other work.
-    constexpr size_t kPage = 4096;
-    size_t want = std::max(static_cast<size_t>(*bytes), 2 * capacity_);
-    want = std::max<size_t>((want + kPage - 1) / kPage * kPage, kPage);
+    const size_t want = std::max(static_cast<size_t>(bytes), 2 * capacity_);
     Release();
-    data_ = std::aligned_alloc(kPage, want);
-    if (data_ == nullptr) {
+    if (!Allocate(want)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", want, " bytes for a merged step"));
     }
-    capacity_ = want;
   }
   return TensorView(data_, dtype, shape, pinned_ ? Device::PinnedHost() : Device::Host());
 }
@@ -824,10 +817,6 @@ absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
     std::memcpy(merged.topk_weights.data<float>() + at * topk, in.topk_weights.raw_data(),
                 n * topk * sizeof(float));
     at += n;
-  }
-  if (buffers->hidden.pinned() && buffers->output.pinned()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.pinned_merges;
   }
   MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop, time_stages));
   *merged_output = output;

@@ -221,7 +221,6 @@ class ForwardBatcher {
   const ForwardBatcherOptions& options() const { return options_; }
 
  private:
-  // A merged step's buffers, reused across steps by one thread.
   // A grow-only host buffer, page-locked by a pinner where one is given (merge_pinner).
   class MergeBuffer {
    public:
@@ -234,15 +233,17 @@ class ForwardBatcher {
     // buffer is page-locked, else Device::Host(); RESOURCE_EXHAUSTED when it cannot grow.
     absl::StatusOr<TensorView> TryGet(DType dtype, const Shape& shape);
     bool pinned() const { return pinned_; }
-    size_t capacity() const { return capacity_; }
 
    private:
+    // Whole pages of at least `bytes` into data_ / capacity_ (false, both empty, if none).
+    bool Allocate(size_t bytes);
     void Release();
     HostMemoryPinner* const pinner_;
     void* data_ = nullptr;
     size_t capacity_ = 0;
     bool pinned_ = false;
   };
+  // A merged step's buffers, reused across steps by one thread.
   struct StepBuffers {
     StepBuffers(HostMemoryPinner* pinner, size_t pinned_bytes)
         : hidden(pinner, pinned_bytes), output(pinner, pinned_bytes) {}

@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/checked_math.h"
+#include "core/status_macros.h"
 #include "kernels/cpu/dtype_convert.h"
 
 namespace moeserve {
@@ -161,7 +162,7 @@ Tensor Tensor::Zeros(DType dtype, Shape shape) {
   return t;
 }
 
-absl::StatusOr<TensorView> HostBuffer::TryGet(DType dtype, const Shape& shape) {
+absl::StatusOr<int64_t> BufferBytes(DType dtype, const Shape& shape) {
   const int64_t numel = NumElements(shape);
   const std::optional<int64_t> bytes =
       numel < 0 ? std::nullopt : CheckedMul(numel, static_cast<int64_t>(DTypeSize(dtype)));
@@ -171,13 +172,18 @@ absl::StatusOr<TensorView> HostBuffer::TryGet(DType dtype, const Shape& shape) {
                                                      ": a negative dim, or its byte size "
                                                      "overflows 64 bits"));
   }
-  if (static_cast<size_t>(*bytes) > capacity_) {
+  return *bytes;
+}
+
+absl::StatusOr<TensorView> HostBuffer::TryGet(DType dtype, const Shape& shape) {
+  MOESERVE_ASSIGN_OR_RETURN(const int64_t bytes, BufferBytes(dtype, shape));
+  if (static_cast<size_t>(bytes) > capacity_) {
     storage_ = Tensor();  // the old block goes back first: the peak is the new size, not both
     capacity_ = 0;
-    absl::StatusOr<Tensor> t = Tensor::Allocate(DType::kUINT8, {*bytes});
+    absl::StatusOr<Tensor> t = Tensor::Allocate(DType::kUINT8, {bytes});
     if (!t.ok()) return t.status();
     storage_ = *std::move(t);
-    capacity_ = static_cast<size_t>(*bytes);
+    capacity_ = static_cast<size_t>(bytes);
   }
   return TensorView(storage_.data<void>(), dtype, shape);
 }

@@ -127,6 +127,10 @@ class Tensor {
   Shape shape_;
 };
 
+// The bytes of a contiguous `dtype` tensor of `shape`: RESOURCE_EXHAUSTED naming it for a
+// negative dim or a size that overflows 64 bits (what a buffer asked for it refuses).
+absl::StatusOr<int64_t> BufferBytes(DType dtype, const Shape& shape);
+
 // A reusable host buffer that grows to the largest size asked of it; for workspaces.
 class HostBuffer {
  public:

@@ -147,3 +147,24 @@ decode_ab() {
   unset "$var"
   decode_summary "$csv" "$@"
 }
+
+# ncu_last_kernels CSV N: the last N kernels of `ncu --csv --metrics gpu__time_duration.sum`'s
+# output (us, name). The header is the row that starts with "ID": the profiled program's own CSV
+# lines (e.g. engine_forward_bench's table) come before it in the same file.
+ncu_last_kernels() {
+  python3 - "$1" "$2" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+hdr, rows = rows[start], [r for r in rows[start + 1:] if len(r) == len(rows[start])]
+ki, vi, ui = hdr.index("Kernel Name"), hdr.index("Metric Value"), hdr.index("Metric Unit")
+vals = []
+for r in rows:
+    v = float(r[vi].replace(",", ""))
+    # Nsight Compute names the unit "nsecond" or (2025 on) "ns".
+    v = v / 1000 if r[ui] in ("nsecond", "ns") else v * 1000 if r[ui] in ("msecond", "ms") else v
+    vals.append((r[ki].split("(")[0][:70], v))
+for name, v in vals[-int(sys.argv[2]):]:
+    print(f"{v:8.2f}  {name}")
+PY
+}

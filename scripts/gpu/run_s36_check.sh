@@ -32,18 +32,6 @@ for v in a b by; do
     "$B/engine_forward_bench_${v:0:1}" --model trivial --weight_format bf16 --tokens 1 --iters 3 --timed 0 \
     > "$ROOT/ncu_$v.csv" 2>&1
   echo "== ncu $v trivial M=1 rc=$?: the last step's kernels (us)"
-  python3 - "$ROOT/ncu_$v.csv" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 10]
-hdr = rows[0]; rows = rows[1:]
-ki, vi, ui = hdr.index("Kernel Name"), hdr.index("Metric Value"), hdr.index("Metric Unit")
-vals = []
-for r in rows:
-    v = float(r[vi].replace(",", ""))
-    v = v / 1000 if r[ui] in ("nsecond", "ns") else v * 1000 if r[ui] in ("msecond", "ms") else v
-    vals.append((r[ki].split("(")[0][:60], v))
-for name, v in vals[-5:]:
-    print(f"{v:8.2f}  {name}")
-PY
+  ncu_last_kernels "$ROOT/ncu_$v.csv" 5
 done
 echo "total $(( $(date +%s) - t0 )) s"

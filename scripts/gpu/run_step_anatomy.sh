@@ -25,19 +25,6 @@ for bin in "$D"bin/engine_forward_bench*; do
     timeout 200 ncu --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum \
       "$bin" --model $model --weight_format $fmt --tokens 1 --iters 3 --timed 0 > "$OUT/ncu_${tag}_$model.csv" 2>&1
     echo "== ncu $tag $model M=1 rc=$?: last 16 kernels (name, us)"
-    python3 - "$OUT/ncu_${tag}_$model.csv" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 10]
-hdr = rows[0]; rows = rows[1:]
-ki, vi, ui = hdr.index("Kernel Name"), hdr.index("Metric Value"), hdr.index("Metric Unit")
-vals = []
-for r in rows:
-    v = float(r[vi].replace(",", ""))
-    # Nsight Compute names the unit "nsecond" or (2025 on) "ns".
-    v = v / 1000 if r[ui] in ("nsecond", "ns") else v * 1000 if r[ui] in ("msecond", "ms") else v
-    vals.append((r[ki].split("(")[0][:70], v))
-for name, v in vals[-16:]:
-    print(f"{v:8.2f}  {name}")
-PY
+    ncu_last_kernels "$OUT/ncu_${tag}_$model.csv" 16
   done
 done

@@ -844,6 +844,36 @@ TEST(ForwardBatcherTest, IdleSpinTakesCallsWithoutAWakeUp) {
   }
 }
 
+// Runs a step of 300 BF16 tokens (*held, more than half a step: no second lane beside it) held
+// at its start (its call's cancellation check blocks once) while `calls` queue behind it, then
+// lets it end; every call answers OK.
+void RunBehindAHeldStep(ForwardBatcher& batcher, const ModelConfig& m,
+                        const std::vector<Call>& calls, std::mt19937& rng, Call* held) {
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> checks{0};
+  *held = MakeCall(m, 300, 0, DType::kBF16, rng);
+  auto held_answer = SubmitAsync(
+      batcher, *held, absl::InfiniteFuture(),
+      [&] {
+        if (checks.fetch_add(1) == 0) {
+          entered.set_value();
+          released.wait();
+        }
+        return false;
+      },
+      CallSource{.may_run_inline = false});
+  entered.get_future().wait();
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> answers;
+  for (const Call& c : calls) answers.push_back(SubmitAsync(batcher, c));
+  release.set_value();
+  ASSERT_TRUE(held_answer.get().first.ok());
+  for (auto& a : answers) {
+    const absl::Status s = a.get().first;
+    ASSERT_TRUE(s.ok()) << s;
+  }
+}
+
 // A step's end wakes the scheduling threads only when calls are queued (they may be waiting
 // for its lane): a lone caller's steps, inline or on a scheduling thread of a two-lane engine,
 // wake nobody (each wake-up is a futex syscall on the answering thread, and the woken threads
@@ -869,30 +899,15 @@ TEST(ForwardBatcherTest, StepEndsWakeTheSchedulersOnlyForQueuedCalls) {
   EXPECT_GE(batcher->stats().inline_steps, 1);
   EXPECT_EQ(batcher->stats().step_end_wakes, 0);
 
-  // A step held at its start (its call's cancellation check blocks once) while a second call
-  // queues behind it: the step's end wakes a scheduling thread for it.
-  std::promise<void> entered, release;
-  std::shared_future<void> released = release.get_future().share();
-  std::atomic<int> checks{0};
-  Call held = MakeCall(m, 300, 0, DType::kBF16, rng);  // > half a step: no second lane for it
-  Call queued = MakeCall(m, 200, 0, DType::kBF16, rng);
-  auto held_answer = SubmitAsync(
-      *batcher, held, absl::InfiniteFuture(),
-      [&] {
-        if (checks.fetch_add(1) == 0) {
-          entered.set_value();
-          released.wait();
-        }
-        return false;
-      },
-      CallSource{.may_run_inline = false});
-  entered.get_future().wait();
-  auto queued_answer = SubmitAsync(*batcher, queued);
-  release.set_value();
-  ASSERT_TRUE(held_answer.get().first.ok());
-  ASSERT_TRUE(queued_answer.get().first.ok());
+  // A step held at its start while a second call queues behind it: the step's end wakes a
+  // scheduling thread for it.
+  Call held;
+  std::vector<Call> queued;
+  queued.push_back(MakeCall(m, 200, 0, DType::kBF16, rng));
+  RunBehindAHeldStep(*batcher, m, queued, rng, &held);
   EXPECT_GE(batcher->stats().step_end_wakes, 1);
-  for (const Call* c : {&held, &queued}) {
+  const Call* checked[] = {&held, &queued[0]};
+  for (const Call* c : checked) {
     Tensor alone = Tensor::Empty(c->out.dtype(), c->out.shape());
     ASSERT_TRUE(oracle->Forward(c->input(), alone.view()).ok());
     EXPECT_EQ(std::memcmp(alone.data<void>(), c->out.data<void>(), alone.nbytes()), 0);
@@ -937,35 +952,6 @@ class RecordingPinner final : public HostMemoryPinner {
   int pins_ = 0, unpins_ = 0;
 };
 
-// Runs `calls` as one merged step: a step held at its start (its call's cancellation check
-// blocks once) lets them queue behind it, then ends.
-void RunMergedBehindAHeldStep(ForwardBatcher& batcher, const ModelConfig& m,
-                              const std::vector<Call>& calls, std::mt19937& rng) {
-  std::promise<void> entered, release;
-  std::shared_future<void> released = release.get_future().share();
-  std::atomic<int> checks{0};
-  Call held = MakeCall(m, 300, 0, DType::kBF16, rng);
-  auto held_answer = SubmitAsync(
-      batcher, held, absl::InfiniteFuture(),
-      [&] {
-        if (checks.fetch_add(1) == 0) {
-          entered.set_value();
-          released.wait();
-        }
-        return false;
-      },
-      CallSource{.may_run_inline = false});
-  entered.get_future().wait();
-  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> answers;
-  for (const Call& c : calls) answers.push_back(SubmitAsync(batcher, c));
-  release.set_value();
-  ASSERT_TRUE(held_answer.get().first.ok());
-  for (auto& a : answers) {
-    const absl::Status s = a.get().first;
-    ASSERT_TRUE(s.ok()) << s;
-  }
-}
-
 // merge_pinner: the merge buffers are pinned when the batcher is created, sized for its largest
 // merged step (never pinned or unpinned while serving: both stall a device's other work), a
 // merged step gathers its hidden states and answer in them (the engine sees
@@ -987,7 +973,8 @@ TEST(ForwardBatcherTest, MergedStepsGatherInPageLockedBuffers) {
       for (int64_t tokens : {5, 60}) {
         std::vector<Call> calls;
         for (int i = 0; i < 3; ++i) calls.push_back(MakeCall(m, tokens + i, 0, DType::kFP32, rng));
-        RunMergedBehindAHeldStep(*batcher, m, calls, rng);
+        Call held;
+        RunBehindAHeldStep(*batcher, m, calls, rng, &held);
         for (const Call& c : calls) {
           Tensor alone = Tensor::Empty(c.out.dtype(), c.out.shape());
           ASSERT_TRUE(oracle->Forward(c.input(), alone.view()).ok());
