@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -399,6 +400,30 @@ __device__ __forceinline__ void StoreAccPair(const MoeGemmParams& p, int64_t row
 // other split's partial, so at most kMaxSplits of them.
 constexpr int kMinSplitStages = 4;
 constexpr int kMaxSplits = 16;
+// The decode tiles' split-K bounds as launched: `slots` CTA slots to fill, at least `min_stages`
+// stages per split, at most `max_splits` splits (at most kMaxSplitsCap: the last split's reads).
+struct SplitK {
+  int slots, min_stages, max_splits;
+};
+constexpr int kMaxSplitsCap = 64;
+// MOESERVE_SPLIT_K="MIN_STAGES,MAX_SPLITS,BF16_SLOTS_PER_SM" (read once; for benchmarks' A/Bs),
+// else kMinSplitStages, kMaxSplits and one BF16 CTA per SM.
+struct SplitKTuning {
+  int min_stages = kMinSplitStages, max_splits = kMaxSplits, bf16_slots_per_sm = 1;
+};
+const SplitKTuning& SplitKFromEnv() {
+  static const SplitKTuning t = [] {
+    SplitKTuning v;
+    const char* e = std::getenv("MOESERVE_SPLIT_K");
+    int a = 0, b = 0, c = 0;
+    if (e != nullptr && std::sscanf(e, "%d,%d,%d", &a, &b, &c) == 3 && a >= 1 && b >= 1 &&
+        b <= kMaxSplitsCap && (c == 1 || c == 2)) {
+      v = SplitKTuning{a, b, c};
+    }
+    return v;
+  }();
+  return t;
+}
 
 // A barrier for `count` threads of the block (warps that have exited do not count).
 __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
@@ -619,7 +644,7 @@ struct GemmCfg {
 template <bool kFp8, bool kWide, int BN, int WM, int WN, int STAGES, MoeGemmKind KIND,
           bool kAdaptive, bool kTma, int KB, bool kWg = false>
 __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 : 1)
-    MoeGemmKernel(const MoeGemmParams p, int2 gate, int split_slots) {
+    MoeGemmKernel(const MoeGemmParams p, int2 gate, SplitK split) {
   static_assert(KB == 1 || (KB == 2 && kTma), "two-block stages need the producer warp");
   static_assert(!kAdaptive || kTma, "the adaptive tile is a decode (producer warp) tile");
   static_assert(!kWg || kTma, "the warpgroup-MMA decode tile has a producer warp");
@@ -664,7 +689,7 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
     return;
   }
   const int num_st = (num_kb + KB - 1) / KB;  // stages per unit; the last may hold one block
-  // Split-K (decode tiles, with a workspace): when the units cannot fill the `split_slots` CTA
+  // Split-K (decode tiles, with a workspace): when the units cannot fill the `split.slots` CTA
   // slots (a few experts of long K, e.g. one token), each unit's stages are split over `splits`
   // CTAs. Every CTA computes the same value from the same counts.
   int splits = 1;
@@ -672,8 +697,8 @@ __global__ void __launch_bounds__(kTma ? kThreads + 32 : kThreads, BN <= 32 ? 2 
     if (p.split_workspace != nullptr && total_units > 0 && total_units <= kMoeGemmSplitCounters) {
       const int64_t by_mem =
           kMoeGemmSplitPartialFloats / (static_cast<int64_t>(total_units) * kBM * BN);
-      splits = min(min(split_slots / total_units, num_st / kMinSplitStages),
-                   static_cast<int>(by_mem < kMaxSplits ? by_mem : kMaxSplits));
+      splits = min(min(split.slots / total_units, num_st / split.min_stages),
+                   static_cast<int>(by_mem < split.max_splits ? by_mem : split.max_splits));
       splits = max(splits, 1);
     }
   }
@@ -1169,17 +1194,21 @@ cudaError_t Run(const MoeGemmParams& p, int num_sms, cudaStream_t stream,
   // Split-K fills the whole grid from few units (the device decides how many splits).
   const int64_t num_st =
       ((gate_up ? p.layout.hidden_padded : p.layout.intermediate_padded) / kBK + KB - 1) / KB;
-  if (kTma && p.split_workspace != nullptr && num_st >= 2 * kMinSplitStages) {
-    units *= std::min<int64_t>(kMaxSplits, num_st / kMinSplitStages);
+  const SplitKTuning& tune = SplitKFromEnv();
+  if (kTma && p.split_workspace != nullptr && num_st >= 2 * tune.min_stages) {
+    units *= std::min<int64_t>(tune.max_splits, num_st / tune.min_stages);
   }
   if (units < grid) grid = units;
   if (grid < 1) grid = 1;
   // Split-K aims to give each (unit, split) a CTA slot: MXFP8 tiles are bound by their
   // instructions and gain from two CTAs per SM, BF16 tiles stream as fast with one (measured on
   // the H200: splitting BF16 units over both slots of an SM lost 6%).
-  const int split_slots = static_cast<int>(kFp8 ? grid : std::min<int64_t>(grid, num_sms));
+  const SplitK split{
+      static_cast<int>(kFp8 ? grid
+                            : std::min<int64_t>(grid, int64_t{num_sms} * tune.bf16_slots_per_sm)),
+      tune.min_stages, tune.max_splits};
   return LaunchPdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), smem, stream, p, gate,
-                   split_slots);
+                   split);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@
 // vary around the average as real routing does; balanced gives every expert the same count),
 // MOESERVE_BENCH_SPLIT_K=0 (the decode GEMMs without their split-K workspace),
 // MOESERVE_BENCH_ALIGN_SCRATCH=0 (the one-block align), MOESERVE_BENCH_LAYERS=seed,dsv3,qwen3,
+// trivial, MOESERVE_BENCH_EXPERTS=32 and MOESERVE_BENCH_TOPK=8 (the rank's experts and routes),
 // MOESERVE_BENCH_WGMMA_FROM=N (warpgroup-MMA tiles from N routes per expert on),
 // MOESERVE_BENCH_GROUPED_TILE=64 or 128 (the grouped GEMMs' tile rows, whatever the row count would
 // pick).
@@ -105,13 +106,25 @@ int main(int argc, char** argv) {
   };
   // qwen3: Qwen3-30B-A3B's expert shape (with this bench's 32 local experts, top-8), whose
   // decode units are too few to fill the GPU without split-K.
-  const Shape all_shapes[] = {{"seed", 3072, 5120}, {"dsv3", 7168, 2048}, {"qwen3", 2048, 768}};
+  // trivial: the serving benchmark's one-token layer (I = 64; with MOESERVE_BENCH_EXPERTS=16
+  // MOESERVE_BENCH_TOPK=4 as that server has), whose time is the kernels' fixed costs.
+  const Shape all_shapes[] = {
+      {"seed", 3072, 5120}, {"dsv3", 7168, 2048}, {"qwen3", 2048, 768}, {"trivial", 7168, 64}};
   const std::vector<std::string> layers = EnvList("MOESERVE_BENCH_LAYERS", "seed,dsv3");
   std::vector<Shape> shapes;
   for (const Shape& s : all_shapes) {
     if (Has(layers, s.name)) shapes.push_back(s);
   }
-  const int E = 32, topk = 8, kSets = 4, kWarm = 5, kIters = 40;
+  const char* experts_env = std::getenv("MOESERVE_BENCH_EXPERTS");
+  const char* topk_env = std::getenv("MOESERVE_BENCH_TOPK");
+  const int E = experts_env != nullptr ? std::atoi(experts_env) : 32;
+  const int topk = topk_env != nullptr ? std::atoi(topk_env) : 8;
+  const int kSets = 4, kWarm = 5, kIters = 40;
+  if (E < 1 || topk < 1 || topk > E) {
+    std::fprintf(stderr,
+                 "MOESERVE_BENCH_EXPERTS / MOESERVE_BENCH_TOPK: need 1 <= topk <= experts\n");
+    return 2;
+  }
   std::vector<int> token_list;
   for (const std::string& t : EnvList("MOESERVE_BENCH_TOKENS", "16,32,64,128,256,1024")) {
     token_list.push_back(std::atoi(t.c_str()));
