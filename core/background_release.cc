@@ -6,6 +6,8 @@
 #include <thread>
 #include <utility>
 
+#include "core/thread_name.h"
+
 namespace moeserve {
 namespace {
 
@@ -14,7 +16,10 @@ class Releaser {
   void Queue(std::function<void()> release) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!started_) {
-      std::thread([this] { Run(); }).detach();
+      std::thread([this] {
+        SetCurrentThreadName("ms-release");
+        Run();
+      }).detach();
       started_ = true;
     }
     pending_.push_back(std::move(release));

@@ -12,6 +12,7 @@
 #include "core/background_release.h"
 #include "core/spin_wait.h"
 #include "core/status_macros.h"
+#include "core/thread_name.h"
 
 namespace moeserve {
 
@@ -90,7 +91,10 @@ ForwardBatcher::ForwardBatcher(Engine* engine, ForwardBatcherOptions options)
     buffers_.push_back(std::make_unique<StepBuffers>(options_.merge_pinner, merge_bytes));
   }
   for (int i = 0; i < runners_; ++i) {
-    threads_.emplace_back([this, buffers = buffers_[i].get()] { Loop(buffers); });
+    threads_.emplace_back([this, i, buffers = buffers_[i].get()] {
+      SetCurrentThreadName("ms-sched" + std::to_string(i));
+      Loop(buffers);
+    });
   }
 }
 

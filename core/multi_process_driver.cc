@@ -8,6 +8,7 @@
 #include "core/dtype.h"
 #include "core/engine_plan.h"
 #include "core/status_macros.h"
+#include "core/thread_name.h"
 
 namespace moeserve {
 namespace {
@@ -76,7 +77,10 @@ void MultiProcessDriver::Start() {
   started_ = true;
   last_step_ = std::chrono::steady_clock::now();
   if (is_leader() && group_->plan().heartbeat_ms > 0) {
-    heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+    heartbeat_ = std::thread([this] {
+      SetCurrentThreadName("ms-heartbeat");
+      HeartbeatLoop();
+    });
   }
 }
 

@@ -2,12 +2,19 @@
 
 #include <algorithm>
 
+#include "core/thread_name.h"
+
 namespace moeserve {
 
 ThreadPool::ThreadPool(int num_threads)
     : num_threads_(num_threads > 0 ? num_threads
                                    : std::max(1u, std::thread::hardware_concurrency())) {
-  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  for (int i = 1; i < num_threads_; ++i) {
+    workers_.emplace_back([this, i] {
+      SetCurrentThreadName("ms-pool" + std::to_string(i));
+      WorkerLoop(i);
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -4,6 +4,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/thread_name.h"
+
 namespace moeserve {
 
 bool ByteBudget::TryAcquire(int64_t bytes) {
@@ -34,7 +36,12 @@ struct AnswerHoldWatch::Held {
 AnswerHoldWatch::AnswerHoldWatch(std::chrono::milliseconds max_hold,
                                  std::function<void()> on_cancel)
     : max_hold_(max_hold), on_cancel_(std::move(on_cancel)) {
-  if (max_hold_.count() > 0) thread_ = std::thread([this] { Loop(); });
+  if (max_hold_.count() > 0) {
+    thread_ = std::thread([this] {
+      SetCurrentThreadName("ms-limits");
+      Loop();
+    });
+  }
 }
 
 AnswerHoldWatch::~AnswerHoldWatch() {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/thread_name.h"
 #include "moeserve/v1/forward_channel.h"
 #include "moeserve/v1/forward_wire.h"
 #include "server/buffer_pool.h"
@@ -135,7 +136,10 @@ void ForwardChannel::Start(ChannelCallFn call, absl::Duration spin) {
   started_ = true;
   word(ch::kServerSleepingOffset)->store(0);
   word(ch::kServerAttachedOffset)->store(1);
-  poller_ = std::thread([this] { Poll(); });
+  poller_ = std::thread([this] {
+    SetCurrentThreadName("ms-channel");
+    Poll();
+  });
 }
 
 absl::Status ForwardChannel::Close(bool force) {

@@ -15,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/thread_name.h"
 
 namespace moeserve {
 namespace {
@@ -109,7 +110,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   server->render_ = std::move(render);
   server->options_ = options;
   server->tls_ = std::move(tls_context);
-  server->thread_ = std::thread([s = server.get()] { s->Serve(); });
+  server->thread_ = std::thread([s = server.get()] {
+    SetCurrentThreadName("ms-metrics");
+    s->Serve();
+  });
   return server;
 }
 

@@ -15,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "core/memory_region.h"
 #include "core/status_macros.h"
+#include "core/thread_name.h"
 #include "server/call_accounting.h"
 #include "server/convert.h"
 
@@ -239,7 +240,10 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   state_->Attach(engine, std::move(batcher));
   SetServing(engine->healthy());
   if (options_.health_poll.count() > 0) {
-    health_watcher_ = std::thread([this] { WatchHealth(options_); });
+    health_watcher_ = std::thread([this] {
+      SetCurrentThreadName("ms-health");
+      WatchHealth(options_);
+    });
   }
   return absl::OkStatus();
 }

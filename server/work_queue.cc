@@ -4,13 +4,19 @@
 #include <utility>
 
 #include "core/spin_wait.h"
+#include "core/thread_name.h"
 
 namespace moeserve {
 
 WorkQueue::WorkQueue(int num_threads) {
   const int n = std::max(1, num_threads);
   threads_.reserve(n);
-  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { Loop(); });
+  for (int i = 0; i < n; ++i) {
+    threads_.emplace_back([this, i] {
+      SetCurrentThreadName("ms-worker" + std::to_string(i));
+      Loop();
+    });
+  }
 }
 
 WorkQueue::~WorkQueue() { Drain(); }

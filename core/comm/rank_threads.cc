@@ -1,10 +1,17 @@
 #include "core/comm/rank_threads.h"
 
+#include "core/thread_name.h"
+
 namespace moeserve {
 
 RankThreads::RankThreads(int num_ranks) {
   statuses_.resize(num_ranks);
-  for (int r = 0; r < num_ranks; ++r) threads_.emplace_back([this, r] { Loop(r); });
+  for (int r = 0; r < num_ranks; ++r) {
+    threads_.emplace_back([this, r] {
+      SetCurrentThreadName("ms-rank" + std::to_string(r));
+      Loop(r);
+    });
+  }
 }
 
 RankThreads::~RankThreads() {

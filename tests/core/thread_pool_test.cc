@@ -1,16 +1,23 @@
 #include "core/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <initializer_list>
+#include <mutex>
 #include <random>
+#include <set>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
 #include "core/parallel_copy.h"
+#include "core/thread_name.h"
 #include "gtest/gtest.h"
 
 namespace moeserve {
@@ -142,6 +149,45 @@ TEST(StreamingCopyTest, CopiesEveryByteAtEveryAlignment) {
       }
     }
   }
+}
+
+// The pool's threads carry their role's name (what top -H and /proc/PID/task/*/comm show), and
+// SetCurrentThreadName keeps the 15 bytes Linux allows rather than failing on a longer one.
+TEST(ThreadNameTest, PoolThreadsAreNamedAndLongNamesAreCut) {
+#if defined(__linux__)
+  auto name_of_this_thread = [] {
+    char buf[32] = {};
+    pthread_getname_np(pthread_self(), buf, sizeof(buf));
+    return std::string(buf);
+  };
+  ThreadPool pool(3);
+  std::mutex mu;
+  std::set<std::string> names;
+  std::atomic<int> recorded{0};
+  pool.ParallelFor(64, [&](int64_t, int thread_index) {
+    if (thread_index == 0) {
+      // The caller takes part under its own name: it waits for a worker to take an index.
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (recorded.load() == 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    names.insert(name_of_this_thread());
+    recorded.fetch_add(1);
+  });
+  for (const std::string& n : names) EXPECT_TRUE(n == "ms-pool1" || n == "ms-pool2") << n;
+  EXPECT_FALSE(names.empty());
+  std::string seen;
+  std::thread([&] {
+    SetCurrentThreadName("a-name-longer-than-fifteen-bytes");
+    seen = name_of_this_thread();
+  }).join();
+  EXPECT_EQ(seen, "a-name-longer-t");
+#else
+  GTEST_SKIP() << "thread names are read back on Linux only";
+#endif
 }
 
 }  // namespace
