@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Samples a moeserve process while a load runs: every PERIOD s, its RSS, thread count and CPU
+seconds (/proc) and a few of its Prometheus series (in-flight requests, queued tokens, host
+buffer pool bytes, refused and finished calls). Usage: overload_sampler.py PID METRICS_URL
+SECONDS [PERIOD]; prints one line per sample: t_s rss_mb threads cpu_s inflight queued_tokens
+pool_mb refused requests; then, for the server and for a running moeserve-cli, the CPU seconds
+of each thread between 1 s and 9 s into the run (the busiest threads, and the sums by thread
+name)."""
+import os
+import sys, time, urllib.request
+
+pid, url, seconds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+period = float(sys.argv[4]) if len(sys.argv) > 4 else 0.1
+tick = 100.0
+
+
+def proc():
+    rss = threads = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("Threads:"):
+                threads = int(line.split()[1])
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return rss, threads, (int(fields[11]) + int(fields[12])) / tick
+
+
+def metrics():
+    want = {"moeserve_inflight_requests": 0.0, "moeserve_queued_tokens": 0.0,
+            "moeserve_host_buffer_pool_bytes": 0.0, "moeserve_forward_refused_total": 0.0,
+            "moeserve_requests_total": 0.0}
+    try:
+        text = urllib.request.urlopen(url, timeout=0.5).read().decode()
+    except Exception:
+        return None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in want:
+            try:
+                want[name] += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return want
+
+
+def threads_of(p):
+    """{tid: (name, cpu_s)} of process p."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{p}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{p}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def client_pid():
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as f:
+                    if f.read().strip() == "moeserve-cli":
+                        return int(d)
+            except OSError:
+                pass
+    return None
+
+
+def report(label, before, after, span):
+    delta = []
+    for tid, (name, cpu) in after.items():
+        delta.append((cpu - before.get(tid, (name, 0.0))[1], tid, name))
+    delta.sort(reverse=True)
+    total = sum(d[0] for d in delta)
+    print(f"# {label}: {total / span:.2f} cores over {span:.1f} s, {len(after)} threads; busiest:")
+    for cpu, tid, name in delta[:12]:
+        print(f"#   {tid:8d} {name:16s} {cpu / span:5.2f} cores")
+    by = {}
+    for cpu, tid, name in delta:
+        n, c = by.get(name, (0, 0.0))
+        by[name] = (n + 1, c + cpu)
+    print("#   by name: " + ", ".join(f"{k} x{n} {c / span:.2f}" for k, (n, c) in
+                                    sorted(by.items(), key=lambda kv: -kv[1][1])))
+
+
+snap = {}
+t0 = time.time()
+print("t_s rss_mb threads cpu_s inflight queued_tokens pool_mb refused requests", flush=True)
+while time.time() - t0 < seconds:
+    try:
+        rss, threads, cpu = proc()
+    except OSError:
+        break
+    m = metrics()
+    if m is None:
+        print(f"{time.time() - t0:.2f} {rss:.0f} {threads} {cpu:.2f} - - - - -", flush=True)
+    else:
+        print(f"{time.time() - t0:.2f} {rss:.0f} {threads} {cpu:.2f} "
+              f"{m['moeserve_inflight_requests']:.0f} {m['moeserve_queued_tokens']:.0f} "
+              f"{m['moeserve_host_buffer_pool_bytes'] / 2**20:.0f} "
+              f"{m['moeserve_forward_refused_total']:.0f} {m['moeserve_requests_total']:.0f}",
+              flush=True)
+    el = time.time() - t0
+    if "a" not in snap and el >= 1.0:
+        cp = client_pid()
+        snap["a"] = (el, threads_of(pid), cp, threads_of(cp) if cp else {})
+    if "b" not in snap and el >= 9.0 and "a" in snap:
+        cp = snap["a"][2]
+        snap["b"] = (el, threads_of(pid), threads_of(cp) if cp else {})
+    time.sleep(period)
+if "a" in snap and "b" in snap:
+    span = snap["b"][0] - snap["a"][0]
+    report("server", snap["a"][1], snap["b"][1], span)
+    if snap["a"][2]:
+        report("client", snap["a"][3], snap["b"][2], span)
