@@ -88,8 +88,9 @@ struct ServerOptions {
   // answer_executor), not one after another from the step's thread.
   bool parallel_answers = true;
   // Before serving, run every CUDA graph size (up to max_batch_tokens) of every layer once on
-  // every engine lane (ForwardBatcher::WarmUp), so that no call waits for a capture.
-  bool warm_graphs = false;
+  // every engine lane (ForwardBatcher::WarmUp), so that no call waits for a capture. Only a
+  // GPU engine with graphs has anything to warm.
+  bool warm_graphs = true;
   int64_t max_message_bytes = 64 << 20;  // the logical limit (ModelInfo; checked per request)
   // What gRPC refuses by itself, receive and send (server/limits.h); 0: max_message_bytes.
   int64_t grpc_limit_bytes = 0;

@@ -2,7 +2,8 @@
 # The serving benchmark (issue 12), one device call on one H200: what callers see through the C++
 # client (moeserve-cli load) when several of them share a server.
 #   - seed per-rank layer (32 experts, top-8, H3072 I5120), MXFP8 and BF16 weights:
-#     1 caller vs 8 concurrent callers at M=16 (unary and ForwardStream), 1 vs 2 callers at
+#     1 caller vs 8 concurrent callers at M=16 (unary and ForwardStream; 6400 calls: 3200 read
+#     ratios 0.3-0.5 apart between rounds on one host), 1 vs 2 callers at
 #     M=1024 with 2 steps in flight (the default on a GPU) and with 1 (no overlap);
 #   - trivial experts (I=64, H7168): the server's own cost of a 1-token call;
 #   - an open-loop overload run at 2x the capacity (32 closed-loop callers at M=16, measured on
@@ -29,8 +30,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; da
 for wf in ${WFS:-mxfp8 bf16}; do
   serve seed_$wf $SEED --weight_format $wf
   load "${wf}_M16_c1" 16 1 400
-  load "${wf}_M16_c8" 16 8 3200
-  load "${wf}_M16_c8_stream" 16 8 3200 --stream
+  load "${wf}_M16_c8" 16 8 6400
+  load "${wf}_M16_c8_stream" 16 8 6400 --stream
   load "${wf}_M1024_c1" 1024 1 80
   load "${wf}_M1024_c2" 1024 2 160
   [ $wf = mxfp8 ] && [ -z "${SKIP_OVERLOAD:-}" ] && load "${wf}_M16_c32" 16 32 8000
@@ -44,7 +45,7 @@ for wf in ${WFS:-mxfp8 bf16}; do
   fi
   [ -n "${SKIP_1LANE:-}" ] && continue
   serve seed_${wf}_1lane $SEED --weight_format $wf --steps_in_flight 1
-  load "${wf}_M16_c8_1lane" 16 8 3200
+  load "${wf}_M16_c8_1lane" 16 8 6400
   load "${wf}_M1024_c1_1lane" 1024 1 80
   load "${wf}_M1024_c2_1lane" 1024 2 160
   stop
