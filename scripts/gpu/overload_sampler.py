@@ -95,6 +95,52 @@ def report(label, before, after, span):
                                     sorted(by.items(), key=lambda kv: -kv[1][1])))
 
 
+def states_of(p):
+    """{name: [running, sleeping_on_futex, sleeping_other]} of process p's threads."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{p}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{p}/task/{tid}/stat") as f:
+                text = f.read()
+            with open(f"/proc/{p}/task/{tid}/wchan") as f:
+                wchan = f.read().strip()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        name = name.rstrip("0123456789")
+        state = text.rsplit(")", 1)[1].split()[0]
+        c = out.setdefault(name, [0, 0, 0])
+        if state == "R":
+            c[0] += 1
+        elif "futex" in wchan:
+            c[1] += 1
+        else:
+            c[2] += 1
+    return out
+
+
+def cgroup_cpu():
+    """The cgroup's CPU limit and throttling (cgroup v2), or None."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            limit = f.read().strip()
+        stat = {}
+        with open("/sys/fs/cgroup/cpu.stat") as f:
+            for line in f:
+                k, v = line.split()
+                stat[k] = int(v)
+        return limit, stat
+    except OSError:
+        return None
+
+
+STATE_S = float(os.environ.get("STATE_SECONDS", "3"))
+state_sums, state_n = {}, 0
+cg0 = cgroup_cpu()
 snap = {}
 t0 = time.time()
 print("t_s rss_mb threads cpu_s inflight queued_tokens pool_mb refused requests", flush=True)
@@ -113,6 +159,12 @@ while time.time() - t0 < seconds:
               f"{m['moeserve_forward_refused_total']:.0f} {m['moeserve_requests_total']:.0f}",
               flush=True)
     el = time.time() - t0
+    if el < STATE_S:
+        for name, c in states_of(pid).items():
+            acc = state_sums.setdefault(name, [0, 0, 0])
+            for i in range(3):
+                acc[i] += c[i]
+        state_n += 1
     if "a" not in snap and el >= 1.0:
         cp = client_pid()
         snap["a"] = (el, threads_of(pid), cp, threads_of(cp) if cp else {})
@@ -120,6 +172,17 @@ while time.time() - t0 < seconds:
         cp = snap["a"][2]
         snap["b"] = (el, threads_of(pid), threads_of(cp) if cp else {})
     time.sleep(period)
+cg1 = cgroup_cpu()
+if cg0 and cg1:
+    d = {k: cg1[1].get(k, 0) - cg0[1].get(k, 0) for k in cg1[1]}
+    print(f"# cgroup cpu.max {cg1[0]}; over the run: usage {d.get('usage_usec', 0) / 1e6:.1f} s, "
+          f"periods {d.get('nr_periods', 0)}, throttled {d.get('nr_throttled', 0)} "
+          f"({d.get('throttled_usec', 0) / 1e3:.0f} ms)")
+if state_n:
+    print(f"# thread states over the first {STATE_S:.0f} s ({state_n} samples), mean threads "
+          "running / on a futex / sleeping otherwise:")
+    for name, (r, f_, o) in sorted(state_sums.items(), key=lambda kv: -kv[1][0]):
+        print(f"#   {name:16s} {r / state_n:5.2f} {f_ / state_n:5.2f} {o / state_n:5.2f}")
 if "a" in snap and "b" in snap:
     span = snap["b"][0] - snap["a"][0]
     report("server", snap["a"][1], snap["b"][1], span)

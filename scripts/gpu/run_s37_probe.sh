@@ -15,6 +15,8 @@ source scripts/gpu/bundle_lib.sh
 start_device_script "$1" || exit 1
 ROOT=$OUT
 t0=$(date +%s)
+echo "host: $(nproc) cpus, load $(cut -d' ' -f1-3 /proc/loadavg), cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo -)," \
+  "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
 if [ -z "${SKIP_SPLIT:-}" ]; then
 SETS=${SETS:-"default nosplit 2,16,1 4,28,1 2,32,1 4,16,2 2,32,2 1,64,2"}
 csv=$ROOT/split.csv
@@ -81,7 +83,7 @@ for c in "${cases[@]}"; do
   B0=$B; cp "$B/moeserve_$side" $OB/moeserve; B=$OB
   # shellcheck disable=SC2086
   serve o$i $SEED --max_queue_wait_ms 0.5 ${flags:-}
-  python3 scripts/gpu/overload_sampler.py $SERVER_PID http://127.0.0.1:$((PORT + 1))/metrics 13 0.1 \
+  python3 scripts/gpu/overload_sampler.py $SERVER_PID http://127.0.0.1:$((PORT + 1))/metrics 13 ${SAMPLE_PERIOD:-0.1} \
     > "$OUT/sample_o$i.txt" 2>&1 &
   sp=$!
   timeout 60 $B/moeserve-cli load --target 127.0.0.1:$PORT --tokens 16 --rate ${RATE:-20000} \
