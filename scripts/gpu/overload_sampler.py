@@ -138,9 +138,16 @@ def cgroup_cpu():
         return None
 
 
+def host_cpu():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return v[0] + v[1] + v[2] + v[5] + v[6], v[3] + v[4], v[7]  # busy, idle, steal
+
+
 STATE_S = float(os.environ.get("STATE_SECONDS", "3"))
 state_sums, state_n = {}, 0
 cg0 = cgroup_cpu()
+host0 = host_cpu()
 snap = {}
 t0 = time.time()
 print("t_s rss_mb threads cpu_s inflight queued_tokens pool_mb refused requests", flush=True)
@@ -173,6 +180,10 @@ while time.time() - t0 < seconds:
         snap["b"] = (el, threads_of(pid), threads_of(cp) if cp else {})
     time.sleep(period)
 cg1 = cgroup_cpu()
+h = [b - a for a, b in zip(host0, host_cpu())]
+tot = max(sum(h), 1)
+print(f"# host CPU over the run: busy {100 * h[0] / tot:.0f}%, idle {100 * h[1] / tot:.0f}%, "
+      f"steal {100 * h[2] / tot:.1f}%")
 if cg0 and cg1:
     d = {k: cg1[1].get(k, 0) - cg0[1].get(k, 0) for k in cg1[1]}
     print(f"# cgroup cpu.max {cg1[0]}; over the run: usage {d.get('usage_usec', 0) / 1e6:.1f} s, "

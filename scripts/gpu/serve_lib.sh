@@ -74,3 +74,16 @@ use_tgz_bundle() {
 }
 # use_sv_bundle: use_tgz_bundle .bundle/sv.tgz sv, with SV_BIN (the overload A/B scripts).
 use_sv_bundle() { use_tgz_bundle .bundle/sv.tgz sv && SV_BIN=$BUNDLE_BIN; }
+# cpu_mark: the host's /proc/stat "cpu" line now (for cpu_since). cpu_since MARK: the host's CPU
+# time since MARK as shares of all cores: busy (user, nice, system, irq, softirq), idle (idle,
+# iowait) and steal (time the hypervisor gave another guest: a host with steal reads slower in
+# every CPU-bound stage, the client's included).
+cpu_mark() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8, $5 + $6, $9 }' /proc/stat; }
+cpu_since() {
+  local b0 i0 s0 b1 i1 s1
+  read -r b0 i0 s0 <<< "$1"
+  read -r b1 i1 s1 < <(cpu_mark)
+  awk -v b=$((b1 - b0)) -v i=$((i1 - i0)) -v s=$((s1 - s0)) 'BEGIN {
+    t = b + i + s; if (t <= 0) t = 1
+    printf "busy %.0f%%, idle %.0f%%, steal %.1f%%", 100 * b / t, 100 * i / t, 100 * s / t }'
+}

@@ -27,6 +27,8 @@ row() { ROWS+=("$(printf '%-46s %s' "$1" "$2")"); echo "== $1: $2"; }
 source "$(dirname "$0")/../../../scripts/gpu/serve_lib.sh"
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; date -u
+echo "host: $(nproc) cpus, load $(cut -d' ' -f1-3 /proc/loadavg),$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+cpu0=$(cpu_mark)
 for wf in ${WFS:-mxfp8 bf16}; do
   serve seed_$wf $SEED --weight_format $wf
   load "${wf}_M16_c1" 16 1 400
@@ -63,6 +65,7 @@ load trivial_M1_c1_stream 1 1 2000 --stream
 load trivial_M1_c1_host 1 1 2000 --host_timings_only
 stop
 
+echo "host CPU over the run: $(cpu_since "$cpu0")" | tee -a "$OUT/host_cpu.txt"
 echo "=================== summary ==================="
 printf '%s\n' "${ROWS[@]}"
 echo "------------------- targets -------------------"
@@ -76,6 +79,7 @@ for wf in ${WFS:-mxfp8 bf16}; do
   a1=$(val ${wf}_M1024_c1_1lane requests_per_s); b1=$(val ${wf}_M1024_c2_1lane requests_per_s)
   echo "$wf 2 callers M=1024: throughput x$(ratio "$b" "$a") [>= 1.6]; with 1 step in flight x$(ratio "$b1" "$a1")"
 done
+cat "$OUT/host_cpu.txt"
 echo "trivial M=1 server total p50 us: $(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_trivial_M1_c1.log" | cut -d= -f2) timed," \
   "$(grep -o 'server_total_us: p50=[0-9.]*' "$OUT/load_trivial_M1_c1_host.log" | cut -d= -f2) untimed [<= 40]"
 p99u=$(val mxfp8_M16_c1 p99); p99o=$(grep -o 'p99=[0-9.]*' "$OUT/load_overload.log" | head -1 | cut -d= -f2)
