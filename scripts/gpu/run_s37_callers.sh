@@ -2,7 +2,8 @@
 # Issue 12's 8-caller ratio (seed MXFP8, M=16: 8 closed-loop callers' calls/s over one caller's)
 # for server flag variants of build b, ROUNDS alternating rounds: each variant on a fresh server,
 # one caller (400 calls) then 8 callers (6400 calls, twice as long as the serving benchmark's).
-# VARIANTS: '|'-separated server flags ("-": none). Usage: run_s37_callers.sh BUNDLE.tgz
+# VARIANTS: '|'-separated server flags ("-": none; NAME=VALUE words go to the server's
+# environment). Usage: run_s37_callers.sh BUNDLE.tgz
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
@@ -17,10 +18,16 @@ for r in $(seq "${ROUNDS:-2}"); do
   ((r % 2)) || idx=$(echo "$idx" | tac)
   for i in $idx; do
     v=${variants[$i]}
-    flags=""; [ "$v" != - ] && flags=$v
+    flags=""; envs=()
+    for w in $v; do
+      [ "$w" = - ] && continue
+      if [[ "$w" =~ ^[A-Z_]+= ]]; then envs+=("$w"); else flags="$flags $w"; fi
+    done
     t=v${i}_$r
+    for e in "${envs[@]}"; do export "${e?}"; done
     # shellcheck disable=SC2086
     serve $t --model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8 $flags
+    for e in "${envs[@]}"; do unset "${e%%=*}"; done
     load ${t}_c1 16 1 400
     load ${t}_c8 16 8 6400
     stop
