@@ -82,7 +82,8 @@ struct ForwardBatcherOptions {
   int64_t max_queued_tokens = 16384;
   // Refuse a call that would wait longer than this for its step to start: the steps running
   // and the queue ahead of it, timed by a line fitted to the engine's recent steps (a step's
-  // fixed cost plus a cost per token, StepCostModel), each step on the engine lane free first.
+  // fixed cost plus a cost per token, StepCostModel), each step on the engine lane free first
+  // (lane_lead not credited: an early step's device work still waits for the running ones).
   // A call that finds a lane idle and nothing queued is always taken. Bounds the latency of
   // the answered calls under overload. 0: no bound but max_queued_tokens.
   absl::Duration max_queue_wait = absl::ZeroDuration();

@@ -135,7 +135,8 @@ ABSL_FLAG(int64_t, lane_lead_us, 0,
           "steps' times) to end within this many us, so that its staging and launch overlap the "
           "running step's device work; 0: it waits for the running step to end (H100, seed "
           "layer MXFP8, 2026-12-06: 120 served 8 callers 5.6% more calls/s at 9% lower p50, "
-          "but an overload's answered p99 rose 2-3.5x)");
+          "but an overload's answered p99 rose 2-3.5x while --max_queue_wait_ms credited the "
+          "lead; it no longer does)");
 ABSL_FLAG(int64_t, stage_timing_every, 16,
           "Engine steps that run their stage timers (prepare/experts/finalize in replies and in "
           "moeserve_forward_stage_seconds): the step of every call that asks for timings "

@@ -486,6 +486,40 @@ TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The queue-wait bound does not credit lane_lead: a small call behind a running step whose end
+// is ~100 ms away is refused by a 50 ms bound although a 90 ms lead would start its step within
+// ~10 ms (its device work would still wait for the running step); with the lane free it is taken.
+TEST(ForwardBatcherTest, QueueWaitBoundDoesNotCreditTheLaneLead) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 512;
+  o.steps_in_flight = 2;
+  auto engine = *Engine::Create(o);
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
+                                                        .max_queue_wait = absl::Milliseconds(50),
+                                                        .lane_lead = absl::Milliseconds(90),
+                                                        .inline_max_tokens = 0});
+  std::mt19937 rng(18);
+  LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);  // steps of 16 tokens: 100 ms
+  HeldStep running(*batcher, m, 0, rng);
+  Call small = MakeCall(m, 16, 0, DType::kFP32, rng);
+  auto small_answer = SubmitAsync(*batcher, small);
+  // Refused at once; taken (the lead credited), it would run beside the held step and answer
+  // while that one is held: ok, not RESOURCE_EXHAUSTED.
+  const bool answered_at_once =
+      small_answer.wait_for(std::chrono::seconds(2)) == std::future_status::ready;
+  running.release.set_value();
+  ASSERT_TRUE(answered_at_once);
+  const absl::Status refused = small_answer.get().first;
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("1 steps running"), std::string::npos) << refused;
+  ASSERT_TRUE(running.answer.get().first.ok());
+  const absl::Status taken = SubmitAsync(*batcher, small).get().first;
+  ASSERT_TRUE(taken.ok()) << taken;
+  ExpectSameAsAlone(*engine, small);
+  EXPECT_EQ(batcher->stats().refused_queue_full, 1);
+}
+
 // Destroying the batcher answers what is still queued (UNAVAILABLE), never drops it; M = 0 is
 // answered at once; bad limits are refused.
 TEST(ForwardBatcherTest, ShutdownAnswersQueuedCallsAndLimitsAreChecked) {

@@ -6,7 +6,8 @@
 # For each server binary given, alternating ROUNDS times: one caller at M=16 (the unloaded p99),
 # 32 closed-loop callers on the unbounded server (the capacity), then an open loop at twice that
 # for 10 s against the server with --max_queue_wait_ms WAIT_MS (default 10: the bench's 0.5 ms,
-# scaled): answered p50 / p99, refused, wrong answers. LAYERS=L (default 1) spreads the callers
+# scaled): answered p50 / p99, refused, wrong answers. HOST_US (default 0) adds host work per
+# step outside the device lock, as run_emulated_callers.sh does (1200 there). LAYERS=L (default 1) spreads the callers
 # and the open loop over L layers (one moeserve-cli per layer, at once; their calls never share
 # a step): the capacity and the answered calls are summed, p50 / p99 are the worst layer's.
 #   run_emulated_overload.sh BIN [BIN...]   (moeserve_emulated builds; moeserve-cli from $CLI,
@@ -17,6 +18,7 @@ set -uo pipefail
 CLI=${CLI:-build/bin/moeserve-cli}
 OUT=${OUT:-/tmp/emulated_overload}; mkdir -p "$OUT"
 STEP_US=${STEP_US:-8000}; TOKEN_US=${TOKEN_US:-16}; WAIT_MS=${WAIT_MS:-10}; ROUNDS=${ROUNDS:-2}
+HOST_US=${HOST_US:-0}  # host work per step outside the device lock (run_emulated_callers.sh's)
 PORT=${PORT:-50181}
 LAYERS=${LAYERS:-1}
 MODEL="--model tiny --hidden 512 --intermediate 32 --num_experts 32 --topk 8 --num_layers $LAYERS"
@@ -26,7 +28,7 @@ serve() {  # serve BIN NAME FLAGS...
   shift 2
   rm -f "$OUT/ready_$name"
   "${bin[@]}" $MODEL --experts emulated_device --emulate_step_us "$STEP_US" \
-    --emulate_token_us "$TOKEN_US" --steps_in_flight 2 --listen 127.0.0.1:$PORT \
+    --emulate_token_us "$TOKEN_US" --emulate_host_us "$HOST_US" --steps_in_flight 2 --listen 127.0.0.1:$PORT \
     --metrics_address 127.0.0.1:0 --ready_file "$OUT/ready_$name" "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER_PID=$!
   for _ in $(seq 1 200); do [ -s "$OUT/ready_$name" ] && break; sleep 0.1; done
