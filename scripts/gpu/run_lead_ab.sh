@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# --lane_lead_us against issue 12's serving targets, for two builds in one device call: seed layer
+# MXFP8, M=16. For each of a, a --lane_lead_us LEAD, b, b --lane_lead_us LEAD (ROUNDS alternating
+# rounds, order reversed every other round): a fresh server, one caller (400 calls) and 8 callers
+# (6400 calls); then a fresh server with --max_queue_wait_ms 0.5 and the open-loop overload
+# (serve_lib.sh's overload: RATE calls/s, 10 s, 32 connections, answers checked, RSS sampled).
+# Prints one line per run and a table last. Made for dc9c7a3 (the queue-wait bound stops
+# crediting the lead): a = the build before it, b = it or later.
+#   make_ab_bundle.sh A B .bundle/lead.tgz ab && run_lead_ab.sh .bundle/lead.tgz
+# LEAD (default 120 us), RATE (default 24000 calls/s), ROUNDS (default 2), MODEL (server flags
+# in place of the seed layer's: a dry run on a CPU build).
+set -u
+cd "$(dirname "$0")/../.."
+source scripts/gpu/bundle_lib.sh
+start_device_script "$1" || exit 1
+source scripts/gpu/serve_lib.sh
+PORT=50171
+LEAD=${LEAD:-120}
+RATE=${RATE:-24000}
+row() { echo "   $1: $2"; }
+SEED=${MODEL:-"--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"}
+table=$OUT/lead_table.txt
+printf '%-3s %-10s %8s %8s %8s %7s %8s %9s %9s %9s %9s\n' r variant c1_per_s c8_per_s x_c1 c8_p50 \
+  unl_p99 answered ovl_p99 x_unl rss_peak > "$table"
+cpu0=$(cpu_mark)
+for r in $(seq "${ROUNDS:-2}"); do
+  for v in $(round_order "$r" a a_lead b b_lead); do
+    side=${v%_lead}
+    flags=""
+    [ "$v" != "$side" ] && flags="--lane_lead_us $LEAD"
+    ln -sf "$B/moeserve_$side" "$B/moeserve"
+    t=${v}_$r
+    # shellcheck disable=SC2086
+    serve "$t" $SEED $flags
+    load "${t}_c1" 16 1 400
+    load "${t}_c8" 16 8 6400
+    stop
+    # shellcheck disable=SC2086
+    serve "${t}_bounded" $SEED --max_queue_wait_ms 0.5 $flags
+    overload "${t}_ovl" "$RATE"
+    stop
+    ok=$(grep -o '^sent=[0-9]* ok=[0-9]*' "$OUT/load_${t}_ovl.log" | sed 's/.*ok=//')
+    p99=$(grep -o 'latency_from_schedule_ms: p50=[0-9.]* p90=[0-9.]* p99=[0-9.]*' \
+      "$OUT/load_${t}_ovl.log" | sed 's/.*p99=//')
+    unl=$(val "${t}_c1" p99)
+    printf '%-3s %-10s %8s %8s %8s %7s %8s %9s %9s %9s %9s\n' "$r" "$v" \
+      "$(val "${t}_c1" requests_per_s)" "$(val "${t}_c8" requests_per_s)" \
+      "$(ratio "$(val "${t}_c8" requests_per_s)" "$(val "${t}_c1" requests_per_s)")" \
+      "$(val "${t}_c8" p50)" "$unl" "${ok:-0}" "${p99:-n/a}" "$(ratio "${p99:-0}" "${unl:-0}")" \
+      "$(sort -n "$OUT/rss_${t}_ovl.txt" | tail -1)" >> "$table"
+    echo "== $v round $r: s0 $(grep -o 'latency_ms_by_second_sent: s0:[^ ]*' "$OUT/load_${t}_ovl.log")"
+  done
+done
+echo "host CPU over the runs: $(cpu_since "$cpu0")"
+echo "lead=$LEAD us, overload rate=$RATE/s; ovl_p99: answered p99 from the schedule (ms), x_unl: over the unloaded p99"
+cat "$table"
