@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "clients/cpp/moeserve_client.h"
@@ -355,6 +356,12 @@ MoeserveClient* moeserve_client_create(const char* target, const MoeserveClientO
          err, err_len);
     return nullptr;
   }
+  // As moeserve and moeserve-cli do: gRPC locks and destroys absl::Mutexes on every call, and a
+  // distribution's Abseil may keep its lock-order graph on (GraphCycles in a Python client's
+  // profile, 2026-12-06). Process-wide, once; only this library's gRPC uses that Abseil there.
+  static std::once_flag no_lock_graph;
+  std::call_once(no_lock_graph,
+                 [] { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); });
   const auto str = [](const char* s) { return s != nullptr ? std::string(s) : std::string(); };
   MoeClientOptions client_options;
   if (o.max_message_bytes > 0) client_options.max_message_bytes = o.max_message_bytes;
