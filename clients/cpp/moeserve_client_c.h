@@ -58,7 +58,9 @@ typedef struct MoeserveClientOptions {
 } MoeserveClientOptions;
 
 /* A client for `target` (HOST:PORT, unix:/path or any gRPC target). options: NULL for the
- * defaults. Does not contact the server. NULL on a bad argument or an unreadable TLS file. */
+ * defaults. Does not contact the server. NULL on a bad argument or an unreadable TLS file.
+ * The first call turns Abseil's mutex deadlock detection off for the process (gRPC's per-call
+ * locks pay for its lock-order graph where the Abseil in use was built with it on). */
 MOESERVE_C_API MoeserveClient* moeserve_client_create(const char* target,
                                                       const MoeserveClientOptions* options,
                                                       char* err, size_t err_len);
