@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Configures and builds moeserve into ${BUILD_DIR:-build} (CUDA on wherever nvcc is found).
+# TARGETS: what to build (default: everything, tests and benchmarks included); arguments go to
+# the first configure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
@@ -11,4 +13,5 @@ if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
   fi
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-RelWithDebInfo} "$@"
 fi
-ninja -C "$BUILD_DIR" -j"$JOBS"
+# shellcheck disable=SC2086
+ninja -C "$BUILD_DIR" -j"$JOBS" ${TARGETS:-}
