@@ -392,7 +392,7 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     }
     // Wait for company until the head's delay is spent or its step is full. Another scheduling
     // thread may take the head meanwhile: look again after every wait.
-    bool take = false, waited_for_company = false;
+    bool take = false, waited_for_company = false, lead_step = false;
     while (!stop_ && !queue_.empty()) {
       const Call& head = *queue_.front();
       absl::Time ready_at = head.enqueued + options_.max_batch_delay;
@@ -421,6 +421,8 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       const bool lane_worth_it = running_steps_.empty() || tokens * 2 >= step_tokens_ || now >= due;
       if (lane_worth_it && (tokens >= step_tokens_ || now >= ready_at)) {
         take = true;
+        // Only the lead let a step this small start beside the running ones.
+        lead_step = !running_steps_.empty() && tokens * 2 < step_tokens_;
         break;
       }
       if (!lane_worth_it && now >= ready_at) {
@@ -455,8 +457,10 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     }
     queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
     if (waited_for_company) ++stats_.company_waits;
+    if (lead_step) ++stats_.lead_steps;
     const uint64_t step_id = BeginStepLocked(tokens);
     lock.unlock();
+    if (lead_step && options_.observer != nullptr) options_.observer->OnLeadStep();
     RunStep(std::move(step), buffers, step_id);
     lock.lock();
   }

@@ -59,6 +59,9 @@ class ForwardBatcherObserver {
   // A call was answered without running, or its step stopped part-way: RESOURCE_EXHAUSTED
   // (queue full, on the submitting thread), DEADLINE_EXCEEDED or CANCELLED (scheduling thread).
   virtual void OnRefused(absl::StatusCode reason) = 0;
+  // A small step started beside running ones because they were due to end within lane_lead
+  // (it would have waited for them otherwise). Scheduling thread, before the step runs.
+  virtual void OnLeadStep() {}
 };
 
 struct ForwardBatcherOptions {
@@ -157,6 +160,8 @@ struct ForwardBatcherStats {
   int64_t step_end_wakes = 0;
   // Merged steps whose hidden states and answer were in page-locked buffers (merge_pinner).
   int64_t pinned_merges = 0;
+  // Small steps started beside running ones within lane_lead of their expected end.
+  int64_t lead_steps = 0;
 };
 
 class ForwardBatcher {

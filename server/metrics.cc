@@ -139,6 +139,13 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                            .Help("Tokens waiting for an engine step (after the last step)")
                            .Register(r)
                            .Add({});
+  m->lead_steps_ = &prometheus::BuildCounter()
+                        .Name("moeserve_batch_lead_steps_total")
+                        .Help(
+                            "Small engine steps started beside running ones due to end within "
+                            "--lane_lead_us")
+                        .Register(r)
+                        .Add({});
   m->refused_ = &prometheus::BuildCounter()
                      .Name("moeserve_forward_refused_total")
                      .Help(

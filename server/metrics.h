@@ -30,7 +30,7 @@
 namespace moeserve {
 
 // Also the ForwardBatcher's observer: moeserve_batch_calls / moeserve_batch_tokens per step,
-// moeserve_queued_tokens, moeserve_forward_refused_total{reason}.
+// moeserve_queued_tokens, moeserve_batch_lead_steps_total, moeserve_forward_refused_total{reason}.
 class Metrics : public ForwardBatcherObserver {
  public:
   // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
@@ -74,6 +74,8 @@ class Metrics : public ForwardBatcherObserver {
   void RecordStages(double queue_us, const ForwardTimings& timings);
   void OnStep(int64_t calls, int64_t tokens, int64_t queued_tokens) override;
   void OnRefused(absl::StatusCode reason) override;
+  // moeserve_batch_lead_steps_total.
+  void OnLeadStep() override { lead_steps_->Increment(); }
   // moeserve_inflight_requests.
   void IncrementInflight() { inflight_->Increment(); }
   void DecrementInflight() { inflight_->Decrement(); }
@@ -114,6 +116,7 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Histogram* batch_calls_ = nullptr;
   prometheus::Histogram* batch_tokens_ = nullptr;
   prometheus::Gauge* queued_tokens_ = nullptr;
+  prometheus::Counter* lead_steps_ = nullptr;
   prometheus::Family<prometheus::Counter>* refused_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
   prometheus::Gauge* weights_planned_ = nullptr;

@@ -145,7 +145,8 @@ struct CountingObserver : ForwardBatcherObserver {
   void OnRefused(absl::StatusCode reason) override {
     if (reason == absl::StatusCode::kResourceExhausted) ++queue_full;
   }
-  std::atomic<int64_t> step_calls{0}, step_tokens{0}, queue_full{0};
+  void OnLeadStep() override { ++lead_steps; }
+  std::atomic<int64_t> step_calls{0}, step_tokens{0}, queue_full{0}, lead_steps{0};
 };
 
 // Beyond max_queued_tokens a call is refused at once, naming the limit; nothing is lost; the
@@ -467,8 +468,10 @@ TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
   const ModelConfig& m = engine->info().model;
   for (const absl::Duration lead : {absl::ZeroDuration(), absl::Milliseconds(90)}) {
     SCOPED_TRACE(absl::StrCat("lane_lead ", absl::FormatDuration(lead)));
+    CountingObserver observer;
     auto batcher = *ForwardBatcher::Create(
-        engine.get(), {.max_batch_tokens = 64, .lane_lead = lead, .inline_max_tokens = 0});
+        engine.get(),
+        {.max_batch_tokens = 64, .lane_lead = lead, .inline_max_tokens = 0, .observer = &observer});
     std::mt19937 rng(16);
     LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);  // steps of 16 tokens: 100 ms
     HeldStep running(*batcher, m, 0, rng);
@@ -481,6 +484,9 @@ TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
     ASSERT_TRUE(running.answer.get().first.ok());
     ASSERT_TRUE(small_answer.get().first.ok());
     ExpectSameAsAlone(*engine, small);
+    // The lead step counted, in the stats and by the observer (the server's metrics).
+    EXPECT_EQ(batcher->stats().lead_steps, lead > absl::ZeroDuration() ? 1 : 0);
+    EXPECT_EQ(observer.lead_steps, batcher->stats().lead_steps);
   }
   EXPECT_EQ(ForwardBatcher::Create(engine.get(), {.lane_lead = absl::Seconds(2)}).status().code(),
             absl::StatusCode::kInvalidArgument);
