@@ -418,11 +418,12 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       // then overlap their device work).
       const absl::Time now = absl::Now();
       const absl::Time due = LaneDueLocked();
-      const bool lane_worth_it = running_steps_.empty() || tokens * 2 >= step_tokens_ || now >= due;
+      // A step this small beside running ones starts only through the lead.
+      const bool small_beside = !running_steps_.empty() && tokens * 2 < step_tokens_;
+      const bool lane_worth_it = !small_beside || now >= due;
       if (lane_worth_it && (tokens >= step_tokens_ || now >= ready_at)) {
         take = true;
-        // Only the lead let a step this small start beside the running ones.
-        lead_step = !running_steps_.empty() && tokens * 2 < step_tokens_;
+        lead_step = small_beside;
         break;
       }
       if (!lane_worth_it && now >= ready_at) {

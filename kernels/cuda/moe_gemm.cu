@@ -407,7 +407,8 @@ struct SplitK {
 };
 constexpr int kMaxSplitsCap = 64;
 // MOESERVE_SPLIT_K="MIN_STAGES,MAX_SPLITS,BF16_SLOTS_PER_SM" (read once; for benchmarks' A/Bs),
-// else kMinSplitStages, kMaxSplits and one BF16 CTA per SM.
+// else kMinSplitStages, kMaxSplits and one BF16 CTA per SM. A malformed value is ignored with a
+// line on stderr, so that an A/B never reads the defaults as its variant unawares.
 struct SplitKTuning {
   int min_stages = kMinSplitStages, max_splits = kMaxSplits, bf16_slots_per_sm = 1;
 };
@@ -415,10 +416,17 @@ const SplitKTuning& SplitKFromEnv() {
   static const SplitKTuning t = [] {
     SplitKTuning v;
     const char* e = std::getenv("MOESERVE_SPLIT_K");
+    if (e == nullptr) return v;
     int a = 0, b = 0, c = 0;
-    if (e != nullptr && std::sscanf(e, "%d,%d,%d", &a, &b, &c) == 3 && a >= 1 && b >= 1 &&
-        b <= kMaxSplitsCap && (c == 1 || c == 2)) {
+    if (std::sscanf(e, "%d,%d,%d", &a, &b, &c) == 3 && a >= 1 && b >= 1 && b <= kMaxSplitsCap &&
+        (c == 1 || c == 2)) {
       v = SplitKTuning{a, b, c};
+    } else {
+      std::fprintf(stderr,
+                   "MOESERVE_SPLIT_K=\"%s\" ignored: expected MIN_STAGES,MAX_SPLITS,"
+                   "BF16_SLOTS_PER_SM with MIN_STAGES >= 1, 1 <= MAX_SPLITS <= %d and "
+                   "BF16_SLOTS_PER_SM 1 or 2\n",
+                   e, kMaxSplitsCap);
     }
     return v;
   }();

@@ -47,23 +47,31 @@ def metrics():
     return want
 
 
-def threads_of(p):
-    """{tid: (name, cpu_s)} of process p."""
-    out = {}
+def tasks_of(p, with_wchan=False):
+    """(tid, name, the stat fields after the name, wchan or None) of each of process p's
+    threads (those gone meanwhile are skipped)."""
     try:
         tids = os.listdir(f"/proc/{p}/task")
     except OSError:
-        return out
+        return
     for tid in tids:
         try:
             with open(f"/proc/{p}/task/{tid}/stat") as f:
                 text = f.read()
+            wchan = None
+            if with_wchan:
+                with open(f"/proc/{p}/task/{tid}/wchan") as f:
+                    wchan = f.read().strip()
         except OSError:
             continue
         name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    return out
+        yield int(tid), name, text.rsplit(")", 1)[1].split(), wchan
+
+
+def threads_of(p):
+    """{tid: (name, cpu_s)} of process p."""
+    return {tid: (name, (int(fields[11]) + int(fields[12])) / tick)
+            for tid, name, fields, _ in tasks_of(p)}
 
 
 def client_pid():
@@ -98,23 +106,9 @@ def report(label, before, after, span):
 def states_of(p):
     """{name: [running, sleeping_on_futex, sleeping_other]} of process p's threads."""
     out = {}
-    try:
-        tids = os.listdir(f"/proc/{p}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{p}/task/{tid}/stat") as f:
-                text = f.read()
-            with open(f"/proc/{p}/task/{tid}/wchan") as f:
-                wchan = f.read().strip()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        name = name.rstrip("0123456789")
-        state = text.rsplit(")", 1)[1].split()[0]
-        c = out.setdefault(name, [0, 0, 0])
-        if state == "R":
+    for _, name, fields, wchan in tasks_of(p, with_wchan=True):
+        c = out.setdefault(name.rstrip("0123456789"), [0, 0, 0])
+        if fields[0] == "R":
             c[0] += 1
         elif "futex" in wchan:
             c[1] += 1
