@@ -7,7 +7,8 @@
 # Prints one line per run and a table last. Made for dc9c7a3 (the queue-wait bound stops
 # crediting the lead): a = the build before it, b = it or later.
 #   make_ab_bundle.sh A B .bundle/lead.tgz ab && run_lead_ab.sh .bundle/lead.tgz
-# LEAD (default 120 us), RATE (default 24000 calls/s), ROUNDS (default 2), MODEL (server flags
+# LEAD (default 120 us), RATE (default 24000 calls/s), ROUNDS (default 2), VARIANTS (default
+# "a a_lead b b_lead"), CLIENTS (overload client processes, serve_lib.sh), MODEL (server flags
 # in place of the seed layer's: a dry run on a CPU build).
 set -u
 cd "$(dirname "$0")/../.."
@@ -40,7 +41,8 @@ printf '%-3s %-10s %8s %8s %8s %7s %11s %8s %9s %9s %9s %9s %11s\n' r variant c1
   x_c1 c8_p50 c8_leads unl_p99 answered ovl_p99 x_unl rss_peak ovl_leads > "$table"
 cpu0=$(cpu_mark)
 for r in $(seq "${ROUNDS:-2}"); do
-  for v in $(round_order "$r" a a_lead b b_lead); do
+  # shellcheck disable=SC2086
+  for v in $(round_order "$r" ${VARIANTS:-a a_lead b b_lead}); do
     side=${v%_lead}
     flags=""
     [ "$v" != "$side" ] && flags="--lane_lead_us $LEAD"

@@ -10,7 +10,8 @@
 #   overload TAG RATE     issue 12's overload: an open loop of RATE calls/s at M=16 for 10 s over
 #                         32 connections (every answer checked against its unloaded answer),
 #                         server RSS sampled every 0.25 s -> $OUT/load_TAG.log, $OUT/rss_TAG.txt;
-#                         `row` for the outcomes and for the RSS (before, peak, after)
+#                         `row` for the outcomes and for the RSS (before, peak, after); with
+#                         CLIENTS=N, N client processes share the rate and the connections
 #   ratio A B             A / B to two decimals ("n/a" when B is not positive)
 #   use_bundle FILE       unpacks a transport bundle (make_bundle.sh's .tar.xz) into /tmp/tb and
 #                         sets B and LD_LIBRARY_PATH to it
@@ -46,15 +47,51 @@ use_bundle() {
   export LD_LIBRARY_PATH=/tmp/tb/transport/lib
 }
 overload() {
-  local tag=$1 rate=$2 rss0 rss_pid
+  local tag=$1 rate=$2 rss0 rss_pid n=${CLIENTS:-1} i
   rss0=$(awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status)
   ( while kill -0 $SERVER_PID 2>/dev/null; do
       awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss_$tag.txt" &
   rss_pid=$!
-  timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
-    --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
-    > "$OUT/load_$tag.log" 2>&1
-  echo "exit=$?" >> "$OUT/load_$tag.log"
+  if ((n <= 1)); then
+    timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+      --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
+      > "$OUT/load_$tag.log" 2>&1
+    echo "exit=$?" >> "$OUT/load_$tag.log"
+  else
+    # CLIENTS processes of rate/n calls/s over 32/n connections each (a client whose own CPU
+    # lags its schedule measures itself, not the server); one summary in load_TAG.log: counts
+    # summed, each percentile the worst process's (an upper bound).
+    local pids=()
+    for i in $(seq "$n"); do
+      timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 \
+        --rate "$(awk -v r="$rate" -v n="$n" 'BEGIN { print r / n }')" \
+        --concurrency $((32 / n)) --max_seconds 10 --routing balanced --distinct_inputs 8 \
+        > "$OUT/load_$tag.$i.log" 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    python3 - "$OUT/load_$tag" "$n" > "$OUT/load_$tag.log" <<'PY'
+import re, sys
+base, n = sys.argv[1], int(sys.argv[2])
+texts = [open(f"{base}.{i}.log").read() for i in range(1, n + 1)]
+sums = {}
+for t in texts:
+    line = re.search(r"^sent=.*$", t, re.M)
+    for k, v in re.findall(r"\b(sent|ok|refused|other_errors|wrong_answers)=(\d+)", line.group(0) if line else ""):
+        sums[k] = sums.get(k, 0) + int(v)
+print(" ".join(f"{k}={v}" for k, v in sums.items()) + f" clients={n}")
+for key in ("latency_ms", "latency_from_schedule_ms", "send_lag_ms", "server_total_us"):
+    worst = {}
+    for t in texts:
+        m = re.search(rf"^{key}: (.*)$", t, re.M)
+        for k, v in re.findall(r"(p50|p90|p99|max)=([0-9.]+)", m.group(1) if m else ""):
+            worst[k] = max(worst.get(k, 0.0), float(v))
+    print(f"{key}: " + " ".join(f"{k}={v:.3f}" for k, v in worst.items()))
+for i, t in enumerate(texts, 1):
+    m = re.search(r"^latency_ms_by_second_sent: (\S+)", t, re.M)
+    print(f"client{i} latency_ms_by_second_sent: {m.group(1) if m else '-'}")
+PY
+  fi
   kill $rss_pid 2>/dev/null
   row "$tag rate=${rate}/s" "$(grep -E '^sent=|^latency_ms:|^latency_from_schedule|^send_lag' \
     "$OUT/load_$tag.log" | tr '\n' ' ')"
