@@ -264,6 +264,16 @@ void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, boo
   for (const int64_t calls : h.calls) h.expected_calls = std::max(h.expected_calls, calls);
 }
 
+int64_t ForwardBatcher::LeadCohortLocked(int layer) const {
+  const auto it = history_.find(layer);
+  if (it == history_.end()) return 0;
+  int64_t cohort = it->second.expected_calls;
+  for (const RunningStep& s : running_steps_) {
+    if (s.layer == layer) cohort -= s.calls;
+  }
+  return std::max<int64_t>(cohort, 0);
+}
+
 bool ForwardBatcher::Joins(const Call& head, const Call& c) {
   return c.mergeable && head.mergeable && c.input.layer == head.input.layer &&
          c.input.hidden_states.dtype() == head.input.hidden_states.dtype();
@@ -352,7 +362,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     if (run_here) {
       // Nothing running and nothing to merge with: run here. Calls arriving meanwhile queue
       // and merge as usual (a second step only with half a step of work, see Loop).
-      step_id = BeginStepLocked(m);
+      step_id = BeginStepLocked(input.layer, 1, m);
       ++stats_.inline_steps;
     } else {
       CountQueuedLocked(*call, +1);
@@ -392,7 +402,7 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     }
     // Wait for company until the head's delay is spent or its step is full. Another scheduling
     // thread may take the head meanwhile: look again after every wait.
-    bool take = false, waited_for_company = false, lead_step = false;
+    bool take = false, waited_for_company = false, lead_step = false, counted_lead_wait = false;
     while (!stop_ && !queue_.empty()) {
       const Call& head = *queue_.front();
       absl::Time ready_at = head.enqueued + options_.max_batch_delay;
@@ -418,17 +428,25 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       // then overlap their device work).
       const absl::Time now = absl::Now();
       const absl::Time due = LaneDueLocked();
-      // A step this small beside running ones starts only through the lead.
+      // A step this small beside running ones starts only through the lead, and only with its
+      // cohort (the callers its layer expects back) queued.
       const bool small_beside = !running_steps_.empty() && tokens * 2 < step_tokens_;
-      const bool lane_worth_it = !small_beside || now >= due;
+      const bool cohort_in = !small_beside || now < due || !head.mergeable ||
+                             calls >= LeadCohortLocked(head.input.layer);
+      const bool lane_worth_it = !small_beside || (now >= due && cohort_in);
       if (lane_worth_it && (tokens >= step_tokens_ || now >= ready_at)) {
         take = true;
         lead_step = small_beside;
         break;
       }
+      if (!cohort_in && !counted_lead_wait) {
+        counted_lead_wait = true;
+        ++stats_.lead_waits;
+      }
       if (!lane_worth_it && now >= ready_at) {
-        // Until a step ends, more calls come, or the running steps are due.
-        if (due == absl::InfiniteFuture()) {
+        // Until a step ends, more calls come, or the running steps are due (once due, only
+        // a step's end or a call can change the answer).
+        if (due == absl::InfiniteFuture() || now >= due) {
           cv_.wait(lock);
         } else {
           cv_.wait_for(lock, std::chrono::microseconds(
@@ -459,7 +477,8 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
     queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
     if (waited_for_company) ++stats_.company_waits;
     if (lead_step) ++stats_.lead_steps;
-    const uint64_t step_id = BeginStepLocked(tokens);
+    const uint64_t step_id =
+        BeginStepLocked(step.front()->input.layer, static_cast<int64_t>(step.size()), tokens);
     lock.unlock();
     if (lead_step && options_.observer != nullptr) options_.observer->OnLeadStep();
     RunStep(std::move(step), buffers, step_id);
@@ -511,8 +530,8 @@ absl::Status GaveUp(const ForwardBatcher::Call& c, absl::Time now, absl::string_
 
 }  // namespace
 
-uint64_t ForwardBatcher::BeginStepLocked(int64_t tokens) {
-  running_steps_.push_back(RunningStep{++next_step_id_, absl::Now(), tokens});
+uint64_t ForwardBatcher::BeginStepLocked(int layer, int64_t calls, int64_t tokens) {
+  running_steps_.push_back(RunningStep{++next_step_id_, absl::Now(), layer, calls, tokens});
   return next_step_id_;
 }
 
@@ -684,7 +703,9 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
     // The step's time, for the queue-wait admission, learned before the step's callers hear
     // back (a stopped step ran only part of its work: not learned).
     if (!stopped && step_tokens > 0) cost_.Add(step_tokens, took);
-    if (options_.company_wait > absl::ZeroDuration() && live[0]->mergeable) {
+    if ((options_.company_wait > absl::ZeroDuration() ||
+         options_.lane_lead > absl::ZeroDuration()) &&
+        live[0]->mergeable) {
       RecordStepLocked(live, took, stopped);
     }
     ++stats_.steps;

@@ -492,6 +492,70 @@ TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A lead step waits for its cohort: with callers 1-3 in the layer's last two steps and caller
+// 1's step running, caller 2 alone does not start beside it when the lead is due (one of the
+// two expected back is missing); once caller 3 comes, both start beside the running step.
+TEST(ForwardBatcherTest, LaneLeadWaitsForTheCohortItExpects) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 512;
+  o.steps_in_flight = 2;
+  auto engine = *Engine::Create(o);
+  const ModelConfig& m = engine->info().model;
+  CountingObserver observer;
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
+                                                        .lane_lead = absl::Milliseconds(90),
+                                                        .inline_max_tokens = 0,
+                                                        .observer = &observer});
+  std::mt19937 rng(21);
+  LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);  // steps of 16 tokens: 100 ms
+  const absl::Duration hold = absl::Milliseconds(100);
+  auto call_of = [&](uint64_t caller, std::function<bool()> cancelled, Call& c) {
+    return SubmitAsync(*batcher, c, absl::InfiniteFuture(), std::move(cancelled),
+                       CallSource{.caller = caller});
+  };
+  // History: caller 1's step held until released; callers 2 and 3 share a step beside it (the
+  // layer expects one call so far, the running step holds it: nothing more to wait for).
+  {
+    std::promise<void> release;
+    Call c1 = MakeCall(m, 16, 0, DType::kFP32, rng);
+    auto a1 = call_of(1, HoldStep(absl::ZeroDuration(), release.get_future().share()), c1);
+    while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+    Call c2 = MakeCall(m, 8, 0, DType::kFP32, rng), c3 = MakeCall(m, 8, 0, DType::kFP32, rng);
+    auto a2 = call_of(2, HoldStep(hold), c2);
+    auto a3 = call_of(3, nullptr, c3);
+    ASSERT_EQ(a2.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    ASSERT_TRUE(a2.get().first.ok());
+    ASSERT_TRUE(a3.get().first.ok());
+    release.set_value();
+    ASSERT_TRUE(a1.get().first.ok());
+    ASSERT_EQ(batcher->stats().lead_steps, 1);
+    ASSERT_EQ(batcher->stats().max_step_calls, 2);
+  }
+  // Caller 1's step again; caller 2 comes back alone and waits past the lead's due time.
+  std::promise<void> release;
+  Call c1 = MakeCall(m, 16, 0, DType::kFP32, rng);
+  auto a1 = call_of(1, HoldStep(absl::ZeroDuration(), release.get_future().share()), c1);
+  while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+  Call c2 = MakeCall(m, 8, 0, DType::kFP32, rng), c3 = MakeCall(m, 8, 0, DType::kFP32, rng);
+  auto a2 = call_of(2, nullptr, c2);
+  // Due about 10 ms after the held step began (100 ms expected, 90 ms lead).
+  EXPECT_EQ(a2.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "caller 2 started beside the running step without caller 3";
+  EXPECT_EQ(batcher->stats().lead_waits, 1);
+  auto a3 = call_of(3, nullptr, c3);
+  const bool beside = a2.wait_for(std::chrono::seconds(5)) == std::future_status::ready &&
+                      a3.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  release.set_value();
+  EXPECT_TRUE(beside) << "the cohort was in: its step should have started beside";
+  ASSERT_TRUE(a1.get().first.ok());
+  ASSERT_TRUE(a2.get().first.ok());
+  ASSERT_TRUE(a3.get().first.ok());
+  ExpectSameAsAlone(*engine, c2);
+  ExpectSameAsAlone(*engine, c3);
+  EXPECT_EQ(batcher->stats().lead_steps, 2);
+  EXPECT_EQ(observer.lead_steps, 2);
+}
+
 // The queue-wait bound does not credit lane_lead: a small call behind a running step whose end
 // is ~100 ms away is refused by a 50 ms bound although a 90 ms lead would start its step within
 // ~10 ms (its device work would still wait for the running step); with the lane free it is taken.
