@@ -79,7 +79,13 @@ for t in texts:
     line = re.search(r"^sent=.*$", t, re.M)
     for k, v in re.findall(r"\b(sent|ok|refused|other_errors|wrong_answers)=(\d+)", line.group(0) if line else ""):
         sums[k] = sums.get(k, 0) + int(v)
-print(" ".join(f"{k}={v}" for k, v in sums.items()) + f" clients={n}")
+ran = sum(1 for t in texts if re.search(r"^sent=", t, re.M))
+print(" ".join(f"{k}={v}" for k, v in sums.items()) + f" clients={n} ran={ran}")
+for i, t in enumerate(texts, 1):
+    if not re.search(r"^sent=", t, re.M):
+        err = re.search(r"^error: .*$", t, re.M)
+        print(f"client{i} did not run (the run is not the overload asked for): "
+              f"{err.group(0) if err else t.strip()[-300:]}")
 for key in ("latency_ms", "latency_from_schedule_ms", "send_lag_ms", "server_total_us"):
     worst = {}
     for t in texts:
