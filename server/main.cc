@@ -129,14 +129,14 @@ ABSL_FLAG(int64_t, company_wait_us, 0,
           "waits; 0: off. Pays where a step's time barely grows with its tokens (measured: "
           "BF16 decode of the seed layer, 1000 us: 8 callers +10%), costs where it grows "
           "(MXFP8 decode: -14%)");
-ABSL_FLAG(int64_t, lane_lead_us, 0,
+ABSL_FLAG(int64_t, lane_lead_us, -1,
           "With two or more steps in flight (a GPU): a step of fewer than half of "
           "--max_batch_tokens starts beside a running one once that one is expected (from recent "
-          "steps' times) to end within this many us, so that its staging and launch overlap the "
-          "running step's device work; 0: it waits for the running step to end (H100, seed "
-          "layer MXFP8, 2026-12-06: 120 served 8 callers 5.6% more calls/s at 9% lower p50, "
-          "but an overload's answered p99 rose 2-3.5x while --max_queue_wait_ms credited the "
-          "lead; it no longer does)");
+          "steps' times) to end within this many us and the callers its layer expects back are "
+          "queued, so that its staging and launch overlap the running step's device work; 0: it "
+          "waits for the running step to end; -1: 120 on a GPU backend, 0 on the CPU (three "
+          "H100 hosts, seed layer MXFP8, 8 callers: 6-10% more calls/s, p50 10% lower; "
+          "tests/benchmarks/serving/RESULTS.md 2026-12-06 10:30)");
 ABSL_FLAG(int64_t, stage_timing_every, 16,
           "Engine steps that run their stage timers (prepare/experts/finalize in replies and in "
           "moeserve_forward_stage_seconds): the step of every call that asks for timings "
@@ -392,6 +392,12 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
   server.batcher.company_wait = absl::Microseconds(absl::GetFlag(FLAGS_company_wait_us));
+  if (absl::GetFlag(FLAGS_lane_lead_us) < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batcher flags: --lane_lead_us must be >= 0, or -1 (by backend); got ",
+                     absl::GetFlag(FLAGS_lane_lead_us)));
+  }
+  // -1: "by backend" (ResolveLaneLead), as --step_spin_us.
   server.batcher.lane_lead = absl::Microseconds(absl::GetFlag(FLAGS_lane_lead_us));
   server.batcher.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
   server.batcher.inline_max_tokens = absl::GetFlag(FLAGS_inline_max_tokens);
@@ -408,6 +414,7 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   // Refused here, before anything listens or loads (the batcher starts after the weights).
   ForwardBatcherOptions checked = server.batcher;
   checked.idle_spin = std::max(checked.idle_spin, absl::ZeroDuration());
+  checked.lane_lead = std::max(checked.lane_lead, absl::ZeroDuration());
   if (absl::Status s = ForwardBatcher::CheckOptions(checked); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "batcher flags (--max_batch_tokens, --max_batch_delay_us, --company_wait_us, "

@@ -171,6 +171,11 @@ absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backe
   return backend == "cpu" ? absl::ZeroDuration() : kGpuIdleSpin;
 }
 
+absl::Duration ResolveLaneLead(absl::Duration configured, std::string_view backend) {
+  if (configured >= absl::ZeroDuration()) return configured;
+  return backend == "cpu" ? absl::ZeroDuration() : kGpuLaneLead;
+}
+
 int64_t ResolveInlineRequestBytes(int64_t configured, std::string_view backend) {
   if (configured != kInlineRequestBytesByBackend) return configured;
   return backend == "cpu" ? -1 : 0;
@@ -182,6 +187,7 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   ForwardBatcherOptions batcher_options = options_.batcher;
   batcher_options.observer = metrics_.get();
   batcher_options.idle_spin = ResolveIdleSpin(batcher_options.idle_spin, engine->info().backend);
+  batcher_options.lane_lead = ResolveLaneLead(batcher_options.lane_lead, engine->info().backend);
   // Workers that decode requests (--inline_request_bytes >= 0) poll as the scheduling thread
   // does. Those that only send a merged step's answers sleep: one polling under the serving
   // benchmark's overload kept a core busy for little (serving/RESULTS.md 20:35).

@@ -56,6 +56,15 @@ std::string BoundAddress(const std::string& listen, int port);
 // when negative, kGpuIdleSpin on a GPU backend and none on "cpu".
 absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backend);
 
+// ServerOptions::batcher.lane_lead "by backend" on a GPU engine: about one step's host work
+// there. Three H100 hosts, seed layer MXFP8, 8 callers at M=16: 6-10% more calls/s, p50 10%
+// lower (tests/benchmarks/serving/RESULTS.md, 2026-12-06 10:30).
+inline constexpr absl::Duration kGpuLaneLead = absl::Microseconds(120);
+
+// The batcher's lane_lead for an engine of `backend`: `configured`, or when negative,
+// kGpuLaneLead on a GPU backend and none on "cpu" (one lane there).
+absl::Duration ResolveLaneLead(absl::Duration configured, std::string_view backend);
+
 // ServerOptions::inline_request_bytes "by backend" (the binary's default).
 inline constexpr int64_t kInlineRequestBytesByBackend = -2;
 // The request size up to which gRPC's thread decodes a Forward (ServiceOptions::
@@ -120,7 +129,7 @@ struct ServerOptions {
   // negative batcher.idle_spin means "by backend": kGpuIdleSpin on a GPU engine (a sleeping
   // scheduling thread's wake-up is a third of a one-token call there), none on the CPU (whose
   // steps need the cores). Workers that decode requests (inline_request_bytes >= 0) poll as
-  // long.
+  // long. A negative batcher.lane_lead likewise means "by backend" (ResolveLaneLead).
   ForwardBatcherOptions batcher;
   std::string metrics_address = kDefaultMetricsAddress;  // empty: no metrics endpoint
   // TLS of every listen address (all empty: plaintext); with tls.ca_file, mutual TLS. gRPC

@@ -11,7 +11,8 @@
 #                         32 connections (every answer checked against its unloaded answer),
 #                         server RSS sampled every 0.25 s -> $OUT/load_TAG.log, $OUT/rss_TAG.txt;
 #                         `row` for the outcomes and for the RSS (before, peak, after); with
-#                         CLIENTS=N, N client processes share the rate and the connections
+#                         CLIENTS=N, N client processes share the rate and the connections;
+#                         TARGET: another address than 127.0.0.1:$PORT (e.g. a unix socket)
 #   ratio A B             A / B to two decimals ("n/a" when B is not positive)
 #   use_bundle FILE       unpacks a transport bundle (make_bundle.sh's .tar.xz) into /tmp/tb and
 #                         sets B and LD_LIBRARY_PATH to it
@@ -53,7 +54,7 @@ overload() {
       awk '/VmRSS/ {print $2}' /proc/$SERVER_PID/status; sleep 0.25; done ) > "$OUT/rss_$tag.txt" &
   rss_pid=$!
   if ((n <= 1)); then
-    timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --rate "$rate" \
+    timeout 120 "$B/moeserve-cli" load --target "${TARGET:-127.0.0.1:$PORT}" --tokens 16 --rate "$rate" \
       --concurrency 32 --max_seconds 10 --routing balanced --distinct_inputs 8 \
       > "$OUT/load_$tag.log" 2>&1
     echo "exit=$?" >> "$OUT/load_$tag.log"
@@ -63,7 +64,7 @@ overload() {
     # summed, each percentile the worst process's (an upper bound).
     local pids=()
     for i in $(seq "$n"); do
-      timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 \
+      timeout 120 "$B/moeserve-cli" load --target "${TARGET:-127.0.0.1:$PORT}" --tokens 16 \
         --rate "$(awk -v r="$rate" -v n="$n" 'BEGIN { print r / n }')" \
         --concurrency $((32 / n)) --max_seconds 10 --routing balanced --distinct_inputs 8 \
         > "$OUT/load_$tag.$i.log" 2>&1 &

@@ -214,7 +214,7 @@ TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
   for (const char* bad : {"--company_wait_us=-1", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
                           "--max_queued_tokens=0", "--inline_max_tokens=-1",
                           "--max_queue_wait_ms=-1", "--step_spin_us=-2", "--step_spin_us=2000000",
-                          "--lane_lead_us=-1", "--lane_lead_us=2000000"}) {
+                          "--lane_lead_us=-2", "--lane_lead_us=2000000"}) {
     const std::string log = ::testing::TempDir() + "/bad_batcher_flag.log";
     Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--hidden=64", "--intermediate=32",
                "--threads=1", bad},

@@ -216,6 +216,27 @@ TEST(StartupTest, IdleSpinByBackend) {
   server->Shutdown(std::chrono::seconds(5));
 }
 
+// A negative lane_lead is "by backend" too: a lead on a GPU (two lanes), none on the CPU; a set
+// value is kept on both, and the server resolves it before the batcher (which refuses < 0).
+TEST(StartupTest, LaneLeadByBackend) {
+  EXPECT_EQ(ResolveLaneLead(absl::Microseconds(-1), "cpu"), absl::ZeroDuration());
+  EXPECT_EQ(ResolveLaneLead(absl::Microseconds(-1), "cuda"), kGpuLaneLead);
+  EXPECT_GT(kGpuLaneLead, absl::ZeroDuration());
+  EXPECT_EQ(ResolveLaneLead(absl::Microseconds(300), "cpu"), absl::Microseconds(300));
+  EXPECT_EQ(ResolveLaneLead(absl::ZeroDuration(), "cuda"), absl::ZeroDuration());
+
+  ServerOptions options;
+  options.listen_addresses = {"127.0.0.1:0"};
+  options.metrics_address = "";
+  options.batcher.lane_lead = absl::Microseconds(-1);
+  std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
+  std::unique_ptr<Engine> engine = SmallCpuEngine();
+  absl::Status attached = server->AttachEngine(engine.get());
+  EXPECT_TRUE(attached.ok()) << attached;
+  EXPECT_TRUE(server->serving());
+  server->Shutdown(std::chrono::seconds(5));
+}
+
 TEST(StartupTest, ShutdownWithoutAnEngine) {
   ServerOptions options;
   options.listen_addresses = {"127.0.0.1:0"};

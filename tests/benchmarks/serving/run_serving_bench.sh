@@ -8,9 +8,11 @@
 #   - trivial experts (I=64, H7168): the server's own cost of a 1-token call;
 #   - an open-loop overload run at 2x the capacity (32 closed-loop callers at M=16, measured on
 #     the server without a queue bound, which would refuse some of them) for 10 s on a server
-#     with --max_queue_wait_ms 0.5: every call must answer correctly (checked against its
-#     unloaded answer) or be refused RESOURCE_EXHAUSTED; answered p99 against the unloaded p99;
-#     server RSS sampled throughout.
+#     with OVERLOAD_FLAGS (default --max_queue_wait_ms 0.5 --max_batch_tokens 256: a bounded
+#     queue and steps of at most 16 such calls, a deployment's latency settings), sent by
+#     CLIENTS (default 4) client processes (one could not keep to its schedule on H100 hosts):
+#     every call must answer correctly (checked against its unloaded answer) or be refused
+#     RESOURCE_EXHAUSTED; answered p99 against the unloaded p99; server RSS sampled throughout.
 # Usage: run_serving_bench.sh [BIN_DIR]   (moeserve, moeserve-cli; LD_LIBRARY_PATH set)
 #   WFS="mxfp8" for one weight format (default "mxfp8 bf16"). The overload's open loop spreads
 #   its calls over 32 connections, like the 32 closed-loop callers that measured the capacity.
@@ -39,10 +41,12 @@ for wf in ${WFS:-mxfp8 bf16}; do
   [ $wf = mxfp8 ] && [ -z "${SKIP_OVERLOAD:-}" ] && load "${wf}_M16_c32" 16 32 8000
   stop
   if [ $wf = mxfp8 ] && [ -z "${SKIP_OVERLOAD:-}" ]; then
-    serve seed_${wf}_bounded $SEED --weight_format $wf --max_queue_wait_ms 0.5
+    # shellcheck disable=SC2086
+    serve seed_${wf}_bounded $SEED --weight_format $wf \
+      ${OVERLOAD_FLAGS:-"--max_queue_wait_ms 0.5 --max_batch_tokens 256"}
     # Overload: 2x the 32-caller capacity (measured without a bound).
     cap=$(val mxfp8_M16_c32 requests_per_s)
-    overload overload "$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')"
+    CLIENTS=${CLIENTS:-4} overload overload "$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')"
     stop
   fi
   [ -n "${SKIP_1LANE:-}" ] && continue
