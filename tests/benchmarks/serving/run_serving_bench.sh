@@ -41,9 +41,9 @@ for wf in ${WFS:-mxfp8 bf16}; do
   [ $wf = mxfp8 ] && [ -z "${SKIP_OVERLOAD:-}" ] && load "${wf}_M16_c32" 16 32 8000
   stop
   if [ $wf = mxfp8 ] && [ -z "${SKIP_OVERLOAD:-}" ]; then
+    oflags=${OVERLOAD_FLAGS:---max_queue_wait_ms 0.5 --max_batch_tokens 256}
     # shellcheck disable=SC2086
-    serve seed_${wf}_bounded $SEED --weight_format $wf \
-      ${OVERLOAD_FLAGS:-"--max_queue_wait_ms 0.5 --max_batch_tokens 256"}
+    serve seed_${wf}_bounded $SEED --weight_format $wf $oflags
     # Overload: 2x the 32-caller capacity (measured without a bound).
     cap=$(val mxfp8_M16_c32 requests_per_s)
     CLIENTS=${CLIENTS:-4} overload overload "$(awk -v c="$cap" 'BEGIN { printf "%.0f", 2 * c }')"
