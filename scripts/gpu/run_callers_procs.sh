@@ -5,7 +5,8 @@
 # each server case of CASES ('|'-separated "NAME [SERVER FLAGS]", default "default"), ROUNDS
 # (default 2) fresh servers each. Bundle BUNDLE.tgz as make_ab_bundle.sh's (moeserve_b).
 # Prints one line per run: calls/s of 1, of 8 in one process, of 8 processes (summed), the
-# ratios, and the p50s (8 processes: the median of their p50s).
+# ratios, the p50s (8 processes: the median of their p50s) and the one-process load's calls per
+# engine step.
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
@@ -13,11 +14,16 @@ start_device_script "$1" || exit 1
 source scripts/gpu/serve_lib.sh
 PORT=50191
 row() { :; }
+# Engine steps so far (moeserve_batch_calls_count: one observation per step).
+steps() {
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$((PORT + 1))/metrics').read().decode())" |
+    awk '/^moeserve_batch_calls_count / { print int($2) }'
+}
 ln -sf "$B/moeserve_b" "$B/moeserve"
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1"
 IFS='|' read -r -a cases <<< "${CASES:-default}"
-printf '%-3s %-6s %-22s %8s %8s %8s %6s %6s %7s %7s %7s\n' r wf case c1 c8_1p c8_8p x_1p x_8p \
-  p50_c1 p50_1p p50_8p
+printf '%-3s %-6s %-22s %8s %8s %8s %6s %6s %7s %7s %7s %9s\n' r wf case c1 c8_1p c8_8p x_1p x_8p \
+  p50_c1 p50_1p p50_8p calls/step
 for r in $(seq "${ROUNDS:-2}"); do
   for wf in ${WFS:-mxfp8 bf16}; do
     for c in "${cases[@]}"; do
@@ -26,7 +32,9 @@ for r in $(seq "${ROUNDS:-2}"); do
       # shellcheck disable=SC2086
       serve "$t" $SEED --weight_format "$wf" $flags
       load "${t}_c1" 16 1 400
+      s0=$(steps)
       load "${t}_c8" 16 8 6400
+      s8=$(( $(steps) - s0 ))
       pids=()
       for i in $(seq 8); do
         timeout 120 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens 16 --concurrency 1 \
@@ -42,9 +50,9 @@ for r in $(seq "${ROUNDS:-2}"); do
       done
       med=$(printf '%s\n' "${p50s[@]}" | sort -n | sed -n 4p)
       c1=$(val "${t}_c1" requests_per_s)
-      printf '%-3s %-6s %-22s %8s %8s %8.1f %6s %6s %7s %7s %7s\n' "$r" "$wf" "$name" "$c1" \
+      printf '%-3s %-6s %-22s %8s %8s %8.1f %6s %6s %7s %7s %7s %9s\n' "$r" "$wf" "$name" "$c1" \
         "$(val "${t}_c8" requests_per_s)" "$sum" "$(ratio "$(val "${t}_c8" requests_per_s)" "$c1")" \
-        "$(ratio "$sum" "$c1")" "$(val "${t}_c1" p50)" "$(val "${t}_c8" p50)" "$med"
+        "$(ratio "$sum" "$c1")" "$(val "${t}_c1" p50)" "$(val "${t}_c8" p50)" "$med" "$(ratio 6400 "$s8")"
     done
   done
 done
