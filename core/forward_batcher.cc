@@ -723,9 +723,14 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
     wake = WakeForStepEndLocked();
   }
   if (wake) cv_.notify_all();
-  // A merged step's answers are copied out after the step has ended: a step waiting for the
-  // lane starts meanwhile (its host staging is the device's idle time between steps).
-  if (status.ok() && live.size() > 1) ScatterAnswers(live, merged_output);
+  // A merged step's answers are copied out after the step has ended (a step waiting for the
+  // lane starts meanwhile: its host staging is the device's idle time between steps), each
+  // call's rows just before its answer is handed on, so that the first callers hear back
+  // without waiting for every copy.
+  const bool scatter = status.ok() && live.size() > 1;
+  const size_t row_bytes =
+      scatter ? static_cast<size_t>(merged_output.dim(1)) * DTypeSize(merged_output.dtype()) : 0;
+  int64_t scatter_at = 0;
   if (options_.observer) {
     options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }
@@ -743,6 +748,11 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
       }
     }
     if (stopped && options_.observer) options_.observer->OnRefused(mine_status.code());
+    if (scatter) {
+      std::memcpy(c->output.raw_data(), merged_output.data<std::byte>() + scatter_at * row_bytes,
+                  static_cast<size_t>(c->tokens) * row_bytes);
+      scatter_at += c->tokens;
+    }
     if (i + 1 < live.size() && options_.answer_executor) {
       // The executor gets a copy: a task it does not take is answered here.
       std::function<void()> answer = [call = std::shared_ptr<Call>(std::move(c)), mine_status,
@@ -852,15 +862,6 @@ absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
   MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop, time_stages));
   *merged_output = output;
   return absl::OkStatus();
-}
-
-void ForwardBatcher::ScatterAnswers(const Step& live, const TensorView& merged_output) {
-  const size_t row = static_cast<size_t>(merged_output.dim(1)) * DTypeSize(merged_output.dtype());
-  int64_t at = 0;
-  for (const auto& c : live) {
-    std::memcpy(c->output.raw_data(), merged_output.data<std::byte>() + at * row, c->tokens * row);
-    at += c->tokens;
-  }
 }
 
 }  // namespace moeserve

@@ -317,12 +317,11 @@ class ForwardBatcher {
   // to end); InfiniteFuture without lane_lead, a running step or a cost model. Under mu_.
   absl::Time LaneDueLocked() const;
   // Several calls as one engine step through `buffers` (the merged input and output).
-  // On success *merged_output holds the calls' answers one after another (in `buffers`, left for
-  // ScatterAnswers once the step has ended: the next step need not wait for those copies).
+  // On success *merged_output holds the calls' answers one after another (in `buffers`, copied
+  // to each call's output by RunStep once the step has ended: the next step need not wait for
+  // those copies).
   absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
                            const StopCheck& stop, bool time_stages, TensorView* merged_output);
-  // Copies each call's rows of a merged step's answer into its own output.
-  static void ScatterAnswers(const Step& live, const TensorView& merged_output);
   // Whether the step of `live` runs its stage timers (stage_timing_every); counts it.
   bool TimeStages(const Step& live);
 
