@@ -261,13 +261,24 @@ void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, boo
   }
   std::sort(callers.begin(), callers.end());
   h.expected_calls = std::unique(callers.begin(), callers.end()) - callers.begin();
-  for (const int64_t calls : h.calls) h.expected_calls = std::max(h.expected_calls, calls);
+  int64_t most_calls = 0;
+  for (const int64_t calls : h.calls) most_calls = std::max(most_calls, calls);
+  h.expected_calls = std::max(h.expected_calls, most_calls);
+  // The lead's population: every caller of the layer's remembered steps. (Over the last two
+  // steps only, callers split into three steps of ~2.7 would expect ~2.7 back and keep splitting.)
+  for (int back = kCallerSteps + 1; back <= kHistorySteps; ++back) {
+    const auto& step = h.callers[(h.next - back + kHistorySteps) % kHistorySteps];
+    callers.insert(callers.end(), step.begin(), step.end());
+  }
+  std::sort(callers.begin(), callers.end());
+  h.callers_seen = std::unique(callers.begin(), callers.end()) - callers.begin();
+  h.callers_seen = std::max(h.callers_seen, most_calls);
 }
 
 int64_t ForwardBatcher::LeadCohortLocked(int layer) const {
   const auto it = history_.find(layer);
   if (it == history_.end()) return 0;
-  int64_t cohort = it->second.expected_calls;
+  int64_t cohort = it->second.callers_seen;
   for (const RunningStep& s : running_steps_) {
     if (s.layer == layer) cohort -= s.calls;
   }

@@ -93,8 +93,8 @@ struct ForwardBatcherOptions {
   // With an engine of several lanes: a step smaller than half of max_batch_tokens starts while
   // another runs once that one is expected (StepCostModel) to end within lane_lead, so that its
   // host staging and launch overlap the running step's device work instead of following it --
-  // but only once its cohort is in: as many calls of its layer queued as the layer's recent
-  // callers (or its largest recent step) number, less the calls of its running steps.
+  // but only once its cohort is in: as many calls of its layer queued as the callers of its last
+  // kHistorySteps steps (or its largest of them) number, less the calls of its running steps.
   // Started earlier, a lead step splits the closed-loop callers that come back while it is
   // formed into more, smaller steps (one H100 host: 8 callers 10-30% fewer calls/s).
   // 0: such a step waits for the running ones to end (the calls that come meanwhile join it).
@@ -273,6 +273,7 @@ class ForwardBatcher {
     int next = 0;
     absl::Duration last_step;
     int64_t expected_calls = 1;  // most calls of a step, or distinct callers of kCallerSteps
+    int64_t callers_seen = 1;    // most calls of a step, or distinct callers of kHistorySteps
   };
   // Records a step of `live` calls that took `took` (`stopped`: ran only part of its work).
   // With company_wait or lane_lead.
@@ -284,9 +285,9 @@ class ForwardBatcher {
     absl::Duration wait;
   };
   Company ExpectedCompanyLocked(int layer) const;
-  // How many queued calls of `layer` a lead step (lane_lead) waits for: the layer's expected
-  // calls (LayerHistory::expected_calls) less those in its running steps; 0 without history.
-  // Under mu_.
+  // How many queued calls of `layer` a lead step (lane_lead) waits for: the callers of its
+  // remembered steps (LayerHistory::callers_seen) less the calls of its running steps; 0
+  // without history. Under mu_.
   int64_t LeadCohortLocked(int layer) const;
   ForwardBatcher(Engine* engine, ForwardBatcherOptions options);
   // Whether `c` may share `head`'s step.
