@@ -275,6 +275,26 @@ void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, boo
   h.callers_seen = std::max(h.callers_seen, most_calls);
 }
 
+void ForwardBatcher::NoteReturnLocked(int layer, uint64_t caller, absl::Time now) {
+  const auto it = history_.find(layer);
+  if (it == history_.end()) return;
+  LayerHistory& h = it->second;
+  const auto answered = h.answered.find(caller);
+  if (answered == h.answered.end()) return;
+  const absl::Duration sample = std::max(now - answered->second, absl::ZeroDuration());
+  h.answered.erase(answered);
+  h.turnaround = h.turnaround_samples == 0 ? sample : (3 * h.turnaround + sample) / 4;
+  ++h.turnaround_samples;
+}
+
+bool ForwardBatcher::LeadPaysLocked(int layer, int64_t tokens) const {
+  const auto it = history_.find(layer);
+  if (it == history_.end() || it->second.turnaround_samples == 0 || cost_.steps() == 0) {
+    return true;
+  }
+  return it->second.turnaround + options_.lane_lead <= cost_.Predict(tokens);
+}
+
 int64_t ForwardBatcher::LeadCohortLocked(int layer) const {
   const auto it = history_.find(layer);
   if (it == history_.end()) return 0;
@@ -330,6 +350,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
   uint64_t step_id = 0;
   {
     std::unique_lock<std::mutex> lock(mu_);
+    if (call->caller != 0) NoteReturnLocked(input.layer, call->caller, call->enqueued);
     absl::Status refused;
     if (stop_) {
       refused = absl::UnavailableError("Forward: the server is shutting down");
@@ -442,8 +463,9 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       // A step this small beside running ones starts only through the lead, and only with its
       // cohort (the callers its layer expects back) queued.
       const bool small_beside = !running_steps_.empty() && tokens * 2 < step_tokens_;
-      const bool cohort_in = !small_beside || now < due || !head.mergeable ||
-                             calls >= LeadCohortLocked(head.input.layer);
+      const bool cohort_in =
+          !small_beside || now < due || !head.mergeable ||
+          (calls >= LeadCohortLocked(head.input.layer) && LeadPaysLocked(head.input.layer, tokens));
       const bool lane_worth_it = !small_beside || (now >= due && cohort_in);
       if (lane_worth_it && (tokens >= step_tokens_ || now >= ready_at)) {
         take = true;
@@ -718,6 +740,13 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
          options_.lane_lead > absl::ZeroDuration()) &&
         live[0]->mergeable) {
       RecordStepLocked(live, took, stopped);
+      LayerHistory& h = history_[live[0]->input.layer];
+      // The callers' turnaround runs from here (their answers go out next) to their next call.
+      if (h.answered.size() > kMaxAnsweredCallers) h.answered.clear();
+      const absl::Time now = absl::Now();
+      for (const auto& c : live) {
+        if (c->caller != 0) h.answered[c->caller] = now;
+      }
     }
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());

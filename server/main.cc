@@ -133,7 +133,8 @@ ABSL_FLAG(int64_t, lane_lead_us, -1,
           "With two or more steps in flight (a GPU): a step of fewer than half of "
           "--max_batch_tokens starts beside a running one once that one is expected (from recent "
           "steps' times) to end within this many us and the callers its layer expects back are "
-          "queued, so that its staging and launch overlap the running step's device work; 0: it "
+          "queued (and come back, on average, within its expected time less the lead), so that "
+          "its staging and launch overlap the running step's device work; 0: it "
           "waits for the running step to end; -1: 120 on a GPU backend, 0 on the CPU (three "
           "H100 hosts, seed layer MXFP8, 8 callers: 6-10% more calls/s, p50 10% lower; "
           "tests/benchmarks/serving/RESULTS.md 2026-12-06 10:30)");

@@ -503,12 +503,12 @@ TEST(ForwardBatcherTest, LaneLeadWaitsForTheCohortItExpects) {
   const ModelConfig& m = engine->info().model;
   CountingObserver observer;
   auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
-                                                        .lane_lead = absl::Milliseconds(90),
+                                                        .lane_lead = absl::Milliseconds(60),
                                                         .inline_max_tokens = 0,
                                                         .observer = &observer});
   std::mt19937 rng(21);
-  LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);  // steps of 16 tokens: 100 ms
-  const absl::Duration hold = absl::Milliseconds(100);
+  LearnHeldSteps(*batcher, m, absl::Milliseconds(200), rng);  // steps of 16 tokens: 200 ms
+  const absl::Duration hold = absl::Milliseconds(200);
   auto call_of = [&](uint64_t caller, std::function<bool()> cancelled, Call& c) {
     return SubmitAsync(*batcher, c, absl::InfiniteFuture(), std::move(cancelled),
                        CallSource{.caller = caller});
@@ -538,8 +538,10 @@ TEST(ForwardBatcherTest, LaneLeadWaitsForTheCohortItExpects) {
   while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
   Call c2 = MakeCall(m, 8, 0, DType::kFP32, rng), c3 = MakeCall(m, 8, 0, DType::kFP32, rng);
   auto a2 = call_of(2, nullptr, c2);
-  // Due about 10 ms after the held step began (100 ms expected, 90 ms lead).
-  EXPECT_EQ(a2.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+  // Due about 140 ms after the held step began (200 ms expected, 60 ms lead). The callers'
+  // turnaround (caller 2 a few ms, caller 3 about 250: a moving average near 65 ms) plus the
+  // lead still fits in a step, so the lead pays once the cohort is in.
+  EXPECT_EQ(a2.wait_for(std::chrono::milliseconds(250)), std::future_status::timeout)
       << "caller 2 started beside the running step without caller 3";
   EXPECT_EQ(batcher->stats().lead_waits, 1);
   auto a3 = call_of(3, nullptr, c3);
@@ -554,6 +556,46 @@ TEST(ForwardBatcherTest, LaneLeadWaitsForTheCohortItExpects) {
   ExpectSameAsAlone(*engine, c3);
   EXPECT_EQ(batcher->stats().lead_steps, 2);
   EXPECT_EQ(observer.lead_steps, 2);
+}
+
+// A lead step must pay: where a caller comes back later than the step's expected time less the
+// lead (here 250 ms against 100 - 60 ms), a step started early would end before the other
+// callers are back, so the small call waits for the running step as without a lead.
+TEST(ForwardBatcherTest, LaneLeadIsOffWhileCallersComeBackLate) {
+  EngineOptions o = engine_testing::TinyOptions("reference");
+  o.max_tokens_per_request = 512;
+  o.steps_in_flight = 2;
+  auto engine = *Engine::Create(o);
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(),
+      {.max_batch_tokens = 64, .lane_lead = absl::Milliseconds(60), .inline_max_tokens = 0});
+  std::mt19937 rng(23);
+  LearnHeldSteps(*batcher, m, absl::Milliseconds(100), rng);  // steps of 16 tokens: 100 ms
+  Call first = MakeCall(m, 16, 0, DType::kFP32, rng);
+  ASSERT_TRUE(SubmitAsync(*batcher, first, absl::InfiniteFuture(),
+                          HoldStep(absl::Milliseconds(100)), CallSource{.caller = 2})
+                  .get()
+                  .first.ok());
+  absl::SleepFor(absl::Milliseconds(250));  // caller 2's turnaround
+  std::promise<void> release;
+  Call held = MakeCall(m, 16, 0, DType::kFP32, rng);
+  auto held_answer = SubmitAsync(*batcher, held, absl::InfiniteFuture(),
+                                 HoldStep(absl::ZeroDuration(), release.get_future().share()),
+                                 CallSource{.caller = 1});
+  while (batcher->stats().running == 0) absl::SleepFor(absl::Microseconds(100));
+  Call again = MakeCall(m, 16, 0, DType::kFP32, rng);
+  auto again_answer =
+      SubmitAsync(*batcher, again, absl::InfiniteFuture(), nullptr, CallSource{.caller = 2});
+  const bool beside =
+      again_answer.wait_for(std::chrono::milliseconds(400)) == std::future_status::ready;
+  release.set_value();
+  EXPECT_FALSE(beside) << "a lead step started although caller 2 came back 250 ms after its answer";
+  ASSERT_TRUE(held_answer.get().first.ok());
+  ASSERT_TRUE(again_answer.get().first.ok());
+  ExpectSameAsAlone(*engine, again);
+  EXPECT_EQ(batcher->stats().lead_steps, 0);
+  EXPECT_GE(batcher->stats().lead_waits, 1);
 }
 
 // The queue-wait bound does not credit lane_lead: a small call behind a running step whose end
