@@ -249,8 +249,13 @@ void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, boo
   LayerHistory& h = history_[live[0]->input.layer];
   h.calls[h.next] = static_cast<int64_t>(live.size());
   h.callers[h.next].clear();
+  // The callers' turnaround runs from here (their answers go out next) to their next call.
+  if (h.answered.size() > kMaxAnsweredCallers) h.answered.clear();
+  const absl::Time now = absl::Now();
   for (const auto& c : live) {
-    if (c->caller != 0) h.callers[h.next].push_back(c->caller);
+    if (c->caller == 0) continue;
+    h.callers[h.next].push_back(c->caller);
+    h.answered[c->caller] = now;
   }
   h.next = (h.next + 1) % kHistorySteps;
   if (!stopped) h.last_step = took;
@@ -740,13 +745,6 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
          options_.lane_lead > absl::ZeroDuration()) &&
         live[0]->mergeable) {
       RecordStepLocked(live, took, stopped);
-      LayerHistory& h = history_[live[0]->input.layer];
-      // The callers' turnaround runs from here (their answers go out next) to their next call.
-      if (h.answered.size() > kMaxAnsweredCallers) h.answered.clear();
-      const absl::Time now = absl::Now();
-      for (const auto& c : live) {
-        if (c->caller != 0) h.answered[c->caller] = now;
-      }
     }
     ++stats_.steps;
     stats_.calls += static_cast<int64_t>(live.size());

@@ -282,8 +282,8 @@ class ForwardBatcher {
     int64_t turnaround_samples = 0;
   };
   static constexpr size_t kMaxAnsweredCallers = 1024;
-  // Records a step of `live` calls that took `took` (`stopped`: ran only part of its work).
-  // With company_wait or lane_lead.
+  // Records a step of `live` calls that took `took` (`stopped`: ran only part of its work),
+  // and when its callers were answered (their turnaround). With company_wait or lane_lead.
   void RecordStepLocked(const Step& live, absl::Duration took, bool stopped);
   // The company the oldest queued call of `layer` should wait for: the most calls of its last
   // steps, and how long after arrival it may wait for them (zero: do not wait). Under mu_.
