@@ -292,22 +292,17 @@ void ForwardBatcher::NoteReturnLocked(int layer, uint64_t caller, absl::Time now
   ++h.turnaround_samples;
 }
 
-bool ForwardBatcher::LeadPaysLocked(int layer, int64_t tokens) const {
+bool ForwardBatcher::LeadReadyLocked(int layer, int64_t calls, int64_t tokens) const {
   const auto it = history_.find(layer);
-  if (it == history_.end() || it->second.turnaround_samples == 0 || cost_.steps() == 0) {
-    return true;
-  }
-  return it->second.turnaround + options_.lane_lead <= cost_.Predict(tokens);
-}
-
-int64_t ForwardBatcher::LeadCohortLocked(int layer) const {
-  const auto it = history_.find(layer);
-  if (it == history_.end()) return 0;
-  int64_t cohort = it->second.callers_seen;
+  if (it == history_.end()) return true;  // no history: no cohort to wait for
+  const LayerHistory& h = it->second;
+  int64_t cohort = h.callers_seen;
   for (const RunningStep& s : running_steps_) {
     if (s.layer == layer) cohort -= s.calls;
   }
-  return std::max<int64_t>(cohort, 0);
+  if (calls < cohort) return false;
+  if (h.turnaround_samples == 0 || cost_.steps() == 0) return true;
+  return h.turnaround + options_.lane_lead <= cost_.Predict(tokens);
 }
 
 bool ForwardBatcher::Joins(const Call& head, const Call& c) {
@@ -468,9 +463,8 @@ void ForwardBatcher::Loop(StepBuffers* buffers) {
       // A step this small beside running ones starts only through the lead, and only with its
       // cohort (the callers its layer expects back) queued.
       const bool small_beside = !running_steps_.empty() && tokens * 2 < step_tokens_;
-      const bool cohort_in =
-          !small_beside || now < due || !head.mergeable ||
-          (calls >= LeadCohortLocked(head.input.layer) && LeadPaysLocked(head.input.layer, tokens));
+      const bool cohort_in = !small_beside || now < due || !head.mergeable ||
+                             LeadReadyLocked(head.input.layer, calls, tokens);
       const bool lane_worth_it = !small_beside || (now >= due && cohort_in);
       if (lane_worth_it && (tokens >= step_tokens_ || now >= ready_at)) {
         take = true;

@@ -292,18 +292,17 @@ class ForwardBatcher {
     absl::Duration wait;
   };
   Company ExpectedCompanyLocked(int layer) const;
-  // How many queued calls of `layer` a lead step (lane_lead) waits for: the callers of its
-  // remembered steps (LayerHistory::callers_seen) less the calls of its running steps; 0
-  // without history. Under mu_.
-  int64_t LeadCohortLocked(int layer) const;
   // A call of `caller` for `layer` arrived at `now`: its turnaround since its last answer.
   // Under mu_.
   void NoteReturnLocked(int layer, uint64_t caller, absl::Time now);
-  // Whether a lead step of `tokens` pays: its callers' turnaround plus lane_lead fits in the
-  // step's expected time. Otherwise the step started early ends before the other callers are
-  // back, the lanes go idle, and the first caller back runs alone (emulated device, a
-  // turnaround as long as a step: the lead cost 13-20%). True without samples. Under mu_.
-  bool LeadPaysLocked(int layer, int64_t tokens) const;
+  // Whether a lead step (lane_lead) of `calls` queued calls of `layer`, `tokens` in all, may
+  // start: its cohort is in -- as many calls as the callers of the layer's remembered steps
+  // (LayerHistory::callers_seen) less the calls of its running steps -- and it pays: its
+  // callers' turnaround plus lane_lead fits in the step's expected time. Otherwise the step
+  // started early ends before the other callers are back, the lanes go idle, and the first
+  // caller back runs alone (emulated device, a turnaround as long as a step: the lead cost
+  // 13-20%). True without history; the turnaround check passes without samples. Under mu_.
+  bool LeadReadyLocked(int layer, int64_t calls, int64_t tokens) const;
   ForwardBatcher(Engine* engine, ForwardBatcherOptions options);
   // Whether `c` may share `head`'s step.
   static bool Joins(const Call& head, const Call& c);
@@ -317,7 +316,7 @@ class ForwardBatcher {
   // be null for a single call.
   void RunStep(Step calls, StepBuffers* buffers, uint64_t step_id);
   // A step of `calls` calls of `layer`, `tokens` in all, begins or ends: the running steps
-  // (running_steps_) that the lane rule, EstimatedWaitLocked and LeadCohortLocked count.
+  // (running_steps_) that the lane rule, EstimatedWaitLocked and LeadReadyLocked count.
   // Under mu_.
   uint64_t BeginStepLocked(int layer, int64_t calls, int64_t tokens);
   void EndStepLocked(uint64_t step_id);
