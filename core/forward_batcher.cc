@@ -57,6 +57,10 @@ absl::Status ForwardBatcher::CheckOptions(const ForwardBatcherOptions& options) 
                      absl::FormatDuration(options.max_batch_delay), ") and company_wait (",
                      absl::FormatDuration(options.company_wait), ") >= 0"));
   }
+  if (options.company_wait_auto && options.company_wait <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "company_wait_auto needs company_wait > 0 (the longest wait for company), got 0");
+  }
   if (options.max_queue_wait < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("max_queue_wait must be >= 0 (0: off), got ",
                                                    absl::FormatDuration(options.max_queue_wait)));
@@ -231,6 +235,9 @@ ForwardBatcherStats ForwardBatcher::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ForwardBatcherStats s = stats_;
   s.running = static_cast<int64_t>(running_steps_.size());
+  if (options_.company_wait_auto) {
+    for (const auto& [layer, h] : history_) s.merging_layers += h.merging ? 1 : 0;
+  }
   return s;
 }
 
@@ -240,8 +247,49 @@ ForwardBatcher::Company ForwardBatcher::ExpectedCompanyLocked(int layer) const {
   const auto it = history_.find(layer);
   if (it == history_.end()) return company;
   company.calls = it->second.expected_calls;
-  if (company.calls > 1) company.wait = std::min(options_.company_wait, 2 * it->second.last_step);
+  if (company.calls > 1 && (!options_.company_wait_auto || it->second.merging)) {
+    company.wait = std::min(options_.company_wait, 2 * it->second.last_step);
+  }
   return company;
+}
+
+namespace {
+// Whether two counts of a layer's callers are about the same population (within a quarter: an
+// open loop's connections seen by the last steps vary; one caller and two differ).
+bool SameCallers(int64_t a, int64_t b) { return 4 * std::abs(a - b) <= std::max(a, b); }
+}  // namespace
+
+void ForwardBatcher::UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, absl::Time now) {
+  if (h.epoch_skip > 0) {  // just after a change of mode: the callers regroup
+    if (--h.epoch_skip == 0) {
+      h.epoch_start = now;
+      h.epoch_steps = h.epoch_calls = 0;
+    }
+    return;
+  }
+  h.epoch_calls += calls;
+  if (++h.epoch_steps < kModeEpochSteps) return;
+  const int mode = h.merging ? 1 : 0, other = 1 - mode;
+  const double seconds = absl::ToDoubleSeconds(now - h.epoch_start);
+  if (seconds > 0) {
+    h.mode_rate[mode] = static_cast<double>(h.epoch_calls) / seconds;
+    h.mode_measured[mode] = now;
+    h.mode_epoch[mode] = now - h.epoch_start;
+    h.mode_callers[mode] = h.callers_seen;
+  }
+  ++(h.merging ? stats_.merged_epochs : stats_.split_epochs);
+  h.epoch_start = now;
+  h.epoch_steps = h.epoch_calls = 0;
+  // The other mode is measured again once its rate is old or was for other callers.
+  const bool other_known = now - h.mode_measured[other] <=
+                               std::max(kModeRetry, kModeExploreEvery * h.mode_epoch[other]) &&
+                           SameCallers(h.mode_callers[other], h.callers_seen);
+  const bool merge = other_known ? h.mode_rate[1] > kMergeMargin * h.mode_rate[0] : !h.merging;
+  if (merge != h.merging) {
+    h.merging = merge;
+    h.epoch_skip = kModeSkipSteps;
+    ++stats_.mode_changes;
+  }
 }
 
 void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, bool stopped) {
@@ -278,6 +326,9 @@ void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, boo
   std::sort(callers.begin(), callers.end());
   h.callers_seen = std::unique(callers.begin(), callers.end()) - callers.begin();
   h.callers_seen = std::max(h.callers_seen, most_calls);
+  if (options_.company_wait_auto) {
+    UpdateCompanyModeLocked(h, static_cast<int64_t>(live.size()), now);
+  }
 }
 
 void ForwardBatcher::NoteReturnLocked(int layer, uint64_t caller, absl::Time now) {

@@ -81,6 +81,15 @@ struct ForwardBatcherOptions {
   // where a step's time barely grows with its tokens, e.g. BF16 decode, and costs where it
   // grows, e.g. MXFP8 decode; tests/benchmarks/serving/RESULTS.md).
   absl::Duration company_wait = absl::ZeroDuration();
+  // With company_wait > 0 (then the longest wait): wait for company only while that serves
+  // the layer more calls per second. Closed-loop callers split into cohorts keep the lanes busy
+  // but each cohort's step reads every weight; merged, one step reads them once, and the device
+  // idles while the callers come back. Which wins depends on the step's fixed cost against the
+  // callers' turnaround, so the batcher measures it: per layer, epochs of kModeEpochSteps steps
+  // with and without the wait, the better kept, the other measured again once its measurement
+  // is older than kModeRetry and kModeExploreEvery of its epochs (so exploring costs at most
+  // about 1/kModeExploreEvery of the time), or the layer's callers changed.
+  bool company_wait_auto = false;
   // Most tokens queued and not yet running; beyond it calls are refused.
   int64_t max_queued_tokens = 16384;
   // Refuse a call that would wait longer than this for its step to start: the steps running
@@ -170,6 +179,12 @@ struct ForwardBatcherStats {
   // Times a small step that lane_lead would have started was held back because the callers
   // its layer expects (its recent callers not in a running step) were not all queued yet.
   int64_t lead_waits = 0;
+  // company_wait_auto: measurement epochs that ended waiting for company (merged) and not
+  // (split), and changes of a layer's mode.
+  int64_t merged_epochs = 0;
+  int64_t split_epochs = 0;
+  int64_t mode_changes = 0;
+  int64_t merging_layers = 0;  // layers waiting for company now
 };
 
 class ForwardBatcher {
@@ -179,6 +194,15 @@ class ForwardBatcher {
   // callers.
   static constexpr int kHistorySteps = 4;
   static constexpr int kCallerSteps = 2;
+  // company_wait_auto: a measurement epoch's steps, the steps after a change of mode that it
+  // skips (the callers regroup), how long a mode's measured rate decides before it is measured
+  // again, and how much more the merged mode must serve to be kept (else the callers' calls
+  // need not wait).
+  static constexpr int kModeEpochSteps = 8;
+  static constexpr int kModeSkipSteps = 2;
+  static constexpr absl::Duration kModeRetry = absl::Seconds(1);
+  static constexpr int kModeExploreEvery = 16;
+  static constexpr double kMergeMargin = 1.03;
   // The largest merge buffer merge_pinner pins (larger ones stay plain host memory).
   static constexpr size_t kMaxPinnedMergeBytes = size_t{256} << 20;
   using Done = std::function<void(absl::Status status, const ForwardTimings& timings)>;
@@ -280,6 +304,17 @@ class ForwardBatcher {
     absl::flat_hash_map<uint64_t, absl::Time> answered;
     absl::Duration turnaround;
     int64_t turnaround_samples = 0;
+    // company_wait_auto: whether the layer waits for company now; per mode (0: split, 1:
+    // merged) the calls per second it served when last measured, when, how long that epoch
+    // took and for how many callers (callers_seen); the epoch being measured.
+    bool merging = false;
+    double mode_rate[2] = {0, 0};
+    absl::Time mode_measured[2] = {absl::InfinitePast(), absl::InfinitePast()};
+    absl::Duration mode_epoch[2];
+    int64_t mode_callers[2] = {0, 0};
+    int epoch_skip = kModeSkipSteps;
+    int64_t epoch_steps = 0, epoch_calls = 0;
+    absl::Time epoch_start;
   };
   static constexpr size_t kMaxAnsweredCallers = 1024;
   // Records a step of `live` calls that took `took` (`stopped`: ran only part of its work),
@@ -292,6 +327,10 @@ class ForwardBatcher {
     absl::Duration wait;
   };
   Company ExpectedCompanyLocked(int layer) const;
+  // company_wait_auto: counts a step of `calls` calls of the layer of `h` that ended at `now`
+  // into its epoch; at the epoch's end records the mode's rate and picks the next mode. Under
+  // mu_.
+  void UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, absl::Time now);
   // A call of `caller` for `layer` arrived at `now`: its turnaround since its last answer.
   // Under mu_.
   void NoteReturnLocked(int layer, uint64_t caller, absl::Time now);

@@ -128,7 +128,10 @@ ABSL_FLAG(int64_t, company_wait_us, 0,
           "rest (never longer than twice the layer's last step); a lone caller's layer never "
           "waits; 0: off. Pays where a step's time barely grows with its tokens (measured: "
           "BF16 decode of the seed layer, 1000 us: 8 callers +10%), costs where it grows "
-          "(MXFP8 decode: -14%)");
+          "(MXFP8 decode: -14%). -1: auto: per layer, steps with and without the wait are "
+          "measured in turns (epochs of 8 steps) and the mode that served more calls per "
+          "second is kept, the other measured again after a second and 16 of its epochs, or "
+          "once the layer's callers change");
 ABSL_FLAG(int64_t, lane_lead_us, -1,
           "With two or more steps in flight (a GPU): a step of fewer than half of "
           "--max_batch_tokens starts beside a running one once that one is expected (from recent "
@@ -392,7 +395,15 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.warm_graphs = absl::GetFlag(FLAGS_warm_graphs);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
-  server.batcher.company_wait = absl::Microseconds(absl::GetFlag(FLAGS_company_wait_us));
+  if (absl::GetFlag(FLAGS_company_wait_us) < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batcher flags: --company_wait_us must be >= 0, or -1 (auto); got ",
+                     absl::GetFlag(FLAGS_company_wait_us)));
+  }
+  server.batcher.company_wait_auto = absl::GetFlag(FLAGS_company_wait_us) == -1;
+  server.batcher.company_wait = server.batcher.company_wait_auto
+                                    ? kAutoCompanyWait
+                                    : absl::Microseconds(absl::GetFlag(FLAGS_company_wait_us));
   if (absl::GetFlag(FLAGS_lane_lead_us) < -1) {
     return absl::InvalidArgumentError(
         absl::StrCat("batcher flags: --lane_lead_us must be >= 0, or -1 (by backend); got ",

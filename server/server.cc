@@ -227,7 +227,7 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
                  static_cast<long long>(graphs.graphs));
   }
   if (batcher_options.max_queue_wait > absl::ZeroDuration() ||
-      batcher_options.lane_lead > absl::ZeroDuration()) {
+      batcher_options.lane_lead > absl::ZeroDuration() || batcher_options.company_wait_auto) {
     // The bound prices the first calls too: a fresh batcher would admit everything until its
     // first step ended, and a cold GPU's first steps are its slowest.
     const int64_t most =

@@ -61,6 +61,10 @@ absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backe
 // lower (tests/benchmarks/serving/RESULTS.md, 2026-12-06 10:30).
 inline constexpr absl::Duration kGpuLaneLead = absl::Microseconds(120);
 
+// --company_wait_us -1 (ForwardBatcherOptions::company_wait_auto): the longest wait for
+// company. Twice the layer's last step bounds it first (a decode step: about a millisecond).
+inline constexpr absl::Duration kAutoCompanyWait = absl::Milliseconds(50);
+
 // The batcher's lane_lead for an engine of `backend`: `configured`, or when negative,
 // kGpuLaneLead on a GPU backend and none on "cpu" (one lane there).
 absl::Duration ResolveLaneLead(absl::Duration configured, std::string_view backend);

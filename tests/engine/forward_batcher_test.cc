@@ -906,6 +906,95 @@ TEST(ForwardBatcherTest, CompanyWaitKeepsCallersThatSharedAStepTogether) {
   EXPECT_NE(bad.status().message().find("company_wait"), absl::string_view::npos) << bad.status();
 }
 
+// company_wait_auto with two closed-loop callers on one lane, every step held `hold`: caller 1
+// calls again 1 ms after its answer, caller 2 `late` after its. Once the batcher has measured
+// both modes (an epoch of each), returns the layer's mode and its calls per step over the next
+// `window`.
+struct AutoCompanyOutcome {
+  int64_t merging_layers = 0;
+  double calls_per_step = 0;
+  ForwardBatcherStats stats;
+};
+AutoCompanyOutcome RunAutoCompanyCallers(absl::Duration hold, absl::Duration late,
+                                         absl::Duration window) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 512,
+                                                        .max_batch_delay = absl::ZeroDuration(),
+                                                        .company_wait = absl::Seconds(1),
+                                                        .company_wait_auto = true,
+                                                        .inline_max_tokens = 0});
+  std::atomic<bool> stop{false};
+  // Each step is held once, whatever its calls (as a GPU decode step reads every weight): the
+  // first check of a step (one lane: numbered by the steps ended before it) sleeps.
+  std::atomic<int64_t> held_step{-1};
+  auto hold_once = [&]() -> std::function<bool()> {
+    return [&] {
+      const int64_t step = batcher->stats().steps;
+      if (held_step.exchange(step) != step) absl::SleepFor(hold);
+      return false;
+    };
+  };
+  auto caller = [&](uint64_t id, absl::Duration think, uint32_t seed) {
+    std::mt19937 rng(seed);
+    while (!stop.load()) {
+      Call c = MakeCall(m, 2, 0, DType::kFP32, rng);
+      auto answer =
+          SubmitAsync(*batcher, c, absl::InfiniteFuture(), hold_once(), CallSource{.caller = id});
+      EXPECT_TRUE(answer.get().first.ok());
+      absl::SleepFor(think);
+    }
+  };
+  std::thread c1(caller, 1, absl::Milliseconds(1), 41), c2(caller, 2, late, 42);
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < give_up) {
+    const ForwardBatcherStats s = batcher->stats();
+    if (s.merged_epochs >= 1 && s.split_epochs >= 1 && s.mode_changes >= 1) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const ForwardBatcherStats before = batcher->stats();
+  absl::SleepFor(window);
+  AutoCompanyOutcome out;
+  out.stats = batcher->stats();
+  out.merging_layers = out.stats.merging_layers;
+  stop = true;
+  c1.join();
+  c2.join();
+  const int64_t steps = out.stats.steps - before.steps;
+  out.calls_per_step = steps > 0 ? static_cast<double>(out.stats.calls - before.calls) / steps : 0;
+  return out;
+}
+
+// Caller 2 comes back 20 ms after its answer, within a 30 ms step: apart, the two callers' steps
+// alternate (a call per step, ~33 calls/s); merged, two calls every ~50 ms (~40/s). The batcher
+// measures both and keeps merging them.
+TEST(ForwardBatcherTest, AutoCompanyWaitMergesWhereItServesMore) {
+  const AutoCompanyOutcome o = RunAutoCompanyCallers(absl::Milliseconds(30), absl::Milliseconds(20),
+                                                     absl::Milliseconds(600));
+  EXPECT_EQ(o.merging_layers, 1) << "epochs: merged " << o.stats.merged_epochs << ", split "
+                                 << o.stats.split_epochs;
+  EXPECT_GT(o.calls_per_step, 1.7);
+}
+
+// Caller 2 comes back 80 ms after its answer: merged, two calls every ~110 ms (~18/s); apart,
+// caller 1 alone every ~31 ms and caller 2 in between (~40/s). The batcher measures both and
+// lets the calls run as they come.
+TEST(ForwardBatcherTest, AutoCompanyWaitSplitsWhereMergingServesLess) {
+  const AutoCompanyOutcome o = RunAutoCompanyCallers(absl::Milliseconds(30), absl::Milliseconds(80),
+                                                     absl::Milliseconds(600));
+  EXPECT_EQ(o.merging_layers, 0) << "epochs: merged " << o.stats.merged_epochs << ", split "
+                                 << o.stats.split_epochs;
+  EXPECT_LT(o.calls_per_step, 1.5);
+}
+
+TEST(ForwardBatcherTest, AutoCompanyWaitNeedsALongestWait) {
+  auto engine = ReferenceEngine();
+  auto bad = ForwardBatcher::Create(engine.get(), {.company_wait_auto = true});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("company_wait_auto"), absl::string_view::npos)
+      << bad.status();
+}
+
 // A merged step's answers but the last go to answer_executor (the server's workers), so its
 // callers hear back at once; a task the executor does not take is answered on the step's
 // thread. Every call gets its rows either way.

@@ -211,7 +211,7 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
 // Batcher settings the batcher would refuse are refused with the flags, before the server
 // listens or loads a weight (they used to pass until the weights had loaded).
 TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
-  for (const char* bad : {"--company_wait_us=-1", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
+  for (const char* bad : {"--company_wait_us=-2", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
                           "--max_queued_tokens=0", "--inline_max_tokens=-1",
                           "--max_queue_wait_ms=-1", "--step_spin_us=-2", "--step_spin_us=2000000",
                           "--lane_lead_us=-2", "--lane_lead_us=2000000"}) {
@@ -234,30 +234,34 @@ TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
 // it learned), and --warm_graphs on an engine without graphs is a no-op; both then serve (over
 // a listener with a tuned HTTP/2 frame size, --grpc_channel_args).
 TEST(BinaryTest, QueueWaitBoundIsCalibratedBeforeServing) {
-  const std::string ready = TempPath("moeserve_ready_calibrated");
-  const std::string log = TempPath("moeserve_log_calibrated");
-  std::remove(ready.c_str());
-  Process p({"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready, "--model=tiny",
-             "--hidden=64", "--intermediate=32", "--num_experts=4", "--topk=2", "--threads=1",
-             "--max_queue_wait_ms=5", "--warm_graphs",
-             "--grpc_channel_args=grpc.http2.max_frame_size=1048576"},
-            log);
-  const std::vector<std::string> lines = WaitForReadyFile(p, ready);
-  ASSERT_FALSE(lines.empty()) << ReadFile(log);
-  EXPECT_THAT(ReadFile(log), HasSubstr("moeserve: batcher calibrated in "));
-  auto stub =
-      v1::MoeService::NewStub(grpc::CreateChannel(lines[0], grpc::InsecureChannelCredentials()));
-  std::mt19937_64 rng(6);
-  v1::ForwardRequest req =
-      testing::RandomRequest(rng, 1, 4, 64, 4, 2, v1::DTYPE_BF16, v1::DTYPE_INT32);
-  v1::ForwardResponse resp;
-  grpc::ClientContext ctx;
-  const grpc::Status s = stub->Forward(&ctx, req, &resp);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  p.Signal(SIGTERM);
-  EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
-  std::remove(ready.c_str());
-  std::remove(log.c_str());
+  // So is the auto company wait, which weighs its callers' turnaround against the line.
+  for (const char* flag : {"--max_queue_wait_ms=5", "--company_wait_us=-1"}) {
+    SCOPED_TRACE(flag);
+    const std::string ready = TempPath("moeserve_ready_calibrated");
+    const std::string log = TempPath("moeserve_log_calibrated");
+    std::remove(ready.c_str());
+    Process p(
+        {"--listen=127.0.0.1:0", "--metrics_address=", "--ready_file=" + ready, "--model=tiny",
+         "--hidden=64", "--intermediate=32", "--num_experts=4", "--topk=2", "--threads=1", flag,
+         "--warm_graphs", "--grpc_channel_args=grpc.http2.max_frame_size=1048576"},
+        log);
+    const std::vector<std::string> lines = WaitForReadyFile(p, ready);
+    ASSERT_FALSE(lines.empty()) << ReadFile(log);
+    EXPECT_THAT(ReadFile(log), HasSubstr("moeserve: batcher calibrated in "));
+    auto stub =
+        v1::MoeService::NewStub(grpc::CreateChannel(lines[0], grpc::InsecureChannelCredentials()));
+    std::mt19937_64 rng(6);
+    v1::ForwardRequest req =
+        testing::RandomRequest(rng, 1, 4, 64, 4, 2, v1::DTYPE_BF16, v1::DTYPE_INT32);
+    v1::ForwardResponse resp;
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub->Forward(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    p.Signal(SIGTERM);
+    EXPECT_EQ(p.Wait(std::chrono::seconds(60)), 0);
+    std::remove(ready.c_str());
+    std::remove(log.c_str());
+  }
 }
 
 TEST(BinaryTest, LimitsBeyondMemoryExitOne) {
