@@ -268,15 +268,20 @@ void ForwardBatcher::UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, abs
     return;
   }
   h.epoch_calls += calls;
-  if (++h.epoch_steps < kModeEpochSteps) return;
+  if (++h.epoch_steps < kModeEpochSteps || now - h.epoch_start < kModeEpochTime) return;
   const int mode = h.merging ? 1 : 0, other = 1 - mode;
-  const double seconds = absl::ToDoubleSeconds(now - h.epoch_start);
-  if (seconds > 0) {
-    h.mode_rate[mode] = static_cast<double>(h.epoch_calls) / seconds;
-    h.mode_measured[mode] = now;
-    h.mode_epoch[mode] = now - h.epoch_start;
-    h.mode_callers[mode] = h.callers_seen;
+  const double rate =
+      static_cast<double>(h.epoch_calls) / absl::ToDoubleSeconds(now - h.epoch_start);
+  // The best epoch since mode_since, restarted once that is old or the callers changed.
+  if (now - h.mode_since[mode] > kModeRetry || !SameCallers(h.mode_callers[mode], h.callers_seen)) {
+    h.mode_since[mode] = now;
+    h.mode_rate[mode] = rate;
+  } else {
+    h.mode_rate[mode] = std::max(h.mode_rate[mode], rate);
   }
+  h.mode_measured[mode] = now;
+  h.mode_epoch[mode] = now - h.epoch_start;
+  h.mode_callers[mode] = h.callers_seen;
   ++(h.merging ? stats_.merged_epochs : stats_.split_epochs);
   h.epoch_start = now;
   h.epoch_steps = h.epoch_calls = 0;

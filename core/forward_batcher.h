@@ -85,10 +85,11 @@ struct ForwardBatcherOptions {
   // the layer more calls per second. Closed-loop callers split into cohorts keep the lanes busy
   // but each cohort's step reads every weight; merged, one step reads them once, and the device
   // idles while the callers come back. Which wins depends on the step's fixed cost against the
-  // callers' turnaround, so the batcher measures it: per layer, epochs of kModeEpochSteps steps
-  // with and without the wait, the better kept, the other measured again once its measurement
-  // is older than kModeRetry and kModeExploreEvery of its epochs (so exploring costs at most
-  // about 1/kModeExploreEvery of the time), or the layer's callers changed.
+  // callers' turnaround, so the batcher measures it: per layer, epochs (kModeEpochSteps steps and
+  // kModeEpochTime) with and without the wait, each mode's best epoch of the last kModeRetry
+  // compared (a host's pause only lowers an epoch's rate), the better kept, the other measured
+  // again once its measurement is older than kModeRetry and kModeExploreEvery of its epochs (so
+  // exploring costs at most about 1/kModeExploreEvery of the time), or the callers changed.
   bool company_wait_auto = false;
   // Most tokens queued and not yet running; beyond it calls are refused.
   int64_t max_queued_tokens = 16384;
@@ -194,11 +195,12 @@ class ForwardBatcher {
   // callers.
   static constexpr int kHistorySteps = 4;
   static constexpr int kCallerSteps = 2;
-  // company_wait_auto: a measurement epoch's steps, the steps after a change of mode that it
-  // skips (the callers regroup), how long a mode's measured rate decides before it is measured
-  // again, and how much more the merged mode must serve to be kept (else the callers' calls
-  // need not wait).
+  // company_wait_auto: a measurement epoch's least steps and time, the steps after a change of
+  // mode that it skips (the callers regroup), how long a mode's measured rate decides before it
+  // is measured again, and how much more the merged mode must serve to be kept (else the
+  // callers' calls need not wait).
   static constexpr int kModeEpochSteps = 8;
+  static constexpr absl::Duration kModeEpochTime = absl::Milliseconds(25);
   static constexpr int kModeSkipSteps = 2;
   static constexpr absl::Duration kModeRetry = absl::Seconds(1);
   static constexpr int kModeExploreEvery = 16;
@@ -305,10 +307,12 @@ class ForwardBatcher {
     absl::Duration turnaround;
     int64_t turnaround_samples = 0;
     // company_wait_auto: whether the layer waits for company now; per mode (0: split, 1:
-    // merged) the calls per second it served when last measured, when, how long that epoch
-    // took and for how many callers (callers_seen); the epoch being measured.
+    // merged) the most calls per second an epoch served since mode_since, when last measured,
+    // how long that epoch took and for how many callers (callers_seen); the epoch being
+    // measured.
     bool merging = false;
     double mode_rate[2] = {0, 0};
+    absl::Time mode_since[2] = {absl::InfinitePast(), absl::InfinitePast()};
     absl::Time mode_measured[2] = {absl::InfinitePast(), absl::InfinitePast()};
     absl::Duration mode_epoch[2];
     int64_t mode_callers[2] = {0, 0};
