@@ -294,6 +294,7 @@ void ForwardBatcher::UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, abs
     h.merging = merge;
     h.epoch_skip = kModeSkipSteps;
     ++stats_.mode_changes;
+    if (options_.observer) options_.observer->OnCompanyMode(merge);
   }
 }
 

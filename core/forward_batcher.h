@@ -62,6 +62,9 @@ class ForwardBatcherObserver {
   // A small step started beside running ones because they were due to end within lane_lead
   // (it would have waited for them otherwise). Scheduling thread, before the step runs.
   virtual void OnLeadStep() {}
+  // company_wait_auto: a layer's mode changed (merging: it now waits for company). Scheduling
+  // thread.
+  virtual void OnCompanyMode(bool merging) {}
 };
 
 struct ForwardBatcherOptions {

@@ -146,6 +146,13 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                             "--lane_lead_us")
                         .Register(r)
                         .Add({});
+  m->merging_layers_ = &prometheus::BuildGauge()
+                            .Name("moeserve_batch_merging_layers")
+                            .Help(
+                                "Layers whose calls wait for the callers that shared their "
+                                "steps, as --company_wait_us -1 measured to serve more")
+                            .Register(r)
+                            .Add({});
   m->refused_ = &prometheus::BuildCounter()
                      .Name("moeserve_forward_refused_total")
                      .Help(

@@ -30,7 +30,8 @@
 namespace moeserve {
 
 // Also the ForwardBatcher's observer: moeserve_batch_calls / moeserve_batch_tokens per step,
-// moeserve_queued_tokens, moeserve_batch_lead_steps_total, moeserve_forward_refused_total{reason}.
+// moeserve_queued_tokens, moeserve_batch_lead_steps_total, moeserve_batch_merging_layers,
+// moeserve_forward_refused_total{reason}.
 class Metrics : public ForwardBatcherObserver {
  public:
   // Creates the registry and, unless `address` ("host:port", port 0 picks a free one) is
@@ -76,6 +77,10 @@ class Metrics : public ForwardBatcherObserver {
   void OnRefused(absl::StatusCode reason) override;
   // moeserve_batch_lead_steps_total.
   void OnLeadStep() override { lead_steps_->Increment(); }
+  // moeserve_batch_merging_layers (--company_wait_us -1).
+  void OnCompanyMode(bool merging) override {
+    merging ? merging_layers_->Increment() : merging_layers_->Decrement();
+  }
   // moeserve_inflight_requests.
   void IncrementInflight() { inflight_->Increment(); }
   void DecrementInflight() { inflight_->Decrement(); }
@@ -117,6 +122,7 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Histogram* batch_tokens_ = nullptr;
   prometheus::Gauge* queued_tokens_ = nullptr;
   prometheus::Counter* lead_steps_ = nullptr;
+  prometheus::Gauge* merging_layers_ = nullptr;
   prometheus::Family<prometheus::Counter>* refused_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
   prometheus::Gauge* weights_planned_ = nullptr;

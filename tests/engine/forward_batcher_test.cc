@@ -146,7 +146,9 @@ struct CountingObserver : ForwardBatcherObserver {
     if (reason == absl::StatusCode::kResourceExhausted) ++queue_full;
   }
   void OnLeadStep() override { ++lead_steps; }
-  std::atomic<int64_t> step_calls{0}, step_tokens{0}, queue_full{0}, lead_steps{0};
+  void OnCompanyMode(bool merging) override { merging_layers += merging ? 1 : -1; }
+  std::atomic<int64_t> step_calls{0}, step_tokens{0}, queue_full{0}, lead_steps{0},
+      merging_layers{0};
 };
 
 // Beyond max_queued_tokens a call is refused at once, naming the limit; nothing is lost; the
@@ -919,11 +921,13 @@ AutoCompanyOutcome RunAutoCompanyCallers(absl::Duration hold, absl::Duration lat
                                          absl::Duration window) {
   auto engine = ReferenceEngine();
   const ModelConfig& m = engine->info().model;
+  CountingObserver observer;
   auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 512,
                                                         .max_batch_delay = absl::ZeroDuration(),
                                                         .company_wait = absl::Seconds(1),
                                                         .company_wait_auto = true,
-                                                        .inline_max_tokens = 0});
+                                                        .inline_max_tokens = 0,
+                                                        .observer = &observer});
   std::atomic<bool> stop{false};
   // Each step is held once, whatever its calls (as a GPU decode step reads every weight): the
   // first check of a step (one lane: numbered by the steps ended before it) sleeps.
@@ -960,6 +964,8 @@ AutoCompanyOutcome RunAutoCompanyCallers(absl::Duration hold, absl::Duration lat
   stop = true;
   c1.join();
   c2.join();
+  EXPECT_EQ(observer.merging_layers, batcher->stats().merging_layers)
+      << "the observer (metrics) disagrees";
   const int64_t steps = out.stats.steps - before.steps;
   out.calls_per_step = steps > 0 ? static_cast<double>(out.stats.calls - before.calls) / steps : 0;
   return out;

@@ -774,6 +774,7 @@ TEST_F(ServiceTest, MetricsMove) {
   EXPECT_EQ(MetricValue(after, "moeserve_queued_tokens"), 0);
   EXPECT_EQ(MetricValue(after, "moeserve_inflight_requests"), 0);
   EXPECT_EQ(MetricValue(after, "moeserve_batch_lead_steps_total"), 0);  // one lane, no lead
+  EXPECT_EQ(MetricValue(after, "moeserve_batch_merging_layers"), 0);    // no --company_wait_us -1
 }
 
 // A request's tensors as an engine input (views of its bytes): hidden [m, hidden] in `hidden`,
