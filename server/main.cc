@@ -122,7 +122,7 @@ ABSL_FLAG(int64_t, max_batch_tokens, 1024,
 ABSL_FLAG(int64_t, max_batch_delay_us, 0,
           "How long the oldest queued call waits for others to join its step; 0: merge only "
           "what is queued when the engine is free (no added latency for a lone caller)");
-ABSL_FLAG(int64_t, company_wait_us, 0,
+ABSL_FLAG(int64_t, company_wait_us, -2,
           "When a layer's recent steps merged several calls (or served several callers: "
           "connections, streams) and fewer are queued, how long the oldest may wait for the "
           "rest (never longer than twice the layer's last step); a lone caller's layer never "
@@ -131,7 +131,7 @@ ABSL_FLAG(int64_t, company_wait_us, 0,
           "(MXFP8 decode: -14%). -1: auto: per layer, steps with and without the wait are "
           "measured in turns (epochs of 8 steps) and the mode that served more calls per "
           "second is kept, the other measured again after a second and 16 of its epochs, or "
-          "once the layer's callers change");
+          "once the layer's callers change; -2: by backend (-1 on a GPU, 0 on the CPU)");
 ABSL_FLAG(int64_t, lane_lead_us, -1,
           "With two or more steps in flight (a GPU): a step of fewer than half of "
           "--max_batch_tokens starts beside a running one once that one is expected (from recent "
@@ -395,15 +395,16 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   server.warm_graphs = absl::GetFlag(FLAGS_warm_graphs);
   server.batcher.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   server.batcher.max_batch_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_delay_us));
-  if (absl::GetFlag(FLAGS_company_wait_us) < -1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("batcher flags: --company_wait_us must be >= 0, or -1 (auto); got ",
-                     absl::GetFlag(FLAGS_company_wait_us)));
+  const int64_t company_wait_us = absl::GetFlag(FLAGS_company_wait_us);
+  if (company_wait_us < -2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batcher flags: --company_wait_us must be >= 0, -1 (auto) or -2 (by backend); got ",
+        company_wait_us));
   }
-  server.batcher.company_wait_auto = absl::GetFlag(FLAGS_company_wait_us) == -1;
-  server.batcher.company_wait = server.batcher.company_wait_auto
-                                    ? kAutoCompanyWait
-                                    : absl::Microseconds(absl::GetFlag(FLAGS_company_wait_us));
+  // -2: negative, "by backend" (ResolveCompanyWait).
+  server.batcher.company_wait_auto = company_wait_us == -1;
+  server.batcher.company_wait =
+      company_wait_us == -1 ? kAutoCompanyWait : absl::Microseconds(company_wait_us);
   if (absl::GetFlag(FLAGS_lane_lead_us) < -1) {
     return absl::InvalidArgumentError(
         absl::StrCat("batcher flags: --lane_lead_us must be >= 0, or -1 (by backend); got ",
@@ -427,6 +428,7 @@ absl::StatusOr<ProcessOptions> ProcessOptionsFromFlags() {
   ForwardBatcherOptions checked = server.batcher;
   checked.idle_spin = std::max(checked.idle_spin, absl::ZeroDuration());
   checked.lane_lead = std::max(checked.lane_lead, absl::ZeroDuration());
+  checked.company_wait = std::max(checked.company_wait, absl::ZeroDuration());
   if (absl::Status s = ForwardBatcher::CheckOptions(checked); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "batcher flags (--max_batch_tokens, --max_batch_delay_us, --company_wait_us, "

@@ -171,6 +171,12 @@ absl::Duration ResolveIdleSpin(absl::Duration configured, std::string_view backe
   return backend == "cpu" ? absl::ZeroDuration() : kGpuIdleSpin;
 }
 
+void ResolveCompanyWait(std::string_view backend, ForwardBatcherOptions* options) {
+  if (options->company_wait >= absl::ZeroDuration()) return;
+  options->company_wait_auto = backend != "cpu";
+  options->company_wait = options->company_wait_auto ? kAutoCompanyWait : absl::ZeroDuration();
+}
+
 absl::Duration ResolveLaneLead(absl::Duration configured, std::string_view backend) {
   if (configured >= absl::ZeroDuration()) return configured;
   return backend == "cpu" ? absl::ZeroDuration() : kGpuLaneLead;
@@ -188,6 +194,7 @@ absl::Status MoeServer::AttachEngine(Engine* engine) {
   batcher_options.observer = metrics_.get();
   batcher_options.idle_spin = ResolveIdleSpin(batcher_options.idle_spin, engine->info().backend);
   batcher_options.lane_lead = ResolveLaneLead(batcher_options.lane_lead, engine->info().backend);
+  ResolveCompanyWait(engine->info().backend, &batcher_options);
   // Workers that decode requests (--inline_request_bytes >= 0) poll as the scheduling thread
   // does. Those that only send a merged step's answers sleep: one polling under the serving
   // benchmark's overload kept a core busy for little (serving/RESULTS.md 20:35).

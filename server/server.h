@@ -65,6 +65,13 @@ inline constexpr absl::Duration kGpuLaneLead = absl::Microseconds(120);
 // company. Twice the layer's last step bounds it first (a decode step: about a millisecond).
 inline constexpr absl::Duration kAutoCompanyWait = absl::Milliseconds(50);
 
+// The batcher's company wait for an engine of `backend` (`options` as configured): a negative
+// company_wait means "by backend": auto (kAutoCompanyWait) on a GPU, where 8 callers of the
+// seed layer's BF16 decode served 27-30% more calls/s merged on one H100 host and 8-12% more on
+// another, and MXFP8 within +-3% of split (serving/RESULTS.md, 2026-12-06 13:45); off on "cpu",
+// whose steps grow with their tokens.
+void ResolveCompanyWait(std::string_view backend, ForwardBatcherOptions* options);
+
 // The batcher's lane_lead for an engine of `backend`: `configured`, or when negative,
 // kGpuLaneLead on a GPU backend and none on "cpu" (one lane there).
 absl::Duration ResolveLaneLead(absl::Duration configured, std::string_view backend);
@@ -133,7 +140,8 @@ struct ServerOptions {
   // negative batcher.idle_spin means "by backend": kGpuIdleSpin on a GPU engine (a sleeping
   // scheduling thread's wake-up is a third of a one-token call there), none on the CPU (whose
   // steps need the cores). Workers that decode requests (inline_request_bytes >= 0) poll as
-  // long. A negative batcher.lane_lead likewise means "by backend" (ResolveLaneLead).
+  // long. A negative batcher.lane_lead likewise means "by backend" (ResolveLaneLead), and so does
+  // a negative batcher.company_wait (ResolveCompanyWait).
   ForwardBatcherOptions batcher;
   std::string metrics_address = kDefaultMetricsAddress;  // empty: no metrics endpoint
   // TLS of every listen address (all empty: plaintext); with tls.ca_file, mutual TLS. gRPC

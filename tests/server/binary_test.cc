@@ -196,7 +196,7 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
         "--hidden=1073741824", "--hidden=9223372036854775807", "--intermediate=1073741824",
         "--num_experts=100000",
         // Batcher settings (refused with the flags, see below).
-        "--company_wait_us=-1", "--max_batch_delay_us=-1", "--gather_threads=-1",
+        "--company_wait_us=-3", "--max_batch_delay_us=-1", "--gather_threads=-1",
         "--gather_threads=65", "--malloc_trim_threshold_mb=-1",
         "--malloc_trim_threshold_mb=1048577", "--upload_min_bytes=-1", "--inline_request_bytes=-3",
         "--grpc_channel_args=foo", "--grpc_channel_args=grpc.http2.max_frame_size=big",
@@ -211,7 +211,7 @@ TEST(BinaryTest, BadConfigurationExitsOne) {
 // Batcher settings the batcher would refuse are refused with the flags, before the server
 // listens or loads a weight (they used to pass until the weights had loaded).
 TEST(BinaryTest, BadBatcherFlagsAreRefusedBeforeListening) {
-  for (const char* bad : {"--company_wait_us=-2", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
+  for (const char* bad : {"--company_wait_us=-3", "--max_batch_delay_us=-1", "--max_batch_tokens=0",
                           "--max_queued_tokens=0", "--inline_max_tokens=-1",
                           "--max_queue_wait_ms=-1", "--step_spin_us=-2", "--step_spin_us=2000000",
                           "--lane_lead_us=-2", "--lane_lead_us=2000000"}) {

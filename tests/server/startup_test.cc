@@ -237,6 +237,35 @@ TEST(StartupTest, LaneLeadByBackend) {
   server->Shutdown(std::chrono::seconds(5));
 }
 
+TEST(StartupTest, CompanyWaitByBackend) {
+  for (const char* backend : {"cpu", "cuda"}) {
+    SCOPED_TRACE(backend);
+    const bool gpu = std::string_view(backend) != "cpu";
+    ForwardBatcherOptions o;
+    o.company_wait = absl::Microseconds(-1);
+    ResolveCompanyWait(backend, &o);
+    EXPECT_EQ(o.company_wait_auto, gpu);
+    EXPECT_EQ(o.company_wait, gpu ? kAutoCompanyWait : absl::ZeroDuration());
+    EXPECT_TRUE(ForwardBatcher::CheckOptions(o).ok());
+    // As configured: untouched.
+    ForwardBatcherOptions fixed;
+    fixed.company_wait = absl::Microseconds(700);
+    ResolveCompanyWait(backend, &fixed);
+    EXPECT_EQ(fixed.company_wait, absl::Microseconds(700));
+    EXPECT_FALSE(fixed.company_wait_auto);
+  }
+  // A server told "by backend" starts on the CPU engine.
+  ServerOptions options;
+  options.listen_addresses = {"127.0.0.1:0"};
+  options.metrics_address = "";
+  options.batcher.company_wait = absl::Microseconds(-1);
+  std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
+  std::unique_ptr<Engine> engine = SmallCpuEngine();
+  absl::Status attached = server->AttachEngine(engine.get());
+  EXPECT_TRUE(attached.ok()) << attached;
+  server->Shutdown(std::chrono::seconds(5));
+}
+
 TEST(StartupTest, ShutdownWithoutAnEngine) {
   ServerOptions options;
   options.listen_addresses = {"127.0.0.1:0"};
