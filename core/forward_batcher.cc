@@ -260,6 +260,15 @@ bool SameCallers(int64_t a, int64_t b) { return 4 * std::abs(a - b) <= std::max(
 }  // namespace
 
 void ForwardBatcher::UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, absl::Time now) {
+  if (h.expected_calls <= 1) {  // a lone caller: no company to wait for, no mode to measure
+    if (h.merging) {
+      h.merging = false;
+      ++stats_.mode_changes;
+      if (options_.observer) options_.observer->OnCompanyMode(false);
+    }
+    h.epoch_skip = kModeSkipSteps;
+    return;
+  }
   if (h.epoch_skip > 0) {  // just after a change of mode: the callers regroup
     if (--h.epoch_skip == 0) {
       h.epoch_start = now;

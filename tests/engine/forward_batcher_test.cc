@@ -993,6 +993,33 @@ TEST(ForwardBatcherTest, AutoCompanyWaitSplitsWhereMergingServesLess) {
   EXPECT_LT(o.calls_per_step, 1.5);
 }
 
+// A lone caller's layer has no company to wait for: no epochs are measured and its mode stays
+// split (the merging_layers metric does not flip with every epoch), and its calls still run
+// inline.
+TEST(ForwardBatcherTest, AutoCompanyWaitLeavesALoneCallerAlone) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  CountingObserver observer;
+  auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_delay = absl::ZeroDuration(),
+                                                        .company_wait = absl::Seconds(1),
+                                                        .company_wait_auto = true,
+                                                        .observer = &observer});
+  std::mt19937 rng(43);
+  for (int i = 0; i < 40; ++i) {  // 80+ ms: epochs (8 steps, 25 ms) would have ended
+    Call c = MakeCall(m, 2, 0, DType::kFP32, rng);
+    ASSERT_TRUE(SubmitAsync(*batcher, c, absl::InfiniteFuture(), HoldStep(absl::Milliseconds(2)),
+                            CallSource{.caller = 1})
+                    .get()
+                    .first.ok());
+  }
+  const ForwardBatcherStats s = batcher->stats();
+  EXPECT_EQ(s.merged_epochs + s.split_epochs, 0);
+  EXPECT_EQ(s.mode_changes, 0);
+  EXPECT_EQ(s.merging_layers, 0);
+  EXPECT_EQ(observer.merging_layers, 0);
+  EXPECT_EQ(s.inline_steps, 40);
+}
+
 TEST(ForwardBatcherTest, AutoCompanyWaitNeedsALongestWait) {
   auto engine = ReferenceEngine();
   auto bad = ForwardBatcher::Create(engine.get(), {.company_wait_auto = true});
