@@ -249,6 +249,11 @@ ForwardBatcher::Company ForwardBatcher::ExpectedCompanyLocked(int layer) const {
   company.calls = it->second.expected_calls;
   if (company.calls > 1 && (!options_.company_wait_auto || it->second.merging)) {
     company.wait = std::min(options_.company_wait, 2 * it->second.last_step);
+    // The bound on a call's wait for its step (the deployment's latency setting) bounds the
+    // wait for company too: the admission estimate does not count it.
+    if (options_.max_queue_wait > absl::ZeroDuration()) {
+      company.wait = std::min(company.wait, options_.max_queue_wait);
+    }
   }
   return company;
 }
