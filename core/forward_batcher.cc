@@ -264,13 +264,16 @@ namespace {
 bool SameCallers(int64_t a, int64_t b) { return 4 * std::abs(a - b) <= std::max(a, b); }
 }  // namespace
 
+void ForwardBatcher::SetCompanyModeLocked(LayerHistory& h, bool merging) {
+  h.merging = merging;
+  h.epoch_skip = kModeSkipSteps;
+  ++stats_.mode_changes;
+  if (options_.observer) options_.observer->OnCompanyMode(merging);
+}
+
 void ForwardBatcher::UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, absl::Time now) {
   if (h.expected_calls <= 1) {  // a lone caller: no company to wait for, no mode to measure
-    if (h.merging) {
-      h.merging = false;
-      ++stats_.mode_changes;
-      if (options_.observer) options_.observer->OnCompanyMode(false);
-    }
+    if (h.merging) SetCompanyModeLocked(h, false);
     h.epoch_skip = kModeSkipSteps;
     return;
   }
@@ -283,33 +286,29 @@ void ForwardBatcher::UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, abs
   }
   h.epoch_calls += calls;
   if (++h.epoch_steps < kModeEpochSteps || now - h.epoch_start < kModeEpochTime) return;
-  const int mode = h.merging ? 1 : 0, other = 1 - mode;
+  LayerHistory::ModeRecord& mine = h.modes[h.merging ? 1 : 0];
+  const LayerHistory::ModeRecord& other = h.modes[h.merging ? 0 : 1];
   const double rate =
       static_cast<double>(h.epoch_calls) / absl::ToDoubleSeconds(now - h.epoch_start);
-  // The best epoch since mode_since, restarted once that is old or the callers changed.
-  if (now - h.mode_since[mode] > kModeRetry || !SameCallers(h.mode_callers[mode], h.callers_seen)) {
-    h.mode_since[mode] = now;
-    h.mode_rate[mode] = rate;
+  // The best epoch since `since`, restarted once that is old or the callers changed.
+  if (now - mine.since > kModeRetry || !SameCallers(mine.callers, h.callers_seen)) {
+    mine.since = now;
+    mine.rate = rate;
   } else {
-    h.mode_rate[mode] = std::max(h.mode_rate[mode], rate);
+    mine.rate = std::max(mine.rate, rate);
   }
-  h.mode_measured[mode] = now;
-  h.mode_epoch[mode] = now - h.epoch_start;
-  h.mode_callers[mode] = h.callers_seen;
+  mine.measured = now;
+  mine.epoch = now - h.epoch_start;
+  mine.callers = h.callers_seen;
   ++(h.merging ? stats_.merged_epochs : stats_.split_epochs);
   h.epoch_start = now;
   h.epoch_steps = h.epoch_calls = 0;
   // The other mode is measured again once its rate is old or was for other callers.
-  const bool other_known = now - h.mode_measured[other] <=
-                               std::max(kModeRetry, kModeExploreEvery * h.mode_epoch[other]) &&
-                           SameCallers(h.mode_callers[other], h.callers_seen);
-  const bool merge = other_known ? h.mode_rate[1] > kMergeMargin * h.mode_rate[0] : !h.merging;
-  if (merge != h.merging) {
-    h.merging = merge;
-    h.epoch_skip = kModeSkipSteps;
-    ++stats_.mode_changes;
-    if (options_.observer) options_.observer->OnCompanyMode(merge);
-  }
+  const bool other_known =
+      now - other.measured <= std::max(kModeRetry, kModeExploreEvery * other.epoch) &&
+      SameCallers(other.callers, h.callers_seen);
+  const bool merge = other_known ? h.modes[1].rate > kMergeMargin * h.modes[0].rate : !h.merging;
+  if (merge != h.merging) SetCompanyModeLocked(h, merge);
 }
 
 void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, bool stopped) {

@@ -309,16 +309,17 @@ class ForwardBatcher {
     absl::flat_hash_map<uint64_t, absl::Time> answered;
     absl::Duration turnaround;
     int64_t turnaround_samples = 0;
-    // company_wait_auto: whether the layer waits for company now; per mode (0: split, 1:
-    // merged) the most calls per second an epoch served since mode_since, when last measured,
-    // how long that epoch took and for how many callers (callers_seen); the epoch being
-    // measured.
+    // company_wait_auto: whether the layer waits for company now, what each mode (0: split,
+    // 1: merged) measured, and the epoch being measured.
+    struct ModeRecord {
+      double rate = 0;                             // the best epoch's calls/s since `since`
+      absl::Time since = absl::InfinitePast();     // when that best-of run began
+      absl::Time measured = absl::InfinitePast();  // the last epoch's end
+      absl::Duration epoch;                        // the last epoch's length
+      int64_t callers = 0;                         // callers_seen then
+    };
     bool merging = false;
-    double mode_rate[2] = {0, 0};
-    absl::Time mode_since[2] = {absl::InfinitePast(), absl::InfinitePast()};
-    absl::Time mode_measured[2] = {absl::InfinitePast(), absl::InfinitePast()};
-    absl::Duration mode_epoch[2];
-    int64_t mode_callers[2] = {0, 0};
+    ModeRecord modes[2];
     int epoch_skip = kModeSkipSteps;
     int64_t epoch_steps = 0, epoch_calls = 0;
     absl::Time epoch_start;
@@ -338,6 +339,9 @@ class ForwardBatcher {
   // into its epoch; at the epoch's end records the mode's rate and picks the next mode. Under
   // mu_.
   void UpdateCompanyModeLocked(LayerHistory& h, int64_t calls, absl::Time now);
+  // Switches the layer of `h` to `merging` (a change: counted, the observer told, the next
+  // kModeSkipSteps steps skipped). Under mu_.
+  void SetCompanyModeLocked(LayerHistory& h, bool merging);
   // A call of `caller` for `layer` arrived at `now`: its turnaround since its last answer.
   // Under mu_.
   void NoteReturnLocked(int layer, uint64_t caller, absl::Time now);

@@ -52,6 +52,21 @@ std::unique_ptr<Engine> SmallCpuEngine() {
   return Engine::Create(engine_options).value();
 }
 
+// A server with `batcher` (settings "by backend" left negative: the server resolves them before
+// the batcher sees them, which refuses negative ones) attaches the small CPU engine and serves.
+void ExpectServesOnTheCpu(const ForwardBatcherOptions& batcher) {
+  ServerOptions options;
+  options.listen_addresses = {"127.0.0.1:0"};
+  options.metrics_address = "";
+  options.batcher = batcher;
+  std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
+  std::unique_ptr<Engine> engine = SmallCpuEngine();
+  absl::Status attached = server->AttachEngine(engine.get());
+  EXPECT_TRUE(attached.ok()) << attached;
+  EXPECT_TRUE(server->serving());
+  server->Shutdown(std::chrono::seconds(5));
+}
+
 TEST(StartupTest, BoundBeforeTheEngineThenServing) {
   ServerOptions options;
   options.listen_addresses = {"127.0.0.1:0"};
@@ -204,16 +219,9 @@ TEST(StartupTest, IdleSpinByBackend) {
   EXPECT_EQ(ResolveIdleSpin(absl::ZeroDuration(), "cuda"), absl::ZeroDuration());
 
   // The server resolves it before the batcher sees it (which refuses a negative one).
-  ServerOptions options;
-  options.listen_addresses = {"127.0.0.1:0"};
-  options.metrics_address = "";
-  options.batcher.idle_spin = absl::Microseconds(-1);
-  std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
-  std::unique_ptr<Engine> engine = SmallCpuEngine();
-  absl::Status attached = server->AttachEngine(engine.get());
-  EXPECT_TRUE(attached.ok()) << attached;
-  EXPECT_TRUE(server->serving());
-  server->Shutdown(std::chrono::seconds(5));
+  ForwardBatcherOptions batcher;
+  batcher.idle_spin = absl::Microseconds(-1);
+  ExpectServesOnTheCpu(batcher);
 }
 
 // A negative lane_lead is "by backend" too: a lead on a GPU (two lanes), none on the CPU; a set
@@ -225,16 +233,9 @@ TEST(StartupTest, LaneLeadByBackend) {
   EXPECT_EQ(ResolveLaneLead(absl::Microseconds(300), "cpu"), absl::Microseconds(300));
   EXPECT_EQ(ResolveLaneLead(absl::ZeroDuration(), "cuda"), absl::ZeroDuration());
 
-  ServerOptions options;
-  options.listen_addresses = {"127.0.0.1:0"};
-  options.metrics_address = "";
-  options.batcher.lane_lead = absl::Microseconds(-1);
-  std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
-  std::unique_ptr<Engine> engine = SmallCpuEngine();
-  absl::Status attached = server->AttachEngine(engine.get());
-  EXPECT_TRUE(attached.ok()) << attached;
-  EXPECT_TRUE(server->serving());
-  server->Shutdown(std::chrono::seconds(5));
+  ForwardBatcherOptions batcher;
+  batcher.lane_lead = absl::Microseconds(-1);
+  ExpectServesOnTheCpu(batcher);
 }
 
 TEST(StartupTest, CompanyWaitByBackend) {
@@ -255,15 +256,9 @@ TEST(StartupTest, CompanyWaitByBackend) {
     EXPECT_FALSE(fixed.company_wait_auto);
   }
   // A server told "by backend" starts on the CPU engine.
-  ServerOptions options;
-  options.listen_addresses = {"127.0.0.1:0"};
-  options.metrics_address = "";
-  options.batcher.company_wait = absl::Microseconds(-1);
-  std::unique_ptr<MoeServer> server = MoeServer::Bind(options).value();
-  std::unique_ptr<Engine> engine = SmallCpuEngine();
-  absl::Status attached = server->AttachEngine(engine.get());
-  EXPECT_TRUE(attached.ok()) << attached;
-  server->Shutdown(std::chrono::seconds(5));
+  ForwardBatcherOptions batcher;
+  batcher.company_wait = absl::Microseconds(-1);
+  ExpectServesOnTheCpu(batcher);
 }
 
 TEST(StartupTest, ShutdownWithoutAnEngine) {
