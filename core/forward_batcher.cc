@@ -350,16 +350,17 @@ void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, boo
   }
 }
 
-void ForwardBatcher::NoteReturnLocked(int layer, uint64_t caller, absl::Time now) {
+absl::Duration ForwardBatcher::NoteReturnLocked(int layer, uint64_t caller, absl::Time now) {
   const auto it = history_.find(layer);
-  if (it == history_.end()) return;
+  if (it == history_.end()) return -absl::InfiniteDuration();
   LayerHistory& h = it->second;
   const auto answered = h.answered.find(caller);
-  if (answered == h.answered.end()) return;
+  if (answered == h.answered.end()) return -absl::InfiniteDuration();
   const absl::Duration sample = std::max(now - answered->second, absl::ZeroDuration());
   h.answered.erase(answered);
   h.turnaround = h.turnaround_samples == 0 ? sample : (3 * h.turnaround + sample) / 4;
   ++h.turnaround_samples;
+  return sample;
 }
 
 bool ForwardBatcher::LeadReadyLocked(int layer, int64_t calls, int64_t tokens) const {
@@ -418,10 +419,11 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
                     output.device().is_host();
   bool wake = true;
   uint64_t step_id = 0;
+  absl::Duration turnaround = -absl::InfiniteDuration();
+  absl::Status refused;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (call->caller != 0) NoteReturnLocked(input.layer, call->caller, call->enqueued);
-    absl::Status refused;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (call->caller != 0) turnaround = NoteReturnLocked(input.layer, call->caller, call->enqueued);
     if (stop_) {
       refused = absl::UnavailableError("Forward: the server is shutting down");
     } else if (stats_.queued_tokens + m > options_.max_queued_tokens) {
@@ -445,18 +447,12 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
             "; retry later or elsewhere"));
       }
     }
-    if (!refused.ok()) {
-      lock.unlock();
-      if (options_.observer && refused.code() == absl::StatusCode::kResourceExhausted) {
-        options_.observer->OnRefused(refused.code());
-      }
-      return call->done(refused, no_timings);
-    }
     // A call that cannot share a step (device tensors) gains nothing from waiting or from a
     // scheduling thread, whatever its size.
     // Nor does a small call whose layer has no company to expect.
+    // A refused call is answered below, without the lock.
     const bool run_here =
-        source.may_run_inline && options_.inline_max_tokens > 0 && queue_.empty() &&
+        refused.ok() && source.may_run_inline && options_.inline_max_tokens > 0 && queue_.empty() &&
         running_steps_.empty() &&
         (!call->mergeable ||
          (m <= options_.inline_max_tokens && options_.max_batch_delay == absl::ZeroDuration() &&
@@ -466,7 +462,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       // and merge as usual (a second step only with half a step of work, see Loop).
       step_id = BeginStepLocked(input.layer, 1, m);
       ++stats_.inline_steps;
-    } else {
+    } else if (refused.ok()) {
       CountQueuedLocked(*call, +1);
       queue_.push_back(std::move(call));
       queued_calls_.store(static_cast<int64_t>(queue_.size()), std::memory_order_release);
@@ -476,9 +472,16 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
       wake = !spinning_;
     }
   }
-  if (call == nullptr) {
-    if (wake) cv_.notify_all();
-    return;
+  if (call == nullptr && wake) cv_.notify_all();
+  if (options_.observer && turnaround >= absl::ZeroDuration()) {
+    options_.observer->OnTurnaround(turnaround);
+  }
+  if (call == nullptr) return;
+  if (!refused.ok()) {
+    if (options_.observer && refused.code() == absl::StatusCode::kResourceExhausted) {
+      options_.observer->OnRefused(refused.code());
+    }
+    return call->done(refused, no_timings);
   }
   Step step;
   step.push_back(std::move(call));
@@ -616,6 +619,26 @@ bool ForwardBatcher::PollForCall() const {
 }
 
 namespace {
+
+// A merged step's answers counted down as they are handed on (on whichever thread): the last
+// tells the observer where the step's time went.
+class AnswerClock {
+ public:
+  AnswerClock(ForwardBatcherObserver* observer, const MergedStepTimes& times, absl::Time engine_end,
+              size_t calls)
+      : observer_(observer), times_(times), engine_end_(engine_end), left_(calls) {}
+  void Answered() {
+    if (left_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    times_.answers = absl::Now() - engine_end_;  // after every other answer's count
+    observer_->OnMergedStep(times_);
+  }
+
+ private:
+  ForwardBatcherObserver* const observer_;
+  MergedStepTimes times_;
+  const absl::Time engine_end_;
+  std::atomic<size_t> left_;
+};
 
 // Whether `c`'s caller gave up by `now`: DEADLINE_EXCEEDED or CANCELLED (`when` says at what
 // point), else OK.
@@ -787,15 +810,17 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
   ForwardTimings timings;
   absl::Status status;
   TensorView merged_output;
+  absl::Time engine_start = start;
   const bool time_stages = TimeStages(live);
   if (live.size() == 1) {
     // Alone: straight from and into the caller's buffers.
     status =
         engine_->ForwardValidated(live[0]->input, live[0]->output, &timings, stop, time_stages);
   } else {
-    status = MergeAndRun(live, buffers, &timings, stop, time_stages, &merged_output);
+    status = MergeAndRun(live, buffers, &timings, stop, time_stages, &merged_output, &engine_start);
   }
-  const absl::Duration took = absl::Now() - start;
+  const absl::Time engine_end = absl::Now();
+  const absl::Duration took = engine_end - start;
   const bool stopped = status.code() == absl::StatusCode::kDeadlineExceeded ||
                        status.code() == absl::StatusCode::kCancelled;
   int64_t step_tokens = 0, queued_tokens = 0;
@@ -837,6 +862,21 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
     options_.observer->OnStep(static_cast<int64_t>(live.size()), step_tokens, queued_tokens);
   }
   const absl::Time end = absl::Now();
+  std::shared_ptr<AnswerClock> clock;
+  if (options_.observer != nullptr && status.ok() && live.size() > 1) {
+    MergedStepTimes times;
+    times.calls = static_cast<int64_t>(live.size());
+    absl::Time first = absl::InfiniteFuture(), last = absl::InfinitePast();
+    for (const auto& c : live) {
+      first = std::min(first, c->enqueued);
+      last = std::max(last, c->enqueued);
+    }
+    times.arrivals = last - first;
+    times.take = start - last;
+    times.merge = engine_start - start;
+    times.engine = engine_end - engine_start;
+    clock = std::make_shared<AnswerClock>(options_.observer, times, engine_end, live.size());
+  }
   for (size_t i = 0; i < live.size(); ++i) {
     std::unique_ptr<Call>& c = live[i];
     ForwardTimings mine = timings;
@@ -857,12 +897,16 @@ void ForwardBatcher::RunStep(Step calls, StepBuffers* buffers, uint64_t step_id)
     }
     if (i + 1 < live.size() && options_.answer_executor) {
       // The executor gets a copy: a task it does not take is answered here.
-      std::function<void()> answer = [call = std::shared_ptr<Call>(std::move(c)), mine_status,
-                                      mine] { call->done(mine_status, mine); };
+      std::function<void()> answer = [call = std::shared_ptr<Call>(std::move(c)), mine_status, mine,
+                                      clock] {
+        call->done(mine_status, mine);
+        if (clock) clock->Answered();
+      };
       if (!options_.answer_executor(answer)) answer();
       continue;
     }
     c->done(mine_status, mine);
+    if (clock) clock->Answered();
   }
 }
 
@@ -930,7 +974,8 @@ absl::StatusOr<TensorView> ForwardBatcher::MergeBuffer::TryGet(DType dtype, cons
 
 absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
                                          ForwardTimings* timings, const StopCheck& stop,
-                                         bool time_stages, TensorView* merged_output) {
+                                         bool time_stages, TensorView* merged_output,
+                                         absl::Time* engine_start) {
   const ForwardInput& first = live[0]->input;
   const int64_t hidden = first.hidden_states.dim(1), topk = first.topk_ids.dim(1);
   const DType dtype = first.hidden_states.dtype();
@@ -961,6 +1006,7 @@ absl::Status ForwardBatcher::MergeAndRun(const Step& live, StepBuffers* buffers,
                 n * topk * sizeof(float));
     at += n;
   }
+  *engine_start = absl::Now();
   MOESERVE_RETURN_IF_ERROR(engine_->ForwardValidated(merged, output, timings, stop, time_stages));
   *merged_output = output;
   return absl::OkStatus();

@@ -49,6 +49,16 @@
 
 namespace moeserve {
 
+// Where a merged step's time went, from its first call's arrival to its last call's answer
+// (ForwardBatcherObserver::OnMergedStep): the spread of its calls' arrivals (first to last),
+// the last arrival to the step's start (waiting for a lane, or a scheduling thread's wake-up),
+// the merge (its calls' rows gathered into one step), the engine, and the answers (the engine's
+// end to the last call's answer handed on: copied out of the merged step and sent).
+struct MergedStepTimes {
+  int64_t calls = 0;
+  absl::Duration arrivals, take, merge, engine, answers;
+};
+
 // Told what the batcher does, e.g. for metrics. Must outlive the batcher; thread-safe.
 class ForwardBatcherObserver {
  public:
@@ -65,6 +75,13 @@ class ForwardBatcherObserver {
   // company_wait_auto: a layer's mode changed (merging: it now waits for company). Scheduling
   // thread.
   virtual void OnCompanyMode(bool merging) {}
+  // A merged step's last call was answered. The thread that answered it (a scheduling thread
+  // or answer_executor's).
+  virtual void OnMergedStep(const MergedStepTimes& times) {}
+  // A caller (CallSource::caller) called a layer again this long after its last step of that
+  // layer ended: its answer, its own work and its request's way in (what company_wait and
+  // lane_lead expect of it). Submitting thread.
+  virtual void OnTurnaround(absl::Duration turnaround) {}
 };
 
 struct ForwardBatcherOptions {
@@ -342,9 +359,9 @@ class ForwardBatcher {
   // Switches the layer of `h` to `merging` (a change: counted, the observer told, the next
   // kModeSkipSteps steps skipped). Under mu_.
   void SetCompanyModeLocked(LayerHistory& h, bool merging);
-  // A call of `caller` for `layer` arrived at `now`: its turnaround since its last answer.
-  // Under mu_.
-  void NoteReturnLocked(int layer, uint64_t caller, absl::Time now);
+  // A call of `caller` for `layer` arrived at `now`: its turnaround since its last answer
+  // (returned; negative where the caller's last step is not remembered). Under mu_.
+  absl::Duration NoteReturnLocked(int layer, uint64_t caller, absl::Time now);
   // Whether a lead step (lane_lead) of `calls` queued calls of `layer`, `tokens` in all, may
   // start: its cohort is in -- as many calls as the callers of the layer's remembered steps
   // (LayerHistory::callers_seen) less the calls of its running steps -- and it pays: its
@@ -384,9 +401,10 @@ class ForwardBatcher {
   // Several calls as one engine step through `buffers` (the merged input and output).
   // On success *merged_output holds the calls' answers one after another (in `buffers`, copied
   // to each call's output by RunStep once the step has ended: the next step need not wait for
-  // those copies).
+  // those copies). *engine_start: when the rows were merged and the engine began.
   absl::Status MergeAndRun(const Step& live, StepBuffers* buffers, ForwardTimings* timings,
-                           const StopCheck& stop, bool time_stages, TensorView* merged_output);
+                           const StopCheck& stop, bool time_stages, TensorView* merged_output,
+                           absl::Time* engine_start);
   // Whether the step of `live` runs its stage timers (stage_timing_every); counts it.
   bool TimeStages(const Step& live);
 

@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <exception>
+#include <iterator>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "core/background_release.h"
 #include "core/status_macros.h"
 #include "moeserve_build_info.h"
@@ -153,6 +155,30 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                                 "steps, as --company_wait_us -1 measured to serve more")
                             .Register(r)
                             .Add({});
+  m->merged_steps_ = &prometheus::BuildCounter()
+                          .Name("moeserve_batch_merged_steps_total")
+                          .Help("Engine steps that merged several Forward calls")
+                          .Register(r)
+                          .Add({});
+  auto& phases = prometheus::BuildCounter()
+                     .Name("moeserve_batch_merged_step_seconds_total")
+                     .Help(
+                         "Where merged steps' time went, by phase: arrivals (first call to "
+                         "last), take (last arrival to the step's start), merge (rows gathered), "
+                         "engine, answers (engine's end to the last answer handed on)")
+                     .Register(r);
+  const char* const kPhases[] = {"arrivals", "take", "merge", "engine", "answers"};
+  for (size_t i = 0; i < m->merged_phase_.size(); ++i) {
+    m->merged_phase_[i] = &phases.Add({{"phase", kPhases[i]}});
+  }
+  m->turnaround_ = &prometheus::BuildHistogram()
+                        .Name("moeserve_caller_turnaround_seconds")
+                        .Help(
+                            "From a caller's engine step's end to its next call of that layer "
+                            "(its answer, its own work, its request's way in); callers known "
+                            "by their connection or stream")
+                        .Register(r)
+                        .Add({}, StageBuckets());
   m->refused_ = &prometheus::BuildCounter()
                      .Name("moeserve_forward_refused_total")
                      .Help(
@@ -368,6 +394,20 @@ void Metrics::OnRefused(absl::StatusCode reason) {
                      : reason == absl::StatusCode::kDeadlineExceeded ? "deadline"
                                                                      : "cancelled";
   refused_->Add({{"reason", name}}).Increment();
+}
+
+void Metrics::OnMergedStep(const MergedStepTimes& times) {
+  merged_steps_->Increment();
+  const absl::Duration phases[] = {times.arrivals, times.take, times.merge, times.engine,
+                                   times.answers};
+  static_assert(std::size(phases) == std::tuple_size_v<decltype(merged_phase_)>);
+  for (size_t i = 0; i < merged_phase_.size(); ++i) {
+    merged_phase_[i]->Increment(absl::ToDoubleSeconds(phases[i]));
+  }
+}
+
+void Metrics::OnTurnaround(absl::Duration turnaround) {
+  turnaround_->Observe(absl::ToDoubleSeconds(turnaround));
 }
 
 void Metrics::RecordStages(double queue_us, const ForwardTimings& timings) {

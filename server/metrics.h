@@ -31,6 +31,7 @@ namespace moeserve {
 
 // Also the ForwardBatcher's observer: moeserve_batch_calls / moeserve_batch_tokens per step,
 // moeserve_queued_tokens, moeserve_batch_lead_steps_total, moeserve_batch_merging_layers,
+// moeserve_batch_merged_step_seconds_total{phase}, moeserve_caller_turnaround_seconds,
 // moeserve_forward_refused_total{reason}.
 class Metrics : public ForwardBatcherObserver {
  public:
@@ -81,6 +82,11 @@ class Metrics : public ForwardBatcherObserver {
   void OnCompanyMode(bool merging) override {
     merging ? merging_layers_->Increment() : merging_layers_->Decrement();
   }
+  // moeserve_batch_merged_steps_total and moeserve_batch_merged_step_seconds_total{phase=
+  // arrivals|take|merge|engine|answers}: where merged steps' time went (MergedStepTimes).
+  void OnMergedStep(const MergedStepTimes& times) override;
+  // moeserve_caller_turnaround_seconds: from a caller's step's end to its next call of the layer.
+  void OnTurnaround(absl::Duration turnaround) override;
   // moeserve_inflight_requests.
   void IncrementInflight() { inflight_->Increment(); }
   void DecrementInflight() { inflight_->Decrement(); }
@@ -123,6 +129,10 @@ class Metrics : public ForwardBatcherObserver {
   prometheus::Gauge* queued_tokens_ = nullptr;
   prometheus::Counter* lead_steps_ = nullptr;
   prometheus::Gauge* merging_layers_ = nullptr;
+  prometheus::Counter* merged_steps_ = nullptr;
+  // moeserve_batch_merged_step_seconds_total by phase, in MergedStepTimes' order.
+  std::array<prometheus::Counter*, 5> merged_phase_{};
+  prometheus::Histogram* turnaround_ = nullptr;
   prometheus::Family<prometheus::Counter>* refused_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
   prometheus::Gauge* weights_planned_ = nullptr;

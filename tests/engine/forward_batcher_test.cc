@@ -1107,6 +1107,93 @@ TEST(ForwardBatcherTest, AnswerExecutorTakesAllButTheLastAnswerOfAStep) {
   }
 }
 
+// The observer hears where a merged step's time went: its calls' arrivals spread over the
+// gaps between them, the rest of the head's batch delay before the step starts, the engine
+// (held 30 ms), and the answers up to the last one handed on -- counted when an executor's
+// answer is done (each held 40 ms here), not when it is handed over. A caller known by name
+// also reports its turnaround: from its step's end to its next call.
+TEST(ForwardBatcherTest, ObserverHearsWhereAMergedStepsTimeWent) {
+  auto engine = ReferenceEngine();
+  const ModelConfig& m = engine->info().model;
+  struct PhaseObserver : CountingObserver {
+    void OnMergedStep(const MergedStepTimes& t) override {
+      std::lock_guard<std::mutex> lock(mu);
+      merged.push_back(t);
+    }
+    void OnTurnaround(absl::Duration t) override {
+      std::lock_guard<std::mutex> lock(mu);
+      turnarounds.push_back(t);
+    }
+    std::mutex mu;
+    std::vector<MergedStepTimes> merged;
+    std::vector<absl::Duration> turnarounds;
+  } observer;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  auto batcher = *ForwardBatcher::Create(
+      engine.get(), {.max_batch_tokens = 256,
+                     .max_batch_delay = absl::Milliseconds(100),
+                     .company_wait = absl::Milliseconds(1),  // keeps the callers' history
+                     .observer = &observer,
+                     .answer_executor = [&](std::function<void()> task) {
+                       std::lock_guard<std::mutex> lock(mu);
+                       threads.emplace_back([task = std::move(task)] {
+                         absl::SleepFor(absl::Milliseconds(40));
+                         task();
+                       });
+                       return true;
+                     }});
+  std::mt19937 rng(23);
+  std::vector<Call> calls;
+  for (int i = 0; i < 3; ++i) calls.push_back(MakeCall(m, 4, 0, DType::kBF16, rng));
+  std::vector<std::future<std::pair<absl::Status, ForwardTimings>>> futures;
+  // The first poll is RunStep's, before the merge; the next ones come between engine stages.
+  auto polls = std::make_shared<std::atomic<int>>(0);
+  std::function<bool()> hold_engine = [polls] {
+    if (polls->fetch_add(1) == 1) absl::SleepFor(absl::Milliseconds(30));
+    return false;
+  };
+  const absl::Time first = absl::Now();
+  for (int i = 0; i < 3; ++i) {
+    if (i > 0) absl::SleepFor(absl::Milliseconds(10));
+    futures.push_back(SubmitAsync(*batcher, calls[i], absl::InfiniteFuture(),
+                                  i == 0 ? hold_engine : nullptr,
+                                  CallSource{.caller = static_cast<uint64_t>(i + 1)}));
+  }
+  for (auto& f : futures) ASSERT_TRUE(f.get().first.ok());
+  const absl::Duration whole = absl::Now() - first;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (std::thread& t : threads) t.join();
+    threads.clear();
+  }
+  ASSERT_EQ(batcher->stats().steps, 1);
+  {
+    std::lock_guard<std::mutex> lock(observer.mu);
+    ASSERT_EQ(observer.merged.size(), 1u);
+    const MergedStepTimes& t = observer.merged[0];
+    EXPECT_EQ(t.calls, 3);
+    EXPECT_GE(t.arrivals, absl::Milliseconds(20));
+    EXPECT_GE(t.arrivals + t.take, absl::Milliseconds(99));  // the head's batch delay
+    EXPECT_GE(t.merge, absl::ZeroDuration());
+    EXPECT_GE(t.engine, absl::Milliseconds(30));
+    EXPECT_GE(t.answers, absl::Milliseconds(40));
+    EXPECT_LE(t.arrivals + t.take + t.merge + t.engine + t.answers, whole);
+    EXPECT_TRUE(observer.turnarounds.empty());  // no caller has called twice yet
+  }
+  // Caller 2 calls again 25 ms after its answer: its turnaround includes that (and its
+  // answer's 40 ms on the executor).
+  absl::SleepFor(absl::Milliseconds(25));
+  Call again = MakeCall(m, 4, 0, DType::kBF16, rng);
+  ASSERT_TRUE(SubmitAsync(*batcher, again, absl::InfiniteFuture(), nullptr, CallSource{.caller = 2})
+                  .get()
+                  .first.ok());
+  std::lock_guard<std::mutex> lock(observer.mu);
+  ASSERT_EQ(observer.turnarounds.size(), 1u);
+  EXPECT_GE(observer.turnarounds[0], absl::Milliseconds(65));
+  EXPECT_EQ(observer.merged.size(), 1u);  // a lone call's step is not a merged one
+}
+
 // A negative inline_max_tokens is refused, naming the option.
 // idle_spin: a caller that calls again soon after its answer finds a polling scheduling thread
 // (no wake-up), answers stay exact, concurrent callers still merge, and the destructor ends a

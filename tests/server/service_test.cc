@@ -24,6 +24,7 @@
 #include "core/model_config.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "moeserve/v1/moeserve.grpc.pb.h"
+#include "server/metrics.h"
 #include "server/server.h"
 #include "tests/server/test_util.h"
 
@@ -775,6 +776,47 @@ TEST_F(ServiceTest, MetricsMove) {
   EXPECT_EQ(MetricValue(after, "moeserve_inflight_requests"), 0);
   EXPECT_EQ(MetricValue(after, "moeserve_batch_lead_steps_total"), 0);  // one lane, no lead
   EXPECT_EQ(MetricValue(after, "moeserve_batch_merging_layers"), 0);    // no --company_wait_us -1
+  // Sequential calls merge nothing; without a company wait or a lane lead (the CPU's default)
+  // no caller's history is kept, so no turnaround is measured.
+  EXPECT_EQ(MetricValue(after, "moeserve_batch_merged_steps_total"), 0);
+  for (const char* phase : {"arrivals", "take", "merge", "engine", "answers"}) {
+    EXPECT_EQ(MetricValue(after, "moeserve_batch_merged_step_seconds_total",
+                          {absl::StrCat("phase=\"", phase, "\"")}),
+              0)
+        << phase;
+  }
+  EXPECT_EQ(MetricValue(after, "moeserve_caller_turnaround_seconds_count"), 0);
+}
+
+// The batcher's reports of merged steps and turnarounds land in their series.
+TEST(MetricsTest, MergedStepPhasesAndTurnarounds) {
+  auto metrics = Metrics::Create("127.0.0.1:0");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  MergedStepTimes t;
+  t.calls = 3;
+  t.arrivals = absl::Microseconds(100);
+  t.take = absl::Microseconds(20);
+  t.merge = absl::Microseconds(30);
+  t.engine = absl::Microseconds(600);
+  t.answers = absl::Microseconds(90);
+  (*metrics)->OnMergedStep(t);
+  (*metrics)->OnMergedStep(t);
+  (*metrics)->OnTurnaround(absl::Microseconds(250));
+  const std::string text = HttpGetMetrics((*metrics)->port());
+  EXPECT_EQ(MetricValue(text, "moeserve_batch_merged_steps_total"), 2);
+  const std::pair<const char*, double> phases[] = {{"arrivals", 200e-6},
+                                                   {"take", 40e-6},
+                                                   {"merge", 60e-6},
+                                                   {"engine", 1200e-6},
+                                                   {"answers", 180e-6}};
+  for (const auto& [phase, seconds] : phases) {
+    EXPECT_NEAR(MetricValue(text, "moeserve_batch_merged_step_seconds_total",
+                            {absl::StrCat("phase=\"", phase, "\"")}),
+                seconds, 1e-9)
+        << phase;
+  }
+  EXPECT_EQ(MetricValue(text, "moeserve_caller_turnaround_seconds_count"), 1);
+  EXPECT_NEAR(MetricValue(text, "moeserve_caller_turnaround_seconds_sum"), 250e-6, 1e-9);
 }
 
 // A request's tensors as an engine input (views of its bytes): hidden [m, hidden] in `hidden`,
