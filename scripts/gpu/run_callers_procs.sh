@@ -93,3 +93,5 @@ for r in $(seq "${ROUNDS:-2}"); do
   done
 done
 cat "$OUT/phases.txt" 2>/dev/null
+# One archive: a call brings back a limited number of files.
+(cd "$OUT" && tar -czf callers_logs.tgz ./*.log && rm -f ./*.log)
