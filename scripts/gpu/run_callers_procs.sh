@@ -20,36 +20,6 @@ steps() {
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$((PORT + 1))/metrics').read().decode())" |
     awk '/^moeserve_batch_calls_count / { print int($2) }'
 }
-# Cumulative merged-step phases (us) and turnarounds: "steps arrivals take merge engine
-# answers turnaround_count turnaround_us" (moeserve_batch_merged_step_seconds_total etc.).
-phases() {
-  python3 - "$((PORT + 1))" <<'PY'
-import re, sys, urllib.request as u
-text = u.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
-def v(name, label=""):
-    for line in text.splitlines():
-        if line.startswith(name) and label in line and not line.startswith("#"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-out = [v("moeserve_batch_merged_steps_total")]
-for p in ("arrivals", "take", "merge", "engine", "answers"):
-    out.append(1e6 * v("moeserve_batch_merged_step_seconds_total", f'phase="{p}"'))
-out += [v("moeserve_caller_turnaround_seconds_count"),
-        1e6 * v("moeserve_caller_turnaround_seconds_sum")]
-print(" ".join(f"{x:.0f}" for x in out))
-PY
-}
-# Per merged step between two phases() readings: "steps=N arrivals= take= merge= engine=
-# answers= (us per step) turnaround= (us per call)".
-phase_delta() {
-  awk -v a="$1" -v b="$2" 'BEGIN {
-    split(a, x, " "); split(b, y, " "); n = y[1] - x[1]
-    printf "merged_steps=%d", n
-    split("arrivals take merge engine answers", name, " ")
-    for (i = 2; i <= 6; ++i) printf " %s=%.0f", name[i - 1], (n > 0 ? (y[i] - x[i]) / n : 0)
-    c = y[7] - x[7]
-    printf " turnaround=%.0f (us; %d samples)\n", (c > 0 ? (y[8] - x[8]) / c : 0), c }'
-}
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1"
 IFS='|' read -r -a cases <<< "${CASES:-default}"
 printf '%-3s %-6s %-22s %8s %8s %8s %6s %6s %7s %7s %7s %9s\n' r wf case c1 c8_1p c8_8p x_1p x_8p \

@@ -14,6 +14,8 @@
 #                         CLIENTS=N, N client processes share the rate and the connections;
 #                         TARGET: another address than 127.0.0.1:$PORT (e.g. a unix socket)
 #   ratio A B             A / B to two decimals ("n/a" when B is not positive)
+#   phases                the server's merged-step phases and turnarounds so far (metrics)
+#   phase_delta A B       per merged step between two `phases` readings
 #   use_bundle FILE       unpacks a transport bundle (make_bundle.sh's .tar.xz) into /tmp/tb and
 #                         sets B and LD_LIBRARY_PATH to it
 # Needs B (the folder of moeserve and moeserve-cli), OUT and PORT.
@@ -130,4 +132,34 @@ cpu_since() {
   awk -v b=$((b1 - b0)) -v i=$((i1 - i0)) -v s=$((s1 - s0)) 'BEGIN {
     t = b + i + s; if (t <= 0) t = 1
     printf "busy %.0f%%, idle %.0f%%, steal %.1f%%", 100 * b / t, 100 * i / t, 100 * s / t }'
+}
+# Cumulative merged-step phases (us) and turnarounds: "steps arrivals take merge engine
+# answers turnaround_count turnaround_us" (moeserve_batch_merged_step_seconds_total etc.).
+phases() {
+  python3 - "$((PORT + 1))" <<'PY'
+import re, sys, urllib.request as u
+text = u.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
+def v(name, label=""):
+    for line in text.splitlines():
+        if line.startswith(name) and label in line and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+out = [v("moeserve_batch_merged_steps_total")]
+for p in ("arrivals", "take", "merge", "engine", "answers"):
+    out.append(1e6 * v("moeserve_batch_merged_step_seconds_total", f'phase="{p}"'))
+out += [v("moeserve_caller_turnaround_seconds_count"),
+        1e6 * v("moeserve_caller_turnaround_seconds_sum")]
+print(" ".join(f"{x:.0f}" for x in out))
+PY
+}
+# Per merged step between two phases() readings: "steps=N arrivals= take= merge= engine=
+# answers= (us per step) turnaround= (us per call)".
+phase_delta() {
+  awk -v a="$1" -v b="$2" 'BEGIN {
+    split(a, x, " "); split(b, y, " "); n = y[1] - x[1]
+    printf "merged_steps=%d", n
+    split("arrivals take merge engine answers", name, " ")
+    for (i = 2; i <= 6; ++i) printf " %s=%.0f", name[i - 1], (n > 0 ? (y[i] - x[i]) / n : 0)
+    c = y[7] - x[7]
+    printf " turnaround=%.0f (us; %d samples)\n", (c > 0 ? (y[8] - x[8]) / c : 0), c }'
 }
