@@ -54,9 +54,11 @@ std::future<std::pair<absl::Status, ForwardTimings>> SubmitAsync(
   return future;
 }
 
-std::unique_ptr<Engine> ReferenceEngine() {
+// steps_in_flight: the engine's lanes (0: its default, one on the CPU).
+std::unique_ptr<Engine> ReferenceEngine(int steps_in_flight = 0) {
   EngineOptions o = engine_testing::TinyOptions("reference");
   o.max_tokens_per_request = 512;
+  o.steps_in_flight = steps_in_flight;
   return *Engine::Create(o);
 }
 
@@ -463,10 +465,7 @@ TEST(ForwardBatcherTest, QueueWaitBoundCountsAStepPerLayerQueued) {
 // lane_lead: on an engine of two lanes, a small call waits for the running step to end, unless
 // that step is due to end within lane_lead (then the call's step starts beside it).
 TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
-  EngineOptions o = engine_testing::TinyOptions("reference");
-  o.max_tokens_per_request = 512;
-  o.steps_in_flight = 2;
-  auto engine = *Engine::Create(o);
+  auto engine = ReferenceEngine(/*steps_in_flight=*/2);
   const ModelConfig& m = engine->info().model;
   for (const absl::Duration lead : {absl::ZeroDuration(), absl::Milliseconds(90)}) {
     SCOPED_TRACE(absl::StrCat("lane_lead ", absl::FormatDuration(lead)));
@@ -498,10 +497,7 @@ TEST(ForwardBatcherTest, LaneLeadStartsASmallStepBesideOneDueToEnd) {
 // 1's step running, caller 2 alone does not start beside it when the lead is due (one of the
 // two expected back is missing); once caller 3 comes, both start beside the running step.
 TEST(ForwardBatcherTest, LaneLeadWaitsForTheCohortItExpects) {
-  EngineOptions o = engine_testing::TinyOptions("reference");
-  o.max_tokens_per_request = 512;
-  o.steps_in_flight = 2;
-  auto engine = *Engine::Create(o);
+  auto engine = ReferenceEngine(/*steps_in_flight=*/2);
   const ModelConfig& m = engine->info().model;
   CountingObserver observer;
   auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
@@ -569,10 +565,7 @@ TEST(ForwardBatcherTest, LaneLeadWaitsForTheCohortItExpects) {
 // lead (here 250 ms against 100 - 60 ms), a step started early would end before the other
 // callers are back, so the small call waits for the running step as without a lead.
 TEST(ForwardBatcherTest, LaneLeadIsOffWhileCallersComeBackLate) {
-  EngineOptions o = engine_testing::TinyOptions("reference");
-  o.max_tokens_per_request = 512;
-  o.steps_in_flight = 2;
-  auto engine = *Engine::Create(o);
+  auto engine = ReferenceEngine(/*steps_in_flight=*/2);
   const ModelConfig& m = engine->info().model;
   auto batcher = *ForwardBatcher::Create(
       engine.get(),
@@ -609,10 +602,7 @@ TEST(ForwardBatcherTest, LaneLeadIsOffWhileCallersComeBackLate) {
 // is ~100 ms away is refused by a 50 ms bound although a 90 ms lead would start its step within
 // ~10 ms (its device work would still wait for the running step); with the lane free it is taken.
 TEST(ForwardBatcherTest, QueueWaitBoundDoesNotCreditTheLaneLead) {
-  EngineOptions o = engine_testing::TinyOptions("reference");
-  o.max_tokens_per_request = 512;
-  o.steps_in_flight = 2;
-  auto engine = *Engine::Create(o);
+  auto engine = ReferenceEngine(/*steps_in_flight=*/2);
   const ModelConfig& m = engine->info().model;
   auto batcher = *ForwardBatcher::Create(engine.get(), {.max_batch_tokens = 64,
                                                         .max_queue_wait = absl::Milliseconds(50),
@@ -668,10 +658,7 @@ TEST(ForwardBatcherTest, ShutdownAnswersQueuedCallsAndLimitsAreChecked) {
 // it forms the next. Many concurrent callers, mixed layers, dtypes and sizes: every call gets
 // exactly its rows, and some steps ran at the same time.
 TEST(ForwardBatcherTest, TwoStepsInFlightKeepEveryCallsRows) {
-  EngineOptions o = engine_testing::TinyOptions("reference");
-  o.max_tokens_per_request = 512;
-  o.steps_in_flight = 2;
-  auto engine = *Engine::Create(o);
+  auto engine = ReferenceEngine(/*steps_in_flight=*/2);
   ASSERT_EQ(engine->steps_in_flight(), 2);
   auto oracle = ReferenceEngine();  // one lane, same weights
   const ModelConfig& m = engine->info().model;
@@ -1275,10 +1262,7 @@ void RunBehindAHeldStep(ForwardBatcher& batcher, const ModelConfig& m,
 // wake nobody (each wake-up is a futex syscall on the answering thread, and the woken threads
 // find nothing to do); a call queued behind a running step is woken for and answered exactly.
 TEST(ForwardBatcherTest, StepEndsWakeTheSchedulersOnlyForQueuedCalls) {
-  EngineOptions o = engine_testing::TinyOptions("reference");
-  o.max_tokens_per_request = 512;
-  o.steps_in_flight = 2;
-  auto engine = *Engine::Create(o);
+  auto engine = ReferenceEngine(/*steps_in_flight=*/2);
   auto oracle = ReferenceEngine();
   const ModelConfig& m = engine->info().model;
   std::mt19937 rng(31);
