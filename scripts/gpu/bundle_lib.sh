@@ -21,6 +21,17 @@ start_device_script() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 }
 
+# start_serving_script BUNDLE PORT: start_device_script, then serve_lib.sh's functions with PORT
+# set and a silent `row` (a script that prints rows defines its own after this). Run from the
+# repository root.
+start_serving_script() {
+  start_device_script "$1" || return 1
+  # shellcheck source=scripts/gpu/serve_lib.sh
+  source scripts/gpu/serve_lib.sh
+  PORT=$2
+  row() { :; }
+}
+
 # run_gtest NAME SECONDS [ARGS...]: runs the bundle's test binary NAME into $OUT/NAME.log and
 # prints its exit code, gtest's summary lines and the first failures.
 run_gtest() {

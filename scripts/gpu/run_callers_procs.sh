@@ -11,10 +11,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
-start_device_script "$1" || exit 1
-source scripts/gpu/serve_lib.sh
-PORT=50191
-row() { :; }
+start_serving_script "$1" 50191 || exit 1
 # Engine steps so far (moeserve_batch_calls_count: one observation per step).
 steps() {
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$((PORT + 1))/metrics').read().decode())" |

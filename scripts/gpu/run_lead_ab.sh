@@ -13,9 +13,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
-start_device_script "$1" || exit 1
-source scripts/gpu/serve_lib.sh
-PORT=50171
+start_serving_script "$1" 50171 || exit 1
 LEAD=${LEAD:-120}
 RATE=${RATE:-24000}
 row() { echo "   $1: $2"; }

@@ -12,9 +12,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
-start_device_script "$1" || exit 1
-source scripts/gpu/serve_lib.sh
-PORT=50181
+start_serving_script "$1" 50181 || exit 1
 row() { echo "   $1: $2"; }
 ln -sf "$B/moeserve_b" "$B/moeserve"
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8"

@@ -8,10 +8,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
-start_device_script "$1" || exit 1
-source scripts/gpu/serve_lib.sh
-PORT=50193
-row() { :; }
+start_serving_script "$1" 50193 || exit 1
 ln -sf "$B/moeserve_${LAST:-b}" "$B/moeserve"
 SEED="--model seed-megamoe --num_experts 32 --num_layers 1"
 IFS='|' read -r -a cases <<< "${CASES:-default - -|client_poll poll -|both_poll poll poll}"

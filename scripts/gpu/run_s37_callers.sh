@@ -7,10 +7,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
-start_device_script "$1" || exit 1
-source scripts/gpu/serve_lib.sh
-PORT=50171
-row() { :; }
+start_serving_script "$1" 50171 || exit 1
 ln -sf "$B/moeserve_b" "$B/moeserve"
 IFS='|' read -r -a variants <<< "${VARIANTS:--|--company_wait_us 300|--company_wait_us 700}"
 for r in $(seq "${ROUNDS:-2}"); do

@@ -6,10 +6,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
-start_device_script "$1" || exit 1
-source scripts/gpu/serve_lib.sh
-PORT=50171
-row() { :; }
+start_serving_script "$1" 50171 || exit 1
 ln -sf "$B/moeserve_b" "$B/moeserve"
 serve s --model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8 \
   --max_queue_wait_ms 0.5 ${SERVER_FLAGS:-}

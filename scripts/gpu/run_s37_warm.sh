@@ -7,10 +7,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/gpu/bundle_lib.sh
-start_device_script "$1" || exit 1
-source scripts/gpu/serve_lib.sh
-PORT=50171
-row() { :; }
+start_serving_script "$1" 50171 || exit 1
 ln -sf "$B/moeserve_b" "$B/moeserve"
 for r in $(seq "${ROUNDS:-2}"); do for v in $(round_order "$r" plain warm); do
   t=${v}_$r
