@@ -4,7 +4,9 @@
 #                         for its ready file; leaves SERVER_PID; log $OUT/server_NAME.log
 #   stop                  SIGTERM and wait
 #   load TAG TOKENS CONCURRENCY REQUESTS [FLAGS...]
-#                         moeserve-cli load (balanced routing, LOAD_MAX_SECONDS, default 60) ->
+#                         moeserve-cli load (balanced routing, LOAD_MAX_SECONDS, default 60;
+#                         gRPC's poll strategy CLIENT_POLL, default poll: see serving/RESULTS.md
+#                         18:00, one process's callers then do not share one poller) ->
 #                         $OUT/load_TAG.log, then `row TAG SUMMARY` (the caller defines row)
 #   val TAG KEY           the first KEY=value of $OUT/load_TAG.log (e.g. val x requests_per_s)
 #   overload TAG RATE     issue 12's overload: an open loop of RATE calls/s at M=16 for 10 s over
@@ -36,7 +38,8 @@ stop() { kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
 load() {
   local tag=$1 m=$2 c=$3 n=$4
   shift 4
-  timeout 180 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens "$m" --concurrency "$c" \
+  GRPC_POLL_STRATEGY=${CLIENT_POLL:-poll} \
+    timeout 180 "$B/moeserve-cli" load --target 127.0.0.1:$PORT --tokens "$m" --concurrency "$c" \
     --requests "$n" --routing balanced --max_seconds "${LOAD_MAX_SECONDS:-60}" "$@" \
     > "$OUT/load_$tag.log" 2>&1
   row "$tag" "$(grep -E 'latency_ms|server_total|server_stages|requests_per_s' "$OUT/load_$tag.log" |
