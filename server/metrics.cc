@@ -176,7 +176,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const std::string& addr
                         .Help(
                             "From a caller's engine step's end to its next call of that layer "
                             "(its answer, its own work, its request's way in); callers known "
-                            "by their connection or stream")
+                            "by their connection or stream, measured while the batcher keeps "
+                            "their history (--company_wait_us or --lane_lead_us, on by "
+                            "default on a GPU)")
                         .Register(r)
                         .Add({}, StageBuckets());
   m->refused_ = &prometheus::BuildCounter()
