@@ -8,7 +8,7 @@ It starts build/bin/moeserve (CPU, the tiny model on 4 ranks), drives it with mo
 in phases (one caller, then several per layer, then a hot expert), scrapes /metrics every second,
 and evaluates each panel's PromQL queries over the scrapes with a small evaluator for the subset
 the dashboard uses: selectors with =, !=, =~, !~; rate(v[d]) (increase over the window divided
-by its duration, without Prometheus's extrapolation); sum [by (labels)]; histogram_quantile
+by its duration, without Prometheus's extrapolation); sum [by (labels)]; scalar; histogram_quantile
 (Prometheus's linear interpolation within buckets); and / or * between vectors with equal label
 sets or a number. $__rate_interval is --rate-window, $pod matches every pod.
 """
@@ -140,6 +140,12 @@ class Parser:
             sel = self.selector()
             self.take(")")
             return ("rate", sel)
+        if v == "scalar":
+            self.take()
+            self.take("(")
+            e = self.expr()
+            self.take(")")
+            return ("scalar", e)
         if v == "histogram_quantile":
             self.take()
             self.take("(")
@@ -221,6 +227,12 @@ def evaluate(node, scrapes, i):
             d = dict(k)
             out[tuple(sorted((n, d.get(n, "")) for n in by)) if by else ()] += val
         return dict(out)
+    if kind == "scalar":
+        # A one-series vector's value; NaN for none or several (as Prometheus).
+        v = evaluate(node[1], scrapes, i)
+        if isinstance(v, float):
+            return v
+        return next(iter(v.values())) if len(v) == 1 else float("nan")
     if kind == "hq":
         _, q, e = node
         v = evaluate(e, scrapes, i)
