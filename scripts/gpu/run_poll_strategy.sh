@@ -18,19 +18,11 @@ for r in $(seq "${ROUNDS:-2}"); do
     for c in "${cases[@]}"; do
       read -r name cpoll spoll flags <<< "$c"
       t=${wf}_${name}_$r
-      senv=(); cenv=()
-      [ "$spoll" = - ] || senv=(env GRPC_POLL_STRATEGY="$spoll")
+      senv=""; cenv=()
+      [ "$spoll" = - ] || senv="GRPC_POLL_STRATEGY=$spoll"
       [ "$cpoll" = - ] || cenv=(env GRPC_POLL_STRATEGY="$cpoll")
-      rm -f "$OUT/ready_$t"
       # shellcheck disable=SC2086
-      "${senv[@]}" "$B/moeserve" --listen 127.0.0.1:$PORT --metrics_address 127.0.0.1:$((PORT + 1)) \
-        --ready_file "$OUT/ready_$t" $SEED --weight_format "$wf" $flags > "$OUT/server_$t.log" 2>&1 &
-      SERVER_PID=$!
-      for _ in $(seq 1 600); do
-        [ -s "$OUT/ready_$t" ] && break
-        kill -0 $SERVER_PID 2>/dev/null || break
-        sleep 0.5
-      done
+      SERVE_ENV=$senv serve "$t" $SEED --weight_format "$wf" $flags
       for conc in 1 8; do
         n=$((conc == 1 ? 400 : 6400))
         [ $conc = 8 ] && ph0=$(phases)

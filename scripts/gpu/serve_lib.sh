@@ -1,6 +1,7 @@
 # Sourced by the device scripts that start one moeserve at a time and load it with moeserve-cli:
 #   serve NAME FLAGS...   starts $B/moeserve on 127.0.0.1:$PORT (metrics on $PORT + 1) with FLAGS
-#                         and $SERVE_EXTRA (flags for every server of a script), waits up to 300 s
+#                         and $SERVE_EXTRA (flags for every server of a script) in the environment
+#                         plus $SERVE_ENV (VAR=value words), waits up to 300 s
 #                         for its ready file; leaves SERVER_PID; log $OUT/server_NAME.log
 #   stop                  SIGTERM and wait
 #   load TAG TOKENS CONCURRENCY REQUESTS [FLAGS...]
@@ -25,7 +26,8 @@ serve() {
   local name=$1
   shift
   rm -f "$OUT/ready_$name"
-  "$B/moeserve" --listen 127.0.0.1:$PORT --metrics_address 127.0.0.1:$((PORT + 1)) \
+  # shellcheck disable=SC2086
+  env ${SERVE_ENV:-} "$B/moeserve" --listen 127.0.0.1:$PORT --metrics_address 127.0.0.1:$((PORT + 1)) \
     --ready_file "$OUT/ready_$name" "$@" ${SERVE_EXTRA:-} > "$OUT/server_$name.log" 2>&1 &
   SERVER_PID=$!
   for _ in $(seq 1 600); do
