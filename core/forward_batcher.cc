@@ -350,12 +350,13 @@ void ForwardBatcher::RecordStepLocked(const Step& live, absl::Duration took, boo
   }
 }
 
-absl::Duration ForwardBatcher::NoteReturnLocked(int layer, uint64_t caller, absl::Time now) {
+std::optional<absl::Duration> ForwardBatcher::NoteReturnLocked(int layer, uint64_t caller,
+                                                               absl::Time now) {
   const auto it = history_.find(layer);
-  if (it == history_.end()) return -absl::InfiniteDuration();
+  if (it == history_.end()) return std::nullopt;
   LayerHistory& h = it->second;
   const auto answered = h.answered.find(caller);
-  if (answered == h.answered.end()) return -absl::InfiniteDuration();
+  if (answered == h.answered.end()) return std::nullopt;
   const absl::Duration sample = std::max(now - answered->second, absl::ZeroDuration());
   h.answered.erase(answered);
   h.turnaround = h.turnaround_samples == 0 ? sample : (3 * h.turnaround + sample) / 4;
@@ -419,7 +420,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
                     output.device().is_host();
   bool wake = true;
   uint64_t step_id = 0;
-  absl::Duration turnaround = -absl::InfiniteDuration();
+  std::optional<absl::Duration> turnaround;
   absl::Status refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -473,9 +474,7 @@ void ForwardBatcher::Submit(const ForwardInput& input, const TensorView& output,
     }
   }
   if (call == nullptr && wake) cv_.notify_all();
-  if (options_.observer && turnaround >= absl::ZeroDuration()) {
-    options_.observer->OnTurnaround(turnaround);
-  }
+  if (options_.observer && turnaround.has_value()) options_.observer->OnTurnaround(*turnaround);
   if (call == nullptr) return;
   if (!refused.ok()) {
     if (options_.observer && refused.code() == absl::StatusCode::kResourceExhausted) {

@@ -34,6 +34,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -360,8 +361,8 @@ class ForwardBatcher {
   // kModeSkipSteps steps skipped). Under mu_.
   void SetCompanyModeLocked(LayerHistory& h, bool merging);
   // A call of `caller` for `layer` arrived at `now`: its turnaround since its last answer
-  // (returned; negative where the caller's last step is not remembered). Under mu_.
-  absl::Duration NoteReturnLocked(int layer, uint64_t caller, absl::Time now);
+  // (returned; none where the caller's last step is not remembered). Under mu_.
+  std::optional<absl::Duration> NoteReturnLocked(int layer, uint64_t caller, absl::Time now);
   // Whether a lead step (lane_lead) of `calls` queued calls of `layer`, `tokens` in all, may
   // start: its cohort is in -- as many calls as the callers of the layer's remembered steps
   // (LayerHistory::callers_seen) less the calls of its running steps -- and it pays: its
