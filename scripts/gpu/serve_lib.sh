@@ -1,7 +1,7 @@
 # Sourced by the device scripts that start one moeserve at a time and load it with moeserve-cli:
 #   serve NAME FLAGS...   starts $B/moeserve on 127.0.0.1:$PORT (metrics on $PORT + 1) with FLAGS
-#                         and $SERVE_EXTRA (flags for every server of a script) in the environment
-#                         plus $SERVE_ENV (VAR=value words), waits up to 300 s
+#                         and $SERVE_EXTRA (flags for every server of a script), $SERVE_ENV
+#                         (VAR=value words) added to its environment; waits up to 300 s
 #                         for its ready file; leaves SERVER_PID; log $OUT/server_NAME.log
 #   stop                  SIGTERM and wait
 #   load TAG TOKENS CONCURRENCY REQUESTS [FLAGS...]
