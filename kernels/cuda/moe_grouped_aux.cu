@@ -6,6 +6,7 @@
 
 #include <cfloat>
 #include <climits>
+#include <cstdint>
 
 #include "kernels/cuda/moe_grouped_sm90.cuh"
 
@@ -358,6 +359,9 @@ cudaError_t LaunchMoeGatherRows(const uint16_t* x, const int32_t* sorted_routes,
                                 const int32_t* served_rows, int64_t max_rows, int topk, int64_t h,
                                 uint16_t* a1, cudaStream_t stream) {
   if (h % 8 != 0 || h / 8 > INT_MAX || topk <= 0) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(a1) % 16 != 0) {
+    return cudaErrorInvalidValue;  // the kernel copies 16-byte units
+  }
   if (max_rows == 0 || h == 0) return cudaSuccess;
   const int chunks = static_cast<int>(h / 8);
   GatherKernel<<<RowGrid(max_rows), kThreads, 0, stream>>>(

@@ -100,11 +100,22 @@ cudaError_t LaunchMoeGroupedSm90Gemm(const MoeGroupedSm90Gemm& g, void* workspac
                                      size_t workspace_bytes, int device, int num_sms,
                                      cudaStream_t stream);
 
-// a1[p, :] = x[sorted_routes[p] / topk, :] for p < offsets[num_experts] (read on the device);
-// x [M, h] BF16, rows `h` apart. max_rows: an upper bound of the rows (M * topk) for the grid.
+// a1[p, :] = x[sorted_routes[p] / topk, :] for p < min(*served_rows, max_rows) (read on the
+// device); x [M, h] BF16, rows `h` apart, h % 8 == 0; a1 [max_rows, h]; x and a1 16-byte
+// aligned (cudaErrorInvalidValue otherwise); rows from *served_rows on are not written.
+// max_rows: an upper bound of the rows (M * topk) for the grid.
 cudaError_t LaunchMoeGatherRows(const uint16_t* x, const int32_t* sorted_routes,
                                 const int32_t* served_rows, int64_t max_rows, int topk, int64_t h,
                                 uint16_t* a1, cudaStream_t stream);
+
+// The CPU twin of LaunchMoeGatherRows (host arrays; served_rows a value).
+inline void MoeGatherRowsRef(const uint16_t* x, const int32_t* sorted_routes, int64_t served_rows,
+                             int topk, int64_t h, uint16_t* a1) {
+  for (int64_t p = 0; p < served_rows; ++p) {
+    const uint16_t* src = x + static_cast<int64_t>(sorted_routes[p] / topk) * h;
+    for (int64_t j = 0; j < h; ++j) a1[p * h + j] = src[j];
+  }
+}
 
 // a2[r, j] = silu(d1[r, j]) * d1[r, ip + j] for r < *served_rows, j < ip; d1 [R, 2 ip], a2
 // [R, ip], BF16, computed in FP32. ip % 8 == 0.

@@ -1033,6 +1033,101 @@ TEST_F(CudaKernelsTest, GroupedSm90Fp8GemmMatchesReference) {
             cudaErrorInvalidValue);
 }
 
+// LaunchMoeGatherRows equals its CPU twin bit for bit: hidden sizes of one 16-byte chunk, of
+// a partial last pass of the block's threads (200), of DeepSeek-V3 (7168) and larger ones
+// (8200, 16000); routes shuffled, topk 3, fewer rows served than the grid's bound (the rest stay
+// poisoned). Bad sizes and a misaligned x are refused.
+TEST_F(CudaKernelsTest, GatherRowsMatchesReference) {
+  std::mt19937 rng(71);
+  for (const int64_t h : {int64_t{8}, int64_t{200}, int64_t{7168}, int64_t{8200}, int64_t{16000}}) {
+    const int64_t m = 37;
+    const int topk = 3;
+    const int64_t max_rows = m * topk, served = max_rows - 10;
+    std::vector<uint16_t> x(m * h);
+    for (auto& v : x) v = static_cast<uint16_t>(rng());
+    std::vector<int32_t> sorted(max_rows);
+    for (int64_t i = 0; i < max_rows; ++i) sorted[i] = static_cast<int32_t>(i);
+    std::shuffle(sorted.begin(), sorted.end(), rng);
+    std::vector<uint16_t> want(max_rows * h, 0xABAB);
+    MoeGatherRowsRef(x.data(), sorted.data(), served, topk, h, want.data());
+    Dev<uint16_t> d_x(x);
+    Dev<int32_t> d_sorted(sorted), d_served(std::vector<int32_t>{static_cast<int32_t>(served)});
+    Dev<uint16_t> d_a(max_rows * h);  // poisoned 0xABAB
+    ASSERT_EQ(LaunchMoeGatherRows(d_x.p, d_sorted.p, d_served.p, max_rows, topk, h, d_a.p, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> got = d_a.Get();
+    int64_t differ = 0;
+    for (int64_t i = 0; i < max_rows * h; ++i) differ += got[i] != want[i];
+    EXPECT_EQ(differ, 0) << "h " << h;
+  }
+  Dev<uint16_t> d_x(64), d_a(64);
+  Dev<int32_t> d_sorted(std::vector<int32_t>{0, 1}), d_served(std::vector<int32_t>{2});
+  EXPECT_EQ(LaunchMoeGatherRows(d_x.p, d_sorted.p, d_served.p, 2, 1, 12, d_a.p, nullptr),
+            cudaErrorInvalidValue);  // h % 8 != 0
+  EXPECT_EQ(LaunchMoeGatherRows(d_x.p, d_sorted.p, d_served.p, 2, 0, 8, d_a.p, nullptr),
+            cudaErrorInvalidValue);  // topk 0
+  EXPECT_EQ(LaunchMoeGatherRows(d_x.p + 1, d_sorted.p, d_served.p, 2, 1, 8, d_a.p, nullptr),
+            cudaErrorInvalidValue);  // x not 16-byte aligned
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// LaunchMoeUnpermuteReduce against its definition in double: topk 10, routes to experts this
+// rank does not hold (-1 and num_experts: skipped) and a token with none of its own (zeros);
+// tolerance relative L2 1e-6 (FP32 sums of BF16 products).
+TEST_F(CudaKernelsTest, UnpermuteReduceMatchesReference) {
+  std::mt19937 rng(73);
+  std::normal_distribution<float> nd;
+  const int64_t m = 29, h = 264;
+  const int topk = 10, e = 6;
+  std::vector<int32_t> ids(m * topk);
+  std::vector<float> w(m * topk);
+  for (int64_t r = 0; r < m * topk; ++r) {
+    ids[r] = static_cast<int32_t>(rng() % (e + 2)) - 1;  // -1 .. e
+    w[r] = nd(rng);
+  }
+  for (int k = 0; k < topk; ++k) ids[3 * topk + k] = k % 2 == 0 ? -1 : e;  // token 3: none local
+  // Rows grouped by expert in route order: offsets and each route's slot in its expert.
+  std::vector<int32_t> counts(e, 0), offsets(e, 0), slot(m * topk, 0);
+  for (int64_t r = 0; r < m * topk; ++r) {
+    if (ids[r] >= 0 && ids[r] < e) slot[r] = counts[ids[r]]++;
+  }
+  int64_t rows = 0;
+  for (int x = 0; x < e; ++x) {
+    offsets[x] = static_cast<int32_t>(rows);
+    rows += counts[x];
+  }
+  std::vector<uint16_t> d2(rows * h);
+  for (auto& v : d2) v = FloatToBf16(nd(rng));
+  std::vector<float> want(m * h, 0.0f);
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < h; ++j) {
+      double acc = 0;
+      for (int k = 0; k < topk; ++k) {
+        const int64_t r = t * topk + k;
+        if (ids[r] < 0 || ids[r] >= e) continue;
+        acc += double(w[r]) * Bf16ToFloat(d2[(offsets[ids[r]] + slot[r]) * h + j]);
+      }
+      want[t * h + j] = static_cast<float>(acc);
+    }
+  }
+  Dev<uint16_t> d_d2(d2);
+  Dev<int32_t> d_ids(ids), d_offsets(offsets), d_slot(slot);
+  Dev<float> d_w(w), d_out(m * h);
+  ASSERT_EQ(LaunchMoeUnpermuteReduce(d_d2.p, d_ids.p, d_w.p, d_offsets.p, d_slot.p, m, topk, h, e,
+                                     d_out.p, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> got = d_out.Get();
+  EXPECT_LT(RelL2(got, want), 1e-6);
+  int64_t nonzero = 0;
+  for (int64_t j = 0; j < h; ++j) nonzero += got[3 * h + j] != 0.0f;
+  EXPECT_EQ(nonzero, 0) << "a token with no local route";
+  EXPECT_EQ(LaunchMoeUnpermuteReduce(d_d2.p, d_ids.p, d_w.p, d_offsets.p, d_slot.p, m, topk, 12, e,
+                                     d_out.p, nullptr),
+            cudaErrorInvalidValue);  // h % 8 != 0
+}
+
 // LaunchMoeGatherQuantizeRows equals its definition bit for bit: rows gathered by the sorted
 // routes, each 128 K block to E4M3 at 448 / amax, scale amax / 448 in the per-expert layout; K
 // padded with zero codes (h = 200 -> 256); an all-zero row (scale 0, codes 0), a row with a
