@@ -171,7 +171,10 @@ TEST_F(CudaKernelsTest, StageRoutingMatchesRefAndReportsFirstOffenders) {
           EXPECT_EQ(rep->bad_id_value, ref.bad_id_value) << where;
         }
         if (ref.bad_weight_route >= 0) {
-          EXPECT_EQ(std::memcmp(&rep->bad_weight_value, &ref.bad_weight_value, 4), 0) << where;
+          uint32_t got_bits = 0, want_bits = 0;  // bit patterns: NaNs compare too
+          std::memcpy(&got_bits, &rep->bad_weight_value, sizeof(got_bits));
+          std::memcpy(&want_bits, &ref.bad_weight_value, sizeof(want_bits));
+          EXPECT_EQ(got_bits, want_bits) << where;
         }
         if (bad == 0) {
           EXPECT_EQ(ref.bad_id_route, -1);
