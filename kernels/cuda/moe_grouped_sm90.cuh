@@ -108,15 +108,6 @@ cudaError_t LaunchMoeGatherRows(const uint16_t* x, const int32_t* sorted_routes,
                                 const int32_t* served_rows, int64_t max_rows, int topk, int64_t h,
                                 uint16_t* a1, cudaStream_t stream);
 
-// The CPU twin of LaunchMoeGatherRows (host arrays; served_rows a value).
-inline void MoeGatherRowsRef(const uint16_t* x, const int32_t* sorted_routes, int64_t served_rows,
-                             int topk, int64_t h, uint16_t* a1) {
-  for (int64_t p = 0; p < served_rows; ++p) {
-    const uint16_t* src = x + static_cast<int64_t>(sorted_routes[p] / topk) * h;
-    for (int64_t j = 0; j < h; ++j) a1[p * h + j] = src[j];
-  }
-}
-
 // a2[r, j] = silu(d1[r, j]) * d1[r, ip + j] for r < *served_rows, j < ip; d1 [R, 2 ip], a2
 // [R, ip], BF16, computed in FP32. ip % 8 == 0.
 cudaError_t LaunchMoeSiluMul(const uint16_t* d1, const int32_t* served_rows, int64_t max_rows,

@@ -18,6 +18,7 @@
 #include "kernels/cpu/moe_routing_ref.h"
 #include "kernels/cpu/mxfp8.h"
 #include "kernels/cuda/dtype_convert.cuh"
+#include "kernels/cuda/ep_pack.cuh"
 #include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_grouped_sm90.cuh"
 #include "kernels/cuda/moe_routing.cuh"
@@ -1036,7 +1037,8 @@ TEST_F(CudaKernelsTest, GroupedSm90Fp8GemmMatchesReference) {
             cudaErrorInvalidValue);
 }
 
-// LaunchMoeGatherRows equals its CPU twin bit for bit: hidden sizes of one 16-byte chunk, of
+// LaunchMoeGatherRows equals a row gather on the host (EpGatherRowsRef of the routes' tokens)
+// bit for bit: hidden sizes of one 16-byte chunk, of
 // a partial last pass of the block's threads (200), of DeepSeek-V3 (7168) and larger ones
 // (8200, 16000); routes shuffled, topk 3, fewer rows served than the grid's bound (the rest stay
 // poisoned). Bad sizes and a misaligned x are refused.
@@ -1051,8 +1053,10 @@ TEST_F(CudaKernelsTest, GatherRowsMatchesReference) {
     std::vector<int32_t> sorted(max_rows);
     for (int64_t i = 0; i < max_rows; ++i) sorted[i] = static_cast<int32_t>(i);
     std::shuffle(sorted.begin(), sorted.end(), rng);
+    std::vector<int32_t> src_row(served);  // the tokens of the served routes
+    for (int64_t i = 0; i < served; ++i) src_row[i] = sorted[i] / topk;
     std::vector<uint16_t> want(max_rows * h, 0xABAB);
-    MoeGatherRowsRef(x.data(), sorted.data(), served, topk, h, want.data());
+    EpGatherRowsRef(x.data(), src_row.data(), served, h, want.data());
     Dev<uint16_t> d_x(x);
     Dev<int32_t> d_sorted(sorted), d_served(std::vector<int32_t>{static_cast<int32_t>(served)});
     Dev<uint16_t> d_a(max_rows * h);  // poisoned 0xABAB
@@ -1090,16 +1094,10 @@ TEST_F(CudaKernelsTest, UnpermuteReduceMatchesReference) {
     w[r] = nd(rng);
   }
   for (int k = 0; k < topk; ++k) ids[3 * topk + k] = k % 2 == 0 ? -1 : e;  // token 3: none local
-  // Rows grouped by expert in route order: offsets and each route's slot in its expert.
-  std::vector<int32_t> counts(e, 0), offsets(e, 0), slot(m * topk, 0);
-  for (int64_t r = 0; r < m * topk; ++r) {
-    if (ids[r] >= 0 && ids[r] < e) slot[r] = counts[ids[r]]++;
-  }
-  int64_t rows = 0;
-  for (int x = 0; x < e; ++x) {
-    offsets[x] = static_cast<int32_t>(rows);
-    rows += counts[x];
-  }
+  // Rows grouped by expert in route order, as LaunchMoeAlign lays them out.
+  std::vector<int32_t> counts(e), offsets(e + 1), sorted(m * topk), slot(m * topk);
+  MoeAlignRef(ids.data(), m * topk, e, counts.data(), offsets.data(), sorted.data(), slot.data());
+  const int64_t rows = offsets[e];
   std::vector<uint16_t> d2(rows * h);
   for (auto& v : d2) v = FloatToBf16(nd(rng));
   std::vector<float> want(m * h, 0.0f);
