@@ -1041,7 +1041,7 @@ TEST_F(CudaKernelsTest, GroupedSm90Fp8GemmMatchesReference) {
 // bit for bit: hidden sizes of one 16-byte chunk, of
 // a partial last pass of the block's threads (200), of DeepSeek-V3 (7168) and larger ones
 // (8200, 16000); routes shuffled, topk 3, fewer rows served than the grid's bound (the rest stay
-// poisoned). Bad sizes and a misaligned x are refused.
+// poisoned). Bad sizes and a misaligned x or a1 are refused.
 TEST_F(CudaKernelsTest, GatherRowsMatchesReference) {
   std::mt19937 rng(71);
   for (const int64_t h : {int64_t{8}, int64_t{200}, int64_t{7168}, int64_t{8200}, int64_t{16000}}) {
@@ -1076,6 +1076,8 @@ TEST_F(CudaKernelsTest, GatherRowsMatchesReference) {
             cudaErrorInvalidValue);  // topk 0
   EXPECT_EQ(LaunchMoeGatherRows(d_x.p + 1, d_sorted.p, d_served.p, 2, 1, 8, d_a.p, nullptr),
             cudaErrorInvalidValue);  // x not 16-byte aligned
+  EXPECT_EQ(LaunchMoeGatherRows(d_x.p, d_sorted.p, d_served.p, 2, 1, 8, d_a.p + 4, nullptr),
+            cudaErrorInvalidValue);  // a1 not 16-byte aligned
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
