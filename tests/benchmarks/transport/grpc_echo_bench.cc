@@ -9,6 +9,14 @@
 //       One line per N: "echo bytes=N calls=R p50_us=.. p90_us=.. p99_us=.. max_us=..".
 //       --check compares every answer with what was sent (outside the timed part); exit 1 on
 //       a mismatch or a failed call, 2 on usage errors.
+//   grpc_echo_bench openloop --target ADDR --bytes N --rate R [--seconds S] [--connections C]
+//       An open loop (issue 12's overload, gRPC alone): call k leaves at k / R seconds over
+//       connection k mod C, whatever the answers do; one line with the counts (ok, refused:
+//       RESOURCE_EXHAUSTED, other errors), latency from the schedule and the send lag, then the
+//       p50 / p99 of the calls sent in each second.
+//   Server --refuse_percent P: answers P of every 100 calls RESOURCE_EXHAUSTED (moeserve's
+//   overload mix), after reading the request, or with --refuse_early before reading it (at the
+//   call's start, as a server could refuse on its headers alone).
 //
 // The payload is random bytes from a fixed seed; the same ByteBuffer (one slice) is sent on
 // every call, so the client side costs what a zero-copy client costs.
@@ -52,6 +60,13 @@ ABSL_FLAG(std::string, bytes, "1024", "client: comma-separated payload sizes in 
 ABSL_FLAG(int32_t, calls, 200, "client: timed calls per size");
 ABSL_FLAG(int32_t, warmup, 5, "client: untimed calls per size first");
 ABSL_FLAG(bool, check, false, "client: compare every answer with the request");
+ABSL_FLAG(int32_t, refuse_percent, 0,
+          "server: answer this many of every 100 calls RESOURCE_EXHAUSTED instead of echoing");
+ABSL_FLAG(bool, refuse_early, false,
+          "server: refuse those calls at their start, before reading the request");
+ABSL_FLAG(double, rate, 0, "openloop: calls per second");
+ABSL_FLAG(double, seconds, 10, "openloop: how long calls are sent");
+ABSL_FLAG(int32_t, connections, 8, "openloop: HTTP/2 connections the calls are spread over");
 
 namespace {
 
@@ -61,10 +76,21 @@ std::atomic<bool> g_stop{false};
 // Answers one call with its request: the ByteBuffer shares the received slices.
 class EchoReactor : public grpc::ServerGenericBidiReactor {
  public:
-  explicit EchoReactor(bool corrupt) : corrupt_(corrupt) { StartRead(&buffer_); }
+  // refuse: answer RESOURCE_EXHAUSTED; early: before reading the request.
+  EchoReactor(bool corrupt, bool refuse, bool early) : corrupt_(corrupt), refuse_(refuse) {
+    if (refuse && early) {
+      Finish(Refusal());
+      return;
+    }
+    StartRead(&buffer_);
+  }
   void OnReadDone(bool ok) override {
     if (!ok) {
       Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
+      return;
+    }
+    if (refuse_) {
+      Finish(Refusal());
       return;
     }
     if (corrupt_) Corrupt();
@@ -81,24 +107,33 @@ class EchoReactor : public grpc::ServerGenericBidiReactor {
     grpc::Slice slice(copy.data(), copy.size());
     buffer_ = grpc::ByteBuffer(&slice, 1);
   }
-  const bool corrupt_;
+  static grpc::Status Refusal() {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "echo: refused (--refuse_percent)");
+  }
+  const bool corrupt_, refuse_;
   grpc::ByteBuffer buffer_;
 };
 
 class EchoService : public grpc::CallbackGenericService {
  public:
-  explicit EchoService(bool corrupt) : corrupt_(corrupt) {}
+  EchoService(bool corrupt, int refuse_percent, bool refuse_early)
+      : corrupt_(corrupt), refuse_percent_(refuse_percent), refuse_early_(refuse_early) {}
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
-    return new EchoReactor(corrupt_);
+    const bool refuse = static_cast<int>(calls_.fetch_add(1) % 100) < refuse_percent_;
+    return new EchoReactor(corrupt_, refuse, refuse_early_);
   }
 
  private:
   const bool corrupt_;
+  const int refuse_percent_;
+  const bool refuse_early_;
+  std::atomic<uint64_t> calls_{0};
 };
 
 int RunServer() {
   std::vector<std::string> addresses = absl::StrSplit(absl::GetFlag(FLAGS_listen), ',');
-  EchoService service(absl::GetFlag(FLAGS_corrupt));
+  EchoService service(absl::GetFlag(FLAGS_corrupt), absl::GetFlag(FLAGS_refuse_percent),
+                      absl::GetFlag(FLAGS_refuse_early));
   grpc::ServerBuilder builder;
   std::vector<int> ports(addresses.size(), 0);
   for (size_t i = 0; i < addresses.size(); ++i) {
@@ -249,6 +284,129 @@ int RunClient() {
   return failures == 0 ? 0 : 1;
 }
 
+// One call of the open loop: what its completion needs.
+struct OpenLoopCall {
+  grpc::ClientContext context;
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> reader;
+  std::chrono::steady_clock::time_point scheduled, sent;
+};
+
+int RunOpenLoop() {
+  const double rate = absl::GetFlag(FLAGS_rate), seconds = absl::GetFlag(FLAGS_seconds);
+  const int connections = absl::GetFlag(FLAGS_connections);
+  int64_t n = 0;
+  if (!absl::SimpleAtoi(absl::GetFlag(FLAGS_bytes), &n) || n <= 0 || n > kMaxMessage - 1024 ||
+      !(rate > 0) || !(seconds > 0) || connections <= 0 || connections > 1024) {
+    std::fprintf(stderr,
+                 "error: openloop needs one --bytes in [1, %d], --rate > 0, --seconds > 0 and "
+                 "--connections in [1, 1024]\n",
+                 kMaxMessage - 1024);
+    return 2;
+  }
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs;
+  for (int c = 0; c < connections; ++c) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxMessage);
+    args.SetMaxSendMessageSize(kMaxMessage);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+    args.SetInt("moeserve.bench.connection", c);
+    stubs.push_back(std::make_unique<grpc::GenericStub>(grpc::CreateCustomChannel(
+        absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args)));
+  }
+  std::string payload(static_cast<size_t>(n), '\0');
+  std::mt19937_64 rng(20261207);
+  for (char& ch : payload) ch = static_cast<char>(rng());
+  grpc::Slice slice(payload.data(), payload.size());
+  const grpc::ByteBuffer request(&slice, 1);
+  for (auto& stub : stubs) {  // every connection up before the clock starts
+    grpc::ByteBuffer response;
+    const grpc::Status s = Call(*stub, request, &response, /*on_queue=*/true);
+    if (!s.ok() && s.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      std::fprintf(stderr, "error: warm-up call failed: %s\n", s.error_message().c_str());
+      return 1;
+    }
+  }
+  constexpr const char* kMethod = "/moeserve.bench.Echo/Echo";
+  const int64_t total = static_cast<int64_t>(rate * seconds);
+  const int num_seconds = static_cast<int>(seconds) + 1;
+  grpc::CompletionQueue cq;
+  std::mutex mu;  // guards the results below
+  std::vector<double> lat_ms, lag_ms;
+  std::vector<std::vector<double>> by_second(num_seconds);
+  int64_t ok = 0, refused = 0, errors = 0;
+  std::string first_error;
+  const auto start = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+  std::thread completer([&] {
+    void* tag = nullptr;
+    bool got = false;
+    for (int64_t done = 0; done < total && cq.Next(&tag, &got); ++done) {
+      std::unique_ptr<OpenLoopCall> call(static_cast<OpenLoopCall*>(tag));
+      const auto now = std::chrono::steady_clock::now();
+      const double ms = std::chrono::duration<double, std::milli>(now - call->scheduled).count();
+      std::lock_guard<std::mutex> lock(mu);
+      if (call->status.ok()) {
+        ++ok;
+        lat_ms.push_back(ms);
+        lag_ms.push_back(
+            std::chrono::duration<double, std::milli>(call->sent - call->scheduled).count());
+        const auto sec = std::chrono::duration_cast<std::chrono::seconds>(call->scheduled - start);
+        by_second[std::min<size_t>(static_cast<size_t>(sec.count()), by_second.size() - 1)]
+            .push_back(ms);
+      } else if (call->status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+        ++refused;
+      } else {
+        ++errors;
+        if (first_error.empty()) first_error = call->status.error_message();
+      }
+    }
+  });
+  for (int64_t k = 0; k < total; ++k) {
+    const auto scheduled =
+        start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(static_cast<double>(k) / rate));
+    std::this_thread::sleep_until(scheduled);
+    auto* call = new OpenLoopCall;
+    call->scheduled = scheduled;
+    call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    call->reader = stubs[static_cast<size_t>(k % connections)]->PrepareUnaryCall(
+        &call->context, kMethod, request, &cq);
+    call->sent = std::chrono::steady_clock::now();
+    call->reader->StartCall();
+    call->reader->Finish(&call->response, &call->status, call);
+  }
+  completer.join();
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool got = false;
+  while (cq.Next(&tag, &got)) {
+  }
+  std::sort(lat_ms.begin(), lat_ms.end());
+  std::sort(lag_ms.begin(), lag_ms.end());
+  auto pct = [](const std::vector<double>& v, double p) {
+    return moeserve::bench::NearestRankPercentile(v, p);
+  };
+  std::printf(
+      "openloop bytes=%lld rate=%.0f seconds=%.1f connections=%d sent=%lld ok=%lld refused=%lld "
+      "other_errors=%lld latency_from_schedule_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f "
+      "send_lag_ms: p50=%.3f p99=%.3f",
+      static_cast<long long>(n), rate, seconds, connections, static_cast<long long>(total),
+      static_cast<long long>(ok), static_cast<long long>(refused), static_cast<long long>(errors),
+      pct(lat_ms, 50), pct(lat_ms, 90), pct(lat_ms, 99), lat_ms.empty() ? 0.0 : lat_ms.back(),
+      pct(lag_ms, 50), pct(lag_ms, 99));
+  if (!first_error.empty()) std::printf(" first_error=\"%s\"", first_error.c_str());
+  std::printf("\nlatency_ms_by_second_sent:");
+  for (size_t sec = 0; sec < by_second.size(); ++sec) {
+    std::vector<double>& v = by_second[sec];
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    std::printf(" s%zu:n=%zu,p50=%.2f,p99=%.2f", sec, v.size(), pct(v, 50), pct(v, 99));
+  }
+  std::printf("\n");
+  return errors == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -259,6 +417,7 @@ int main(int argc, char** argv) {
   const std::string mode = positional.size() == 2 ? positional[1] : "";
   if (mode == "server") return RunServer();
   if (mode == "client") return RunClient();
+  if (mode == "openloop") return RunOpenLoop();
   std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
   return 2;
 }
