@@ -67,6 +67,8 @@ ABSL_FLAG(bool, refuse_early, false,
 ABSL_FLAG(double, rate, 0, "openloop: calls per second");
 ABSL_FLAG(double, seconds, 10, "openloop: how long calls are sent");
 ABSL_FLAG(int32_t, connections, 8, "openloop: HTTP/2 connections the calls are spread over");
+ABSL_FLAG(int32_t, cq_threads, 2,
+          "openloop: threads taking completions, each polling its own completion queue");
 
 namespace {
 
@@ -296,12 +298,14 @@ struct OpenLoopCall {
 int RunOpenLoop() {
   const double rate = absl::GetFlag(FLAGS_rate), seconds = absl::GetFlag(FLAGS_seconds);
   const int connections = absl::GetFlag(FLAGS_connections);
+  const int cq_threads = absl::GetFlag(FLAGS_cq_threads);
   int64_t n = 0;
   if (!absl::SimpleAtoi(absl::GetFlag(FLAGS_bytes), &n) || n <= 0 || n > kMaxMessage - 1024 ||
-      !(rate > 0) || !(seconds > 0) || connections <= 0 || connections > 1024) {
+      !(rate > 0) || !(seconds > 0) || connections <= 0 || connections > 1024 || cq_threads <= 0 ||
+      cq_threads > 64) {
     std::fprintf(stderr,
                  "error: openloop needs one --bytes in [1, %d], --rate > 0, --seconds > 0 and "
-                 "--connections in [1, 1024]\n",
+                 "--connections in [1, 1024] and --cq_threads in [1, 64]\n",
                  kMaxMessage - 1024);
     return 2;
   }
@@ -331,17 +335,19 @@ int RunOpenLoop() {
   constexpr const char* kMethod = "/moeserve.bench.Echo/Echo";
   const int64_t total = static_cast<int64_t>(rate * seconds);
   const int num_seconds = static_cast<int>(seconds) + 1;
-  grpc::CompletionQueue cq;
+  std::vector<grpc::CompletionQueue> cqs(static_cast<size_t>(cq_threads));
   std::mutex mu;  // guards the results below
   std::vector<double> lat_ms, lag_ms;
   std::vector<std::vector<double>> by_second(num_seconds);
   int64_t ok = 0, refused = 0, errors = 0;
   std::string first_error;
   const auto start = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
-  std::thread completer([&] {
+  // Queue q takes calls q, q + cq_threads, ...
+  auto take = [&](int q) {
+    const int64_t mine = (total - q + cq_threads - 1) / cq_threads;
     void* tag = nullptr;
     bool got = false;
-    for (int64_t done = 0; done < total && cq.Next(&tag, &got); ++done) {
+    for (int64_t done = 0; done < mine && cqs[static_cast<size_t>(q)].Next(&tag, &got); ++done) {
       std::unique_ptr<OpenLoopCall> call(static_cast<OpenLoopCall*>(tag));
       const auto now = std::chrono::steady_clock::now();
       const double ms = std::chrono::duration<double, std::milli>(now - call->scheduled).count();
@@ -361,7 +367,9 @@ int RunOpenLoop() {
         if (first_error.empty()) first_error = call->status.error_message();
       }
     }
-  });
+  };
+  std::vector<std::thread> completers;
+  for (int q = 0; q < cq_threads; ++q) completers.emplace_back(take, q);
   for (int64_t k = 0; k < total; ++k) {
     const auto scheduled =
         start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -371,16 +379,18 @@ int RunOpenLoop() {
     call->scheduled = scheduled;
     call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     call->reader = stubs[static_cast<size_t>(k % connections)]->PrepareUnaryCall(
-        &call->context, kMethod, request, &cq);
+        &call->context, kMethod, request, &cqs[static_cast<size_t>(k % cq_threads)]);
     call->sent = std::chrono::steady_clock::now();
     call->reader->StartCall();
     call->reader->Finish(&call->response, &call->status, call);
   }
-  completer.join();
-  cq.Shutdown();
-  void* tag = nullptr;
-  bool got = false;
-  while (cq.Next(&tag, &got)) {
+  for (std::thread& t : completers) t.join();
+  for (grpc::CompletionQueue& cq : cqs) {
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool got = false;
+    while (cq.Next(&tag, &got)) {
+    }
   }
   std::sort(lat_ms.begin(), lat_ms.end());
   std::sort(lag_ms.begin(), lag_ms.end());
@@ -388,13 +398,14 @@ int RunOpenLoop() {
     return moeserve::bench::NearestRankPercentile(v, p);
   };
   std::printf(
-      "openloop bytes=%lld rate=%.0f seconds=%.1f connections=%d sent=%lld ok=%lld refused=%lld "
+      "openloop bytes=%lld rate=%.0f seconds=%.1f connections=%d cq_threads=%d sent=%lld ok=%lld "
+      "refused=%lld "
       "other_errors=%lld latency_from_schedule_ms: p50=%.3f p90=%.3f p99=%.3f max=%.3f "
       "send_lag_ms: p50=%.3f p99=%.3f",
-      static_cast<long long>(n), rate, seconds, connections, static_cast<long long>(total),
-      static_cast<long long>(ok), static_cast<long long>(refused), static_cast<long long>(errors),
-      pct(lat_ms, 50), pct(lat_ms, 90), pct(lat_ms, 99), lat_ms.empty() ? 0.0 : lat_ms.back(),
-      pct(lag_ms, 50), pct(lag_ms, 99));
+      static_cast<long long>(n), rate, seconds, connections, cq_threads,
+      static_cast<long long>(total), static_cast<long long>(ok), static_cast<long long>(refused),
+      static_cast<long long>(errors), pct(lat_ms, 50), pct(lat_ms, 90), pct(lat_ms, 99),
+      lat_ms.empty() ? 0.0 : lat_ms.back(), pct(lag_ms, 50), pct(lag_ms, 99));
   if (!first_error.empty()) std::printf(" first_error=\"%s\"", first_error.c_str());
   std::printf("\nlatency_ms_by_second_sent:");
   for (size_t sec = 0; sec < by_second.size(); ++sec) {
