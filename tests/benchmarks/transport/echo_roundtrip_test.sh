@@ -2,7 +2,9 @@
 # CTest grpc_echo_bench_roundtrip: grpc_echo_bench's client against its server over TCP
 # loopback and a unix socket, checking every answer byte (sizes of a Forward at M=1 and M=16,
 # H7168 BF16, top-8), with both waits (--wait queue|callback) and a refused --wait; then
-# against a server that corrupts its answers, where --check must fail.
+# against a server that corrupts its answers, where --check must fail; then the open loop against
+# servers that refuse 60 of every 100 calls after and before reading them (every call counted,
+# as answered or refused, and bad open-loop flags refused).
 set -uo pipefail
 bin=$1
 dir=$(mktemp -d)
@@ -31,4 +33,18 @@ start "$dir/bad" --listen "unix:$dir/bad.sock" --corrupt
 if "$bin" client --target "unix:$dir/bad.sock" --bytes 100 --calls 2 --warmup 0 --check; then
   echo "FAIL: --check did not catch a corrupted answer"; exit 1
 fi
+for early in "" --refuse_early; do
+  start "$dir/refuse$early" --listen "unix:$dir/refuse$early.sock" --refuse_percent 60 $early
+  # 400 calls; the warm-up calls (one per connection) are the server's first 4, all refused.
+  line=$("$bin" openloop --target "unix:$dir/refuse$early.sock" --bytes 1000 --rate 400 \
+    --seconds 1 --connections 4 --cq_threads 2 | head -1)
+  echo "$line"
+  case "$line" in
+    *" sent=400 ok=160 refused=240 other_errors=0 "*) ;;
+    *) echo "FAIL: open loop against a server refusing 60%${early:+ early}: $line"; exit 1 ;;
+  esac
+done
+"$bin" openloop --target "$tcp" --bytes 100 --rate 0 2> "$dir/rate.err"
+[ $? -eq 2 ] && grep -q "rate > 0" "$dir/rate.err" ||
+  { echo "FAIL: --rate 0 was not refused: $(cat "$dir/rate.err")"; exit 1; }
 echo PASS
