@@ -67,6 +67,10 @@ ABSL_FLAG(bool, refuse_early, false,
 ABSL_FLAG(double, rate, 0, "openloop: calls per second");
 ABSL_FLAG(double, seconds, 10, "openloop: how long calls are sent");
 ABSL_FLAG(int32_t, connections, 8, "openloop: HTTP/2 connections the calls are spread over");
+ABSL_FLAG(std::string, method, "/moeserve.bench.Echo/Echo",
+          "openloop: the method called (another server's, e.g. /moeserve.v1.MoeService/Forward, "
+          "to time its per-call cost on these bytes: answers other than OK and "
+          "RESOURCE_EXHAUSTED count as other_errors)");
 ABSL_FLAG(int32_t, cq_threads, 2,
           "openloop: threads taking completions, each polling its own completion queue");
 
@@ -326,13 +330,15 @@ int RunOpenLoop() {
   const grpc::ByteBuffer request(&slice, 1);
   for (auto& stub : stubs) {  // every connection up before the clock starts
     grpc::ByteBuffer response;
+    // Any answer (an echo, a refusal, another server's UNIMPLEMENTED) means it is up.
     const grpc::Status s = Call(*stub, request, &response, /*on_queue=*/true);
-    if (!s.ok() && s.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
       std::fprintf(stderr, "error: warm-up call failed: %s\n", s.error_message().c_str());
       return 1;
     }
   }
-  constexpr const char* kMethod = "/moeserve.bench.Echo/Echo";
+  const std::string method = absl::GetFlag(FLAGS_method);
   const int64_t total = static_cast<int64_t>(rate * seconds);
   const int num_seconds = static_cast<int>(seconds) + 1;
   std::vector<grpc::CompletionQueue> cqs(static_cast<size_t>(cq_threads));
@@ -379,7 +385,7 @@ int RunOpenLoop() {
     call->scheduled = scheduled;
     call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     call->reader = stubs[static_cast<size_t>(k % connections)]->PrepareUnaryCall(
-        &call->context, kMethod, request, &cqs[static_cast<size_t>(k % cq_threads)]);
+        &call->context, method, request, &cqs[static_cast<size_t>(k % cq_threads)]);
     call->sent = std::chrono::steady_clock::now();
     call->reader->StartCall();
     call->reader->Finish(&call->response, &call->status, call);
