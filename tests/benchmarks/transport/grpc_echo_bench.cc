@@ -428,8 +428,9 @@ int RunOpenLoop() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "grpc_echo_bench server --listen ADDR[,ADDR] [--ready_file F] | "
-      "client --target ADDR --bytes N[,N] [--calls R] [--check]");
+      "grpc_echo_bench server --listen ADDR[,ADDR] [--ready_file F] [--refuse_percent P "
+      "[--refuse_early]] | client --target ADDR --bytes N[,N] [--calls R] [--check] | "
+      "openloop --target ADDR --bytes N --rate R [--seconds S] [--connections C] [--method M]");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   const std::string mode = positional.size() == 2 ? positional[1] : "";
   if (mode == "server") return RunServer();
