@@ -589,8 +589,11 @@ grpc::ServerUnaryReactor* MoeServiceImpl::GetExpertWeights(
                          status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
       metrics_->DecrementInflight();
     }
-    reactor->Finish(grpc_status);
+    // The slot goes before the answer: a client that has its answer may start the next call
+    // at once and must find the slot free (afterwards, it sometimes did not: a sequential
+    // caller was refused).
     if (*slot) expert_calls_.fetch_sub(1);
+    reactor->Finish(grpc_status);
   };
   // Every refusal comes before the answer's buffers exist.
   if (absl::Status s =
@@ -688,12 +691,14 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
     NextWrite();
   }
 
-  // The call holds one of `slots` until it is done.
-  void HoldSlot(std::atomic<int>* slots) { slots_ = slots; }
+  // The call holds one of `slots` until it ends (End: before its status goes out, so that a
+  // client that has the status finds the slot free for its next call; OnDone ran later and a
+  // sequential caller was sometimes refused).
+  void HoldSlot(std::atomic<int>* slots) { slots_.store(slots); }
 
   void OnDone() override {
     if (metrics_) metrics_->DecrementInflight();  // counted by the interceptor
-    if (slots_ != nullptr) slots_->fetch_sub(1);
+    ReleaseSlot();
     delete this;
   }
 
@@ -727,7 +732,14 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
 
   void End(const absl::Status& status) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
+    // Every chunk written has completed (or the call failed): the weights and the slot go now.
+    for (Part& part : tensors_) std::string().swap(part.bytes);
+    ReleaseSlot();
     Finish(grpc_status);
+  }
+
+  void ReleaseSlot() {
+    if (std::atomic<int>* slots = slots_.exchange(nullptr)) slots->fetch_sub(1);
   }
 
   Metrics* const metrics_;
@@ -737,7 +749,7 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
   size_t offset_ = 0;
   bool sent_any_ = false;
   v1::ExpertWeightsChunk chunk_;
-  std::atomic<int>* slots_ = nullptr;
+  std::atomic<std::atomic<int>*> slots_{nullptr};
 };
 
 }  // namespace

@@ -208,6 +208,21 @@ TEST_F(ExpertWeightsTest, StreamedEqualsUnaryAndTheEngine) {
   EXPECT_NE(w13, std::string(w13.size(), '\0'));
 }
 
+// A call's slot is free by the time its client has the answer: one caller calling again and
+// again is never refused, however few slots there are (the slot was released after the status
+// went out, and a sequential caller was refused now and then; CI 2026-12-07).
+TEST_F(ExpertWeightsTest, SequentialCallsAreNeverRefused) {
+  auto server = StartServer(engine_, /*enable=*/true, 64 << 20, /*max_calls=*/1);
+  auto stub = Stub(*server);
+  for (int i = 0; i < 100; ++i) {
+    Streamed st = Stream(*stub, i % 2, i % 8, /*chunk_bytes=*/4096);
+    ASSERT_TRUE(st.status.ok()) << "stream " << i << ": " << st.status.error_message();
+    v1::GetExpertWeightsResponse unary;
+    const grpc::Status s = Unary(*stub, i % 2, i % 8, &unary);
+    ASSERT_TRUE(s.ok()) << "unary " << i << ": " << s.error_message();
+  }
+}
+
 TEST_F(ExpertWeightsTest, ExpertLargerThanTheMessageLimitIsStreamed) {
   constexpr int64_t kLimit = 32 << 10;  // an expert is 72 KiB
   auto server = StartServer(engine_, /*enable=*/true, kLimit);
