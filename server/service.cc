@@ -693,12 +693,11 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
 
   // The call holds one of `slots` until it ends (End: before its status goes out, so that a
   // client that has the status finds the slot free for its next call; OnDone ran later and a
-  // sequential caller was sometimes refused).
-  void HoldSlot(std::atomic<int>* slots) { slots_.store(slots); }
+  // sequential caller was sometimes refused). Set before the task that ends the call is queued.
+  void HoldSlot(std::atomic<int>* slots) { slots_ = slots; }
 
   void OnDone() override {
     if (metrics_) metrics_->DecrementInflight();  // counted by the interceptor
-    ReleaseSlot();
     delete this;
   }
 
@@ -733,13 +732,10 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
   void End(const absl::Status& status) {
     const grpc::Status grpc_status = ToGrpcStatus(status);
     // Every chunk written has completed (or the call failed): the weights and the slot go now.
+    // (End runs once: only it calls Finish, and gRPC calls OnDone after Finish.)
     for (Part& part : tensors_) std::string().swap(part.bytes);
-    ReleaseSlot();
+    if (slots_ != nullptr) slots_->fetch_sub(1);
     Finish(grpc_status);
-  }
-
-  void ReleaseSlot() {
-    if (std::atomic<int>* slots = slots_.exchange(nullptr)) slots->fetch_sub(1);
   }
 
   Metrics* const metrics_;
@@ -749,7 +745,7 @@ class ExpertWeightsStream final : public grpc::ServerWriteReactor<v1::ExpertWeig
   size_t offset_ = 0;
   bool sent_any_ = false;
   v1::ExpertWeightsChunk chunk_;
-  std::atomic<std::atomic<int>*> slots_{nullptr};
+  std::atomic<int>* slots_ = nullptr;
 };
 
 }  // namespace

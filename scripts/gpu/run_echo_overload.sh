@@ -15,11 +15,6 @@ start_serving_script "$1" 50191 || exit 1
 ECHO=$2
 ln -sf "$B/moeserve_b" "$B/moeserve"
 RATE=${RATE:-27000}
-stat_cpu() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8, $5 + $6, $9 }' /proc/stat; }
-host_share() {  # busy% steal% between two stat_cpu samples
-  echo "$1 $2" | awk '{ b = $4 - $1; i = $5 - $2; s = $6 - $3; t = b + i + s;
-    if (t > 0) printf "busy %.0f%% steal %.1f%%", 100 * b / t, 100 * s / t }'
-}
 proc_cpu() { awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null || echo 0; }
 for c in ${CASES:-after early after@13500 moeserve}; do
   mode=${c%@*} rate=$RATE
@@ -27,9 +22,9 @@ for c in ${CASES:-after early after@13500 moeserve}; do
   if [ "$mode" = moeserve ]; then
     serve ovl --model seed-megamoe --num_experts 32 --num_layers 1 --weight_format mxfp8 \
       --max_queue_wait_ms 0.5 --max_batch_tokens 256
-    pid=$SERVER_PID h0=$(stat_cpu) c0=$(proc_cpu $SERVER_PID) t0=$(date +%s.%N)
+    pid=$SERVER_PID h0=$(cpu_mark) c0=$(proc_cpu $SERVER_PID) t0=$(date +%s.%N)
     CLIENTS=4 overload ovl "$rate"
-    h1=$(stat_cpu) c1=$(proc_cpu $pid) t1=$(date +%s.%N)
+    host=$(cpu_since "$h0") c1=$(proc_cpu $pid) t1=$(date +%s.%N)
     stop
     echo "== moeserve rate=$rate: $(grep -E '^sent=' "$OUT/load_ovl.log")"
     grep -E '^latency_from_schedule_ms|^server_total' "$OUT/load_ovl.log"
@@ -40,7 +35,7 @@ for c in ${CASES:-after early after@13500 moeserve}; do
       $([ "$mode" = early ] && echo --refuse_early) > "$OUT/echo_server_$c.log" 2>&1 &
     pid=$!
     for _ in $(seq 50); do [ -s /tmp/echo_ready ] && break; sleep 0.1; done
-    h0=$(stat_cpu) c0=$(proc_cpu $pid) t0=$(date +%s.%N)
+    h0=$(cpu_mark) c0=$(proc_cpu $pid) t0=$(date +%s.%N)
     pids=()
     for i in 1 2 3 4; do
       timeout 90 "$ECHO" openloop --target 127.0.0.1:50199 --bytes "${BYTES:-98400}" \
@@ -49,10 +44,10 @@ for c in ${CASES:-after early after@13500 moeserve}; do
       pids+=($!)
     done
     wait "${pids[@]}"
-    h1=$(stat_cpu) c1=$(proc_cpu $pid) t1=$(date +%s.%N)
+    host=$(cpu_since "$h0") c1=$(proc_cpu $pid) t1=$(date +%s.%N)
     kill $pid; wait $pid 2>/dev/null
     echo "== echo refuse-$mode rate=$rate (4 processes x 8 connections):"
     for i in 1 2 3 4; do cut -c1-330 "$OUT/echo_$c.$i.log"; done
   fi
-  echo "   server $(awk -v a="$c0" -v b="$c1" -v s="$t0" -v e="$t1" 'BEGIN { printf "%.2f cores", (b - a) / 100 / (e - s) }') over $(awk -v s="$t0" -v e="$t1" 'BEGIN { printf "%.1f s", e - s }'); host $(host_share "$h0" "$h1")"
+  echo "   server $(awk -v a="$c0" -v b="$c1" -v s="$t0" -v e="$t1" 'BEGIN { printf "%.2f cores", (b - a) / 100 / (e - s) }') over $(awk -v s="$t0" -v e="$t1" 'BEGIN { printf "%.1f s", e - s }'); host $host"
 done

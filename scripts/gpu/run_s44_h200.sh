@@ -15,10 +15,6 @@ cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2
   --gtest_filter='*GatherRows*:*UnpermuteReduce*' > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck.log" | tr '\n' ' ')"
 echo "tests $(( $(date +%s) - t0 )) s"
-ln -sf "$B/moeserve_b" "$B/moeserve"
-ROOT=$OUT
-OUT=/tmp/serving timeout ${SERVING_S:-470} bash tests/benchmarks/serving/run_serving_bench.sh "$B" \
-  > "$ROOT/serving.txt" 2>&1
-echo "serving rc=$? $(( $(date +%s) - t0 )) s"
-(cd /tmp/serving && tar -czf "$ROOT/serving_logs.tgz" .) 2>/dev/null
-sed -n '/=== summary ===/,$p' "$ROOT/serving.txt"
+# The whole serving benchmark, as run_s36_serving.sh runs it (the bundle is unpacked already).
+OUT=$OUT SA_READY=1 SERVING_S=${SERVING_S:-470} bash scripts/gpu/run_s36_serving.sh "$1"
+echo "serving $(( $(date +%s) - t0 )) s"

@@ -4,7 +4,7 @@
 # H7168 BF16, top-8), with both waits (--wait queue|callback) and a refused --wait; then
 # against a server that corrupts its answers, where --check must fail; then the open loop against
 # servers that refuse 60 of every 100 calls after and before reading them (every call counted,
-# as answered or refused, and bad open-loop flags refused).
+# as answered or refused), and bad open-loop and refusal flags refused.
 set -uo pipefail
 bin=$1
 dir=$(mktemp -d)
@@ -47,4 +47,12 @@ done
 "$bin" openloop --target "$tcp" --bytes 100 --rate 0 2> "$dir/rate.err"
 [ $? -eq 2 ] && grep -q "rate > 0" "$dir/rate.err" ||
   { echo "FAIL: --rate 0 was not refused: $(cat "$dir/rate.err")"; exit 1; }
+"$bin" openloop --target "$tcp" --bytes 100 --rate 10 --connections 0 2> "$dir/conn.err"
+[ $? -eq 2 ] && grep -q "connections in" "$dir/conn.err" ||
+  { echo "FAIL: --connections 0 was not refused: $(cat "$dir/conn.err")"; exit 1; }
+for bad in -1 101; do
+  "$bin" server --listen "unix:$dir/never.sock" --refuse_percent $bad 2> "$dir/pct.err"
+  [ $? -eq 2 ] && grep -q "expected a percentage" "$dir/pct.err" ||
+    { echo "FAIL: --refuse_percent $bad was not refused: $(cat "$dir/pct.err")"; exit 1; }
+done
 echo PASS

@@ -137,8 +137,14 @@ class EchoService : public grpc::CallbackGenericService {
 };
 
 int RunServer() {
+  const int refuse_percent = absl::GetFlag(FLAGS_refuse_percent);
+  if (refuse_percent < 0 || refuse_percent > 100) {
+    std::fprintf(stderr, "error: --refuse_percent: got %d, expected a percentage in [0, 100]\n",
+                 refuse_percent);
+    return 2;
+  }
   std::vector<std::string> addresses = absl::StrSplit(absl::GetFlag(FLAGS_listen), ',');
-  EchoService service(absl::GetFlag(FLAGS_corrupt), absl::GetFlag(FLAGS_refuse_percent),
+  EchoService service(absl::GetFlag(FLAGS_corrupt), refuse_percent,
                       absl::GetFlag(FLAGS_refuse_early));
   grpc::ServerBuilder builder;
   std::vector<int> ports(addresses.size(), 0);
